@@ -1,0 +1,65 @@
+"""The gateway: the OpenAI API, the pages, /health and /ready, under gunicorn with gevent workers.
+
+    python gateway.py [--config FILE] [--listen :8080] [--workers 2] [--endpoint ID=URL=MODEL[,MODEL]]...
+
+Wiring only: read the configuration, bring the store's schema up to date, give
+prometheus-client its directory, run gunicorn. What happens to a request is in
+llmgw/proxy.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+import click
+
+from llmgw import settings, store
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML configuration file (also $LLMGW_CONFIG).")
+@click.option("--listen", help="Address for the API and pages, HOST:PORT [gateway.listen: :8080].")
+@click.option("--workers", type=int, help="gunicorn worker processes [gateway.workers: 2].")
+@click.option("--metrics-listen", help="Address for Prometheus metrics [gateway.metrics_listen].")
+@click.option("--store", "store_url", help="Database URL [store.url]; @/path reads it from a file.")
+@click.option("--endpoint", "endpoints", multiple=True, metavar="ID=URL=MODEL[,MODEL]",
+              help="A replica to route to (repeatable); added to the file's [[endpoints]].")
+def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
+    """Run the llmgw gateway."""
+    try:
+        cfg = settings.load(config_path, {"gateway.listen": listen, "gateway.workers": workers,
+                                          "gateway.metrics_listen": metrics_listen, "store.url": store_url},
+                            endpoints)
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("llmgw.gateway")
+    try:
+        applied = store.migrate(store.open_engine(cfg["store.url"]))
+    except Exception as e:
+        raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "
+                                   "Check store.url, and that the database is running.") from None
+    if applied:
+        log.info("store %s: applied migrations %s", store.describe(cfg["store.url"]), applied)
+    if not cfg.endpoints:
+        log.warning("no endpoints are configured: /ready stays 503 until there are. "
+                    "Give one with --endpoint ID=URL=MODEL or [[endpoints]] in the configuration.")
+    # prometheus-client reads this once, when first imported: it has to be set
+    # before the server module (and its workers) import it.
+    metrics_dir = tempfile.mkdtemp(prefix="llmgw-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        from llmgw.server import GatewayServer
+
+        GatewayServer(cfg).run()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Run llama.cpp's server from the `xllamacpp` wheel as a process of its own.
+
+    python -m llmgw.engines.xllamacpp_server --model FILE.gguf --alias NAME --port 8001
+
+The flags are `llama-server`'s names for the same settings, so the engine
+module builds one command line for either. The server runs on llama.cpp's own
+threads; this process only waits for a signal to stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--alias", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--ctx-size", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=4)
+    args = parser.parse_args(argv)
+
+    import xllamacpp
+
+    params = xllamacpp.CommonParams()
+    params.model.path = args.model
+    # A set: a plain string here becomes one alias per letter.
+    params.model_alias = {args.alias}
+    params.hostnames = [args.host]
+    params.port = args.port
+    params.n_ctx = args.ctx_size
+    params.cpuparams.n_threads = args.threads
+    params.cpuparams_batch.n_threads = args.threads
+    params.n_parallel = args.parallel
+    params.endpoint_metrics = True
+    params.embedding = True
+    params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    server = xllamacpp.Server(params)
+    print(f"llama.cpp (xllamacpp) serving {args.alias} on {server.listening_address}", flush=True)
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    while not stop:
+        signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""The gateway's Prometheus metrics, counted in every worker and summed on one address.
+
+prometheus-client's multi-process mode keeps each worker's figures in files
+under `PROMETHEUS_MULTIPROC_DIR`, which must be set before the library is
+first imported; `gateway.py` does that. The master serves the sum on
+`gateway.metrics_listen` and nothing else there. Gauges about replicas use
+`livemax`: a breaker open in any live worker shows as open.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, multiprocess
+from prometheus_client.exposition import ThreadingWSGIServer
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+
+
+class GatewayMetrics:
+    """The metric objects one worker updates."""
+
+    def __init__(self):
+        self.requests = Counter("llmgw_requests", "Requests answered, by model asked for and HTTP status.",
+                                ["model", "status"], registry=None)
+        self.duration = Histogram("llmgw_request_duration_seconds", "Time from a request's arrival to its last byte.",
+                                  ["model"], buckets=LATENCY_BUCKETS, registry=None)
+        self.ttft = Histogram("llmgw_ttft_seconds", "Time from a request's arrival to the first token sent to the client.",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=None)
+        self.tokens = Counter("llmgw_tokens", "Tokens, by model served and direction (in: prompt, out: completion).",
+                              ["model", "direction"], registry=None)
+        self.in_flight = Gauge("llmgw_requests_in_flight", "Requests being answered now.", ["model"],
+                               multiprocess_mode="livesum", registry=None)
+        self.overhead = Histogram("llmgw_gateway_overhead_seconds",
+                                  "Time the gateway itself added to a request (before the engine's first byte).",
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=None)
+        self.retries = Counter("llmgw_upstream_retries", "Attempts retried on another replica, by reason.",
+                               ["reason"], registry=None)
+        self.breaker_open = Gauge("llmgw_endpoint_breaker_open", "1 while the replica's circuit breaker is open.",
+                                  ["replica"], multiprocess_mode="livemax", registry=None)
+        self.metrics_stale = Gauge("llmgw_endpoint_metrics_stale",
+                                   "1 while the replica's own load figures are older than routing.metrics_stale_after "
+                                   "(it is routed to blind).", ["replica"], multiprocess_mode="livemax", registry=None)
+        self.waiting = Gauge("llmgw_endpoint_waiting", "Requests waiting in the replica's engine, as it reports.",
+                             ["replica"], multiprocess_mode="livemax", registry=None)
+        self.kv_cache = Gauge("llmgw_endpoint_kv_cache_usage", "KV cache use of the replica's engine, 0 to 1.",
+                              ["replica"], multiprocess_mode="livemax", registry=None)
+        self.usage_pending = Gauge("llmgw_usage_rows_pending", "Usage rows buffered, not yet in the store.",
+                                   multiprocess_mode="livesum", registry=None)
+        self.usage_failures = Counter("llmgw_usage_write_failures", "Failed writes of usage batches (rows are kept and retried).",
+                                      registry=None)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, *args) -> None:  # a scrape every 15 s is not news
+        pass
+
+
+def serve(listen: str) -> None:
+    """Serve the workers' summed metrics on LISTEN (`host:port`) from the master, in a thread.
+
+    Only `/metrics` answers there; any other path is 404, so nothing else is
+    ever exposed on the address opened for Prometheus.
+    """
+    host, _, port = listen.rpartition(":")
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    exposition = make_wsgi_app(registry)
+
+    def only_metrics(environ, start_response):
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"metrics are at /metrics\n"]
+        return exposition(environ, start_response)
+
+    server = make_server(host or "0.0.0.0", int(port), only_metrics, ThreadingWSGIServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+
+
+def worker_gone(pid: int) -> None:
+    multiprocess.mark_process_dead(pid)

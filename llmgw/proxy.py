@@ -1,0 +1,305 @@
+"""The `/v1` request pipeline: authenticate, read, route, forward, relay, account.
+
+Every OpenAI route goes through this one path; nothing here queries the
+database or waits on anything but the client and the engine. It is a plain
+WSGI callable rather than a Flask view: on this path Flask's dispatch costs
+a few tenths of a millisecond a request, which is most of the budget.
+
+Retries: an attempt that fails before anything has been sent to the client
+(no connection, a timeout before the answer starts, a 5xx) is tried again on
+another replica, up to `routing.attempts`. Once a stream has started, an
+engine that fails ends it with an error event: the client has seen tokens,
+and a second replica would start the answer again.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import logging
+import socket
+import time
+
+import gevent
+from gevent.socket import wait_read
+
+from llmgw import apirequest, balancer
+from llmgw.errors import ApiError
+from llmgw.keys import KeyRecord, Refusal
+from llmgw.snapshot import ModelSpec
+from llmgw.sse import EventRelay
+from llmgw.upstream import Response, UpstreamError
+from llmgw.worker import Runtime
+
+log = logging.getLogger("llmgw.proxy")
+
+OVERHEAD_HEADER = "X-Llmgw-Overhead-Ms"
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Engine Status"
+
+
+def _upstream_error(model: str, e: UpstreamError, replica: str) -> ApiError:
+    if e.phase in ("first_byte", "idle", "total"):
+        return ApiError(504, f"The engine for {model} (replica {replica}) timed out: {e}. Try again; if it keeps "
+                             "happening, the model may be overloaded or the timeouts.* settings too short.",
+                        "upstream_timeout")
+    return ApiError(502, f"The engine for {model} (replica {replica}) failed: {e}. Try again; an operator "
+                         "should look at that replica's logs if it persists.", "upstream_error")
+
+
+def _watch_client(sock: socket.socket, resp: Response) -> None:
+    """Abort RESP as soon as the client hangs up.
+
+    Without this, a client gone mid-stream is only noticed on the second write
+    after it left, which with slow tokens is many seconds of the engine
+    generating for nobody. Closing the engine's connection stops its work.
+    """
+    try:
+        wait_read(sock.fileno())
+        if sock.recv(1, socket.MSG_PEEK):
+            return  # the client sent more (a pipelined request), it did not leave
+    except OSError:
+        pass
+    resp.abort()
+
+
+class Proxy:
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+        cfg = runtime.cfg
+        self.max_body = cfg["gateway.max_body_bytes"]
+        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"]
+        self.attempts = cfg["routing.attempts"]
+        self.first_byte = cfg["timeouts.first_byte"]
+        self.idle = cfg["timeouts.idle"]
+        self.total = cfg["timeouts.total"]
+
+    def __call__(self, environ, start_response):
+        t0 = time.perf_counter()
+        path = environ.get("PATH_INFO", "")
+        key: KeyRecord | None = None
+        req = None
+        model: ModelSpec | None = None
+        try:
+            kind = apirequest.KINDS.get(path)
+            if kind is None and path != "/v1/models":
+                raise ApiError(404, f"There is no API at {path}. This gateway serves /v1/chat/completions, "
+                                    "/v1/completions, /v1/embeddings and /v1/models.", "unknown_url")
+            key = self._authenticate(environ)
+            method = environ["REQUEST_METHOD"]
+            if kind is None:
+                if method != "GET":
+                    raise ApiError(405, "Use GET for /v1/models.", "method_not_allowed")
+                return self._models(start_response)
+            if method != "POST":
+                raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
+            raw = self._read_body(environ)
+            req = apirequest.parse(kind, raw, self.prefix_bytes)
+            model = self.rt.router.snapshot.resolve(req.model)
+            if model is None:
+                raise ApiError(404, self._unknown_model(req.model), "model_not_found", "model")
+            if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
+                raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
+                                    f"{model.max_output}. Ask for {model.max_output} or fewer.",
+                               "max_tokens_too_large", "max_tokens")
+            return self._forward(environ, start_response, path, key, req, model, t0)
+        except ApiError as e:
+            body = e.body()
+            headers = e.headers(body)
+            headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
+            self._account(t0, key, req, model, None, e.status, None, None)
+            start_response(e.status_line, headers)
+            return [body]
+        except Exception:
+            # A bug must cost one request, never the worker, and the client
+            # still gets an error it can parse.
+            log.exception("unexpected failure answering %s", path)
+            e = ApiError(500, "The gateway failed to handle this request. It has been logged; try again.",
+                         "internal_error")
+            body = e.body()
+            start_response(e.status_line, e.headers(body))
+            return [body]
+
+    # --- admission -----------------------------------------------------------------
+
+    def _authenticate(self, environ) -> KeyRecord:
+        result = self.rt.keys.authenticate(environ.get("HTTP_AUTHORIZATION"), time.time())
+        if isinstance(result, Refusal):
+            raise ApiError(401, result.message, result.code)
+        return result
+
+    def _read_body(self, environ) -> bytes:
+        stream = environ["wsgi.input"]
+        length = environ.get("CONTENT_LENGTH")
+        if length:
+            try:
+                size = int(length)
+            except ValueError:
+                raise ApiError(400, "Content-Length is not a number.", "invalid_request") from None
+            if size > self.max_body:
+                raise ApiError(413, f"The body is {size} bytes; this gateway accepts at most {self.max_body} "
+                                    "(gateway.max_body_bytes). Send less, or ask an operator to raise the limit.",
+                               "body_too_large")
+            data = stream.read(size)
+            if len(data) < size:
+                raise ApiError(400, "The body ended before Content-Length bytes arrived.", "invalid_request")
+            return data
+        # A chunked body has no length up front: read one byte past the limit to know.
+        data = stream.read(self.max_body + 1)
+        if len(data) > self.max_body:
+            raise ApiError(413, f"The body is larger than {self.max_body} bytes (gateway.max_body_bytes).",
+                           "body_too_large")
+        return data
+
+    def _unknown_model(self, name: str) -> str:
+        names = [n for n, _ in self.rt.router.snapshot.listed_ids()]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        return (f"The model {name!r} does not exist here. Models: {shown or 'none yet'}. "
+                "GET /v1/models lists them.")
+
+    def _models(self, start_response):
+        snapshot = self.rt.router.snapshot
+        data = [{"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw",
+                 "root": spec.name, "description": spec.description or None,
+                 "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
+                for name, spec in snapshot.listed_ids()]
+        body = json.dumps({"object": "list", "data": data}).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    # --- forwarding --------------------------------------------------------------------
+
+    def _forward(self, environ, start_response, path, key, req, model, t0):
+        rt = self.rt
+        router = rt.router
+        body = req.upstream_body(model.name)
+        affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
+        deadline = time.monotonic() + self.total
+        tried: set[str] = set()
+        failure: tuple[UpstreamError, str] | None = None
+        engine_time = 0.0
+        rt.metrics.in_flight.labels(model.name).inc()
+        for _ in range(self.attempts):
+            replica = router.pick(model.name, time.monotonic(), affinity, tried)
+            if replica is None:
+                break
+            if failure is not None:
+                rt.metrics.retries.labels(failure[0].phase).inc()
+            tried.add(replica.spec.id)
+            replica.outstanding += 1
+            sent = time.perf_counter()
+            try:
+                resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline)
+                if resp.status >= 500:
+                    detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
+                    resp.release()
+                    raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
+                streaming = req.stream and resp.status == 200
+                # A whole answer is read here, inside the attempt: if the
+                # engine fails halfway, nothing has reached the client yet and
+                # another replica can still be tried.
+                data = b"" if streaming else resp.read(self.idle)
+            except UpstreamError as e:
+                engine_time += time.perf_counter() - sent
+                replica.outstanding -= 1
+                if replica.breaker.failure(time.monotonic()):
+                    log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
+                                replica.spec.id, replica.breaker.failures, e)
+                failure = (e, replica.spec.id)
+                continue
+            engine_time += time.perf_counter() - sent
+            replica.breaker.success()
+            overhead = (time.perf_counter() - t0 - engine_time) * 1000
+            rt.metrics.overhead.observe(overhead / 1000)
+            if streaming:
+                start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                                          ("X-Accel-Buffering", "no"), (OVERHEAD_HEADER, f"{overhead:.2f}")])
+                return self._relay(environ, resp, replica, key, req, model, t0)
+            resp.release()
+            replica.outstanding -= 1
+            usage = apirequest.usage_of(data) if resp.status == 200 else None
+            start_response(_status_line(resp.status), [
+                ("Content-Type", resp.headers.get("content-type", "application/json")),
+                ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")])
+            self._account(t0, key, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
+            return [data]
+        rt.metrics.in_flight.labels(model.name).dec()
+        if failure is None:
+            configured = len(router.snapshot.replicas_for(model.name))
+            if configured:
+                raise ApiError(503, f"No replica of {model.name} is in rotation: all {configured} failed recently "
+                                    "and are waiting to be probed. Try again in a few seconds.",
+                               "no_replica_ready", retry_after=max(1, int(rt.cfg["breaker.cooldown"])))
+            raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
+                                "that its engines are up.", "no_replica_ready", retry_after=5)
+        raise _upstream_error(model.name, *failure)
+
+    def _relay(self, environ, resp: Response, replica, key, req, model, t0):
+        """The generator that streams RESP to the client, accounting for it at the end."""
+        relay = EventRelay(req.client_wants_usage)
+        sock = environ.get("gunicorn.socket")
+        watcher = gevent.spawn(_watch_client, sock, resp) if sock is not None else None
+        status, ttft = 200, None
+        try:
+            for piece in resp.iter_body(self.idle):
+                out = relay.feed(piece)
+                if out:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    yield out
+            tail = relay.rest()
+            if tail:
+                yield tail
+        except UpstreamError as e:
+            if resp.closed_by_other:
+                status = 499
+            else:
+                status = 504 if e.phase in ("idle", "total") else 502
+                replica.breaker.failure(time.monotonic())
+                log.warning("stream from replica %s broke off: %s", replica.spec.id, e)
+                yield _upstream_error(model.name, e, replica.spec.id).sse_event()
+        except GeneratorExit:
+            status = 499  # the client left while we were writing to it
+            raise
+        finally:
+            if watcher is not None:
+                watcher.kill(block=False)
+            if resp.done and status == 200:
+                resp.release()
+            else:
+                resp.abort()
+            replica.outstanding -= 1
+            self._account(t0, key, req, model, replica.spec.id, status, relay.usage, ttft, in_flight=True)
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def _account(self, t0, key, req, model, replica, status, usage, ttft, in_flight=False):
+        """Metrics for every request; a usage row for every one made with a valid key."""
+        elapsed = time.perf_counter() - t0
+        m = self.rt.metrics
+        label = model.name if model is not None else "unknown"
+        m.requests.labels(label, str(status)).inc()
+        m.duration.labels(label).observe(elapsed)
+        if in_flight:
+            m.in_flight.labels(label).dec()
+        if ttft is not None:
+            m.ttft.labels(label).observe(ttft)
+        prompt = completion = None
+        if usage:
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int):
+                m.tokens.labels(label, "in").inc(prompt)
+            if isinstance(completion, int):
+                m.tokens.labels(label, "out").inc(completion)
+        if key is None:
+            return
+        self.rt.usage.record((
+            time.time(), key.id, key.project_id, req.model if req else None, model.name if model else None,
+            replica, req.kind if req else "models", bool(req and req.stream), status,
+            prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None,
+            elapsed * 1000, ttft * 1000 if ttft is not None else None))

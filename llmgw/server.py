@@ -1,0 +1,96 @@
+"""Running the gateway under gunicorn with gevent workers.
+
+gunicorn is driven from Python (a `BaseApplication`), so `python gateway.py`
+is the whole command and settings come from llmgw's own configuration. The
+app is built inside each worker, after gevent has patched it: with
+`preload_app` the master would import ssl and sockets unpatched. The master
+serves the summed Prometheus metrics and tells prometheus-client when a
+worker dies; a stopping worker writes its buffered usage before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gunicorn.app.base import BaseApplication
+
+from llmgw.settings import Config
+
+log = logging.getLogger("llmgw.server")
+
+
+def bind_address(listen: str) -> str:
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"{listen!r} is not HOST:PORT")
+    return f"{host or '0.0.0.0'}:{port}"
+
+
+def _when_ready(server) -> None:
+    from llmgw import metrics
+
+    listen = server.app.llmgw_cfg["gateway.metrics_listen"]
+    metrics.serve(listen)
+    log.info("metrics on http://%s/metrics", bind_address(listen))
+
+
+def _child_exit(server, worker) -> None:
+    from llmgw import metrics
+
+    metrics.worker_gone(worker.pid)
+
+
+def _post_worker_init(worker) -> None:
+    if worker.app.llmgw_cfg["store.url"].startswith("postgresql"):
+        from llmgw.greendb import make_psycopg2_green
+
+        make_psycopg2_green()
+
+
+def _worker_exit(server, worker) -> None:
+    app = getattr(worker, "wsgi", None)
+    if app is not None and hasattr(app, "close"):
+        app.close()
+
+
+class GatewayServer(BaseApplication):
+    def __init__(self, cfg: Config):
+        self.llmgw_cfg = cfg
+        super().__init__()
+
+    def load_config(self) -> None:
+        cfg = self.llmgw_cfg
+        settings = {
+            "bind": [bind_address(cfg["gateway.listen"])],
+            "workers": cfg["gateway.workers"],
+            "worker_class": "gevent",
+            "worker_connections": cfg["gateway.worker_connections"],
+            "graceful_timeout": cfg["gateway.graceful_timeout"],
+            # Clients such as the openai library keep connections open between
+            # requests; gunicorn's 2 s default would close them under them.
+            "keepalive": 75,
+            "backlog": 4096,
+            # gunicorn 27 otherwise opens one control socket per user, shared
+            # by every instance on the machine.
+            "control_socket_disable": True,
+            # gunicorn believes X-Forwarded-Proto from 127.0.0.1 by default;
+            # llmgw decides whom to believe (gateway.trusted_proxies), so
+            # gunicorn must believe nobody.
+            "forwarded_allow_ips": "",
+            "secure_scheme_headers": {},
+            "proc_name": "llmgw-gateway",
+            "loglevel": cfg["log.level"],
+            "errorlog": "-",
+            "accesslog": None,
+            "when_ready": _when_ready,
+            "child_exit": _child_exit,
+            "post_worker_init": _post_worker_init,
+            "worker_exit": _worker_exit,
+        }
+        for name, value in settings.items():
+            self.cfg.set(name, value)
+
+    def load(self):
+        from llmgw.webapp import GatewayApp
+
+        return GatewayApp(self.llmgw_cfg).start()

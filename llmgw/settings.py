@@ -1,0 +1,308 @@
+"""Every configuration key, declared once, and the TOML file that sets them.
+
+The table `SETTINGS` is the only place a key is named with its type, default
+and meaning: validation, flag overrides and `docs/reference.md` are all made
+from it, and a test fails when the document and the table differ. Reading the
+file, resolving `@/path` secrets and applying flags happen here; what a value
+means to a component is that component's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from typing import Any
+
+
+class ConfigError(Exception):
+    """A configuration value that cannot be used; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str  # dotted: the TOML table, then the key
+    kind: str  # str, int, float, bool, list
+    default: Any
+    help: str
+    secret: bool = False  # may be given as "@/path/to/file"
+    minimum: float | None = None
+
+
+MiB = 1024 * 1024
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("gateway.listen", "str", ":8080",
+            "Address the OpenAI API and the pages listen on (`HOST:PORT`; an empty host means every address)."),
+    Setting("gateway.workers", "int", 2,
+            "gunicorn worker processes (gevent). Each holds thousands of streams; add workers for CPU, not for connections.",
+            minimum=1),
+    Setting("gateway.worker_connections", "int", 10000,
+            "Connections one worker holds at once, open streams included. Clients beyond workers x this wait unanswered.",
+            minimum=1),
+    Setting("gateway.metrics_listen", "str", "127.0.0.1:9092",
+            "Address of the Prometheus endpoint, which serves nothing else. Loopback by default; open it to your Prometheus on purpose."),
+    Setting("gateway.graceful_timeout", "int", 30,
+            "Seconds a stopping gateway lets in-flight requests and streams finish before it closes them.", minimum=0),
+    Setting("gateway.max_body_bytes", "int", 32 * MiB,
+            "Largest request body accepted; a larger one is refused with 413 before it is read.", minimum=1),
+    Setting("gateway.trusted_proxies", "list", [],
+            "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody."),
+    Setting("gateway.contact", "str", "",
+            "Who to ask for access, shown on the landing page (an address or a sentence)."),
+    Setting("store.url", "str", "sqlite:///var/llmgw.db",
+            "Database URL (SQLAlchemy form). `sqlite:///PATH` (relative to the working directory) or `postgresql://USER@HOST/DB`.",
+            secret=True),
+    Setting("timeouts.connect", "float", 5.0,
+            "Seconds to open a connection to an engine before the attempt counts as failed (and another replica is tried).",
+            minimum=0.001),
+    Setting("timeouts.first_byte", "float", 300.0,
+            "Seconds from sending a request to an engine until its response starts. A non-streamed answer only starts when "
+            "it is complete, so this bounds the whole generation of one.", minimum=0.001),
+    Setting("timeouts.idle", "float", 60.0,
+            "Seconds of silence allowed between two chunks of a streamed answer.", minimum=0.001),
+    Setting("timeouts.total", "float", 900.0,
+            "Seconds one request may take in all, streaming included.", minimum=0.001),
+    Setting("routing.attempts", "int", 3,
+            "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
+    Setting("routing.affinity_factor", "float", 1.25,
+            "A request goes to the replica that saw its prompt prefix while that replica is no busier than this many times "
+            "the least loaded one.", minimum=1.0),
+    Setting("routing.affinity_prefix_bytes", "int", 2048,
+            "How much of the start of a prompt decides which replica has it cached. 0 turns affinity off.", minimum=0),
+    Setting("routing.metrics_interval", "float", 1.0,
+            "Seconds between reads of each engine's `/metrics` (waiting and running requests, KV cache use).",
+            minimum=0.05),
+    Setting("routing.metrics_stale_after", "float", 5.0,
+            "Engine figures older than this are stale: routing then trusts only the requests it sent itself.",
+            minimum=0.1),
+    Setting("breaker.failures", "int", 5,
+            "Consecutive failures that take a replica out of rotation.", minimum=1),
+    Setting("breaker.cooldown", "float", 10.0,
+            "Seconds an open breaker waits before probing the replica's `/health`; doubles while probes fail, up to 5 minutes.",
+            minimum=0.01),
+    Setting("keys.refresh_interval", "float", 1.0,
+            "Seconds between checks for changed keys. A revoked key stops working within this (plus one check).",
+            minimum=0.05),
+    Setting("usage.flush_interval", "float", 1.0,
+            "Seconds between writes of buffered usage rows to the store.", minimum=0.01),
+    Setting("usage.batch_size", "int", 500,
+            "Usage rows written in one statement.", minimum=1),
+    Setting("log.level", "str", "info",
+            "Log level: debug, info, warning or error."),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
+MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
+              "max_context": "int", "max_output": "int"}
+
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,)}
+
+
+class Config:
+    """Validated settings plus the `[[endpoints]]` and `[[models]]` arrays."""
+
+    def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str):
+        self.values = values
+        self.endpoints = endpoints
+        self.models = models
+        self.source = source
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[name]
+
+    def replace(self, **overrides: Any) -> "Config":
+        """A copy with some settings changed (dotted names given with `_` for `.`: `gateway_listen`)."""
+        values = dict(self.values)
+        for key, value in overrides.items():
+            values[key.replace("__", ".")] = value
+        return Config(values, list(self.endpoints), list(self.models), self.source)
+
+
+def _check_type(name: str, kind: str, value: Any, where: str) -> Any:
+    # bool is an int in Python: `workers = true` must not read as 1.
+    if isinstance(value, bool) and kind != "bool":
+        raise ConfigError(f"{name} in {where}: expected {kind}, got a boolean")
+    if not isinstance(value, _TYPES[kind]):
+        raise ConfigError(f"{name} in {where}: expected {kind}, got {type(value).__name__} {value!r}")
+    return float(value) if kind == "float" else value
+
+
+def _read_secret(name: str, value: str, where: str) -> str:
+    path = value[1:]
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"{name} in {where}: cannot read the secret file {path}: {e.strerror}") from None
+
+
+def coerce(name: str, value: Any, where: str) -> Any:
+    """Check one value against its declared setting; strings from flags are converted."""
+    setting = BY_NAME.get(name)
+    if setting is None:
+        known = ", ".join(sorted(BY_NAME))
+        raise ConfigError(f"{name} in {where} is not a setting. Known settings: {known}")
+    if isinstance(value, str) and setting.kind != "str" and where.startswith("flag"):
+        try:
+            value = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes"),
+                     "list": lambda v: [p for p in v.split(",") if p]}[setting.kind](value)
+        except ValueError:
+            raise ConfigError(f"{name} in {where}: expected {setting.kind}, got {value!r}") from None
+    value = _check_type(name, setting.kind, value, where)
+    if setting.secret and isinstance(value, str) and value.startswith("@"):
+        value = _read_secret(name, value, where)
+    if setting.minimum is not None and value < setting.minimum:
+        raise ConfigError(f"{name} in {where}: {value} is below the smallest allowed, {setting.minimum}")
+    if name == "gateway.trusted_proxies":
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except (ValueError, TypeError):
+                raise ConfigError(f"{name} in {where}: {item!r} is not an address or a network (CIDR)") from None
+    if name == "log.level" and value not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"{name} in {where}: {value!r} is not one of debug, info, warning, error")
+    return value
+
+
+def _check_table(kind: str, index: int, table: Any, keys: dict[str, str], required: tuple[str, ...], where: str) -> dict:
+    label = f"[[{kind}]] number {index + 1}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{label} in {where}: expected a table")
+    for key, value in table.items():
+        if key not in keys:
+            raise ConfigError(f"{label} in {where}: unknown key {key!r}; allowed: {', '.join(keys)}")
+        _check_type(f"{kind}.{key}", keys[key], value, where)
+        if keys[key] == "list" and not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{label} in {where}: {key} must be a list of non-empty strings")
+    for key in required:
+        if not table.get(key):
+            raise ConfigError(f"{label} in {where}: {key} is required")
+    return dict(table)
+
+
+def parse_endpoint_flag(text: str) -> dict:
+    """`id=URL=model[,model]` from `--endpoint` as an `[[endpoints]]` table."""
+    parts = text.split("=", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ConfigError(f"--endpoint {text!r}: expected ID=URL=MODEL[,MODEL], "
+                          "for example local=http://127.0.0.1:8001=smollm2")
+    endpoint_id, url, models = parts
+    return {"id": endpoint_id, "url": url, "models": [m for m in models.split(",") if m]}
+
+
+def validate_endpoints(endpoints: list[dict], where: str) -> list[dict]:
+    seen = set()
+    out = []
+    for i, table in enumerate(endpoints):
+        ep = _check_table("endpoints", i, table, ENDPOINT_KEYS, ("id", "url", "models"), where)
+        if not ep["url"].startswith(("http://", "https://")):
+            raise ConfigError(f"endpoint {ep['id']} in {where}: url must start with http:// or https://, got {ep['url']!r}")
+        if ep["id"] in seen:
+            raise ConfigError(f"endpoint {ep['id']} in {where}: two endpoints have this id; ids must be unique")
+        if ep.get("weight", 1.0) <= 0:
+            raise ConfigError(f"endpoint {ep['id']} in {where}: weight must be above 0")
+        seen.add(ep["id"])
+        out.append(ep)
+    return out
+
+
+def load(path: str | None = None, overrides: dict[str, Any] | None = None,
+         endpoints: list[str] = ()) -> Config:
+    """Read PATH (or `$LLMGW_CONFIG`, or nothing), then apply flag overrides.
+
+    Flags win over the file; `--endpoint` flags are added to the file's endpoints.
+    """
+    path = path or os.environ.get("LLMGW_CONFIG") or None
+    data: dict[str, Any] = {}
+    where = path or "defaults"
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read the configuration file {path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    file_endpoints = data.pop("endpoints", [])
+    file_models = data.pop("models", [])
+    values = {s.name: s.default for s in SETTINGS}
+    for table, content in data.items():
+        if not isinstance(content, dict):
+            raise ConfigError(f"{table} in {where}: expected a table such as [{table}]")
+        for key, value in content.items():
+            name = f"{table}.{key}"
+            values[name] = coerce(name, value, where)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = coerce(name, value, f"flag for {name}")
+    if isinstance(file_endpoints, dict) or isinstance(file_models, dict):
+        raise ConfigError(f"{where}: write endpoints and models as arrays of tables, [[endpoints]] and [[models]]")
+    eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
+    models = [_check_table("models", i, m, MODEL_KEYS, ("name",), where) for i, m in enumerate(file_models)]
+    values["store.url"] = normalise_store_url(values["store.url"])
+    return Config(values, eps, models, where)
+
+
+def normalise_store_url(url: str) -> str:
+    # PostgreSQL URLs are often written the libpq way; SQLAlchemy wants a driver.
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
+
+
+def reference_markdown() -> str:
+    """`docs/reference.md`, made from `SETTINGS` (`make docs` writes it)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from llmgw/settings.py by `make docs`; a test fails when this file and the code differ. -->",
+        "",
+        "llmgw reads one TOML file, given with `--config FILE` or `LLMGW_CONFIG`. Flags override the file. A secret "
+        "(marked below) may be written as `@/path/to/file`, and the file's content is used, so the secret stays out "
+        "of the configuration.",
+        "",
+    ]
+    table = None
+    for s in SETTINGS:
+        section, key = s.name.split(".", 1)
+        if section != table:
+            lines += [f"## [{section}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+            table = section
+        default = repr(s.default).replace("'", '"') if s.kind != "bool" else str(s.default).lower()
+        note = " Secret: may be `@/path`." if s.secret else ""
+        lines.append(f"| `{key}` | {s.kind} | `{default}` | {s.help}{note} |")
+        if s is SETTINGS[-1] or SETTINGS[SETTINGS.index(s) + 1].name.split(".", 1)[0] != section:
+            lines.append("")
+    lines += [
+        "## [[endpoints]]",
+        "",
+        "Replicas the gateway routes to when no controller tells it (router-only mode). The flag "
+        "`--endpoint ID=URL=MODEL[,MODEL]` adds one.",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `id` | str | A name for the replica, unique; metrics and logs use it. Required. |",
+        "| `url` | str | Base URL of the engine, without `/v1`. Required. |",
+        "| `models` | list | Model names the engine serves under exactly these names. Required. |",
+        "| `weight` | float | Share of traffic relative to other replicas of the same model (default 1). |",
+        "",
+        "## [[models]]",
+        "",
+        "What the gateway tells clients about a model. A model an endpoint serves needs no entry.",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | The model's name, as the engines serve it. Required. |",
+        "| `aliases` | list | Other names clients may ask for; each is listed by `/v1/models`. |",
+        "| `description` | str | What the model is for, shown by `/v1/models` and the landing page. |",
+        "| `max_context` | int | Context length in tokens, where known. |",
+        "| `max_output` | int | Most tokens one answer may ask for; a larger `max_tokens` is refused with 400. |",
+        "",
+    ]
+    return "\n".join(lines)

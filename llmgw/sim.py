@@ -1,0 +1,290 @@
+"""`llmgw sim`: a simulated engine, for tests and benchmarks that need many replicas or exact timing.
+
+It answers the four OpenAI routes the way vLLM does (streams end with
+`[DONE]`, usage when asked for it, vLLM's metric names on `/metrics`), with a
+time to first token and a token rate you choose, a bounded number of requests
+running at once (the rest wait, and are reported waiting), a prefix cache (a
+prompt whose start it saw recently skips most of its time to first token), and
+faults on demand: fail a fraction of requests, die partway through the Nth,
+stall mid-stream. It generates no text worth reading and is never the default
+engine.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import socket
+import time
+
+import gevent
+from gevent.lock import BoundedSemaphore
+from gevent.pywsgi import WSGIServer
+
+PREFIX_BYTES = 256
+PREFIX_CACHE_ENTRIES = 4096
+CACHED_TTFT_FRACTION = 0.1
+
+
+@dataclasses.dataclass
+class SimOptions:
+    model: str = "sim"
+    replica: str = "sim"
+    ttft_ms: float = 50.0
+    tokens_per_s: float = 50.0  # 0: as fast as it can write
+    max_concurrency: int = 0  # 0: no limit
+    default_tokens: int = 16
+    prefix_cache: bool = True
+    fail_rate: float = 0.0
+    die_after: int = 0  # 0: never; N: exit partway through the Nth request
+    stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
+    embedding_dims: int = 16
+
+
+class SimEngine:
+    def __init__(self, options: SimOptions, seed: int | None = None):
+        self.o = options
+        self.rng = random.Random(seed)
+        self.slots = BoundedSemaphore(options.max_concurrency) if options.max_concurrency else None
+        self.running = 0
+        self.waiting = 0
+        self.requests = 0
+        self.cancelled = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cache_queries = 0
+        self.cache_hits = 0
+        self.seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    # --- WSGI ---------------------------------------------------------------------
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        method = environ["REQUEST_METHOD"]
+        if path == "/health":
+            return self._send(start_response, "200 OK", b"", "text/plain")
+        if path == "/metrics":
+            return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
+        if path == "/v1/models":
+            body = {"object": "list", "data": [{"id": self.o.model, "object": "model", "owned_by": "sim"}]}
+            return self._json(start_response, "200 OK", body)
+        kinds = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+        if path not in kinds or method != "POST":
+            return self._json(start_response, "404 Not Found", _error(f"no route {method} {path}", 404))
+        try:
+            body = json.loads(environ["wsgi.input"].read())
+            assert isinstance(body, dict)
+        except (ValueError, AssertionError):
+            return self._json(start_response, "400 Bad Request", _error("body is not a JSON object", 400))
+        if body.get("model") != self.o.model:
+            return self._json(start_response, "404 Not Found",
+                              _error(f"The model `{body.get('model')}` does not exist.", 404))
+        self.requests += 1
+        number = self.requests
+        if self.o.fail_rate and self.rng.random() < self.o.fail_rate:
+            return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
+        kind = kinds[path]
+        if kind == "embeddings":
+            return self._json(start_response, "200 OK", self._embeddings(body))
+        return self._generate(start_response, kind, body, number)
+
+    @staticmethod
+    def _send(start_response, status, data: bytes, ctype: str):
+        start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(data)))])
+        return [data]
+
+    def _json(self, start_response, status, obj):
+        return self._send(start_response, status, json.dumps(obj).encode(), "application/json")
+
+    # --- generation ---------------------------------------------------------------
+
+    def _prompt(self, kind: str, body: dict) -> str:
+        if kind == "chat":
+            return "\n".join(m.get("content") if isinstance(m.get("content"), str) else ""
+                             for m in body.get("messages") or [] if isinstance(m, dict))
+        prompt = body.get("prompt", "")
+        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+    def _ttft(self, prompt: str) -> tuple[float, bool]:
+        ttft = self.o.ttft_ms / 1000
+        if not self.o.prefix_cache:
+            return ttft, False
+        key = hashlib.blake2b(prompt.encode()[:PREFIX_BYTES], digest_size=8).digest()
+        self.cache_queries += 1
+        hit = key in self.seen
+        if hit:
+            self.cache_hits += 1
+            self.seen.move_to_end(key)
+            ttft *= CACHED_TTFT_FRACTION
+        else:
+            self.seen[key] = None
+            if len(self.seen) > PREFIX_CACHE_ENTRIES:
+                self.seen.popitem(last=False)
+        return ttft, hit
+
+    def _generate(self, start_response, kind: str, body: dict, number: int):
+        prompt = self._prompt(kind, body)
+        prompt_tokens = max(1, len(prompt.split()))
+        n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.o.default_tokens
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        ident = f"sim-{os.urandom(6).hex()}"
+        created = int(time.time())
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                 "total_tokens": prompt_tokens + n_tokens}
+        fingerprint = f"sim-{self.o.replica}"
+
+        def admit():
+            if self.slots is not None:
+                self.waiting += 1
+                try:
+                    self.slots.acquire()
+                finally:
+                    self.waiting -= 1
+            self.running += 1
+
+        def leave():
+            self.running -= 1
+            if self.slots is not None:
+                self.slots.release()
+
+        def token_delay():
+            if self.o.tokens_per_s > 0:
+                gevent.sleep(1 / self.o.tokens_per_s)
+
+        def chunk(i: int | None, finish: str | None = None) -> bytes:
+            text = f"tok{i} " if i is not None else None
+            if kind == "chat":
+                delta = {"content": text} if text is not None else {}
+                if i == 0:
+                    delta["role"] = "assistant"
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+            return _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj, "created": created,
+                           "model": self.o.model, "system_fingerprint": fingerprint, "choices": [choice]})
+
+        if not stream:
+            admit()
+            try:
+                ttft, _ = self._ttft(prompt)
+                gevent.sleep(ttft)
+                for _ in range(n_tokens - 1):
+                    token_delay()
+                self.prompt_tokens += prompt_tokens
+                self.generation_tokens += n_tokens
+            finally:
+                leave()
+            text = "".join(f"tok{i} " for i in range(n_tokens))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                      if kind == "chat" else {"index": 0, "text": text, "finish_reason": "length"})
+            if self.o.die_after and number >= self.o.die_after:
+                os._exit(3)
+            return self._json(start_response, "200 OK", {
+                "id": ident, "object": obj, "created": created, "model": self.o.model,
+                "system_fingerprint": fingerprint, "choices": [choice], "usage": usage})
+
+        start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+
+        def events():
+            admit()
+            sent = 0
+            try:
+                ttft, _ = self._ttft(prompt)
+                gevent.sleep(ttft)
+                self.prompt_tokens += prompt_tokens
+                for i in range(n_tokens):
+                    if i:
+                        token_delay()
+                    if i == self.o.stall_after_tokens:
+                        gevent.sleep(3600)
+                    if self.o.die_after and number >= self.o.die_after and i >= n_tokens // 2:
+                        os._exit(3)
+                    yield chunk(i)
+                    sent += 1
+                    self.generation_tokens += 1
+                yield chunk(None, "length")
+                if include_usage:
+                    yield _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj,
+                                  "created": created, "model": self.o.model, "system_fingerprint": fingerprint,
+                                  "choices": [], "usage": usage})
+                yield b"data: [DONE]\n\n"
+            except GeneratorExit:
+                self.cancelled += 1
+                raise
+            finally:
+                leave()
+
+        return events()
+
+    def _embeddings(self, body: dict) -> dict:
+        value = body.get("input")
+        inputs = value if isinstance(value, list) else [value]
+        data = []
+        tokens = 0
+        for i, item in enumerate(inputs):
+            text = item if isinstance(item, str) else json.dumps(item)
+            tokens += max(1, len(text.split()))
+            digest = hashlib.sha256(text.encode()).digest()
+            vector = [(digest[j % len(digest)] - 127.5) / 127.5 for j in range(self.o.embedding_dims)]
+            data.append({"object": "embedding", "index": i, "embedding": vector})
+        self.prompt_tokens += tokens
+        return {"object": "list", "model": self.o.model, "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    # --- metrics ------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        capacity = self.o.max_concurrency or 64
+        label = f'{{model_name="{self.o.model}"}}'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{label} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{label} {self.waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {min(1.0, self.running / capacity):.4f}",
+            "# TYPE vllm:prompt_tokens_total counter", f"vllm:prompt_tokens_total{label} {self.prompt_tokens}",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {self.generation_tokens}",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{label} {self.cache_queries}",
+            "# TYPE vllm:prefix_cache_hits_total counter", f"vllm:prefix_cache_hits_total{label} {self.cache_hits}",
+            "# TYPE llmgw_sim_requests_total counter", f"llmgw_sim_requests_total {self.requests}",
+            "# TYPE llmgw_sim_cancelled_total counter", f"llmgw_sim_cancelled_total {self.cancelled}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _error(message: str, code: int) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error" if code < 500 else "server_error",
+                      "param": None, "code": code}}
+
+
+class _NoDelayServer(WSGIServer):
+    # Without TCP_NODELAY, small writes wait for the previous one's ACK and the
+    # median latency on loopback is about 44 ms instead of well under one.
+    def handle(self, sock, address):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        return super().handle(sock, address)
+
+
+def serve(listen: str, options: SimOptions, announce=print) -> None:
+    """Serve a simulated engine on LISTEN (`HOST:PORT`; port 0 picks one) until killed."""
+    host, _, port = listen.rpartition(":")
+    server = _NoDelayServer((host or "127.0.0.1", int(port)), SimEngine(options), log=None, error_log=None,
+                            backlog=4096)
+    server.init_socket()
+    bound_host, bound_port = server.socket.getsockname()[:2]
+    announce(f"llmgw sim: {options.model} on http://{bound_host}:{bound_port}")
+    server.serve_forever()

@@ -1,0 +1,93 @@
+"""What the gateway knows about where a model can be served: one versioned value.
+
+A `Snapshot` is the catalog (models, their aliases and limits) and the
+replicas ready to serve each model. It is immutable and carries a version; a
+worker swaps in a newer one whole, so a request in progress keeps the one it
+started with. Today the snapshot is made from static configuration
+(`from_config`); the controller will send the same value, so the request path
+does not change when it does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from llmgw.settings import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    max_context: int | None = None  # None: not known
+    max_output: int | None = None
+    created: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """One engine able to serve some models. Its id names it in metrics and logs;
+    state the gateway learns about it (load, breaker) is kept by id across snapshots."""
+    id: str
+    url: str
+    models: tuple[str, ...]
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    version: int
+    models: dict[str, ModelSpec]
+    replicas: dict[str, ReplicaSpec]
+    # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
+    names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
+    serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        names = {}
+        for model in self.models.values():
+            names[model.name] = model.name
+        for model in self.models.values():
+            for alias in model.aliases:
+                # A model's own name wins over another model's alias.
+                names.setdefault(alias, model.name)
+        object.__setattr__(self, "names", names)
+        serving: dict[str, list[str]] = {}
+        for replica in self.replicas.values():
+            for model in replica.models:
+                serving.setdefault(model, []).append(replica.id)
+        object.__setattr__(self, "serving", {m: tuple(ids) for m, ids in serving.items()})
+
+    def resolve(self, name: str) -> ModelSpec | None:
+        model = self.names.get(name)
+        return self.models[model] if model is not None else None
+
+    def replicas_for(self, model: str) -> tuple[str, ...]:
+        return self.serving.get(model, ())
+
+    def listed_ids(self) -> list[tuple[str, ModelSpec]]:
+        """Every name a client may ask for, each alias its own entry, as `/v1/models` lists them."""
+        out = []
+        for model in sorted(self.models.values(), key=lambda m: m.name):
+            out.append((model.name, model))
+            out.extend((alias, model) for alias in model.aliases if self.names.get(alias) == model.name)
+        return out
+
+
+def from_config(cfg: Config, version: int = 1) -> Snapshot:
+    """The snapshot of router-only mode: `[[endpoints]]` and `[[models]]` (or `--endpoint`)."""
+    created = int(time.time())
+    models = {}
+    for table in cfg.models:
+        models[table["name"]] = ModelSpec(
+            name=table["name"], aliases=tuple(table.get("aliases", ())), description=table.get("description", ""),
+            max_context=table.get("max_context"), max_output=table.get("max_output"), created=created)
+    replicas = {}
+    for ep in cfg.endpoints:
+        replicas[ep["id"]] = ReplicaSpec(id=ep["id"], url=ep["url"].rstrip("/"), models=tuple(ep["models"]),
+                                         weight=float(ep.get("weight", 1.0)))
+        for name in ep["models"]:
+            models.setdefault(name, ModelSpec(name=name, created=created))
+    return Snapshot(version=version, models=models, replicas=replicas)

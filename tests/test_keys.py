@@ -1,0 +1,118 @@
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from llmgw import keys, store
+from llmgw.cli import main
+
+
+def test_secret_is_stored_only_as_a_hash(store_url):
+    engine = store.open_engine(store_url)
+    record, secret = keys.create_key(engine, "alice")
+    assert secret.startswith("sk-llmgw-") and len(secret) > 40
+    assert record.prefix == secret[:keys.DISPLAY_CHARS]
+    with engine.connect() as conn:
+        row = conn.execute(store.api_keys.select()).one()
+    assert row.hash == keys.hash_secret(secret)
+    assert secret not in [str(v) for v in row]
+    engine.dispose()
+
+
+def test_key_table_authenticates_from_memory(store_url):
+    engine = store.open_engine(store_url)
+    _, secret = keys.create_key(engine, "alice")
+    table = keys.KeyTable.load(engine)
+    now = time.time()
+    assert isinstance(table.authenticate(f"Bearer {secret}", now), keys.KeyRecord)
+    assert table.authenticate(None, now).code == "missing_api_key"
+    assert table.authenticate("Basic abc", now).code == "invalid_api_key"
+    assert table.authenticate("Bearer sk-llmgw-nope", now).code == "invalid_api_key"
+    engine.dispose()
+
+
+def test_revoked_and_expired_keys_are_refused_with_the_reason(store_url):
+    engine = store.open_engine(store_url)
+    revoked, revoked_secret = keys.create_key(engine, "gone")
+    _, expiring_secret = keys.create_key(engine, "brief", expires_in=60)
+    keys.revoke_key(engine, revoked.id)
+    table = keys.KeyTable.load(engine)
+    assert table.authenticate(f"Bearer {revoked_secret}", time.time()).code == "revoked_api_key"
+    assert isinstance(table.authenticate(f"Bearer {expiring_secret}", time.time()), keys.KeyRecord)
+    # Expiry needs no refresh of the table: the clock decides.
+    assert table.authenticate(f"Bearer {expiring_secret}", time.time() + 61).code == "expired_api_key"
+    engine.dispose()
+
+
+def test_every_change_bumps_the_revision_workers_watch(store_url):
+    engine = store.open_engine(store_url)
+    first = keys.current_revision(engine)
+    record, _ = keys.create_key(engine, "a")
+    assert keys.current_revision(engine) == first + 1
+    keys.revoke_key(engine, record.prefix)
+    assert keys.current_revision(engine) == first + 2
+    keys.revoke_key(engine, record.id)  # already revoked: nothing changes
+    assert keys.current_revision(engine) == first + 2
+    engine.dispose()
+
+
+def test_revoke_refuses_an_ambiguous_or_unknown_key(store_url):
+    engine = store.open_engine(store_url)
+    keys.create_key(engine, "same")
+    keys.create_key(engine, "same")
+    with pytest.raises(keys.KeyRefused, match="2 keys match 'same'"):
+        keys.revoke_key(engine, "same")
+    with pytest.raises(keys.KeyRefused, match="llmgw keys list"):
+        keys.revoke_key(engine, "nothing-like-it")
+    with pytest.raises(keys.KeyRefused, match="no project named 'nope'; projects: default"):
+        keys.create_key(engine, "x", project="nope")
+    engine.dispose()
+
+
+@pytest.mark.parametrize("text, seconds", [("30d", 30 * 86400), ("12h", 43200), ("90m", 5400), ("2w", 1209600)])
+def test_durations(text, seconds):
+    assert keys.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "30", "d", "1.5d", "0d", "-1d", "3y"])
+def test_bad_durations(text):
+    with pytest.raises(ValueError, match="such as 30d"):
+        keys.parse_duration(text)
+
+
+def test_cli_prints_the_secret_alone_on_stdout(store_url):
+    runner = CliRunner()
+    result = runner.invoke(main, ["--store", store_url, "keys", "create", "ci-bot", "--expires-in", "30d"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().startswith("sk-llmgw-")
+    assert len(result.stdout.strip().splitlines()) == 1
+    assert "will not be shown again" in result.stderr and "expires" in result.stderr
+
+    listed = runner.invoke(main, ["--store", store_url, "keys", "list"])
+    assert "ci-bot" in listed.stdout and result.stdout.strip() not in listed.stdout
+    assert "expires" in listed.stdout
+
+    prefix = result.stdout.strip()[:keys.DISPLAY_CHARS]
+    revoked = runner.invoke(main, ["--store", store_url, "keys", "revoke", prefix])
+    assert revoked.exit_code == 0 and "revoked key" in revoked.stderr
+    listed = runner.invoke(main, ["--store", store_url, "keys", "list", "--json"])
+    assert '"revoked_at": null' not in listed.stdout
+
+
+def test_cli_errors_say_what_to_do(tmp_path):
+    url = f"sqlite:///{tmp_path}/cli.db"
+    runner = CliRunner()
+    bad = runner.invoke(main, ["--store", url, "keys", "create", "x", "--expires-in", "soon"])
+    assert bad.exit_code == 2 and "such as 30d" in bad.stderr
+    unknown = runner.invoke(main, ["--store", url, "keys", "revoke", "zzz"])
+    assert unknown.exit_code == 1 and "llmgw keys list" in unknown.stderr
+    empty = runner.invoke(main, ["--store", url, "keys", "list"])
+    assert "llmgw keys create NAME" in empty.stderr
+
+
+def test_cli_reads_the_gateways_configuration(tmp_path):
+    config = tmp_path / "gw.toml"
+    config.write_text(f'[store]\nurl = "sqlite:///{tmp_path}/from-config.db"\n')
+    result = CliRunner().invoke(main, ["--config", str(config), "keys", "create", "x"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "from-config.db").exists()

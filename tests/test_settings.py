@@ -1,0 +1,95 @@
+import pytest
+
+from llmgw import settings
+from llmgw.settings import ConfigError
+
+
+def write(tmp_path, text):
+    path = tmp_path / "llmgw.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_a_file(monkeypatch):
+    monkeypatch.delenv("LLMGW_CONFIG", raising=False)
+    cfg = settings.load()
+    assert cfg["gateway.listen"] == ":8080"
+    assert cfg["gateway.max_body_bytes"] == 32 * 1024 * 1024
+    assert cfg.endpoints == [] and cfg.models == []
+
+
+def test_file_values_and_flag_overrides(tmp_path):
+    path = write(tmp_path, '[gateway]\nlisten = "127.0.0.1:9000"\nworkers = 4\n[timeouts]\nidle = 5\n')
+    cfg = settings.load(path, {"gateway.workers": 8, "gateway.listen": None})
+    assert cfg["gateway.listen"] == "127.0.0.1:9000"  # a flag not given leaves the file's value
+    assert cfg["gateway.workers"] == 8  # a flag given wins over the file
+    assert cfg["timeouts.idle"] == 5.0 and isinstance(cfg["timeouts.idle"], float)
+
+
+def test_config_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMGW_CONFIG", write(tmp_path, "[gateway]\nworkers = 3\n"))
+    assert settings.load()["gateway.workers"] == 3
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[gateway]\nworkers = \"two\"\n", ["gateway.workers", "llmgw.toml", "expected int"]),
+    ("[gateway]\nworkers = true\n", ["gateway.workers", "boolean"]),
+    ("[gateway]\nworkers = 0\n", ["gateway.workers", "smallest allowed, 1"]),
+    ("[gateway]\nlisen = \":80\"\n", ["gateway.lisen", "is not a setting", "gateway.listen"]),
+    ("[gateway]\ntrusted_proxies = [\"not-an-ip\"]\n", ["trusted_proxies", "not an address"]),
+    ("[log]\nlevel = \"loud\"\n", ["log.level", "debug, info"]),
+    ("gateway = 3\n", ["gateway", "expected a table"]),
+    ("[gateway\n", ["not valid TOML"]),
+    ("[[endpoints]]\nid = \"a\"\nurl = \"ftp://x\"\nmodels = [\"m\"]\n", ["endpoint a", "http://"]),
+    ("[[endpoints]]\nid = \"a\"\nurl = \"http://x\"\n", ["endpoints", "models is required"]),
+    ("[[endpoints]]\nid = \"a\"\nurl = \"http://x\"\nmodels = [\"m\"]\n[[endpoints]]\nid = \"a\"\n"
+     "url = \"http://y\"\nmodels = [\"m\"]\n", ["two endpoints have this id"]),
+    ("[[models]]\nname = \"m\"\ncolour = \"red\"\n", ["unknown key 'colour'"]),
+])
+def test_errors_name_the_key_the_file_and_what_is_allowed(tmp_path, text, words):
+    with pytest.raises(ConfigError) as e:
+        settings.load(write(tmp_path, text))
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read the configuration file .*nope.toml"):
+        settings.load(str(tmp_path / "nope.toml"))
+
+
+def test_secret_from_a_file(tmp_path):
+    secret = tmp_path / "dsn"
+    secret.write_text("postgresql://gw:s3cret@db/llmgw\n")
+    cfg = settings.load(write(tmp_path, f'[store]\nurl = "@{secret}"\n'))
+    assert cfg["store.url"] == "postgresql+psycopg2://gw:s3cret@db/llmgw"
+
+
+def test_secret_file_missing_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="store.url .* cannot read the secret file /nonexistent/dsn"):
+        settings.load(write(tmp_path, '[store]\nurl = "@/nonexistent/dsn"\n'))
+
+
+def test_endpoint_flags_add_to_the_file(tmp_path):
+    path = write(tmp_path, '[[endpoints]]\nid = "a"\nurl = "http://127.0.0.1:1"\nmodels = ["m"]\nweight = 2\n')
+    cfg = settings.load(path, endpoints=["b=http://127.0.0.1:2=m,n"])
+    assert [e["id"] for e in cfg.endpoints] == ["a", "b"]
+    assert cfg.endpoints[1]["models"] == ["m", "n"]
+    assert cfg.endpoints[0]["weight"] == 2
+
+
+@pytest.mark.parametrize("flag", ["nourl", "a=http://x", "=http://x=m", "a=http://x="])
+def test_bad_endpoint_flag(flag):
+    with pytest.raises(ConfigError, match="expected ID=URL=MODEL"):
+        settings.load(endpoints=[flag])
+
+
+def test_every_setting_has_help_and_a_default_of_its_type():
+    for s in settings.SETTINGS:
+        assert s.help.endswith((".", ")")), s.name
+        assert settings.coerce(s.name, s.default, "defaults") == s.default
+
+
+def test_reference_document_is_generated_from_the_settings():
+    with open("docs/reference.md", encoding="utf-8") as f:
+        assert f.read() == settings.reference_markdown(), "docs/reference.md is stale: run `make docs`"

@@ -1,0 +1,192 @@
+"""The engine client against a scripted HTTP server on loopback: framings, keep-alive, each timeout."""
+
+import socket
+import threading
+import time
+
+import pytest
+
+from llmgw.upstream import Pool, Target, UpstreamError
+
+
+class Scripted:
+    """A server that answers each connection's requests with the next scripted replies."""
+
+    def __init__(self, replies):
+        self.replies = list(replies)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self.requests = []
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn):
+        buf = b""
+        while self.replies:
+            while b"\r\n\r\n" not in buf:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
+            while len(buf) < length:
+                buf += conn.recv(65536)
+            self.requests.append(head + b"\r\n\r\n" + buf[:length])
+            buf = buf[length:]
+            reply = self.replies.pop(0)
+            for part in reply if isinstance(reply, list) else [reply]:
+                if isinstance(part, (int, float)):
+                    time.sleep(part)
+                elif part == "close":
+                    conn.close()
+                    return
+                else:
+                    conn.sendall(part)
+        conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.fixture
+def pool():
+    pool = Pool(connect_timeout=1)
+    yield pool
+    pool.close()
+
+
+def ok(body=b"hello", extra=b""):
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def test_content_length_and_keep_alive_reuse(pool):
+    server = Scripted([ok(b"one"), ok(b"two")])
+    target = Target(server.url)
+    for expected in (b"one", b"two"):
+        resp = pool.request(target, "POST", "/v1/x", b'{"a":1}')
+        assert resp.status == 200 and resp.read() == expected
+        resp.release()
+    assert server.connections == 1
+    assert server.requests[0].startswith(b"POST /v1/x HTTP/1.1\r\n") and server.requests[0].endswith(b'{"a":1}')
+    server.close()
+
+
+def test_chunked_body_streams_piece_by_piece(pool):
+    chunks = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\nhello\r\n", 0.2,
+              b"6;ext=1\r\n world\r\n", b"0\r\n\r\n"]
+    server = Scripted([chunks])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    pieces = []
+    started = time.monotonic()
+    for piece in resp.iter_body(idle=5):
+        pieces.append((piece, time.monotonic() - started))
+    assert b"".join(p for p, _ in pieces) == b"hello world"
+    assert pieces[0][1] < 0.15  # the first piece did not wait for the rest
+    assert resp.done
+    resp.release()
+    server.close()
+
+
+def test_close_delimited_body(pool):
+    server = Scripted([[b"HTTP/1.1 200 OK\r\n\r\nuntil the end", "close"]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    assert resp.read() == b"until the end"
+    resp.release()
+    server.close()
+
+
+def test_a_kept_alive_connection_the_engine_closed_is_retried_on_a_fresh_one(pool):
+    server = Scripted([[ok(b"first"), "close"], ok(b"second")])
+    target = Target(server.url)
+    resp = pool.request(target, "POST", "/", b"")
+    assert resp.read() == b"first"
+    resp.release()
+    time.sleep(0.1)  # the server has closed its end meanwhile
+    resp = pool.request(target, "POST", "/", b"")
+    assert resp.read() == b"second"
+    resp.release()
+    assert server.connections == 2
+    server.close()
+
+
+def test_connection_refused(pool):
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    with pytest.raises(UpstreamError) as e:
+        pool.request(Target(url), "POST", "/", b"")
+    assert e.value.phase == "connect"
+
+
+def test_first_byte_timeout(pool):
+    server = Scripted([[2.0, ok()]])
+    started = time.monotonic()
+    with pytest.raises(UpstreamError) as e:
+        pool.request(Target(server.url), "POST", "/", b"", first_byte=0.3)
+    assert e.value.phase == "first_byte" and time.monotonic() - started < 1.5
+    server.close()
+
+
+def test_idle_and_total_timeouts_while_streaming(pool):
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = Scripted([[head, b"1\r\na\r\n", 3.0, b"0\r\n\r\n"], [head] + [b"1\r\na\r\n", 0.2] * 20])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    with pytest.raises(UpstreamError) as e:
+        list(resp.iter_body(idle=0.3))
+    assert e.value.phase == "idle"
+    resp.abort()
+    resp = pool.request(Target(server.url), "POST", "/", b"", deadline=time.monotonic() + 0.7)
+    with pytest.raises(UpstreamError) as e:
+        list(resp.iter_body(idle=5))
+    assert e.value.phase == "total"
+    resp.abort()
+    server.close()
+
+
+def test_engine_hanging_up_mid_body_is_an_error(pool):
+    server = Scripted([[b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", "close"]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    with pytest.raises(UpstreamError) as e:
+        resp.read()
+    assert e.value.phase == "closed"
+    resp.abort()
+    server.close()
+
+
+def test_abort_from_another_thread_wakes_the_reader(pool):
+    server = Scripted([[b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", 5.0]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    threading.Timer(0.2, resp.abort).start()
+    started = time.monotonic()
+    with pytest.raises(UpstreamError):
+        list(resp.iter_body(idle=10))
+    assert time.monotonic() - started < 2 and resp.closed_by_other
+    server.close()
+
+
+def test_not_http(pool):
+    server = Scripted([[b"SSH-2.0-OpenSSH\r\n\r\n", "close"]])
+    with pytest.raises(UpstreamError) as e:
+        pool.request(Target(server.url), "POST", "/", b"")
+    assert e.value.phase == "protocol"
+    server.close()
+
+
+def test_target_parses_once():
+    t = Target("http://10.0.0.5:8001/prefix/")
+    assert (t.host, t.port, t.tls, t.base_path) == ("10.0.0.5", 8001, False, "/prefix")
+    with pytest.raises(ValueError):
+        Target("ftp://x")
