@@ -18,6 +18,7 @@ import tempfile
 import click
 
 from llmgw import settings, store
+from llmgw.procs import raise_fd_limit
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,6 +47,10 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
                                    "Check store.url, and that the database is running.") from None
     if applied:
         log.info("store %s: applied migrations %s", store.describe(cfg["store.url"]), applied)
+    limit = raise_fd_limit()
+    if limit < 2 * cfg["gateway.worker_connections"] + 64:
+        log.warning("open files are limited to %d: each stream holds two, so a worker holds at most about %d "
+                    "streams. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n).", limit, limit // 2)
     if not cfg.endpoints:
         log.warning("no endpoints are configured: /ready stays 503 until there are. "
                     "Give one with --endpoint ID=URL=MODEL or [[endpoints]] in the configuration.")

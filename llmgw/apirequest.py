@@ -65,16 +65,18 @@ class ParsedRequest:
         return json.dumps({**self.body, **changes}, ensure_ascii=False).encode()
 
 
-def _text_of(messages: list) -> bytes:
-    parts = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            parts.append(content)
-        elif isinstance(content, list):
-            parts.extend(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-        parts.append("\x00")
-    return "".join(parts).encode("utf-8", "surrogatepass")
+def _affinity_text(messages: list) -> bytes:
+    """What decides which replica's prompt cache a chat belongs to: its first message.
+
+    The first message (a system prompt, or the opening of a conversation) is
+    what stays the same across every turn of a conversation and across every
+    request of an application, so keying on it keeps both on the replica that
+    has it cached. Keying on more would move a conversation at each turn.
+    """
+    content = messages[0].get("content")
+    if isinstance(content, list):
+        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content.encode("utf-8", "surrogatepass") if isinstance(content, str) else b""
 
 
 def parse(kind: str, raw: bytes, prefix_bytes: int) -> ParsedRequest:
@@ -114,7 +116,7 @@ def parse(kind: str, raw: bytes, prefix_bytes: int) -> ParsedRequest:
             if content is not None and not isinstance(content, (str, list)):
                 raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
         if prefix_bytes:
-            parsed.prompt_text = _text_of(messages)[:prefix_bytes]
+            parsed.prompt_text = _affinity_text(messages)[:prefix_bytes]
     elif kind == "completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):

@@ -2,10 +2,12 @@
 
 Round-robin leaves one replica with seven requests while another sits idle,
 because answers take wildly different times. Here a replica's load is what
-this worker has outstanding on it, or what the engine itself reports waiting
-and running (which counts every other worker's and gateway's requests too),
-whichever is larger; figures older than `stale_after` are ignored, since
-routing on an old queue length is worse than routing blind. Two replicas are
+this worker has outstanding on it now, plus what the engine last reported
+waiting and running beyond this worker's own requests at that moment (other
+workers' and other gateways' traffic). Counting our own requests from the
+engine's figures as well made a replica look busy for a second after its
+answer was done. Figures older than `stale_after` are ignored: routing on an
+old queue length is worse than routing on what we know. Two replicas are
 drawn by weight and the less loaded (per unit of weight) wins: the power of
 two choices keeps queues short without every worker piling onto the same
 "least loaded" replica between two metric reads.
@@ -29,7 +31,8 @@ from llmgw.snapshot import ReplicaSpec, Snapshot
 class ReplicaState:
     """What one worker knows about one replica."""
 
-    __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at", "seed")
+    __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at",
+                 "outstanding_at_metrics", "seed")
 
     def __init__(self, spec: ReplicaSpec, breaker: Breaker, target=None):
         self.spec = spec
@@ -40,6 +43,7 @@ class ReplicaState:
         self.running: float | None = None
         self.kv_cache: float | None = None
         self.metrics_at: float | None = None
+        self.outstanding_at_metrics = 0  # ours among the engine's figures when it reported them
         self.seed = hashlib.blake2b(spec.id.encode(), digest_size=8).digest()
 
     def fresh(self, now: float, stale_after: float) -> bool:
@@ -50,11 +54,19 @@ class ReplicaState:
         load = float(self.outstanding)
         if self.fresh(now, stale_after):
             reported = (self.waiting or 0.0) + (self.running or 0.0)
-            load = max(load, reported)
+            load += max(0.0, reported - self.outstanding_at_metrics)
             # A nearly full KV cache means the next request will queue even if
             # few are running; count it as up to one more request ahead.
             load += self.kv_cache or 0.0
         return load + 1.0
+
+    def record_metrics(self, figures: dict[str, float], now: float) -> None:
+        """Take the engine's own load figures (absent ones stay unknown)."""
+        self.waiting = figures.get("waiting")
+        self.running = figures.get("running")
+        self.kv_cache = figures.get("kv_cache")
+        self.metrics_at = now
+        self.outstanding_at_metrics = self.outstanding
 
 
 def affinity_key(text: bytes, prefix_bytes: int) -> bytes | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import socket
 import time
 import urllib.error
@@ -38,3 +39,20 @@ def wait_for(what: str, limit: float, done, alive=lambda: True, interval: float 
         if time.monotonic() >= deadline:
             raise TimeoutError(f"gave up waiting for {what} after {limit:.0f} s")
         time.sleep(interval)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; returns the limit now in force.
+
+    Every open stream holds two sockets in a gateway worker (client and
+    engine), so the common default of 1024 caps a worker near 500 streams.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft

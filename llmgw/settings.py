@@ -38,7 +38,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.workers", "int", 2,
             "gunicorn worker processes (gevent). Each holds thousands of streams; add workers for CPU, not for connections.",
             minimum=1),
-    Setting("gateway.worker_connections", "int", 10000,
+    Setting("gateway.worker_connections", "int", 4096,
             "Connections one worker holds at once, open streams included. Clients beyond workers x this wait unanswered.",
             minimum=1),
     Setting("gateway.metrics_listen", "str", "127.0.0.1:9092",
@@ -70,7 +70,8 @@ SETTINGS: tuple[Setting, ...] = (
             "A request goes to the replica that saw its prompt prefix while that replica is no busier than this many times "
             "the least loaded one.", minimum=1.0),
     Setting("routing.affinity_prefix_bytes", "int", 2048,
-            "How much of the start of a prompt decides which replica has it cached. 0 turns affinity off.", minimum=0),
+            "How much of a chat's first message (or a completion's prompt) decides which replica has it cached. "
+            "0 turns affinity off.", minimum=0),
     Setting("routing.metrics_interval", "float", 1.0,
             "Seconds between reads of each engine's `/metrics` (waiting and running requests, KV cache use).",
             minimum=0.05),

@@ -25,6 +25,8 @@ import gevent
 from gevent.lock import BoundedSemaphore
 from gevent.pywsgi import WSGIServer
 
+from llmgw.procs import raise_fd_limit
+
 PREFIX_BYTES = 256
 PREFIX_CACHE_ENTRIES = 4096
 CACHED_TTFT_FRACTION = 0.1
@@ -51,6 +53,7 @@ class SimEngine:
         self.rng = random.Random(seed)
         self.slots = BoundedSemaphore(options.max_concurrency) if options.max_concurrency else None
         self.running = 0
+        self.peak = 0  # most requests running at once, for tests that must prove concurrency
         self.waiting = 0
         self.requests = 0
         self.cancelled = 0
@@ -147,6 +150,7 @@ class SimEngine:
                 finally:
                     self.waiting -= 1
             self.running += 1
+            self.peak = max(self.peak, self.running)
 
         def leave():
             self.running -= 1
@@ -255,6 +259,7 @@ class SimEngine:
             "# TYPE vllm:prefix_cache_hits_total counter", f"vllm:prefix_cache_hits_total{label} {self.cache_hits}",
             "# TYPE llmgw_sim_requests_total counter", f"llmgw_sim_requests_total {self.requests}",
             "# TYPE llmgw_sim_cancelled_total counter", f"llmgw_sim_cancelled_total {self.cancelled}",
+            "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
         ]
         return "\n".join(lines) + "\n"
 
@@ -281,6 +286,7 @@ class _NoDelayServer(WSGIServer):
 
 def serve(listen: str, options: SimOptions, announce=print) -> None:
     """Serve a simulated engine on LISTEN (`HOST:PORT`; port 0 picks one) until killed."""
+    raise_fd_limit()
     host, _, port = listen.rpartition(":")
     server = _NoDelayServer((host or "127.0.0.1", int(port)), SimEngine(options), log=None, error_log=None,
                             backlog=4096)

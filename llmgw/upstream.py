@@ -224,12 +224,15 @@ class Pool:
 
     def request(self, target: Target, method: str, path: str, body: bytes = b"",
                 first_byte: float = 300.0, deadline: float | None = None,
-                content_type: bytes = b"application/json") -> Response:
-        """Send a request and wait for the response's head; the body is read by the caller."""
+                content_type: bytes = b"application/json", headers: bytes = b"") -> Response:
+        """Send a request and wait for the response's head; the body is read by the caller.
+
+        HEADERS are extra header lines, each ending in CRLF.
+        """
         deadline = deadline if deadline is not None else float("inf")
         head = b"".join((method.encode(), b" ", target.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
                          target.host_header, b"\r\nContent-Type: ", content_type,
-                         b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n\r\n"))
+                         b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", headers, b"\r\n"))
         conns = self.idle.get(target.key)
         while True:
             conn = conns.pop() if conns else self._connect(target, deadline)

@@ -103,12 +103,9 @@ class Runtime:
         text = self._get(state, "/metrics")
         if text is None:
             return
-        load = enginemetrics.parse_load(text.decode("utf-8", "replace"))
-        if load:
-            state.waiting = load.get("waiting")
-            state.running = load.get("running")
-            state.kv_cache = load.get("kv_cache")
-            state.metrics_at = time.monotonic()
+        figures = enginemetrics.parse_load(text.decode("utf-8", "replace"))
+        if figures:
+            state.record_metrics(figures, time.monotonic())
 
     def _get(self, state: ReplicaState, path: str) -> bytes | None:
         try:

@@ -63,11 +63,16 @@ def test_streams_always_ask_the_engine_for_usage():
     assert asked.client_wants_usage and asked.upstream_body("m") is asked.raw
 
 
-def test_prompt_text_for_affinity_is_bounded():
+def test_affinity_follows_the_first_message_and_is_bounded():
     req = parse("chat", {"model": "m", "messages": [{"role": "system", "content": "s" * 5000},
-                                                     {"role": "user", "content": [{"type": "text", "text": "x"}]}]},
-                prefix=100)
+                                                     {"role": "user", "content": "x"}]}, prefix=100)
     assert req.prompt_text == b"s" * 100
+    later_turn = parse("chat", {"model": "m", "messages": [
+        {"role": "system", "content": "s" * 5000}, {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]}, prefix=100)
+    assert later_turn.prompt_text == req.prompt_text  # a conversation keeps its replica
+    parts = parse("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]})
+    assert parts.prompt_text == b"ab"
     assert parse("completions", {"model": "m", "prompt": "abc"}).prompt_text == b"abc"
 
 

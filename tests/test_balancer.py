@@ -23,11 +23,19 @@ def test_idle_load_counts_the_new_request():
 def test_fresh_engine_figures_count_other_workers_requests():
     r = replicas(1)[0]
     r.outstanding = 1
-    r.waiting, r.running, r.kv_cache, r.metrics_at = 4.0, 2.0, 0.5, 100.0
-    # The engine sees 6 (ours and others'); 6 + 0.5 for a half-full cache + 1 for the new one.
+    r.record_metrics({"waiting": 4.0, "running": 2.0, "kv_cache": 0.5}, 100.0)
+    # The engine saw 6, one of them ours: 1 ours + 5 others + 0.5 for a half-full cache + 1 for the new one.
     assert r.load(101.0, STALE) == 7.5
     # Figures older than stale_after are ignored: only what this worker sent counts.
     assert r.load(106.0, STALE) == 2.0
+
+
+def test_our_own_finished_requests_do_not_linger_in_the_engines_figures():
+    r = replicas(1)[0]
+    r.outstanding = 1
+    r.record_metrics({"running": 1.0}, 100.0)  # the one running was ours
+    r.outstanding = 0  # and it has finished since
+    assert r.load(100.5, STALE) == 1.0
 
 
 def test_two_choices_never_picks_the_busier_of_two():

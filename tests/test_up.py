@@ -1,0 +1,67 @@
+"""`llmgw up`, which `make run` runs: a real model answering behind a gateway, from nothing, twice."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from llmgw.procs import free_port, http_status
+from tests.conftest import post, write_config
+
+
+def run_up(tmp_path, port, config):
+    out = open(tmp_path / "up.out", "w")
+    err = open(tmp_path / "up.err", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "--config", config, "up", "--listen", f"127.0.0.1:{port}"],
+                            cwd=tmp_path, stdout=out, stderr=err)
+    out.close()
+    err.close()
+    deadline = time.monotonic() + 120
+    while "Ctrl-C stops" not in (tmp_path / "up.out").read_text():
+        assert proc.poll() is None, (tmp_path / "up.err").read_text()
+        assert time.monotonic() < deadline, "llmgw up did not come up in 120 s"
+        time.sleep(0.2)
+    return proc, (tmp_path / "up.out").read_text(), (tmp_path / "up.err").read_text()
+
+
+def stop_up(proc, tmp_path):
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+    assert proc.wait(timeout=60) == 0, (tmp_path / "up.err").read_text()
+
+
+def test_up_serves_a_real_model_and_stops_everything(tmp_path):
+    port = free_port()
+    config = write_config(tmp_path / "llmgw.toml", {"gateway.metrics_listen": f"127.0.0.1:{free_port()}"})
+    proc, out, err = run_up(tmp_path, port, config)
+    try:
+        assert "done  key" in err and "said: " in err and "Paris" in err
+        key = re.search(r"key: (sk-llmgw-\S+)", out).group(1)
+        assert oct(os.stat(tmp_path / "var" / "starter-key").st_mode & 0o777) == "0o600"
+        # The printed curl command, run as printed.
+        curl = out[out.index("curl http"):out.index("}]}'") + 4].replace("\\\n", " ")
+        answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
+        assert json.loads(answer.stdout)["choices"][0]["message"]["content"]
+        # The printed Python example, run as printed.
+        example = out[out.index("  from openai"):out.index("print(reply.choices[0].message.content)") + 39]
+        example = "\n".join(line[2:] for line in example.splitlines())
+        ran = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=60)
+        assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr
+        engine_port = int(re.search(r"engine ready on http://127.0.0.1:(\d+)", err).group(1))
+    finally:
+        stop_up(proc, tmp_path)
+    assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
+    assert http_status(f"http://127.0.0.1:{engine_port}/health", timeout=1) is None
+
+    # Again: the store and the key are reused.
+    proc, out, err = run_up(tmp_path, port, config)
+    try:
+        assert "kept  key" in err and key in out
+        status, _, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                            {"model": "smollm2-135m-instruct", "max_tokens": 5,
+                             "messages": [{"role": "user", "content": "Hi"}]}, key)
+        assert status == 200
+    finally:
+        stop_up(proc, tmp_path)
