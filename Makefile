@@ -20,6 +20,7 @@ run: $(STAMP)
 	$(BIN)/llmgw up
 
 test: $(STAMP)
+	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest
 
 docs: $(STAMP)

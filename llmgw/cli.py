@@ -130,6 +130,8 @@ def keys_revoke(obj: Context, which):
 @click.option("--tokens-per-s", type=float, default=50.0, show_default=True, help="Token rate; 0 for no delay.")
 @click.option("--max-concurrency", type=int, default=0, show_default=True,
               help="Requests generating at once; the rest wait. 0 for no limit.")
+@click.option("--max-queue", type=int, default=-1, show_default=True,
+              help="With --max-concurrency: requests allowed to wait; beyond, 429. -1 for no limit.")
 @click.option("--default-tokens", type=int, default=16, show_default=True, help="Answer length without max_tokens.")
 @click.option("--no-prefix-cache", is_flag=True, help="Every prompt pays its full time to first token.")
 @click.option("--fail-rate", type=float, default=0.0, show_default=True, help="Fraction of requests answered 500.")
@@ -137,13 +139,13 @@ def keys_revoke(obj: Context, which):
               help="Exit partway through the Nth request (0: never).")
 @click.option("--stall-after-tokens", type=int, default=-1, show_default=True,
               help="Stop sending after K tokens of a stream, keeping the connection open (-1: never).")
-def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, default_tokens, no_prefix_cache,
+def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
         fail_rate, die_after, stall_after_tokens):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.sim import SimOptions, serve
 
     options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
-                         max_concurrency=max_concurrency, default_tokens=default_tokens,
+                         max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())

@@ -44,12 +44,22 @@ def _status_line(status: int) -> str:
 
 
 def _upstream_error(model: str, e: UpstreamError, replica: str) -> ApiError:
+    if e.phase == "busy":
+        return ApiError(429, f"Every replica of {model} tried is at capacity. Retry after {e.retry_after} s.",
+                        "engine_at_capacity", retry_after=e.retry_after)
     if e.phase in ("first_byte", "idle", "total"):
         return ApiError(504, f"The engine for {model} (replica {replica}) timed out: {e}. Try again; if it keeps "
                              "happening, the model may be overloaded or the timeouts.* settings too short.",
                         "upstream_timeout")
     return ApiError(502, f"The engine for {model} (replica {replica}) failed: {e}. Try again; an operator "
                          "should look at that replica's logs if it persists.", "upstream_error")
+
+
+def _retry_after(value: str | None) -> int:
+    try:
+        return max(1, int(value)) if value else 1
+    except ValueError:
+        return 1
 
 
 def _watch_client(sock: socket.socket, resp: Response) -> None:
@@ -195,6 +205,13 @@ class Proxy:
             sent = time.perf_counter()
             try:
                 resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline)
+                if resp.status == 429:
+                    # The engine is full, not broken: another replica may
+                    # have room, and the breaker is left alone.
+                    resp.read(self.idle)
+                    resp.release()
+                    raise UpstreamError("busy", "it is at capacity (429)",
+                                        retry_after=_retry_after(resp.headers.get("retry-after")))
                 if resp.status >= 500:
                     detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
                     resp.release()
@@ -207,7 +224,7 @@ class Proxy:
             except UpstreamError as e:
                 engine_time += time.perf_counter() - sent
                 replica.outstanding -= 1
-                if replica.breaker.failure(time.monotonic()):
+                if e.phase != "busy" and replica.breaker.failure(time.monotonic()):
                     log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
                                 replica.spec.id, replica.breaker.failures, e)
                 failure = (e, replica.spec.id)

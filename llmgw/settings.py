@@ -115,13 +115,6 @@ class Config:
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
 
-    def replace(self, **overrides: Any) -> "Config":
-        """A copy with some settings changed (dotted names given with `_` for `.`: `gateway_listen`)."""
-        values = dict(self.values)
-        for key, value in overrides.items():
-            values[key.replace("__", ".")] = value
-        return Config(values, list(self.endpoints), list(self.models), self.source)
-
 
 def _check_type(name: str, kind: str, value: Any, where: str) -> Any:
     # bool is an int in Python: `workers = true` must not read as 1.

@@ -39,6 +39,7 @@ class SimOptions:
     ttft_ms: float = 50.0
     tokens_per_s: float = 50.0  # 0: as fast as it can write
     max_concurrency: int = 0  # 0: no limit
+    max_queue: int = -1  # with max_concurrency: requests allowed to wait; beyond, 429 (-1: no limit)
     default_tokens: int = 16
     prefix_cache: bool = True
     fail_rate: float = 0.0
@@ -91,6 +92,9 @@ class SimEngine:
         if self.o.fail_rate and self.rng.random() < self.o.fail_rate:
             return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
         kind = kinds[path]
+        if self.slots is not None and 0 <= self.o.max_queue <= self.waiting and self.slots.locked():
+            start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "2")])
+            return [json.dumps(_error("the queue is full", 429)).encode()]
         if kind == "embeddings":
             return self._json(start_response, "200 OK", self._embeddings(body))
         return self._generate(start_response, kind, body, number)

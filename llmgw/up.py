@@ -110,7 +110,7 @@ class Up:
             return json.loads(resp.read())["choices"][0]["message"]["content"].strip()
 
     def stop(self) -> None:
-        for name, proc in reversed(self.children):
+        for _, proc in reversed(self.children):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         for name, proc in reversed(self.children):

@@ -27,12 +27,14 @@ RECV = 65536
 
 
 class UpstreamError(Exception):
-    """An exchange with an engine that failed. `phase` says where:
-    connect, first_byte, idle, total, closed (the engine hung up), protocol."""
+    """An exchange with an engine that failed. `phase` says where: connect,
+    first_byte, idle, total, closed (the engine hung up), protocol; or what the
+    engine answered: status (a 5xx), busy (a 429)."""
 
-    def __init__(self, phase: str, message: str, nothing_received: bool = False):
+    def __init__(self, phase: str, message: str, nothing_received: bool = False, retry_after: int | None = None):
         super().__init__(message)
         self.phase = phase
+        self.retry_after = retry_after  # for "busy": what the engine asked for
         # Set when a kept-alive connection turned out dead before any answer:
         # then sending again on a fresh one is safe.
         self.nothing_received = nothing_received

@@ -176,9 +176,9 @@ class Gateway:
                      alive=lambda: self.proc.poll() is None)
             # Every worker must have booted, or early requests meet only the first.
             wait_for("every worker to boot", 30, lambda: self.log().count("Booting worker") >= workers)
-        except Exception:
+        except Exception as e:
             self.stop()
-            raise RuntimeError(f"the gateway did not start:\n{self.log()}")
+            raise RuntimeError(f"the gateway did not start:\n{self.log()}") from e
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

@@ -223,3 +223,23 @@ def test_graceful_stop_finishes_streams_and_writes_every_usage_row(tmp_path, mak
     assert result["events"][-1] == b"[DONE]" and len(result["events"]) == 17
     # Nothing had been flushed on the timer (60 s); every row was written on the way out.
     assert count_usage(url) == 26
+
+
+def test_engines_at_capacity_are_429_with_retry_after(tmp_path, make_gateway, make_sim):
+    full = [make_sim(replica=f"full{i}", ttft_ms=1, tokens_per_s=2, max_concurrency=1, max_queue=0)
+            for i in range(2)]
+    gw, key, _ = setup(tmp_path, make_gateway, [ep(s.replica, s.url) for s in full], breaker__failures=1,
+                       routing__affinity_prefix_bytes=0)
+    hogs = [threading.Thread(target=post, args=(s.url + "/v1/chat/completions", {**CHAT, "max_tokens": 8}))
+            for s in full]
+    for t in hogs:
+        t.start()
+    wait_until("both engines full", 3, lambda: all(s.metrics()["vllm:num_requests_running"] == 1 for s in full))
+    status, headers, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert status == 429 and headers["Retry-After"] == "2"
+    assert "at capacity" in json.loads(raw)["error"]["message"]
+    for t in hogs:
+        t.join()
+    # Being full is not failing: no breaker opened, so both serve again.
+    assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200
+    assert 'llmgw_endpoint_breaker_open{replica="full0"} 0.0' in gw.metrics()

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from llmgw import keys, store
 from llmgw.cli import main as cli
-from tests.conftest import Gateway, Sim, count_usage, make_key, post, wait_until
+from tests.conftest import Gateway, Sim, make_key, post, wait_until
 
 
 @pytest.fixture(scope="module")

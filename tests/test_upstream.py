@@ -40,7 +40,7 @@ class Scripted:
                     return
                 buf += data
             head, buf = buf.split(b"\r\n\r\n", 1)
-            length = int([l for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")][0].split(b":")[1])
+            length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
             while len(buf) < length:
                 buf += conn.recv(65536)
             self.requests.append(head + b"\r\n\r\n" + buf[:length])
