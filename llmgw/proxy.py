@@ -105,7 +105,7 @@ class Proxy:
             if kind is None:
                 if method != "GET":
                     raise ApiError(405, "Use GET for /v1/models.", "method_not_allowed")
-                return self._models(start_response)
+                return self._models(start_response, t0)
             if method != "POST":
                 raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
             raw = self._read_body(environ)
@@ -172,14 +172,15 @@ class Proxy:
         return (f"The model {name!r} does not exist here. Models: {shown or 'none yet'}. "
                 "GET /v1/models lists them.")
 
-    def _models(self, start_response):
+    def _models(self, start_response, t0):
         snapshot = self.rt.router.snapshot
         data = [{"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw",
                  "root": spec.name, "description": spec.description or None,
                  "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
                 for name, spec in snapshot.listed_ids()]
         body = json.dumps({"object": "list", "data": data}).encode()
-        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                                  (OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}")])
         return [body]
 
     # --- forwarding --------------------------------------------------------------------

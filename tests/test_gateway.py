@@ -121,6 +121,7 @@ def test_every_response_says_what_the_gateway_added(env):
     assert status == 200 and float(headers["X-Llmgw-Overhead-Ms"]) < 50
     status, headers, _ = post(env.url + "/v1/chat/completions", b"{", env.key)
     assert status == 400 and "X-Llmgw-Overhead-Ms" in headers
+    assert "x-llmgw-overhead-ms" in env.client.models.with_raw_response.list().headers
 
 
 @pytest.mark.parametrize("body, param", [

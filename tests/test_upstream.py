@@ -32,6 +32,14 @@ class Scripted:
             threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
 
     def handle(self, conn):
+        try:
+            self.answer(conn)
+        except (OSError, ValueError, IndexError):
+            pass  # the client went away, or the test is over
+        finally:
+            conn.close()
+
+    def answer(self, conn):
         buf = b""
         while self.replies:
             while b"\r\n\r\n" not in buf:
