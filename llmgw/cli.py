@@ -15,12 +15,14 @@ import time
 import click
 
 from llmgw import settings, store
+from llmgw.ctl import ctl
 
 
 class Context:
     def __init__(self, config_path: str | None, store_url: str | None):
         self.config_path = config_path
         self.store_url = store_url
+        self.admin = None  # set by `llmgw ctl`
 
     def config(self) -> settings.Config:
         try:
@@ -149,6 +151,9 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
+
+
+main.add_command(ctl)
 
 
 @main.command()

@@ -58,14 +58,19 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 def serve(listen: str) -> None:
-    """Serve the workers' summed metrics on LISTEN (`host:port`) from the master, in a thread.
+    """Serve the gateway workers' summed metrics on LISTEN (`host:port`) from the master."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    serve_registry(listen, registry)
+
+
+def serve_registry(listen: str, registry: CollectorRegistry) -> None:
+    """Serve REGISTRY on LISTEN in a thread.
 
     Only `/metrics` answers there; any other path is 404, so nothing else is
     ever exposed on the address opened for Prometheus.
     """
     host, _, port = listen.rpartition(":")
-    registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
     exposition = make_wsgi_app(registry)
 
     def only_metrics(environ, start_response):

@@ -90,6 +90,39 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between writes of buffered usage rows to the store.", minimum=0.01),
     Setting("usage.batch_size", "int", 500,
             "Usage rows written in one statement.", minimum=1),
+    Setting("controller.agent_listen", "str", ":7443",
+            "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node."),
+    Setting("controller.admin_listen", "str", "127.0.0.1:9090",
+            "The admin API `llmgw ctl` uses. Keep it on loopback: it can issue node keys."),
+    Setting("controller.metrics_listen", "str", "127.0.0.1:9091",
+            "Prometheus metrics of the whole fleet (nodes, GPUs, replicas); serves nothing else."),
+    Setting("controller.keys_dir", "str", "var/keys",
+            "Where the controller keeps its CURVE key pair (made on first start, mode 0600)."),
+    Setting("controller.plaintext", "bool", False,
+            "Let agents connect without CURVE encryption and keys. Only for a closed test network: "
+            "any machine that reaches agent_listen can then claim to be any node."),
+    Setting("controller.unreachable_after", "float", 15.0,
+            "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it.", minimum=0.1),
+    Setting("controller.lost_after", "float", 60.0,
+            "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere.", minimum=0.1),
+    Setting("agent.controllers", "list", [],
+            "Controller addresses (`HOST:PORT`), tried in turn with backoff when one does not answer."),
+    Setting("agent.key_file", "str", "/etc/llmgw/node.key",
+            "The node's CURVE key file from `llmgw ctl node-key issue NODE`. Secret: keep it mode 0600."),
+    Setting("agent.plaintext", "bool", False,
+            "Connect without CURVE (the controller must allow plaintext too)."),
+    Setting("agent.node_id", "str", "",
+            "The node's name. Empty: the name in the key file, else the host name."),
+    Setting("agent.labels", "dict", {},
+            "Labels placement can select on, such as `{rack = \"r12\", gpu = \"h100\"}`."),
+    Setting("agent.weights_dir", "str", "/var/lib/llmgw-weights",
+            "Where the node keeps model weights it fetched (created at start, so its disk is reported)."),
+    Setting("agent.nvidia_smi", "str", "",
+            "Path of `nvidia-smi` to ask about GPUs. Empty: ask NVML first, then `nvidia-smi` on the PATH."),
+    Setting("agent.heartbeat_interval", "float", 5.0,
+            "Seconds between heartbeats to the controller.", minimum=0.05),
+    Setting("agent.reconnect_max", "float", 30.0,
+            "Longest wait between attempts to reach a controller; waits start at 1 s and double.", minimum=0.05),
     Setting("log.level", "str", "info",
             "Log level: debug, info, warning or error."),
 )
@@ -100,7 +133,7 @@ ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int"}
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,)}
 
 
 class Config:
@@ -143,10 +176,13 @@ def coerce(name: str, value: Any, where: str) -> Any:
     if isinstance(value, str) and setting.kind != "str" and where.startswith("flag"):
         try:
             value = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes"),
-                     "list": lambda v: [p for p in v.split(",") if p]}[setting.kind](value)
+                     "list": lambda v: [p for p in v.split(",") if p],
+                     "dict": lambda v: dict(p.split("=", 1) for p in v.split(",") if p)}[setting.kind](value)
         except ValueError:
             raise ConfigError(f"{name} in {where}: expected {setting.kind}, got {value!r}") from None
     value = _check_type(name, setting.kind, value, where)
+    if setting.kind == "dict" and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ConfigError(f"{name} in {where}: every value must be a string, as in {{rack = \"r12\"}}")
     if setting.secret and isinstance(value, str) and value.startswith("@"):
         value = _read_secret(name, value, where)
     if setting.minimum is not None and value < setting.minimum:

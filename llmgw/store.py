@@ -74,6 +74,23 @@ usage = sa.Table(
     sa.Index("usage_key_at", "key_id", "at"),
 )
 
+# A node's CURVE public key, bound to its id: the controller admits a key only
+# as the node it was issued to.
+node_keys = sa.Table(
+    "node_keys", metadata,
+    sa.Column("node_id", sa.String(200), primary_key=True),
+    sa.Column("public_key", sa.String(40), nullable=False, unique=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# What an operator decided about a node (cordoned), kept across controller restarts.
+node_settings = sa.Table(
+    "node_settings", metadata,
+    sa.Column("node_id", sa.String(200), primary_key=True),
+    sa.Column("cordoned", sa.Boolean, nullable=False, default=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
 DEFAULT_PROJECT = "default"
 
 
@@ -94,6 +111,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "projects, api keys, revisions", _create([projects, api_keys, revisions])),
     (2, "the default project", _seed_default_project),
     (3, "usage rows", _create([usage])),
+    (4, "node keys and node settings", _create([node_keys, node_settings])),
 ]
 
 

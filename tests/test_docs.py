@@ -63,3 +63,18 @@ def test_commands_have_help():
     for args in (["--help"], ["keys", "--help"], ["keys", "create", "--help"], ["sim", "--help"], ["up", "--help"]):
         result = runner.invoke(cli, args)
         assert result.exit_code == 0 and "Usage:" in result.output, args
+
+
+def test_every_fleet_metric_is_documented():
+    from llmgw.fleet import Fleet
+    from llmgw.fleetmetrics import FleetCollector
+
+    doc = read("docs/operations.md")
+    for family in FleetCollector(Fleet(15, 60)).collect():
+        assert f"`{family.name}`" in doc, family.name
+
+
+def test_the_agent_unit_lets_engines_outlive_the_agent():
+    unit = read("deploy/systemd/llmgw-agent.service")
+    assert "KillMode=process" in unit and "LimitMEMLOCK=infinity" in unit
+    assert "ExecStart=/opt/llmgw/.venv/bin/python /opt/llmgw/agent.py" in unit

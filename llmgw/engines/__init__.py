@@ -6,6 +6,18 @@ The gateway does not need to know which engine a replica runs: the names do
 not overlap, so one table reads them all.
 """
 
+from llmgw import __version__
 from llmgw.engines import llamacpp, sglang, vllm
 
 LOAD_METRICS: dict[str, str] = {**vllm.LOAD_METRICS, **llamacpp.LOAD_METRICS, **sglang.LOAD_METRICS}
+
+
+def installed() -> dict[str, str]:
+    """Engine name -> version, for each engine on this machine that answers its version check.
+    The simulator is part of llmgw and always there."""
+    found = {"sim": __version__}
+    for name, module in (("llamacpp", llamacpp), ("vllm", vllm), ("sglang", sglang)):
+        version = module.probe()
+        if version:
+            found[name] = version
+    return found

@@ -9,9 +9,12 @@ machine with nothing but PyPI can serve a model.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 LOAD_METRICS = {
@@ -28,6 +31,21 @@ def find_binary() -> str | None:
 
 def have_wheel() -> bool:
     return importlib.util.find_spec("xllamacpp") is not None
+
+
+def probe() -> str | None:
+    """The installed llama.cpp server's version, or None when there is none that runs."""
+    binary = find_binary()
+    if binary:
+        try:
+            run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        match = re.search(r"version: (\S+)", run.stdout + run.stderr)
+        return match.group(1) if run.returncode == 0 and match else None
+    if have_wheel():
+        return "xllamacpp " + importlib.metadata.version("xllamacpp")
+    return None
 
 
 def command(model_path: str, port: int, name: str, ctx_size: int = 4096, threads: int | None = None,

@@ -1,9 +1,26 @@
-"""vLLM: how its load reads from `/metrics`.
+"""vLLM: whether it is installed, and how its load reads from `/metrics`.
 
 vLLM reports KV cache use as a fraction; the name changed in its V1 engine
 (`kv_cache_usage_perc`), and older releases still in service say
 `gpu_cache_usage_perc`. Both are read. The simulated engine uses these names.
 """
+
+import shutil
+import subprocess
+
+
+def probe() -> str | None:
+    """The version of the `vllm` on the PATH, or None when there is none that runs."""
+    binary = shutil.which("vllm")
+    if not binary:
+        return None
+    try:
+        run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = run.stdout.strip().splitlines()
+    return lines[-1] if run.returncode == 0 and lines else None
+
 
 LOAD_METRICS = {
     "vllm:num_requests_waiting": "waiting",

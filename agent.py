@@ -1,0 +1,118 @@
+"""The node agent: finds out what this machine has and keeps the controller told.
+
+    python agent.py [--config FILE] [--controller HOST:PORT]... [--node-id NAME]
+
+It dials out to the controller (a node needs no inbound port), registers with
+what it found (CPU and vector extensions, memory, the disk holding its
+weights, GPUs), and heartbeats every `agent.heartbeat_interval` with what
+changed. Wiring only: discovery is llmgw/discovery.py, the connection
+llmgw/controllerlink.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import click
+import zmq
+
+from llmgw import __version__, curvekeys, discovery, engines, settings
+from llmgw.controllerlink import ControllerLink
+
+log = logging.getLogger("llmgw.agent")
+
+
+class Reporter:
+    """Makes the register and heartbeat messages' fields; a heartbeat carries only what changed."""
+
+    def __init__(self, node_id: str, cfg: settings.Config):
+        self.node_id = node_id
+        self.cfg = cfg
+        self.cpu = discovery.CpuSampler()
+        self.cpu.percent()
+        self.sent: dict = {}
+        self.has_gpus = False
+
+    def register(self) -> dict:
+        host, _, port = self.cfg["agent.controllers"][0].rpartition(":")
+        facts = dict(node_id=self.node_id, agent_version=__version__, hostname=socket.gethostname(),
+                     address=discovery.route_address(host, int(port)), labels=self.cfg["agent.labels"],
+                     cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
+                     disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
+        facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
+        facts.update(engines=engines.installed(), engines_probed=True)
+        self.has_gpus = bool(facts.get("gpus"))
+        self.sent = {}
+        return facts
+
+    def heartbeat(self) -> dict:
+        current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),
+                   "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent())}}
+        if self.has_gpus:
+            # GPU memory in use catches a process outside llmgw taking a card.
+            keep = ("index", "memory_used_bytes", "utilization_percent", "health")
+            gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
+            if gpus is not None:
+                current["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
+        changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
+        self.sent.update(changed)
+        return changed
+
+
+def _present(**fields) -> dict:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML configuration file (also $LLMGW_CONFIG).")
+@click.option("--controller", "controllers", multiple=True, metavar="HOST:PORT",
+              help="A controller address (repeatable, tried in turn) [agent.controllers].")
+@click.option("--node-id", help="This node's name [agent.node_id; else the key file's, else the host name].")
+@click.option("--key-file", help="The node's CURVE key file [agent.key_file].")
+def main(config_path, controllers, node_id, key_file):
+    """Run the llmgw node agent."""
+    try:
+        cfg = settings.load(config_path, {"agent.controllers": list(controllers) or None,
+                                          "agent.node_id": node_id, "agent.key_file": key_file})
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    logging.basicConfig(level=cfg["log.level"].upper(),
+                        format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+    if not cfg["agent.controllers"]:
+        raise click.ClickException("no controller to connect to: give --controller HOST:PORT or set "
+                                   "agent.controllers in the configuration")
+    keys = None
+    if cfg["agent.plaintext"]:
+        log.warning("agent.plaintext is set: this node connects without encryption or a key")
+    else:
+        try:
+            keys = curvekeys.read_node_key_file(cfg["agent.key_file"])
+        except curvekeys.KeyFileError as e:
+            raise click.ClickException(str(e)) from None
+    node = cfg["agent.node_id"] or (keys or {}).get("node_id") or socket.gethostname()
+    # Created at start, so the disk that will hold weights is reported before the first download.
+    os.makedirs(cfg["agent.weights_dir"], exist_ok=True)
+
+    reporter = Reporter(node, cfg)
+    context = zmq.Context()
+    link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
+                          cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    log.info("node %s: connecting to %s", node, ", ".join(cfg["agent.controllers"]))
+    try:
+        link.run(stopping.is_set)
+    finally:
+        context.term()
+        log.info("agent stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

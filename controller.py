@@ -1,0 +1,99 @@
+"""The controller: agents connect here, and `llmgw ctl` manages the fleet through its admin API.
+
+    python controller.py [--config FILE] [--agent-listen :7443] [--admin-listen 127.0.0.1:9090]
+
+Wiring only: configuration, the store, the CURVE keys, the agents' ROUTER, the
+admin API and fleet metrics, and the loop that serves agents until SIGTERM.
+What a node is and how its state ages is in llmgw/fleet.py; the wire is in
+llmgw/agentserver.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+import click
+import zmq
+from prometheus_client import CollectorRegistry
+from werkzeug.serving import make_server
+
+from llmgw import adminapi, curvekeys, settings, store
+from llmgw.agentserver import AgentServer, KeyRing
+from llmgw.fleet import Fleet
+from llmgw.fleetmetrics import FleetCollector
+from llmgw.metrics import serve_registry
+
+log = logging.getLogger("llmgw.controller")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML configuration file (also $LLMGW_CONFIG).")
+@click.option("--agent-listen", help="Where agents connect [controller.agent_listen: :7443].")
+@click.option("--admin-listen", help="The admin API for llmgw ctl [controller.admin_listen: 127.0.0.1:9090].")
+@click.option("--metrics-listen", help="Fleet metrics [controller.metrics_listen: 127.0.0.1:9091].")
+@click.option("--store", "store_url", help="Database URL [store.url]; @/path reads it from a file.")
+def main(config_path, agent_listen, admin_listen, metrics_listen, store_url):
+    """Run the llmgw controller."""
+    try:
+        cfg = settings.load(config_path, {"controller.agent_listen": agent_listen,
+                                          "controller.admin_listen": admin_listen,
+                                          "controller.metrics_listen": metrics_listen, "store.url": store_url})
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    logging.basicConfig(level=cfg["log.level"].upper(),
+                        format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per `llmgw ctl` call
+    try:
+        engine = store.open_store(cfg["store.url"])
+    except Exception as e:
+        raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}") from None
+
+    plaintext = cfg["controller.plaintext"]
+    if plaintext:
+        log.warning("controller.plaintext is set: agents connect WITHOUT encryption or keys, and any machine "
+                    "that reaches %s can claim to be any node. Use it only on a closed test network.",
+                    cfg["controller.agent_listen"])
+        ring, keypair, public = None, None, None
+    else:
+        keypair = curvekeys.controller_keypair(cfg["controller.keys_dir"])
+        public = keypair[0]
+        ring = KeyRing(curvekeys.authorised_keys(engine))
+        log.info("agents authenticate with CURVE; %d node keys issued", len(ring.keys))
+
+    fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
+                  cordoned=adminapi.cordoned_nodes(engine))
+    context = zmq.Context()
+    server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
+                         heartbeat_interval=cfg["agent.heartbeat_interval"])
+
+    host, _, port = cfg["controller.admin_listen"].rpartition(":")
+    admin = make_server(host or "127.0.0.1", int(port),
+                        adminapi.create_app(fleet, engine, ring, public, plaintext), threaded=True)
+    threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
+    registry = CollectorRegistry()
+    registry.register(FleetCollector(fleet))
+    serve_registry(cfg["controller.metrics_listen"], registry)
+    log.info("agents on %s, admin API on http://%s, metrics on http://%s/metrics", cfg["controller.agent_listen"],
+             cfg["controller.admin_listen"], cfg["controller.metrics_listen"])
+
+    # Handlers only set a flag: the loop notices within one poll.
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    try:
+        while not stopping.is_set():
+            server.poll(100)
+    finally:
+        admin.shutdown()
+        server.close()
+        context.term()
+        engine.dispose()
+        log.info("controller stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""CURVE keys: the controller's key pair, the node key files it issues, and which key is which node.
+
+A node authenticates with a key pair issued for it by `llmgw ctl node-key
+issue NODE`; the controller keeps the public half bound to the node id, so a
+node can only ever speak as itself. The key file an operator copies to the node
+holds the node's id, its key pair and the controller's public key (which the
+agent needs to encrypt to the right server).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+
+import sqlalchemy as sa
+import zmq
+from sqlalchemy.engine import Engine
+
+from llmgw import store
+
+
+class KeyFileError(Exception):
+    """A key file that cannot be used; the message says what to do."""
+
+
+def _write_private(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def controller_keypair(keys_dir: str) -> tuple[bytes, bytes]:
+    """(public, secret) of the controller, made on first use and kept in KEYS_DIR/controller.key."""
+    path = os.path.join(keys_dir, "controller.key")
+    if not os.path.exists(path):
+        public, secret = zmq.curve_keypair()
+        _write_private(path, f'public_key = "{public.decode()}"\nsecret_key = "{secret.decode()}"\n')
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    return data["public_key"].encode(), data["secret_key"].encode()
+
+
+def node_key_file(node_id: str, public: bytes, secret: bytes, controller_public: bytes) -> str:
+    return (f"# llmgw node key for {node_id}. Keep it secret: mode 0600, readable by the agent only.\n"
+            f'node_id = "{node_id}"\npublic_key = "{public.decode()}"\nsecret_key = "{secret.decode()}"\n'
+            f'controller_public_key = "{controller_public.decode()}"\n')
+
+
+def read_node_key_file(path: str) -> dict[str, str]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise KeyFileError(f"cannot read the node key file {path}: {e.strerror}. On the controller, run "
+                           "`llmgw ctl node-key issue NODE > node.key` and copy it here "
+                           "(or set agent.plaintext on a closed test network)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise KeyFileError(f"{path} is not a node key file: {e}") from None
+    missing = [k for k in ("node_id", "public_key", "secret_key", "controller_public_key") if not data.get(k)]
+    if missing:
+        raise KeyFileError(f"{path} lacks {', '.join(missing)}; issue a new one with `llmgw ctl node-key issue NODE`")
+    return data
+
+
+def issue_node_key(engine: Engine, node_id: str) -> tuple[bytes, bytes]:
+    """A new key pair for NODE_ID, replacing any earlier one (which stops working)."""
+    public, secret = zmq.curve_keypair()
+    with engine.begin() as conn:
+        conn.execute(store.node_keys.delete().where(store.node_keys.c.node_id == node_id))
+        conn.execute(store.node_keys.insert().values(node_id=node_id, public_key=public.decode(),
+                                                     created_at=time.time()))
+    return public, secret
+
+
+def authorised_keys(engine: Engine) -> dict[bytes, str]:
+    """z85 public key -> node id, for every issued key."""
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(store.node_keys.c.public_key, store.node_keys.c.node_id)).all()
+    return {public.encode(): node_id for public, node_id in rows}

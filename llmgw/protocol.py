@@ -1,0 +1,82 @@
+"""The messages between agents and the controller: versioned JSON, fields only ever added.
+
+Each message is one JSON object with `v` (the protocol version that wrote it)
+and `type`. A reader ignores fields it does not know (a newer peer wrote them)
+and treats a field that is absent as "not known", never as zero or empty: a
+node that did not probe its GPUs sends no `gpus`, which is different from
+`"gpus": []` (probed, none found). `docs/protocol.md` describes every message;
+a test keeps that page and `MESSAGES` in step.
+
+Only the shape is checked here: required fields present with the right JSON
+types. What a message means is the controller's and the agent's business.
+"""
+
+from __future__ import annotations
+
+import json
+
+VERSION = 1
+
+# type -> {field: (json type, required)}. Add fields; never remove or retype one.
+MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
+    # agent -> controller
+    "register": {
+        "node_id": ("str", True), "agent_version": ("str", True), "address": ("str", False),
+        "labels": ("object", False), "hostname": ("str", False),
+        "cpu": ("object", False), "memory": ("object", False), "disk": ("object", False),
+        "gpus": ("array", False), "gpus_probed": ("bool", False), "gpu_probe_error": ("str", False),
+        "engines": ("object", False), "engines_probed": ("bool", False), "shards": ("array", False),
+    },
+    "heartbeat": {
+        "node_id": ("str", True), "seq": ("int", True), "memory": ("object", False), "load": ("object", False),
+        "disk": ("object", False), "gpus": ("array", False), "engines": ("object", False),
+        "engines_changed": ("bool", False),
+    },
+    # controller -> agent
+    "registered": {"node_id": ("str", True), "heartbeat_interval": ("number", False)},
+    "heartbeat_ack": {"seq": ("int", True)},
+    "register_again": {"reason": ("str", True)},
+    "refused": {"reason": ("str", True)},
+}
+
+_PY_TYPES = {"str": str, "int": int, "number": (int, float), "bool": bool, "object": dict, "array": list}
+
+
+class ProtocolError(Exception):
+    """A message that cannot be read; it is dropped and logged, never acted on."""
+
+
+def encode(kind: str, **fields) -> bytes:
+    """One message, with absent (None) fields left out rather than sent as null."""
+    if kind not in MESSAGES:
+        raise ValueError(f"unknown message type {kind!r}")
+    body = {"v": VERSION, "type": kind}
+    body.update((k, v) for k, v in fields.items() if v is not None)
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> dict:
+    """Parse and check a message; raises ProtocolError saying what is wrong."""
+    try:
+        message = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("not a JSON object")
+    kind = message.get("type")
+    schema = MESSAGES.get(kind)
+    if schema is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    if not isinstance(message.get("v"), int):
+        raise ProtocolError("no protocol version (v)")
+    for field, (json_type, required) in schema.items():
+        if field not in message:
+            if required:
+                raise ProtocolError(f"{kind} without {field}")
+            continue
+        value = message[field]
+        if isinstance(value, bool) and json_type in ("int", "number"):
+            raise ProtocolError(f"{kind}.{field} must be {json_type}, not a boolean")
+        if not isinstance(value, _PY_TYPES[json_type]):
+            raise ProtocolError(f"{kind}.{field} must be {json_type}, not {type(value).__name__}")
+    return message

@@ -1,0 +1,106 @@
+"""A controller and agents as real processes, for the control plane's tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+from llmgw.procs import free_port, http_status, wait_for
+from tests.conftest import ROOT, stop_process, write_config
+
+FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agent.heartbeat_interval": 0.2,
+        "agent.reconnect_max": 0.5}
+
+
+class Controller:
+    def __init__(self, tmp, store_url=None, agent_port=None, **settings):
+        self.tmp = tmp
+        self.agent_port = agent_port or free_port()
+        self.admin_port = free_port()
+        self.metrics_port = free_port()
+        self.values = {"store.url": store_url or f"sqlite:///{tmp}/controller.db",
+                       "controller.agent_listen": f"127.0.0.1:{self.agent_port}",
+                       "controller.admin_listen": f"127.0.0.1:{self.admin_port}",
+                       "controller.metrics_listen": f"127.0.0.1:{self.metrics_port}",
+                       "controller.keys_dir": f"{tmp}/controller-keys", **FAST,
+                       **{k.replace("__", "."): v for k, v in settings.items()}}
+        self.config = write_config(tmp / "controller.toml", self.values)
+        self.start()
+
+    def start(self):
+        self.log_path = self.tmp / f"controller-{self.admin_port}.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "controller.py"), "--config", self.config],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_for("the controller's admin API", 20,
+                 lambda: http_status(f"http://127.0.0.1:{self.admin_port}/api/v1/status") == 200,
+                 alive=lambda: self.proc.poll() is None)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def api(self, path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def nodes(self) -> dict:
+        return {n["node_id"]: n for n in self.api("/api/v1/nodes")["nodes"]}
+
+    def state(self, node_id):
+        node = self.nodes().get(node_id)
+        return node and node["state"]
+
+    def ctl(self, *args):
+        return subprocess.run([sys.executable, "-m", "llmgw", "--config", self.config, "ctl", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    def issue_key(self, node_id) -> str:
+        run = self.ctl("node-key", "issue", node_id)
+        assert run.returncode == 0, run.stderr
+        return run.stdout
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
+            return resp.read().decode()
+
+    def stop(self, sig=None):
+        import signal
+        return stop_process(self.proc, sig or signal.SIGTERM)
+
+
+class Agent:
+    def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
+                 nvidia_smi_capture: str | None = None, plaintext=False):
+        self.node_id = node_id
+        folder = tmp / f"agent-{node_id}"
+        folder.mkdir(exist_ok=True)
+        values = {"agent.controllers": controllers, "agent.weights_dir": str(folder / "weights"),
+                  "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST}
+        if key_text is not None:
+            (folder / "node.key").write_text(key_text)
+            (folder / "node.key").chmod(0o600)
+            values["agent.key_file"] = str(folder / "node.key")
+        if plaintext or key_text is None:
+            values["agent.node_id"] = node_id
+        env = dict(os.environ)
+        if nvidia_smi_capture:
+            values["agent.nvidia_smi"] = os.path.join(ROOT, "tests", "fake-nvidia-smi")
+            env["LLMGW_FAKE_SMI"] = os.path.join(ROOT, "tests", "fixtures", nvidia_smi_capture)
+        else:
+            # No GPUs here: an empty PATH entry for nvidia-smi means "ask NVML, then the PATH".
+            values["agent.nvidia_smi"] = ""
+        config = write_config(folder / "agent.toml", values)
+        self.log_path = folder / "agent.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "agent.py"), "--config", config],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig=None):
+        import signal
+        return stop_process(self.proc, sig or signal.SIGTERM)

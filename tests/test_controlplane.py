@@ -1,0 +1,160 @@
+"""The controller and three agents as separate processes: registration, CURVE, node states, ctl."""
+
+import json
+import re
+import time
+
+import pytest
+import zmq
+
+from llmgw import curvekeys
+from llmgw.procs import free_port, wait_for
+from tests.cluster import Agent, Controller
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def controller(**settings):
+        c = Controller(tmp_path, **settings)
+        made.append(c)
+        return c
+
+    def agent(*args, **kwargs):
+        a = Agent(tmp_path, *args, **kwargs)
+        made.append(a)
+        return a
+
+    yield controller, agent
+    for thing in reversed(made):
+        thing.stop()
+
+
+def test_three_agents_register_with_what_they_found(cluster):
+    controller, agent = cluster
+    c = controller()
+    address = [f"127.0.0.1:{c.agent_port}"]
+    agent(address, "gpu-a", c.issue_key("gpu-a"), labels={"rack": "r1"}, nvidia_smi_capture="nvidia-smi-8xh100.csv")
+    agent(address, "gpu-b", c.issue_key("gpu-b"), labels={"rack": "r2"},
+          nvidia_smi_capture="nvidia-smi-2xl40s-old-driver.csv")
+    agent(address, "cpu-c", c.issue_key("cpu-c"))
+    wait_for("three nodes", 10, lambda: len(c.nodes()) == 3)
+    wait_for("every node ready", 5, lambda: all(n["state"] == "ready" for n in c.nodes().values()))
+    nodes = c.nodes()
+    a = nodes["gpu-a"]["facts"]
+    assert a["labels"] == {"rack": "r1"} and a["address"] == "127.0.0.1"
+    assert [g["class"] for g in a["gpus"]] == ["h100-80g"] * 8 and a["gpus_probed"] is True
+    assert a["cpu"]["count"] >= 1 and "avx2" in a["cpu"]["flags"]
+    assert a["memory"]["total_bytes"] > 0 and a["disk"]["free_bytes"] > 0
+    assert a["engines_probed"] is True and "sim" in a["engines"] and "llamacpp" in a["engines"]
+    assert nodes["cpu-c"]["facts"]["gpus"] == []  # probed: none, which is an answer
+    # Heartbeats bring the load; GPU figures a driver cannot report stay absent.
+    wait_for("heartbeat status", 5, lambda: "load" in c.nodes()["gpu-a"]["status"])
+    metrics = c.metrics()
+    assert 'llmgw_node_up{node="gpu-a",state="ready"} 1.0' in metrics
+    assert 'llmgw_gpu_utilization_percent{gpu="4",node="gpu-a"} 97.0' in metrics
+    assert 'llmgw_gpu_utilization_percent{gpu="0",node="gpu-b"}' not in metrics
+    assert 'llmgw_gpu_memory_total_bytes{gpu="1",node="gpu-b"}' in metrics
+    table = c.ctl("nodes").stdout
+    assert re.search(r"gpu-a\s+ready", table) and "h100-80g" in table
+    assert c.ctl("status").stdout.strip() == "3 nodes: 3 ready"
+
+
+def test_a_key_nobody_issued_is_refused_and_the_agent_says_what_to_do(cluster):
+    controller, agent = cluster
+    c = controller()
+    public, secret = zmq.curve_keypair()
+    controller_public = (c.tmp / "controller-keys" / "controller.key").read_text()
+    controller_public = re.search(r'public_key = "(.*)"', controller_public).group(1).encode()
+    forged = curvekeys.node_key_file("intruder", public, secret, controller_public)
+    a = agent([f"127.0.0.1:{c.agent_port}"], "intruder", forged)
+    wait_for("the agent to report the refusal", 10, lambda: "refused this node's key" in a.log())
+    assert "llmgw ctl node-key issue intruder" in a.log()
+    assert "intruder" not in c.nodes()
+
+
+def test_a_node_cannot_speak_for_another(cluster):
+    controller, agent = cluster
+    c = controller()
+    key_for_a = c.issue_key("node-a")
+    # node-a's genuine key, claiming to be node-b.
+    a = agent([f"127.0.0.1:{c.agent_port}"], "node-b", key_for_a.replace('node_id = "node-a"', 'node_id = "node-b"'))
+    wait_for("the refusal", 10, lambda: "refused this node" in a.log())
+    assert "issued to 'node-a', not 'node-b'" in a.log()
+    assert c.nodes() == {}
+
+
+def test_unreachable_then_lost_then_removed(cluster):
+    controller, agent = cluster
+    c = controller()  # unreachable after 1 s of silence, lost after 2 s
+    a = agent([f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    wait_for("n1 ready", 10, lambda: c.state("n1") == "ready")
+    refused = c.ctl("node", "remove", "n1")
+    assert refused.returncode == 1 and "only a lost node" in refused.stderr
+    a.stop(sig=9)
+    silent_since = time.monotonic()
+    wait_for("n1 unreachable", 3, lambda: c.state("n1") == "unreachable", interval=0.05)
+    became_unreachable = time.monotonic() - silent_since
+    wait_for("n1 lost", 3, lambda: c.state("n1") == "lost", interval=0.05)
+    became_lost = time.monotonic() - silent_since
+    # The last heartbeat was up to one interval (0.2 s) before the kill.
+    assert 0.7 <= became_unreachable <= 1.5 and 1.7 <= became_lost <= 2.5
+    assert c.ctl("node", "remove", "n1").returncode == 0
+    assert c.nodes() == {}
+
+
+def test_cordon_holds_across_a_controller_restart_and_agents_register_again(cluster):
+    controller, agent = cluster
+    c = controller()
+    agent([f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    agent([f"127.0.0.1:{c.agent_port}"], "n2", c.issue_key("n2"))
+    wait_for("two nodes", 10, lambda: len(c.nodes()) == 2)
+    assert c.ctl("cordon", "n1").returncode == 0
+    assert c.state("n1") == "cordoned"
+    c.stop()
+    c.start()  # same keys, same store, same port
+    wait_for("both nodes back", 10, lambda: len(c.nodes()) == 2)
+    assert c.state("n1") == "cordoned" and c.state("n2") == "ready"
+    assert c.ctl("uncordon", "n1").returncode == 0
+    assert c.state("n1") == "ready"
+    assert c.ctl("cordon", "nonexistent").returncode == 1
+
+
+def test_an_agent_tries_each_controller_address_in_turn(cluster):
+    controller, agent = cluster
+    c = controller()
+    dead = f"127.0.0.1:{free_port()}"
+    a = agent([dead, f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    wait_for("registration through the second address", 15, lambda: c.state("n1") == "ready")
+    assert "no answer from the controller at " + dead in a.log()
+
+
+def test_plaintext_only_on_purpose_and_said_at_start(cluster):
+    controller, agent = cluster
+    c = controller(controller__plaintext=True)
+    assert "WITHOUT encryption" in c.log()
+    agent([f"127.0.0.1:{c.agent_port}"], "plain", None, plaintext=True)
+    wait_for("a plaintext node", 10, lambda: c.state("plain") == "ready")
+    refused = c.ctl("node-key", "issue", "x")
+    assert refused.returncode == 1 and "plaintext" in refused.stderr
+
+
+def test_ctl_says_where_it_looked_when_the_controller_is_down(tmp_path):
+    import subprocess
+    import sys
+
+    port = free_port()
+    run = subprocess.run([sys.executable, "-m", "llmgw", "ctl", "--admin", f"http://127.0.0.1:{port}", "nodes"],
+                         capture_output=True, text=True)
+    assert run.returncode == 1 and f"does not answer at http://127.0.0.1:{port}" in run.stderr
+
+
+def test_ctl_json_for_scripts(cluster):
+    controller, agent = cluster
+    c = controller()
+    agent([f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    wait_for("n1", 10, lambda: c.state("n1") == "ready")
+    lines = c.ctl("nodes", "--json").stdout.splitlines()
+    assert json.loads(lines[0])["node_id"] == "n1"
+    assert json.loads(c.ctl("status", "--json").stdout)["nodes"]["ready"] == 1

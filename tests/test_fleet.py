@@ -1,0 +1,43 @@
+import pytest
+
+from llmgw.fleet import CORDONED, LOST, READY, UNREACHABLE, Fleet, FleetError
+
+
+def test_states_age_with_silence():
+    fleet = Fleet(unreachable_after=15, lost_after=60)
+    fleet.register("n1", {"node_id": "n1"}, b"id1", now=100.0)
+    state = lambda now: fleet.describe(now)[0]["state"]  # noqa: E731
+    assert state(115.0) == READY
+    assert state(115.1) == UNREACHABLE
+    assert state(160.1) == LOST
+    assert fleet.heartbeat("n1", {"seq": 1}, b"id1", now=161.0)
+    assert state(161.0) == READY
+
+
+def test_a_heartbeat_from_an_unknown_connection_asks_for_registration():
+    fleet = Fleet(15, 60)
+    assert not fleet.heartbeat("n1", {"seq": 1}, b"id1", 0.0)
+    fleet.register("n1", {}, b"id1", 0.0)
+    assert not fleet.heartbeat("n1", {"seq": 2}, b"another-connection", 1.0)
+
+
+def test_heartbeats_carry_only_what_changed():
+    fleet = Fleet(15, 60)
+    fleet.register("n1", {}, b"i", 0.0)
+    fleet.heartbeat("n1", {"seq": 1, "memory": {"available_bytes": 5}, "load": {"load1": 0.5}}, b"i", 1.0)
+    fleet.heartbeat("n1", {"seq": 2, "load": {"load1": 0.7}}, b"i", 2.0)
+    assert fleet.describe(2.0)[0]["status"] == {"memory": {"available_bytes": 5}, "load": {"load1": 0.7}}
+
+
+def test_cordon_survives_re_registration_and_remove_needs_a_lost_node():
+    fleet = Fleet(15, 60)
+    fleet.register("n1", {}, b"i", 0.0)
+    fleet.set_cordon("n1", True)
+    fleet.register("n1", {}, b"j", 1.0)
+    assert fleet.describe(1.0)[0]["state"] == CORDONED
+    with pytest.raises(FleetError, match="only a lost node"):
+        fleet.remove("n1", 2.0)
+    fleet.remove("n1", 100.0)
+    assert fleet.describe(100.0) == []
+    with pytest.raises(FleetError, match="no node 'n1'"):
+        fleet.remove("n1", 100.0)
