@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
@@ -23,6 +24,7 @@ import zmq
 
 from llmgw import __version__, curvekeys, discovery, engines, settings
 from llmgw.controllerlink import ControllerLink
+from llmgw.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
 
@@ -30,9 +32,10 @@ log = logging.getLogger("llmgw.agent")
 class Reporter:
     """Makes the register and heartbeat messages' fields; a heartbeat carries only what changed."""
 
-    def __init__(self, node_id: str, cfg: settings.Config):
+    def __init__(self, node_id: str, cfg: settings.Config, supervisor: Supervisor):
         self.node_id = node_id
         self.cfg = cfg
+        self.supervisor = supervisor
         self.cpu = discovery.CpuSampler()
         self.cpu.percent()
         self.sent: dict = {}
@@ -45,7 +48,7 @@ class Reporter:
                      cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
                      disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
         facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
-        facts.update(engines=engines.installed(), engines_probed=True)
+        facts.update(engines=engines.installed(), engines_probed=True, shards=self.supervisor.describe())
         self.has_gpus = bool(facts.get("gpus"))
         self.sent = {}
         return facts
@@ -62,6 +65,29 @@ class Reporter:
         changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
         self.sent.update(changed)
         return changed
+
+
+def commands(node_id: str, supervisor: Supervisor):
+    """What the agent does with each command from the controller; returns the replies to send."""
+
+    def handle(message: dict) -> list[tuple[str, dict]]:
+        kind, request_id = message["type"], message["request_id"]
+        if kind == "start_shard":
+            supervisor.start({k: v for k, v in message.items() if k not in ("v", "type", "request_id")})
+            return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
+        if kind == "stop_shard":
+            # Stopping what is not running is done already: commands are idempotent.
+            supervisor.stop(message["shard_id"])
+            return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
+        lines, sources = supervisor.logs(message.get("source"), message.get("lines", 200))
+        if message.get("source") and not lines and message["source"] not in sources:
+            return [("logs_reply", {"node_id": node_id, "request_id": request_id, "sources": sources,
+                                    "error": f"no shard {message['source']!r} on {node_id}; sources: "
+                                             f"{', '.join(sources) or 'none'}"})]
+        return [("logs_reply", {"node_id": node_id, "request_id": request_id, "lines": lines,
+                                "sources": sources})]
+
+    return handle
 
 
 def _present(**fields) -> dict:
@@ -98,15 +124,31 @@ def main(config_path, controllers, node_id, key_file):
     node = cfg["agent.node_id"] or (keys or {}).get("node_id") or socket.gethostname()
     # Created at start, so the disk that will hold weights is reported before the first download.
     os.makedirs(cfg["agent.weights_dir"], exist_ok=True)
+    os.makedirs(cfg["agent.work_dir"], exist_ok=True)
 
-    reporter = Reporter(node, cfg)
+    host, _, port = cfg["agent.controllers"][0].rpartition(":")
+    address = discovery.route_address(host, int(port)) or "127.0.0.1"
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
+                            address, report=lambda fields: outbox.put(("shard_status", fields)))
+    adopted = supervisor.adopt()
+    if adopted:
+        log.info("adopted %d engines left running: %s", len(adopted), ", ".join(adopted))
+    reporter = Reporter(node, cfg, supervisor)
     context = zmq.Context()
     link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
-                          cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat)
+                          cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat,
+                          on_command=commands(node, supervisor), outbox=outbox)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     log.info("node %s: connecting to %s", node, ", ".join(cfg["agent.controllers"]))
+
+    def watch_engines():
+        while not stopping.wait(1.0):
+            supervisor.check()
+
+    threading.Thread(target=watch_engines, name="watch-engines", daemon=True).start()
     try:
         link.run(stopping.is_set)
     finally:

@@ -10,21 +10,29 @@ llmgw/agentserver.py.
 
 from __future__ import annotations
 
+import datetime
 import logging
+import queue
 import signal
 import sys
 import threading
+import time
+import uuid
 
 import click
 import zmq
+from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import adminapi, curvekeys, settings, store
 from llmgw.agentserver import AgentServer, KeyRing
+from llmgw.catalog import Catalog, CatalogError
 from llmgw.fleet import Fleet
 from llmgw.fleetmetrics import FleetCollector
 from llmgw.metrics import serve_registry
+from llmgw.publisher import Publisher, snapshot_body
+from llmgw.reconciler import Replicas, Start, plan
 
 log = logging.getLogger("llmgw.controller")
 
@@ -35,18 +43,21 @@ log = logging.getLogger("llmgw.controller")
 @click.option("--agent-listen", help="Where agents connect [controller.agent_listen: :7443].")
 @click.option("--admin-listen", help="The admin API for llmgw ctl [controller.admin_listen: 127.0.0.1:9090].")
 @click.option("--metrics-listen", help="Fleet metrics [controller.metrics_listen: 127.0.0.1:9091].")
+@click.option("--gateway-listen", help="Routing snapshots for gateways [controller.gateway_listen: 127.0.0.1:7444].")
 @click.option("--store", "store_url", help="Database URL [store.url]; @/path reads it from a file.")
-def main(config_path, agent_listen, admin_listen, metrics_listen, store_url):
+def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen, store_url):
     """Run the llmgw controller."""
     try:
         cfg = settings.load(config_path, {"controller.agent_listen": agent_listen,
                                           "controller.admin_listen": admin_listen,
-                                          "controller.metrics_listen": metrics_listen, "store.url": store_url})
+                                          "controller.metrics_listen": metrics_listen,
+                                          "controller.gateway_listen": gateway_listen, "store.url": store_url})
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(),
                         format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per `llmgw ctl` call
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)  # nor per reconcile pass
     try:
         engine = store.open_store(cfg["store.url"])
     except Exception as e:
@@ -66,19 +77,63 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, store_url):
 
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
                   cordoned=adminapi.cordoned_nodes(engine))
+    try:
+        catalog = Catalog(engine, cfg.models)
+    except CatalogError as e:
+        raise click.ClickException(f"{e} (in {cfg.source})") from None
+    replicas = Replicas(base_backoff=cfg["controller.base_backoff"])
     context = zmq.Context()
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
-                         heartbeat_interval=cfg["agent.heartbeat_interval"])
+                         heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas)
+    publisher = Publisher(context, cfg["controller.gateway_listen"])
+    # Other threads never touch a ZeroMQ socket: they queue what to send, and the loop sends it.
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def ask_node(node_id: str, kind: str, fields: dict, timeout: float):
+        request_id = uuid.uuid4().hex
+        waiter = {"event": threading.Event(), "reply": None}
+        server.waiting[request_id] = waiter
+        outbox.put((node_id, kind, {"request_id": request_id, **fields}))
+        waiter["event"].wait(timeout)
+        server.waiting.pop(request_id, None)
+        return waiter["reply"]
+
+    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node)
+
+    def reconcile() -> None:
+        now = time.monotonic()
+        actions, unplaced = plan(catalog.models(), fleet.describe(now), replicas, now)
+        app.config["unplaced"].clear()
+        app.config["unplaced"].update(unplaced)
+        for action in actions:
+            if isinstance(action, Start):
+                model, profile = catalog.models()[action.model], action.decision.profile
+                log.info("starting %s on %s (%s, profile %s)", action.shard_id, action.decision.node_id,
+                         profile.engine, profile.name)
+                outbox.put((action.decision.node_id, "start_shard", {
+                    "request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
+                    "engine": profile.engine, "source": model.source, "args": list(profile.args),
+                    "env": dict(profile.env), "gpus": list(action.decision.gpus) if profile.gpus else None,
+                    "profile_fp": model.fingerprint(profile), "max_context": model.max_context}))
+            else:
+                log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
+                outbox.put((action.node_id, "stop_shard", {"request_id": uuid.uuid4().hex,
+                                                           "shard_id": action.shard_id}))
+
+    scheduler = BackgroundScheduler()
+    scheduler.add_job(reconcile, "interval", seconds=cfg["controller.reconcile_interval"], max_instances=1,
+                      coalesce=True, next_run_time=datetime.datetime.now())
+    scheduler.start()
 
     host, _, port = cfg["controller.admin_listen"].rpartition(":")
-    admin = make_server(host or "127.0.0.1", int(port),
-                        adminapi.create_app(fleet, engine, ring, public, plaintext), threaded=True)
+    admin = make_server(host or "127.0.0.1", int(port), app, threaded=True)
     threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet))
     serve_registry(cfg["controller.metrics_listen"], registry)
-    log.info("agents on %s, admin API on http://%s, metrics on http://%s/metrics", cfg["controller.agent_listen"],
-             cfg["controller.admin_listen"], cfg["controller.metrics_listen"])
+    log.info("agents on %s, gateways on %s, admin API on http://%s, metrics on http://%s/metrics",
+             cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.admin_listen"],
+             cfg["controller.metrics_listen"])
 
     # Handlers only set a flag: the loop notices within one poll.
     stopping = threading.Event()
@@ -87,8 +142,19 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, store_url):
     try:
         while not stopping.is_set():
             server.poll(100)
+            while True:
+                try:
+                    node_id, kind, fields = outbox.get_nowait()
+                except queue.Empty:
+                    break
+                node = fleet.nodes.get(node_id)
+                if node is not None:
+                    server.send(node.identity, kind, **fields)
+            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot()))
     finally:
+        scheduler.shutdown(wait=False)
         admin.shutdown()
+        publisher.close()
         server.close()
         context.term()
         engine.dispose()

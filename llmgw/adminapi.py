@@ -13,16 +13,21 @@ import time
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import Engine
 
-from llmgw import __version__, curvekeys, store
+from llmgw import __version__, curvekeys, placement, store
 from llmgw.agentserver import KeyRing
+from llmgw.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.fleet import STATES, Fleet, FleetError
+from llmgw.reconciler import Replicas
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
-               plaintext: bool) -> Flask:
+               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node) -> Flask:
+    """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None)."""
     app = Flask("llmgw.admin")
+    unplaced: dict = {}
+    app.config["unplaced"] = unplaced  # the controller's reconciler keeps it current
 
     def error(status: int, message: str):
         return jsonify({"error": message}), status
@@ -31,11 +36,97 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def fleet_error(e):
         return error(409, str(e))
 
+    @app.errorhandler(CatalogError)
+    def catalog_error(e):
+        return error(400, str(e))
+
+    def replica_rows() -> list[dict]:
+        models = catalog.models()
+        rows = []
+        for r in sorted(replicas.snapshot(), key=lambda r: (r.model, r.node_id, r.shard_id)):
+            model = models.get(r.model)
+            current = {model.fingerprint(p) for p in model.profiles} if model else set()
+            stale = r.profile_fp is not None and r.profile_fp not in current
+            rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
+                         "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
+                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1)})
+        return rows
+
+    @app.get("/api/v1/models")
+    def models():
+        live = replica_rows()
+        out = []
+        for m in sorted(catalog.models().values(), key=lambda m: m.name):
+            mine = [r for r in live if r["model"] == m.name]
+            failure = replicas.failures.get(m.name)
+            out.append({"name": m.name, "aliases": list(m.aliases), "origin": m.origin, "source": m.source,
+                        "scaling": {"min": m.min_replicas, "max": m.max_replicas, "idle_timeout": m.idle_timeout},
+                        "profiles": [p.name for p in m.profiles],
+                        "ready": sum(1 for r in mine if r["state"] == "ready"), "replicas": len(mine),
+                        "last_failure": failure and {"node": failure.node_id, "detail": failure.detail,
+                                                     "last_output": failure.last_output, "count": failure.count},
+                        "unplaced": unplaced.get(m.name)})
+        return jsonify({"models": out})
+
+    @app.post("/api/v1/models")
+    def add_model():
+        table = request.get_json(silent=True)
+        if not isinstance(table, dict):
+            return error(400, "send the model as a JSON object (llmgw ctl model add -f model.toml does)")
+        model = parse_model(table, origin="runtime")
+        if request.args.get("source_check", "1") != "0":
+            check_source(model.source)
+        catalog.add(table)
+        return jsonify({"name": model.name, "added": True})
+
+    @app.delete("/api/v1/models/<name>")
+    def remove_model(name):
+        catalog.remove(name)
+        return jsonify({"name": name, "removed": True})
+
+    @app.post("/api/v1/models/<name>/scale")
+    def scale(name):
+        body = request.get_json(silent=True) or {}
+        model = catalog.scale(name, body.get("min"), body.get("max"))
+        return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
+
+    @app.get("/api/v1/models/<name>/placement")
+    def explain_placement(name):
+        model = catalog.models().get(name)
+        if model is None:
+            return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
+        return jsonify({"model": name, "nodes": placement.explain(model, fleet.describe(time.monotonic()),
+                                                                   replicas.claims())})
+
+    @app.get("/api/v1/replicas")
+    def replica_list():
+        return jsonify({"replicas": replica_rows()})
+
+    @app.get("/api/v1/nodes/<node_id>/logs")
+    def logs(node_id):
+        if node_id not in {n["node_id"] for n in fleet.describe(time.monotonic())}:
+            return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
+        lines = request.args.get("lines", "200")
+        fields = {"lines": int(lines) if lines.isdigit() else 200}
+        if request.args.get("source"):
+            fields["source"] = request.args["source"]
+        reply = ask_node(node_id, "logs_request", fields, 10.0)
+        if reply is None:
+            return error(504, f"{node_id} did not answer within 10 s; `llmgw ctl nodes` shows when it was last heard")
+        if reply.get("error"):
+            return error(404, reply["error"])
+        return jsonify({"node": node_id, "lines": reply.get("lines", []), "sources": reply.get("sources", [])})
+
     @app.get("/api/v1/status")
     def status():
         nodes = fleet.describe(time.monotonic())
         counts = {state: sum(1 for n in nodes if n["state"] == state) for state in STATES}
-        return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts})
+        rows = replica_rows()
+        models_ = catalog.models()
+        serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
+        return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts, "models": len(models_),
+                        "models_serving": serving, "replicas": len(rows),
+                        "replicas_ready": sum(1 for r in rows if r["state"] == "ready")})
 
     @app.get("/api/v1/nodes")
     def nodes():

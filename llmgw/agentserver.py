@@ -61,8 +61,10 @@ class _NodeAuthenticator(ThreadAuthenticator):
 
 class AgentServer:
     def __init__(self, context: zmq.Context, listen: str, fleet: Fleet, ring: KeyRing | None,
-                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0):
+                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None):
         self.fleet = fleet
+        self.replicas = replicas
+        self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply"}, for replies someone waits on
         self.ring = ring
         self.heartbeat_interval = heartbeat_interval
         self.auth = None
@@ -124,14 +126,30 @@ class AgentServer:
             return
         now = time.monotonic()
         if message["type"] == "register":
-            facts = {k: v for k, v in message.items() if k not in ("v", "type")}
+            facts = {k: v for k, v in message.items() if k not in ("v", "type", "shards")}
             self.fleet.register(node_id, facts, identity, now)
-            log.info("node %s registered (agent %s, %s)", node_id, message["agent_version"], message.get("address"))
+            shards = [s for s in message.get("shards", []) if isinstance(s, dict) and "shard_id" in s and "state" in s]
+            if self.replicas is not None:
+                for shard in shards:
+                    # What the node already runs: how a restarted controller learns its replicas.
+                    self.replicas.report(node_id, shard, now)
+            log.info("node %s registered (agent %s, %s, %d shards running)", node_id, message["agent_version"],
+                     message.get("address"), len(shards))
             self.send(identity, "registered", node_id=node_id, heartbeat_interval=self.heartbeat_interval)
         elif message["type"] == "heartbeat":
             if self.fleet.heartbeat(node_id, message, identity, now):
                 self.send(identity, "heartbeat_ack", seq=message["seq"])
             else:
                 self.send(identity, "register_again", reason="this controller does not know the node (it restarted)")
+        elif message["type"] == "shard_status":
+            if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
+                self.replicas.report(node_id, message, now)
+        elif message["type"] in ("ack", "logs_reply"):
+            waiter = self.waiting.get(message["request_id"])
+            if waiter is not None:
+                waiter["reply"] = message
+                waiter["event"].set()
+            elif message["type"] == "ack" and not message["ok"]:
+                log.warning("node %s could not carry out a command: %s", node_id, message.get("error"))
         else:
             log.warning("dropped a %s message: agents do not send those", message["type"])

@@ -12,6 +12,7 @@ agent says what to do.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 
 import zmq
@@ -22,12 +23,18 @@ from llmgw import protocol
 log = logging.getLogger("llmgw.controllerlink")
 
 SILENCE_INTERVALS = 3
+COMMANDS = ("start_shard", "stop_shard", "logs_request")
 
 
 class ControllerLink:
     def __init__(self, context: zmq.Context, addresses: list[str], node_id: str, keys: dict | None,
-                 heartbeat_interval: float, reconnect_max: float, register, heartbeat):
-        """REGISTER() and HEARTBEAT() return the fields of those messages when called."""
+                 heartbeat_interval: float, reconnect_max: float, register, heartbeat, on_command=None,
+                 outbox: queue.SimpleQueue | None = None):
+        """REGISTER() and HEARTBEAT() return the fields of those messages when called; ON_COMMAND(message)
+        carries out a command and returns the replies to send, as (type, fields) pairs. Anything put on
+        OUTBOX, as (type, fields), is sent while registered (other threads never touch the socket)."""
+        self.on_command = on_command or (lambda message: [])
+        self.outbox = outbox if outbox is not None else queue.SimpleQueue()
         if not addresses:
             raise ValueError("no controller address: set agent.controllers, such as [\"controller.internal:7443\"]")
         self.context = context
@@ -97,12 +104,18 @@ class ControllerLink:
                         log.warning("no answer from the controller at %s; trying %s", address,
                                     "the next address" if len(self.addresses) > 1 else "again")
                     return registered
+                while registered:
+                    try:
+                        kind, fields = self.outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    sock.send(protocol.encode(kind, **fields))
                 if registered and now >= next_beat:
                     self.seq += 1
                     sock.send(protocol.encode("heartbeat", node_id=self.node_id, seq=self.seq,
                                               **self.make_heartbeat()))
                     next_beat = now + self.heartbeat_interval
-                if not sock.poll(50):
+                if not sock.poll(20):
                     continue
                 try:
                     message = protocol.decode(sock.recv())
@@ -124,6 +137,9 @@ class ControllerLink:
                     self.refusal = message["reason"]
                     log.error("the controller at %s refused this node: %s", address, message["reason"])
                     return registered
+                elif kind in COMMANDS:
+                    for reply_kind, fields in self.on_command(message):
+                        sock.send(protocol.encode(reply_kind, **fields))
             return registered
         finally:
             if self.registered_with == address:

@@ -160,3 +160,132 @@ def node_key_issue(obj, node):
         click.echo("", err=True)
     click.echo(f"issued a key for {node}. Install it on the node as agent.key_file (default /etc/llmgw/node.key), "
                "mode 0600. Any earlier key of this node no longer works.", err=True)
+
+
+@ctl.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per model.")
+@click.pass_obj
+def models(obj, as_json):
+    """The catalog: each model, how many replicas serve it, and why not when none can be placed."""
+    result = obj.admin.call("GET", "/api/v1/models")["models"]
+    if as_json:
+        for model in result:
+            click.echo(json.dumps(model))
+        return
+    if not result:
+        click.echo("the catalog is empty; add a model with `llmgw ctl model add -f model.toml`", err=True)
+        return
+    rows = [("MODEL", "SERVING", "REPLICAS", "SCALING", "ORIGIN", "ALIASES")]
+    for m in result:
+        rows.append((m["name"], m["ready"], m["replicas"], f"{m['scaling']['min']}-{m['scaling']['max']}",
+                     m["origin"], ", ".join(m["aliases"]) or "-"))
+    table(rows)
+    for m in result:
+        if m["unplaced"]:
+            click.echo(f"\n{m['name']} cannot be placed:", err=True)
+            for node, reason in m["unplaced"].items():
+                click.echo(f"  {node}: {reason}", err=True)
+        if m["last_failure"] and m["ready"] == 0:
+            failure = m["last_failure"]
+            click.echo(f"\n{m['name']} failed on {failure['node']} ({failure['count']} in a row): {failure['detail']}",
+                       err=True)
+            for line in failure["last_output"][-10:]:
+                click.echo(f"  | {line}", err=True)
+
+
+@ctl.command()
+@click.option("--model", help="Only this model's replicas.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per replica.")
+@click.pass_obj
+def replicas(obj, model, as_json):
+    """Every replica: where, in what state, downloading how much, and whether its profile is stale."""
+    result = [r for r in obj.admin.call("GET", "/api/v1/replicas")["replicas"] if not model or r["model"] == model]
+    if as_json:
+        for replica in result:
+            click.echo(json.dumps(replica))
+        return
+    if not result:
+        click.echo("no replicas", err=True)
+        return
+    rows = [("REPLICA", "MODEL", "NODE", "STATE", "ENGINE", "URL")]
+    for r in result:
+        state = r["state"] + (" (stale profile)" if r["stale_profile"] else "")
+        if r["state"] == "fetching" and r["fetch"]:
+            done, total = r["fetch"].get("bytes_done", 0), r["fetch"].get("bytes_total")
+            state += f" {_bytes(done)}" + (f" of {_bytes(total)}" if total else "")
+        rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
+    table(rows)
+
+
+@ctl.command("explain-placement")
+@click.argument("model")
+@click.pass_obj
+def explain_placement(obj, model):
+    """For every node and profile: could MODEL run there, and if not, why."""
+    result = obj.admin.call("GET", f"/api/v1/models/{model}/placement")["nodes"]
+    if not result:
+        click.echo("no node has registered", err=True)
+        return
+    table([("NODE", "PROFILE", "FITS", "WHY")] + [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"])
+                                                  for r in result])
+
+
+@ctl.command()
+@click.argument("model")
+@click.option("--min", "low", type=click.IntRange(min=0), help="Replicas kept running at least.")
+@click.option("--max", "high", type=click.IntRange(min=0), help="Replicas at most.")
+@click.pass_obj
+def scale(obj, model, low, high):
+    """Change how many replicas of MODEL run (models added with `ctl model add`)."""
+    if low is None and high is None:
+        raise click.UsageError("give --min, --max or both")
+    result = obj.admin.call("POST", f"/api/v1/models/{model}/scale", {"min": low, "max": high})
+    click.echo(f"{model}: min {result['min']}, max {result['max']}", err=True)
+
+
+@ctl.command()
+@click.argument("node")
+@click.option("--source", help="A shard id; the node lists its sources when it has none by that name.")
+@click.option("--lines", type=int, default=200, show_default=True)
+@click.pass_obj
+def logs(obj, node, source, lines):
+    """The last lines an engine on NODE printed."""
+    query = f"?lines={lines}" + (f"&source={source}" if source else "")
+    result = obj.admin.call("GET", f"/api/v1/nodes/{node}/logs{query}")
+    if not source:
+        click.echo("sources: " + (", ".join(result["sources"]) or "none") + " (choose one with --source)", err=True)
+    for line in result["lines"]:
+        click.echo(line)
+
+
+@ctl.group("model")
+def model_group():
+    """Add and remove models while running."""
+
+
+@model_group.command("add")
+@click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
+              help="A TOML file with the keys of one [[models]] entry.")
+@click.option("--no-source-check", is_flag=True, help="Accept a source the controller cannot see.")
+@click.pass_obj
+def model_add(obj, path, no_source_check):
+    """Add (or replace) a model in the catalog; the reconciler places it."""
+    from llmgw.catalog import CatalogError, parse_model, read_model_file
+
+    try:
+        table_ = read_model_file(path)
+        parse_model(table_)
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+    query = "?source_check=0" if no_source_check else ""
+    obj.admin.call("POST", f"/api/v1/models{query}", table_)
+    click.echo(f"added {table_['name']}; `llmgw ctl replicas --model {table_['name']}` shows it starting", err=True)
+
+
+@model_group.command("remove")
+@click.argument("model")
+@click.pass_obj
+def model_remove(obj, model):
+    """Remove MODEL from the catalog; its replicas are stopped."""
+    obj.admin.call("DELETE", f"/api/v1/models/{model}")
+    click.echo(f"removed {model}; its replicas are stopping", err=True)

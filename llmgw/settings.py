@@ -49,6 +49,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Largest request body accepted; a larger one is refused with 413 before it is read.", minimum=1),
     Setting("gateway.trusted_proxies", "list", [],
             "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody."),
+    Setting("gateway.controller", "str", "",
+            "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
+            "`[[endpoints]]`."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
@@ -96,6 +99,14 @@ SETTINGS: tuple[Setting, ...] = (
             "The admin API `llmgw ctl` uses. Keep it on loopback: it can issue node keys."),
     Setting("controller.metrics_listen", "str", "127.0.0.1:9091",
             "Prometheus metrics of the whole fleet (nodes, GPUs, replicas); serves nothing else."),
+    Setting("controller.gateway_listen", "str", "127.0.0.1:7444",
+            "Where gateways subscribe to routing snapshots (ZeroMQ PUB). Loopback by default: open it only "
+            "to your gateways' network."),
+    Setting("controller.reconcile_interval", "float", 5.0,
+            "Seconds between passes of the reconciler, which starts, stops and replaces replicas.", minimum=0.05),
+    Setting("controller.base_backoff", "float", 10.0,
+            "Seconds before a model whose replica failed is tried again; doubles with each failure in a row, "
+            "up to 5 minutes.", minimum=0.01),
     Setting("controller.keys_dir", "str", "var/keys",
             "Where the controller keeps its CURVE key pair (made on first start, mode 0600)."),
     Setting("controller.plaintext", "bool", False,
@@ -115,6 +126,10 @@ SETTINGS: tuple[Setting, ...] = (
             "The node's name. Empty: the name in the key file, else the host name."),
     Setting("agent.labels", "dict", {},
             "Labels placement can select on, such as `{rack = \"r12\", gpu = \"h100\"}`."),
+    Setting("agent.work_dir", "str", "/var/lib/llmgw-agent",
+            "Where the agent keeps each engine's log and state file, which let a restarted agent adopt its engines."),
+    Setting("agent.engine_host", "str", "0.0.0.0",
+            "Address engines listen on. Gateways reach them at the node's address on the route to the controller."),
     Setting("agent.weights_dir", "str", "/var/lib/llmgw-weights",
             "Where the node keeps model weights it fetched (created at start, so its disk is reported)."),
     Setting("agent.nvidia_smi", "str", "",
@@ -131,9 +146,12 @@ BY_NAME = {s.name: s for s in SETTINGS}
 
 ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
-              "max_context": "int", "max_output": "int"}
+              "max_context": "int", "max_output": "int",
+              # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
+              "source": "str", "scaling": "dict", "profiles": "tables"}
 
-_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,)}
+_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
+          "tables": (list,)}
 
 
 class Config:

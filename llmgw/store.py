@@ -91,6 +91,14 @@ node_settings = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+# Models added while running (`llmgw ctl model add`); configuration models are not stored.
+catalog_models = sa.Table(
+    "catalog_models", metadata,
+    sa.Column("name", sa.String(200), primary_key=True),
+    sa.Column("spec", sa.Text, nullable=False),  # the model's table, as JSON
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
 DEFAULT_PROJECT = "default"
 
 
@@ -112,6 +120,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (2, "the default project", _seed_default_project),
     (3, "usage rows", _create([usage])),
     (4, "node keys and node settings", _create([node_keys, node_settings])),
+    (5, "runtime catalog", _create([catalog_models])),
 ]
 
 

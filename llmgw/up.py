@@ -102,7 +102,7 @@ class Up:
         return base
 
     def ask(self, base: str, secret: str) -> str:
-        body = json.dumps({"model": starter.NAME, "max_tokens": 40, "messages": [
+        body = json.dumps({"model": starter.NAME, "max_tokens": 40, "temperature": 0, "messages": [
             {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}).encode()
         req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
             "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})

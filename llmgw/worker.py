@@ -49,6 +49,11 @@ class Runtime:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
                           gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys),
                           gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.usage.flush)]
+        if self.cfg["gateway.controller"]:
+            from llmgw.follower import follow
+
+            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.router.snapshot,
+                                               self.apply))
 
     def close(self) -> None:
         """Stop the background work and write every buffered usage row."""

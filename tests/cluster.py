@@ -12,22 +12,24 @@ from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import ROOT, stop_process, write_config
 
 FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agent.heartbeat_interval": 0.2,
-        "agent.reconnect_max": 0.5}
+        "agent.reconnect_max": 0.5, "controller.reconcile_interval": 0.3, "controller.base_backoff": 1.0}
 
 
 class Controller:
-    def __init__(self, tmp, store_url=None, agent_port=None, **settings):
+    def __init__(self, tmp, store_url=None, agent_port=None, models=(), **settings):
         self.tmp = tmp
         self.agent_port = agent_port or free_port()
         self.admin_port = free_port()
         self.metrics_port = free_port()
+        self.gateway_port = free_port()
         self.values = {"store.url": store_url or f"sqlite:///{tmp}/controller.db",
+                       "controller.gateway_listen": f"127.0.0.1:{self.gateway_port}",
                        "controller.agent_listen": f"127.0.0.1:{self.agent_port}",
                        "controller.admin_listen": f"127.0.0.1:{self.admin_port}",
                        "controller.metrics_listen": f"127.0.0.1:{self.metrics_port}",
                        "controller.keys_dir": f"{tmp}/controller-keys", **FAST,
                        **{k.replace("__", "."): v for k, v in settings.items()}}
-        self.config = write_config(tmp / "controller.toml", self.values)
+        self.config = write_config(tmp / "controller.toml", self.values, models=models)
         self.start()
 
     def start(self):
@@ -48,6 +50,12 @@ class Controller:
 
     def nodes(self) -> dict:
         return {n["node_id"]: n for n in self.api("/api/v1/nodes")["nodes"]}
+
+    def replicas(self, model=None) -> list[dict]:
+        return [r for r in self.api("/api/v1/replicas")["replicas"] if model is None or r["model"] == model]
+
+    def ready(self, model) -> list[dict]:
+        return [r for r in self.replicas(model) if r["state"] == "ready"]
 
     def state(self, node_id):
         node = self.nodes().get(node_id)
@@ -71,6 +79,18 @@ class Controller:
         return stop_process(self.proc, sig or signal.SIGTERM)
 
 
+def engine_pids(folder) -> dict[str, int]:
+    """shard id -> pid of the engines an agent's state files list."""
+    out = {}
+    shards = folder / "work" / "shards"
+    for path in shards.glob("*.json") if shards.exists() else ():
+        try:
+            out[path.stem] = json.loads(path.read_text())["pid"]
+        except (ValueError, KeyError, OSError):
+            pass
+    return out
+
+
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
                  nvidia_smi_capture: str | None = None, plaintext=False):
@@ -78,6 +98,7 @@ class Agent:
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
         values = {"agent.controllers": controllers, "agent.weights_dir": str(folder / "weights"),
+                  "agent.work_dir": str(folder / "work"), "agent.engine_host": "127.0.0.1",
                   "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST}
         if key_text is not None:
             (folder / "node.key").write_text(key_text)
@@ -92,15 +113,31 @@ class Agent:
         else:
             # No GPUs here: an empty PATH entry for nvidia-smi means "ask NVML, then the PATH".
             values["agent.nvidia_smi"] = ""
-        config = write_config(folder / "agent.toml", values)
+        self.config = write_config(folder / "agent.toml", values)
+        self.env = env
+        self.folder = folder
         self.log_path = folder / "agent.log"
+        self.start()
+
+    def start(self):
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "agent.py"), "--config", config],
-                                         stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "agent.py"), "--config", self.config],
+                                         stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def stop(self, sig=None):
+    def engines(self) -> dict[str, int]:
+        return engine_pids(self.folder)
+
+    def stop(self, sig=None, engines=True):
+        """Stop the agent; its engines outlive it unless ENGINES (what a test's clean-up wants)."""
         import signal
-        return stop_process(self.proc, sig or signal.SIGTERM)
+        code = stop_process(self.proc, sig or signal.SIGTERM)
+        if engines:
+            for pid in self.engines().values():
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        return code

@@ -21,3 +21,21 @@ def installed() -> dict[str, str]:
         if version:
             found[name] = version
     return found
+
+
+
+def command(engine: str, source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
+            args: list[str], replica: str) -> list[str]:
+    """The command line that serves SOURCE as NAME on HOST:PORT with ENGINE."""
+    import sys
+
+    if engine == "llamacpp":
+        return llamacpp.command(source, port, name, ctx_size=max_context or 4096, host=host) + list(args)
+    if engine == "vllm":
+        return vllm.command(source, name, host, port, gpus, max_context, args)
+    if engine == "sglang":
+        return sglang.command(source, name, host, port, gpus, max_context, args)
+    if engine == "sim":
+        return [sys.executable, "-m", "llmgw", "sim", "--listen", f"{host}:{port}", "--model", name,
+                "--replica", replica] + list(args)
+    raise ValueError(f"unknown engine {engine!r}")

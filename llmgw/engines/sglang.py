@@ -5,6 +5,7 @@
 
 import importlib.metadata
 import importlib.util
+import sys
 
 
 def probe() -> str | None:
@@ -19,3 +20,15 @@ LOAD_METRICS = {
     "sglang:num_running_reqs": "running",
     "sglang:token_usage": "kv_cache",
 }
+
+
+def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
+            args: list[str]) -> list[str]:
+    """SGLang's server as its documentation gives it, with metrics on (routing reads them)."""
+    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", source, "--served-model-name", name,
+            "--host", host, "--port", str(port), "--enable-metrics"]
+    if len(gpus) > 1:
+        argv += ["--tp", str(len(gpus))]
+    if max_context:
+        argv += ["--context-length", str(max_context)]
+    return argv + list(args)

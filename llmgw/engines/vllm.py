@@ -28,3 +28,16 @@ LOAD_METRICS = {
     "vllm:kv_cache_usage_perc": "kv_cache",
     "vllm:gpu_cache_usage_perc": "kv_cache",
 }
+
+
+def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
+            args: list[str]) -> list[str]:
+    """`vllm serve` as its documentation gives it: the model, the name clients use, where to listen,
+    one tensor-parallel rank per GPU given."""
+    argv = [shutil.which("vllm") or "vllm", "serve", source, "--served-model-name", name,
+            "--host", host, "--port", str(port)]
+    if len(gpus) > 1:
+        argv += ["--tensor-parallel-size", str(len(gpus))]
+    if max_context:
+        argv += ["--max-model-len", str(max_context)]
+    return argv + list(args)

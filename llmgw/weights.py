@@ -1,0 +1,92 @@
+"""Fetching a model's weights onto a node: once, resumable, and never visible half-written.
+
+A source that is a URL is downloaded into the node's weights directory under
+a name made from the URL (so two replicas of one model share one download).
+Bytes go to `NAME.part`; an interrupted download resumes from where it
+stopped with a Range request; the file appears under its final name only when
+complete. Progress reports bytes done and, when the server says, the total:
+no invented percentage. A path is used where it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+CHUNK = 1 << 20
+PROGRESS_EVERY = 1.0  # seconds between progress reports
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+class FetchError(Exception):
+    """A download that failed; the message says what the server or the disk said."""
+
+
+def is_url(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def local_name(source: str, weights_dir: str) -> str:
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    base = os.path.basename(source.split("?", 1)[0]) or "model"
+    return os.path.join(weights_dir, f"{digest}-{base}")
+
+
+def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> str:
+    """The local path of SOURCE, downloading it first when it is a URL."""
+    if not is_url(source):
+        return source
+    target = local_name(source, weights_dir)
+    with _locks_guard:
+        lock = _locks.setdefault(target, threading.Lock())
+    with lock:  # a second shard of the same model waits for the first download
+        if os.path.exists(target):
+            return target
+        os.makedirs(weights_dir, exist_ok=True)
+        partial = target + ".part"
+        done = os.path.getsize(partial) if os.path.exists(partial) else 0
+        req = urllib.request.Request(source, headers={"Range": f"bytes={done}-"} if done else {})
+        try:
+            resp = urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as e:
+            if e.code == 416 and done:  # asked for bytes past the end: the part is whole
+                e.close()
+                os.replace(partial, target)
+                return target
+            e.close()
+            raise FetchError(f"{source} answered {e.code} {e.reason}") from None
+        except OSError as e:
+            raise FetchError(f"cannot fetch {source}: {e}") from None
+        with resp:
+            if done and resp.status != 206:
+                done = 0  # the server ignored the Range: start again
+            total = None
+            length = resp.headers.get("Content-Length")
+            if length is not None and length.isdigit():
+                total = done + int(length)
+            mode = "ab" if done else "wb"
+            last = 0.0
+            try:
+                with open(partial, mode) as out:
+                    while True:
+                        chunk = resp.read(CHUNK)
+                        if not chunk:
+                            break
+                        out.write(chunk)
+                        done += len(chunk)
+                        if time.monotonic() - last >= PROGRESS_EVERY:
+                            progress(done, total)
+                            last = time.monotonic()
+            except OSError as e:
+                raise FetchError(f"downloading {source} broke off after {done} bytes: {e}") from None
+        if total is not None and done < total:
+            raise FetchError(f"downloading {source} broke off after {done} of {total} bytes; it resumes next time")
+        progress(done, total)
+        os.replace(partial, target)
+        return target

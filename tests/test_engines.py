@@ -1,0 +1,45 @@
+"""Engine command lines, exactly as their documentation gives them."""
+
+import sys
+
+from llmgw import engines
+from llmgw.engines import llamacpp, sglang, vllm
+
+
+def test_vllm_serve(monkeypatch):
+    monkeypatch.setattr(vllm.shutil, "which", lambda name: "/opt/vllm/bin/vllm")
+    assert vllm.command("/models/qwen", "qwen2.5-7b", "0.0.0.0", 8001, [2, 3], 32768, ["--enable-prefix-caching"]) == [
+        "/opt/vllm/bin/vllm", "serve", "/models/qwen", "--served-model-name", "qwen2.5-7b", "--host", "0.0.0.0",
+        "--port", "8001", "--tensor-parallel-size", "2", "--max-model-len", "32768", "--enable-prefix-caching"]
+    assert "--tensor-parallel-size" not in vllm.command("/m", "m", "0.0.0.0", 1, [0], None, [])
+
+
+def test_sglang_launch_server():
+    assert sglang.command("/models/llama", "llama", "0.0.0.0", 30000, [0, 1, 2, 3], 8192, []) == [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/llama", "--served-model-name",
+        "llama", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics", "--tp", "4", "--context-length", "8192"]
+
+
+def test_llama_server_binary():
+    assert llamacpp.command("/w/m.gguf", 8002, "m", ctx_size=4096, threads=8, parallel=4, host="0.0.0.0",
+                            binary="/opt/llama.cpp/llama-server") == [
+        "/opt/llama.cpp/llama-server", "--model", "/w/m.gguf", "--alias", "m", "--host", "0.0.0.0", "--port", "8002",
+        "--ctx-size", "4096", "--threads", "8", "--parallel", "4", "--metrics", "--embeddings", "--pooling", "mean",
+        "--no-webui"]
+
+
+def test_llamacpp_from_the_wheel_when_no_binary(monkeypatch):
+    monkeypatch.setattr(llamacpp, "find_binary", lambda: None)
+    argv = llamacpp.command("/w/m.gguf", 8002, "m", threads=2)
+    assert argv[:3] == [sys.executable, "-m", "llmgw.engines.xllamacpp_server"] and "--alias" in argv
+
+
+def test_sim_and_extra_args():
+    argv = engines.command("sim", "/dev/null", "m", "127.0.0.1", 9000, [], None, ["--ttft-ms", "5"], replica="r1")
+    assert argv == [sys.executable, "-m", "llmgw", "sim", "--listen", "127.0.0.1:9000", "--model", "m",
+                    "--replica", "r1", "--ttft-ms", "5"]
+
+
+def test_installed_engines_here():
+    found = engines.installed()
+    assert "sim" in found and found["llamacpp"].startswith("xllamacpp ")

@@ -1,0 +1,111 @@
+import pytest
+
+from llmgw import catalog, placement
+from llmgw.reconciler import Replicas, Start, Stop, plan
+
+GiB = 1024 ** 3
+
+
+def node(node_id, state="ready", engines=("sim", "llamacpp"), gpus=(), memory_gb=64, labels=None):
+    return {"node_id": node_id, "state": state,
+            "facts": {"engines": {e: "1" for e in engines}, "engines_probed": True, "labels": labels or {},
+                      "memory": {"total_bytes": memory_gb * GiB},
+                      "gpus": [{"index": i, "class": c, "health": "ok"} for i, c in enumerate(gpus)]}}
+
+
+def model(name="m", low=1, high=1, **profile):
+    return catalog.parse_model({"name": name, "source": "/m.gguf", "scaling": {"min": low, "max": high},
+                                "profiles": [{"engine": "sim", **profile}]})
+
+
+def test_every_refusal_has_a_reason():
+    nodes = [node("down", state="unreachable"), node("old", engines=()), node("cpu"),
+             node("r2", gpus=["h100-80g"], labels={"rack": "r2"}), node("small", gpus=["l40s-45g"] * 2, memory_gb=8)]
+    nodes[1]["facts"]["engines_probed"] = False
+    m = model(gpu_class="h100-80g", gpus=1, node_selector={"rack": "r1"}, min_memory_gb=16)
+    decision, reasons = placement.place(m, nodes, [])
+    assert decision is None
+    assert reasons == {"down": "node is unreachable",
+                       "old": "the node has not said which engines it runs (an old agent?)",
+                       "cpu": "label rack=r1 wanted, node has rack=(unset)",
+                       "r2": "label rack=r1 wanted, node has rack=r2",
+                       "small": "label rack=r1 wanted, node has rack=(unset)"}
+
+
+def test_memory_is_never_double_booked():
+    m = model(min_memory_gb=40)
+    claims = [placement.Claim("a", "other", 40 * GiB, ())]
+    decision, reasons = placement.place(m, [node("a", memory_gb=64)], claims)
+    assert decision is None and reasons["a"] == "needs 40.0 GiB of memory, 24.0 GiB unclaimed of 64.0 GiB"
+
+
+def test_free_gpu_indices_and_spread():
+    m = model(gpu_class="h100-80g", gpus=2)
+    nodes = [node("a", gpus=["h100-80g"] * 4), node("b", gpus=["h100-80g"] * 4)]
+    claims = [placement.Claim("a", "m", 0, (0, 1))]
+    decision, _ = placement.place(m, nodes, claims)
+    assert decision.node_id == "b" and decision.gpus == (0, 1)  # fewer replicas of this model there
+    decision, _ = placement.place(m, nodes[:1], claims)
+    assert decision.gpus == (2, 3)
+
+
+def test_profiles_are_tried_by_priority():
+    m = catalog.parse_model({"name": "m", "source": "/m", "profiles": [
+        {"name": "cpu", "engine": "llamacpp", "priority": 100},
+        {"name": "gpu", "engine": "vllm", "gpu_class": "h100-80g", "gpus": 1, "priority": 200}]})
+    decision, _ = placement.place(m, [node("a", engines=("vllm", "llamacpp"), gpus=["h100-80g"])], [])
+    assert decision.profile.name == "gpu"
+    decision, reasons = placement.place(m, [node("b")], [])
+    assert decision.profile.name == "cpu" and "b (gpu)" in reasons
+
+
+def test_plan_starts_stops_and_backs_off():
+    replicas = Replicas(base_backoff=10)
+    models = {"m": model(low=2, high=3)}
+    nodes = [node("a"), node("b")]
+    actions, _ = plan(models, nodes, replicas, now=0.0)
+    assert [type(a) for a in actions] == [Start, Start]
+    assert {a.decision.node_id for a in actions} == {"a", "b"}
+    # Planned replicas count at once: a second pass starts nothing more.
+    assert plan(models, nodes, replicas, now=1.0)[0] == []
+    shard = actions[0].shard_id
+    replicas.report("a", {"shard_id": shard, "state": "failed", "model": "m", "detail": "boom",
+                          "last_output": ["x"]}, now=2.0)
+    assert plan(models, nodes, replicas, now=3.0)[0] == []  # backing off until 12
+    assert replicas.failures["m"].last_output == ["x"]
+    assert [type(a) for a in plan(models, nodes, replicas, now=12.5)[0]] == [Start]
+    # Scaled down: the extra replica is stopped, a not-yet-ready one first.
+    actions = plan({"m": model(low=1, high=1)}, nodes, replicas, now=13.0)[0]
+    assert [type(a) for a in actions] == [Stop]
+
+
+def test_plan_replaces_replicas_of_a_lost_node_and_stops_removed_models():
+    replicas = Replicas()
+    replicas.report("a", {"shard_id": "m-1", "state": "ready", "model": "m"}, now=0.0)
+    replicas.report("b", {"shard_id": "gone-1", "state": "ready", "model": "gone"}, now=0.0)
+    actions, _ = plan({"m": model()}, [node("a", state="lost"), node("b")], replicas, now=1.0)
+    kinds = sorted((type(a).__name__, getattr(a, "shard_id", "")) for a in actions)
+    assert kinds[0] == ("Start", kinds[0][1]) and ("Stop", "gone-1") in kinds
+    assert "m-1" not in replicas.items
+
+
+@pytest.mark.parametrize("table, words", [
+    ({"name": "m"}, "source is required"),
+    ({"name": "m", "source": "/x"}, "at least one profile"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "tgi"}]}, "engine must be one of"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "gpus": "2"}]}, "gpus has the wrong type"),
+    ({"name": "m", "source": "/x", "scaling": {"min": 3, "max": 1}, "profiles": [{"engine": "sim"}]}, "0 <= min <= max"),
+    ({"name": "m", "source": "/x", "scaling": {"idle_timeout": "soon"}, "profiles": [{"engine": "sim"}]}, "30d"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "colour": 1}]}, "unknown key 'colour'"),
+])
+def test_bad_models_are_refused_naming_the_field(table, words):
+    with pytest.raises(catalog.CatalogError, match=words):
+        catalog.parse_model(table)
+
+
+def test_fingerprint_follows_what_changes_the_engine():
+    a = model(args=["--ctx-size", "4096"])
+    b = model(args=["--ctx-size", "8192"])
+    assert a.fingerprint(a.profiles[0]) != b.fingerprint(b.profiles[0])
+    assert a.fingerprint(a.profiles[0]) == model(args=["--ctx-size", "4096"]).fingerprint(a.profiles[0])
+    assert model(low=1).fingerprint(a.profiles[0]) == model(low=3, high=3).fingerprint(a.profiles[0])

@@ -1,0 +1,222 @@
+"""The cluster keeps the right replicas running: placement, failures, lost nodes, restarts, the gateway following."""
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from llmgw.procs import wait_for
+from tests.cluster import Agent, Controller
+from tests.conftest import Gateway, make_key, post, write_config
+
+
+def sim_model(name="simmy", low=2, high=3, args=("--ttft-ms", "5", "--tokens-per-s", "0"), **extra):
+    return {"name": name, "source": "/dev/null", "scaling": {"min": low, "max": high},
+            "profiles": [{"engine": "sim", "args": list(args)}], **extra}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    class Cluster:
+        def controller(self, **kw):
+            c = Controller(tmp_path, **kw)
+            made.append(c)
+            self.c = c
+            return c
+
+        def agent(self, node_id, **kw):
+            a = Agent(tmp_path, [f"127.0.0.1:{self.c.agent_port}"], node_id, self.c.issue_key(node_id), **kw)
+            made.append(a)
+            return a
+
+        def gateway(self):
+            url = f"sqlite:///{tmp_path}/gateway.db"
+            self.key = make_key(url)
+            gw = Gateway(tmp_path, url, workers=2, gateway__controller=f"127.0.0.1:{self.c.gateway_port}")
+            made.append(gw)
+            return gw
+
+    yield Cluster()
+    for thing in reversed(made):
+        thing.stop()
+
+
+CHAT = {"model": "simmy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_replicas_are_placed_spread_and_served_through_the_gateway(cluster, tmp_path):
+    c = cluster.controller()
+    cluster.agent("n1")
+    cluster.agent("n2")
+    gw = cluster.gateway()
+    wait_for("both nodes", 10, lambda: len(c.nodes()) == 2)
+    (tmp_path / "m.toml").write_text('name = "simmy"\naliases = ["s"]\nsource = "/dev/null"\n'
+                                     'scaling = {min = 2, max = 3}\n[[profiles]]\nengine = "sim"\n')
+    assert c.ctl("model", "add", "-f", str(tmp_path / "m.toml")).returncode == 0
+    wait_for("two ready replicas", 20, lambda: len(c.ready("simmy")) == 2)
+    assert {r["node"] for r in c.ready("simmy")} == {"n1", "n2"}  # spread over the nodes
+    wait_for("the gateway to route to them", 10,
+             lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "s"}, cluster.key)[0] == 200)
+    def ask(i):
+        body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+        return json.loads(post(gw.url + "/v1/chat/completions", body, cluster.key)[2])["system_fingerprint"]
+
+    wait_for("the gateway to know both", 5, lambda: len({ask(i) for i in range(20)}) == 2)
+    served = {ask(i) for i in range(20)}
+    assert served == {f"sim-{r['shard_id']}" for r in c.ready("simmy")}
+    table = c.ctl("replicas").stdout
+    assert table.count(" ready ") == 2
+    assert "2        2" in c.ctl("models").stdout.replace("  ", " " * 2)
+
+
+def test_agent_killed_and_restarted_adopts_its_engines_with_no_failed_request(cluster):
+    c = cluster.controller(models=[sim_model(low=1, high=1)])
+    a = cluster.agent("n1")
+    gw = cluster.gateway()
+    wait_for("a ready replica", 20, lambda: len(c.ready("simmy")) == 1)
+    wait_for("the gateway", 10, lambda: post(gw.url + "/v1/chat/completions", CHAT, cluster.key)[0] == 200)
+    before = a.engines()
+    failures, sent = [], [0]
+    done = threading.Event()
+
+    def traffic():
+        while not done.is_set():
+            status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, cluster.key)
+            sent[0] += 1
+            if status != 200:
+                failures.append((status, raw[:200]))
+            time.sleep(0.02)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    a.stop(sig=signal.SIGKILL, engines=False)
+    time.sleep(0.5)
+    a.start()
+    wait_for("the agent to adopt", 10, lambda: "adopted shard" in a.log())
+    time.sleep(1.5)  # the controller hears of the adopted replica again
+    done.set()
+    worker.join()
+    assert a.engines() == before  # the same processes
+    assert failures == [] and sent[0] > 20
+    assert [r["shard_id"] for r in c.ready("simmy")] == list(before)
+
+
+def test_controller_restart_rebuilds_from_agents_and_places_nothing_twice(cluster):
+    c = cluster.controller(models=[sim_model(low=2, high=2)])
+    cluster.agent("n1")
+    cluster.agent("n2")
+    wait_for("two ready", 20, lambda: len(c.ready("simmy")) == 2)
+    shards = sorted(r["shard_id"] for r in c.ready("simmy"))
+    c.stop()
+    c.start()
+    wait_for("the replicas known again", 10, lambda: len(c.ready("simmy")) == 2)
+    time.sleep(1.5)  # several reconcile passes
+    assert sorted(r["shard_id"] for r in c.replicas("simmy")) == shards
+
+
+def test_a_lost_nodes_replica_is_replaced_elsewhere(cluster):
+    c = cluster.controller(models=[sim_model(low=1, high=1)])
+    a1 = cluster.agent("n1")
+    wait_for("a ready replica", 20, lambda: len(c.ready("simmy")) == 1)
+    a2 = cluster.agent("n2")
+    wait_for("n2", 10, lambda: c.state("n2") == "ready")
+    first = c.ready("simmy")[0]
+    gone = a1 if first["node"] == "n1" else a2
+    gone.stop(sig=signal.SIGKILL)  # the node, engines and all
+    wait_for("a replacement on the other node", 15,
+             lambda: [r["node"] for r in c.ready("simmy")] == [("n2" if first["node"] == "n1" else "n1")])
+
+
+def test_an_engine_that_fails_to_start_backs_off_and_shows_its_output(cluster):
+    c = cluster.controller(models=[sim_model(low=1, high=1, args=["--no-such-flag"])])
+    cluster.agent("n1")
+    wait_for("a failure recorded", 15, lambda: c.api("/api/v1/models")["models"][0]["last_failure"])
+    failure = c.api("/api/v1/models")["models"][0]["last_failure"]
+    assert "exited with status 2" in failure["detail"]
+    assert any("No such option" in line for line in failure["last_output"])
+    shown = c.ctl("models")
+    assert "No such option" in shown.stderr and "failed on n1" in shown.stderr
+    # Backoff: 1 s, then 2 s, then 4 s... so in 4 s, at most three attempts.
+    time.sleep(4)
+    assert c.api("/api/v1/models")["models"][0]["last_failure"]["count"] <= 4
+
+
+def test_a_changed_profile_marks_replicas_stale_without_restarting_them(cluster, tmp_path):
+    c = cluster.controller()
+    cluster.agent("n1")
+    model_file = write_config(tmp_path / "m.toml", {})
+    (tmp_path / "m.toml").write_text('name = "rt"\nsource = "/dev/null"\nscaling = {min = 1, max = 1}\n'
+                                     '[[profiles]]\nengine = "sim"\nargs = ["--ttft-ms", "1"]\n')
+    assert c.ctl("model", "add", "-f", model_file, "--no-source-check").returncode == 0
+    wait_for("rt ready", 20, lambda: len(c.ready("rt")) == 1)
+    shard = c.ready("rt")[0]["shard_id"]
+    (tmp_path / "m.toml").write_text('name = "rt"\nsource = "/dev/null"\nscaling = {min = 1, max = 1}\n'
+                                     '[[profiles]]\nengine = "sim"\nargs = ["--ttft-ms", "2"]\n')
+    assert c.ctl("model", "add", "-f", model_file, "--no-source-check").returncode == 0
+    time.sleep(1.5)
+    replicas = c.replicas("rt")
+    assert [(r["shard_id"], r["stale_profile"]) for r in replicas] == [(shard, True)]
+    assert "ready (stale profile)" in c.ctl("replicas").stdout
+
+
+def test_scale_and_remove_a_runtime_model(cluster, tmp_path):
+    c = cluster.controller()
+    cluster.agent("n1")
+    (tmp_path / "m.toml").write_text('name = "rt"\nsource = "/dev/null"\n[[profiles]]\nengine = "sim"\n')
+    assert c.ctl("model", "add", "-f", str(tmp_path / "m.toml")).returncode == 0  # /dev/null exists here
+    wait_for("one", 20, lambda: len(c.ready("rt")) == 1)
+    assert c.ctl("scale", "rt", "--min", "3").returncode == 0
+    wait_for("three", 20, lambda: len(c.ready("rt")) == 3)
+    assert c.ctl("scale", "rt", "--min", "1", "--max", "1").returncode == 0
+    wait_for("back to one", 20, lambda: len(c.replicas("rt")) == 1)
+    assert c.ctl("model", "remove", "rt").returncode == 0
+    wait_for("none", 20, lambda: c.replicas("rt") == [])
+    refused = c.ctl("model", "add", "-f", str(tmp_path / "nope.toml"))
+    assert refused.returncode == 1 and "cannot read" in refused.stderr
+
+
+def test_a_source_that_does_not_exist_is_refused_early(cluster, tmp_path):
+    c = cluster.controller()
+    (tmp_path / "m.toml").write_text('name = "x"\nsource = "/no/such/file.gguf"\n[[profiles]]\nengine = "sim"\n')
+    refused = c.ctl("model", "add", "-f", str(tmp_path / "m.toml"))
+    assert refused.returncode == 1 and "does not exist" in refused.stderr and "--no-source-check" in refused.stderr
+
+
+def test_placement_explains_every_refusal(cluster):
+    gpu_model = {"name": "big", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
+                 "profiles": [{"engine": "sim", "gpu_class": "h100-80g", "gpus": 2, "node_selector": {"rack": "r1"}}]}
+    vllm_model = {"name": "vl", "source": "/dev/null", "profiles": [{"engine": "vllm", "gpus": 1}]}
+    c = cluster.controller(models=[gpu_model, vllm_model])
+    cluster.agent("gpu-a", labels={"rack": "r1"}, nvidia_smi_capture="nvidia-smi-8xh100.csv")
+    cluster.agent("gpu-b", labels={"rack": "r2"}, nvidia_smi_capture="nvidia-smi-8xh100.csv")
+    cluster.agent("cpu", labels={"rack": "r1"})
+    wait_for("big placed", 20, lambda: len(c.ready("big")) == 1)
+    replica = c.ready("big")[0]
+    assert replica["node"] == "gpu-a" and replica["gpus"] == [0, 1]
+    why = c.ctl("explain-placement", "big").stdout
+    assert "label rack=r1 wanted, node has rack=r2" in why
+    assert "needs 2 x h100-80g, 0 free of 0" in why  # the CPU node
+    assert "fits (GPUs 2, 3)" in why  # gpu-a could take another: 0 and 1 are held by the first
+    vl = c.api("/api/v1/models")
+    unplaced = next(m for m in vl["models"] if m["name"] == "vl")["unplaced"]
+    assert unplaced and all("engine vllm is not installed there" in r for r in unplaced.values())
+    assert "cannot be placed" in c.ctl("models").stderr
+
+
+def test_replicas_get_their_gpus_and_logs_come_back(cluster):
+    model = {"name": "g", "source": "/dev/null", "profiles": [{"engine": "sim", "gpu_class": "h100-80g", "gpus": 1}]}
+    c = cluster.controller(models=[model])
+    a = cluster.agent("gpu-a", nvidia_smi_capture="nvidia-smi-8xh100.csv")
+    wait_for("g ready", 20, lambda: len(c.ready("g")) == 1)
+    shard = c.ready("g")[0]["shard_id"]
+    pid = a.engines()[shard]
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        assert b"CUDA_VISIBLE_DEVICES=0" in f.read().split(b"\0")
+    logs = c.ctl("logs", "gpu-a", "--source", shard)
+    assert logs.returncode == 0 and "llmgw: starting" in logs.stdout
+    missing = c.ctl("logs", "gpu-a", "--source", "nope")
+    assert missing.returncode == 1 and shard in missing.stderr

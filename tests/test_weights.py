@@ -1,0 +1,69 @@
+"""Downloads that are interrupted resume where they stopped, and are never visible half-written."""
+
+import http.server
+import os
+import threading
+
+import pytest
+
+from llmgw import weights
+
+BLOB = os.urandom(300_000)
+
+
+class Flaky(http.server.BaseHTTPRequestHandler):
+    broke = []
+
+    def do_GET(self):
+        start = 0
+        if self.headers.get("Range"):
+            start = int(self.headers["Range"].split("=")[1].rstrip("-"))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(BLOB) - 1}/{len(BLOB)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(BLOB) - start))
+        self.end_headers()
+        if not self.broke:
+            self.broke.append(1)
+            self.wfile.write(BLOB[start:start + 100_000])  # then hang up
+            self.wfile.flush()
+            self.connection.shutdown(2)
+            return
+        self.wfile.write(BLOB[start:])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    Flaky.broke = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/models/tiny.gguf"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_interrupted_download_resumes(server, tmp_path):
+    progress = []
+    with pytest.raises(weights.FetchError, match="broke off after 100000 of 300000 bytes"):
+        weights.fetch(server, str(tmp_path), lambda done, total: progress.append((done, total)))
+    final = weights.local_name(server, str(tmp_path))
+    assert not os.path.exists(final) and os.path.getsize(final + ".part") == 100_000
+    path = weights.fetch(server, str(tmp_path), lambda done, total: progress.append((done, total)))
+    with open(path, "rb") as f:
+        assert path == final and f.read() == BLOB
+    assert progress[-1] == (300_000, 300_000) and not os.path.exists(final + ".part")
+    # Once there, it is not fetched again.
+    assert weights.fetch(server, str(tmp_path)) == final
+
+
+def test_a_path_is_used_where_it_is(tmp_path):
+    assert weights.fetch("/models/local.gguf", str(tmp_path)) == "/models/local.gguf"
+
+
+def test_a_missing_file_says_what_the_server_said(server, tmp_path):
+    with pytest.raises(weights.FetchError, match="cannot fetch"):
+        weights.fetch("http://127.0.0.1:1/x.gguf", str(tmp_path))
