@@ -32,9 +32,11 @@ from llmgw.fleet import Fleet
 from llmgw.fleetmetrics import FleetCollector
 from llmgw.metrics import serve_registry
 from llmgw.publisher import Publisher, snapshot_body
-from llmgw.reconciler import Replicas, Start, plan
+from llmgw.reconciler import Demand, Replicas, Start, plan
 
 log = logging.getLogger("llmgw.controller")
+
+STOP_GRACE = 2.0  # seconds between taking a replica out of the snapshot and stopping its engine
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,6 +88,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
                          heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas)
     publisher = Publisher(context, cfg["controller.gateway_listen"])
+    demand = Demand()
+    wants = context.socket(zmq.PULL)
+    wants.setsockopt(zmq.LINGER, 0)
+    wants_host, _, wants_port = cfg["controller.demand_listen"].rpartition(":")
+    wants.bind(f"tcp://{wants_host or '*'}:{wants_port}")
     # Other threads never touch a ZeroMQ socket: they queue what to send, and the loop sends it.
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -102,7 +109,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
 
     def reconcile() -> None:
         now = time.monotonic()
-        actions, unplaced = plan(catalog.models(), fleet.describe(now), replicas, now)
+        models = catalog.models()
+        actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
         app.config["unplaced"].clear()
         app.config["unplaced"].update(unplaced)
         for action in actions:
@@ -117,8 +125,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                     "profile_fp": model.fingerprint(profile), "max_context": model.max_context}))
             else:
                 log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
-                outbox.put((action.node_id, "stop_shard", {"request_id": uuid.uuid4().hex,
-                                                           "shard_id": action.shard_id}))
+                # The replica leaves the gateways' snapshot now; the engine stops a little later, so a
+                # request routed to it a moment ago still finds it answering.
+                message = (action.node_id, "stop_shard", {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id})
+                threading.Timer(STOP_GRACE, outbox.put, args=(message,)).start()
 
     scheduler = BackgroundScheduler()
     scheduler.add_job(reconcile, "interval", seconds=cfg["controller.reconcile_interval"], max_instances=1,
@@ -129,7 +139,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     admin = make_server(host or "127.0.0.1", int(port), app, threaded=True)
     threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     registry = CollectorRegistry()
-    registry.register(FleetCollector(fleet))
+    registry.register(FleetCollector(fleet, replicas, catalog.models))
     serve_registry(cfg["controller.metrics_listen"], registry)
     log.info("agents on %s, gateways on %s, admin API on http://%s, metrics on http://%s/metrics",
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.admin_listen"],
@@ -150,11 +160,19 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                 node = fleet.nodes.get(node_id)
                 if node is not None:
                     server.send(node.identity, kind, **fields)
-            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot()))
+            while wants.poll(0):
+                try:
+                    note = wants.recv_json()
+                except ValueError:
+                    continue  # not ours, or garbled: nothing to act on
+                if isinstance(note, dict) and isinstance(note.get("model"), str):
+                    demand.note(note["model"], time.monotonic())
+            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port)))
     finally:
         scheduler.shutdown(wait=False)
         admin.shutdown()
         publisher.close()
+        wants.close(0)
         server.close()
         context.term()
         engine.dispose()

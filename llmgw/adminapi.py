@@ -144,6 +144,12 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         _remember_cordon(engine, node_id, False)
         return jsonify({"node_id": node_id, "cordoned": False})
 
+    @app.post("/api/v1/nodes/<node_id>/drain")
+    def drain(node_id):
+        fleet.drain(node_id)
+        _remember_cordon(engine, node_id, True)
+        return jsonify({"node_id": node_id, "draining": True})
+
     @app.delete("/api/v1/nodes/<node_id>")
     def remove(node_id):
         fleet.remove(node_id, time.monotonic())

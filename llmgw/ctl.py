@@ -130,6 +130,16 @@ def uncordon(obj, node):
     click.echo(f"uncordoned {node}", err=True)
 
 
+@ctl.command()
+@click.argument("node")
+@click.pass_obj
+def drain(obj, node):
+    """Move NODE's replicas elsewhere, one at a time, each stopped only once its replacement is ready."""
+    obj.admin.call("POST", f"/api/v1/nodes/{node}/drain")
+    click.echo(f"draining {node}: `llmgw ctl replicas` shows the moves; `llmgw ctl uncordon {node}` ends it",
+               err=True)
+
+
 @ctl.group("node")
 def node_group():
     """Nodes: remove a lost one."""

@@ -1,7 +1,7 @@
 """The controller's view of its nodes: what each said about itself, when it was last heard, its state.
 
 A node is `ready` while it heartbeats, `cordoned` when an operator said to
-place nothing new on it, `unreachable` after `unreachable_after` seconds of
+place nothing new on it, `draining` when its replicas are being moved off, `unreachable` after `unreachable_after` seconds of
 silence (nothing is placed there) and `lost` after `lost_after` (its work is
 replaced elsewhere). States are computed from the clock when asked, never
 stored, so a silent node needs no timer to age. Thread-safe: the agent loop
@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-READY, CORDONED, UNREACHABLE, LOST = "ready", "cordoned", "unreachable", "lost"
-STATES = (READY, CORDONED, UNREACHABLE, LOST)
+READY, CORDONED, DRAINING, UNREACHABLE, LOST = "ready", "cordoned", "draining", "unreachable", "lost"
+STATES = (READY, CORDONED, DRAINING, UNREACHABLE, LOST)
 
 
 class FleetError(Exception):
@@ -30,6 +30,7 @@ class Node:
     last_heard: float
     status: dict = dataclasses.field(default_factory=dict)  # the latest of each heartbeat field
     cordoned: bool = False
+    draining: bool = False
 
 
 class Fleet:
@@ -46,6 +47,8 @@ class Fleet:
             return LOST
         if silent > self.unreachable_after:
             return UNREACHABLE
+        if node.draining:
+            return DRAINING
         return CORDONED if node.cordoned else READY
 
     def register(self, node_id: str, facts: dict, identity: bytes, now: float) -> Node:
@@ -54,6 +57,7 @@ class Fleet:
             previous = self.nodes.get(node_id)
             if previous is not None:
                 node.status = previous.status
+                node.draining = previous.draining
             self.nodes[node_id] = node
             return node
 
@@ -75,6 +79,16 @@ class Fleet:
             (self.cordoned.add if cordoned else self.cordoned.discard)(node_id)
             if node_id in self.nodes:
                 self.nodes[node_id].cordoned = cordoned
+                if not cordoned:
+                    self.nodes[node_id].draining = False
+
+    def drain(self, node_id: str) -> None:
+        """Cordon NODE_ID and move its replicas elsewhere, one at a time (the reconciler does the moving)."""
+        with self.lock:
+            if node_id not in self.nodes:
+                raise FleetError(f"no node {node_id!r}; `llmgw ctl nodes` lists them")
+            self.set_cordon(node_id, True)
+            self.nodes[node_id].draining = True
 
     def remove(self, node_id: str, now: float) -> None:
         with self.lock:

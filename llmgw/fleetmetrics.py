@@ -15,8 +15,11 @@ from llmgw.fleet import STATES, Fleet
 
 
 class FleetCollector:
-    def __init__(self, fleet: Fleet):
+    def __init__(self, fleet: Fleet, replicas=None, models=lambda: {}):
+        """REPLICAS is the controller's Replicas; MODELS() returns the catalog's models."""
         self.fleet = fleet
+        self.replicas = replicas
+        self.models = models
 
     def collect(self):
         nodes = self.fleet.describe(time.monotonic())
@@ -75,3 +78,20 @@ class FleetCollector:
                 gpu_ok.add_metric([node, index], 1.0 if current.get("health") == "ok" else 0.0)
         yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
                     gpu_total, gpu_mem, gpu_util, gpu_ok)
+        yield from self._replica_families()
+
+    def _replica_families(self):
+        by_state = GaugeMetricFamily("llmgw_replicas", "Replicas by state.", labels=["state"])
+        ready = GaugeMetricFamily("llmgw_model_replicas_ready",
+                                  "Ready replicas of each model that should be running (absent for a stopped one).",
+                                  labels=["model"])
+        shards = self.replicas.snapshot() if self.replicas is not None else []
+        for state in ("pending", "fetching", "starting", "ready", "stopping"):
+            by_state.add_metric([state], sum(1 for r in shards if r.state == state))
+        for name in self.models():
+            count = sum(1 for r in shards if r.model == name and r.state == "ready")
+            live = any(r.model == name for r in shards)
+            if live or self.models()[name].min_replicas > 0:
+                ready.add_metric([name], count)
+        yield by_state
+        yield ready

@@ -22,17 +22,18 @@ from llmgw.snapshot import ModelSpec, ReplicaSpec, Snapshot
 log = logging.getLogger("llmgw.follower")
 
 
-def from_controller(body: dict, base: Snapshot) -> Snapshot:
+def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snapshot:
     models = dict(base.models)
     for m in body.get("models", []):
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
                                       description=m.get("description") or "", max_context=m.get("max_context"),
-                                      max_output=m.get("max_output"))
+                                      max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")))
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
                                         weight=float(r.get("weight", 1.0)))
-    return Snapshot(version=body["version"], models=models, replicas=replicas)
+    demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
+    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand)
 
 
 def follow(address: str, base: Snapshot, apply) -> None:
@@ -47,7 +48,7 @@ def follow(address: str, base: Snapshot, apply) -> None:
             _, payload = sock.recv_multipart()
             try:
                 body = json.loads(payload)
-                apply(from_controller(body, base))
+                apply(from_controller(body, base, address.rpartition(":")[0] or "127.0.0.1"))
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignored a snapshot from the controller that cannot be read: %s", e)
     finally:

@@ -34,6 +34,10 @@ from llmgw.worker import Runtime
 log = logging.getLogger("llmgw.proxy")
 
 OVERHEAD_HEADER = "X-Llmgw-Overhead-Ms"
+SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")]
+LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
+KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
+DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
 
 
 def _status_line(status: int) -> str:
@@ -88,6 +92,7 @@ class Proxy:
         self.first_byte = cfg["timeouts.first_byte"]
         self.idle = cfg["timeouts.idle"]
         self.total = cfg["timeouts.total"]
+        self.load_wait = cfg["gateway.load_wait"]
 
     def __call__(self, environ, start_response):
         t0 = time.perf_counter()
@@ -187,6 +192,40 @@ class Proxy:
 
     def _forward(self, environ, start_response, path, key, req, model, t0):
         rt = self.rt
+        if model.on_demand and not rt.router.available(model.name):
+            rt.demand(model.name)
+            if req.stream:
+                # Headers now, then a comment every few seconds: the client sees a live
+                # stream rather than a silent socket while the model loads.
+                start_response("200 OK", SSE_HEADERS)
+                rt.metrics.in_flight.labels(model.name).inc()
+                return self._held_stream(environ, path, key, req, model, t0)
+            for _ in self._until_ready(model):
+                pass
+            if not rt.router.available(model.name):
+                raise self._still_loading(model)
+        rt.metrics.in_flight.labels(model.name).inc()
+        try:
+            resp, replica, data, overhead = self._connect(path, req, model, t0)
+        except ApiError:
+            rt.metrics.in_flight.labels(model.name).dec()
+            raise
+        if data is None:
+            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")])
+            return self._relay(environ, resp, replica, key, req, model, t0)
+        usage = apirequest.usage_of(data) if resp.status == 200 else None
+        start_response(_status_line(resp.status), [
+            ("Content-Type", resp.headers.get("content-type", "application/json")),
+            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")])
+        self._account(t0, key, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
+        return [data]
+
+    def _connect(self, path, req, model, t0):
+        """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms).
+
+        Raises ApiError when every attempt failed or no replica is in rotation.
+        """
+        rt = self.rt
         router = rt.router
         body = req.upstream_body(model.name)
         affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
@@ -194,7 +233,6 @@ class Proxy:
         tried: set[str] = set()
         failure: tuple[UpstreamError, str] | None = None
         engine_time = 0.0
-        rt.metrics.in_flight.labels(model.name).inc()
         for _ in range(self.attempts):
             replica = router.pick(model.name, time.monotonic(), affinity, tried)
             if replica is None:
@@ -217,11 +255,10 @@ class Proxy:
                     detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
                     resp.release()
                     raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
-                streaming = req.stream and resp.status == 200
                 # A whole answer is read here, inside the attempt: if the
                 # engine fails halfway, nothing has reached the client yet and
                 # another replica can still be tried.
-                data = b"" if streaming else resp.read(self.idle)
+                data = None if req.stream and resp.status == 200 else resp.read(self.idle)
             except UpstreamError as e:
                 engine_time += time.perf_counter() - sent
                 replica.outstanding -= 1
@@ -234,19 +271,11 @@ class Proxy:
             replica.breaker.success()
             overhead = (time.perf_counter() - t0 - engine_time) * 1000
             rt.metrics.overhead.observe(overhead / 1000)
-            if streaming:
-                start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                                          ("X-Accel-Buffering", "no"), (OVERHEAD_HEADER, f"{overhead:.2f}")])
-                return self._relay(environ, resp, replica, key, req, model, t0)
-            resp.release()
-            replica.outstanding -= 1
-            usage = apirequest.usage_of(data) if resp.status == 200 else None
-            start_response(_status_line(resp.status), [
-                ("Content-Type", resp.headers.get("content-type", "application/json")),
-                ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")])
-            self._account(t0, key, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
-            return [data]
-        rt.metrics.in_flight.labels(model.name).dec()
+            if data is not None:
+                resp.release()
+                replica.outstanding -= 1
+            rt.used(model.name)
+            return resp, replica, data, overhead
         if failure is None:
             configured = len(router.snapshot.replicas_for(model.name))
             if configured:
@@ -256,6 +285,49 @@ class Proxy:
             raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
         raise _upstream_error(model.name, *failure)
+
+    def _until_ready(self, model: ModelSpec):
+        """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
+
+        The controller is reminded of the demand every few seconds, in case a
+        message was lost or its first try to start the model failed.
+        """
+        deadline = time.monotonic() + self.load_wait
+        reminded = time.monotonic()
+        while not self.rt.router.available(model.name) and time.monotonic() < deadline:
+            if time.monotonic() - reminded >= DEMAND_REMINDER:
+                self.rt.demand(model.name)
+                reminded = time.monotonic()
+            yield
+            gevent.sleep(LOAD_POLL)
+
+    def _still_loading(self, model: ModelSpec) -> ApiError:
+        return ApiError(503, f"{model.name} is loading: it runs on demand and is not ready after "
+                             f"{self.load_wait:.0f} s. Retry in a minute.", "model_loading", retry_after=60)
+
+    def _held_stream(self, environ, path, key, req, model, t0):
+        """The stream of a request for a model that is loading: comments while waiting, then the answer."""
+        said = 0.0
+        for _ in self._until_ready(model):
+            if time.monotonic() - said >= KEEPALIVE:
+                yield f": {model.name} is loading\n\n".encode()
+                said = time.monotonic()
+        if not self.rt.router.available(model.name):
+            e = self._still_loading(model)
+            self._account(t0, key, req, model, None, e.status, None, None, in_flight=True)
+            yield e.sse_event()
+            return
+        try:
+            resp, replica, data, _ = self._connect(path, req, model, t0)
+        except ApiError as e:
+            self._account(t0, key, req, model, None, e.status, None, None, in_flight=True)
+            yield e.sse_event()
+            return
+        if data is not None:  # the engine refused the request (4xx): pass its error on as an event
+            yield b"data: " + data + b"\n\n"
+            self._account(t0, key, req, model, replica.spec.id, resp.status, None, None, in_flight=True)
+            return
+        yield from self._relay(environ, resp, replica, key, req, model, t0)
 
     def _relay(self, environ, resp: Response, replica, key, req, model, t0):
         """The generator that streams RESP to the client, accounting for it at the end."""

@@ -19,7 +19,7 @@ import uuid
 
 from llmgw import placement
 from llmgw.catalog import Model
-from llmgw.fleet import LOST
+from llmgw.fleet import DRAINING, LOST
 
 LIVE = ("pending", "fetching", "starting", "ready")
 MAX_BACKOFF = 300.0
@@ -123,6 +123,31 @@ class Replicas:
             return [dataclasses.replace(r) for r in self.items.values()]
 
 
+DEFAULT_IDLE_TIMEOUT = 900.0  # an on-demand model with no idle_timeout stops after 15 minutes unused
+
+
+class Demand:
+    """When each model was last wanted (asked for, or served) according to the gateways."""
+
+    def __init__(self):
+        self.last: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def note(self, model: str, now: float) -> None:
+        with self.lock:
+            self.last[model] = now
+
+    def wanted(self, models: dict[str, Model], now: float) -> dict[str, int]:
+        """For models that run on demand (min 0): one replica while used within its idle timeout, else none."""
+        with self.lock:
+            out = {}
+            for name, model in models.items():
+                if model.min_replicas == 0:
+                    idle = model.idle_timeout if model.idle_timeout is not None else DEFAULT_IDLE_TIMEOUT
+                    out[name] = 1 if now - self.last.get(name, float("-inf")) < idle else 0
+            return out
+
+
 def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: float,
          wanted: dict[str, int] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
     """One pass: what to start and stop, and for each model that could not be placed, why, by node.
@@ -144,19 +169,30 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
             if replica.model not in models and replica.state != "stopping":
                 replica.state = "stopping"
                 actions.append(Stop(replica.shard_id, replica.node_id, f"{replica.model} is no longer in the catalog"))
+        draining = {n["node_id"] for n in nodes if n["state"] == DRAINING}
+        moving = False  # a drain moves one replica at a time, across every model
         for name, model in sorted(models.items()):
             live = [r for r in current if r.model == name and r.state in LIVE]
+            staying = [r for r in live if r.node_id not in draining]
+            leaving = [r for r in live if r.node_id in draining]
             want = model.min_replicas if wanted is None or name not in wanted else \
                 max(model.min_replicas, min(model.max_replicas, wanted[name]))
-            if len(live) > want:
-                # Stop the least useful first: not yet ready, then the newest.
-                for r in sorted(live, key=lambda r: (r.state == "ready", -r.since))[:len(live) - want]:
+            if len(staying) > want or (len(staying) == want and leaving and
+                                       all(r.state == "ready" for r in staying)):
+                # Stop the least useful first: those on a draining node, not yet ready, the newest.
+                for r in sorted(live, key=lambda r: (r.node_id not in draining, r.state == "ready",
+                                                     -r.since))[:len(live) - want]:
                     r.state = "stopping"
-                    actions.append(Stop(r.shard_id, r.node_id, f"{name} wants {want} replicas, had {len(live)}"))
+                    why = f"{r.node_id} is draining" if r.node_id in draining else \
+                        f"{name} wants {want} replicas, had {len(live)}"
+                    actions.append(Stop(r.shard_id, r.node_id, why))
                 continue
-            if len(live) == want or now < replicas.retry_at.get(name, 0.0):
+            if leaving and (moving or any(r.state != "ready" for r in staying)):
+                moving = True  # a replacement is on its way; the next one waits for it
                 continue
-            for _ in range(want - len(live)):
+            if len(staying) >= want or now < replicas.retry_at.get(name, 0.0):
+                continue
+            for _ in range(min(want - len(staying), 1 if leaving else want)):
                 decision, reasons = placement.place(model, nodes, claims)
                 if decision is None:
                     unplaced[name] = reasons
@@ -169,4 +205,5 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
                                                    engine=decision.profile.engine, gpus=decision.gpus,
                                                    memory_bytes=memory, since=now)
                 actions.append(Start(name, shard_id, decision))
+                moving = moving or bool(leaving)
     return actions, unplaced

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
 import tomllib
 from typing import Any
@@ -52,6 +53,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.controller", "str", "",
             "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
             "`[[endpoints]]`."),
+    Setting("gateway.load_wait", "float", 120.0,
+            "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
+            "then 503 with Retry-After.", minimum=0),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
@@ -102,6 +106,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller.gateway_listen", "str", "127.0.0.1:7444",
             "Where gateways subscribe to routing snapshots (ZeroMQ PUB). Loopback by default: open it only "
             "to your gateways' network."),
+    Setting("controller.demand_listen", "str", "127.0.0.1:7445",
+            "Where gateways say which models are wanted (ZeroMQ PULL): on-demand models start and idle ones stop "
+            "by it. Gateways learn this port from the snapshots."),
     Setting("controller.reconcile_interval", "float", 5.0,
             "Seconds between passes of the reconciler, which starts, stops and replaces replicas.", minimum=0.05),
     Setting("controller.base_backoff", "float", 10.0,
@@ -342,15 +349,52 @@ def reference_markdown() -> str:
         "",
         "## [[models]]",
         "",
-        "What the gateway tells clients about a model. A model an endpoint serves needs no entry.",
+        "The catalog. For a gateway in router-only mode, what it tells clients about a model (a model an "
+        "endpoint serves needs no entry). For the controller, with `source` and `profiles`, a model it keeps "
+        "running; `llmgw ctl model add -f FILE` takes the same keys at the top level of FILE.",
         "",
         "| key | type | meaning |",
         "| --- | --- | --- |",
         "| `name` | str | The model's name, as the engines serve it. Required. |",
         "| `aliases` | list | Other names clients may ask for; each is listed by `/v1/models`. |",
         "| `description` | str | What the model is for, shown by `/v1/models` and the landing page. |",
-        "| `max_context` | int | Context length in tokens, where known. |",
+        "| `max_context` | int | Context length in tokens, where known; given to the engine. |",
         "| `max_output` | int | Most tokens one answer may ask for; a larger `max_tokens` is refused with 400. |",
+        "| `source` | str | A path on the nodes (used in place) or an http(s) URL (fetched once per node). |",
+        "| `scaling` | table | `min` and `max` replicas (default 1 and 1; `min = 0` runs it on demand), "
+        "`idle_timeout` (such as `\"30m\"`) after which an on-demand model stops; 15 minutes by default. |",
+        "| `profiles` | array of tables | Ways to run it, tried by `priority` (higher first): `engine` "
+        "(`llamacpp`, `vllm`, `sglang`, `sim`), `gpu_class` (such as `h100-80g`), `gpus`, `min_memory_gb`, "
+        "`node_selector` (labels), `args`, `env`, `weight` (traffic share), `name`. |",
         "",
     ]
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = ()) -> str:
+    """A configuration file from dotted settings plus `[[endpoints]]` and `[[models]]` (for `llmgw up`, tests)."""
+    tables: dict[str, list[str]] = {}
+    for name, value in values.items():
+        table, key = name.split(".", 1)
+        tables.setdefault(table, []).append(f"{key} = {_toml_value(value)}")
+    lines = []
+    for table, entries in tables.items():
+        lines += [f"[{table}]", *entries, ""]
+    for kind, items in (("endpoints", endpoints), ("models", models)):
+        for item in items:
+            lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

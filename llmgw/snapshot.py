@@ -24,6 +24,7 @@ class ModelSpec:
     max_context: int | None = None  # None: not known
     max_output: int | None = None
     created: int = 0
+    on_demand: bool = False  # runs only while wanted: a request for it waits while it starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Snapshot:
     version: int
     models: dict[str, ModelSpec]
     replicas: dict[str, ReplicaSpec]
+    demand: str | None = None  # where to say a model is wanted (the controller's demand address), if anywhere
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)

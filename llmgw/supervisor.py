@@ -287,3 +287,19 @@ class Supervisor:
             path = os.path.join(self.work_dir, "shards", f"{source}.log")
             return (tail(path, lines) if os.path.exists(path) else []), sources
         return (tail(shard.log_path, lines) if shard else []), sources
+
+
+def running_engines(work_dir: str) -> dict[str, int]:
+    """shard id -> pid of every engine the state files in WORK_DIR list as running."""
+    found = {}
+    folder = os.path.join(work_dir, "shards")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    pid = json.load(f).get("pid")
+            except (OSError, ValueError):
+                continue
+            if pid and _alive(pid):
+                found[name[:-5]] = pid
+    return found

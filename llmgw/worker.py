@@ -14,6 +14,7 @@ import time
 
 import gevent
 from sqlalchemy.engine import Engine
+from zmq import NOBLOCK, Again
 
 from llmgw import enginemetrics, keys
 from llmgw.balancer import ReplicaState, Router
@@ -26,6 +27,8 @@ from llmgw.usage import UsageRecorder
 log = logging.getLogger("llmgw.worker")
 
 PROBE_TIMEOUT = 2.0
+DEMAND_EVERY = 1.0  # seconds: a model wanted by many requests is said once
+USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any idle timeout
 
 
 class Runtime:
@@ -39,6 +42,38 @@ class Runtime:
         self.keys = keys.KeyTable.load(engine)
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
         self.greenlets: list[gevent.Greenlet] = []
+        self.demand_socket = None
+        self.demand_address: str | None = None
+        self.told: dict[tuple[str, str], float] = {}
+
+    def demand(self, model: str) -> None:
+        """Tell the controller MODEL is wanted now (an on-demand model starts by this)."""
+        self._tell("demand", model, DEMAND_EVERY)
+
+    def used(self, model: str) -> None:
+        """Tell the controller MODEL served a request (an idle model stops when this stops)."""
+        self._tell("used", model, USED_EVERY)
+
+    def _tell(self, kind: str, model: str, every: float) -> None:
+        address = self.router.snapshot.demand
+        now = time.monotonic()
+        if address is None or now - self.told.get((kind, model), -every) < every:
+            return
+        if address != self.demand_address:
+            import zmq.green as zmq
+
+            if self.demand_socket is not None:
+                self.demand_socket.close(0)
+            self.demand_socket = zmq.Context.instance().socket(zmq.PUSH)
+            self.demand_socket.setsockopt(zmq.LINGER, 0)
+            self.demand_socket.setsockopt(zmq.SNDHWM, 100)
+            self.demand_socket.connect(f"tcp://{address}")
+            self.demand_address = address
+        try:
+            self.demand_socket.send_json({"kind": kind, "model": model}, flags=NOBLOCK)
+        except Again:
+            return  # the controller is away; the next request says it again
+        self.told[(kind, model)] = now
 
     def apply(self, snapshot: Snapshot) -> None:
         """Take a newer snapshot (an older or equal one is ignored)."""
@@ -59,6 +94,8 @@ class Runtime:
         """Stop the background work and write every buffered usage row."""
         gevent.killall(self.greenlets, block=True, timeout=2)
         self.greenlets = []
+        if self.demand_socket is not None:
+            self.demand_socket.close(0)
         written = self.usage.flush()
         if written:
             log.info("wrote %d buffered usage rows before stopping", written)

@@ -9,6 +9,7 @@ import sys
 import urllib.request
 
 from llmgw.procs import free_port, http_status, wait_for
+from llmgw.supervisor import running_engines
 from tests.conftest import ROOT, stop_process, write_config
 
 FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agent.heartbeat_interval": 0.2,
@@ -79,18 +80,6 @@ class Controller:
         return stop_process(self.proc, sig or signal.SIGTERM)
 
 
-def engine_pids(folder) -> dict[str, int]:
-    """shard id -> pid of the engines an agent's state files list."""
-    out = {}
-    shards = folder / "work" / "shards"
-    for path in shards.glob("*.json") if shards.exists() else ():
-        try:
-            out[path.stem] = json.loads(path.read_text())["pid"]
-        except (ValueError, KeyError, OSError):
-            pass
-    return out
-
-
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
                  nvidia_smi_capture: str | None = None, plaintext=False):
@@ -128,7 +117,7 @@ class Agent:
         return self.log_path.read_text()
 
     def engines(self) -> dict[str, int]:
-        return engine_pids(self.folder)
+        return running_engines(str(self.folder / "work"))
 
     def stop(self, sig=None, engines=True):
         """Stop the agent; its engines outlive it unless ENGINES (what a test's clean-up wants)."""

@@ -123,36 +123,12 @@ class Sim:
             self.proc.stdout.close()
 
 
-def toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(value)
-
-
 def write_config(path, settings: dict, endpoints=(), models=()) -> str:
     """A TOML file from dotted SETTINGS plus [[endpoints]] and [[models]] tables."""
-    tables: dict[str, list[str]] = {}
-    for name, value in settings.items():
-        table, key = name.split(".", 1)
-        tables.setdefault(table, []).append(f"{key} = {toml_value(value)}")
-    lines = []
-    for table, entries in tables.items():
-        lines += [f"[{table}]", *entries, ""]
-    for kind, items in (("endpoints", endpoints), ("models", models)):
-        for item in items:
-            lines.append(f"[[{kind}]]")
-            lines += [f"{k} = {toml_value(v)}" for k, v in item.items()]
-            lines.append("")
+    from llmgw.settings import to_toml
+
     with open(path, "w") as f:
-        f.write("\n".join(lines))
+        f.write(to_toml(settings, list(endpoints), list(models)))
     return str(path)
 
 

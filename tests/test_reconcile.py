@@ -4,6 +4,7 @@ import json
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -194,6 +195,7 @@ def test_placement_explains_every_refusal(cluster):
     cluster.agent("gpu-a", labels={"rack": "r1"}, nvidia_smi_capture="nvidia-smi-8xh100.csv")
     cluster.agent("gpu-b", labels={"rack": "r2"}, nvidia_smi_capture="nvidia-smi-8xh100.csv")
     cluster.agent("cpu", labels={"rack": "r1"})
+    wait_for("three nodes", 10, lambda: len(c.nodes()) == 3)
     wait_for("big placed", 20, lambda: len(c.ready("big")) == 1)
     replica = c.ready("big")[0]
     assert replica["node"] == "gpu-a" and replica["gpus"] == [0, 1]
@@ -220,3 +222,95 @@ def test_replicas_get_their_gpus_and_logs_come_back(cluster):
     assert logs.returncode == 0 and "llmgw: starting" in logs.stdout
     missing = c.ctl("logs", "gpu-a", "--source", "nope")
     assert missing.returncode == 1 and shard in missing.stderr
+
+
+def test_an_on_demand_model_starts_for_a_request_and_stops_when_idle(cluster):
+    model = {
+        "name": "lazy", "source": "/dev/null", "scaling": {"min": 0, "max": 1, "idle_timeout": "3s"},
+        "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5"]}]}
+    c = cluster.controller(models=[model])
+    cluster.agent("n1")
+    gw = cluster.gateway()
+    def models():
+        req = urllib.request.Request(gw.url + "/v1/models", headers={"Authorization": f"Bearer {cluster.key}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())["data"]
+
+    wait_for("the gateway to know the model", 10, lambda: any(m["id"] == "lazy" for m in models()))
+    assert c.replicas("lazy") == []  # nobody asked: nothing runs
+    started = time.monotonic()
+    status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "lazy"}, cluster.key, timeout=60)
+    assert status == 200 and json.loads(raw)["model"] == "lazy"
+    assert time.monotonic() - started < 15
+    # A stream for it while it runs is answered at once; then, unused for 3 s, it stops.
+    wait_for("the idle model to stop", 15, lambda: c.replicas("lazy") == [])
+    # Asked for again as a stream: kept alive with comments while it loads, then the answer.
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "lazy", "stream": True}),
+                 {"Authorization": f"Bearer {cluster.key}", "Content-Type": "application/json"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    assert text.startswith(": lazy is loading") and "tok0" in text and text.rstrip().endswith("[DONE]")
+
+
+def test_a_model_that_cannot_start_is_503_loading_with_retry_after(cluster, tmp_path):
+    model = {"name": "never", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
+             "profiles": [{"engine": "vllm"}]}
+    c = cluster.controller(models=[model])
+    cluster.agent("n1")
+    url = f"sqlite:///{tmp_path}/gateway.db"
+    key = make_key(url)
+    gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}", gateway__load_wait=1.0)
+    try:
+        wait_for("the gateway to know the model", 10,
+                 lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "never"}, key)[0] != 404)
+        status, headers, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "never"}, key)
+        assert status == 503 and headers["Retry-After"] == "60" and "is loading" in json.loads(raw)["error"]["message"]
+        unplaced = c.api("/api/v1/models")["models"][0]["unplaced"]
+        assert "engine vllm is not installed" in unplaced["n1"]  # wanted, and the operator can see why not
+    finally:
+        gw.stop()
+
+
+def test_drain_moves_replicas_one_at_a_time_with_no_failed_request(cluster, tmp_path):
+    c = cluster.controller()
+    cluster.agent("n1")
+    wait_for("n1", 10, lambda: c.state("n1") == "ready")
+    for name in ("ma", "mb"):
+        (tmp_path / f"{name}.toml").write_text(f'name = "{name}"\nsource = "/dev/null"\n[[profiles]]\nengine = "sim"\n')
+        assert c.ctl("model", "add", "-f", str(tmp_path / f"{name}.toml")).returncode == 0
+    wait_for("both on n1", 20, lambda: len(c.ready("ma")) == 1 and len(c.ready("mb")) == 1)
+    cluster.agent("n2")
+    gw = cluster.gateway()
+    wait_for("the gateway", 10, lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "ma"},
+                                             cluster.key)[0] == 200)
+    failures, done = [], threading.Event()
+
+    def traffic():
+        while not done.is_set():
+            for model in ("ma", "mb"):
+                status, _, _ = post(gw.url + "/v1/chat/completions", {**CHAT, "model": model}, cluster.key)
+                if status != 200:
+                    failures.append(status)
+            time.sleep(0.02)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    assert c.ctl("drain", "n1").returncode == 0
+    most_starting = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        rows = c.replicas()
+        most_starting = max(most_starting, sum(1 for r in rows if r["node"] == "n2" and r["state"] != "ready"))
+        if all(r["node"] == "n2" and r["state"] == "ready" for r in rows) and len(rows) == 2:
+            break
+        time.sleep(0.05)
+    time.sleep(1.0)
+    done.set()
+    worker.join()
+    assert sorted(r["model"] for r in c.replicas() if r["node"] == "n2") == ["ma", "mb"]
+    assert most_starting <= 1  # one move at a time
+    assert failures == []
+    assert c.state("n1") == "draining"

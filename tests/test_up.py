@@ -9,6 +9,7 @@ import sys
 import time
 
 from llmgw.procs import free_port, http_status
+from llmgw.supervisor import running_engines
 from tests.conftest import post, write_config
 
 
@@ -34,7 +35,10 @@ def stop_up(proc, tmp_path):
 
 def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     port = free_port()
-    config = write_config(tmp_path / "llmgw.toml", {"gateway.metrics_listen": f"127.0.0.1:{free_port()}"})
+    ports = {name: f"127.0.0.1:{free_port()}" for name in (
+        "gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen", "controller.metrics_listen",
+        "controller.gateway_listen", "controller.demand_listen")}
+    config = write_config(tmp_path / "llmgw.toml", ports)
     proc, out, err = run_up(tmp_path, port, config)
     try:
         assert "done  key" in err and "said: " in err and "Paris" in err
@@ -49,11 +53,16 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
         example = "\n".join(line[2:] for line in example.splitlines())
         ran = subprocess.run([sys.executable, "-c", example], capture_output=True, text=True, timeout=60)
         assert ran.returncode == 0 and ran.stdout.strip(), ran.stderr
-        engine_port = int(re.search(r"engine ready on http://127.0.0.1:(\d+)", err).group(1))
+        engines = running_engines(str(tmp_path / "var" / "agent"))
+        assert len(engines) == 1
+        ctl = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "ctl", "replicas"],
+                             cwd=tmp_path, capture_output=True, text=True)
+        assert "smollm2-135m-instruct" in ctl.stdout and "ready" in ctl.stdout
     finally:
         stop_up(proc, tmp_path)
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
-    assert http_status(f"http://127.0.0.1:{engine_port}/health", timeout=1) is None
+    time.sleep(1)
+    assert running_engines(str(tmp_path / "var" / "agent")) == {}  # the engine stopped too
 
     # Again: the store and the key are reused.
     proc, out, err = run_up(tmp_path, port, config)
