@@ -55,7 +55,8 @@ class Reporter:
 
     def heartbeat(self) -> dict:
         current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),
-                   "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent())}}
+                   "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent()),
+                            "shards": self.supervisor.loads()}}
         if self.has_gpus:
             # GPU memory in use catches a process outside llmgw taking a card.
             keep = ("index", "memory_used_bytes", "utilization_percent", "health")
@@ -75,10 +76,17 @@ def commands(node_id: str, supervisor: Supervisor):
         if kind == "start_shard":
             supervisor.start({k: v for k, v in message.items() if k not in ("v", "type", "request_id")})
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
-        if kind == "stop_shard":
+        if kind in ("stop_shard", "drain_shard"):
             # Stopping what is not running is done already: commands are idempotent.
-            supervisor.stop(message["shard_id"])
+            if kind == "stop_shard":
+                supervisor.stop(message["shard_id"])
+            else:
+                supervisor.drain(message["shard_id"], message.get("timeout", 60.0))
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
+        if kind == "remove_weights":
+            refusal = supervisor.remove_weights(message["source"])
+            return [("ack", {"node_id": node_id, "request_id": request_id, "ok": refusal is None,
+                             **({"error": refusal} if refusal else {})})]
         lines, sources = supervisor.logs(message.get("source"), message.get("lines", 200))
         if message.get("source") and not lines and message["source"] not in sources:
             return [("logs_reply", {"node_id": node_id, "request_id": request_id, "sources": sources,

@@ -111,6 +111,9 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         now = time.monotonic()
         models = catalog.models()
         actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
+        took = round(time.monotonic() - now, 6)
+        app.config["reconcile_seconds"] = took
+        app.config["reconcile_seconds_max"] = max(took, app.config.get("reconcile_seconds_max", 0.0))
         app.config["unplaced"].clear()
         app.config["unplaced"].update(unplaced)
         for action in actions:
@@ -125,15 +128,18 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                     "profile_fp": model.fingerprint(profile), "max_context": model.max_context}))
             else:
                 log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
-                # The replica leaves the gateways' snapshot now; the engine stops a little later, so a
-                # request routed to it a moment ago still finds it answering.
-                message = (action.node_id, "stop_shard", {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id})
+                # The replica leaves the gateways' snapshot now; the engine is drained a little later (it
+                # stops once idle), so a request routed to it a moment ago still finds it answering.
+                message = (action.node_id, "drain_shard", {"request_id": uuid.uuid4().hex,
+                                                           "shard_id": action.shard_id})
                 threading.Timer(STOP_GRACE, outbox.put, args=(message,)).start()
 
     scheduler = BackgroundScheduler()
-    scheduler.add_job(reconcile, "interval", seconds=cfg["controller.reconcile_interval"], max_instances=1,
-                      coalesce=True, next_run_time=datetime.datetime.now())
+    scheduler.add_job(reconcile, "interval", id="reconcile", seconds=cfg["controller.reconcile_interval"],
+                      max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
     scheduler.start()
+    # A catalog change is acted on at once rather than at the next tick.
+    app.config["kick"] = lambda: scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now())
 
     host, _, port = cfg["controller.admin_listen"].rpartition(":")
     admin = make_server(host or "127.0.0.1", int(port), app, threaded=True)

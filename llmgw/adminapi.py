@@ -29,6 +29,9 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     unplaced: dict = {}
     app.config["unplaced"] = unplaced  # the controller's reconciler keeps it current
 
+    def kick() -> None:
+        app.config.get("kick", lambda: None)()
+
     def error(status: int, message: str):
         return jsonify({"error": message}), status
 
@@ -75,19 +78,24 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             return error(400, "send the model as a JSON object (llmgw ctl model add -f model.toml does)")
         model = parse_model(table, origin="runtime")
         if request.args.get("source_check", "1") != "0":
-            check_source(model.source)
+            size = check_source(model.source)
+            if size is not None and "size_bytes" not in table:
+                table["size_bytes"] = size  # placement skips nodes without the disk for it
         catalog.add(table)
+        kick()
         return jsonify({"name": model.name, "added": True})
 
     @app.delete("/api/v1/models/<name>")
     def remove_model(name):
         catalog.remove(name)
+        kick()
         return jsonify({"name": name, "removed": True})
 
     @app.post("/api/v1/models/<name>/scale")
     def scale(name):
         body = request.get_json(silent=True) or {}
         model = catalog.scale(name, body.get("min"), body.get("max"))
+        kick()
         return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
 
     @app.get("/api/v1/models/<name>/placement")
@@ -126,7 +134,9 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
         return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts, "models": len(models_),
                         "models_serving": serving, "replicas": len(rows),
-                        "replicas_ready": sum(1 for r in rows if r["state"] == "ready")})
+                        "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
+                        "reconcile_seconds": app.config.get("reconcile_seconds"),
+                        "reconcile_seconds_max": app.config.get("reconcile_seconds_max")})
 
     @app.get("/api/v1/nodes")
     def nodes():

@@ -60,6 +60,7 @@ class Model:
     max_replicas: int = 1
     idle_timeout: float | None = None  # seconds; None: never stopped for being idle
     origin: str = "config"  # or "runtime"
+    size_bytes: int | None = None  # the download's size, where known: nodes without the disk are skipped
 
     def fingerprint(self, profile: Profile) -> str:
         """What a running engine was started from; a change means its replicas run a stale profile."""
@@ -133,7 +134,8 @@ def parse_model(table: dict, origin: str = "config") -> Model:
                  aliases=tuple(aliases), description=str(table.get("description", "")),
                  max_context=table.get("max_context"), max_output=table.get("max_output"),
                  min_replicas=low, max_replicas=high,
-                 idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin)
+                 idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin,
+                 size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None)
 
 
 def read_model_file(path: str) -> dict:
@@ -147,24 +149,27 @@ def read_model_file(path: str) -> dict:
         raise CatalogError(f"{path} is not valid TOML: {e}") from None
 
 
-def check_source(source: str, timeout: float = 10.0) -> None:
+def check_source(source: str, timeout: float = 10.0) -> int | None:
     """Refuse early a source that is not there, rather than failing later on every node.
 
     A URL must answer a HEAD request; a path must exist here when it is
     absolute and this machine can see it (a path only the nodes see cannot be
-    checked, and `--no-source-check` skips the check).
+    checked, and `--no-source-check` skips the check). Returns the download's
+    size when the server says it.
     """
     if source.startswith(("http://", "https://")):
         req = urllib.request.Request(source, method="HEAD")
         try:
-            with urllib.request.urlopen(req, timeout=timeout):
-                return
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                length = resp.headers.get("Content-Length")
+                return int(length) if length and length.isdigit() else None
         except Exception as e:
             raise CatalogError(f"the source {source} does not answer ({e}); check the URL, or add the model with "
                                "--no-source-check if only the nodes can reach it") from None
-    elif not os.path.exists(source):
+    if not os.path.exists(source):
         raise CatalogError(f"the source {source} does not exist on the controller's machine; if it exists only on "
                            "the nodes, add the model with --no-source-check")
+    return None
 
 
 class Catalog:

@@ -23,7 +23,7 @@ from llmgw import protocol
 log = logging.getLogger("llmgw.controllerlink")
 
 SILENCE_INTERVALS = 3
-COMMANDS = ("start_shard", "stop_shard", "logs_request")
+COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request")
 
 
 class ControllerLink:

@@ -194,3 +194,26 @@ def gpu_facts(nvidia_smi: str = "") -> dict:
         detail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
         return {"gpus_probed": False, "gpu_probe_error": f"{binary} failed: {detail[0]}"}
     return {"gpus": parse_nvidia_smi(run.stdout), "gpus_probed": True}
+
+
+_CLK = os.sysconf("SC_CLK_TCK")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def group_usage(pgid: int, proc: str = "/proc") -> tuple[float, int] | None:
+    """(CPU seconds, resident bytes) of every process in group PGID (an engine and its workers), or None."""
+    cpu, rss, found = 0.0, 0, False
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) != pgid:
+            continue
+        found = True
+        cpu += (int(fields[11]) + int(fields[12])) / _CLK
+        rss += int(fields[21]) * _PAGE
+    return (cpu, rss) if found else None

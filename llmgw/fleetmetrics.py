@@ -42,6 +42,10 @@ class FleetCollector:
         gpu_util = GaugeMetricFamily("llmgw_gpu_utilization_percent", "GPU utilisation, where the driver reports it.",
                                      labels=["node", "gpu"])
         gpu_ok = GaugeMetricFamily("llmgw_gpu_healthy", "1 while the GPU reports healthy.", labels=["node", "gpu"])
+        shard_cpu = GaugeMetricFamily("llmgw_shard_cpu_cores", "CPU cores an engine uses, its workers included.",
+                                      labels=["node", "shard"])
+        shard_mem = GaugeMetricFamily("llmgw_shard_memory_bytes", "Resident memory of an engine and its workers.",
+                                      labels=["node", "shard"])
         for n in nodes:
             node = n["node_id"]
             for state in STATES:
@@ -56,6 +60,11 @@ class FleetCollector:
             if "available_bytes" in memory:
                 mem_avail.add_metric([node], memory["available_bytes"])
             node_load = status.get("load", {})
+            for shard in node_load.get("shards", []):
+                if "cpu_cores" in shard:
+                    shard_cpu.add_metric([node, shard["shard_id"]], shard["cpu_cores"])
+                if "memory_rss_bytes" in shard:
+                    shard_mem.add_metric([node, shard["shard_id"]], shard["memory_rss_bytes"])
             if "load1" in node_load:
                 load.add_metric([node], node_load["load1"])
             if "cpu_percent" in node_load:
@@ -77,7 +86,7 @@ class FleetCollector:
                     gpu_util.add_metric([node, index], current["utilization_percent"])
                 gpu_ok.add_metric([node, index], 1.0 if current.get("health") == "ok" else 0.0)
         yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
-                    gpu_total, gpu_mem, gpu_util, gpu_ok)
+                    gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem)
         yield from self._replica_families()
 
     def _replica_families(self):

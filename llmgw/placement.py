@@ -42,8 +42,15 @@ def memory_claim(profile: Profile) -> int:
     return int(profile.min_memory_gb * GiB)
 
 
-def _refusal(node: dict, profile: Profile, claims: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
-    """(None, gpus) when NODE can take a replica with PROFILE, else (reason, ())."""
+def _by_node(claims: list[Claim]) -> dict[str, list[Claim]]:
+    held: dict[str, list[Claim]] = {}
+    for claim in claims:
+        held.setdefault(claim.node_id, []).append(claim)
+    return held
+
+
+def _refusal(node: dict, profile: Profile, held: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
+    """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE, else (reason, ())."""
     if node["state"] != READY:
         return f"node is {node['state']}", ()
     facts = node["facts"]
@@ -57,7 +64,6 @@ def _refusal(node: dict, profile: Profile, claims: list[Claim], model: Model) ->
     for key, value in profile.node_selector:
         if labels.get(key) != value:
             return f"label {key}={value} wanted, node has {key}={labels.get(key, '(unset)')}", ()
-    held = [c for c in claims if c.node_id == node["node_id"]]
     gpus: tuple[int, ...] = ()
     if profile.gpus:
         known = facts.get("gpus")
@@ -72,6 +78,11 @@ def _refusal(node: dict, profile: Profile, claims: list[Claim], model: Model) ->
         gpus = tuple(sorted(free)[:profile.gpus])
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
+    if model.size_bytes and model.source.startswith(("http://", "https://")):
+        free = {**facts.get("disk", {}), **node.get("status", {}).get("disk", {})}.get("free_bytes")
+        if free is not None and free < model.size_bytes:
+            return (f"needs {model.size_bytes / GiB:.1f} GiB of disk for the weights, "
+                    f"{free / GiB:.1f} GiB free in its weights directory"), ()
     total = facts.get("memory", {}).get("total_bytes")
     need = memory_claim(profile)
     if need:
@@ -87,14 +98,16 @@ def _refusal(node: dict, profile: Profile, claims: list[Claim], model: Model) ->
 def place(model: Model, nodes: list[dict], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:
     """A node for one more replica of MODEL, or None with every node's reason."""
     reasons: dict[str, str] = {}
+    held = _by_node(claims)
     for profile in model.profiles:
         candidates = []
         for node in nodes:
-            reason, gpus = _refusal(node, profile, claims, model)
+            mine = held.get(node["node_id"], [])
+            reason, gpus = _refusal(node, profile, mine, model)
             if reason is None:
-                here = sum(1 for c in claims if c.node_id == node["node_id"] and c.model == model.name)
+                here = sum(1 for c in mine if c.model == model.name)
                 total = node["facts"].get("memory", {}).get("total_bytes", 0)
-                claimed = sum(c.memory_bytes for c in claims if c.node_id == node["node_id"])
+                claimed = sum(c.memory_bytes for c in mine)
                 candidates.append((here, -(total - claimed), node["node_id"], gpus))
             else:
                 label = f"{node['node_id']}" if len(model.profiles) == 1 else f"{node['node_id']} ({profile.name})"
@@ -110,9 +123,10 @@ def place(model: Model, nodes: list[dict], claims: list[Claim]) -> tuple[Decisio
 def explain(model: Model, nodes: list[dict], claims: list[Claim]) -> list[dict]:
     """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason."""
     rows = []
+    held = _by_node(claims)
     for profile in model.profiles:
         for node in nodes:
-            reason, gpus = _refusal(node, profile, claims, model)
+            reason, gpus = _refusal(node, profile, held.get(node["node_id"], []), model)
             rows.append({"node": node["node_id"], "profile": profile.name, "fits": reason is None,
                          "reason": reason or (f"fits (GPUs {', '.join(map(str, gpus))})" if gpus else "fits")})
     return rows

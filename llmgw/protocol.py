@@ -49,6 +49,8 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
         "profile_fp": ("str", False), "max_context": ("int", False),
     },
     "stop_shard": {"request_id": ("str", True), "shard_id": ("str", True)},
+    "drain_shard": {"request_id": ("str", True), "shard_id": ("str", True), "timeout": ("number", False)},
+    "remove_weights": {"request_id": ("str", True), "source": ("str", True)},
     "logs_request": {"request_id": ("str", True), "source": ("str", False), "lines": ("int", False)},
     "heartbeat_ack": {"seq": ("int", True)},
     "register_again": {"reason": ("str", True)},

@@ -155,7 +155,7 @@ ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int",
               # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
-              "source": "str", "scaling": "dict", "profiles": "tables"}
+              "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,)}
@@ -366,6 +366,8 @@ def reference_markdown() -> str:
         "| `profiles` | array of tables | Ways to run it, tried by `priority` (higher first): `engine` "
         "(`llamacpp`, `vllm`, `sglang`, `sim`), `gpu_class` (such as `h100-80g`), `gpus`, `min_memory_gb`, "
         "`node_selector` (labels), `args`, `env`, `weight` (traffic share), `name`. |",
+        "| `size_bytes` | int | Size of a URL source, so nodes without the disk for it are skipped; "
+        "`llmgw ctl model add` fills it from the server. |",
         "",
     ]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 
-from llmgw import engines, weights
+from llmgw import discovery, enginemetrics, engines, weights
 from llmgw.procs import free_port
 
 log = logging.getLogger("llmgw.supervisor")
@@ -29,6 +29,7 @@ log = logging.getLogger("llmgw.supervisor")
 START_LIMIT = 600.0  # seconds an engine may take to answer /health (a 70B model loads slowly)
 HEALTH_INTERVAL = 0.5
 STOP_TIMEOUT = 30.0
+DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
 LAST_LINES = 40
 ALIVE = ("fetching", "starting", "ready")
 
@@ -84,6 +85,7 @@ class Supervisor:
         self.report = report
         self.shards: dict[str, Shard] = {}
         self.lock = threading.RLock()
+        self.cpu_samples: dict[str, tuple[float, float]] = {}  # shard -> (cpu seconds, when)
         os.makedirs(os.path.join(work_dir, "shards"), exist_ok=True)
 
     # --- reporting -------------------------------------------------------------------------
@@ -109,6 +111,25 @@ class Supervisor:
                 if self.shards.get(shard.shard_id) is shard:
                     del self.shards[shard.shard_id]
         log.info("shard %s (%s): %s%s", shard.shard_id, shard.spec["model"], state, f": {detail}" if detail else "")
+
+    def loads(self) -> list[dict]:
+        """Each running engine's CPU (in cores, since the last call) and resident memory, its workers included."""
+        out = []
+        with self.lock:
+            shards = [s for s in self.shards.values() if s.pid and s.state in ALIVE]
+        now = time.monotonic()
+        for shard in shards:
+            usage = discovery.group_usage(shard.pid)
+            if usage is None:
+                continue
+            cpu, rss = usage
+            entry = {"shard_id": shard.shard_id, "memory_rss_bytes": rss}
+            previous = self.cpu_samples.get(shard.shard_id)
+            if previous is not None and now > previous[1]:
+                entry["cpu_cores"] = round((cpu - previous[0]) / (now - previous[1]), 2)
+            self.cpu_samples[shard.shard_id] = (cpu, now)
+            out.append(entry)
+        return out
 
     def describe(self) -> list[dict]:
         with self.lock:
@@ -261,6 +282,31 @@ class Supervisor:
         threading.Thread(target=self._stop, args=(shard, reason), daemon=True).start()
         return True
 
+    def drain(self, shard_id: str, timeout: float = DRAIN_TIMEOUT) -> bool:
+        """Stop a shard once its engine has no request running or waiting (or TIMEOUT passes). False if unknown."""
+        with self.lock:
+            shard = self.shards.get(shard_id)
+        if shard is None:
+            return False
+        if shard.state not in ALIVE:
+            return True
+        shard.state = "stopping"
+        threading.Thread(target=self._drain, args=(shard, timeout), daemon=True).start()
+        return True
+
+    def _drain(self, shard: Shard, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._running(shard):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=2) as resp:
+                    load = enginemetrics.parse_load(resp.read().decode("utf-8", "replace"))
+            except OSError:
+                break  # no metrics to wait on: stop now
+            if not load or (load.get("running", 0) + load.get("waiting", 0)) == 0:
+                break
+            time.sleep(HEALTH_INTERVAL)
+        self._stop(shard, None)
+
     def _stop(self, shard: Shard, reason: str | None) -> None:
         if shard.pid:
             try:
@@ -277,6 +323,22 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
         self._set(shard, "failed" if reason else "stopped", reason)
+
+    def remove_weights(self, source: str) -> str | None:
+        """Delete what was fetched for SOURCE; the reason when it is refused."""
+        if not weights.is_url(source):
+            return f"{source} is not a download: llmgw never deletes files it did not fetch"
+        with self.lock:
+            users = [s.shard_id for s in self.shards.values() if s.spec.get("source") == source and s.state in ALIVE]
+        if users:
+            return f"shards {', '.join(users)} still use {source}"
+        path = weights.local_name(source, self.weights_dir)
+        for leftover in (path, path + ".part"):
+            try:
+                os.remove(leftover)
+            except FileNotFoundError:
+                pass
+        return None
 
     def logs(self, source: str | None, lines: int) -> tuple[list[str], list[str]]:
         """(the last LINES of SOURCE's output, every source there is)."""

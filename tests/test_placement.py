@@ -109,3 +109,15 @@ def test_fingerprint_follows_what_changes_the_engine():
     assert a.fingerprint(a.profiles[0]) != b.fingerprint(b.profiles[0])
     assert a.fingerprint(a.profiles[0]) == model(args=["--ctx-size", "4096"]).fingerprint(a.profiles[0])
     assert model(low=1).fingerprint(a.profiles[0]) == model(low=3, high=3).fingerprint(a.profiles[0])
+
+
+def test_a_node_without_disk_for_the_download_is_skipped():
+    m = catalog.parse_model({"name": "m", "source": "http://mirror/m.gguf", "size_bytes": 50 * GiB,
+                             "profiles": [{"engine": "sim"}]})
+    small, big = node("small"), node("big")
+    small["facts"]["disk"] = {"free_bytes": 20 * GiB}
+    big["facts"]["disk"] = {"free_bytes": 20 * GiB}
+    big["status"] = {"disk": {"free_bytes": 200 * GiB}}  # the latest heartbeat wins over registration
+    decision, reasons = placement.place(m, [small, big], [])
+    assert decision.node_id == "big"
+    assert reasons["small"] == "needs 50.0 GiB of disk for the weights, 20.0 GiB free in its weights directory"

@@ -314,3 +314,74 @@ def test_drain_moves_replicas_one_at_a_time_with_no_failed_request(cluster, tmp_
     assert most_starting <= 1  # one move at a time
     assert failures == []
     assert c.state("n1") == "draining"
+
+
+def test_a_removed_models_replica_finishes_its_streams_before_it_stops(cluster, tmp_path):
+    c = cluster.controller()
+    cluster.agent("n1")
+    gw = cluster.gateway()
+    (tmp_path / "m.toml").write_text('name = "rt"\nsource = "/dev/null"\n[[profiles]]\nengine = "sim"\n'
+                                     'args = ["--ttft-ms", "1", "--tokens-per-s", "5"]\n')
+    assert c.ctl("model", "add", "-f", str(tmp_path / "m.toml")).returncode == 0
+    wait_for("rt ready", 20, lambda: len(c.ready("rt")) == 1)
+    wait_for("the gateway", 10, lambda: post(gw.url + "/v1/chat/completions",
+                                             {**CHAT, "model": "rt", "max_tokens": 1}, cluster.key)[0] == 200)
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({**CHAT, "model": "rt", "stream": True, "max_tokens": 20}),
+                 {"Authorization": f"Bearer {cluster.key}", "Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert c.ctl("model", "remove", "rt").returncode == 0  # four seconds of stream still to come
+    text = resp.read().decode()
+    conn.close()
+    assert "tok19" in text and text.rstrip().endswith("[DONE]")  # drained, not cut
+    wait_for("the replica gone", 20, lambda: c.replicas("rt") == [])
+
+
+def test_a_url_source_is_fetched_resumed_after_an_interruption_and_served(cluster, tmp_path):
+    import http.server
+
+    blob = b"GGUF" + bytes(400_000)
+    served = []
+
+    class Flaky(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(blob)))
+            self.end_headers()
+
+        def do_GET(self):
+            start = int(self.headers["Range"].split("=")[1].rstrip("-")) if self.headers.get("Range") else 0
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Length", str(len(blob) - start))
+            self.end_headers()
+            served.append(start)
+            if len(served) == 1:
+                self.wfile.write(blob[:150_000])  # the first try breaks off
+                self.wfile.flush()
+                self.connection.shutdown(2)
+                return
+            self.wfile.write(blob[start:])
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        c = cluster.controller()
+        a = cluster.agent("n1")
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/tiny/v1/tiny.gguf"
+        (tmp_path / "m.toml").write_text(f'name = "fetched"\nsource = "{url}"\n[[profiles]]\nengine = "sim"\n')
+        assert c.ctl("model", "add", "-f", str(tmp_path / "m.toml")).returncode == 0  # HEAD answers
+        wait_for("the model served after a retry", 30, lambda: len(c.ready("fetched")) == 1)
+        assert served == [0, 150_000]  # the second request resumed where the first stopped
+        failure = c.api("/api/v1/models")["models"][0]["last_failure"]
+        assert "broke off after 150000 of 400004 bytes" in failure["detail"]
+        files = sorted(p.name for p in (a.folder / "weights").iterdir())
+        assert len(files) == 1 and files[0].endswith("-tiny.gguf")  # complete, under its final name
+        assert (a.folder / "weights" / files[0]).read_bytes() == blob
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -67,3 +67,15 @@ def test_a_path_is_used_where_it_is(tmp_path):
 def test_a_missing_file_says_what_the_server_said(server, tmp_path):
     with pytest.raises(weights.FetchError, match="cannot fetch"):
         weights.fetch("http://127.0.0.1:1/x.gguf", str(tmp_path))
+
+
+def test_the_agent_removes_only_what_it_fetched(tmp_path):
+    from llmgw.supervisor import Supervisor
+
+    supervisor = Supervisor("n", str(tmp_path / "work"), str(tmp_path / "w"), "127.0.0.1", "127.0.0.1", print)
+    assert "never deletes files it did not fetch" in supervisor.remove_weights("/models/mine.gguf")
+    os.makedirs(tmp_path / "w")
+    fetched = weights.local_name("http://mirror/m.gguf", str(tmp_path / "w"))
+    open(fetched, "wb").close()
+    assert supervisor.remove_weights("http://mirror/m.gguf") is None
+    assert not os.path.exists(fetched)
