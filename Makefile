@@ -28,6 +28,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
+	$(BIN)/python bench/controlplane.py
 
 clean:
 	rm -rf $(VENV) var
