@@ -28,6 +28,8 @@ from llmgw.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
 
+DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
+
 
 class Reporter:
     """Makes the register and heartbeat messages' fields; a heartbeat carries only what changed."""
@@ -78,10 +80,8 @@ def commands(node_id: str, supervisor: Supervisor):
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
         if kind in ("stop_shard", "drain_shard"):
             # Stopping what is not running is done already: commands are idempotent.
-            if kind == "stop_shard":
-                supervisor.stop(message["shard_id"])
-            else:
-                supervisor.drain(message["shard_id"], message.get("timeout", 60.0))
+            drain = message.get("timeout", DRAIN_TIMEOUT) if kind == "drain_shard" else None
+            supervisor.stop(message["shard_id"], drain=drain)
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
         if kind == "remove_weights":
             refusal = supervisor.remove_weights(message["source"])

@@ -51,9 +51,9 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     if limit < 2 * cfg["gateway.worker_connections"] + 64:
         log.warning("open files are limited to %d: each stream holds two, so a worker holds at most about %d "
                     "streams. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n).", limit, limit // 2)
-    if not cfg.endpoints:
-        log.warning("no endpoints are configured: /ready stays 503 until there are. "
-                    "Give one with --endpoint ID=URL=MODEL or [[endpoints]] in the configuration.")
+    if not cfg.endpoints and not cfg["gateway.controller"]:
+        log.warning("no endpoints are configured and no controller is followed: /ready stays 503. Give "
+                    "gateway.controller, --endpoint ID=URL=MODEL or [[endpoints]] in the configuration.")
     # prometheus-client reads this once, when first imported: it has to be set
     # before the server module (and its workers) import it.
     metrics_dir = tempfile.mkdtemp(prefix="llmgw-metrics-")

@@ -32,17 +32,10 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.procstat import cpu_seconds  # noqa: E402
 from llmgw import curvekeys, protocol, settings, store  # noqa: E402
 from llmgw.discovery import parse_nvidia_smi  # noqa: E402
 from llmgw.procs import free_port, raise_fd_limit, wait_for  # noqa: E402
-
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def run_agents(address: str, key_files: list[str], interval: float, silent: str | None) -> None:

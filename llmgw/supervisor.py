@@ -29,7 +29,6 @@ log = logging.getLogger("llmgw.supervisor")
 START_LIMIT = 600.0  # seconds an engine may take to answer /health (a 70B model loads slowly)
 HEALTH_INTERVAL = 0.5
 STOP_TIMEOUT = 30.0
-DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
 LAST_LINES = 40
 ALIVE = ("fetching", "starting", "ready")
 
@@ -270,8 +269,9 @@ class Supervisor:
                 hint = " (SIGKILL: out of memory?)" if shard.exit_code == -signal.SIGKILL else ""
                 self._set(shard, "failed", f"the engine exited with status {shard.exit_code}{hint}")
 
-    def stop(self, shard_id: str, reason: str | None = None) -> bool:
-        """Stop a shard: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT. False if unknown."""
+    def stop(self, shard_id: str, reason: str | None = None, drain: float | None = None) -> bool:
+        """Stop a shard: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT. With DRAIN, first wait
+        (at most that many seconds) until its engine has no request running or waiting. False if unknown."""
         with self.lock:
             shard = self.shards.get(shard_id)
         if shard is None:
@@ -279,19 +279,8 @@ class Supervisor:
         if shard.state not in ALIVE:
             return True
         shard.state = "stopping"
-        threading.Thread(target=self._stop, args=(shard, reason), daemon=True).start()
-        return True
-
-    def drain(self, shard_id: str, timeout: float = DRAIN_TIMEOUT) -> bool:
-        """Stop a shard once its engine has no request running or waiting (or TIMEOUT passes). False if unknown."""
-        with self.lock:
-            shard = self.shards.get(shard_id)
-        if shard is None:
-            return False
-        if shard.state not in ALIVE:
-            return True
-        shard.state = "stopping"
-        threading.Thread(target=self._drain, args=(shard, timeout), daemon=True).start()
+        target, args = (self._drain, (shard, drain)) if drain is not None else (self._stop, (shard, reason))
+        threading.Thread(target=target, args=args, daemon=True).start()
         return True
 
     def _drain(self, shard: Shard, timeout: float) -> None:
