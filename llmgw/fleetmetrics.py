@@ -46,6 +46,12 @@ class FleetCollector:
                                       labels=["node", "shard"])
         shard_mem = GaugeMetricFamily("llmgw_shard_memory_bytes", "Resident memory of an engine and its workers.",
                                       labels=["node", "shard"])
+        shard_waiting = GaugeMetricFamily("llmgw_shard_requests_waiting", "Requests waiting in an engine, as it reports.",
+                                          labels=["node", "shard"])
+        shard_running = GaugeMetricFamily("llmgw_shard_requests_running", "Requests an engine is generating for.",
+                                          labels=["node", "shard"])
+        shard_kv = GaugeMetricFamily("llmgw_shard_kv_cache_usage", "An engine's KV cache use, 0 to 1, where it reports it.",
+                                     labels=["node", "shard"])
         for n in nodes:
             node = n["node_id"]
             for state in STATES:
@@ -65,6 +71,9 @@ class FleetCollector:
                     shard_cpu.add_metric([node, shard["shard_id"]], shard["cpu_cores"])
                 if "memory_rss_bytes" in shard:
                     shard_mem.add_metric([node, shard["shard_id"]], shard["memory_rss_bytes"])
+                for family, field in ((shard_waiting, "waiting"), (shard_running, "running"), (shard_kv, "kv_cache")):
+                    if field in shard:
+                        family.add_metric([node, shard["shard_id"]], shard[field])
             if "load1" in node_load:
                 load.add_metric([node], node_load["load1"])
             if "cpu_percent" in node_load:
@@ -86,7 +95,7 @@ class FleetCollector:
                     gpu_util.add_metric([node, index], current["utilization_percent"])
                 gpu_ok.add_metric([node, index], 1.0 if current.get("health") == "ok" else 0.0)
         yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
-                    gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem)
+                    gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem, shard_waiting, shard_running, shard_kv)
         yield from self._replica_families()
 
     def _replica_families(self):

@@ -112,7 +112,8 @@ class Supervisor:
         log.info("shard %s (%s): %s%s", shard.shard_id, shard.spec["model"], state, f": {detail}" if detail else "")
 
     def loads(self) -> list[dict]:
-        """Each running engine's CPU (in cores, since the last call) and resident memory, its workers included."""
+        """Each running engine's CPU (in cores, since the last call) and resident memory, its workers
+        included, and for a ready one the requests it reports waiting and running and its KV cache use."""
         out = []
         with self.lock:
             shards = [s for s in self.shards.values() if s.pid and s.state in ALIVE]
@@ -127,6 +128,12 @@ class Supervisor:
             if previous is not None and now > previous[1]:
                 entry["cpu_cores"] = round((cpu - previous[0]) / (now - previous[1]), 2)
             self.cpu_samples[shard.shard_id] = (cpu, now)
+            if shard.state == "ready":
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=1) as resp:
+                        entry.update(enginemetrics.parse_load(resp.read().decode("utf-8", "replace")))
+                except OSError:
+                    pass  # not known this time: left out
             out.append(entry)
         return out
 

@@ -218,6 +218,10 @@ def test_replicas_get_their_gpus_and_logs_come_back(cluster):
     pid = a.engines()[shard]
     with open(f"/proc/{pid}/environ", "rb") as f:
         assert b"CUDA_VISIBLE_DEVICES=0" in f.read().split(b"\0")
+    # The agent reports what the engine itself says about its load, and its CPU and memory.
+    wait_for("the engine's own figures", 5,
+             lambda: f'llmgw_shard_requests_running{{node="gpu-a",shard="{shard}"}} 0.0' in c.metrics())
+    assert f'llmgw_shard_memory_bytes{{node="gpu-a",shard="{shard}"}}' in c.metrics()
     logs = c.ctl("logs", "gpu-a", "--source", shard)
     assert logs.returncode == 0 and "llmgw: starting" in logs.stdout
     missing = c.ctl("logs", "gpu-a", "--source", "nope")
