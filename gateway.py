@@ -17,7 +17,7 @@ import tempfile
 
 import click
 
-from llmgw import settings, store
+from llmgw import accounts, settings, store
 from llmgw.procs import raise_fd_limit
 
 
@@ -41,7 +41,10 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("llmgw.gateway")
     try:
-        applied = store.migrate(store.open_engine(cfg["store.url"]))
+        engine = store.open_engine(cfg["store.url"])
+        applied = store.migrate(engine)
+        accounts.session_secret(engine)
+        engine.dispose()
     except Exception as e:
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "
                                    "Check store.url, and that the database is running.") from None

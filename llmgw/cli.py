@@ -16,6 +16,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.ctl import ctl
+from llmgw.userscli import users
 
 
 class Context:
@@ -154,6 +155,7 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
 
 
 main.add_command(ctl)
+main.add_command(users)
 
 
 @main.command()

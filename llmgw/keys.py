@@ -73,7 +73,7 @@ def _project_id(conn, project: str) -> str:
 
 
 def create_key(engine: Engine, name: str, project: str = store.DEFAULT_PROJECT,
-               expires_in: float | None = None) -> tuple[KeyRecord, str]:
+               expires_in: float | None = None, user_id: str | None = None) -> tuple[KeyRecord, str]:
     """Make a key; returns its record and the secret, which is never stored."""
     if not name.strip():
         raise KeyRefused("a key needs a name, such as the person or program that will use it")
@@ -84,7 +84,7 @@ def create_key(engine: Engine, name: str, project: str = store.DEFAULT_PROJECT,
         key_id = new_id()
         values = dict(id=key_id, name=name, project_id=project_id, hash=hash_secret(secret),
                       prefix=secret[:DISPLAY_CHARS], created_at=now,
-                      expires_at=now + expires_in if expires_in else None)
+                      expires_at=now + expires_in if expires_in else None, user_id=user_id)
         conn.execute(store.api_keys.insert().values(**values))
         store.bump_revision(conn, "keys")
     record = KeyRecord(id=key_id, name=name, project_id=project_id, project=project, prefix=values["prefix"],
@@ -98,18 +98,25 @@ def _select_keys():
                      k.c.expires_at, k.c.revoked_at, k.c.hash).join(p, p.c.id == k.c.project_id)
 
 
-def list_keys(engine: Engine) -> list[KeyRecord]:
+def list_keys(engine: Engine, user_id: str | None = None) -> list[KeyRecord]:
+    """Every key, or only those USER_ID made."""
+    query = _select_keys().order_by(store.api_keys.c.created_at)
+    if user_id is not None:
+        query = query.where(store.api_keys.c.user_id == user_id)
     with engine.connect() as conn:
-        rows = conn.execute(_select_keys().order_by(store.api_keys.c.created_at)).all()
+        rows = conn.execute(query).all()
     return [KeyRecord(*row[:8]) for row in rows]
 
 
-def revoke_key(engine: Engine, which: str) -> KeyRecord:
-    """Revoke the key whose id, display prefix or name is WHICH (it must match exactly one)."""
+def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRecord:
+    """Revoke the key whose id, display prefix or name is WHICH (it must match exactly one);
+    with USER_ID, only among the keys that person made."""
     k = store.api_keys
     with engine.begin() as conn:
-        rows = conn.execute(_select_keys().where(
-            sa.or_(k.c.id == which, k.c.prefix == which, k.c.name == which))).all()
+        query = _select_keys().where(sa.or_(k.c.id == which, k.c.prefix == which, k.c.name == which))
+        if user_id is not None:
+            query = query.where(k.c.user_id == user_id)
+        rows = conn.execute(query).all()
         if not rows:
             raise KeyRefused(f"no key has the id, prefix or name {which!r}; `llmgw keys list` shows them")
         if len(rows) > 1:

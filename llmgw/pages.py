@@ -1,23 +1,77 @@
-"""The web pages, as a Flask app: for now the landing page a person with no key sees.
+"""The web pages, as a Flask app: the landing page, sign-in and sign-up, and a person's account.
 
-Pages are not on the `/v1` path, so they can afford Flask and Jinja2. They
-read only what the worker already holds in memory.
+Pages are not on the `/v1` path, so they can afford Flask, Jinja2 and a
+database query per page. Every form carries a CSRF token bound to the
+session; session cookies are HttpOnly, SameSite=Lax, and Secure whenever the
+request came over HTTPS (directly, or through a trusted proxy's
+`X-Forwarded-Proto`). Signing in starts a fresh session, so a session made
+before it (fixed by someone else) is worth nothing after.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
-from flask import Flask, render_template, request
+import flask_login
+from flask import Flask, abort, redirect, render_template, request, session
+from flask.sessions import SecureCookieSessionInterface
+from markupsafe import Markup
 
+from llmgw import accounts, forms, keys
 from llmgw.worker import Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
+
+
+class _Sessions(SecureCookieSessionInterface):
+    def get_cookie_secure(self, app) -> bool:
+        # Secure behind HTTPS, and only then: over plain HTTP the browser would drop the cookie.
+        return request.scheme == "https"
+
+
+class Person(flask_login.UserMixin):
+    def __init__(self, user: accounts.User):
+        self.user = user
+
+    def get_id(self) -> str:
+        return self.user.id
 
 
 def create_app(runtime: Runtime) -> Flask:
+    engine = runtime.engine
+    cfg = runtime.cfg
     app = Flask("llmgw", template_folder=os.path.join(ROOT, "templates"),
                 static_folder=os.path.join(ROOT, "static"))
+    secret = accounts.session_secret(engine)
+    app.config.update(SECRET_KEY=secret, SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax",
+                      SESSION_COOKIE_NAME="llmgw_session")
+    app.session_interface = _Sessions()
+    csrf_secret = secret.encode()
+    login = flask_login.LoginManager(app)
+    login.login_view = "sign_in"
+    login.login_message = None
+
+    @login.user_loader
+    def load(user_id: str):
+        user = accounts.get(engine, user_id)
+        # Suspended or removed since signing in: the session no longer counts.
+        return Person(user) if user and user.state == accounts.ACTIVE else None
+
+    def form(form_class, data=None):
+        return forms.make(form_class, data, csrf_secret, session)
+
+    @app.template_filter("day")
+    def day(timestamp: float) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(timestamp))
+
+    @app.context_processor
+    def menu():
+        signed_in = flask_login.current_user.is_authenticated
+        return {"signed_in": signed_in, "signup_open": cfg["gateway.signup_open"],
+                "sign_out": form(forms.ActionForm) if signed_in else None,
+                "me": flask_login.current_user.user if signed_in else None}
 
     @app.get("/")
     def landing():
@@ -25,7 +79,115 @@ def create_app(runtime: Runtime) -> Flask:
         models = [(spec, bool(runtime.router.available(spec.name)))
                   for spec in sorted(snapshot.models.values(), key=lambda m: m.name)]
         base_url = request.host_url.rstrip("/") + "/v1"
-        return render_template("landing.html", models=models, base_url=base_url,
-                               contact=runtime.cfg["gateway.contact"])
+        return render_template("landing.html", models=models, base_url=base_url, contact=cfg["gateway.contact"])
+
+    @app.route("/login", methods=["GET", "POST"])
+    def sign_in():
+        f = form(forms.SignInForm, request.form if request.method == "POST" else None)
+        problem = None
+        if request.method == "POST":
+            if not f.validate():
+                problem = EXPIRED_FORM if "csrf_token" in f.errors else "Give your email and password."
+            else:
+                result = accounts.authenticate(engine, f.email.data, f.password.data)
+                if isinstance(result, str):
+                    problem = result
+                else:
+                    session.clear()  # a new session: one fixed before signing in is worth nothing
+                    flask_login.login_user(Person(result))
+                    return redirect("/account")
+        return render_template("login.html", form=f, problem=problem), 400 if problem else 200
+
+    @app.route("/signup", methods=["GET", "POST"])
+    def sign_up():
+        if not cfg["gateway.signup_open"]:
+            contact = cfg["gateway.contact"] or "an operator"
+            return render_template("message.html", title="Sign-up is closed",
+                                   text=f"Accounts are made by the operators here. Ask {contact}."), 404
+        f = form(forms.SignUpForm, request.form if request.method == "POST" else None)
+        problem = None
+        if request.method == "POST":
+            if not f.validate():
+                problem = EXPIRED_FORM if "csrf_token" in f.errors else \
+                    " ".join(e for errors in f.errors.values() for e in errors)
+            else:
+                try:
+                    accounts.create_user(engine, f.email.data, f.password.data)
+                except accounts.AccountError as e:
+                    problem = str(e)[:1].upper() + str(e)[1:] + "."
+                else:
+                    return render_template("message.html", title="Thank you",
+                                           text="Your account waits for an operator's approval. "
+                                                "You can sign in once it is approved.")
+        return render_template("signup.html", form=f, problem=problem), 400 if problem else 200
+
+    @app.post("/logout")
+    def sign_out():
+        if not form(forms.ActionForm, request.form).validate():
+            abort(400, EXPIRED_FORM)
+        flask_login.logout_user()
+        session.clear()
+        return redirect("/")
+
+    def account_page(new_secret=None, key_form=None, problem=None, status=200):
+        me = flask_login.current_user.user
+        own = [k for k in keys.list_keys(engine, user_id=me.id) if k.revoked_at is None]
+        return render_template("account.html", keys=own, key_form=key_form or form(forms.KeyForm),
+                               revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem), status
+
+    @app.get("/account")
+    @flask_login.login_required
+    def account():
+        return account_page()
+
+    @app.post("/account/keys")
+    @flask_login.login_required
+    def create_key():
+        f = form(forms.KeyForm, request.form)
+        if not f.validate():
+            return account_page(key_form=f, problem=EXPIRED_FORM if "csrf_token" in f.errors else
+                                "Give the key a name.", status=400)
+        me = flask_login.current_user.user
+        lifetime = keys.parse_duration(f.expires.data) if f.expires.data else None
+        _, secret = keys.create_key(engine, f.name.data, expires_in=lifetime, user_id=me.id)
+        return account_page(new_secret=secret)
+
+    @app.post("/account/keys/<key_id>/revoke")
+    @flask_login.login_required
+    def revoke_key(key_id):
+        if not form(forms.ActionForm, request.form).validate():
+            abort(400, EXPIRED_FORM)
+        try:
+            keys.revoke_key(engine, key_id, user_id=flask_login.current_user.user.id)
+        except keys.KeyRefused:
+            abort(404)  # not one of this person's keys: say nothing about it
+        return redirect("/account")
+
+    @app.route("/account/password", methods=["GET", "POST"])
+    @flask_login.login_required
+    def password():
+        f = form(forms.PasswordForm, request.form if request.method == "POST" else None)
+        problem = None
+        if request.method == "POST":
+            if not f.validate():
+                problem = EXPIRED_FORM if "csrf_token" in f.errors else \
+                    " ".join(e for errors in f.errors.values() for e in errors)
+            else:
+                me = flask_login.current_user.user
+                try:
+                    accounts.change_password(engine, me.id, f.current.data, f.password.data)
+                except accounts.AccountError as e:
+                    problem = str(e)[:1].upper() + str(e)[1:] + "."
+                else:
+                    session.clear()  # new session, new CSRF token for the forms after it
+                    flask_login.login_user(Person(me))
+                    return render_template("message.html", title="Password changed",
+                                           text=Markup('Your password is changed. <a href="/account">Back to '
+                                                       'your account</a>.'))
+        return render_template("password.html", form=f, problem=problem), 400 if problem else 200
+
+    @app.errorhandler(400)
+    def bad_request(e):
+        return render_template("message.html", title="That did not work", text=e.description), 400
 
     return app

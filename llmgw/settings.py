@@ -56,6 +56,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.load_wait", "float", 120.0,
             "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
             "then 503 with Retry-After.", minimum=0),
+    Setting("gateway.signup_open", "bool", False,
+            "Let people sign up on the pages; each new account waits for an operator's approval."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",

@@ -44,6 +44,7 @@ api_keys = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float),
     sa.Column("revoked_at", sa.Float),
+    sa.Column("user_id", sa.String(32)),  # who made it on the account page; None for an operator's key
 )
 
 # Counters that let every worker notice a change with one cheap read,
@@ -99,6 +100,24 @@ catalog_models = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+# People who sign in to the pages. Passwords are kept only as slow salted hashes.
+users = sa.Table(
+    "users", metadata,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("email", sa.String(320), nullable=False, unique=True),
+    sa.Column("password_hash", sa.String(256), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),  # pending, active, suspended
+    sa.Column("is_admin", sa.Boolean, nullable=False, default=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# Values the system makes for itself once and keeps, such as the key that signs session cookies.
+secrets_table = sa.Table(
+    "secrets", metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+
 DEFAULT_PROJECT = "default"
 
 
@@ -114,6 +133,13 @@ def _seed_default_project(conn: Connection) -> None:
     conn.execute(revisions.insert().values(name="keys", value=1))
 
 
+def _add_key_owner(conn: Connection) -> None:
+    # Earlier steps create tables from today's definitions, so on a new
+    # database the column is already there: a step that adds one must check.
+    if "user_id" not in {c["name"] for c in sa.inspect(conn).get_columns("api_keys")}:
+        conn.exec_driver_sql("ALTER TABLE api_keys ADD COLUMN user_id VARCHAR(32)")
+
+
 # Append only. A released step never changes: databases out there have run it.
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "projects, api keys, revisions", _create([projects, api_keys, revisions])),
@@ -121,6 +147,8 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (3, "usage rows", _create([usage])),
     (4, "node keys and node settings", _create([node_keys, node_settings])),
     (5, "runtime catalog", _create([catalog_models])),
+    (6, "people and secrets", _create([users, secrets_table])),
+    (7, "keys made by a person", _add_key_owner),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -21,12 +22,13 @@ import urllib.request
 
 import click
 
-from llmgw import curvekeys, keys, settings, starter, store
+from llmgw import accounts, curvekeys, keys, settings, starter, store
 from llmgw.procs import http_status, wait_for
 from llmgw.supervisor import running_engines
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY_NAME = "starter"
+ADMIN = "admin@localhost"
 NODE = "local"
 START_LIMIT = 60.0
 SERVE_LIMIT = 300.0
@@ -61,6 +63,19 @@ class Up:
             f.write(secret + "\n")
         say(f"done  key {secret[:keys.DISPLAY_CHARS]}... made, kept in {path} (mode 0600)")
         return secret
+
+    def ensure_admin(self, engine) -> str | None:
+        """An administrator to sign in to the pages with; its password is printed once, when it is made."""
+        try:
+            accounts.find(engine, ADMIN)
+            say(f"kept  administrator {ADMIN} (its password was shown when it was made; "
+                f"`llmgw users remove {ADMIN}` and run again for a new one)")
+            return None
+        except accounts.AccountError:
+            password = secrets.token_urlsafe(12)
+            accounts.create_user(engine, ADMIN, password, state=accounts.ACTIVE, is_admin=True)
+            say(f"done  administrator {ADMIN} made")
+            return password
 
     def write_config(self, engine) -> str:
         """var/up.toml: the controller's, the agent's and the gateway's settings, and the starter model."""
@@ -155,6 +170,7 @@ class Up:
             engine = store.open_store(self.cfg["store.url"])
             say(f"kept  store {store.describe(self.cfg['store.url'])}")
             secret = self.ensure_key(engine)
+            admin_password = self.ensure_admin(engine)
             config = self.write_config(engine)
             engine.dispose()
             controller = self.spawn("controller", "controller.py", config)
@@ -174,7 +190,7 @@ class Up:
             say(f"done  gateway ready on {base}")
             answer = self.ask(base, secret)
             say(f"done  asked {starter.NAME} the capital of France; it said: {answer}")
-            self.explain(base, secret)
+            self.explain(base, secret, admin_password)
             while not stopping:
                 for name, proc in self.children:
                     if proc.poll() is not None:
@@ -197,13 +213,15 @@ class Up:
         except OSError:
             return False
 
-    def explain(self, base: str, secret: str) -> None:
+    def explain(self, base: str, secret: str, admin_password: str | None) -> None:
+        admin = (f"  sign in at {base}/login as {ADMIN} with password {admin_password}\n"
+                 "       (shown only now)\n" if admin_password else f"  sign in at {base}/login as {ADMIN}\n")
         click.echo(f"""
 llmgw is up: {starter.NAME} answers on {base}/v1
 
   key: {secret}
        (kept in var/starter-key; make more with: .venv/bin/llmgw keys create NAME)
-
+{admin}
 Try it with curl:
 
   curl {base}/v1/chat/completions \\

@@ -116,3 +116,28 @@ def test_cli_reads_the_gateways_configuration(tmp_path):
     result = CliRunner().invoke(main, ["--config", str(config), "keys", "create", "x"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "from-config.db").exists()
+
+
+def test_users_cli(store_url):
+    runner = CliRunner()
+    made = runner.invoke(main, ["--store", store_url, "users", "create", "ops@example.org", "--admin"],
+                         input="a long enough password\na long enough password\n")
+    assert made.exit_code == 0 and "an administrator" in made.stderr
+    from llmgw import accounts
+
+    engine = store.open_engine(store_url)
+    accounts.create_user(engine, "new@example.org", "another long password")
+    listed = runner.invoke(main, ["--store", store_url, "users", "list", "--pending"])
+    assert "new@example.org" in listed.stdout and "ops@example.org" not in listed.stdout
+    assert runner.invoke(main, ["--store", store_url, "users", "approve", "new@example.org"]).exit_code == 0
+    again = runner.invoke(main, ["--store", store_url, "users", "approve", "new@example.org"])
+    assert again.exit_code == 1 and "not waiting for approval" in again.stderr
+    user = accounts.find(engine, "new@example.org")
+    keys.create_key(engine, "theirs", user_id=user.id)
+    assert runner.invoke(main, ["--store", store_url, "users", "suspend", user.id]).exit_code == 0
+    assert runner.invoke(main, ["--store", store_url, "users", "reinstate", user.id]).exit_code == 0
+    assert runner.invoke(main, ["--store", store_url, "users", "remove", user.id]).exit_code == 0
+    assert keys.list_keys(engine)[0].revoked_at is not None  # a removed account's keys stop working
+    missing = runner.invoke(main, ["--store", store_url, "users", "promote", "ghost@example.org"])
+    assert missing.exit_code == 1 and "llmgw users list" in missing.stderr
+    engine.dispose()

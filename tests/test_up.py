@@ -28,6 +28,21 @@ def run_up(tmp_path, port, config):
     return proc, (tmp_path / "up.out").read_text(), (tmp_path / "up.err").read_text()
 
 
+def signs_in(base, email, password) -> bool:
+    """Sign in through the real pages with a cookie jar, as a browser would."""
+    import http.cookiejar
+    import urllib.parse
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    with opener.open(base + "/login", timeout=10) as resp:
+        token = re.search(r'name="csrf_token" type="hidden" value="([^"]+)"', resp.read().decode()).group(1)
+    body = urllib.parse.urlencode({"email": email, "password": password, "csrf_token": token}).encode()
+    with opener.open(base + "/login", data=body, timeout=10) as resp:  # follows the redirect to /account
+        page = resp.read().decode()
+    return f"Signed in as <strong>{email}</strong> (administrator)" in page
+
+
 def stop_up(proc, tmp_path):
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
     assert proc.wait(timeout=60) == 0, (tmp_path / "up.err").read_text()
@@ -43,6 +58,8 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     try:
         assert "done  key" in err and "said: " in err and "Paris" in err
         key = re.search(r"key: (sk-llmgw-\S+)", out).group(1)
+        admin_password = re.search(r"as admin@localhost with password (\S+)", out).group(1)
+        assert signs_in(f"http://127.0.0.1:{port}", "admin@localhost", admin_password)
         assert oct(os.stat(tmp_path / "var" / "starter-key").st_mode & 0o777) == "0o600"
         # The printed curl command, run as printed.
         curl = out[out.index("curl http"):out.index("}]}'") + 4].replace("\\\n", " ")
@@ -67,7 +84,7 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     # Again: the store and the key are reused.
     proc, out, err = run_up(tmp_path, port, config)
     try:
-        assert "kept  key" in err and key in out
+        assert "kept  key" in err and key in out and "kept  administrator" in err
         status, _, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"model": "smollm2-135m-instruct", "max_tokens": 5,
                              "messages": [{"role": "user", "content": "Hi"}]}, key)

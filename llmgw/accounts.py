@@ -1,0 +1,195 @@
+"""People: accounts, their passwords, and the states an operator moves them through.
+
+Sign-up (when open) makes a `pending` account that can do nothing until an
+operator approves it (`active`); an operator can suspend and reinstate it, or
+remove it; rejecting a sign-up removes it. Passwords are kept as scrypt hashes
+(memory-hard, in the standard library), each with its own salt; a wrong
+password and an unknown address get the same answer, so sign-in cannot be used
+to find out who has an account.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import hmac
+import re
+import secrets
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from llmgw import store
+from llmgw.ids import new_id
+
+PENDING, ACTIVE, SUSPENDED = "pending", "active", "suspended"
+# scrypt with N=2^14, r=8: about 16 MiB and a few tens of milliseconds per check.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
+MIN_PASSWORD = 10
+EMAIL = re.compile(r"^[^@\s]+@[^@\s]+$")
+
+
+class AccountError(Exception):
+    """An account operation refused; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class User:
+    id: str
+    email: str
+    state: str
+    is_admin: bool
+    created_at: float
+
+
+def hash_password(password: str) -> str:
+    salt = secrets.token_bytes(16)
+    digest = hashlib.scrypt(password.encode(), salt=salt, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P, dklen=32)
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    return f"scrypt${SCRYPT_N}${SCRYPT_R}${SCRYPT_P}${b64(salt)}${b64(digest)}"
+
+
+def check_password(password: str, stored: str) -> bool:
+    try:
+        kind, n, r, p, salt, digest = stored.split("$")
+        if kind != "scrypt":
+            return False
+        want = base64.b64decode(digest)
+        got = hashlib.scrypt(password.encode(), salt=base64.b64decode(salt), n=int(n), r=int(r), p=int(p),
+                             dklen=len(want))
+    except (ValueError, TypeError):
+        return False
+    return hmac.compare_digest(got, want)
+
+
+# Checked against when an address is unknown, so that the answer takes as long as for a known one.
+_DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
+
+
+def _row(row) -> User:
+    return User(row.id, row.email, row.state, bool(row.is_admin), row.created_at)
+
+
+def check_new_password(password: str) -> None:
+    if len(password) < MIN_PASSWORD:
+        raise AccountError(f"a password needs at least {MIN_PASSWORD} characters")
+
+
+def create_user(engine: Engine, email: str, password: str, state: str = PENDING, is_admin: bool = False) -> User:
+    email = email.strip().lower()
+    if not EMAIL.match(email):
+        raise AccountError(f"{email!r} is not an email address")
+    check_new_password(password)
+    user = User(new_id(), email, state, is_admin, time.time())
+    try:
+        with engine.begin() as conn:
+            conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=hash_password(password),
+                                                     state=state, is_admin=is_admin, created_at=user.created_at))
+    except sa.exc.IntegrityError:
+        raise AccountError(f"{email} already has an account") from None
+    return user
+
+
+def find(engine: Engine, which: str) -> User:
+    """The account whose id or email is WHICH."""
+    with engine.connect() as conn:
+        row = conn.execute(store.users.select().where(
+            sa.or_(store.users.c.id == which, store.users.c.email == which.strip().lower()))).first()
+    if row is None:
+        raise AccountError(f"no account {which!r}; `llmgw users list` shows them")
+    return _row(row)
+
+
+def get(engine: Engine, user_id: str) -> User | None:
+    with engine.connect() as conn:
+        row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
+    return _row(row) if row else None
+
+
+def list_users(engine: Engine, state: str | None = None) -> list[User]:
+    query = store.users.select().order_by(store.users.c.created_at)
+    if state:
+        query = query.where(store.users.c.state == state)
+    with engine.connect() as conn:
+        return [_row(r) for r in conn.execute(query)]
+
+
+def authenticate(engine: Engine, email: str, password: str) -> User | str:
+    """The user, or why not, in words for the sign-in page."""
+    with engine.connect() as conn:
+        row = conn.execute(store.users.select().where(store.users.c.email == email.strip().lower())).first()
+    if row is None:
+        check_password(password, _DUMMY_HASH)
+        return "Wrong email or password."
+    if not check_password(password, row.password_hash):
+        return "Wrong email or password."
+    if row.state == PENDING:
+        return "Your account waits for an operator's approval."
+    if row.state == SUSPENDED:
+        return "Your account is suspended. Ask an operator."
+    return _row(row)
+
+
+def _update(engine: Engine, which: str, **values) -> User:
+    user = find(engine, which)
+    with engine.begin() as conn:
+        conn.execute(store.users.update().where(store.users.c.id == user.id).values(**values))
+    return dataclasses.replace(user, **{k: v for k, v in values.items() if k in ("state", "is_admin")})
+
+
+def approve(engine: Engine, which: str) -> User:
+    user = find(engine, which)
+    if user.state != PENDING:
+        raise AccountError(f"{user.email} is {user.state}, not waiting for approval")
+    return _update(engine, which, state=ACTIVE)
+
+
+def suspend(engine: Engine, which: str) -> User:
+    return _update(engine, which, state=SUSPENDED)
+
+
+def reinstate(engine: Engine, which: str) -> User:
+    user = find(engine, which)
+    if user.state != SUSPENDED:
+        raise AccountError(f"{user.email} is {user.state}, not suspended")
+    return _update(engine, which, state=ACTIVE)
+
+
+def promote(engine: Engine, which: str, admin: bool = True) -> User:
+    return _update(engine, which, is_admin=admin)
+
+
+def change_password(engine: Engine, user_id: str, current: str, new: str) -> None:
+    with engine.connect() as conn:
+        row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
+    if row is None or not check_password(current, row.password_hash):
+        raise AccountError("the current password is wrong")
+    check_new_password(new)
+    _update(engine, user_id, password_hash=hash_password(new))
+
+
+def remove(engine: Engine, which: str) -> User:
+    """Remove an account (rejecting a sign-up is removing it); its keys are revoked."""
+    user = find(engine, which)
+    now = time.time()
+    with engine.begin() as conn:
+        conn.execute(store.api_keys.update().where(sa.and_(store.api_keys.c.user_id == user.id,
+                                                            store.api_keys.c.revoked_at.is_(None)))
+                     .values(revoked_at=now))
+        conn.execute(store.users.delete().where(store.users.c.id == user.id))
+        store.bump_revision(conn, "keys")
+    return user
+
+
+def session_secret(engine: Engine) -> str:
+    """The key that signs session cookies: made once (by the gateway's master, before its workers
+    start, so they never race to make it), kept in the store, the same for every worker."""
+    with engine.begin() as conn:
+        row = conn.execute(sa.select(store.secrets_table.c.value).where(store.secrets_table.c.name == "session")).first()
+        if row:
+            return row[0]
+        value = secrets.token_urlsafe(48)
+        conn.execute(store.secrets_table.insert().values(name="session", value=value))
+        return value

@@ -1,0 +1,175 @@
+"""The pages through Flask's test client: sign-in, sign-up, the account's keys, CSRF on every form."""
+
+import re
+import time
+
+import pytest
+
+from llmgw import accounts, keys, settings, store
+from llmgw.webapp import GatewayApp
+
+
+@pytest.fixture
+def site(tmp_path):
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.session_secret(engine)
+    cfg = settings.load(None, {"store.url": url, "gateway.signup_open": True, "gateway.contact": "ops@example.org",
+                               "gateway.trusted_proxies": ["127.0.0.1"]})
+    app = GatewayApp(cfg)
+    app.pages.testing = True
+    yield app.pages, engine, app
+    app.runtime.engine.dispose()
+    engine.dispose()
+
+
+def token(page: bytes) -> str:
+    return re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()
+
+
+def sign_in(client, email, password):
+    page = client.get("/login").data
+    return client.post("/login", data={"email": email, "password": password, "csrf_token": token(page)})
+
+
+def test_sign_up_waits_for_approval_then_signs_in(site):
+    pages, engine, _ = site
+    client = pages.test_client()
+    page = client.get("/signup").data
+    done = client.post("/signup", data={"email": "Ada@Example.org", "password": "correct horse battery",
+                                        "repeat": "correct horse battery", "csrf_token": token(page)})
+    assert b"waits for an operator" in done.data
+    refused = sign_in(client, "ada@example.org", "correct horse battery")
+    assert refused.status_code == 400 and b"waits for an operator" in refused.data
+    accounts.approve(engine, "ada@example.org")
+    assert sign_in(client, "ada@example.org", "correct horse battery").headers["Location"] == "/account"
+    assert b"Signed in as <strong>ada@example.org</strong>" in client.get("/account").data
+
+
+def test_wrong_password_and_unknown_address_get_the_same_answer(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "bob@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    wrong = sign_in(client, "bob@example.org", "not the password")
+    unknown = sign_in(client, "nobody@example.org", "not the password")
+    assert wrong.status_code == unknown.status_code == 400
+    assert b"Wrong email or password." in wrong.data and b"Wrong email or password." in unknown.data
+
+
+def test_every_form_refuses_a_post_without_its_token(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "c@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    assert client.post("/login", data={"email": "c@example.org", "password": "a long enough password"}).status_code == 400
+    assert client.post("/signup", data={"email": "d@example.org", "password": "x" * 12, "repeat": "x" * 12}).status_code == 400
+    sign_in(client, "c@example.org", "a long enough password")
+    for path, data in (("/account/keys", {"name": "k", "expires": "30d"}), ("/logout", {}),
+                       ("/account/password", {"current": "a long enough password", "password": "y" * 12,
+                                              "repeat": "y" * 12})):
+        refused = client.post(path, data=data)
+        assert refused.status_code == 400 and b"reload the page" in refused.data, path
+    # A token from another session is no good either.
+    other = pages.test_client()
+    stolen = token(other.get("/login").data)
+    assert client.post("/account/keys", data={"name": "k", "expires": "30d", "csrf_token": stolen}).status_code == 400
+    assert keys.list_keys(engine) == []
+
+
+def test_a_key_made_on_the_page_is_shown_once_works_and_can_be_revoked(site):
+    pages, engine, _ = site
+    user = accounts.create_user(engine, "e@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    sign_in(client, "e@example.org", "a long enough password")
+    page = client.get("/account").data
+    made = client.post("/account/keys", data={"name": "<script>alert(1)</script>", "expires": "30d",
+                                              "csrf_token": token(page)}).data
+    secret = re.search(rb"(sk-llmgw-[\w-]+)", made).group(1).decode()
+    assert b"shown only this once" in made
+    assert b"<script>alert(1)</script>" not in made and b"&lt;script&gt;" in made  # the name is inert
+    assert secret.encode() not in client.get("/account").data  # never again
+    table = keys.KeyTable.load(engine)
+    record = table.authenticate(f"Bearer {secret}", time.time())
+    assert isinstance(record, keys.KeyRecord) and record.expires_at is not None
+    key_id = keys.list_keys(engine, user_id=user.id)[0].id
+    page = client.get("/account").data
+    assert client.post(f"/account/keys/{key_id}/revoke", data={"csrf_token": token(page)}).status_code == 302
+    assert keys.KeyTable.load(engine).authenticate(f"Bearer {secret}", time.time()).code == "revoked_api_key"
+
+
+def test_one_person_cannot_revoke_anothers_key(site):
+    pages, engine, _ = site
+    owner = accounts.create_user(engine, "f@example.org", "a long enough password", state=accounts.ACTIVE)
+    accounts.create_user(engine, "g@example.org", "a long enough password", state=accounts.ACTIVE)
+    record, _ = keys.create_key(engine, "theirs", user_id=owner.id)
+    client = pages.test_client()
+    sign_in(client, "g@example.org", "a long enough password")
+    page = client.get("/account").data
+    assert client.post(f"/account/keys/{record.id}/revoke", data={"csrf_token": token(page)}).status_code == 404
+    assert keys.list_keys(engine)[0].revoked_at is None
+
+
+def test_session_cookie_flags_and_a_fresh_session_at_sign_in(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "h@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    before = client.get("/login").headers.get("Set-Cookie", "")
+    signed = sign_in(client, "h@example.org", "a long enough password")
+    cookie = signed.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Secure" not in cookie  # plain HTTP here
+    assert cookie.split(";")[0] != before.split(";")[0]
+    # Behind a trusted TLS proxy the cookie is Secure; from anyone else the header changes nothing.
+    from werkzeug.test import Client
+
+    whole = site[2]
+    trusted = Client(whole).get("/login", headers={"X-Forwarded-Proto": "https"},
+                                environ_base={"REMOTE_ADDR": "127.0.0.1"})
+    assert "Secure" in trusted.headers["Set-Cookie"]
+    untrusted = Client(whole).get("/login", headers={"X-Forwarded-Proto": "https"},
+                                  environ_base={"REMOTE_ADDR": "10.1.2.3"})
+    assert "Secure" not in untrusted.headers["Set-Cookie"]
+
+
+def test_suspended_account_loses_its_session_and_password_change_needs_the_current_one(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "i@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    sign_in(client, "i@example.org", "a long enough password")
+    page = client.get("/account/password").data
+    wrong = client.post("/account/password", data={"current": "nope nope nope", "password": "n" * 12,
+                                                  "repeat": "n" * 12, "csrf_token": token(page)})
+    assert wrong.status_code == 400 and b"current password is wrong" in wrong.data
+    page = client.get("/account/password").data
+    done = client.post("/account/password", data={"current": "a long enough password", "password": "n" * 12,
+                                                 "repeat": "n" * 12, "csrf_token": token(page)})
+    assert b"Password changed" in done.data
+    # The forms after a password change carry a token of the new session.
+    assert client.get("/account").status_code == 200
+    accounts.suspend(engine, "i@example.org")
+    assert client.get("/account").headers["Location"].startswith("/login")
+
+
+def test_sign_up_closed_says_whom_to_ask(tmp_path):
+    url = f"sqlite:///{tmp_path}/closed.db"
+    engine = store.open_store(url)
+    cfg = settings.load(None, {"store.url": url, "gateway.contact": "ops@example.org"})
+    app = GatewayApp(cfg)
+    page = app.pages.test_client().get("/signup")
+    assert page.status_code == 404 and b"ops@example.org" in page.data
+    app.runtime.engine.dispose()
+    engine.dispose()
+
+
+def test_passwords_are_slow_salted_hashes(store_url):
+    engine = store.open_engine(store_url)
+    accounts.create_user(engine, "j@example.org", "a long enough password")
+    with engine.connect() as conn:
+        stored = conn.execute(store.users.select()).one().password_hash
+    assert stored.startswith("scrypt$16384$8$1$") and "a long enough password" not in stored
+    assert accounts.check_password("a long enough password", stored)
+    assert not accounts.check_password("a long enough passworD", stored)
+    assert accounts.hash_password("same") != accounts.hash_password("same")  # salted
+    with pytest.raises(accounts.AccountError, match="already has an account"):
+        accounts.create_user(engine, "J@example.org", "another long password")
+    with pytest.raises(accounts.AccountError, match="at least 10 characters"):
+        accounts.create_user(engine, "k@example.org", "short")
+    engine.dispose()
