@@ -32,7 +32,7 @@ from llmgw.fleet import Fleet
 from llmgw.fleetmetrics import FleetCollector
 from llmgw.metrics import serve_registry
 from llmgw.publisher import Publisher, snapshot_body
-from llmgw.reconciler import Demand, Replicas, Start, plan
+from llmgw.reconciler import Demand, Replicas, Start, plan, start_message
 
 log = logging.getLogger("llmgw.controller")
 
@@ -118,14 +118,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         app.config["unplaced"].update(unplaced)
         for action in actions:
             if isinstance(action, Start):
-                model, profile = catalog.models()[action.model], action.decision.profile
+                profile = action.decision.profile
                 log.info("starting %s on %s (%s, profile %s)", action.shard_id, action.decision.node_id,
                          profile.engine, profile.name)
-                outbox.put((action.decision.node_id, "start_shard", {
-                    "request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
-                    "engine": profile.engine, "source": model.source, "args": list(profile.args),
-                    "env": dict(profile.env), "gpus": list(action.decision.gpus) if profile.gpus else None,
-                    "profile_fp": model.fingerprint(profile), "max_context": model.max_context}))
+                outbox.put((action.decision.node_id, "start_shard", start_message(models[action.model], action)))
             else:
                 log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
                 # The replica leaves the gateways' snapshot now; the engine is drained a little later (it

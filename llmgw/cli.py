@@ -16,6 +16,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.ctl import ctl
+from llmgw.tables import print_table
 from llmgw.userscli import users
 
 
@@ -106,9 +107,7 @@ def keys_list(obj: Context, as_json):
                  "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
                  "expires " + _when(r.expires_at) if r.expires_at else "active")
         rows.append((r.id, r.name, r.project, r.prefix + "...", _when(r.created_at), state))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print_table(rows)
 
 
 @keys.command("revoke")

@@ -14,6 +14,8 @@ import urllib.request
 
 import click
 
+from llmgw.tables import print_table
+
 
 class Admin:
     def __init__(self, url: str):
@@ -36,12 +38,6 @@ class Admin:
         except OSError as e:
             raise click.ClickException(f"the controller's admin API does not answer at {self.url} ({e}). "
                                        "Is controller.py running on this machine? Give --admin URL otherwise.") from None
-
-
-def table(rows: list[tuple]) -> None:
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def _bytes(n) -> str:
@@ -109,7 +105,7 @@ def nodes(obj, as_json):
                                                             else " (no AVX2)")
         rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago", facts.get("address") or "-",
                      cpus, _bytes(memory.get("total_bytes")), _bytes(disk.get("free_bytes")), gpu_text))
-    table(rows)
+    print_table(rows)
 
 
 @ctl.command()
@@ -189,7 +185,7 @@ def models(obj, as_json):
     for m in result:
         rows.append((m["name"], m["ready"], m["replicas"], f"{m['scaling']['min']}-{m['scaling']['max']}",
                      m["origin"], ", ".join(m["aliases"]) or "-"))
-    table(rows)
+    print_table(rows)
     for m in result:
         if m["unplaced"]:
             click.echo(f"\n{m['name']} cannot be placed:", err=True)
@@ -224,7 +220,7 @@ def replicas(obj, model, as_json):
             done, total = r["fetch"].get("bytes_done", 0), r["fetch"].get("bytes_total")
             state += f" {_bytes(done)}" + (f" of {_bytes(total)}" if total else "")
         rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
-    table(rows)
+    print_table(rows)
 
 
 @ctl.command("explain-placement")
@@ -236,7 +232,7 @@ def explain_placement(obj, model):
     if not result:
         click.echo("no node has registered", err=True)
         return
-    table([("NODE", "PROFILE", "FITS", "WHY")] + [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"])
+    print_table([("NODE", "PROFILE", "FITS", "WHY")] + [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"])
                                                   for r in result])
 
 

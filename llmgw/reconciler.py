@@ -207,3 +207,12 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
                 actions.append(Start(name, shard_id, decision))
                 moving = moving or bool(leaving)
     return actions, unplaced
+
+
+def start_message(model: Model, action: Start) -> dict:
+    """The fields of the start_shard command that carries out ACTION."""
+    profile = action.decision.profile
+    return {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
+            "engine": profile.engine, "source": model.source, "args": list(profile.args), "env": dict(profile.env),
+            "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
+            "max_context": model.max_context}

@@ -8,6 +8,7 @@ import time
 import click
 
 from llmgw import accounts
+from llmgw.tables import print_table
 
 
 def _fail(e: Exception):
@@ -37,9 +38,7 @@ def users_list(obj, pending, as_json):
     rows = [("ID", "EMAIL", "STATE", "ADMIN", "SIGNED UP")]
     rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", time.strftime("%Y-%m-%d", time.gmtime(u.created_at)))
              for u in found]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print_table(rows)
 
 
 @users.command("create")

@@ -78,3 +78,14 @@ def test_the_agent_unit_lets_engines_outlive_the_agent():
     unit = read("deploy/systemd/llmgw-agent.service")
     assert "KillMode=process" in unit and "LimitMEMLOCK=infinity" in unit
     assert "ExecStart=/opt/llmgw/.venv/bin/python /opt/llmgw/agent.py" in unit
+
+
+def test_every_module_is_in_the_architecture_page():
+    import pathlib
+
+    doc = read("docs/architecture.md")
+    for path in sorted(pathlib.Path(ROOT, "llmgw").rglob("*.py")):
+        if path.name in ("__init__.py", "__main__.py") or path.parent.name == "engines":
+            continue
+        assert f"`llmgw/{path.name}`" in doc, f"llmgw/{path.name} is not described in docs/architecture.md"
+    assert "`llmgw/engines/`" in doc
