@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+CHROMIUM := /usr/bin/chromium
+
 .PHONY: run test docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
@@ -19,7 +21,12 @@ $(STAMP): setup.cfg pyproject.toml
 run: $(STAMP)
 	$(BIN)/llmgw up
 
-test: $(STAMP)
+# The page tests drive Debian's Chromium (Playwright's own browser download needs a network).
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	else echo "The page tests need Chromium: sudo apt-get install chromium" >&2; exit 1; fi
+
+test: $(STAMP) $(CHROMIUM)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest
 
