@@ -82,7 +82,7 @@ class Controller:
 
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
-                 nvidia_smi_capture: str | None = None, plaintext=False):
+                 nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False):
         self.node_id = node_id
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
@@ -100,8 +100,11 @@ class Agent:
             values["agent.nvidia_smi"] = os.path.join(ROOT, "tests", "fake-nvidia-smi")
             env["LLMGW_FAKE_SMI"] = os.path.join(ROOT, "tests", "fixtures", nvidia_smi_capture)
         else:
-            # No GPUs here: an empty PATH entry for nvidia-smi means "ask NVML, then the PATH".
+            # Empty: ask NVML, then nvidia-smi on the PATH (neither answers here, unless replayed).
             values["agent.nvidia_smi"] = ""
+        if nvml_capture:
+            env["LLMGW_FAKE_NVML"] = os.path.join(ROOT, "tests", "fixtures", nvml_capture)
+            env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fakenvml")
         self.config = write_config(folder / "agent.toml", values)
         self.env = env
         self.folder = folder

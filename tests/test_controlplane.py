@@ -1,4 +1,4 @@
-"""The controller and three agents as separate processes: registration, CURVE, node states, ctl."""
+"""The controller and agents as separate processes: registration, CURVE, node states, ctl."""
 
 import json
 import re
@@ -31,7 +31,7 @@ def cluster(tmp_path):
         thing.stop()
 
 
-def test_three_agents_register_with_what_they_found(cluster):
+def test_agents_register_with_what_they_found(cluster):
     controller, agent = cluster
     c = controller()
     address = [f"127.0.0.1:{c.agent_port}"]
@@ -39,7 +39,8 @@ def test_three_agents_register_with_what_they_found(cluster):
     agent(address, "gpu-b", c.issue_key("gpu-b"), labels={"rack": "r2"},
           nvidia_smi_capture="nvidia-smi-2xl40s-old-driver.csv")
     agent(address, "cpu-c", c.issue_key("cpu-c"))
-    wait_for("three nodes", 10, lambda: len(c.nodes()) == 3)
+    agent(address, "nvml-d", c.issue_key("nvml-d"), nvml_capture="nvml-4xa100.json")
+    wait_for("four nodes", 10, lambda: len(c.nodes()) == 4)
     wait_for("every node ready", 5, lambda: all(n["state"] == "ready" for n in c.nodes().values()))
     nodes = c.nodes()
     a = nodes["gpu-a"]["facts"]
@@ -58,7 +59,8 @@ def test_three_agents_register_with_what_they_found(cluster):
     assert 'llmgw_gpu_memory_total_bytes{gpu="1",node="gpu-b"}' in metrics
     table = c.ctl("nodes").stdout
     assert re.search(r"gpu-a\s+ready", table) and "h100-80g" in table
-    assert c.ctl("status").stdout.strip() == "3 nodes: 3 ready"
+    assert [g["class"] for g in nodes["nvml-d"]["facts"]["gpus"]] == ["a100-80g"] * 4  # through NVML
+    assert c.ctl("status").stdout.strip() == "4 nodes: 4 ready"
 
 
 def test_a_key_nobody_issued_is_refused_and_the_agent_says_what_to_do(cluster):

@@ -69,3 +69,17 @@ def test_this_machine_for_real():
     sampler = discovery.CpuSampler()
     assert sampler.percent() is None
     assert sampler.percent() is None or 0 <= sampler.percent() <= 100
+
+
+def test_gpus_through_nvml_replayed(monkeypatch):
+    import sys
+
+    monkeypatch.setenv("LLMGW_FAKE_NVML", fixture("nvml-4xa100.json"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "fakenvml"))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    facts = discovery.gpu_facts()
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    gpus = facts["gpus"]
+    assert facts["gpus_probed"] and [g["class"] for g in gpus] == ["a100-80g"] * 4
+    assert gpus[1]["utilization_percent"] == 88.0 and gpus[1]["compute_capability"] == "8.0"
+    assert "utilization_percent" not in gpus[3]  # not supported: absent, not 0
