@@ -18,7 +18,7 @@ from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
 from markupsafe import Markup
 
-from llmgw import accounts, forms, keys
+from llmgw import accounts, forms, keys, usagereport
 from llmgw.worker import Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +65,10 @@ def create_app(runtime: Runtime) -> Flask:
     @app.template_filter("day")
     def day(timestamp: float) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(timestamp))
+
+    @app.template_filter("minute")
+    def minute(timestamp: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(timestamp))
 
     @app.context_processor
     def menu():
@@ -131,9 +135,14 @@ def create_app(runtime: Runtime) -> Flask:
 
     def account_page(new_secret=None, key_form=None, problem=None, status=200):
         me = flask_login.current_user.user
-        own = [k for k in keys.list_keys(engine, user_id=me.id) if k.revoked_at is None]
+        mine = keys.list_keys(engine, user_id=me.id)
+        own = [k for k in mine if k.revoked_at is None]
+        ids = [k.id for k in mine]
+        days = usagereport.daily_use(engine, ids)
+        peak = max((d["requests"] for d in days), default=0)
         return render_template("account.html", keys=own, key_form=key_form or form(forms.KeyForm),
-                               revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem), status
+                               revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem,
+                               last_used=usagereport.last_used(engine, ids), days=days, peak=peak), status
 
     @app.get("/account")
     @flask_login.login_required

@@ -173,3 +173,26 @@ def test_passwords_are_slow_salted_hashes(store_url):
     with pytest.raises(accounts.AccountError, match="at least 10 characters"):
         accounts.create_user(engine, "k@example.org", "short")
     engine.dispose()
+
+
+def test_the_account_shows_last_use_and_the_last_30_days(site):
+    from llmgw.usage import UsageRecorder
+
+    pages, engine, _ = site
+    user = accounts.create_user(engine, "u@example.org", "a long enough password", state=accounts.ACTIVE)
+    used, _ = keys.create_key(engine, "used", user_id=user.id)
+    keys.create_key(engine, "idle", user_id=user.id)
+    other, _ = keys.create_key(engine, "someone else's")
+    recorder = UsageRecorder(engine, batch_size=100)
+    now = time.time()
+    for i in range(3):
+        recorder.record((now - i * 86400, used.id, used.project_id, "sim", "sim", "s", "chat", False, 200, 10, 5,
+                         1.0, None))
+    recorder.record((now, other.id, other.project_id, "sim", "sim", "s", "chat", False, 200, 999, 999, 1.0, None))
+    recorder.flush()
+    client = pages.test_client()
+    sign_in(client, "u@example.org", "a long enough password")
+    page = client.get("/account").data.decode()
+    assert "3 requests, 30 tokens in, 15 tokens out." in page  # only this person's keys count
+    assert page.count("never") >= 1 and time.strftime("%Y-%m-%d", time.gmtime(now)) in page
+    assert page.count("<rect") == 30

@@ -59,3 +59,27 @@ def test_wipe_refuses_a_database_not_named_for_tests():
 
 def test_describe_hides_the_password():
     assert "s3cret" not in store.describe("postgresql+psycopg2://gw:s3cret@db/llmgw")
+
+
+def test_usage_reports_for_a_persons_keys(store_url):
+    from llmgw import usagereport
+    from llmgw.usage import UsageRecorder
+
+    engine = store.open_engine(store_url)
+    recorder = UsageRecorder(engine, batch_size=10)
+    day = 86400
+    now = 100 * day + 3600
+    rows = [(now, "k1", "p", "m", "m", "r", "chat", True, 200, 3, 4, 1.0, None),
+            (now - day, "k1", "p", "m", "m", "r", "chat", True, 200, None, None, 1.0, None),
+            (now - 40 * day, "k1", "p", "m", "m", "r", "chat", True, 200, 7, 7, 1.0, None),
+            (now, "k2", "p", "m", "m", "r", "chat", True, 200, 1, 1, 1.0, None)]
+    for row in rows:
+        recorder.record(row)
+    recorder.flush()
+    assert usagereport.last_used(engine, ["k1", "k3"]) == {"k1": now}
+    days = usagereport.daily_use(engine, ["k1"], days=30, now=now)
+    assert len(days) == 30 and days[-1] == {"day": "1970-04-11", "requests": 1, "prompt_tokens": 3,
+                                            "completion_tokens": 4}
+    assert days[-2]["requests"] == 1 and days[-2]["prompt_tokens"] == 0  # tokens not known count as none
+    assert sum(d["requests"] for d in days) == 2  # the row 40 days back is outside
+    engine.dispose()
