@@ -62,6 +62,19 @@ def create_app(runtime: Runtime) -> Flask:
     def form(form_class, data=None):
         return forms.make(form_class, data, csrf_secret, session)
 
+    def posted(form_class, missing: str | None = None):
+        """FORM_CLASS for this request, and what is wrong with what was posted (None: nothing, or not a POST)."""
+        f = form(form_class, request.form if request.method == "POST" else None)
+        if request.method != "POST" or f.validate():
+            return f, None
+        if "csrf_token" in f.errors:
+            return f, EXPIRED_FORM
+        return f, missing or " ".join(e for errors in f.errors.values() for e in errors)
+
+    def sentence(e: Exception) -> str:
+        text = str(e)
+        return text[:1].upper() + text[1:] + "."
+
     @app.template_filter("day")
     def day(timestamp: float) -> str:
         return time.strftime("%Y-%m-%d", time.gmtime(timestamp))
@@ -87,19 +100,15 @@ def create_app(runtime: Runtime) -> Flask:
 
     @app.route("/login", methods=["GET", "POST"])
     def sign_in():
-        f = form(forms.SignInForm, request.form if request.method == "POST" else None)
-        problem = None
-        if request.method == "POST":
-            if not f.validate():
-                problem = EXPIRED_FORM if "csrf_token" in f.errors else "Give your email and password."
+        f, problem = posted(forms.SignInForm, "Give your email and password.")
+        if request.method == "POST" and problem is None:
+            result = accounts.authenticate(engine, f.email.data, f.password.data)
+            if isinstance(result, str):
+                problem = result
             else:
-                result = accounts.authenticate(engine, f.email.data, f.password.data)
-                if isinstance(result, str):
-                    problem = result
-                else:
-                    session.clear()  # a new session: one fixed before signing in is worth nothing
-                    flask_login.login_user(Person(result))
-                    return redirect("/account")
+                session.clear()  # a new session: one fixed before signing in is worth nothing
+                flask_login.login_user(Person(result))
+                return redirect("/account")
         return render_template("login.html", form=f, problem=problem), 400 if problem else 200
 
     @app.route("/signup", methods=["GET", "POST"])
@@ -108,21 +117,16 @@ def create_app(runtime: Runtime) -> Flask:
             contact = cfg["gateway.contact"] or "an operator"
             return render_template("message.html", title="Sign-up is closed",
                                    text=f"Accounts are made by the operators here. Ask {contact}."), 404
-        f = form(forms.SignUpForm, request.form if request.method == "POST" else None)
-        problem = None
-        if request.method == "POST":
-            if not f.validate():
-                problem = EXPIRED_FORM if "csrf_token" in f.errors else \
-                    " ".join(e for errors in f.errors.values() for e in errors)
+        f, problem = posted(forms.SignUpForm)
+        if request.method == "POST" and problem is None:
+            try:
+                accounts.create_user(engine, f.email.data, f.password.data)
+            except accounts.AccountError as e:
+                problem = sentence(e)
             else:
-                try:
-                    accounts.create_user(engine, f.email.data, f.password.data)
-                except accounts.AccountError as e:
-                    problem = str(e)[:1].upper() + str(e)[1:] + "."
-                else:
-                    return render_template("message.html", title="Thank you",
-                                           text="Your account waits for an operator's approval. "
-                                                "You can sign in once it is approved.")
+                return render_template("message.html", title="Thank you",
+                                       text="Your account waits for an operator's approval. "
+                                            "You can sign in once it is approved.")
         return render_template("signup.html", form=f, problem=problem), 400 if problem else 200
 
     @app.post("/logout")
@@ -152,10 +156,9 @@ def create_app(runtime: Runtime) -> Flask:
     @app.post("/account/keys")
     @flask_login.login_required
     def create_key():
-        f = form(forms.KeyForm, request.form)
-        if not f.validate():
-            return account_page(key_form=f, problem=EXPIRED_FORM if "csrf_token" in f.errors else
-                                "Give the key a name.", status=400)
+        f, problem = posted(forms.KeyForm, "Give the key a name.")
+        if problem:
+            return account_page(key_form=f, problem=problem, status=400)
         me = flask_login.current_user.user
         lifetime = keys.parse_duration(f.expires.data) if f.expires.data else None
         _, secret = keys.create_key(engine, f.name.data, expires_in=lifetime, user_id=me.id)
@@ -175,24 +178,19 @@ def create_app(runtime: Runtime) -> Flask:
     @app.route("/account/password", methods=["GET", "POST"])
     @flask_login.login_required
     def password():
-        f = form(forms.PasswordForm, request.form if request.method == "POST" else None)
-        problem = None
-        if request.method == "POST":
-            if not f.validate():
-                problem = EXPIRED_FORM if "csrf_token" in f.errors else \
-                    " ".join(e for errors in f.errors.values() for e in errors)
+        f, problem = posted(forms.PasswordForm)
+        if request.method == "POST" and problem is None:
+            me = flask_login.current_user.user
+            try:
+                accounts.change_password(engine, me.id, f.current.data, f.password.data)
+            except accounts.AccountError as e:
+                problem = sentence(e)
             else:
-                me = flask_login.current_user.user
-                try:
-                    accounts.change_password(engine, me.id, f.current.data, f.password.data)
-                except accounts.AccountError as e:
-                    problem = str(e)[:1].upper() + str(e)[1:] + "."
-                else:
-                    session.clear()  # new session, new CSRF token for the forms after it
-                    flask_login.login_user(Person(me))
-                    return render_template("message.html", title="Password changed",
-                                           text=Markup('Your password is changed. <a href="/account">Back to '
-                                                       'your account</a>.'))
+                session.clear()  # new session, new CSRF token for the forms after it
+                flask_login.login_user(Person(me))
+                return render_template("message.html", title="Password changed",
+                                       text=Markup('Your password is changed. <a href="/account">Back to '
+                                                   'your account</a>.'))
         return render_template("password.html", form=f, problem=problem), 400 if problem else 200
 
     @app.errorhandler(400)
