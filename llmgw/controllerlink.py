@@ -57,16 +57,16 @@ class ControllerLink:
             sock.curve_publickey = self.keys["public_key"].encode()
             sock.curve_serverkey = self.keys["controller_public_key"].encode()
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         sock.connect(f"tcp://{address}")
         return sock, monitor
 
-    def _auth_failed(self, monitor: zmq.Socket) -> bool:
+    @staticmethod
+    def _handshake_failed(monitor: zmq.Socket) -> bool:
         failed = False
         while monitor.poll(0):
-            event = recv_monitor_message(monitor)["event"]
-            if event in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
-                failed = True
+            recv_monitor_message(monitor)
+            failed = True  # the monitor is told of failed handshakes only
         return failed
 
     def run(self, stopping) -> None:
@@ -95,14 +95,14 @@ class ControllerLink:
             next_beat = last_heard + self.heartbeat_interval
             while not stopping():
                 now = time.monotonic()
+                if not registered and self._handshake_failed(monitor):
+                    log.error("the controller at %s refused this node's key. On the controller run "
+                              "`llmgw ctl node-key issue %s` and install the key file here (agent.key_file).",
+                              address, self.node_id)
+                    return registered
                 if now - last_heard > SILENCE_INTERVALS * max(self.heartbeat_interval, 1.0):
-                    if self._auth_failed(monitor):
-                        log.error("the controller at %s refused this node's key. On the controller run "
-                                  "`llmgw ctl node-key issue %s` and install the key file here (agent.key_file).",
-                                  address, self.node_id)
-                    else:
-                        log.warning("no answer from the controller at %s; trying %s", address,
-                                    "the next address" if len(self.addresses) > 1 else "again")
+                    log.warning("no answer from the controller at %s; trying %s", address,
+                                "the next address" if len(self.addresses) > 1 else "again")
                     return registered
                 while registered:
                     try:
