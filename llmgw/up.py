@@ -167,8 +167,9 @@ class Up:
         host, _, port = self.listen.rpartition(":")
         base = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
         try:
-            engine = store.open_store(self.cfg["store.url"])
-            say(f"kept  store {store.describe(self.cfg['store.url'])}")
+            engine = store.open_engine(self.cfg["store.url"])
+            made = store.migrate(engine)
+            say(f"{'done ' if made else 'kept '} store {store.describe(self.cfg['store.url'])}")
             secret = self.ensure_key(engine)
             admin_password = self.ensure_admin(engine)
             config = self.write_config(engine)
