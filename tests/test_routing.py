@@ -70,12 +70,12 @@ def test_a_shared_prompt_prefix_sticks_to_one_replica(tmp_path, make_gateway, ma
         {"role": "system", "content": system}, {"role": "user", "content": q}]}
     served = {fingerprint(post(gw.url + "/v1/chat/completions", body(f"question {i}"), key)[2]) for i in range(20)}
     # Both workers, twenty requests: one replica, whose prefix cache now holds the prompt.
-    assert len(served) == 1
+    assert len(served) == 1, served
     hits = sum(s.metrics()["vllm:prefix_cache_hits_total"] for s in sims)
-    assert hits >= 19
+    assert hits >= 19, hits
     spread = {fingerprint(post(gw.url + "/v1/chat/completions", chat(f"unrelated prompt {i}" * 3), key)[2])
               for i in range(30)}
-    assert len(spread) == 3
+    assert len(spread) == 3, spread
 
 
 def test_weights_share_the_traffic(tmp_path, make_gateway, make_sim):
