@@ -16,7 +16,7 @@ Prompt affinity: requests that share the start of their prompt are sent to the
 same replica (chosen by rendezvous hashing, so every worker picks the same one
 with no shared state), where the engine's prefix cache already holds it, as
 long as that replica is no busier than `affinity_factor` times the least
-loaded one.
+loaded one, or at most one request busier.
 """
 
 from __future__ import annotations
@@ -56,8 +56,10 @@ class ReplicaState:
             reported = (self.waiting or 0.0) + (self.running or 0.0)
             load += max(0.0, reported - self.outstanding_at_metrics)
             # A nearly full KV cache means the next request will queue even if
-            # few are running; count it as up to one more request ahead.
-            load += self.kv_cache or 0.0
+            # few are running: past half full, count it as up to one more request
+            # ahead. Below that it is left out, so that small fractions do not tip
+            # decisions between whole requests.
+            load += max(0.0, (self.kv_cache or 0.0) - 0.5) * 2
         return load + 1.0
 
     def record_metrics(self, figures: dict[str, float], now: float) -> None:
@@ -87,7 +89,11 @@ def choose(candidates: list[ReplicaState], now: float, stale_after: float, key: 
     loads = {id(r): r.load(now, stale_after) / r.spec.weight for r in candidates}
     if key is not None:
         preferred = max(candidates, key=lambda r: _rendezvous(key, r))
-        if loads[id(preferred)] <= affinity_factor * min(loads.values()):
+        least = min(loads.values())
+        # At low load a ratio alone is too strict: 2 against 1 is "twice as busy", yet one request
+        # ahead costs less than recomputing a long prompt. So one request more than the least
+        # loaded is always acceptable, and beyond that the factor decides.
+        if loads[id(preferred)] <= max(affinity_factor * least, least + 1.0):
             return preferred
     weights = [r.spec.weight for r in candidates]
     a, b = rng.choices(candidates, weights=weights, k=2)

@@ -77,7 +77,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
     Setting("routing.affinity_factor", "float", 1.25,
             "A request goes to the replica that saw its prompt prefix while that replica is no busier than this many times "
-            "the least loaded one.", minimum=1.0),
+            "the least loaded one (or one request more, whichever allows more).", minimum=1.0),
     Setting("routing.affinity_prefix_bytes", "int", 2048,
             "How much of a chat's first message (or a completion's prompt) decides which replica has it cached. "
             "0 turns affinity off.", minimum=0),

@@ -23,9 +23,11 @@ def test_idle_load_counts_the_new_request():
 def test_fresh_engine_figures_count_other_workers_requests():
     r = replicas(1)[0]
     r.outstanding = 1
-    r.record_metrics({"waiting": 4.0, "running": 2.0, "kv_cache": 0.5}, 100.0)
-    # The engine saw 6, one of them ours: 1 ours + 5 others + 0.5 for a half-full cache + 1 for the new one.
+    r.record_metrics({"waiting": 4.0, "running": 2.0, "kv_cache": 0.75}, 100.0)
+    # The engine saw 6, one of them ours: 1 ours + 5 others + 0.5 for a cache three quarters full + 1 for the new one.
     assert r.load(101.0, STALE) == 7.5
+    r.record_metrics({"running": 1.0, "kv_cache": 0.3}, 102.0)
+    assert r.load(102.0, STALE) == 2.0  # a cache under half full adds nothing
     # Figures older than stale_after are ignored: only what this worker sent counts.
     assert r.load(106.0, STALE) == 2.0
 
@@ -82,8 +84,14 @@ def test_affinity_yields_to_load_beyond_the_factor():
     key = affinity_key(b"shared prefix", 2048)
     preferred = choose(rs, 0.0, STALE, key, 1.25, rng)
     other = rs[1] if preferred is rs[0] else rs[0]
-    # Load 2 (one outstanding + the new) against 1: 2 > 1.25 x 1, so the other replica takes it.
+    # Load 2 (one outstanding + the new) against 1: one request more is always acceptable.
     preferred.outstanding = 1
+    assert choose(rs, 0.0, STALE, key, 1.25, rng) is preferred
+    # Load 3 against 1: past both 1.25 x 1 and 1 + 1, so the other replica takes it.
+    preferred.outstanding = 2
+    assert choose(rs, 0.0, STALE, key, 1.25, rng) is other
+    # Load 11 against 8: 11 > 1.25 x 8 = 10, past the factor.
+    preferred.outstanding, other.outstanding = 10, 7
     assert choose(rs, 0.0, STALE, key, 1.25, rng) is other
     # Load 5 against 4: 5 <= 1.25 x 4, so the cache wins.
     preferred.outstanding, other.outstanding = 4, 3

@@ -61,10 +61,7 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
 
 def test_a_shared_prompt_prefix_sticks_to_one_replica(tmp_path, make_gateway, make_sim):
     sims = [make_sim(replica=f"r{i}", ttft_ms=1, tokens_per_s=0) for i in range(3)]
-    # Engine figures read while the other worker's request runs would rightly count it (load 2 against
-    # 1 is past the 1.25 factor) and move a request elsewhere; read them once only, so that what this
-    # test sees is the affinity itself.
-    gw, key = start(tmp_path, make_gateway, sims, workers=2, routing__metrics_interval=600.0)
+    gw, key = start(tmp_path, make_gateway, sims, workers=2)
     system = "You are a careful assistant for the accounts team. " * 20
     body = lambda q: {"model": "sim", "max_tokens": 2, "messages": [  # noqa: E731
         {"role": "system", "content": system}, {"role": "user", "content": q}]}
