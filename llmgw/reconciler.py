@@ -106,13 +106,6 @@ class Replicas:
                 if failure is not None:
                     failure.count = 0
 
-    def forget_node(self, node_id: str) -> list[Replica]:
-        with self.lock:
-            gone = [r for r in self.items.values() if r.node_id == node_id]
-            for r in gone:
-                del self.items[r.shard_id]
-            return gone
-
     def claims(self) -> list[placement.Claim]:
         with self.lock:
             return [placement.Claim(r.node_id, r.model, r.memory_bytes, r.gpus) for r in self.items.values()

@@ -56,11 +56,14 @@ def test_engine_down_is_502_saying_what_to_do(tmp_path, make_gateway):
     assert "replica gone" in error["message"] and "Try again" in error["message"]
 
 
-def test_no_replica_at_all_is_503_with_retry_after(tmp_path, make_gateway):
-    gw, key, _ = setup(tmp_path, make_gateway, [], gateway__trusted_proxies=[])
-    # A model with no endpoint does not exist; an endpoint-less gateway is simply not ready.
-    status, _, _ = post(gw.url + "/v1/chat/completions", CHAT, key)
-    assert status == 404
+def test_a_model_with_no_replica_is_503_with_retry_after(tmp_path, make_gateway):
+    # Known to the catalog ([[models]]) but served by no endpoint.
+    gw, key, _ = setup(tmp_path, make_gateway, [], models=[{"name": "sim"}])
+    status, headers, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    assert status == 503 and headers["Retry-After"] == "5"
+    assert "has no replica running" in json.loads(raw)["error"]["message"]
+    unknown = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "other"}, key)
+    assert unknown[0] == 404  # a name nobody configured is a different mistake
     assert http_status(gw.url + "/ready") == 503
 
 

@@ -141,9 +141,9 @@ def test_an_engine_that_fails_to_start_backs_off_and_shows_its_output(cluster):
     assert any("No such option" in line for line in failure["last_output"])
     shown = c.ctl("models")
     assert "No such option" in shown.stderr and "failed on n1" in shown.stderr
-    # Backoff: 1 s, then 2 s, then 4 s... so in 4 s, at most three attempts.
+    # Backoff: 1 s, then 2 s, then 4 s... so in the next 4 s it is tried again, but not every pass.
     time.sleep(4)
-    assert c.api("/api/v1/models")["models"][0]["last_failure"]["count"] <= 4
+    assert 2 <= c.api("/api/v1/models")["models"][0]["last_failure"]["count"] <= 4
 
 
 def test_a_changed_profile_marks_replicas_stale_without_restarting_them(cluster, tmp_path):
