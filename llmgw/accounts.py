@@ -178,9 +178,20 @@ def remove(engine: Engine, which: str) -> User:
         conn.execute(store.api_keys.update().where(sa.and_(store.api_keys.c.user_id == user.id,
                                                             store.api_keys.c.revoked_at.is_(None)))
                      .values(revoked_at=now))
+        conn.execute(store.memberships.delete().where(store.memberships.c.user_id == user.id))
+        conn.execute(store.limits.delete().where(sa.and_(store.limits.c.scope == "user",
+                                                         store.limits.c.scope_id == user.id)))
         conn.execute(store.users.delete().where(store.users.c.id == user.id))
         store.bump_revision(conn, "keys")
     return user
+
+
+def reject(engine: Engine, which: str) -> User:
+    """Turn down a sign-up: the account is deleted, so the address may sign up again."""
+    user = find(engine, which)
+    if user.state != PENDING:
+        raise AccountError(f"{user.email} is {user.state}, not waiting for approval; suspend or remove it instead")
+    return remove(engine, user.id)
 
 
 def session_secret(engine: Engine) -> str:

@@ -16,6 +16,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.ctl import ctl
+from llmgw.orgcli import limits_cli, org, prices
 from llmgw.tables import print_table
 from llmgw.userscli import users
 
@@ -62,23 +63,41 @@ def keys():
 
 @keys.command("create")
 @click.argument("name")
-@click.option("--project", default=store.DEFAULT_PROJECT, show_default=True, help="Project the key belongs to.")
+@click.option("--project", help="Project it spends against (id, path or unique name). "
+              f"Default: {store.DEFAULT_PATH}, or none (a personal key) with --for.")
+@click.option("--for", "owner", metavar="EMAIL", help="The person the key belongs to; alone, a personal key.")
 @click.option("--expires-in", metavar="DURATION", help="Lifetime such as 30d, 12h or 2w; none by default.")
+@click.option("--band", type=click.Choice(["high", "normal", "low"]), help="Admission band when replicas are full.")
+@click.option("--models", help="Comma-separated models the key may use (default: every model its scopes allow).")
+@click.option("--claim", is_flag=True, help="Print a one-time link that shows the key, instead of the key.")
 @click.pass_obj
-def keys_create(obj: Context, name, project, expires_in):
+def keys_create(obj: Context, name, project, owner, expires_in, band, models, claim):
     """Make a key called NAME and print its secret (on standard output, alone; it is shown only now)."""
+    from llmgw import accounts
     from llmgw import keys as keymod
 
     try:
         lifetime = keymod.parse_duration(expires_in) if expires_in else None
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--expires-in") from None
+    engine = obj.engine()
     try:
-        record, secret = keymod.create_key(obj.engine(), name, project, lifetime)
-    except keymod.KeyRefused as e:
+        user_id = accounts.find(engine, owner).id if owner else None
+        where = project if project else (None if owner else store.DEFAULT_PATH)
+        record, secret = keymod.create_key(engine, name, where, lifetime, user_id=user_id, band=band,
+                                           models=models.split(",") if models else None)
+    except (keymod.KeyRefused, accounts.AccountError) as e:
         raise click.ClickException(str(e)) from None
     expiry = f", expires {_when(record.expires_at)} UTC" if record.expires_at else ""
-    click.echo(f"created key {record.id} ({record.prefix}...) in project {record.project}{expiry}.", err=True)
+    spends = "a personal key" if record.project_id is None else f"in project {record.project}"
+    click.echo(f"created key {record.id} ({record.prefix}...), {spends}{owner and f' for {owner}' or ''}{expiry}.",
+               err=True)
+    if claim:
+        token = keymod.make_claim(engine, record.id, secret)
+        click.echo("Send this link to whoever should have the key; it shows the key once, to the first to open "
+                   "it, within 7 days:", err=True)
+        click.echo(f"{obj.config().public_url()}/claim/{token}")
+        return
     click.echo("The secret is below and will not be shown again; keep it somewhere safe.", err=True)
     click.echo(secret)
 
@@ -87,26 +106,29 @@ def keys_create(obj: Context, name, project, expires_in):
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per key, for scripts.")
 @click.pass_obj
 def keys_list(obj: Context, as_json):
-    """List keys (never their secrets)."""
+    """List keys (never their secrets): where each spends, and whose it is."""
+    from llmgw import accounts
     from llmgw import keys as keymod
 
-    records = keymod.list_keys(obj.engine())
+    engine = obj.engine()
+    records = keymod.list_keys(engine)
+    emails = {u.id: u.email for u in accounts.list_users(engine)}
     now = time.time()
     if as_json:
         for r in records:
-            click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "prefix": r.prefix,
-                                   "created_at": r.created_at, "expires_at": r.expires_at,
+            click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "owner": emails.get(r.user_id),
+                                   "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
                                    "revoked_at": r.revoked_at}))
         return
     if not records:
         click.echo("no keys yet; make one with `llmgw keys create NAME`", err=True)
         return
-    rows = [("ID", "NAME", "PROJECT", "PREFIX", "CREATED", "STATE")]
+    rows = [("ID", "NAME", "SPENDS IN", "OWNER", "PREFIX", "CREATED", "STATE")]
     for r in records:
         state = ("revoked " + _when(r.revoked_at) if r.revoked_at else
                  "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
                  "expires " + _when(r.expires_at) if r.expires_at else "active")
-        rows.append((r.id, r.name, r.project, r.prefix + "...", _when(r.created_at), state))
+        rows.append((r.id, r.name, r.project, emails.get(r.user_id, "-"), r.prefix + "...", _when(r.created_at), state))
     print_table(rows)
 
 
@@ -155,6 +177,9 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
 
 main.add_command(ctl)
 main.add_command(users)
+main.add_command(org)
+main.add_command(limits_cli)
+main.add_command(prices)
 
 
 @main.command()

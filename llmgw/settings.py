@@ -58,6 +58,9 @@ SETTINGS: tuple[Setting, ...] = (
             "then 503 with Retry-After.", minimum=0),
     Setting("gateway.signup_open", "bool", False,
             "Let people sign up on the pages; each new account waits for an operator's approval."),
+    Setting("gateway.public_url", "str", "",
+            "The address people reach the gateway at (`https://llm.example.com`), used in links the CLI prints. "
+            "Empty: `gateway.listen`."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
@@ -171,6 +174,13 @@ class Config:
         self.endpoints = endpoints
         self.models = models
         self.source = source
+
+    def public_url(self) -> str:
+        """Where people reach the gateway: `gateway.public_url`, or else its listen address."""
+        if self.values["gateway.public_url"]:
+            return self.values["gateway.public_url"].rstrip("/")
+        host, _, port = self.values["gateway.listen"].rpartition(":")
+        return f"http://{host if host not in ('', '0.0.0.0', '[::]') else '127.0.0.1'}:{port}"
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]

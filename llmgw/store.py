@@ -27,24 +27,108 @@ schema_migrations = sa.Table(
     sa.Column("applied_at", sa.Float, nullable=False),
 )
 
-projects = sa.Table(
-    "projects", metadata,
+# The tree people and spending are organised in: organisation, team, project.
+# Names are unique among siblings only, so two organisations may each have a
+# team called "ml"; ids are random and never reused.
+orgs = sa.Table(
+    "orgs", metadata,
     sa.Column("id", sa.String(32), primary_key=True),
     sa.Column("name", sa.String(200), nullable=False, unique=True),
     sa.Column("created_at", sa.Float, nullable=False),
+)
+
+teams = sa.Table(
+    "teams", metadata,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("org_id", sa.String(32), sa.ForeignKey("orgs.id"), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("org_id", "name", name="teams_sibling_name"),
+)
+
+projects = sa.Table(
+    "projects", metadata,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("team_id", sa.String(32), sa.ForeignKey("teams.id"), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("team_id", "name", name="projects_sibling_name"),
 )
 
 api_keys = sa.Table(
     "api_keys", metadata,
     sa.Column("id", sa.String(32), primary_key=True),
     sa.Column("name", sa.String(200), nullable=False),
-    sa.Column("project_id", sa.String(32), sa.ForeignKey("projects.id"), nullable=False),
+    # None for a personal key: it spends against its owner alone.
+    sa.Column("project_id", sa.String(32), sa.ForeignKey("projects.id")),
     sa.Column("hash", sa.String(64), nullable=False, unique=True),
     sa.Column("prefix", sa.String(32), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float),
     sa.Column("revoked_at", sa.Float),
-    sa.Column("user_id", sa.String(32)),  # who made it on the account page; None for an operator's key
+    sa.Column("user_id", sa.String(32)),  # the person it belongs to; None for an operator's key in a project
+    sa.Column("made_by", sa.String(32)),  # the person who made it, when a person did (leaving revokes these)
+)
+
+# Who belongs where. A member of an organisation or team may use every project in it.
+memberships = sa.Table(
+    "memberships", metadata,
+    sa.Column("user_id", sa.String(32), sa.ForeignKey("users.id"), primary_key=True),
+    sa.Column("scope", sa.String(16), primary_key=True),  # org, team, project
+    sa.Column("scope_id", sa.String(32), primary_key=True),
+    sa.Column("role", sa.String(16), nullable=False),  # member, manager (organisations only)
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# Limits set on one scope: a key, a person, a project, team or organisation,
+# each member of one (scope "project_member" with the project's id), or the
+# whole cluster (scope "cluster", id ""). Absent means "not limited here".
+limits = sa.Table(
+    "limits", metadata,
+    sa.Column("scope", sa.String(16), primary_key=True),
+    sa.Column("scope_id", sa.String(32), primary_key=True),
+    sa.Column("rpm", sa.Integer),
+    sa.Column("tpm", sa.Integer),
+    sa.Column("budget_micros", sa.BigInteger),
+    sa.Column("period", sa.String(8)),  # day, month
+    sa.Column("models", sa.Text),  # JSON list: the allowlist
+    sa.Column("band", sa.String(16)),  # admission band: high, normal, low
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+# Every change to a limit: who, when, and what it was before.
+limit_changes = sa.Table(
+    "limit_changes", metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("who", sa.String(320), nullable=False),
+    sa.Column("scope", sa.String(16), nullable=False),
+    sa.Column("scope_id", sa.String(32), nullable=False),
+    sa.Column("field", sa.String(16), nullable=False),
+    sa.Column("old", sa.Text),
+    sa.Column("new", sa.Text),
+)
+
+# Prices per million tokens in micro-units (a millionth of a unit of money);
+# the model "*" is the price of every model without its own.
+prices = sa.Table(
+    "prices", metadata,
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("input_micros", sa.BigInteger, nullable=False),
+    sa.Column("output_micros", sa.BigInteger, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+# A key waiting to be shown once at a link. The secret is sealed with the
+# link's token, which is not kept (only its hash), and emptied when opened.
+key_claims = sa.Table(
+    "key_claims", metadata,
+    sa.Column("token_hash", sa.String(64), primary_key=True),
+    sa.Column("key_id", sa.String(32), sa.ForeignKey("api_keys.id"), nullable=False),
+    sa.Column("sealed", sa.Text),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Column("claimed_at", sa.Float),
 )
 
 # Counters that let every worker notice a change with one cheap read,
@@ -71,9 +155,34 @@ usage = sa.Table(
     sa.Column("completion_tokens", sa.Integer),
     sa.Column("latency_ms", sa.Float, nullable=False),
     sa.Column("ttft_ms", sa.Float),
+    sa.Column("user_id", sa.String(32)),  # whose spending it was: the key's person, or who chatted
+    sa.Column("cost_micros", sa.BigInteger),
     sa.Index("usage_at", "at"),
     sa.Index("usage_key_at", "key_id", "at"),
 )
+
+
+def _rollup(name: str, bucket: str) -> sa.Table:
+    # Reports read these, never the raw rows: a page over ten million
+    # requests sums a few thousand roll-up rows. "" stands for "none" in the
+    # key columns, so they can be part of the primary key.
+    return sa.Table(
+        name, metadata,
+        sa.Column(bucket, sa.Float, primary_key=True),
+        sa.Column("key_id", sa.String(32), primary_key=True),
+        sa.Column("project_id", sa.String(32), primary_key=True),
+        sa.Column("user_id", sa.String(32), primary_key=True),
+        sa.Column("model", sa.String(200), primary_key=True),
+        sa.Column("requests", sa.BigInteger, nullable=False),
+        sa.Column("errors", sa.BigInteger, nullable=False),
+        sa.Column("prompt_tokens", sa.BigInteger, nullable=False),
+        sa.Column("completion_tokens", sa.BigInteger, nullable=False),
+        sa.Column("cost_micros", sa.BigInteger, nullable=False),
+    )
+
+
+usage_hourly = _rollup("usage_hourly", "hour")
+usage_daily = _rollup("usage_daily", "day")
 
 # A node's CURVE public key, bound to its id: the controller admits a key only
 # as the node it was issued to.
@@ -118,7 +227,9 @@ secrets_table = sa.Table(
     sa.Column("value", sa.Text, nullable=False),
 )
 
+# Where keys go when nobody says: the project default/default/default.
 DEFAULT_PROJECT = "default"
+DEFAULT_PATH = "default/default/default"
 
 
 def _create(tables: list[sa.Table]) -> Callable[[Connection], None]:
@@ -127,28 +238,103 @@ def _create(tables: list[sa.Table]) -> Callable[[Connection], None]:
     return step
 
 
+def _default_team(conn: Connection) -> str:
+    """The id of the team default/default, made when missing."""
+    from llmgw.ids import new_id
+    now = time.time()
+    org = conn.execute(sa.select(orgs.c.id).where(orgs.c.name == DEFAULT_PROJECT)).scalar()
+    if org is None:
+        org = new_id()
+        conn.execute(orgs.insert().values(id=org, name=DEFAULT_PROJECT, created_at=now))
+    team = conn.execute(sa.select(teams.c.id).where(sa.and_(teams.c.org_id == org,
+                                                            teams.c.name == DEFAULT_PROJECT))).scalar()
+    if team is None:
+        team = new_id()
+        conn.execute(teams.insert().values(id=team, org_id=org, name=DEFAULT_PROJECT, created_at=now))
+    return team
+
+
 def _seed_default_project(conn: Connection) -> None:
     from llmgw.ids import new_id
-    conn.execute(projects.insert().values(id=new_id(), name=DEFAULT_PROJECT, created_at=time.time()))
+    conn.execute(projects.insert().values(id=new_id(), team_id=_default_team(conn), name=DEFAULT_PROJECT,
+                                          created_at=time.time()))
     conn.execute(revisions.insert().values(name="keys", value=1))
+
+
+def _columns(conn: Connection, table: str) -> set[str]:
+    return {c["name"] for c in sa.inspect(conn).get_columns(table)}
 
 
 def _add_key_owner(conn: Connection) -> None:
     # Earlier steps create tables from today's definitions, so on a new
     # database the column is already there: a step that adds one must check.
-    if "user_id" not in {c["name"] for c in sa.inspect(conn).get_columns("api_keys")}:
+    if "user_id" not in _columns(conn, "api_keys"):
         conn.exec_driver_sql("ALTER TABLE api_keys ADD COLUMN user_id VARCHAR(32)")
 
 
+def _rebuild_sqlite(conn: Connection, table: sa.Table, fill: dict[str, str]) -> None:
+    """Give TABLE today's definition on SQLite, which cannot drop a constraint in place:
+    move the old table aside, create the new one, copy, drop the old. FILL gives an
+    SQL value for each new column. Foreign keys are off during migrations (see
+    `migrate`)."""
+    old = _columns(conn, table.name)
+    aside = table.name + "__old"
+    # Legacy renaming leaves other tables' references naming TABLE.
+    conn.exec_driver_sql("PRAGMA legacy_alter_table = ON")
+    conn.exec_driver_sql(f"ALTER TABLE {table.name} RENAME TO {aside}")
+    conn.exec_driver_sql("PRAGMA legacy_alter_table = OFF")
+    table.create(conn)
+    names = [c.name for c in table.columns if c.name in old or c.name in fill]
+    values = [c if c in old else fill[c] for c in names]
+    conn.exec_driver_sql(f"INSERT INTO {table.name} ({', '.join(names)}) SELECT {', '.join(values)} FROM {aside}")
+    conn.exec_driver_sql(f"DROP TABLE {aside}")
+    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").all()
+    if broken:
+        raise RuntimeError(f"rebuilding {table.name} left rows whose references are missing: {broken[:5]}")
+
+
+def _tree(conn: Connection) -> None:
+    """Organisations and teams above projects, memberships, limits, prices, claim links, personal keys."""
+    metadata.create_all(conn, tables=[orgs, teams, memberships, limits, limit_changes, prices, key_claims,
+                                      usage_hourly, usage_daily])
+    sqlite = conn.dialect.name == "sqlite"
+    if "team_id" not in _columns(conn, "projects"):
+        team = _default_team(conn)
+        if sqlite:
+            _rebuild_sqlite(conn, projects, {"team_id": f"'{team}'"})
+        else:
+            for unique in sa.inspect(conn).get_unique_constraints("projects"):
+                conn.exec_driver_sql(f'ALTER TABLE projects DROP CONSTRAINT "{unique["name"]}"')
+            conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN team_id VARCHAR(32) REFERENCES teams(id)")
+            conn.execute(projects.update().values(team_id=team))
+            conn.exec_driver_sql("ALTER TABLE projects ALTER COLUMN team_id SET NOT NULL")
+            conn.exec_driver_sql("ALTER TABLE projects ADD CONSTRAINT projects_sibling_name UNIQUE (team_id, name)")
+    if "made_by" not in _columns(conn, "api_keys"):
+        if sqlite:
+            _rebuild_sqlite(conn, api_keys, {"made_by": "user_id"})
+        else:
+            conn.exec_driver_sql("ALTER TABLE api_keys ALTER COLUMN project_id DROP NOT NULL")
+            conn.exec_driver_sql("ALTER TABLE api_keys ADD COLUMN made_by VARCHAR(32)")
+            conn.exec_driver_sql("UPDATE api_keys SET made_by = user_id")
+    have = _columns(conn, "usage")
+    if "user_id" not in have:
+        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN user_id VARCHAR(32)")
+    if "cost_micros" not in have:
+        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN cost_micros BIGINT")
+
+
 # Append only. A released step never changes: databases out there have run it.
+# (Steps 1 and 2 were reshaped for the tree before any release, which is why
+# step 8 must also bring databases made by their first form up to date.)
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
-    (1, "projects, api keys, revisions", _create([projects, api_keys, revisions])),
+    (1, "projects, api keys, revisions", _create([orgs, teams, projects, api_keys, revisions])),
     (2, "the default project", _seed_default_project),
     (3, "usage rows", _create([usage])),
     (4, "node keys and node settings", _create([node_keys, node_settings])),
     (5, "runtime catalog", _create([catalog_models])),
     (6, "people and secrets", _create([users, secrets_table])),
     (7, "keys made by a person", _add_key_owner),
+    (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
 ]
 
 
@@ -187,21 +373,27 @@ def open_engine(url: str) -> Engine:
 
 def migrate(engine: Engine) -> list[int]:
     """Apply every migration not yet applied; returns the versions applied now."""
-    applied_now = []
-    with engine.execution_options(sqlite_immediate=True).begin() as conn:
-        if engine.dialect.name == "postgresql":
-            # Two gateways starting at once: the second waits here, then finds
-            # the work done.
-            conn.execute(sa.text("SELECT pg_advisory_xact_lock(7306241)"))
-        metadata.create_all(conn, tables=[schema_migrations])
-        done = {row[0] for row in conn.execute(sa.select(schema_migrations.c.version))}
-        for version, description, step in MIGRATIONS:
-            if version in done:
-                continue
-            step(conn)
-            conn.execute(schema_migrations.insert().values(
-                version=version, description=description, applied_at=time.time()))
-            applied_now.append(version)
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            # SQLite rewrites or enforces references while a table is rebuilt
+            # unless foreign keys are off, and that can only be switched
+            # outside a transaction. This connection is used once and closed.
+            conn.connection.dbapi_connection.execute("PRAGMA foreign_keys = OFF")
+        with conn.execution_options(sqlite_immediate=True).begin():
+            if engine.dialect.name == "postgresql":
+                # Two gateways starting at once: the second waits here, then
+                # finds the work done.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7306241)"))
+            metadata.create_all(conn, tables=[schema_migrations])
+            done = {row[0] for row in conn.execute(sa.select(schema_migrations.c.version))}
+            applied_now = []
+            for version, description, step in MIGRATIONS:
+                if version in done:
+                    continue
+                step(conn)
+                conn.execute(schema_migrations.insert().values(
+                    version=version, description=description, applied_at=time.time()))
+                applied_now.append(version)
     return applied_now
 
 

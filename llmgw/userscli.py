@@ -7,7 +7,8 @@ import time
 
 import click
 
-from llmgw import accounts
+from llmgw import accounts, memberships
+from llmgw.orgtree import Tree, TreeError
 from llmgw.tables import print_table
 
 
@@ -26,18 +27,23 @@ def users():
 @click.pass_obj
 def users_list(obj, pending, as_json):
     """The accounts, oldest first."""
-    found = accounts.list_users(obj.engine(), accounts.PENDING if pending else None)
+    engine = obj.engine()
+    found = accounts.list_users(engine, accounts.PENDING if pending else None)
+    with engine.connect() as conn:
+        tree = Tree.read(conn)
+        where = {u.id: [m.path + ("*" if m.role == memberships.MANAGER else "")
+                        for m in memberships.of_user(conn, tree, u.id)] for u in found}
     if as_json:
         for u in found:
             click.echo(json.dumps({"id": u.id, "email": u.email, "state": u.state, "admin": u.is_admin,
-                                   "created_at": u.created_at}))
+                                   "member_of": where[u.id], "created_at": u.created_at}))
         return
     if not found:
         click.echo("no accounts" + (" waiting for approval" if pending else ""), err=True)
         return
-    rows = [("ID", "EMAIL", "STATE", "ADMIN", "SIGNED UP")]
-    rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", time.strftime("%Y-%m-%d", time.gmtime(u.created_at)))
-             for u in found]
+    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP")]
+    rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", ", ".join(where[u.id]) or "on their own",
+              time.strftime("%Y-%m-%d", time.gmtime(u.created_at))) for u in found]
     print_table(rows)
 
 
@@ -70,7 +76,64 @@ def _action(name: str, verb: str, run):
     return command
 
 
-_action("approve", "approved", accounts.approve)
+@users.command("approve")
+@click.argument("who")
+@click.option("--project", help="Also make them a member of this project (id, path or unique name).")
+@click.pass_obj
+def users_approve(obj, who, project):
+    """Approve the sign-up WHO (an id or an email), on their own or straight into a project."""
+    engine = obj.engine()
+    try:
+        user = accounts.approve(engine, who)
+        if project:
+            memberships.join(engine, user.id, "project", project)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"approved {user.email}" + (f", a member of {project}" if project else ", on their own"), err=True)
+
+
+def _place(team, project, org):
+    given = [(kind, value) for kind, value in (("org", org), ("team", team), ("project", project)) if value]
+    if len(given) != 1:
+        raise click.UsageError("say exactly one of --org, --team or --project")
+    return given[0]
+
+
+@users.command("join")
+@click.argument("who")
+@click.option("--org", help="An organisation (every project in it).")
+@click.option("--team", help="A team, ORG/TEAM (every project in it).")
+@click.option("--project", help="A project, ORG/TEAM/PROJECT.")
+@click.option("--role", type=click.Choice([memberships.MEMBER, memberships.MANAGER]), default=memberships.MEMBER,
+              show_default=True, help="A manager of an organisation sees its page (read-only).")
+@click.pass_obj
+def users_join(obj, who, org, team, project, role):
+    """Make WHO a member of an organisation, team or project."""
+    kind, which = _place(team, project, org)
+    try:
+        user, membership = memberships.join(obj.engine(), who, kind, which, role)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"{user.email} is a {role} of {membership.path}", err=True)
+
+
+@users.command("leave")
+@click.argument("who")
+@click.option("--org", help="An organisation.")
+@click.option("--team", help="A team.")
+@click.option("--project", help="A project.")
+@click.pass_obj
+def users_leave(obj, who, org, team, project):
+    """End WHO's membership; the keys they made in projects they can no longer reach are revoked."""
+    kind, which = _place(team, project, org)
+    try:
+        membership, revoked = memberships.leave(obj.engine(), who, kind, which)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"left {membership.path}; {revoked} key(s) revoked", err=True)
+
+
+_action("reject", "rejected (and deleted) the sign-up of", accounts.reject)
 _action("suspend", "suspended", accounts.suspend)
 _action("reinstate", "reinstated", accounts.reinstate)
 _action("promote", "made an administrator:", accounts.promote)

@@ -64,7 +64,7 @@ def test_revoke_refuses_an_ambiguous_or_unknown_key(store_url):
         keys.revoke_key(engine, "same")
     with pytest.raises(keys.KeyRefused, match="llmgw keys list"):
         keys.revoke_key(engine, "nothing-like-it")
-    with pytest.raises(keys.KeyRefused, match="no project named 'nope'; projects: default"):
+    with pytest.raises(keys.KeyRefused, match="no project 'nope'; projects: default/default/default"):
         keys.create_key(engine, "x", project="nope")
     engine.dispose()
 

@@ -1,0 +1,252 @@
+"""The limit rules, each with its numbers worked out. The accountant is pure counting; the
+tests that resolve chains from a store run on SQLite and PostgreSQL."""
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from llmgw import accounts, keys, limits, memberships, orgtree, store
+from llmgw.accountant import Accountant, Refused, Reservation, Window
+
+
+class Clock:
+    def __init__(self, t=1_800_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def level(counter, rpm=None, tpm=None, budget=None, period="month"):
+    return [counter, rpm, tpm, budget, period]
+
+
+def test_a_window_admits_at_most_its_limit_in_any_sixty_seconds():
+    clock = Clock()
+    w = Window()
+    # 3 a minute: three at t=0, the fourth refused until the first is 60 s old.
+    assert all(w.allow(3, 1, clock.t) for _ in range(3))
+    assert w.allow(3, 1, clock.t + 59.9) is None
+    assert w.retry_after(clock.t + 30) == 30
+    assert w.allow(3, 1, clock.t + 60.0) is not None
+
+
+def test_a_team_budget_is_one_pool_for_all_its_keys():
+    # Team budget 3000 micro-units; k1 spends 2000, then 1500 (crossing: served, budgets stop once
+    # reached); now 3500 >= 3000, so k2 in the same team is refused. Per-key pools would allow 3000 each.
+    a = Accountant(Clock())
+    team = level("team:t1", budget=3000)
+    for cost in (2000, 1500):
+        r = a.admit([level("key:k1"), team], priced=True, estimate=10)
+        a.settle(r.id, 10, cost)
+    refused = a.admit([level("key:k2"), team], priced=True, estimate=10)
+    assert isinstance(refused, Refused) and refused.limit == "budget" and refused.counter == "team:t1"
+
+
+def test_the_sum_of_teams_cannot_exceed_their_organisation():
+    # Org budget 2000, each of four teams 2000, each request costs 800: spend goes 0, 800, 1600,
+    # 2400; the fourth request sees 2400 >= 2000 at the org and is refused. Exactly three are served,
+    # and the org is overspent by at most one request (400 < 800).
+    a = Accountant(Clock())
+    served = 0
+    for i in range(4):
+        r = a.admit([level(f"team:t{i}", budget=2000), level("org:o", budget=2000)], priced=True, estimate=1)
+        if isinstance(r, Reservation):
+            a.settle(r.id, 1, 800)
+            served += 1
+    assert served == 3
+
+
+def test_a_budget_without_a_price_never_binds():
+    a = Accountant(Clock())
+    for _ in range(5):
+        r = a.admit([level("key:k", budget=0)], priced=False, estimate=1)
+        assert isinstance(r, Reservation)
+        a.settle(r.id, 1, 0)
+
+
+def test_a_budget_refusal_charges_no_other_pool():
+    # Budget 0 is spent at once; the refusal must leave the key's rpm pool untouched (0 of 1 used).
+    a = Accountant(Clock())
+    refused = a.admit([level("key:k", rpm=1), level("team:t", budget=0)], priced=True, estimate=5)
+    assert refused.limit == "budget"
+    assert a.status([level("key:k", rpm=1)])["rpm"] == (1, 1)
+
+
+def test_a_refusal_hands_back_what_the_narrower_levels_took():
+    # Team rpm 100, org rpm 1: the first request takes one of each; the second is refused by the org
+    # and the team's slot it took is handed back, so the team shows 1 used, not 2.
+    a = Accountant(Clock())
+    chain = [level("team:t1", rpm=100), level("org:o", rpm=1)]
+    assert isinstance(a.admit(chain, False, 1), Reservation)
+    refused = a.admit(chain, False, 1)
+    assert (refused.limit, refused.counter) == ("rpm", "org:o")
+    assert a.requests["team:t1"].used(a.clock()) == 1
+
+
+def test_a_token_refusal_keeps_the_request_but_hands_back_the_tokens():
+    # rpm 10, tpm 100 at the key, tpm 50 at the team. A first request estimated at 10 leaves both
+    # at 10; a second estimated at 60 fits the key (70 <= 100) but not the team (70 > 50).
+    a = Accountant(Clock())
+    chain = [level("key:k", rpm=10, tpm=100), level("team:t", tpm=50)]
+    first = a.admit(chain, False, 10)
+    refused = a.admit(chain, False, 60)
+    assert (refused.limit, refused.counter) == ("tpm", "team:t")
+    assert a.tokens["key:k"].used(a.clock()) == 10  # the 60 it took was handed back
+    assert a.requests["key:k"].used(a.clock()) == 2  # the request did arrive
+    a.settle(first.id, 30, 0)  # estimated 10, used 30: every token pool it went through now says 30
+    assert a.tokens["key:k"].used(a.clock()) == a.tokens["team:t"].used(a.clock()) == 30
+
+
+def test_status_reports_the_pool_nearest_to_refusing():
+    # Team budget 9000 with 8000 spent by another key (1000 left, 11%); the key's own budget 5000
+    # untouched (100% left). The key is told about the team's: the fuller pool, not the smaller number.
+    a = Accountant(Clock())
+    r = a.admit([level("key:other"), level("team:t", budget=9000)], True, 1)
+    a.settle(r.id, 1, 8000)
+    status = a.status([level("key:mine", budget=5000), level("team:t", budget=9000)])
+    assert status["budget"] == (9000, 1000)
+
+
+def test_budgets_start_again_with_their_period():
+    clock = Clock(time.mktime((2026, 11, 30, 23, 59, 0, 0, 0, 0)) - time.timezone)
+    a = Accountant(clock)
+    chain = [level("key:k", budget=100, period="day")]
+    a.settle(a.admit(chain, True, 1).id, 1, 100)
+    assert a.admit(chain, True, 1).limit == "budget"
+    clock.t += 120  # past midnight UTC
+    assert isinstance(a.admit(chain, True, 1), Reservation)
+
+
+# --- chains resolved from the store -------------------------------------------------------------
+
+@pytest.fixture
+def engine(store_url):
+    engine = store.open_engine(store_url)
+    yield engine
+    engine.dispose()
+
+
+def tree_with_people(engine):
+    orgtree.add(engine, "org", "Acme")
+    orgtree.add(engine, "team", "ml", "Acme")
+    project = orgtree.add(engine, "project", "training", "Acme/ml")
+    people = {}
+    for name in ("ayse", "deniz"):
+        user = accounts.create_user(engine, f"{name}@example.com", "a long enough password", state=accounts.ACTIVE)
+        memberships.join(engine, user.email, "project", "Acme/ml/training")
+        people[name] = user
+    return project, people
+
+
+def access_of(engine, key_record):
+    return keys.KeyTable.load(engine).access[key_record.id]
+
+
+def wire(access):
+    return [lv.wire() for lv in access.levels]
+
+
+def test_a_persons_limit_is_one_pool_across_their_keys(engine):
+    # ayse: 2 requests a minute as a person. Her personal key and her project key take one each;
+    # a third request on either is refused. deniz is not affected.
+    project, people = tree_with_people(engine)
+    ayse, deniz = people["ayse"], people["deniz"]
+    limits.set_limits(engine, "user", ayse.id, "test", rpm=2)
+    personal, _ = keys.create_key(engine, "laptop", None, user_id=ayse.id)
+    in_project, _ = keys.create_key(engine, "ci", project.id, user_id=ayse.id)
+    theirs, _ = keys.create_key(engine, "d", project.id, user_id=deniz.id)
+    a = Accountant()
+    assert isinstance(a.admit(wire(access_of(engine, personal)), False, 1), Reservation)
+    assert isinstance(a.admit(wire(access_of(engine, in_project)), False, 1), Reservation)
+    assert a.admit(wire(access_of(engine, personal)), False, 1).counter == f"user:{ayse.id}"
+    assert isinstance(a.admit(wire(access_of(engine, theirs)), False, 1), Reservation)
+
+
+def test_a_per_member_limit_counts_each_member_apart(engine):
+    # 1 request a minute for each member of the project: ayse's second is refused, deniz still
+    # gets one, and ayse's personal key (outside the project) is not held to it at all.
+    project, people = tree_with_people(engine)
+    limits.set_limits(engine, "project_member", project.id, "test", rpm=1)
+    ayse_key, _ = keys.create_key(engine, "a", project.id, user_id=people["ayse"].id)
+    deniz_key, _ = keys.create_key(engine, "d", project.id, user_id=people["deniz"].id)
+    personal, _ = keys.create_key(engine, "p", None, user_id=people["ayse"].id)
+    a = Accountant()
+    assert isinstance(a.admit(wire(access_of(engine, ayse_key)), False, 1), Reservation)
+    assert a.admit(wire(access_of(engine, ayse_key)), False, 1).limit == "rpm"
+    assert isinstance(a.admit(wire(access_of(engine, deniz_key)), False, 1), Reservation)
+    assert access_of(engine, personal).levels == ()
+
+
+def test_cluster_defaults_apply_only_where_nothing_else_limits(engine):
+    project, _ = tree_with_people(engine)
+    limits.set_limits(engine, "cluster", "", "test", rpm=60, tpm=200_000)
+    limits.set_limits(engine, "team", orgtree.Tree.load(engine).find("team", "Acme/ml").id, "test", rpm=10)
+    plain, _ = keys.create_key(engine, "plain")  # in default/default/default: nothing limits it
+    in_team, _ = keys.create_key(engine, "ml", project.id)
+    assert wire(access_of(engine, plain)) == [[f"default:key:{plain.id}", 60, 200_000, None, "month"]]
+    # The team sets rpm, so the default rpm does not apply; the default tpm still does.
+    levels = wire(access_of(engine, in_team))
+    assert [lv[0].split(":")[0] for lv in levels] == ["team", "default"]
+    assert levels[1][1:3] == [None, 200_000]
+
+
+def test_allowlists_intersect_and_the_nearest_band_wins(engine):
+    project, _ = tree_with_people(engine)
+    team = orgtree.Tree.load(engine).find("team", "Acme/ml")
+    limits.set_limits(engine, "team", team.id, "test", models=["small", "large"], band="low")
+    key, _ = keys.create_key(engine, "k", project.id, models=["large", "huge"], band="high")
+    access = access_of(engine, key)
+    assert access.models == frozenset({"large"})  # a key cannot add a model its team withheld
+    assert access.band == "high"
+    other, _ = keys.create_key(engine, "o", project.id)
+    assert access_of(engine, other).band == "low"
+
+
+def test_every_limit_change_is_logged_with_who_and_what_it_was(engine):
+    limits.set_limits(engine, "cluster", "", "alice", rpm=60)
+    limits.set_limits(engine, "cluster", "", "bob", rpm=30, tpm=1000)
+    limits.set_limits(engine, "cluster", "", "bob", rpm=None)
+    with engine.connect() as conn:
+        log = [(r.who, r.field, r.old, r.new) for r in reversed(limits.changes_log(conn))]
+    assert log == [("alice", "rpm", None, "60"), ("bob", "rpm", "60", "30"), ("bob", "tpm", None, "1000"),
+                   ("bob", "rpm", "30", None)]
+
+
+def test_money_is_whole_units_in_and_micro_units_kept():
+    assert limits.parse_money("50") == 50_000_000
+    assert limits.parse_money("0.25") == 250_000
+    assert limits.show_money(250_000) == "0.25"
+    with pytest.raises(limits.LimitError, match="not an amount"):
+        limits.parse_money("lots")
+    # 0.5 a million in, 1.5 a million out: 1000 + 500 tokens cost 500 + 750 = 1250 micro-units.
+    assert limits.Price(500_000, 1_500_000).cost(1000, 500) == 1250
+    assert limits.Price(1, 0).cost(1, 0) == 1  # rounded up: nothing is free by being small
+
+
+def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
+    # Usage today: 600 by ayse's project key, 500 by ayse on the chat page. After a "restart" the
+    # team's pool holds 600 (only the project key spent in it), ayse's holds 1100, and a person's
+    # budget of 1000 refuses her next request however she makes it.
+    project, people = tree_with_people(engine)
+    ayse = people["ayse"]
+    key, _ = keys.create_key(engine, "ci", project.id, user_id=ayse.id)
+    now = time.time()
+    with engine.begin() as conn:
+        for key_id, project_id, cost in ((key.id, project.id, 600), (f"session:{ayse.id}", None, 500)):
+            conn.execute(store.usage.insert().values(at=now, key_id=key_id, project_id=project_id, user_id=ayse.id,
+                                                     endpoint="chat", stream=False, status=200, latency_ms=1,
+                                                     cost_micros=cost))
+    team = orgtree.Tree.load(engine).find("team", "Acme/ml")
+    a = Accountant()
+    a.restore(engine)
+    assert a.spent(f"team:{team.id}", "month") == 600
+    assert a.spent(f"user:{ayse.id}", "month") == 1100
+    assert a.spent(f"project_member:{project.id}/{ayse.id}", "day") == 600
+    limits.set_limits(engine, "user", ayse.id, "test", budget=1000)
+    table = keys.KeyTable.load(engine)
+    assert a.admit(wire(table.person(ayse.id)), True, 1).limit == "budget"
+    assert a.admit(wire(table.access[key.id]), True, 1).limit == "budget"
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(store.usage)).scalar() == 2
