@@ -26,6 +26,8 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import adminapi, curvekeys, settings, store
+from llmgw.accountant import Accountant
+from llmgw.accountserver import AccountServer
 from llmgw.agentserver import AgentServer, KeyRing
 from llmgw.catalog import Catalog, CatalogError
 from llmgw.fleet import Fleet
@@ -88,6 +90,9 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
                          heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas)
     publisher = Publisher(context, cfg["controller.gateway_listen"])
+    accountant = Accountant()
+    accountant.restore(engine)
+    account_server = AccountServer(accountant, cfg["controller.accountant_listen"]).start()
     demand = Demand()
     wants = context.socket(zmq.PULL)
     wants.setsockopt(zmq.LINGER, 0)
@@ -143,9 +148,9 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
     serve_registry(cfg["controller.metrics_listen"], registry)
-    log.info("agents on %s, gateways on %s, admin API on http://%s, metrics on http://%s/metrics",
-             cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.admin_listen"],
-             cfg["controller.metrics_listen"])
+    log.info("agents on %s, gateways on %s, the accountant on %s, admin API on http://%s, metrics on http://%s/metrics",
+             cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],
+             cfg["controller.admin_listen"], cfg["controller.metrics_listen"])
 
     # Handlers only set a flag: the loop notices within one poll.
     stopping = threading.Event()
@@ -169,11 +174,13 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                     continue  # not ours, or garbled: nothing to act on
                 if isinstance(note, dict) and isinstance(note.get("model"), str):
                     demand.note(note["model"], time.monotonic())
-            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port)))
+            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port),
+                                            account_server.port))
     finally:
         scheduler.shutdown(wait=False)
         admin.shutdown()
         publisher.close()
+        account_server.stop()
         wants.close(0)
         server.close()
         context.term()

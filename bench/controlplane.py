@@ -109,7 +109,7 @@ def main() -> int:
     if os.path.exists(silent_flag()):
         os.remove(silent_flag())
     ports = {k: f"127.0.0.1:{free_port()}" for k in ("agent_listen", "admin_listen", "metrics_listen",
-                                                       "gateway_listen", "demand_listen")}
+                                                       "gateway_listen", "demand_listen", "accountant_listen")}
     values = {"store.url": f"sqlite:///{tmp}/cp.db", "controller.keys_dir": f"{tmp}/keys",
               **{f"controller.{k}": v for k, v in ports.items()}, "log.level": "warning"}
     config = os.path.join(tmp, "controller.toml")

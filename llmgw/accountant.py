@@ -8,9 +8,10 @@ yes, or which pool refused and when to retry.
 The rules, in the order they are checked:
 
 1. Budgets first, every level's, and only when the model has a price. A
-   budget refuses once it is reached; the request that crosses it is served
-   (so a budget is overspent by at most one request). Checking charges
-   nothing, so a refusal costs the other pools nothing.
+   budget refuses once what is spent plus what requests in flight may still
+   spend (their estimated cost, reserved at admission) reaches it; the request
+   that crosses it is served, so a budget is overspent by at most one
+   request, however many run at once. A refusal charges no other pool.
 2. Requests a minute: each level charges one as it checks, so two requests
    at once cannot both see the last slot. When a level refuses, what the
    levels before it took is handed back.
@@ -39,6 +40,7 @@ from llmgw import store
 log = logging.getLogger("llmgw.accountant")
 
 WINDOW = 60.0  # seconds: "a minute" is any sixty seconds, not the clock's minute
+ADJECTIVE = {"day": "daily", "month": "monthly"}
 RESERVATION_TTL = 3600.0  # a reservation never settled (its gateway died) is forgotten after this
 
 
@@ -91,7 +93,8 @@ class Reservation:
     id: int
     at: float
     tokens: list[tuple[Window, list]]  # each token pool's entry, settled to the real count
-    budgets: list[tuple[str, str]]  # (counter, period) of every level with a budget
+    budgets: list[tuple[str, str, float]]  # (counter, period, period start) of every level with a budget
+    cost: int  # the estimated cost held in each budget's reserve until settled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Accountant:
         self.requests: dict[str, Window] = collections.defaultdict(Window)
         self.tokens: dict[str, Window] = collections.defaultdict(Window)
         self.spend: dict[tuple[str, str, float], int] = collections.defaultdict(int)
+        self.reserved: dict[tuple[str, str, float], int] = collections.defaultdict(int)
         self.reservations: dict[int, Reservation] = {}
         self.next_id = 1
 
@@ -115,14 +119,20 @@ class Accountant:
         now = self.clock() if now is None else now
         return self.spend.get((counter, period, lim.period_start(period, now)), 0)
 
-    def admit(self, levels: list[list], priced: bool, estimate: int) -> Reservation | Refused:
-        """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens."""
+    def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0) -> Reservation | Refused:
+        """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
+        that may cost up to COST micro-units."""
         now = self.clock()
+        budgets = [(counter, period, lim.period_start(period, now))
+                   for counter, _r, _t, budget, period in levels if budget is not None]
         if priced:
             for counter, _rpm, _tpm, budget, period in levels:
-                if budget is not None and self.spent(counter, period, now) >= budget:
+                if budget is None:
+                    continue
+                pool = (counter, period, lim.period_start(period, now))
+                if self.spend.get(pool, 0) + self.reserved.get(pool, 0) >= budget:
                     return Refused("budget", counter, _until_next(period, now),
-                                   f"the {period}ly budget of {_scope_words(counter)} is spent")
+                                   f"the {ADJECTIVE.get(period, period)} budget of {_scope_words(counter)} is spent")
         taken: list[tuple[Window, list]] = []
         for counter, rpm, _tpm, _budget, _period in levels:
             if rpm is None:
@@ -145,9 +155,10 @@ class Accountant:
                 return Refused("tpm", counter, window.retry_after(now),
                                f"{_scope_words(counter)} may use {tpm} tokens a minute")
             tokens.append((window, entry))
-        reservation = Reservation(self.next_id, now, tokens,
-                                  [(c, period) for c, _r, _t, budget, period in levels if budget is not None])
+        reservation = Reservation(self.next_id, now, tokens, budgets, cost if priced else 0)
         self.next_id += 1
+        for pool in budgets:
+            self.reserved[pool] += reservation.cost
         if tokens or reservation.budgets:
             self.reservations[reservation.id] = reservation
         return reservation
@@ -160,12 +171,21 @@ class Accountant:
             for window, entry in reservation.tokens:
                 window.adjust(entry, tokens, self.clock())
             pools = reservation.budgets
+            self._release(reservation)
         else:
-            pools = [tuple(b) for b in budgets or ()]
-        if cost:
             now = self.clock()
-            for counter, period in pools:
-                self.spend[(counter, period, lim.period_start(period, now))] += cost
+            pools = [(counter, period, lim.period_start(period, now)) for counter, period in budgets or ()]
+        if cost:
+            for pool in pools:
+                self.spend[pool] += cost
+
+    def _release(self, reservation: Reservation) -> None:
+        for pool in reservation.budgets:
+            left = self.reserved[pool] - reservation.cost
+            if left > 0:
+                self.reserved[pool] = left
+            else:
+                self.reserved.pop(pool, None)
 
     def status(self, levels: list[list]) -> dict[str, tuple[int, int]]:
         """What a key is told: for each kind of limit, (limit, remaining) of the pool nearest to
@@ -191,7 +211,7 @@ class Accountant:
         cutoff = self.clock() - RESERVATION_TTL
         stale = [rid for rid, r in self.reservations.items() if r.at < cutoff]
         for rid in stale:
-            del self.reservations[rid]
+            self._release(self.reservations.pop(rid))
         return len(stale)
 
     def restore(self, engine: Engine) -> int:

@@ -33,7 +33,8 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
                                         weight=float(r.get("weight", 1.0)))
     demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
-    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand)
+    accountant = f"{host}:{body['accountant_port']}" if body.get("accountant_port") else base.accountant
+    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant)
 
 
 def follow(address: str, base: Snapshot, apply) -> None:

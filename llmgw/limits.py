@@ -73,6 +73,7 @@ class Access:
     levels: tuple[Level, ...]
     models: frozenset[str] | None  # None: every model
     band: str
+    wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
 
 
 def parse_money(text: str | float | int) -> int:
@@ -289,7 +290,7 @@ class Rules:
             set_rpm |= lim.rpm is not None
             set_tpm |= lim.tpm is not None
             levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month"))
-        return Access(tuple(levels), allowed, band or DEFAULT_BAND)
+        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,11 @@ class GatewayMetrics:
                              ["replica"], multiprocess_mode="livemax", registry=None)
         self.kv_cache = Gauge("llmgw_endpoint_kv_cache_usage", "KV cache use of the replica's engine, 0 to 1.",
                               ["replica"], multiprocess_mode="livemax", registry=None)
+        self.limited = Counter("llmgw_requests_limited", "Requests refused by a limit, by kind (rpm, tpm, budget, "
+                               "model).", ["limit"], registry=None)
+        self.accountant_unavailable = Counter("llmgw_accountant_unavailable",
+                                              "Requests that found the accountant unreachable (rate limits waived, "
+                                              "budgets refused with 503).", registry=None)
         self.usage_pending = Gauge("llmgw_usage_rows_pending", "Usage rows buffered, not yet in the store.",
                                    multiprocess_mode="livesum", registry=None)
         self.usage_failures = Counter("llmgw_usage_write_failures", "Failed writes of usage batches (rows are kept and retried).",

@@ -25,7 +25,9 @@ from gevent.socket import wait_read
 
 from llmgw import apirequest, balancer
 from llmgw.errors import ApiError
-from llmgw.keys import KeyRecord, Refusal
+from llmgw.keys import Refusal
+from llmgw.limiter import Unavailable
+from llmgw.limits import Access, Price, show_money
 from llmgw.snapshot import ModelSpec
 from llmgw.sse import EventRelay
 from llmgw.upstream import Response, UpstreamError
@@ -93,11 +95,12 @@ class Proxy:
         self.idle = cfg["timeouts.idle"]
         self.total = cfg["timeouts.total"]
         self.load_wait = cfg["gateway.load_wait"]
+        self.output_estimate = cfg["limits.output_estimate"]
 
-    def __call__(self, environ, start_response):
+    def __call__(self, environ, start_response, caller: Caller | None = None):
+        """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
         t0 = time.perf_counter()
         path = environ.get("PATH_INFO", "")
-        key: KeyRecord | None = None
         req = None
         model: ModelSpec | None = None
         try:
@@ -105,7 +108,8 @@ class Proxy:
             if kind is None and path != "/v1/models":
                 raise ApiError(404, f"There is no API at {path}. This gateway serves /v1/chat/completions, "
                                     "/v1/completions, /v1/embeddings and /v1/models.", "unknown_url")
-            key = self._authenticate(environ)
+            if caller is None:
+                caller = self._authenticate(environ)
             method = environ["REQUEST_METHOD"]
             if kind is None:
                 if method != "GET":
@@ -122,12 +126,15 @@ class Proxy:
                 raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
                                     f"{model.max_output}. Ask for {model.max_output} or fewer.",
                                "max_tokens_too_large", "max_tokens")
-            return self._forward(environ, start_response, path, key, req, model, t0)
+            self._admit(caller, req, model)
+            return self._forward(environ, start_response, path, caller, req, model, t0)
         except ApiError as e:
             body = e.body()
             headers = e.headers(body)
             headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
-            self._account(t0, key, req, model, None, e.status, None, None)
+            if caller is not None:
+                headers += caller.limit_headers()
+            self._account(t0, caller, req, model, None, e.status, None, None)
             start_response(e.status_line, headers)
             return [body]
         except Exception:
@@ -142,11 +149,68 @@ class Proxy:
 
     # --- admission -----------------------------------------------------------------
 
-    def _authenticate(self, environ) -> KeyRecord:
-        result = self.rt.keys.authenticate(environ.get("HTTP_AUTHORIZATION"), time.time())
+    def _authenticate(self, environ) -> Caller:
+        table = self.rt.keys
+        result = table.authenticate(environ.get("HTTP_AUTHORIZATION"), time.time())
         if isinstance(result, Refusal):
             raise ApiError(401, result.message, result.code)
-        return result
+        return Caller(result.id, result.project_id, result.user_id, table.access[result.id])
+
+    def _admit(self, caller: Caller, req, model: ModelSpec) -> None:
+        """Hold the request to its allowlist and to every pool that limits it; raises ApiError when refused."""
+        access = caller.access
+        if access.models is not None and not self._allowed(access.models, model.name):
+            self.rt.metrics.limited.labels("model").inc()
+            shown = ", ".join(sorted(access.models)) or "none"
+            raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
+                                "if you need another model.", "model_not_allowed", "model")
+        if not access.levels:
+            return
+        caller.price = self.rt.keys.prices.of(model.name)
+        priced = not caller.price.zero()
+        # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
+        # output is what the request may generate at most: an estimate on the high side, so that the
+        # budgets' reserve covers what requests in flight can still spend.
+        prompt = len(req.raw) // 4
+        output = req.max_tokens or model.max_output or self.output_estimate
+        estimate = prompt + output
+        try:
+            answer = self.rt.limiter.admit(self._accountant(), caller.wire, priced, estimate,
+                                           caller.price.cost(prompt, output))
+        except Unavailable:
+            if priced and any(lv.budget is not None for lv in access.levels):
+                raise ApiError(503, "Limits cannot be checked right now (the accountant does not answer), and a "
+                                    "budget applies to this key. Try again shortly.", "limits_unavailable",
+                               retry_after=5) from None
+            return
+        caller.status = answer.get("status") or {}
+        if not answer.get("ok"):
+            limit = answer.get("limit", "rpm")
+            self.rt.metrics.limited.labels(limit).inc()
+            retry = int(answer.get("retry_after") or 1)
+            if limit == "budget":
+                raise ApiError(429, f"Budget spent: {answer.get('message')}. It starts again in {_duration(retry)}; "
+                                    "ask an operator for more.", "budget_exhausted", retry_after=retry)
+            raise ApiError(429, f"Rate limit: {answer.get('message')}. Retry after {retry} s.",
+                           "rate_limit_exceeded" if limit == "rpm" else "tokens_limit_exceeded", retry_after=retry)
+        caller.reservation = answer.get("r")
+        caller.estimate = estimate
+
+    def _accountant(self) -> str | None:
+        """The accountant's address; a worker that follows a controller waits briefly for its first snapshot."""
+        address = self.rt.router.snapshot.accountant
+        if address is None and self.rt.cfg["gateway.controller"]:
+            deadline = time.monotonic() + self.rt.limiter.timeout
+            while address is None and time.monotonic() < deadline:
+                gevent.sleep(0.02)
+                address = self.rt.router.snapshot.accountant
+        return address
+
+    def _allowed(self, allowlist: frozenset[str], served: str) -> bool:
+        # An alias on the list allows its model, and the model's name allows every alias.
+        snapshot = self.rt.router.snapshot
+        return served in allowlist or any((m := snapshot.resolve(name)) is not None and m.name == served
+                                          for name in allowlist)
 
     def _read_body(self, environ) -> bytes:
         stream = environ["wsgi.input"]
@@ -190,16 +254,16 @@ class Proxy:
 
     # --- forwarding --------------------------------------------------------------------
 
-    def _forward(self, environ, start_response, path, key, req, model, t0):
+    def _forward(self, environ, start_response, path, caller, req, model, t0):
         rt = self.rt
         if model.on_demand and not rt.router.available(model.name):
             rt.demand(model.name)
             if req.stream:
                 # Headers now, then a comment every few seconds: the client sees a live
                 # stream rather than a silent socket while the model loads.
-                start_response("200 OK", SSE_HEADERS)
+                start_response("200 OK", SSE_HEADERS + caller.limit_headers())
                 rt.metrics.in_flight.labels(model.name).inc()
-                return self._held_stream(environ, path, key, req, model, t0)
+                return self._held_stream(environ, path, caller, req, model, t0)
             for _ in self._until_ready(model):
                 pass
             if not rt.router.available(model.name):
@@ -211,13 +275,13 @@ class Proxy:
             rt.metrics.in_flight.labels(model.name).dec()
             raise
         if data is None:
-            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")])
-            return self._relay(environ, resp, replica, key, req, model, t0)
+            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+            return self._relay(environ, resp, replica, caller, req, model, t0)
         usage = apirequest.usage_of(data) if resp.status == 200 else None
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
-            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")])
-        self._account(t0, key, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
+            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+        self._account(t0, caller, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
         return [data]
 
     def _connect(self, path, req, model, t0):
@@ -305,7 +369,7 @@ class Proxy:
         return ApiError(503, f"{model.name} is loading: it runs on demand and is not ready after "
                              f"{self.load_wait:.0f} s. Retry in a minute.", "model_loading", retry_after=60)
 
-    def _held_stream(self, environ, path, key, req, model, t0):
+    def _held_stream(self, environ, path, caller, req, model, t0):
         """The stream of a request for a model that is loading: comments while waiting, then the answer."""
         said = 0.0
         for _ in self._until_ready(model):
@@ -314,22 +378,22 @@ class Proxy:
                 said = time.monotonic()
         if not self.rt.router.available(model.name):
             e = self._still_loading(model)
-            self._account(t0, key, req, model, None, e.status, None, None, in_flight=True)
+            self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
             yield e.sse_event()
             return
         try:
             resp, replica, data, _ = self._connect(path, req, model, t0)
         except ApiError as e:
-            self._account(t0, key, req, model, None, e.status, None, None, in_flight=True)
+            self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
             yield e.sse_event()
             return
         if data is not None:  # the engine refused the request (4xx): pass its error on as an event
             yield b"data: " + data + b"\n\n"
-            self._account(t0, key, req, model, replica.spec.id, resp.status, None, None, in_flight=True)
+            self._account(t0, caller, req, model, replica.spec.id, resp.status, None, None, in_flight=True)
             return
-        yield from self._relay(environ, resp, replica, key, req, model, t0)
+        yield from self._relay(environ, resp, replica, caller, req, model, t0)
 
-    def _relay(self, environ, resp: Response, replica, key, req, model, t0):
+    def _relay(self, environ, resp: Response, replica, caller, req, model, t0):
         """The generator that streams RESP to the client, accounting for it at the end."""
         relay = EventRelay(req.client_wants_usage)
         sock = environ.get("gunicorn.socket")
@@ -364,12 +428,12 @@ class Proxy:
             else:
                 resp.abort()
             replica.outstanding -= 1
-            self._account(t0, key, req, model, replica.spec.id, status, relay.usage, ttft, in_flight=True)
+            self._account(t0, caller, req, model, replica.spec.id, status, relay.usage, ttft, in_flight=True)
 
     # --- accounting ----------------------------------------------------------------------
 
-    def _account(self, t0, key, req, model, replica, status, usage, ttft, in_flight=False):
-        """Metrics for every request; a usage row for every one made with a valid key."""
+    def _account(self, t0, caller, req, model, replica, status, usage, ttft, in_flight=False):
+        """Metrics for every request; for every one with a caller, its settlement and usage row."""
         elapsed = time.perf_counter() - t0
         m = self.rt.metrics
         label = model.name if model is not None else "unknown"
@@ -382,14 +446,64 @@ class Proxy:
         prompt = completion = None
         if usage:
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int):
+            prompt = prompt if isinstance(prompt, int) else None
+            completion = completion if isinstance(completion, int) else None
+            if prompt is not None:
                 m.tokens.labels(label, "in").inc(prompt)
-            if isinstance(completion, int):
+            if completion is not None:
                 m.tokens.labels(label, "out").inc(completion)
-        if key is None:
+        if caller is None:
             return
+        cost = caller.price.cost(prompt or 0, completion or 0) if caller.price is not None else 0
+        if caller.reservation is not None:
+            # Unknown usage (an error, a client gone before the usage event) settles at the estimate
+            # for a served request and at nothing for one no engine answered.
+            used = (prompt or 0) + (completion or 0) if usage else (caller.estimate if replica else 0)
+            self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost,
+                                   caller.budget_pools())
+            caller.reservation = None
         self.rt.usage.record((
-            time.time(), key.id, key.project_id, req.model if req else None, model.name if model else None,
-            replica, req.kind if req else "models", bool(req and req.stream), status,
-            prompt if isinstance(prompt, int) else None, completion if isinstance(completion, int) else None,
-            elapsed * 1000, ttft * 1000 if ttft is not None else None))
+            time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,
+            replica, req.kind if req else "models", bool(req and req.stream), status, prompt, completion,
+            elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost))
+
+
+def _duration(seconds: int) -> str:
+    if seconds >= 86400:
+        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{max(1, seconds // 60)} min"
+
+
+class Caller:
+    """Who a request is from and what it may spend: a key, or a signed-in person on the chat page."""
+
+    __slots__ = ("key_id", "project_id", "user_id", "access", "wire", "price", "reservation", "estimate", "status")
+
+    def __init__(self, key_id: str, project_id: str | None, user_id: str | None, access: Access):
+        self.key_id = key_id
+        self.project_id = project_id
+        self.user_id = user_id
+        self.access = access
+        self.wire = access.wire
+        self.price: Price | None = None
+        self.reservation: int | None = None
+        self.estimate = 0
+        self.status: dict = {}
+
+    def budget_pools(self) -> list[list[str]]:
+        return [[lv.counter, lv.period] for lv in self.access.levels if lv.budget is not None]
+
+    def limit_headers(self) -> list[tuple[str, str]]:
+        """OpenAI's rate-limit headers, from the pool nearest to refusing, and the budget left."""
+        out = []
+        for name, kind in (("rpm", "requests"), ("tpm", "tokens")):
+            if name in self.status:
+                limit, remaining = self.status[name]
+                out += [(f"X-RateLimit-Limit-{kind.capitalize()}", str(limit)),
+                        (f"X-RateLimit-Remaining-{kind.capitalize()}", str(remaining))]
+        if "budget" in self.status and self.price is not None and not self.price.zero():
+            limit, remaining = self.status["budget"]
+            out.append(("X-Llmgw-Budget-Remaining", show_money(remaining)))
+        return out

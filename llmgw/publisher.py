@@ -23,7 +23,8 @@ REPEAT = 2.0
 TOPIC = b"snapshot"
 
 
-def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None) -> dict:
+def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None,
+                  accountant_port: int | None = None) -> dict:
     ready = sorted((r for r in replicas if r.state == "ready" and r.url and r.model in models),
                    key=lambda r: r.shard_id)
     weights = {}
@@ -35,6 +36,7 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
                     "max_context": m.max_context, "max_output": m.max_output, "on_demand": m.min_replicas == 0}
                    for m in sorted(models.values(), key=lambda m: m.name)],
         "demand_port": demand_port,
+        "accountant_port": accountant_port,
         "replicas": [{"id": r.shard_id, "url": r.url, "models": [r.model],
                       "weight": weights.get((r.model, r.profile_fp), 1.0)} for r in ready],
     }

@@ -29,9 +29,31 @@ def bind_address(listen: str) -> str:
 def _when_ready(server) -> None:
     from llmgw import metrics
 
-    listen = server.app.llmgw_cfg["gateway.metrics_listen"]
+    cfg = server.app.llmgw_cfg
+    listen = cfg["gateway.metrics_listen"]
     metrics.serve(listen)
     log.info("metrics on http://%s/metrics", bind_address(listen))
+    if not cfg["gateway.controller"]:
+        _run_accountant(cfg)
+
+
+def _run_accountant(cfg: Config) -> None:
+    """Without a controller, the master holds the accountant, so its workers share every limit. It runs
+    before any worker is forked; each worker learns its address from the configuration it inherits."""
+    from llmgw import store
+    from llmgw.accountant import Accountant
+    from llmgw.accountserver import AccountServer
+
+    accountant = Accountant()
+    engine = store.open_engine(cfg["store.url"])
+    try:
+        accountant.restore(engine)
+    finally:
+        engine.dispose()
+    server = AccountServer(accountant, cfg["gateway.accountant_listen"]).start()
+    host = cfg["gateway.accountant_listen"].rpartition(":")[0] or "127.0.0.1"
+    cfg.local_accountant = f"{'127.0.0.1' if host in ('*', '0.0.0.0') else host}:{server.port}"
+    log.info("the accountant for this gateway's limits is on %s", cfg.local_accountant)
 
 
 def _child_exit(server, worker) -> None:

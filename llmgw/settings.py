@@ -98,6 +98,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("keys.refresh_interval", "float", 1.0,
             "Seconds between checks for changed keys. A revoked key stops working within this (plus one check).",
             minimum=0.05),
+    Setting("gateway.accountant_listen", "str", "127.0.0.1:0",
+            "Without a controller, the gateway's master runs the accountant for its workers here (port 0: any free "
+            "port). With one, the controller's accountant is used."),
+    Setting("limits.accountant_timeout", "float", 0.5,
+            "Seconds a request waits for the accountant. Without an answer, rate limits let it through and a "
+            "budget that could refuse it answers 503.", minimum=0.01),
+    Setting("limits.output_estimate", "int", 256,
+            "Tokens a request is assumed to generate when it sets no max_tokens and its model no max_output: "
+            "tokens a minute are charged with the estimate up front and settled to the real count.", minimum=0),
     Setting("usage.flush_interval", "float", 1.0,
             "Seconds between writes of buffered usage rows to the store.", minimum=0.01),
     Setting("usage.batch_size", "int", 500,
@@ -111,6 +120,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller.gateway_listen", "str", "127.0.0.1:7444",
             "Where gateways subscribe to routing snapshots (ZeroMQ PUB). Loopback by default: open it only "
             "to your gateways' network."),
+    Setting("controller.accountant_listen", "str", "127.0.0.1:7446",
+            "Where gateway workers ask the accountant to admit and settle requests against limits. Loopback by "
+            "default; open it to the gateways' machines when they run elsewhere."),
     Setting("controller.demand_listen", "str", "127.0.0.1:7445",
             "Where gateways say which models are wanted (ZeroMQ PULL): on-demand models start and idle ones stop "
             "by it. Gateways learn this port from the snapshots."),
@@ -174,6 +186,8 @@ class Config:
         self.endpoints = endpoints
         self.models = models
         self.source = source
+        # Set by the gateway's master when it runs the accountant itself (no controller).
+        self.local_accountant: str | None = None
 
     def public_url(self) -> str:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""

@@ -43,6 +43,7 @@ class Snapshot:
     models: dict[str, ModelSpec]
     replicas: dict[str, ReplicaSpec]
     demand: str | None = None  # where to say a model is wanted (the controller's demand address), if anywhere
+    accountant: str | None = None  # where requests are admitted against limits
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)
@@ -92,4 +93,5 @@ def from_config(cfg: Config, version: int = 1) -> Snapshot:
                                          weight=float(ep.get("weight", 1.0)))
         for name in ep["models"]:
             models.setdefault(name, ModelSpec(name=name, created=created))
-    return Snapshot(version=version, models=models, replicas=replicas)
+    return Snapshot(version=version, models=models, replicas=replicas,
+                    accountant=cfg.local_accountant)

@@ -20,7 +20,7 @@ from llmgw import store
 log = logging.getLogger("llmgw.usage")
 
 FIELDS = ("at", "key_id", "project_id", "model_asked", "model_served", "replica", "endpoint", "stream",
-          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms")
+          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms", "user_id", "cost_micros")
 
 
 class UsageRecorder:

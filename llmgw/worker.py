@@ -18,6 +18,7 @@ from zmq import NOBLOCK, Again
 
 from llmgw import enginemetrics, keys
 from llmgw.balancer import ReplicaState, Router
+from llmgw.limiter import Limiter
 from llmgw.metrics import GatewayMetrics
 from llmgw.settings import Config
 from llmgw.snapshot import Snapshot
@@ -41,6 +42,7 @@ class Runtime:
         self.pool = Pool(cfg["timeouts.connect"])
         self.keys = keys.KeyTable.load(engine)
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
+        self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics)
         self.greenlets: list[gevent.Greenlet] = []
         self.demand_socket = None
         self.demand_address: str | None = None
@@ -96,6 +98,7 @@ class Runtime:
         self.greenlets = []
         if self.demand_socket is not None:
             self.demand_socket.close(0)
+        self.limiter.close()
         written = self.usage.flush()
         if written:
             log.info("wrote %d buffered usage rows before stopping", written)

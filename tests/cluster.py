@@ -28,6 +28,8 @@ class Controller:
                        "controller.agent_listen": f"127.0.0.1:{self.agent_port}",
                        "controller.admin_listen": f"127.0.0.1:{self.admin_port}",
                        "controller.metrics_listen": f"127.0.0.1:{self.metrics_port}",
+                       "controller.demand_listen": f"127.0.0.1:{free_port()}",
+                       "controller.accountant_listen": f"127.0.0.1:{free_port()}",
                        "controller.keys_dir": f"{tmp}/controller-keys", **FAST,
                        **{k.replace("__", "."): v for k, v in settings.items()}}
         self.config = write_config(tmp / "controller.toml", self.values, models=models)

@@ -58,6 +58,19 @@ def test_the_sum_of_teams_cannot_exceed_their_organisation():
     assert served == 3
 
 
+def test_requests_in_flight_hold_their_estimated_cost():
+    # Budget 1000; each request may cost 300. Four are admitted before any settles (held: 0, 300,
+    # 600, 900 < 1000); the fifth sees 1200 >= 1000 and is refused. All four then cost 300: 1200
+    # spent, 200 over, less than one request. Without the hold, every concurrent request would pass.
+    a = Accountant(Clock())
+    chain = [level("key:k", budget=1000)]
+    admitted = [a.admit(chain, True, 10, cost=300) for _ in range(5)]
+    assert [isinstance(r, Reservation) for r in admitted] == [True] * 4 + [False]
+    for r in admitted[:4]:
+        a.settle(r.id, 10, 300)
+    assert a.spent("key:k", "month") == 1200 and not a.reserved
+
+
 def test_a_budget_without_a_price_never_binds():
     a = Accountant(Clock())
     for _ in range(5):

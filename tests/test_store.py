@@ -30,7 +30,7 @@ def test_usage_rows_round_trip(store_url):
     engine = store.open_engine(store_url)
     recorder = UsageRecorder(engine, batch_size=2)
     for i in range(5):
-        recorder.record((1.0 + i, "k", "p", "asked", "served", "r1", "chat", True, 200, 10, 20 + i, 5.5, None))
+        recorder.record((1.0 + i, "k", "p", "asked", "served", "r1", "chat", True, 200, 10, 20 + i, 5.5, None, None, None))
     assert recorder.flush() == 5 and recorder.pending() == 0
     with engine.connect() as conn:
         rows = conn.execute(sa.select(*[store.usage.c[f] for f in FIELDS]).order_by(store.usage.c.at)).all()
@@ -44,7 +44,7 @@ def test_failed_usage_write_keeps_the_rows(tmp_path):
 
     engine = store.open_engine(f"sqlite:///{tmp_path}/unmigrated.db")  # no usage table: writes fail
     recorder = UsageRecorder(engine, batch_size=10)
-    recorder.record((1.0, "k", "p", "a", "s", "r", "chat", False, 200, 1, 1, 1.0, None))
+    recorder.record((1.0, "k", "p", "a", "s", "r", "chat", False, 200, 1, 1, 1.0, None, None, None))
     assert recorder.flush() == 0
     assert recorder.pending() == 1
     store.migrate(engine)

@@ -1,0 +1,128 @@
+"""Limits hold across workers and gateway processes: real gateways under gunicorn, a real controller
+holding the accountant, a simulated engine, requests fired at both gateways at once."""
+
+import concurrent.futures
+import json
+import time
+
+import sqlalchemy as sa
+
+from llmgw import keys, limits, store
+from tests.cluster import Controller
+from tests.conftest import post, wait_until
+
+BODY = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+
+
+def fire(urls, key, count, body=BODY, threads=32):
+    """COUNT requests spread over URLS as fast as THREADS clients can send them; their statuses."""
+    def one(i):
+        status, headers, _ = post(urls[i % len(urls)] + "/v1/chat/completions", body, key)
+        return status, headers
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def start(tmp_path, make_sim, make_gateway, gateways=2):
+    sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
+    url = f"sqlite:///{tmp_path}/shared.db"
+    controller = Controller(tmp_path, store_url=url)
+    endpoints = [{"id": "sim-1", "url": sim.url, "models": ["sim"]}]
+    gws = [make_gateway(store_url=url, endpoints=endpoints, workers=2,
+                        gateway__controller=f"127.0.0.1:{controller.gateway_port}") for _ in range(gateways)]
+    return controller, gws, store.open_engine(url)
+
+
+def test_a_key_limited_to_100_a_minute_gets_at_most_101_across_two_gateways(tmp_path, make_sim, make_gateway):
+    controller, gws, engine = start(tmp_path, make_sim, make_gateway)
+    try:
+        record, secret = keys.create_key(engine, "limited")
+        limits.set_limits(engine, "key", record.id, "test", rpm=100)
+        time.sleep(2.5)  # every worker reloads its keys within 2 s
+        # 160 requests over 2 gateways x 2 workers within a few seconds: one accountant counts them
+        # all, so exactly 100 are served and 60 refused. Workers counting apart would serve 160.
+        results = fire([gw.url for gw in gws], secret, 160)
+        statuses = [s for s, _ in results]
+        assert statuses.count(200) <= 101 and statuses.count(200) >= 100, statuses
+        assert statuses.count(429) == 160 - statuses.count(200)
+        refused = next(h for s, h in results if s == 429)
+        assert 1 <= int(refused["Retry-After"]) <= 60
+        served = next(h for s, h in results if s == 200)
+        assert served["X-RateLimit-Limit-Requests"] == "100"
+    finally:
+        engine.dispose()
+        controller.stop()
+
+
+def test_a_budget_is_overspent_by_at_most_one_request(tmp_path, make_sim, make_gateway):
+    controller, gws, engine = start(tmp_path, make_sim, make_gateway)
+    try:
+        # One unit per output token, nothing for input: a request answering 10 tokens costs 10 units.
+        limits.set_price(engine, "sim", "0", "1000000", "test")
+        record, secret = keys.create_key(engine, "budgeted")
+        limits.set_limits(engine, "key", record.id, "test", budget=limits.parse_money("95"), period="day")
+        time.sleep(2.5)
+        # 40 requests at once against a budget of 95 units: requests in flight hold their estimated
+        # cost, so admissions stop once spent + held reaches 95. At most 10 are served (the tenth
+        # crosses from 90 to 100), so the overspend is at most one request's 10 units.
+        results = fire([gw.url for gw in gws], secret, 40)
+        statuses = [s for s, _ in results]
+        assert statuses.count(200) == 10 and statuses.count(429) == 30, statuses
+        wait_until("usage rows to be written", 10, lambda: _spent(engine) >= 100 * limits.MICROS)
+        assert _spent(engine) == 100 * limits.MICROS  # 95 + 5: less than one request over
+        status, headers, body = post(gws[0].url + "/v1/chat/completions", BODY, secret)
+        error = json.loads(body)["error"]
+        assert status == 429 and error["code"] == "budget_exhausted" and "daily budget of this key" in error["message"]
+        assert int(headers["Retry-After"]) <= 86400
+    finally:
+        engine.dispose()
+        controller.stop()
+
+
+def _spent(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.coalesce(sa.func.sum(store.usage.c.cost_micros), 0))).scalar()
+
+
+def test_without_a_controller_the_masters_accountant_is_shared_by_its_workers(tmp_path, make_sim, make_gateway):
+    sim = make_sim(tokens_per_s=0, ttft_ms=0)
+    url = f"sqlite:///{tmp_path}/alone.db"
+    gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=3)
+    engine = store.open_engine(url)
+    try:
+        record, secret = keys.create_key(engine, "ten", models=["sim"])
+        limits.set_limits(engine, "key", record.id, "test", rpm=10)
+        other, other_secret = keys.create_key(engine, "elsewhere", models=["another-model"])
+        time.sleep(2.5)
+        # Three workers, one pool: 10 served of 30, whichever worker each landed on.
+        statuses = [s for s, _ in fire([gw.url], secret, 30, threads=10)]
+        assert statuses.count(200) == 10 and statuses.count(429) == 20
+        assert "the accountant for this gateway's limits is on 127.0.0.1:" in gw.log()
+        # An allowlist refuses a model the key may not use, saying which it may.
+        status, _, body = post(gw.url + "/v1/chat/completions", BODY, other_secret)
+        error = json.loads(body)["error"]
+        assert status == 403 and error["code"] == "model_not_allowed" and "another-model" in error["message"]
+    finally:
+        engine.dispose()
+
+
+def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, make_sim, make_gateway):
+    controller, (gw,), engine = start(tmp_path, make_sim, make_gateway, gateways=1)
+    try:
+        limits.set_price(engine, "sim", "0", "1", "test")
+        rated, rated_secret = keys.create_key(engine, "rated")
+        limits.set_limits(engine, "key", rated.id, "test", rpm=1)
+        budgeted, budgeted_secret = keys.create_key(engine, "budgeted")
+        limits.set_limits(engine, "key", budgeted.id, "test", budget=limits.parse_money("100"))
+        time.sleep(2.5)
+        assert post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] == 200
+        controller.stop()
+        # Rate limits protect capacity and are let through; money is not spent unchecked.
+        assert [post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] for _ in range(3)] == [200] * 3
+        status, headers, body = post(gw.url + "/v1/chat/completions", BODY, budgeted_secret)
+        assert status == 503 and json.loads(body)["error"]["code"] == "limits_unavailable"
+        assert "llmgw_accountant_unavailable_total 4.0" in gw.metrics()
+    finally:
+        engine.dispose()
+        controller.stop()
