@@ -35,6 +35,7 @@ from llmgw.fleetmetrics import FleetCollector
 from llmgw.metrics import serve_registry
 from llmgw.publisher import Publisher, snapshot_body
 from llmgw.reconciler import Demand, Replicas, Start, plan, start_message
+from llmgw.rollup import Roller
 
 log = logging.getLogger("llmgw.controller")
 
@@ -93,6 +94,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     accountant = Accountant()
     accountant.restore(engine)
     account_server = AccountServer(accountant, cfg["controller.accountant_listen"]).start()
+    roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
     demand = Demand()
     wants = context.socket(zmq.PULL)
     wants.setsockopt(zmq.LINGER, 0)
@@ -181,6 +183,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         admin.shutdown()
         publisher.close()
         account_server.stop()
+        roller.stop()
         wants.close(0)
         server.close()
         context.term()

@@ -147,6 +147,38 @@ def keys_revoke(obj: Context, which):
 
 
 @main.command()
+@click.option("--by", type=click.Choice(["org", "team", "project", "person", "model", "key"]), default="project",
+              show_default=True, help="What to group by.")
+@click.option("--since", default="7d", show_default=True, metavar="DURATION", help="How far back: 24h, 7d, 4w.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per group, with its series.")
+@click.pass_obj
+def usage(obj: Context, by, since, as_json):
+    """Requests, tokens and spend per organisation, team, project, person, model or key."""
+    from llmgw import keys as keymod
+    from llmgw import limits, usagereport
+
+    try:
+        span = keymod.parse_duration(since)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from None
+    found = usagereport.report(obj.engine(), by, time.time() - span)
+    if as_json:
+        for line in found.lines:
+            click.echo(json.dumps({by: line.label, "requests": line.requests, "errors": line.errors,
+                                   "prompt_tokens": line.prompt_tokens, "completion_tokens": line.completion_tokens,
+                                   "cost_micros": line.cost_micros,
+                                   "series": {str(int(k)): v for k, v in sorted(line.series.items())}}))
+        return
+    if not found.lines:
+        click.echo(f"no use in the last {since}", err=True)
+        return
+    rows = [(by.upper(), "REQUESTS", "ERRORS", "PROMPT TOKENS", "COMPLETION TOKENS", "SPENT")]
+    rows += [(line.label, f"{line.requests:,}", f"{line.errors:,}", f"{line.prompt_tokens:,}",
+              f"{line.completion_tokens:,}", limits.show_money(line.cost_micros)) for line in found.lines]
+    print_table(rows)
+
+
+@main.command()
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT; port 0 picks a free one.")
 @click.option("--model", default="sim", show_default=True, help="The model name it serves.")
 @click.option("--replica", default="sim", show_default=True, help="Its name in answers (system_fingerprint).")

@@ -44,6 +44,9 @@ class PasswordForm(PageForm):
 class KeyForm(PageForm):
     name = StringField("Name", [DataRequired(), Length(max=100)],
                        description="What will use it: an editor, a script, a notebook.")
+    # Choices are the person's projects, set per request; "personal" spends against them alone.
+    spends = SelectField("Spends against", choices=[SelectChoice("personal", "Personal")], default="personal",
+                         description="One of your projects, or Personal: your own use, within your own limits.")
     expires = SelectField("Expires", choices=[SelectChoice("30d", "in 30 days"), SelectChoice("90d", "in 90 days"),
                                               SelectChoice("", "never")], default="90d")
 

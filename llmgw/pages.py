@@ -18,7 +18,8 @@ from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
 from markupsafe import Markup
 
-from llmgw import accounts, forms, keys, usagereport
+from llmgw import accounts, budgets, forms, keys, limits, memberships, usagereport
+from llmgw.orgtree import Tree
 from llmgw.worker import Runtime
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -137,16 +138,33 @@ def create_app(runtime: Runtime) -> Flask:
         session.clear()
         return redirect("/")
 
-    def account_page(new_secret=None, key_form=None, problem=None, status=200):
+    def my_projects(me) -> list:
+        with engine.connect() as conn:
+            tree = Tree.read(conn)
+            reach = memberships.reachable_projects(conn, tree, me.id)
+        return tree, sorted((tree.by_id[p] for p in reach), key=lambda n: n.path.lower())
+
+    def key_form(me, tree_projects, data=None):
+        f = form(forms.KeyForm, data)
+        f.spends.choices = [("personal", "Personal")] + [(p.id, p.path) for p in tree_projects]
+        return f
+
+    def account_page(new_secret=None, f=None, problem=None, status=200):
         me = flask_login.current_user.user
+        tree, projects = my_projects(me)
         mine = keys.list_keys(engine, user_id=me.id)
         own = [k for k in mine if k.revoked_at is None]
         ids = [k.id for k in mine]
-        days = usagereport.daily_use(engine, ids)
-        peak = max((d["requests"] for d in days), default=0)
-        return render_template("account.html", keys=own, key_form=key_form or form(forms.KeyForm),
+        use = usagereport.report(engine, "model", time.time() - 29 * usagereport.DAY, user_id=me.id)
+        days = [sum(line.series.get(b, (0, 0, 0))[0] for line in use.lines) for b in use.buckets]
+        with engine.connect() as conn:
+            priced = limits.read_prices(conn).anything_priced()
+        return render_template("account.html", keys=own, key_form=f or key_form(me, projects),
                                revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem,
-                               last_used=usagereport.last_used(engine, ids), days=days, peak=peak), status
+                               last_used=usagereport.last_used(engine, ids), use=use, days=days,
+                               day_names=[time.strftime("%Y-%m-%d", time.gmtime(b)) for b in use.buckets],
+                               peak=max(days, default=0), money=limits.show_money, priced=priced,
+                               budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree)), status
 
     @app.get("/account")
     @flask_login.login_required
@@ -156,12 +174,19 @@ def create_app(runtime: Runtime) -> Flask:
     @app.post("/account/keys")
     @flask_login.login_required
     def create_key():
-        f, problem = posted(forms.KeyForm, "Give the key a name.")
-        if problem:
-            return account_page(key_form=f, problem=problem, status=400)
         me = flask_login.current_user.user
+        _, projects = my_projects(me)
+        f = key_form(me, projects, request.form)
+        if not f.validate():
+            problem = EXPIRED_FORM if "csrf_token" in f.errors else "Give the key a name, and choose what it spends against."
+            return account_page(f=f, problem=problem, status=400)
         lifetime = keys.parse_duration(f.expires.data) if f.expires.data else None
-        _, secret = keys.create_key(engine, f.name.data, expires_in=lifetime, user_id=me.id)
+        project = None if f.spends.data == "personal" else f.spends.data
+        try:
+            _, secret = keys.create_key(engine, f.name.data, project, expires_in=lifetime, user_id=me.id,
+                                        made_by=me.id, member_only=True)
+        except keys.KeyRefused as e:
+            return account_page(f=f, problem=sentence(e), status=400)
         return account_page(new_secret=secret)
 
     @app.post("/account/keys/<key_id>/revoke")

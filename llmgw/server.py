@@ -38,18 +38,19 @@ def _when_ready(server) -> None:
 
 
 def _run_accountant(cfg: Config) -> None:
-    """Without a controller, the master holds the accountant, so its workers share every limit. It runs
-    before any worker is forked; each worker learns its address from the configuration it inherits."""
+    """Without a controller, the master holds the accountant, so its workers share every limit, and
+    rolls up usage. It runs before any worker is forked; each worker learns the accountant's address
+    from the configuration it inherits."""
     from llmgw import store
     from llmgw.accountant import Accountant
     from llmgw.accountserver import AccountServer
+    from llmgw.rollup import Roller
 
     accountant = Accountant()
     engine = store.open_engine(cfg["store.url"])
-    try:
-        accountant.restore(engine)
-    finally:
-        engine.dispose()
+    accountant.restore(engine)
+    # Nobody else sums usage without a controller; the master's thread does, on its own engine.
+    Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
     server = AccountServer(accountant, cfg["gateway.accountant_listen"]).start()
     host = cfg["gateway.accountant_listen"].rpartition(":")[0] or "127.0.0.1"
     cfg.local_accountant = f"{'127.0.0.1' if host in ('*', '0.0.0.0') else host}:{server.port}"

@@ -107,6 +107,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("limits.output_estimate", "int", 256,
             "Tokens a request is assumed to generate when it sets no max_tokens and its model no max_output: "
             "tokens a minute are charged with the estimate up front and settled to the real count.", minimum=0),
+    Setting("usage.rollup_interval", "float", 60.0,
+            "Seconds between passes that sum raw usage rows into hourly and daily roll-ups (run by the controller, "
+            "or by a gateway without one).", minimum=1),
+    Setting("usage.keep_raw_days", "int", 90,
+            "Days raw usage rows (one per request) are kept; roll-ups are kept for good. 0 keeps raw rows for good.",
+            minimum=0),
     Setting("usage.flush_interval", "float", 1.0,
             "Seconds between writes of buffered usage rows to the store.", minimum=0.01),
     Setting("usage.batch_size", "int", 500,

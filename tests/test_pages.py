@@ -187,7 +187,7 @@ def test_the_account_shows_last_use_and_the_last_30_days(site):
     now = time.time()
     for i in range(3):
         recorder.record((now - i * 86400, used.id, used.project_id, "sim", "sim", "s", "chat", False, 200, 10, 5,
-                         1.0, None, None, None))
+                         1.0, None, user.id, None))
     recorder.record((now, other.id, other.project_id, "sim", "sim", "s", "chat", False, 200, 999, 999, 1.0, None, None, None))
     recorder.flush()
     client = pages.test_client()

@@ -1,0 +1,142 @@
+"""Usage roll-ups: raw rows summed per hour and per day, and raw rows kept only as long as asked.
+
+The controller rolls up every minute. Each pass takes the raw rows past a
+watermark (the last usage id rolled), sums them per hour and per day by key,
+project, person and model, adds those sums into `usage_hourly` and
+`usage_daily`, and moves the watermark, all in one transaction: a pass that
+fails leaves nothing half-counted, and two controllers cannot count a row
+twice. Rows younger than a minute wait for the next pass, so a batch a
+gateway is still writing is not split across the watermark.
+
+Reports read the roll-ups plus the few raw rows past the watermark, so they
+are exact whether or not the roller has run lately, and cost the same over ten
+rows or ten million.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from llmgw import store
+
+log = logging.getLogger("llmgw.rollup")
+
+SETTLE = 60.0  # seconds a raw row waits before it is rolled up
+HOUR, DAY = 3600, 86400
+WATERMARK = "usage_rolled"
+BUCKETS = ((store.usage_hourly, "hour", HOUR), (store.usage_daily, "day", DAY))
+DELETE_BATCH = 50_000
+
+
+def bucket(column, seconds: int):
+    return sa.func.floor(column / seconds) * seconds
+
+
+def watermark(conn: Connection, lock: bool = False) -> int:
+    r = store.revisions
+    query = sa.select(r.c.value).where(r.c.name == WATERMARK)
+    if lock and conn.dialect.name == "postgresql":
+        query = query.with_for_update()
+    value = conn.execute(query).scalar()
+    if value is None:
+        conn.execute(r.insert().values(name=WATERMARK, value=0))
+        return 0
+    return value
+
+
+def _upsert(conn: Connection, table: sa.Table, rows: list[dict]) -> None:
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    stmt = insert(table)
+    sums = ("requests", "errors", "prompt_tokens", "completion_tokens", "cost_micros")
+    stmt = stmt.on_conflict_do_update(index_elements=[c.name for c in table.primary_key.columns],
+                                      set_={c: table.c[c] + stmt.excluded[c] for c in sums})
+    conn.execute(stmt, rows)
+
+
+def roll_up(engine: Engine, now: float | None = None) -> int:
+    """One pass; returns how many raw rows it counted."""
+    now = time.time() if now is None else now
+    u = store.usage
+    with engine.execution_options(sqlite_immediate=True).begin() as conn:
+        start = watermark(conn, lock=True)
+        end = conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
+        if end is None:
+            return 0
+        counted = 0
+        for table, column, seconds in BUCKETS:
+            when = bucket(u.c.at, seconds)
+            keys = [sa.func.coalesce(u.c[c], "") for c in ("key_id", "project_id", "user_id", "model_served")]
+            query = (sa.select(when, *keys, sa.func.count(),
+                               sa.func.sum(sa.case((u.c.status >= 400, 1), else_=0)),
+                               sa.func.coalesce(sa.func.sum(u.c.prompt_tokens), 0),
+                               sa.func.coalesce(sa.func.sum(u.c.completion_tokens), 0),
+                               sa.func.coalesce(sa.func.sum(u.c.cost_micros), 0))
+                     .where(u.c.id > start, u.c.id <= end).group_by(when, *keys))
+            rows = [{column: float(r[0]), "key_id": r[1], "project_id": r[2], "user_id": r[3], "model": r[4],
+                     "requests": r[5], "errors": int(r[6]), "prompt_tokens": int(r[7]),
+                     "completion_tokens": int(r[8]), "cost_micros": int(r[9])} for r in conn.execute(query)]
+            if rows:
+                _upsert(conn, table, rows)
+            counted = sum(r["requests"] for r in rows)
+        conn.execute(store.revisions.update().where(store.revisions.c.name == WATERMARK).values(value=end))
+    return counted
+
+
+def prune(engine: Engine, keep_days: int, now: float | None = None) -> int:
+    """Delete raw rows older than KEEP_DAYS that are already rolled up; returns how many."""
+    if keep_days <= 0:
+        return 0
+    now = time.time() if now is None else now
+    u = store.usage
+    deleted = 0
+    while True:
+        with engine.execution_options(sqlite_immediate=True).begin() as conn:
+            rolled = watermark(conn)
+            ids = [r[0] for r in conn.execute(sa.select(u.c.id).where(u.c.at < now - keep_days * DAY, u.c.id <= rolled)
+                                              .order_by(u.c.id).limit(DELETE_BATCH))]
+            if not ids:
+                return deleted
+            conn.execute(u.delete().where(u.c.id >= ids[0], u.c.id <= ids[-1], u.c.at < now - keep_days * DAY))
+            deleted += len(ids)
+
+
+class Roller:
+    """A thread that rolls up every INTERVAL seconds and prunes raw rows once an hour."""
+
+    def __init__(self, engine: Engine, interval: float, keep_days: int):
+        import threading
+
+        self.engine = engine
+        self.interval = interval
+        self.keep_days = keep_days
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="usage-rollup", daemon=True)
+        self.pruned_at = 0.0
+
+    def start(self) -> "Roller":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.interval):
+            try:
+                roll_up(self.engine)
+                if time.monotonic() - self.pruned_at > HOUR:
+                    self.pruned_at = time.monotonic()
+                    deleted = prune(self.engine, self.keep_days)
+                    if deleted:
+                        log.info("deleted %d raw usage rows older than %d days (their roll-ups stay)",
+                                 deleted, self.keep_days)
+            except Exception:
+                log.exception("rolling up usage failed; the next pass tries again")
