@@ -258,6 +258,7 @@ class KeyTable:
         self.suspended = suspended
         self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
         self.people: dict[str, object] = {}
+        self.active_people: frozenset[str] = frozenset()  # who may use the chat page
 
     @classmethod
     def load(cls, engine: Engine) -> "KeyTable":
@@ -271,8 +272,11 @@ class KeyTable:
             rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
             rules = limits.Rules.read(conn)
             prices = limits.read_prices(conn)
-            suspended = frozenset(r[0] for r in conn.execute(sa.select(u.c.id).where(u.c.state != "active")))
-        return cls({row.hash: _record(row, tree) for row in rows}, revision, rules, prices, suspended)
+            states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
+        table = cls({row.hash: _record(row, tree) for row in rows}, revision, rules, prices,
+                    frozenset(i for i, state in states.items() if state != "active"))
+        table.active_people = frozenset(i for i, state in states.items() if state == "active")
+        return table
 
     def person(self, user_id: str):
         """The access of a signed-in person using the chat page (no key: they spend as themselves)."""

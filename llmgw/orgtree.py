@@ -104,12 +104,16 @@ class Tree:
         return [p for child in self.children.get(node_id, []) for p in self.projects_under(child.id)]
 
 
+def _a(kind: str) -> str:
+    return ("an " if kind == "org" else "a ") + _WORD[kind]
+
+
 def _check_name(kind: str, name: str) -> str:
     name = name.strip()
     if not name or "/" in name or len(name) > MAX_NAME:
-        raise TreeError(f"a {_WORD[kind]} name is 1 to {MAX_NAME} characters without '/', not {name!r}")
+        raise TreeError(f"{_a(kind)} name is 1 to {MAX_NAME} characters without '/', not {name!r}")
     if sum(1 for c in name if c.isprintable()) != len(name):
-        raise TreeError(f"a {_WORD[kind]} name cannot hold control characters")
+        raise TreeError(f"{_a(kind)} name cannot hold control characters")
     return name
 
 
@@ -133,7 +137,7 @@ def add(engine: Engine, kind: str, name: str, parent: str | None = None) -> Node
         parent_id = parent_node.id if parent_node else None
         if _sibling_taken(tree, kind, parent_id, name):
             where = f" in {parent_node.path}" if parent_node else ""
-            raise TreeError(f"there is already a {_WORD[kind]} {name!r}{where}")
+            raise TreeError(f"there is already {_a(kind)} {name!r}{where}")
         conn.execute(_TABLE[kind].insert().values(**values))
         store.bump_revision(conn, "keys")
     path = f"{parent_node.path}/{name}" if parent_node else name
@@ -146,7 +150,7 @@ def rename(engine: Engine, kind: str, which: str, new_name: str) -> Node:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         if _sibling_taken(tree, kind, node.parent_id, new_name, but=node.id):
-            raise TreeError(f"there is already a {_WORD[kind]} {new_name!r} beside {node.path}")
+            raise TreeError(f"there is already {_a(kind)} {new_name!r} beside {node.path}")
         conn.execute(_TABLE[kind].update().where(_TABLE[kind].c.id == node.id).values(name=new_name))
         store.bump_revision(conn, "keys")
     return dataclasses.replace(node, name=new_name, path=node.path.rsplit("/", 1)[0] + "/" + new_name
@@ -163,7 +167,7 @@ def move(engine: Engine, kind: str, which: str, to: str) -> Node:
         node = tree.find(kind, which)
         target = tree.find(parent_kind, to)
         if _sibling_taken(tree, kind, target.id, node.name, but=node.id):
-            raise TreeError(f"{target.path} already has a {_WORD[kind]} {node.name!r}; rename one first")
+            raise TreeError(f"{target.path} already has {_a(kind)} {node.name!r}; rename one first")
         conn.execute(_TABLE[kind].update().where(_TABLE[kind].c.id == node.id).values(**{column: target.id}))
         store.bump_revision(conn, "keys")
     return dataclasses.replace(node, parent_id=target.id, path=f"{target.path}/{node.name}")

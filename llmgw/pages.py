@@ -18,7 +18,7 @@ from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
 from markupsafe import Markup
 
-from llmgw import accounts, budgets, forms, keys, limits, memberships, usagereport
+from llmgw import accounts, adminpages, budgets, chatpage, forms, keys, limits, memberships, usagereport
 from llmgw.orgtree import Tree
 from llmgw.worker import Runtime
 
@@ -50,6 +50,7 @@ def create_app(runtime: Runtime) -> Flask:
                       SESSION_COOKIE_NAME="llmgw_session")
     app.session_interface = _Sessions()
     csrf_secret = secret.encode()
+    app.config["CSRF_SECRET"] = csrf_secret
     login = flask_login.LoginManager(app)
     login.login_view = "sign_in"
     login.login_message = None
@@ -87,9 +88,14 @@ def create_app(runtime: Runtime) -> Flask:
     @app.context_processor
     def menu():
         signed_in = flask_login.current_user.is_authenticated
+        me = flask_login.current_user.user if signed_in else None
+        manages = False
+        if me is not None and not me.is_admin:
+            with engine.connect() as conn:
+                manages = bool(memberships.managed_orgs(conn, me.id))
         return {"signed_in": signed_in, "signup_open": cfg["gateway.signup_open"],
-                "sign_out": form(forms.ActionForm) if signed_in else None,
-                "me": flask_login.current_user.user if signed_in else None}
+                "sign_out": form(forms.ActionForm) if signed_in else None, "me": me, "manages": manages,
+                "here": request.path}
 
     @app.get("/")
     def landing():
@@ -217,6 +223,9 @@ def create_app(runtime: Runtime) -> Flask:
                                        text=Markup('Your password is changed. <a href="/account">Back to '
                                                    'your account</a>.'))
         return render_template("password.html", form=f, problem=problem), 400 if problem else 200
+
+    chatpage.install(app, runtime, csrf_secret, form)
+    adminpages.install(app, runtime, form, sentence)
 
     @app.errorhandler(400)
     def bad_request(e):

@@ -53,6 +53,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.controller", "str", "",
             "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
             "`[[endpoints]]`."),
+    Setting("gateway.controller_admin", "str", "127.0.0.1:9090",
+            "The controller's admin API (`controller.admin_listen`), read by the cluster page when "
+            "`gateway.controller` is set."),
     Setting("gateway.load_wait", "float", 120.0,
             "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
             "then 503 with Retry-After.", minimum=0),

@@ -5,7 +5,8 @@ Made once in each worker, after gevent has patched it (gunicorn's `load`).
 
 from __future__ import annotations
 
-from llmgw import pages, store
+from llmgw import chatpage, pages, store
+from llmgw.errors import ApiError
 from llmgw.forwarded import TrustedProxies
 from llmgw.proxy import Proxy
 from llmgw.settings import Config
@@ -44,4 +45,15 @@ class GatewayApp:
                                                        ("Content-Length", str(len(NOT_READY)))])
             return [NOT_READY]
         self.proxies.apply(environ)
+        if path == "/chat/completions" and environ.get("REQUEST_METHOD") == "POST":
+            return self._chat(environ, start_response)
         return self.pages(environ, start_response)
+
+    def _chat(self, environ, start_response):
+        """A chat page request: the signed-in person's, through the same pipeline as the API's."""
+        try:
+            caller = chatpage.caller_for(self.pages, self.runtime, self.pages.config["CSRF_SECRET"], environ)
+        except ApiError as e:
+            return chatpage.error_response(e, start_response)
+        environ["PATH_INFO"] = "/v1/chat/completions"
+        return self.proxy(environ, start_response, caller)

@@ -45,7 +45,7 @@ def test_names_are_unique_among_siblings_only(engine):
     acme(engine)
     with pytest.raises(TreeError, match="already a team 'ml' in Acme"):
         orgtree.add(engine, "team", "ml", "Acme")
-    with pytest.raises(TreeError, match="already a organisation 'Acme'"):
+    with pytest.raises(TreeError, match="already an organisation 'Acme'"):
         orgtree.add(engine, "org", "Acme")
     with pytest.raises(TreeError, match="without '/'"):
         orgtree.add(engine, "team", "a/b", "Acme")

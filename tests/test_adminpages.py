@@ -1,0 +1,168 @@
+"""The administration pages and the organisation page through Flask's test client: every action,
+CSRF, escaping, and who may see what."""
+
+import re
+
+import pytest
+
+from llmgw import accounts, keys, limits, memberships, orgtree, usagereport
+from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
+
+PASSWORD = "a long enough password"
+
+
+@pytest.fixture
+def admin(site):  # noqa: F811
+    pages, engine, app = site
+    accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    client = pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    return client, engine, app
+
+
+def act(client, path, **fields):
+    page = client.get(path).data
+    return client.post(path, data={"csrf_token": token(page), **fields})
+
+
+def flashed(client, path="/admin/people") -> str:
+    return client.get(path).data.decode()
+
+
+def test_only_administrators_see_the_admin_pages(site):  # noqa: F811
+    pages, engine, _ = site
+    accounts.create_user(engine, "plain@example.org", PASSWORD, state=accounts.ACTIVE)
+    client = pages.test_client()
+    assert client.get("/admin").status_code == 302  # to sign in
+    sign_in(client, "plain@example.org", PASSWORD)
+    for path in ("/admin", "/admin/people", "/admin/quotas", "/admin/usage", "/org"):
+        assert client.get(path).status_code == 403, path
+    assert b'href="/admin"' not in client.get("/account").data
+
+
+def test_people_page_runs_the_tree_and_accounts(admin):
+    client, engine, _ = admin
+    accounts.create_user(engine, "new@example.org", PASSWORD)
+    assert "new@example.org" in flashed(client)
+    act(client, "/admin/people", do="add", kind="org", name="Acme")
+    acme = orgtree.Tree.load(engine).find("org", "Acme")
+    act(client, "/admin/people", do="add", kind="team", name="ml", parent=acme.id)
+    team = orgtree.Tree.load(engine).find("team", "Acme/ml")
+    act(client, "/admin/people", do="add", kind="project", name="training", parent=team.id)
+    project = orgtree.Tree.load(engine).find("project", "Acme/ml/training")
+    user = accounts.find(engine, "new@example.org")
+    act(client, "/admin/people", do="approve", user=user.id, project=project.id)
+    assert "Approved new@example.org into Acme/ml/training." in flashed(client)
+    act(client, "/admin/people", do="join", user=user.id, where=f"org:{acme.id}", role="manager")
+    with engine.connect() as conn:
+        tree = orgtree.Tree.read(conn)
+        assert [(m.path, m.role) for m in memberships.of_user(conn, tree, user.id)] == [
+            ("Acme", "manager"), ("Acme/ml/training", "member")]
+    act(client, "/admin/people", do="rename", kind="project", node=project.id, name="train")
+    act(client, "/admin/people", do="add", kind="team", name="other", parent=acme.id)
+    other = orgtree.Tree.load(engine).find("team", "Acme/other")
+    act(client, "/admin/people", do="move", kind="project", node=project.id, to=other.id)
+    assert orgtree.Tree.load(engine).find("project", project.id).path == "Acme/other/train"
+    record, _ = keys.create_key(engine, "ci", project.id, user_id=user.id)
+    act(client, "/admin/people", do="remove-node", kind="project", node=project.id)
+    assert "never removed. Rename it instead." in flashed(client)
+    act(client, "/admin/people", do="revoke", key=record.id)
+    assert keys.list_keys(engine)[-1].revoked_at is not None
+    act(client, "/admin/people", do="suspend", user=user.id)
+    assert accounts.find(engine, user.id).state == "suspended"
+    act(client, "/admin/people", do="reinstate", user=user.id)
+    act(client, "/admin/people", do="promote", user=user.id)
+    assert accounts.find(engine, user.id).is_admin
+    act(client, "/admin/people", do="leave", user=user.id, kind="project", node=project.id)
+    pending = accounts.create_user(engine, "late@example.org", PASSWORD)
+    act(client, "/admin/people", do="reject", user=pending.id)
+    assert "Rejected the sign-up of late@example.org." in flashed(client)
+    assert "late@example.org" not in flashed(client, "/admin/people?q=late")
+
+
+def test_names_people_chose_are_shown_inert(admin):
+    client, engine, _ = admin
+    orgtree.add(engine, "org", "<script>alert(1)<\\script>")
+    evil = accounts.create_user(engine, "x<img/src=x/onerror=alert(1)>@example.org", PASSWORD)
+    keys.create_key(engine, "<b>key</b>", None, user_id=evil.id)
+    for path in ("/admin/people", "/admin/quotas"):
+        page = flashed(client, path)
+        assert "<script>alert(1)" not in page and "&lt;script&gt;" in page
+        assert "<img/src=x" not in page and "<b>key</b>" not in page
+
+
+def test_every_admin_form_needs_its_token(admin):
+    client, engine, _ = admin
+    for path, fields in (("/admin/people", {"do": "add", "kind": "org", "name": "X"}),
+                         ("/admin/quotas", {"scope": "cluster", "id": "", "rpm": "5"})):
+        assert client.post(path, data=fields).status_code == 400
+        assert client.post(path, data={**fields, "csrf_token": "forged"}).status_code == 400
+    assert orgtree.Tree.load(engine).of_kind("org")[0].name == "default"  # nothing changed
+
+
+def test_quotas_show_what_binds_and_log_each_change(admin):
+    client, engine, _ = admin
+    orgtree.add(engine, "org", "Acme")
+    orgtree.add(engine, "team", "ml", "Acme")
+    project = orgtree.add(engine, "project", "training", "Acme/ml")
+    acme = orgtree.Tree.load(engine).find("org", "Acme")
+    page = flashed(client, "/admin/quotas")
+    assert "budgets never bind" in page
+    act(client, "/admin/quotas", scope="org", id=acme.id, rpm="10", budget="50", period="month")
+    act(client, "/admin/quotas", scope="project", id=project.id, rpm="100")
+    page = flashed(client, "/admin/quotas")
+    row = re.search(r"Acme/ml/training</td>(.*?)</tr>", page, re.S).group(1)
+    assert "<strong>100</strong>" in row and "unreachable: Acme allows 10" in row  # written below a stricter one
+    assert 'title="from Acme">↑ 50' in row  # the budget is inherited, marked with where from
+    assert "root@example.org" in page and "none</td><td>10" in page.replace("\n", "")
+    act(client, "/admin/quotas", do="price", model="*", input="0.5", output="1.5")
+    page = flashed(client, "/admin/quotas")
+    assert "budgets never bind" not in page and "*: 0.5 in, 1.5 out" in page
+    bad = act(client, "/admin/quotas", scope="org", id=acme.id, rpm="ten")
+    assert bad.status_code == 302 and "Rpm is a whole number" in flashed(client, "/admin/quotas")
+    edit = flashed(client, f"/admin/quotas?edit=project_member:{project.id}")
+    assert "Limits of each member of Acme/ml/training" in edit
+    with engine.connect() as conn:
+        assert limits.read_all(conn)[("org", acme.id)].budget == 50_000_000
+
+
+def test_usage_page_draws_svg_from_the_roll_ups(admin):
+    client, engine, _ = admin
+    import time
+
+    from llmgw.usage import UsageRecorder
+    project = orgtree.add(engine, "project", "p<b>", "default/default")
+    recorder = UsageRecorder(engine, 100)
+    for i in range(5):
+        recorder.record((time.time() - i * 3600, "k", project.id, "m", "m", "r", "chat", False, 200, 10, 10, 1.0,
+                         None, None, 1000))
+    recorder.flush()
+    page = flashed(client, "/admin/usage?by=project&since=7d&metric=tokens")
+    assert "<svg" in page and "default/default/p&lt;b&gt;" in page and "<b>" not in page.split("<main>")[1]
+    assert usagereport.report(engine, "project", time.time() - 86400).lines[0].requests == 5
+
+
+def test_a_manager_sees_only_their_organisation(site):  # noqa: F811
+    pages, engine, _ = site
+    for org in ("Acme", "Scania"):
+        orgtree.add(engine, "org", org)
+        orgtree.add(engine, "team", "ml", org)
+        orgtree.add(engine, "project", "p", f"{org}/ml")
+    boss = accounts.create_user(engine, "boss@acme.example", PASSWORD, state=accounts.ACTIVE)
+    memberships.join(engine, boss.email, "org", "Acme", memberships.MANAGER)
+    client = pages.test_client()
+    sign_in(client, boss.email, PASSWORD)
+    page = client.get("/org").data.decode()
+    assert "<h1>Acme</h1>" in page and "Acme/ml/p" in page and "Scania" not in page
+    scania = orgtree.Tree.load(engine).find("org", "Scania")
+    assert "Scania" not in client.get(f"/org?org={scania.id}").data.decode()  # asking does not help
+    assert b'href="/org"' in client.get("/account").data
+    assert client.get("/admin/quotas").status_code == 403
+
+
+def test_the_cluster_page_says_what_needs_attention(admin):
+    client, engine, app = admin
+    page = flashed(client, "/admin")
+    assert "Nothing needs attention." in page and "no controller" in page
+    partial = client.get("/admin?partial=1").data.decode()
+    assert "<html" not in partial and "Health" in partial
