@@ -32,12 +32,11 @@ def _markdown() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "linkify": False})
     md.disable("image")  # an image would be fetched by the browser: a model must not make it call out
     md.validateLink = lambda url: url.strip().lower().startswith(SAFE_SCHEMES)
-    default = md.renderer.rules.get("link_open")
 
-    def link_open(tokens, idx, options, env):
+    def link_open(renderer, tokens, idx, options, env):
         tokens[idx].attrSet("rel", "noopener noreferrer nofollow")
         tokens[idx].attrSet("target", "_blank")
-        return default(tokens, idx, options, env) if default else md.renderer.renderToken(tokens, idx, options, env)
+        return renderer.renderToken(tokens, idx, options, env)
 
     md.add_render_rule("link_open", link_open)
     return md

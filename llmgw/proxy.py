@@ -23,7 +23,7 @@ import time
 import gevent
 from gevent.socket import wait_read
 
-from llmgw import apirequest, balancer
+from llmgw import admission, apirequest, balancer
 from llmgw.errors import ApiError
 from llmgw.keys import Refusal
 from llmgw.limiter import Unavailable
@@ -96,6 +96,8 @@ class Proxy:
         self.total = cfg["timeouts.total"]
         self.load_wait = cfg["gateway.load_wait"]
         self.output_estimate = cfg["limits.output_estimate"]
+        self.max_outstanding = cfg["routing.max_outstanding"]
+        self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
         """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
@@ -270,7 +272,7 @@ class Proxy:
                 raise self._still_loading(model)
         rt.metrics.in_flight.labels(model.name).inc()
         try:
-            resp, replica, data, overhead = self._connect(path, req, model, t0)
+            resp, replica, data, overhead = self._connect_in_turn(path, req, model, t0, caller)
         except ApiError:
             rt.metrics.in_flight.labels(model.name).dec()
             raise
@@ -283,6 +285,33 @@ class Proxy:
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
         self._account(t0, caller, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
         return [data]
+
+    def _connect_in_turn(self, path, req, model, t0, caller):
+        """`_connect`, but a request for a saturated model waits its turn in the admission queue
+        rather than being refused at once (see llmgw/admission.py)."""
+        deadline = time.monotonic() + self.queue.wait
+        band = caller.access.band
+        while True:
+            if self.max_outstanding:
+                self._turn(model, band, lambda: self._has_room(model))
+            try:
+                return self._connect(path, req, model, t0)
+            except ApiError as e:
+                if e.code != "engine_at_capacity" or time.monotonic() >= deadline:
+                    raise
+            # Every replica said busy: wait for a request on the model to end (or a recheck), then try again.
+            self._turn(model, band, lambda: True, wait_first=True)
+
+    def _has_room(self, model: ModelSpec) -> bool:
+        return any(s.outstanding < self.max_outstanding for s in self.rt.router.available(model.name))
+
+    def _turn(self, model: ModelSpec, band: str, has_room, wait_first: bool = False) -> None:
+        try:
+            self.queue.wait_turn(model.name, band, has_room, wait_first)
+        except admission.Refused as e:
+            self.rt.metrics.limited.labels("queue").inc()
+            raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
+                                "Retry shortly.", "model_saturated", retry_after=2) from None
 
     def _connect(self, path, req, model, t0):
         """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms).
@@ -382,7 +411,7 @@ class Proxy:
             yield e.sse_event()
             return
         try:
-            resp, replica, data, _ = self._connect(path, req, model, t0)
+            resp, replica, data, _ = self._connect_in_turn(path, req, model, t0, caller)
         except ApiError as e:
             self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
             yield e.sse_event()
@@ -441,6 +470,7 @@ class Proxy:
         m.duration.labels(label).observe(elapsed)
         if in_flight:
             m.in_flight.labels(label).dec()
+            self.queue.release(label)
         if ttft is not None:
             m.ttft.labels(label).observe(ttft)
         prompt = completion = None

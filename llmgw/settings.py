@@ -56,6 +56,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.controller_admin", "str", "127.0.0.1:9090",
             "The controller's admin API (`controller.admin_listen`), read by the cluster page when "
             "`gateway.controller` is set."),
+    Setting("gateway.queue_size", "int", 100,
+            "Requests one worker lets wait for a saturated model, best admission band first; beyond, the worst-placed "
+            "gets 429.", minimum=0),
+    Setting("gateway.queue_wait", "float", 30.0,
+            "Seconds a request waits for a saturated model before 429 with Retry-After.", minimum=0),
     Setting("gateway.load_wait", "float", 120.0,
             "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
             "then 503 with Retry-After.", minimum=0),
@@ -79,6 +84,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds of silence allowed between two chunks of a streamed answer.", minimum=0.001),
     Setting("timeouts.total", "float", 900.0,
             "Seconds one request may take in all, streaming included.", minimum=0.001),
+    Setting("routing.max_outstanding", "int", 0,
+            "Requests one worker sends a replica at once; past it on every replica, requests wait in the admission "
+            "queue (`gateway.queue_size`). 0: no limit (only an engine's 429 makes requests wait).", minimum=0),
     Setting("routing.attempts", "int", 3,
             "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
     Setting("routing.affinity_factor", "float", 1.25,

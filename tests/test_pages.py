@@ -196,3 +196,35 @@ def test_the_account_shows_last_use_and_the_last_30_days(site):
     assert "3 requests, 30 tokens in, 15 tokens out." in page  # only this person's keys count
     assert page.count("never") >= 1 and time.strftime("%Y-%m-%d", time.gmtime(now)) in page
     assert page.count("<rect") == 30
+
+
+def test_answers_are_rendered_as_markdown_with_nothing_live():
+    from llmgw.chatpage import render_markdown
+
+    html = render_markdown("# Title\n\n**bold** <script>alert(1)</script> <b onclick=x>b</b>\n\n"
+                           "[ok](https://example.org) [bad](javascript:alert(1)) [data](data:text/html,x) "
+                           "![pixel](https://tracker.example/p.png)\n\n```\n<i>code</i>\n```")
+    assert "<h1>Title</h1>" in html and "<strong>bold</strong>" in html
+    assert "<script" not in html and "<b onclick" not in html and "&lt;script&gt;" in html
+    assert '<a href="https://example.org" rel="noopener noreferrer nofollow" target="_blank">ok</a>' in html
+    assert 'href="javascript' not in html and 'href="data' not in html and "<img" not in html
+    assert "&lt;i&gt;code&lt;/i&gt;" in html
+
+
+def test_model_and_project_names_are_shown_inert(tmp_path):
+    url = f"sqlite:///{tmp_path}/inert.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "a@example.org", "a long enough password", state=accounts.ACTIVE)
+    cfg = settings.load(None, {"store.url": url})
+    cfg.models.append({"name": "<img src=x onerror=alert(1)>", "description": "<script>alert(2)</script>"})
+    cfg.endpoints.append({"id": "e", "url": "http://127.0.0.1:9", "models": ["<img src=x onerror=alert(1)>"]})
+    app = GatewayApp(cfg)
+    client = app.pages.test_client()
+    for path in ("/",):
+        page = client.get(path).data.decode()
+        assert "<img src=x" not in page and "<script>alert(2)" not in page and "&lt;img src=x" in page
+    sign_in(client, "a@example.org", "a long enough password")
+    page = client.get("/chat").data.decode()
+    assert "<img src=x" not in page and "&lt;img src=x" in page
+    app.runtime.engine.dispose()
+    engine.dispose()

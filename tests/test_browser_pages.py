@@ -1,0 +1,212 @@
+"""The chat and administration pages in a real headless Chromium, with the real SmolLM2 behind llama.cpp:
+chatting (streamed, rendered, kept across a reload, stopped), approving a sign-up, a quota changed on
+the page and enforced, model output rendered inert, and every page at phone width."""
+
+import re
+import subprocess
+import time
+
+import openai
+import pytest
+import sqlalchemy as sa
+from playwright.sync_api import sync_playwright
+
+from llmgw import accounts, starter, store
+from llmgw.engines import llamacpp
+from llmgw.procs import free_port, http_status, wait_for
+from tests.conftest import Gateway, Sim, make_key, stop_process
+
+PHONE = {"width": 390, "height": 844}
+PASSWORD = "a long enough password"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser-pages")
+    model = starter.model_path()
+    port = free_port()
+    with open(tmp / "engine.log", "wb") as log:
+        engine = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=2048, threads=2, parallel=2),
+                                  stdout=log, stderr=subprocess.STDOUT)
+    engine_url = f"http://127.0.0.1:{port}"
+    sim = Sim(model="sim", replica="s", ttft_ms=1, tokens_per_s=0)
+    url = f"sqlite:///{tmp}/pages.db"
+    db = store.open_store(url)
+    admin = accounts.create_user(db, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    db.dispose()
+    try:
+        wait_for("llama.cpp to load the model", 120, lambda: http_status(engine_url + "/health") == 200,
+                 alive=lambda: engine.poll() is None, interval=0.2)
+        gw = Gateway(tmp, url, workers=2, gateway__signup_open=True,
+                     endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
+                                {"id": "s", "url": sim.url, "models": ["sim"]}],
+                     models=[{"name": starter.NAME, "max_output": 400, "description": "SmolLM2 on a CPU"}])
+    except Exception:
+        stop_process(engine)
+        sim.stop()
+        raise
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield {"browser": browser, "gw": gw, "url": url, "tmp": tmp, "engine": engine_url, "admin": admin}
+        browser.close()
+    gw.stop()
+    sim.stop()
+    stop_process(engine)
+
+
+def signed_in(cluster, email="root@example.org", password=PASSWORD, viewport=PHONE):
+    context = cluster["browser"].new_context(viewport=viewport)
+    page = context.new_page()
+    page.goto(cluster["gw"].url + "/login")
+    page.fill("#email", email)
+    page.fill("#password", password)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/account")
+    return context, page
+
+
+def fits_the_screen(page) -> bool:
+    return page.evaluate("document.documentElement.scrollWidth") <= page.viewport_size["width"]
+
+
+def usage_rows(cluster, **where):
+    engine = store.open_engine(cluster["url"])
+    try:
+        query = sa.select(store.usage.c.status, store.usage.c.completion_tokens)
+        for column, value in where.items():
+            query = query.where(store.usage.c[column] == value)
+        with engine.connect() as conn:
+            return conn.execute(query).all()
+    finally:
+        engine.dispose()
+
+
+def test_chat_with_the_real_model_renders_keeps_and_stops(cluster):
+    context, page = signed_in(cluster)
+    page.goto(cluster["gw"].url + "/chat")
+    page.select_option("#model", starter.NAME)
+    page.fill("#prompt", "What is the capital of France? Answer in one sentence.")
+    page.press("#prompt", "Enter")
+    stats = page.wait_for_selector(".msg.assistant .stats", timeout=60_000)
+    assert re.search(r"\d+ tokens · [\d.]+ tokens/s · first token after \d+ ms", stats.inner_text())
+    page.wait_for_selector(".msg.assistant .body.md", timeout=10_000)  # rendered by the server
+    assert "Paris" in page.inner_text(".msg.assistant .body")
+    page.screenshot(path=str(cluster["tmp"] / "chat-phone.png"), full_page=True)
+    assert fits_the_screen(page)
+    page.reload()  # the conversation is kept in the browser
+    assert "Paris" in page.inner_text(".msg.assistant .body")
+    assert page.input_value("#model") == starter.NAME
+
+    # Stop: the browser drops the stream, the gateway closes the engine's request, the engine stops.
+    page.fill("#prompt", "Write a long story about a dragon who learns to bake bread. Use at least 300 words.")
+    page.press("#prompt", "Enter")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant').length == 2 && "
+                           "document.querySelectorAll('.msg.assistant')[1].innerText.length > 40", timeout=60_000)
+    page.click("#stop")
+    stats = page.wait_for_selector(".msg.assistant:nth-of-type(4) .stats", timeout=10_000)
+    assert "stopped" in stats.inner_text()
+    wait_for("the engine to stop generating", 10, lambda: "requests_processing 0" in
+             _get(cluster["engine"] + "/metrics"))
+    session_key = f"session:{cluster['admin'].id}"
+    # Both answers are recorded against the person (each worker writes its rows within a second or so).
+    wait_for("the usage rows of both answers", 10, lambda: {200, 499} <= {r.status for r in usage_rows(
+        cluster, key_id=session_key)})
+    page.click("#clear")
+    assert page.query_selector(".msg") is None
+    context.close()
+
+
+def _get(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def test_html_in_model_output_is_inert(cluster):
+    context, page = signed_in(cluster)
+    page.goto(cluster["gw"].url + "/chat")
+    hostile = ('Hi <script>window.pwned = 1</script> <img src=x onerror="window.pwned = 2"> '
+               '[click](javascript:window.pwned=3) ![pixel](https://tracker.example/p.png) [ok](https://example.org)')
+    rendered = page.evaluate("""text => fetch('/chat/render', {method: 'POST', credentials: 'same-origin',
+        headers: {'Content-Type': 'application/json',
+                  'X-CSRF-Token': document.querySelector('meta[name=csrf-token]').content},
+        body: JSON.stringify({text})}).then(r => r.json())""", hostile)["html"]
+    assert "<script" not in rendered and "<img" not in rendered and 'href="javascript' not in rendered
+    assert '<a href="https://example.org" rel="noopener noreferrer nofollow" target="_blank">ok</a>' in rendered
+    page.evaluate("""([content, html]) => localStorage.setItem('llmgw-chat', JSON.stringify(
+        {messages: [{role: 'user', content: content}, {role: 'assistant', content: content, html: html}]}))""",
+                  [hostile, rendered])
+    page.reload()
+    page.wait_for_selector(".msg.assistant")
+    assert page.evaluate("window.pwned") is None
+    assert page.query_selector(".msg img") is None and page.query_selector(".msg script") is None
+    # A forged render request (no token) is refused.
+    status = page.evaluate("""() => fetch('/chat/render', {method: 'POST', credentials: 'same-origin',
+        headers: {'Content-Type': 'application/json'}, body: '{"text": "x"}'}).then(r => r.status)""")
+    assert status == 400
+    chat = page.evaluate("""() => fetch('/chat/completions', {method: 'POST', credentials: 'same-origin',
+        headers: {'Content-Type': 'application/json'}, body: '{"model": "sim", "messages": []}'}).then(r => r.status)""")
+    assert chat == 403
+    context.close()
+
+
+def test_a_sign_up_approved_on_the_people_page(cluster):
+    gw = cluster["gw"]
+    visitor = cluster["browser"].new_context(viewport=PHONE)
+    page = visitor.new_page()
+    page.goto(gw.url + "/signup")
+    page.fill("#email", "grace@example.org")
+    page.fill("#password", PASSWORD)
+    page.fill("#repeat", PASSWORD)
+    page.click("button[type=submit]")
+    assert "waits for an operator" in page.inner_text("main")
+    context, admin = signed_in(cluster)
+    admin.goto(gw.url + "/admin/people")
+    admin.screenshot(path=str(cluster["tmp"] / "people-phone.png"), full_page=True)
+    admin.click("li:has-text('grace@example.org') >> text=Approve")
+    assert "Approved grace@example.org, on their own." in admin.inner_text("[role=status]")
+    context.close()
+    page.goto(gw.url + "/login")
+    page.fill("#email", "grace@example.org")
+    page.fill("#password", PASSWORD)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/account")
+    assert "Personal" in page.inner_text("#spends")
+    visitor.close()
+
+
+def test_a_quota_changed_on_the_page_is_enforced(cluster):
+    gw = cluster["gw"]
+    key = make_key(cluster["url"], "quota-test")
+    context, page = signed_in(cluster)
+    page.goto(gw.url + "/admin/quotas?edit=cluster:")
+    page.fill("#rpm", "2")
+    page.click("form.stack button[type=submit]")
+    assert "Limits saved" in page.inner_text("[role=status]")
+    time.sleep(2.5)  # every worker reloads limits within two seconds
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
+    try:
+        for _ in range(2):
+            client.chat.completions.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.RateLimitError, match="2 requests a minute"):
+            client.chat.completions.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    finally:
+        client.close()
+        page.goto(gw.url + "/admin/quotas?edit=cluster:")
+        page.fill("#rpm", "")
+        page.click("form.stack button[type=submit]")
+        assert "Requests/min" in page.inner_text("main")
+        assert "Cluster defaults" in page.inner_text("main")
+        context.close()
+
+
+@pytest.mark.parametrize("path", ["/account", "/account/password", "/chat", "/admin", "/admin/people",
+                                  "/admin/quotas", "/admin/usage", "/org", "/admin/quotas?edit=cluster:"])
+def test_every_signed_in_page_fits_a_phone(cluster, path):
+    context, page = signed_in(cluster)
+    page.goto(cluster["gw"].url + path)
+    name = path.strip("/").replace("/", "-").replace("?", "-").replace(":", "") or "root"
+    page.screenshot(path=str(cluster["tmp"] / f"phone-{name}.png"), full_page=True)
+    assert fits_the_screen(page), path
+    context.close()
