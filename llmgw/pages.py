@@ -224,6 +224,20 @@ def create_app(runtime: Runtime) -> Flask:
                                                    'your account</a>.'))
         return render_template("password.html", form=f, problem=problem), 400 if problem else 200
 
+    @app.route("/claim/<token>", methods=["GET", "POST"])
+    def claim(token):
+        # Opening the link only shows a button: link previews and scanners fetch pages, and must
+        # not use up the one showing.
+        if request.method == "GET":
+            return render_template("claim.html", action=form(forms.ActionForm), secret=None)
+        if not form(forms.ActionForm, request.form).validate():
+            abort(400, EXPIRED_FORM)
+        result = keys.claim(engine, token)
+        if isinstance(result, str):
+            return render_template("message.html", title="No key here", text=result), 410
+        secret, record = result
+        return render_template("claim.html", secret=secret, record=record, base_url=request.host_url.rstrip("/") + "/v1")
+
     chatpage.install(app, runtime, csrf_secret, form)
     adminpages.install(app, runtime, form, sentence)
 

@@ -228,11 +228,12 @@ def test_graceful_stop_finishes_streams_and_writes_every_usage_row(tmp_path, mak
     assert count_usage(url) == 26
 
 
-def test_engines_at_capacity_are_429_with_retry_after(tmp_path, make_gateway, make_sim):
+def test_engines_at_capacity_are_429_with_retry_after_when_the_request_cannot_wait(tmp_path, make_gateway, make_sim):
     full = [make_sim(replica=f"full{i}", ttft_ms=1, tokens_per_s=2, max_concurrency=1, max_queue=0)
             for i in range(2)]
+    # No time to wait in the admission queue (gateway.queue_wait 0): refused at once.
     gw, key, _ = setup(tmp_path, make_gateway, [ep(s.replica, s.url) for s in full], breaker__failures=1,
-                       routing__affinity_prefix_bytes=0)
+                       routing__affinity_prefix_bytes=0, gateway__queue_wait=0)
     hogs = [threading.Thread(target=post, args=(s.url + "/v1/chat/completions", {**CHAT, "max_tokens": 8}))
             for s in full]
     for t in hogs:
@@ -246,3 +247,15 @@ def test_engines_at_capacity_are_429_with_retry_after(tmp_path, make_gateway, ma
     # Being full is not failing: no breaker opened, so both serve again.
     assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200
     assert 'llmgw_endpoint_breaker_open{replica="full0"} 0.0' in gw.metrics()
+
+
+def test_a_request_for_a_full_engine_waits_its_turn(tmp_path, make_gateway, make_sim):
+    full = make_sim(replica="full", ttft_ms=1, tokens_per_s=10, max_concurrency=1, max_queue=0)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep(full.replica, full.url)], gateway__queue_wait=10)
+    hog = threading.Thread(target=post, args=(full.url + "/v1/chat/completions", {**CHAT, "max_tokens": 8}))
+    hog.start()
+    wait_until("the engine full", 3, lambda: full.metrics()["vllm:num_requests_running"] == 1)
+    started = time.monotonic()
+    status, _, _ = post(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 1}, key)
+    assert status == 200 and time.monotonic() - started > 0.3  # it waited for the hog, then was served
+    hog.join()

@@ -228,3 +228,17 @@ def test_model_and_project_names_are_shown_inert(tmp_path):
     assert "<img src=x" not in page and "&lt;img src=x" in page
     app.runtime.engine.dispose()
     engine.dispose()
+
+
+def test_a_claim_link_shows_the_key_once_and_only_on_a_button(site):
+    pages, engine, _ = site
+    record, secret = keys.create_key(engine, "for-deniz")
+    link = f"/claim/{keys.make_claim(engine, record.id, secret)}"
+    client = pages.test_client()
+    page = client.get(link).data
+    assert secret.encode() not in page and b"Show the key" in page  # a preview fetching the link sees nothing
+    assert client.post(link, data={}).status_code == 400  # no token, no key
+    shown = client.post(link, data={"csrf_token": token(page)})
+    assert shown.status_code == 200 and secret.encode() in shown.data
+    again = client.post(link, data={"csrf_token": token(client.get(link).data)})
+    assert again.status_code == 410 and b"already shown" in again.data
