@@ -216,7 +216,8 @@ class Up:
 
     def explain(self, base: str, secret: str, admin_password: str | None) -> None:
         admin = (f"  sign in at {base}/login as {ADMIN} with password {admin_password}\n"
-                 "       (shown only now)\n" if admin_password else f"  sign in at {base}/login as {ADMIN}\n")
+                 f"       (shown only now), then chat at {base}/chat\n" if admin_password
+                 else f"  sign in at {base}/login as {ADMIN}, then chat at {base}/chat\n")
         click.echo(f"""
 llmgw is up: {starter.NAME} answers on {base}/v1
 

@@ -242,3 +242,30 @@ def test_a_claim_link_shows_the_key_once_and_only_on_a_button(site):
     assert shown.status_code == 200 and secret.encode() in shown.data
     again = client.post(link, data={"csrf_token": token(client.get(link).data)})
     assert again.status_code == 410 and b"already shown" in again.data
+
+
+def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site):
+    from llmgw import limits, memberships, orgtree
+
+    pages, engine, app = site
+    user = accounts.create_user(engine, "m@example.org", "a long enough password", state=accounts.ACTIVE)
+    orgtree.add(engine, "org", "Acme")
+    orgtree.add(engine, "team", "ml", "Acme")
+    mine = orgtree.add(engine, "project", "training", "Acme/ml")
+    theirs = orgtree.add(engine, "project", "secret", "default/default")
+    memberships.join(engine, user.email, "team", "Acme/ml")
+    limits.set_limits(engine, "team", mine.parent_id, "test", budget=limits.parse_money("40"))
+    app.runtime.refresh_keys()  # what a worker's key refresh does within a second
+    client = pages.test_client()
+    sign_in(client, user.email, "a long enough password")
+    page = client.get("/account").data.decode()
+    assert "Acme/ml/training" in page and "default/default/secret" not in page
+    assert "Acme/ml (shared)" in page and "budgets never bind" in page  # the team's budget, unpriced
+    for spends in (mine.id, "personal"):
+        made = client.post("/account/keys", data={"name": f"k-{spends}", "spends": spends, "expires": "30d",
+                                                  "csrf_token": token(client.get("/account").data)})
+        assert made.status_code == 200, made.data
+    refused = client.post("/account/keys", data={"name": "sneaky", "spends": theirs.id, "expires": "30d",
+                                                 "csrf_token": token(client.get("/account").data)})
+    assert refused.status_code == 400
+    assert sorted(k.project for k in keys.list_keys(engine, user_id=user.id)) == ["Acme/ml/training", "personal"]
