@@ -47,6 +47,11 @@ class KeyForm(PageForm):
     # Choices are the person's projects, set per request; "personal" spends against them alone.
     spends = SelectField("Spends against", choices=[SelectChoice("personal", "Personal")], default="personal",
                          description="One of your projects, or Personal: your own use, within your own limits.")
+    models = StringField("Only these models", [Length(max=2000)],
+                         description="Optional: model names separated by commas. Empty: every model you may use.")
+    band = SelectField("When the cluster is busy", choices=[SelectChoice("", "as your projects allow"),
+                                                             SelectChoice("low", "let others go first (batch work)")],
+                       default="")
     expires = SelectField("Expires", choices=[SelectChoice("30d", "in 30 days"), SelectChoice("90d", "in 90 days"),
                                               SelectChoice("", "never")], default="90d")
 

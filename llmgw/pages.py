@@ -189,8 +189,9 @@ def create_app(runtime: Runtime) -> Flask:
         lifetime = keys.parse_duration(f.expires.data) if f.expires.data else None
         project = None if f.spends.data == "personal" else f.spends.data
         try:
+            models = [m.strip() for m in (f.models.data or "").split(",") if m.strip()] or None
             _, secret = keys.create_key(engine, f.name.data, project, expires_in=lifetime, user_id=me.id,
-                                        made_by=me.id, member_only=True)
+                                        made_by=me.id, member_only=True, band=f.band.data or None, models=models)
         except keys.KeyRefused as e:
             return account_page(f=f, problem=sentence(e), status=400)
         return account_page(new_secret=secret)

@@ -165,6 +165,25 @@
   });
   [model, system, temperature].forEach(function (el) { el.addEventListener("change", save); });
 
+  // While any model is not running, look every few seconds, so the picker says when one is ready.
+  function refreshModels() {
+    fetch("/chat/models", { credentials: "same-origin" }).then(function (r) { return r.ok ? r.json() : null; })
+      .then(function (data) {
+        if (!data) { return; }
+        var waiting = false;
+        data.models.forEach(function (m) {
+          var option = Array.prototype.find.call(model.options, function (o) { return o.value === m.name; });
+          if (!option) { return; }
+          option.textContent = m.name + (m.ready ? "" : m.on_demand ? " (starts when asked)" : " (not running)");
+          waiting = waiting || !m.ready;
+        });
+        if (waiting) { setTimeout(refreshModels, 3000); }
+      }).catch(function () {});
+  }
+  if (Array.prototype.some.call(model.options, function (o) { return / \(/.test(o.textContent); })) {
+    setTimeout(refreshModels, 3000);
+  }
+
   if (state.model && Array.prototype.some.call(model.options, function (o) { return o.value === state.model; })) {
     model.value = state.model;
   }

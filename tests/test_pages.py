@@ -269,3 +269,19 @@ def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site
                                                  "csrf_token": token(client.get("/account").data)})
     assert refused.status_code == 400
     assert sorted(k.project for k in keys.list_keys(engine, user_id=user.id)) == ["Acme/ml/training", "personal"]
+
+
+def test_a_persons_own_key_may_narrow_its_models_and_yield_but_never_rise(site):
+    pages, engine, app = site
+    user = accounts.create_user(engine, "n@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    sign_in(client, user.email, "a long enough password")
+    made = client.post("/account/keys", data={"name": "batch", "spends": "personal", "models": "sim, other",
+                                              "band": "low", "expires": "", "csrf_token": token(client.get("/account").data)})
+    assert made.status_code == 200
+    rising = client.post("/account/keys", data={"name": "vip", "spends": "personal", "band": "high", "expires": "",
+                                                "csrf_token": token(client.get("/account").data)})
+    assert rising.status_code == 400  # "high" is not a choice a person has
+    table = keys.KeyTable.load(engine)
+    (record,) = [r for r in table.by_hash.values() if r.name == "batch"]
+    assert table.access[record.id].band == "low" and table.access[record.id].models == frozenset({"sim", "other"})
