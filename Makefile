@@ -36,6 +36,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/controlplane.py
+	$(BIN)/python bench/limits.py
 
 clean:
 	rm -rf $(VENV) var

@@ -188,10 +188,39 @@ def bench_usage(tmp: str, rows: int) -> dict:
         raw_times.append(time.perf_counter() - started)
     engine.dispose()
     assert sum(line.requests for line in found.lines) == rows
+    page_times = time_usage_page(f"sqlite:///{path}")
     return {"raw_rows": rows, "generate_s": round(generated, 1), "roll_up_s": round(rolling, 1), "rolled": rolled,
             "report_from_rollups_ms": {"p50": round(statistics.median(report_times) * 1000, 1),
                                        "max": round(max(report_times) * 1000, 1)},
-            "same_report_from_raw_rows_ms": round(min(raw_times) * 1000, 1), "raw_groups": len(raw)}
+            "same_report_from_raw_rows_ms": round(min(raw_times) * 1000, 1), "raw_groups": len(raw),
+            "usage_page_ms": {"p50": round(statistics.median(page_times) * 1000, 1),
+                              "max": round(max(page_times) * 1000, 1)}}
+
+
+def time_usage_page(url: str) -> list[float]:
+    """The whole /admin/usage page (report, chart, template) for an administrator, ten times."""
+    import re
+
+    from llmgw import accounts, settings
+    from llmgw.webapp import GatewayApp
+
+    engine = store.open_engine(url)
+    accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    accounts.session_secret(engine)
+    engine.dispose()
+    app = GatewayApp(settings.load(None, {"store.url": url}))
+    client = app.pages.test_client()
+    page = client.get("/login").data
+    csrf = re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()
+    client.post("/login", data={"email": "bench@example.org", "password": "a long enough password", "csrf_token": csrf})
+    times = []
+    for _ in range(10):
+        started = time.perf_counter()
+        response = client.get("/admin/usage?by=project&since=30d&metric=tokens")
+        times.append(time.perf_counter() - started)
+        assert response.status_code == 200 and b"<svg" in response.data
+    app.runtime.engine.dispose()
+    return times
 
 
 def main() -> int:
@@ -199,15 +228,20 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="Fewer requests and a million rows.")
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "limits.json"))
+    parser.add_argument("--only", choices=["limits", "usage"], help="Run one half.")
     args = parser.parse_args()
     n = 500 if args.quick else 3000
     rows = min(args.rows, 1_000_000) if args.quick else args.rows
     tmp = tempfile.mkdtemp(prefix="llmgw-limits-")
-    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-              "accountant_in_process": bench_accountant(n * 10),
-              "accountant_round_trip": bench_round_trip(n),
-              "gateway": bench_gateway(tmp, n),
-              "usage": bench_usage(tmp, rows)}
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result = {**json.load(f), **result}  # --only replaces its half and keeps the other
+    if args.only != "usage":
+        result.update(accountant_in_process=bench_accountant(n * 10), accountant_round_trip=bench_round_trip(n),
+                      gateway=bench_gateway(tmp, n))
+    if args.only != "limits":
+        result["usage"] = bench_usage(tmp, rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
@@ -216,19 +250,23 @@ def main() -> int:
 
 
 def report(r: dict) -> str:
-    a, rt, gw, us = r["accountant_in_process"], r["accountant_round_trip"], r["gateway"], r["usage"]
-    plain, held = gw["no_limits"], gw["four_levels"]
-    rolled_ms, raw_ms = us["report_from_rollups_ms"]["p50"], us["same_report_from_raw_rows_ms"]
-    lines = [
-        f"accountant, admit + settle, 4 levels, in process: p50 {a['p50_us']} us, p99 {a['p99_us']} us",
-        f"round trip to the accountant: admit + settle p50 {rt['admit_and_settle']['p50_us']} us "
-        f"(p99 {rt['admit_and_settle']['p99_us']}) vs an empty round trip {rt['no_accounting']['p50_us']} us "
-        f"(p99 {rt['no_accounting']['p99_us']})",
-        f"through the gateway, one at a time: p50 {held['p50_ms']} ms with 4 levels vs {plain['p50_ms']} ms without "
-        f"(x{held['p50_ms'] / plain['p50_ms']:.2f}); p99 {held['p99_ms']} vs {plain['p99_ms']} ms",
-        f"usage report over {us['raw_rows']:,} rows: {rolled_ms} ms from roll-ups vs {raw_ms} ms from raw rows "
-        f"(x{raw_ms / max(rolled_ms, 0.001):.0f}); rolling them up took {us['roll_up_s']} s once",
-    ]
+    lines = []
+    if "gateway" in r:
+        a, rt, gw = r["accountant_in_process"], r["accountant_round_trip"], r["gateway"]
+        plain, held = gw["no_limits"], gw["four_levels"]
+        lines += [
+            f"accountant, admit + settle, 4 levels, in process: p50 {a['p50_us']} us, p99 {a['p99_us']} us",
+            f"round trip to the accountant: admit + settle p50 {rt['admit_and_settle']['p50_us']} us "
+            f"(p99 {rt['admit_and_settle']['p99_us']}) vs an empty round trip {rt['no_accounting']['p50_us']} us "
+            f"(p99 {rt['no_accounting']['p99_us']})",
+            f"through the gateway, one at a time: p50 {held['p50_ms']} ms with 4 levels vs {plain['p50_ms']} ms "
+            f"without (x{held['p50_ms'] / plain['p50_ms']:.2f}); p99 {held['p99_ms']} vs {plain['p99_ms']} ms"]
+    if "usage" in r:
+        us = r["usage"]
+        rolled_ms, raw_ms = us["report_from_rollups_ms"]["p50"], us["same_report_from_raw_rows_ms"]
+        lines.append(f"usage report over {us['raw_rows']:,} rows: {rolled_ms} ms from roll-ups vs {raw_ms} ms from raw "
+                     f"rows (x{raw_ms / max(rolled_ms, 0.001):.0f}); rolling them up took {us['roll_up_s']} s once; "
+                     f"the whole usage page {us['usage_page_ms']['p50']} ms")
     return "\n".join(lines)
 
 

@@ -90,7 +90,7 @@ def _csrf_ok(secret: bytes, token: str, environ) -> bool:
 
 def caller_for(app: Flask, runtime: Runtime, csrf_secret: bytes, environ):
     """The person behind a chat request, as a proxy `Caller`; raises ApiError when there is none."""
-    from llmgw.proxy import Caller
+    from llmgw.caller import Caller
 
     with app.request_context(environ):
         from flask import session

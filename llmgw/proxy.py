@@ -24,10 +24,10 @@ import gevent
 from gevent.socket import wait_read
 
 from llmgw import admission, apirequest, balancer
+from llmgw.caller import Caller, duration
 from llmgw.errors import ApiError
 from llmgw.keys import Refusal
 from llmgw.limiter import Unavailable
-from llmgw.limits import Access, Price, show_money
 from llmgw.snapshot import ModelSpec
 from llmgw.sse import EventRelay
 from llmgw.upstream import Response, UpstreamError
@@ -191,7 +191,7 @@ class Proxy:
             self.rt.metrics.limited.labels(limit).inc()
             retry = int(answer.get("retry_after") or 1)
             if limit == "budget":
-                raise ApiError(429, f"Budget spent: {answer.get('message')}. It starts again in {_duration(retry)}; "
+                raise ApiError(429, f"Budget spent: {answer.get('message')}. It starts again in {duration(retry)}; "
                                     "ask an operator for more.", "budget_exhausted", retry_after=retry)
             raise ApiError(429, f"Rate limit: {answer.get('message')}. Retry after {retry} s.",
                            "rate_limit_exceeded" if limit == "rpm" else "tokens_limit_exceeded", retry_after=retry)
@@ -497,43 +497,3 @@ class Proxy:
             replica, req.kind if req else "models", bool(req and req.stream), status, prompt, completion,
             elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost))
 
-
-def _duration(seconds: int) -> str:
-    if seconds >= 86400:
-        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
-    if seconds >= 3600:
-        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
-    return f"{max(1, seconds // 60)} min"
-
-
-class Caller:
-    """Who a request is from and what it may spend: a key, or a signed-in person on the chat page."""
-
-    __slots__ = ("key_id", "project_id", "user_id", "access", "wire", "price", "reservation", "estimate", "status")
-
-    def __init__(self, key_id: str, project_id: str | None, user_id: str | None, access: Access):
-        self.key_id = key_id
-        self.project_id = project_id
-        self.user_id = user_id
-        self.access = access
-        self.wire = access.wire
-        self.price: Price | None = None
-        self.reservation: int | None = None
-        self.estimate = 0
-        self.status: dict = {}
-
-    def budget_pools(self) -> list[list[str]]:
-        return [[lv.counter, lv.period] for lv in self.access.levels if lv.budget is not None]
-
-    def limit_headers(self) -> list[tuple[str, str]]:
-        """OpenAI's rate-limit headers, from the pool nearest to refusing, and the budget left."""
-        out = []
-        for name, kind in (("rpm", "requests"), ("tpm", "tokens")):
-            if name in self.status:
-                limit, remaining = self.status[name]
-                out += [(f"X-RateLimit-Limit-{kind.capitalize()}", str(limit)),
-                        (f"X-RateLimit-Remaining-{kind.capitalize()}", str(remaining))]
-        if "budget" in self.status and self.price is not None and not self.price.zero():
-            limit, remaining = self.status["budget"]
-            out.append(("X-Llmgw-Budget-Remaining", show_money(remaining)))
-        return out

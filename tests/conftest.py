@@ -75,6 +75,14 @@ def store_url(request, tmp_path):
     return store_url_for(url)
 
 
+@pytest.fixture
+def engine(store_url):
+    """An engine on the `store_url` store (SQLite, then PostgreSQL)."""
+    engine = store.open_engine(store_url)
+    yield engine
+    engine.dispose()
+
+
 # --- processes ---------------------------------------------------------------------------------
 
 def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 20) -> int:

@@ -134,13 +134,6 @@ def test_budgets_start_again_with_their_period():
 
 # --- chains resolved from the store -------------------------------------------------------------
 
-@pytest.fixture
-def engine(store_url):
-    engine = store.open_engine(store_url)
-    yield engine
-    engine.dispose()
-
-
 def tree_with_people(engine):
     orgtree.add(engine, "org", "Acme")
     orgtree.add(engine, "team", "ml", "Acme")

@@ -10,13 +10,6 @@ from llmgw.orgtree import TreeError
 from tests.conftest import store_url_for, wipe
 
 
-@pytest.fixture
-def engine(store_url):
-    engine = store.open_engine(store_url)
-    yield engine
-    engine.dispose()
-
-
 def acme(engine):
     orgtree.add(engine, "org", "Acme")
     orgtree.add(engine, "team", "ml", "Acme")

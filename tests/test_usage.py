@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
@@ -11,13 +10,6 @@ from llmgw.cli import main
 from llmgw.usage import UsageRecorder
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15 08:00 UTC
-
-
-@pytest.fixture
-def engine(store_url):
-    engine = store.open_engine(store_url)
-    yield engine
-    engine.dispose()
 
 
 def record(engine, rows):
