@@ -16,6 +16,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.ctl import ctl
+from llmgw.mirrorcli import mirror
 from llmgw.orgcli import limits_cli, org, prices
 from llmgw.tables import print_table
 from llmgw.userscli import users
@@ -212,6 +213,7 @@ main.add_command(users)
 main.add_command(org)
 main.add_command(limits_cli)
 main.add_command(prices)
+main.add_command(mirror)
 
 
 @main.command()

@@ -9,45 +9,26 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.error
-import urllib.request
 
 import click
 
-from llmgw.tables import print_table
+from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.tables import human_bytes, print_table
 
 
 class Admin:
+    """The controller's admin API, its errors as click's."""
+
     def __init__(self, url: str):
-        self.url = url.rstrip("/")
+        self.client = ApiClient(url, "the controller's admin API",
+                                "Is controller.py running on this machine? Give --admin URL otherwise.")
+        self.url = self.client.url
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as e:
-            with e:
-                try:
-                    message = json.loads(e.read())["error"]
-                except (ValueError, KeyError):
-                    message = f"HTTP {e.code}"
-            raise click.ClickException(message) from None
-        except OSError as e:
-            raise click.ClickException(f"the controller's admin API does not answer at {self.url} ({e}). "
-                                       "Is controller.py running on this machine? Give --admin URL otherwise.") from None
-
-
-def _bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return "-"
+            return self.client.call(method, path, body)
+        except ApiError as e:
+            raise click.ClickException(str(e)) from None
 
 
 @click.group()
@@ -55,11 +36,7 @@ def _bytes(n) -> str:
 @click.pass_context
 def ctl(ctx, admin_url):
     """Manage the fleet through the controller."""
-    if not admin_url:
-        listen = ctx.obj.config()["controller.admin_listen"]
-        host, _, port = listen.rpartition(":")
-        admin_url = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
-    ctx.obj.admin = Admin(admin_url)
+    ctx.obj.admin = Admin(admin_url or address_url(ctx.obj.config()["controller.admin_listen"]))
 
 
 @ctl.command()
@@ -104,7 +81,7 @@ def nodes(obj, as_json):
         cpus = str(facts.get("cpu", {}).get("count", "?")) + ("" if flags is None or "avx2" in flags or "asimd" in flags
                                                             else " (no AVX2)")
         rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago", facts.get("address") or "-",
-                     cpus, _bytes(memory.get("total_bytes")), _bytes(disk.get("free_bytes")), gpu_text))
+                     cpus, human_bytes(memory.get("total_bytes")), human_bytes(disk.get("free_bytes")), gpu_text))
     print_table(rows)
 
 
@@ -218,7 +195,7 @@ def replicas(obj, model, as_json):
         state = r["state"] + (" (stale profile)" if r["stale_profile"] else "")
         if r["state"] == "fetching" and r["fetch"]:
             done, total = r["fetch"].get("bytes_done", 0), r["fetch"].get("bytes_total")
-            state += f" {_bytes(done)}" + (f" of {_bytes(total)}" if total else "")
+            state += f" {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
         rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
     print_table(rows)
 

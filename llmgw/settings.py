@@ -157,6 +157,23 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it.", minimum=0.1),
     Setting("controller.lost_after", "float", 60.0,
             "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere.", minimum=0.1),
+    Setting("mirror.dir", "str", "var/models",
+            "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
+    Setting("mirror.listen", "str", ":8081",
+            "Where the mirror serves files, read-only, with Range requests (resume), to nodes."),
+    Setting("mirror.api_listen", "str", ":8082",
+            "Where the mirror's management API listens (fetch, list, status, remove)."),
+    Setting("mirror.api_allow", "list", [],
+            "Addresses or networks (CIDR) besides this machine that may use the management API. Empty: this "
+            "machine only."),
+    Setting("mirror.base_url", "str", "",
+            "The address nodes fetch files at, as catalog sources name it (`http://models.internal:8081`). "
+            "Empty: this machine's address on `mirror.listen`."),
+    Setting("mirror.hf_endpoint", "str", "https://huggingface.co",
+            "A Hugging Face compatible registry for `hf:` sources and the mirror page's explorer (an internal "
+            "mirror of it works too)."),
+    Setting("mirror.api", "str", "127.0.0.1:8082",
+            "The mirror's management API, for `llmgw mirror` and the mirror page. Empty: no mirror."),
     Setting("agent.controllers", "list", [],
             "Controller addresses (`HOST:PORT`), tried in turn with backoff when one does not answer."),
     Setting("agent.key_file", "str", "/etc/llmgw/node.key",

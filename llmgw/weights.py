@@ -38,6 +38,9 @@ def local_name(source: str, weights_dir: str) -> str:
     return os.path.join(weights_dir, f"{digest}-{base}")
 
 
+SHA_HEADER = "X-Llmgw-Sha256"  # the mirror says what a file's bytes hash to
+
+
 def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> str:
     """The local path of SOURCE, downloading it first when it is a URL."""
     if not is_url(source):
@@ -49,44 +52,68 @@ def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> s
         if os.path.exists(target):
             return target
         os.makedirs(weights_dir, exist_ok=True)
-        partial = target + ".part"
-        done = os.path.getsize(partial) if os.path.exists(partial) else 0
-        req = urllib.request.Request(source, headers={"Range": f"bytes={done}-"} if done else {})
-        try:
-            resp = urllib.request.urlopen(req, timeout=60)
-        except urllib.error.HTTPError as e:
-            if e.code == 416 and done:  # asked for bytes past the end: the part is whole
-                e.close()
-                os.replace(partial, target)
-                return target
-            e.close()
-            raise FetchError(f"{source} answered {e.code} {e.reason}") from None
-        except OSError as e:
-            raise FetchError(f"cannot fetch {source}: {e}") from None
-        with resp:
-            if done and resp.status != 206:
-                done = 0  # the server ignored the Range: start again
-            total = None
-            length = resp.headers.get("Content-Length")
-            if length is not None and length.isdigit():
-                total = done + int(length)
-            mode = "ab" if done else "wb"
-            last = 0.0
-            try:
-                with open(partial, mode) as out:
-                    while True:
-                        chunk = resp.read(CHUNK)
-                        if not chunk:
-                            break
-                        out.write(chunk)
-                        done += len(chunk)
-                        if time.monotonic() - last >= PROGRESS_EVERY:
-                            progress(done, total)
-                            last = time.monotonic()
-            except OSError as e:
-                raise FetchError(f"downloading {source} broke off after {done} bytes: {e}") from None
-        if total is not None and done < total:
-            raise FetchError(f"downloading {source} broke off after {done} of {total} bytes; it resumes next time")
-        progress(done, total)
-        os.replace(partial, target)
+        expected = download(source, target, progress)
+        if expected:
+            got = sha256_of(target)
+            if got != expected:
+                os.remove(target)
+                raise FetchError(f"{source} arrived corrupt: its sha256 is {got}, the mirror says {expected}; "
+                                 "it is fetched again on the next try")
         return target
+
+
+def download(source: str, target: str, progress=lambda done, total: None) -> str | None:
+    """Download SOURCE to TARGET through `TARGET.part`, resuming a part left by an earlier try.
+    Returns the sha256 the server vouched for (`X-Llmgw-Sha256`), if it did."""
+    partial = target + ".part"
+    done = os.path.getsize(partial) if os.path.exists(partial) else 0
+    req = urllib.request.Request(source, headers={"Range": f"bytes={done}-"} if done else {})
+    try:
+        resp = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:
+        vouched = e.headers.get(SHA_HEADER)
+        e.close()
+        if e.code == 416 and done:  # asked for bytes past the end: the part is whole
+            os.replace(partial, target)
+            return vouched
+        raise FetchError(f"{source} answered {e.code} {e.reason}") from None
+    except OSError as e:
+        raise FetchError(f"cannot fetch {source}: {e}") from None
+    with resp:
+        vouched = resp.headers.get(SHA_HEADER)
+        if done and resp.status != 206:
+            done = 0  # the server ignored the Range: start again
+        total = None
+        length = resp.headers.get("Content-Length")
+        if length is not None and length.isdigit():
+            total = done + int(length)
+        mode = "ab" if done else "wb"
+        last = 0.0
+        try:
+            with open(partial, mode) as out:
+                while True:
+                    chunk = resp.read(CHUNK)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    done += len(chunk)
+                    if time.monotonic() - last >= PROGRESS_EVERY:
+                        progress(done, total)
+                        last = time.monotonic()
+        except OSError as e:
+            raise FetchError(f"downloading {source} broke off after {done} bytes: {e}") from None
+    if total is not None and done < total:
+        raise FetchError(f"downloading {source} broke off after {done} of {total} bytes; it resumes next time")
+    progress(done, total)
+    os.replace(partial, target)
+    return vouched
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(CHUNK)
+            if not chunk:
+                return digest.hexdigest()
+            digest.update(chunk)

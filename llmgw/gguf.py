@@ -1,0 +1,118 @@
+"""Reading a GGUF file's header far enough to know its architecture, and whether llama.cpp loads it.
+
+A GGUF file starts with its metadata: magic, version, counts, then key/value
+pairs, `general.architecture` among the first. Reading it takes the first
+few kilobytes (a Range request for a remote file), so a model llama.cpp
+cannot load is refused before gigabytes are fetched: the lesson of a model
+with architecture `ggmlc` that was fetched, catalogued, and then failed on
+every node.
+
+Which architectures the installed llama.cpp knows is read from the library
+itself: llama.cpp compiles the name of every architecture it supports into
+its binary as a string, so a name that is not there is one it cannot load.
+When no llama.cpp is found, nothing is vouched for and nothing is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import shutil
+import struct
+
+MAGIC = b"GGUF"
+HEAD_BYTES = 1 << 16  # enough for the keys before general.architecture in every file seen
+# GGUF value types: the sizes of the fixed-width ones.
+_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+class NotGGUF(ValueError):
+    """The bytes are not a GGUF header (or too few of it were read)."""
+
+
+def architecture(head: bytes) -> str | None:
+    """`general.architecture` from the first bytes of a GGUF file (None when it is not among them)."""
+    if head[:4] != MAGIC:
+        raise NotGGUF("the file does not start with GGUF")
+    version = struct.unpack_from("<I", head, 4)[0]
+    if version not in (1, 2, 3):
+        raise NotGGUF(f"GGUF version {version} is not one this reader knows")
+    wide = version >= 2  # version 1 used 32-bit counts and lengths
+    pos = 8
+    count_fmt, count_size = ("<Q", 8) if wide else ("<I", 4)
+    pos += count_size  # tensor count
+    kv_count = struct.unpack_from(count_fmt, head, pos)[0]
+    pos += count_size
+
+    def string(at: int) -> tuple[str, int]:
+        length = struct.unpack_from(count_fmt, head, at)[0]
+        at += count_size
+        if at + length > len(head):
+            raise NotGGUF("the header is longer than what was read")
+        return head[at:at + length].decode("utf-8", "replace"), at + length
+
+    try:
+        for _ in range(kv_count):
+            key, pos = string(pos)
+            kind = struct.unpack_from("<I", head, pos)[0]
+            pos += 4
+            if kind == _STRING:
+                value, pos = string(pos)
+                if key == "general.architecture":
+                    return value
+            elif kind == _ARRAY:
+                item = struct.unpack_from("<I", head, pos)[0]
+                n = struct.unpack_from(count_fmt, head, pos + 4)[0]
+                pos += 4 + count_size
+                if item == _STRING:
+                    for _ in range(n):
+                        _, pos = string(pos)
+                elif item in _SIZES:
+                    pos += _SIZES[item] * n
+                else:
+                    raise NotGGUF(f"an array of type {item} in the header")
+            elif kind in _SIZES:
+                pos += _SIZES[kind]
+            else:
+                raise NotGGUF(f"a value of type {kind} in the header")
+    except struct.error:
+        raise NotGGUF("the header is longer than what was read") from None
+    return None
+
+
+def _llamacpp_binaries() -> list[str]:
+    found = []
+    server = shutil.which("llama-server")
+    if server:
+        real = os.path.realpath(server)
+        found.append(real)
+        found += glob.glob(os.path.join(os.path.dirname(real), "libllama*.so*"))
+    try:
+        import xllamacpp
+
+        found += glob.glob(os.path.join(os.path.dirname(xllamacpp.__file__), "*.so"))
+    except ImportError:
+        pass
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def _library_bytes() -> bytes | None:
+    chunks = []
+    for path in _llamacpp_binaries():
+        try:
+            with open(path, "rb") as f:
+                chunks.append(f.read())
+        except OSError:
+            continue
+    return b"\0".join(chunks) if chunks else None
+
+
+def loadable(arch: str, library: bytes | None = None) -> bool | None:
+    """Whether the installed llama.cpp knows ARCH: True, False, or None when no llama.cpp is found."""
+    data = library if library is not None else _library_bytes()
+    if data is None:
+        return None
+    return b"\0" + arch.encode() + b"\0" in data

