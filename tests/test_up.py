@@ -52,7 +52,8 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     port = free_port()
     ports = {name: f"127.0.0.1:{free_port()}" for name in (
         "gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen", "controller.metrics_listen",
-        "controller.gateway_listen", "controller.demand_listen", "controller.accountant_listen")}
+        "controller.gateway_listen", "controller.demand_listen", "controller.accountant_listen",
+        "mirror.listen", "mirror.api_listen")}
     config = write_config(tmp_path / "llmgw.toml", ports)
     proc, out, err = run_up(tmp_path, port, config)
     try:
@@ -75,6 +76,12 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
         ctl = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "ctl", "replicas"],
                              cwd=tmp_path, capture_output=True, text=True)
         assert "smollm2-135m-instruct" in ctl.stdout and "ready" in ctl.stdout
+        # The node fetched the model from the mirror, which imported it from the wheel.
+        assert "imported into the mirror" in err
+        listed = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "mirror", "list"],
+                                cwd=tmp_path, capture_output=True, text=True)
+        assert "smollm2-135m-instruct" in listed.stdout and "present" in listed.stdout
+        assert any(name.endswith(".gguf") for name in os.listdir(tmp_path / "var" / "weights"))
     finally:
         stop_up(proc, tmp_path)
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
@@ -84,7 +91,7 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     # Again: the store and the key are reused.
     proc, out, err = run_up(tmp_path, port, config)
     try:
-        assert "kept  key" in err and key in out and "kept  administrator" in err
+        assert "kept  key" in err and key in out and "kept  administrator" in err and "kept  smollm2" in err
         status, _, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"model": "smollm2-135m-instruct", "max_tokens": 5,
                              "messages": [{"role": "user", "content": "Hi"}]}, key)
