@@ -24,7 +24,7 @@ import urllib.request
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from llmgw import store
+from llmgw import gguf, store
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 
@@ -157,6 +157,10 @@ def check_source(source: str, timeout: float = 10.0) -> int | None:
     checked, and `--no-source-check` skips the check). Returns the download's
     size when the server says it.
     """
+    if source.split("?", 1)[0].endswith(".gguf"):
+        why = gguf.refusal(source)
+        if why:
+            raise CatalogError(f"the source {source} cannot be served: {why}")
     if source.startswith(("http://", "https://")):
         req = urllib.request.Request(source, method="HEAD")
         try:

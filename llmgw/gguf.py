@@ -82,6 +82,43 @@ def architecture(head: bytes) -> str | None:
     return None
 
 
+def read_head(source: str) -> bytes | None:
+    """The first HEAD_BYTES of a file, a path or a URL (a Range request); None when they cannot be read."""
+    import urllib.error
+    import urllib.request
+
+    if not source.startswith(("http://", "https://")):
+        try:
+            with open(source, "rb") as f:
+                return f.read(HEAD_BYTES)
+        except OSError:
+            return None
+    req = urllib.request.Request(source, headers={"Range": f"bytes=0-{HEAD_BYTES - 1}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.read(HEAD_BYTES)
+    except urllib.error.HTTPError as e:
+        e.close()
+        return None
+    except OSError:
+        return None
+
+
+def refusal(source: str, library: bytes | None = None) -> str | None:
+    """Why llama.cpp could not load the GGUF at SOURCE, or None (not a GGUF, unreadable, or loadable:
+    a header that cannot be read refuses nothing)."""
+    head = read_head(source)
+    if head is None:
+        return None
+    try:
+        arch = architecture(head)
+    except NotGGUF as e:
+        return f"it is not a GGUF file llama.cpp can read: {e}"
+    if arch and loadable(arch, library) is False:
+        return f"it is a {arch!r} model, an architecture the installed llama.cpp cannot load"
+    return None
+
+
 def _llamacpp_binaries() -> list[str]:
     found = []
     server = shutil.which("llama-server")

@@ -181,16 +181,9 @@ class Manager:
         if "mmproj" in first.name or "imatrix" in first.name:
             raise MirrorError(f"{first.name} is not a model (a projector or an importance matrix); "
                               "fetch it anyway if a model needs it")
-        head = _head(first.url)
-        if head is None:
-            return  # a header that cannot be read refuses nothing
-        try:
-            arch = gguf.architecture(head)
-        except gguf.NotGGUF as e:
-            raise MirrorError(f"{first.name} is not a GGUF file llama.cpp can read: {e}") from None
-        if arch and gguf.loadable(arch, self.library) is False:
-            raise MirrorError(f"{first.name} is a {arch!r} model, an architecture the installed llama.cpp "
-                              "cannot load; fetch it anyway to keep it regardless")
+        why = gguf.refusal(first.url, self.library)
+        if why:
+            raise MirrorError(f"{first.name}: {why}; fetch it anyway to keep it regardless")
 
     # --- doing ------------------------------------------------------------------------------------
 
@@ -280,22 +273,6 @@ def _package_file(spec: str) -> str:
     if not os.path.isfile(path):
         raise MirrorError(f"pkg:{spec}: the package {package} has no file {relative}")
     return path
-
-
-def _head(url: str) -> bytes | None:
-    """The first bytes of a file, local or remote (a Range request); None when they cannot be read."""
-    if os.path.isabs(url):
-        with open(url, "rb") as f:
-            return f.read(gguf.HEAD_BYTES)
-    req = urllib.request.Request(url, headers={"Range": f"bytes=0-{gguf.HEAD_BYTES - 1}"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.read(gguf.HEAD_BYTES)
-    except urllib.error.HTTPError as e:
-        e.close()
-        return None
-    except OSError:
-        return None
 
 
 def _copy(path: str, target: str, progress) -> None:

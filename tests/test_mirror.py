@@ -137,7 +137,7 @@ def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, 
     (folder / "kev.gguf").write_bytes(gguf_bytes("ggmlc"))
     (folder / "mmproj-x.gguf").write_bytes(gguf_bytes("clip"))
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
-    with pytest.raises(MirrorError, match="'ggmlc' model, an architecture the installed llama.cpp cannot load"):
+    with pytest.raises(MirrorError, match="a 'ggmlc' model, an architecture the installed llama.cpp cannot load"):
         manager.fetch(server.url + "/kev.gguf", "kev", "v1")
     with pytest.raises(MirrorError, match="not a model"):
         manager.fetch(server.url + "/mmproj-x.gguf", "proj", "v1")
@@ -250,3 +250,15 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
     assert not os.path.exists(weights.local_name(url, str(tmp_path / "node2")))
     removed = runner.invoke(main, ["--config", config, "mirror", "remove", "smollm2", "2024-11", "--force"])
     assert removed.exit_code == 0 and not stored.exists()
+
+
+def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
+    from llmgw.catalog import CatalogError, check_source
+
+    bad = tmp_path / "kev-0.5b.gguf"
+    bad.write_bytes(gguf_bytes("ggmlc"))
+    with pytest.raises(CatalogError, match="a 'ggmlc' model, an architecture the installed llama.cpp cannot load"):
+        check_source(str(bad))
+    good = tmp_path / "fine.gguf"
+    good.write_bytes(gguf_bytes("llama"))
+    assert check_source(str(good)) is None
