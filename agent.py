@@ -22,7 +22,7 @@ import threading
 import click
 import zmq
 
-from llmgw import __version__, curvekeys, discovery, engines, settings
+from llmgw import __version__, curvekeys, discovery, doctor, engines, settings
 from llmgw.controllerlink import ControllerLink
 from llmgw.supervisor import Supervisor
 
@@ -51,9 +51,20 @@ class Reporter:
                      disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
         facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
         facts.update(engines=engines.installed(), engines_probed=True, shards=self.supervisor.describe())
+        facts["doctor"] = self.checkup(facts)
         self.has_gpus = bool(facts.get("gpus"))
         self.sent = {}
         return facts
+
+    def checkup(self, facts: dict) -> dict:
+        """The doctor's warnings and failures, from what was just found (the connection to the controller
+        is what is being made, so it is not checked here)."""
+        gpu = {k: facts[k] for k in ("gpus", "gpus_probed", "gpu_probe_error") if k in facts}
+        found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], known={
+            "cpu": facts["cpu"], "memory": facts["memory"], "disk": facts["disk"], "gpu": gpu,
+            "engines": facts["engines"]})
+        findings = [f for f in doctor.evaluate(found) if f.area != "agent"]
+        return doctor.summary(findings)
 
     def heartbeat(self) -> dict:
         current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),

@@ -342,6 +342,10 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
     for node in view["nodes"]:
         if node["state"] in ("unreachable", "lost"):
             problems.append(f"Node {node['node_id']} is {node['state']} (last heard {node['last_heard_s']:.0f} s ago).")
+        checkup = node["facts"].get("doctor") or {}
+        for finding in checkup.get("failures", []) + checkup.get("warnings", []):
+            problems.append(f"Node {node['node_id']}: {finding['message']} (→ {finding['fix']})" if finding.get("fix")
+                            else f"Node {node['node_id']}: {finding['message']}")
     for model in view["models"]:
         if model["scaling"]["min"] > 0 and not model["ready"]:
             detail = model.get("unplaced") or (model.get("last_failure") or {}).get("detail") or "no replica is ready"

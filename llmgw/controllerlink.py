@@ -26,6 +26,29 @@ SILENCE_INTERVALS = 3
 COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request")
 
 
+def check_handshake(context: zmq.Context, address: str, keys: dict | None, timeout: float = 5.0) -> str:
+    """Connect to the controller at ADDRESS without registering: "accepted" when the handshake
+    succeeds (with CURVE: the controller knows this node's key), "refused", or "silent"."""
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_secretkey = keys["secret_key"].encode()
+        sock.curve_publickey = keys["public_key"].encode()
+        sock.curve_serverkey = keys["controller_public_key"].encode()
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    try:
+        sock.connect(f"tcp://{address}")
+        if not monitor.poll(int(timeout * 1000)):
+            return "silent"
+        event = recv_monitor_message(monitor)["event"]
+        return "accepted" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
 class ControllerLink:
     def __init__(self, context: zmq.Context, addresses: list[str], node_id: str, keys: dict | None,
                  heartbeat_interval: float, reconnect_max: float, register, heartbeat, on_command=None,

@@ -26,6 +26,7 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
         "cpu": ("object", False), "memory": ("object", False), "disk": ("object", False),
         "gpus": ("array", False), "gpus_probed": ("bool", False), "gpu_probe_error": ("str", False),
         "engines": ("object", False), "engines_probed": ("bool", False), "shards": ("array", False),
+        "doctor": ("object", False),
     },
     "heartbeat": {
         "node_id": ("str", True), "seq": ("int", True), "memory": ("object", False), "load": ("object", False),
