@@ -11,6 +11,7 @@ no invented percentage. A path is used where it is.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -42,9 +43,13 @@ SHA_HEADER = "X-Llmgw-Sha256"  # the mirror says what a file's bytes hash to
 
 
 def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> str:
-    """The local path of SOURCE, downloading it first when it is a URL."""
+    """The local path of SOURCE, downloading it first when it is a URL. A mirror version's URL (ending
+    in "/") is a set of files, fetched whole: the path is then its directory, or its first GGUF shard
+    (llama.cpp finds the other shards beside it)."""
     if not is_url(source):
         return source
+    if source.endswith("/"):
+        return _fetch_set(source, weights_dir, progress)
     target = local_name(source, weights_dir)
     with _locks_guard:
         lock = _locks.setdefault(target, threading.Lock())
@@ -60,6 +65,37 @@ def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> s
                 raise FetchError(f"{source} arrived corrupt: its sha256 is {got}, the mirror says {expected}; "
                                  "it is fetched again on the next try")
         return target
+
+
+def _fetch_set(source: str, weights_dir: str, progress) -> str:
+    folder = local_name(source.rstrip("/"), weights_dir)
+    marker = os.path.join(folder, ".complete")  # written last: a folder with some shards is no model
+    with _locks_guard:
+        lock = _locks.setdefault(folder, threading.Lock())
+    with lock:
+        if not os.path.exists(marker):
+            try:
+                with urllib.request.urlopen(source, timeout=60) as resp:
+                    manifest = json.load(resp)
+                files = [(f["name"], f["url"], f.get("sha256")) for f in manifest["files"]]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise FetchError(f"{source} has to be a mirror version (a manifest of files): {e}") from None
+            os.makedirs(folder, exist_ok=True)
+            base = 0
+            for name, url, expected in files:
+                target = os.path.join(folder, os.path.basename(name))
+                if not os.path.exists(target):
+                    vouched = download(url, target, lambda done, total, base=base: progress(base + done, None))
+                    if (expected or vouched) and sha256_of(target) != (expected or vouched):
+                        os.remove(target)
+                        raise FetchError(f"{url} arrived corrupt (its sha256 differs from the mirror's); "
+                                         "it is fetched again on the next try")
+                base += os.path.getsize(target)
+            open(marker, "w").close()
+            progress(base, base)
+    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    return os.path.join(folder, ggufs[0]) if ggufs else folder
 
 
 def download(source: str, target: str, progress=lambda done, total: None) -> str | None:

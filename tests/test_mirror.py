@@ -262,3 +262,28 @@ def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
     good = tmp_path / "fine.gguf"
     good.write_bytes(gguf_bytes("llama"))
     assert check_source(str(good)) is None
+
+
+def test_a_node_fetches_a_sharded_set_whole(tmp_path, source):
+    from llmgw.mirrorserver import files_app
+
+    server, folder = source
+    for i in (1, 2):
+        (folder / f"set-{i:05d}-of-00002.gguf").write_bytes((gguf_bytes("llama") if i == 1 else b"") + bytes([i]) * 5000)
+    store = MirrorDir(str(tmp_path / "models"))
+    manager = Manager(store, library=LIBRARY)
+    manager.fetch(server.url + "/set-00001-of-00002.gguf", "set", "v1")
+    assert wait_done(manager, "set", "v1")["state"] == "present"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    files = make_server("127.0.0.1", port, files_app(store, base), threaded=True)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    try:
+        path = weights.fetch(f"{base}/set/v1/", str(tmp_path / "node"))
+        assert os.path.basename(path) == "set-00001-of-00002.gguf"
+        assert sorted(os.listdir(os.path.dirname(path))) == [".complete", "set-00001-of-00002.gguf",
+                                                             "set-00002-of-00002.gguf"]
+        with pytest.raises(weights.FetchError, match="has to be a mirror version"):
+            weights.fetch(f"{base}/nothing/v1/", str(tmp_path / "node"))
+    finally:
+        files.shutdown()
