@@ -34,22 +34,29 @@ LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budg
                 ("band", "Band"))
 
 
+def admin_only(view):
+    """A view for administrators: others signed in get 403, and those not signed in the sign-in page."""
+    @functools.wraps(view)
+    @flask_login.login_required
+    def wrapped(*args, **kwargs):
+        if not flask_login.current_user.user.is_admin:
+            abort(403)
+        return view(*args, **kwargs)
+    return wrapped
+
+
+def require_token(form) -> None:
+    """Refuse a posted form without this session's CSRF token."""
+    if not form(forms.ActionForm, request.form).validate():
+        abort(400, "The form expired or did not come from this page; reload the page and try again.")
+
+
 def install(app: Flask, runtime: Runtime, form, sentence) -> None:
     engine = runtime.engine
     cfg = runtime.cfg
 
-    def admin_only(view):
-        @functools.wraps(view)
-        @flask_login.login_required
-        def wrapped(*args, **kwargs):
-            if not flask_login.current_user.user.is_admin:
-                abort(403)
-            return view(*args, **kwargs)
-        return wrapped
-
     def checked() -> None:
-        if not form(forms.ActionForm, request.form).validate():
-            abort(400, "The form expired or did not come from this page; reload the page and try again.")
+        require_token(form)
 
     def me() -> accounts.User:
         return flask_login.current_user.user

@@ -18,7 +18,7 @@ from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
 from markupsafe import Markup
 
-from llmgw import accounts, adminpages, budgets, chatpage, forms, keys, limits, memberships, usagereport
+from llmgw import accounts, adminpages, budgets, chatpage, forms, keys, limits, memberships, mirrorpage, usagereport
 from llmgw.orgtree import Tree
 from llmgw.worker import Runtime
 
@@ -241,6 +241,7 @@ def create_app(runtime: Runtime) -> Flask:
 
     chatpage.install(app, runtime, csrf_secret, form)
     adminpages.install(app, runtime, form, sentence)
+    mirrorpage.install(app, runtime, form, sentence)
 
     @app.errorhandler(400)
     def bad_request(e):

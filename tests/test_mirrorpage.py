@@ -1,0 +1,258 @@
+"""The mirror's page: held, arriving and failed versions, fetch, remove, "serve this" into a real
+controller's catalog, the registry explorer against a local server replaying the registry's API; and the
+whole way with real processes: a model fetched into the mirror from a local HTTP source, added through the
+page's form, placed on a node, fetched from the mirror, served by llama.cpp and answered."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+import requests
+from werkzeug.serving import make_server
+from werkzeug.wrappers import Request, Response
+
+from llmgw import accounts, settings, starter, store
+from llmgw.mirrorfetch import Manager
+from llmgw.mirrorserver import Allowed, api_app, files_app
+from llmgw.mirrorstore import MirrorDir
+from llmgw.procs import free_port, http_status, wait_for
+from llmgw.webapp import GatewayApp
+from tests.cluster import Agent, Controller
+from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
+from tests.test_mirror import LIBRARY, gguf_bytes
+from tests.test_pages import sign_in, token
+
+PASSWORD = "a long enough password"
+SHA = "0123456789abcdef0123456789abcdef01234567"
+
+
+class Registry:
+    """A local stand-in for a Hugging Face compatible registry, answering in the real API's shape."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def app(self, environ, start_response):
+        path = Request(environ).path
+        if path == "/api/models":
+            body = [{"_id": "1", "id": "acme/tiny-GGUF", "likes": 12, "downloads": 3456, "pipeline_tag": "text-generation",
+                     "tags": ["gguf"], "createdAt": "2026-10-01T00:00:00.000Z"},
+                    {"_id": "2", "id": "acme/<b>bold</b>", "likes": 0, "downloads": 1, "tags": ["gguf"]}]
+        elif path == "/api/models/acme/tiny-GGUF":
+            body = {"_id": "1", "id": "acme/tiny-GGUF", "sha": SHA, "cardData": {"license": "apache-2.0"},
+                    "siblings": [{"rfilename": "README.md", "size": 120}] + [
+                        {"rfilename": name, "size": len(data), "blobId": "x",
+                         "lfs": {"sha256": "ab" * 32, "size": len(data), "pointerSize": 133}}
+                        for name, data in self.files.items()]}
+        elif path == f"/acme/tiny-GGUF/raw/{SHA}/README.md":
+            text = ("---\nlicense: apache-2.0\n---\n# Tiny\n\nA <script>alert(1)</script> model. "
+                    "[site](https://example.org) [x](javascript:alert(1)) ![p](https://tracker.example/p.png)")
+            return Response(text, mimetype="text/markdown")(environ, start_response)
+        elif path.startswith(f"/acme/tiny-GGUF/resolve/{SHA}/"):
+            data = self.files.get(path.rsplit("/", 1)[-1])
+            return Response(data, mimetype="application/octet-stream")(environ, start_response) if data else \
+                Response("no", status=404)(environ, start_response)
+        else:
+            return Response(json.dumps({"error": "Repository not found"}), status=404)(environ, start_response)
+        return Response(json.dumps(body), mimetype="application/json")(environ, start_response)
+
+    def stop(self):
+        self.server.shutdown()
+
+
+def serve(app):
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def rig(tmp_path):
+    """An in-process mirror, a real controller, a registry, and the pages of a gateway pointed at them."""
+    registry = Registry({"tiny-q4.gguf": gguf_bytes("llama", 2000), "mmproj-tiny.gguf": gguf_bytes("clip")})
+    files_port = free_port()
+    base = f"http://127.0.0.1:{files_port}"
+    mirror_dir = MirrorDir(str(tmp_path / "models"))
+    manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY)
+    files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
+    threading.Thread(target=files.serve_forever, daemon=True).start()
+    api = serve(api_app(manager, base, Allowed([])))
+    controller = Controller(tmp_path)
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    accounts.session_secret(engine)
+    cfg = settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{api.server_port}",
+                               "mirror.hf_endpoint": registry.url,
+                               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}"})
+    app = GatewayApp(cfg)
+    client = app.pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    yield client, manager, controller, base
+    app.runtime.engine.dispose()
+    engine.dispose()
+    controller.stop()
+    for server in (files, api):
+        server.shutdown()
+    registry.stop()
+
+
+def post(client, path, form_page="/admin/mirror", **fields):
+    return client.post(path, data={"csrf_token": token(client.get(form_page).data), **fields})
+
+
+def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
+    client, manager, controller, base = rig
+    page = client.get("/admin/mirror").data.decode()
+    assert "Nothing is held yet" in page and f"Nodes fetch from {base}" in page
+    (tmp_path / "tiny.gguf").write_bytes(gguf_bytes("llama", 3000))
+    post(client, "/admin/mirror/fetch", source=str(tmp_path / "tiny.gguf"), model="tiny", version="v1")
+    wait_for("the fetch", 10, lambda: manager.status("tiny", "v1")["state"] == "present")
+    page = client.get("/admin/mirror").data.decode()
+    assert "tiny/v1" in page and "Serve this" in page
+    serve_link = re.search(r'href="(/admin/mirror/serve\?[^"]+)"', page).group(1).replace("&amp;", "&")
+    form = client.get(serve_link).data.decode()
+    assert f'value="{base}/tiny/v1/tiny.gguf"' in form and '<option value="llamacpp" selected>' in form
+    done = post(client, "/admin/mirror/serve", form_page=serve_link, name="tiny", source=f"{base}/tiny/v1/tiny.gguf",
+                engine="llamacpp", memory="1", max_context="2048", mode="stopped")
+    assert done.status_code == 302
+    (model,) = [m for m in controller.api("/api/v1/models")["models"] if m["name"] == "tiny"]
+    assert (model["scaling"]["min"], model["scaling"]["max"]) == (0, 0)  # "stopped"
+    page = client.get("/admin/mirror").data.decode()
+    assert "in use" in page and "<td>tiny</td>" in page  # used by the catalog model "tiny"
+    # In use: the page offers no Remove; asking anyway through the mirror still works, but not by the page.
+    assert 'action="/admin/mirror/remove"' not in page.split("Held")[1]
+    # A failed fetch is shown with its reason, and can be retried or forgotten.
+    post(client, "/admin/mirror/fetch", source="http://127.0.0.1:9/missing.gguf", model="gone", version="v1")
+    wait_for("the failure", 10, lambda: manager.status("gone", "v1")["state"] == "failed")
+    page = client.get("/admin/mirror").data.decode()
+    assert "gone/v1" in page and "Retry" in page and "cannot fetch" in page
+    post(client, "/admin/mirror/remove", model="gone", version="v1")
+    assert manager.status("gone", "v1")["state"] == "absent"
+
+
+def test_the_registry_is_explored_and_its_cards_are_inert(rig):
+    client, manager, _, _ = rig
+    page = client.get("/admin/mirror/registry?sort=downloads").data.decode()
+    assert "acme/tiny-GGUF" in page and "3,456 downloads" in page and "<b>bold</b>" not in page
+    repo = client.get("/admin/mirror/repo?id=acme/tiny-GGUF").data.decode()
+    assert "tiny-q4.gguf" in repo and "README.md" not in repo.split("Weights")[1].split("Model card")[0]
+    assert "not a model" in repo  # the projector
+    card = repo.split("Model card")[1]
+    assert "<h1>Tiny</h1>" in card and "<script" not in card and 'href="javascript' not in card
+    assert "<img" not in card and "license: apache" not in card
+    assert f'value="hf:acme/tiny-GGUF/tiny-q4.gguf@{SHA}"' in repo  # pinned to the listing's commit
+    post(client, "/admin/mirror/fetch", form_page="/admin/mirror/repo?id=acme/tiny-GGUF",
+         source=f"hf:acme/tiny-GGUF/tiny-q4.gguf@{SHA}", model="tiny-gguf", version=SHA[:12])
+    wait_for("the registry fetch", 10, lambda: manager.status("tiny-gguf", SHA[:12])["state"] != "fetching")
+    assert manager.status("tiny-gguf", SHA[:12])["state"] == "present"
+    assert client.get("/admin/mirror/repo?id=../../etc").status_code == 404
+
+
+def test_an_unreachable_mirror_is_said_outright(tmp_path):
+    url = f"sqlite:///{tmp_path}/p.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    app = GatewayApp(settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{free_port()}",
+                                          "gateway.controller_admin": f"127.0.0.1:{free_port()}"}))
+    client = app.pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    page = client.get("/admin/mirror").data.decode()
+    assert "the mirror&#39;s management API does not answer" in page and "Nothing is held yet" not in page
+    app.runtime.engine.dispose()
+    engine.dispose()
+
+
+def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
+    """Real processes all the way: mirror.py, controller.py, agent.py, gateway.py, llama.cpp."""
+    source = serve(lambda environ, start_response: _file_app(environ, start_response, starter.model_path()))
+    files_port, api_port = free_port(), free_port()
+    mirror_config = write_config(tmp_path / "mirror.toml", {
+        "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files_port}",
+        "mirror.api_listen": f"127.0.0.1:{api_port}"})
+    with open(tmp_path / "mirror.log", "wb") as log:
+        mirror = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", mirror_config],
+                                  stdout=log, stderr=subprocess.STDOUT)
+    controller = agent = gw = None
+    try:
+        wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api_port}/api/v1/health") == 200)
+        url = f"sqlite:///{tmp_path}/cluster.db"
+        controller = Controller(tmp_path, store_url=url)
+        agent = Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], "n1", controller.issue_key("n1"))
+        engine = store.open_store(url)
+        accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+        engine.dispose()
+        key = make_key(url)
+        gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                     gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}")
+        browser = requests.Session()
+        login = browser.get(gw.url + "/login").text
+        browser.post(gw.url + "/login", data={"email": "root@example.org", "password": PASSWORD,
+                                              "csrf_token": _token(login)})
+
+        def form_post(path, page, **fields):
+            return browser.post(gw.url + path, data={"csrf_token": _token(browser.get(gw.url + page).text), **fields})
+
+        # Interrupted on the first hop: the source breaks off once; the retry resumes.
+        _file_app.break_once = True
+        form_post("/admin/mirror/fetch", "/admin/mirror", source=f"http://127.0.0.1:{source.server_port}/smol.gguf",
+                  model="smol", version="v1")
+        wait_for("the first try to fail", 30, lambda: "smol/v1" in browser.get(gw.url + "/admin/mirror").text
+                 and "Retry" in browser.get(gw.url + "/admin/mirror").text)
+        form_post("/admin/mirror/fetch", "/admin/mirror", source=f"http://127.0.0.1:{source.server_port}/smol.gguf",
+                  model="smol", version="v1")
+        wait_for("the fetch", 60, lambda: "Serve this" in browser.get(gw.url + "/admin/mirror").text)
+        page = browser.get(gw.url + "/admin/mirror").text
+        serve_link = re.search(r'href="(/admin/mirror/serve\?[^"]+)"', page).group(1).replace("&amp;", "&")
+        form = browser.get(gw.url + serve_link).text
+        file_url = re.search(r'id="source" name="source" value="([^"]+)"', form).group(1)
+        form_post("/admin/mirror/serve", serve_link, name="smol", source=file_url, engine="llamacpp", memory="1",
+                  max_context="2048", mode="always")
+        wait_for("smol to be served", 180, lambda: any(r["model"] == "smol" and r["state"] == "ready"
+                                                       for r in controller.replicas()), interval=0.5)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=3, timeout=60)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                reply = client.chat.completions.create(model="smol", max_tokens=20, messages=[
+                    {"role": "user", "content": "What is the capital of France?"}])
+                break
+            except openai.NotFoundError:
+                assert time.monotonic() < deadline  # the gateway learns of the replica within seconds
+                time.sleep(0.5)
+        client.close()
+        assert reply.choices[0].message.content
+        assert any(name.endswith("smol.gguf") for name in os.listdir(agent.folder / "weights"))
+    finally:
+        for part in (gw, agent, controller):
+            if part is not None:
+                part.stop()
+        stop_process(mirror)
+        source.shutdown()
+
+
+def _token(html: str) -> str:
+    return re.search(r'name="csrf_token" type="hidden" value="([^"]+)"', html).group(1)
+
+
+def _file_app(environ, start_response, path):
+    """PATH over HTTP with Range; after `_file_app.break_once = True`, the next whole download breaks off."""
+    from werkzeug.utils import send_file
+
+    response = send_file(path, environ, conditional=True)
+    if getattr(_file_app, "break_once", False) and not environ.get("HTTP_RANGE"):
+        _file_app.break_once = False
+        body = b"".join(response.response)[:5_000_000]
+        response.close()
+        start_response("200 OK", [("Content-Length", str(os.path.getsize(path)))])
+        return [body]
+    return response(environ, start_response)
