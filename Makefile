@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/controlplane.py
 	$(BIN)/python bench/limits.py
+	$(BIN)/python bench/mirror.py
 
 clean:
 	rm -rf $(VENV) var

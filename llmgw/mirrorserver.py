@@ -26,14 +26,21 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
+from werkzeug.wsgi import FileWrapper
 
 from llmgw.mirrorfetch import Manager
 from llmgw.mirrorstore import NAME, MirrorDir, MirrorError
 from llmgw.weights import SHA_HEADER
 
+READ_SIZE = 1 << 20
+
 
 def _json(body, status: int = 200) -> Response:
     return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def _large_reads(file, buffer_size: int = 8192):
+    return FileWrapper(file, READ_SIZE)
 
 
 def files_app(store: MirrorDir, base_url: str):
@@ -56,6 +63,8 @@ def files_app(store: MirrorDir, base_url: str):
                 response = _json(store.manifest(model, version, base_url))
             else:
                 path = store.file_path(model, version, parts[2])
+                # werkzeug reads files 8 KiB at a time by default; weights are gigabytes.
+                environ["wsgi.file_wrapper"] = _large_reads
                 try:
                     response = send_file(path, environ, mimetype="application/octet-stream", conditional=True,
                                          max_age=None)
