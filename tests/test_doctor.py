@@ -159,3 +159,31 @@ def test_the_agent_registers_with_the_doctors_findings(tmp_path):
 @pytest.fixture(autouse=True)
 def _no_config(monkeypatch):
     monkeypatch.delenv("LLMGW_CONFIG", raising=False)
+
+
+def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
+    from llmgw import accounts, settings, store
+    from llmgw.webapp import GatewayApp
+    from tests.test_pages import sign_in
+
+    c = Controller(tmp_path)
+    a = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"),
+              nvidia_smi_capture="nvidia-smi-1xa100-busy.csv")
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    app = GatewayApp(settings.load(None, {"store.url": url, "gateway.controller": f"127.0.0.1:{c.gateway_port}",
+                                          "gateway.controller_admin": f"127.0.0.1:{c.admin_port}"}))
+    try:
+        wait_until("the node to register", 20, lambda: "n1" in c.nodes())
+        warnings = c.nodes()["n1"]["facts"]["doctor"]["warnings"]
+        assert warnings[0]["message"] == "GPU 0 has 60000 of 81920 MiB in use already"
+        client = app.pages.test_client()
+        sign_in(client, "root@example.org", "a long enough password")
+        page = client.get("/admin").data.decode()
+        assert "Node n1: GPU 0 has 60000 of 81920 MiB in use already" in page and "NVIDIA A100-SXM4-80GB" in page
+    finally:
+        app.runtime.engine.dispose()
+        engine.dispose()
+        a.stop()
+        c.stop()

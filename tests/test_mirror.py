@@ -287,3 +287,28 @@ def test_a_node_fetches_a_sharded_set_whole(tmp_path, source):
             weights.fetch(f"{base}/nothing/v1/", str(tmp_path / "node"))
     finally:
         files.shutdown()
+
+
+def test_a_version_cannot_be_removed_while_it_downloads(tmp_path):
+    release = threading.Event()
+
+    def slow(environ, start_response):  # sends a little, then waits until told
+        start_response("200 OK", [("Content-Length", "2000")])
+        yield b"x" * 1000
+        release.wait(10)
+        yield b"x" * 1000
+
+    server = make_server("127.0.0.1", 0, slow, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    try:
+        manager.fetch(f"http://127.0.0.1:{server.server_port}/w.bin", "w", "v1")
+        with pytest.raises(MirrorError, match="is downloading; wait for it to finish or fail"):
+            manager.remove("w", "v1")
+        release.set()
+        assert wait_done(manager, "w", "v1")["state"] == "present"
+        manager.remove("w", "v1")
+        assert manager.status("w", "v1")["state"] == "absent"
+    finally:
+        release.set()
+        server.shutdown()

@@ -97,7 +97,7 @@ def rig(tmp_path):
     app = GatewayApp(cfg)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
-    yield client, manager, controller, base
+    yield client, manager, controller, base, f"127.0.0.1:{api.server_port}"
     app.runtime.engine.dispose()
     engine.dispose()
     controller.stop()
@@ -111,7 +111,7 @@ def post(client, path, form_page="/admin/mirror", **fields):
 
 
 def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
-    client, manager, controller, base = rig
+    client, manager, controller, base, _ = rig
     page = client.get("/admin/mirror").data.decode()
     assert "Nothing is held yet" in page and f"Nodes fetch from {base}" in page
     (tmp_path / "tiny.gguf").write_bytes(gguf_bytes("llama", 3000))
@@ -141,7 +141,7 @@ def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
 
 
 def test_the_registry_is_explored_and_its_cards_are_inert(rig):
-    client, manager, _, _ = rig
+    client, manager, _, _, _ = rig
     page = client.get("/admin/mirror/registry?sort=downloads").data.decode()
     assert "acme/tiny-GGUF" in page and "3,456 downloads" in page and "<b>bold</b>" not in page
     repo = client.get("/admin/mirror/repo?id=acme/tiny-GGUF").data.decode()
@@ -256,3 +256,25 @@ def _file_app(environ, start_response, path):
         start_response("200 OK", [("Content-Length", str(os.path.getsize(path)))])
         return [body]
     return response(environ, start_response)
+
+
+def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
+    from click.testing import CliRunner
+
+    from llmgw.cli import main
+
+    client, manager, controller, base, api = rig
+    for model in ("kept", "spare"):
+        (tmp_path / f"{model}.gguf").write_bytes(gguf_bytes("llama"))
+        manager.fetch(str(tmp_path / f"{model}.gguf"), model, "v1")
+        wait_for(model, 10, lambda m=model: manager.status(m, "v1")["state"] == "present")
+    post(client, "/admin/mirror/serve", name="kept", source=f"{base}/kept/v1/kept.gguf", engine="llamacpp",
+         memory="1", max_context="2048", mode="stopped")
+    config = write_config(tmp_path / "cli.toml", {"mirror.api": api,
+                                                  "controller.admin_listen": f"127.0.0.1:{controller.admin_port}"})
+    result = CliRunner().invoke(main, ["--config", config, "mirror", "unused"])
+    assert result.exit_code == 0, result.output
+    assert "spare  v1" in result.output and "kept" not in result.output.split("Before removing")[0]
+    refused = CliRunner().invoke(main, ["--config", config, "mirror", "remove", "kept", "v1"])
+    assert refused.exit_code == 1 and "still refers to kept/v1" in refused.output
+    assert CliRunner().invoke(main, ["--config", config, "mirror", "remove", "spare", "v1"]).exit_code == 0
