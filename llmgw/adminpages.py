@@ -112,6 +112,28 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
             log.info("%s: %s", me().email, message)
         return redirect("/admin/people" + (f"?q={f['q']}" if f.get("q") else ""))
 
+    @app.post("/admin/people/key")
+    @admin_only
+    def people_key():
+        """An operator's key in a project (for a person, or nobody), shown once here or as a claim link.
+        Answered as a page, never through a redirect: a secret must not travel in the session cookie."""
+        checked()
+        f = request.form
+        try:
+            owner = accounts.find(engine, f["for"]).id if f.get("for") else None
+            lifetime = keys.parse_duration(f["expires"]) if f.get("expires") else None
+            record, secret = keys.create_key(engine, f.get("name", ""), f.get("project") or None, lifetime,
+                                             user_id=owner)
+        except (accounts.AccountError, keys.KeyRefused, ValueError) as e:
+            flash(sentence(e), "problem")
+            return redirect("/admin/people")
+        log.info("%s made the key %s (%s) in %s", me().email, record.name, record.id, record.project)
+        link = None
+        if f.get("claim"):
+            link = request.host_url.rstrip("/") + "/claim/" + keys.make_claim(engine, record.id, secret)
+            secret = None
+        return render_template("admin_key.html", record=record, secret=secret, link=link)
+
     # --- quotas --------------------------------------------------------------------------------
 
     @app.get("/admin/quotas")

@@ -166,3 +166,25 @@ def test_the_cluster_page_says_what_needs_attention(admin):
     assert "Nothing needs attention." in page and "no controller" in page
     partial = client.get("/admin?partial=1").data.decode()
     assert "<html" not in partial and "Health" in partial
+
+
+def test_an_operator_makes_a_key_in_a_project_shown_once_or_as_a_claim_link(admin):
+    client, engine, _ = admin
+    project = orgtree.add(engine, "project", "ci", "default/default")
+    person = accounts.create_user(engine, "dev@example.org", PASSWORD, state=accounts.ACTIVE)
+    def make(**fields):
+        return client.post("/admin/people/key", data={"csrf_token": token(client.get("/admin/people").data), **fields})
+
+    made = make(project=project.id, name="runner", expires="30d")
+    secret = re.search(r"sk-llmgw-[\w-]+", made.data.decode()).group(0)
+    assert secret not in made.headers.get("Set-Cookie", "")  # not kept in the session
+    assert secret not in flashed(client)  # never shown again
+    linked = make(project=project.id, name="for-dev", expires="", claim="1", **{"for": person.id}).data.decode()
+    link = re.search(r"http://[^\s<]+/claim/[\w-]+", linked).group(0)
+    assert "sk-llmgw-" not in linked
+    records = {r.name: r for r in keys.list_keys(engine)}
+    assert records["for-dev"].user_id == person.id and records["runner"].project == "default/default/ci"
+    claim_path = link.split("localhost", 1)[-1]
+    other = client.application.test_client()
+    page = other.get(claim_path).data
+    assert b"sk-llmgw-" in other.post(claim_path, data={"csrf_token": token(page)}).data

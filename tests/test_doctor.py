@@ -187,3 +187,13 @@ def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
         engine.dispose()
         a.stop()
         c.stop()
+
+
+def test_gpus_through_nvml_replayed(tmp_path):
+    env = {**os.environ, "LLMGW_CONFIG": "", "PYTHONPATH": os.path.join(ROOT, "tests", "fakenvml"),
+           "LLMGW_FAKE_NVML": os.path.join(FIXTURES, "nvml-4xa100.json")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--json"], capture_output=True,
+                         text=True, timeout=60, env=env)
+    report = json.loads(run.stdout)
+    assert [g["name"] for g in report["facts"]["gpu"]["gpus"]] == ["NVIDIA A100-SXM4-80GB"] * 4
+    assert {"level": OK, "area": "gpu", "message": "4 GPU(s): NVIDIA A100-SXM4-80GB", "fix": ""} in report["findings"]
