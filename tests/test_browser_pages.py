@@ -86,6 +86,9 @@ def test_chat_with_the_real_model_renders_keeps_and_stops(cluster):
     context, page = signed_in(cluster)
     page.goto(cluster["gw"].url + "/chat")
     page.select_option("#model", starter.NAME)
+    page.click("summary:has-text('Settings')")
+    page.fill("#temperature", "0")  # a 135M model sampling at 0.7 wanders; greedy answers the same every time
+    page.dispatch_event("#temperature", "change")
     page.fill("#prompt", "What is the capital of France? Answer in one sentence.")
     page.press("#prompt", "Enter")
     stats = page.wait_for_selector(".msg.assistant .stats", timeout=60_000)
