@@ -19,11 +19,13 @@ import sys
 import threading
 
 import click
+from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import settings
+from llmgw.metrics import serve_registry
 from llmgw.mirrorfetch import Manager
-from llmgw.mirrorserver import Allowed, api_app, files_app
+from llmgw.mirrorserver import Allowed, MirrorCollector, api_app, files_app
 from llmgw.mirrorstore import MirrorDir
 
 log = logging.getLogger("llmgw.mirror")
@@ -54,11 +56,13 @@ def _serve(listen: str, app, name: str):
 @click.option("--listen", help="Files for nodes [mirror.listen: :8081].")
 @click.option("--api-listen", help="The management API [mirror.api_listen: :8082].")
 @click.option("--base-url", "base_url_flag", help="The address nodes use for the files [mirror.base_url].")
-def main(config_path, directory, listen, api_listen, base_url_flag):
+@click.option("--metrics-listen", help="Prometheus metrics [mirror.metrics_listen: 127.0.0.1:9093].")
+def main(config_path, directory, listen, api_listen, base_url_flag, metrics_listen):
     """Run the llmgw model mirror."""
     try:
         cfg = settings.load(config_path, {"mirror.dir": directory, "mirror.listen": listen,
-                                          "mirror.api_listen": api_listen, "mirror.base_url": base_url_flag})
+                                          "mirror.api_listen": api_listen, "mirror.base_url": base_url_flag,
+                                          "mirror.metrics_listen": metrics_listen})
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(),
@@ -75,12 +79,17 @@ def main(config_path, directory, listen, api_listen, base_url_flag):
     except ValueError as e:
         raise click.ClickException(f"mirror.api_allow: {e}") from None
     manager = Manager(store, cfg["mirror.hf_endpoint"])
-    files = _serve(cfg["mirror.listen"], files_app(store, base), "mirror-files")
+    collector = MirrorCollector(manager)
+    registry = CollectorRegistry()
+    registry.register(collector)
+    serve_registry(cfg["mirror.metrics_listen"], registry)
+    files = _serve(cfg["mirror.listen"], files_app(store, base, collector), "mirror-files")
     api = _serve(cfg["mirror.api_listen"], api_app(manager, base, allowed), "mirror-api")
     who = (f"this machine and {', '.join(cfg['mirror.api_allow'])}" if cfg["mirror.api_allow"]
            else "this machine only")
-    log.info("serving %s read-only on %s; management API on %s, for %s; catalog sources should point at %s",
-             store.root, cfg["mirror.listen"], cfg["mirror.api_listen"], who, base)
+    log.info("serving %s read-only on %s; management API on %s, for %s; metrics on http://%s/metrics; "
+             "catalog sources should point at %s", store.root, cfg["mirror.listen"], cfg["mirror.api_listen"], who,
+             cfg["mirror.metrics_listen"], base)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

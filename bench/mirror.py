@@ -66,7 +66,8 @@ def main() -> int:
     files, api = free_port(), free_port()
     with open(os.path.join(tmp, "mirror.log"), "wb") as log:
         proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--dir", os.path.join(tmp, "models"),
-                                 "--listen", f"127.0.0.1:{files}", "--api-listen", f"127.0.0.1:{api}"],
+                                 "--listen", f"127.0.0.1:{files}", "--api-listen", f"127.0.0.1:{api}",
+                                 "--metrics-listen", f"127.0.0.1:{free_port()}"],
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)

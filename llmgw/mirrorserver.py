@@ -43,8 +43,8 @@ def _large_reads(file, buffer_size: int = 8192):
     return FileWrapper(file, READ_SIZE)
 
 
-def files_app(store: MirrorDir, base_url: str):
-    """The read-only file server."""
+def files_app(store: MirrorDir, base_url: str, collector: "MirrorCollector | None" = None):
+    """The read-only file server; COLLECTOR, when given, counts the bytes it sends."""
 
     def app(environ, start_response):
         request = Request(environ)
@@ -73,6 +73,8 @@ def files_app(store: MirrorDir, base_url: str):
                 digest = store.sha256(model, version, parts[2])
                 if digest:
                     response.headers[SHA_HEADER] = digest
+                if collector is not None and request.method == "GET" and response.content_length:
+                    collector.served += response.content_length
         except HTTPException as e:
             response = e.get_response(environ)
         return response(environ, start_response)
@@ -149,3 +151,28 @@ def _handle(manager: Manager, base_url: str, endpoint: str, args: dict, request:
     files = view["files"]
     one = files[0]["name"] if len(files) == 1 else ""
     return _json({**view, "url": f"{base_url}/{body['model']}/{body['version']}/{one}"}, 202)
+
+
+class MirrorCollector:
+    """The mirror as Prometheus series, read at each scrape: what it holds, what arrives, what failed,
+    the free disk, and the bytes it has served."""
+
+    def __init__(self, manager: Manager):
+        self.manager = manager
+        self.served = 0  # bytes of files sent to nodes (added by the file server)
+
+    def collect(self):
+        import shutil
+
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        listing = self.manager.listing()
+        yield GaugeMetricFamily("llmgw_mirror_versions", "Model versions held.", value=len(listing["held"]))
+        yield GaugeMetricFamily("llmgw_mirror_held_bytes", "Bytes of the versions held.",
+                                value=sum(v["bytes"] for v in listing["held"]))
+        yield GaugeMetricFamily("llmgw_mirror_downloads", "Versions being fetched now.", value=len(listing["arriving"]))
+        yield GaugeMetricFamily("llmgw_mirror_failed", "Fetches that failed and are not yet retried or removed.",
+                                value=len(listing["failed"]))
+        usage = shutil.disk_usage(self.manager.store.root)
+        yield GaugeMetricFamily("llmgw_mirror_disk_free_bytes", "Free space on the mirror's disk.", value=usage.free)
+        yield CounterMetricFamily("llmgw_mirror_served_bytes", "Bytes of files sent to nodes.", value=self.served)

@@ -163,6 +163,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Where the mirror serves files, read-only, with Range requests (resume), to nodes."),
     Setting("mirror.api_listen", "str", ":8082",
             "Where the mirror's management API listens (fetch, list, status, remove)."),
+    Setting("mirror.metrics_listen", "str", "127.0.0.1:9093",
+            "The mirror's Prometheus endpoint, which serves nothing else. Loopback by default."),
     Setting("mirror.api_allow", "list", [],
             "Addresses or networks (CIDR) besides this machine that may use the management API. Empty: this "
             "machine only."),

@@ -135,6 +135,7 @@ class Up:
             "mirror.dir": os.path.join(self.var, "models"), "mirror.listen": self.loopback("mirror.listen"),
             "mirror.api_listen": self.loopback("mirror.api_listen"), "mirror.api": self.loopback("mirror.api_listen"),
             "mirror.base_url": f"http://{self.loopback('mirror.listen')}",
+            "mirror.metrics_listen": self.cfg["mirror.metrics_listen"],
             "gateway.controller_admin": self.loopback("controller.admin_listen"),
         }
         if values["agent.controllers"][0].startswith(":"):
@@ -280,7 +281,8 @@ or with the openai client (.venv/bin/python):
 
 The cluster: .venv/bin/llmgw --config var/up.toml ctl nodes | models | replicas
 Metrics: http://{self.cfg['gateway.metrics_listen']}/metrics (gateway), \
-http://{self.cfg['controller.metrics_listen']}/metrics (fleet)
+http://{self.cfg['controller.metrics_listen']}/metrics (fleet), \
+http://{self.cfg['mirror.metrics_listen']}/metrics (mirror)
 Logs: var/controller.log, var/agent.log, var/gateway.log, var/agent/shards/*.log
 Ctrl-C stops the gateway, the agent, the controller and the engine.
 """)

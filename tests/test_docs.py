@@ -44,6 +44,25 @@ def test_alert_rules_use_only_series_the_gateway_emits():
     assert used and used <= emitted, used - emitted
 
 
+def test_the_mirrors_metrics_are_documented_and_alerted_on_truly(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmgw.mirrorfetch import Manager
+    from llmgw.mirrorserver import MirrorCollector
+    from llmgw.mirrorstore import MirrorDir
+
+    registry = CollectorRegistry()
+    registry.register(MirrorCollector(Manager(MirrorDir(str(tmp_path)))))
+    text = generate_latest(registry).decode()
+    emitted = set(re.findall(r"^(llmgw_[a-z_]+?)(?:_total)? ", text, re.M))
+    doc = read("docs/operations.md")
+    for name in emitted:
+        exported = name + "_total" if f"{name}_total " in text else name
+        assert f"`{exported}`" in doc, f"{exported} is not in docs/operations.md"
+    used = set(re.findall(r"\b(llmgw_[a-z_]+)\b", read("deploy/prometheus/llmgw-mirror-rules.yml")))
+    assert used and used <= emitted, used - emitted
+
+
 def test_every_setting_is_in_the_reference():
     doc = read("docs/reference.md")
     for s in settings.SETTINGS:

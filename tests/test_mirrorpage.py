@@ -178,7 +178,7 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
     files_port, api_port = free_port(), free_port()
     mirror_config = write_config(tmp_path / "mirror.toml", {
         "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files_port}",
-        "mirror.api_listen": f"127.0.0.1:{api_port}"})
+        "mirror.api_listen": f"127.0.0.1:{api_port}", "mirror.metrics_listen": f"127.0.0.1:{free_port()}"})
     with open(tmp_path / "mirror.log", "wb") as log:
         mirror = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", mirror_config],
                                   stdout=log, stderr=subprocess.STDOUT)

@@ -53,7 +53,7 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     ports = {name: f"127.0.0.1:{free_port()}" for name in (
         "gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen", "controller.metrics_listen",
         "controller.gateway_listen", "controller.demand_listen", "controller.accountant_listen",
-        "mirror.listen", "mirror.api_listen")}
+        "mirror.listen", "mirror.api_listen", "mirror.metrics_listen")}
     config = write_config(tmp_path / "llmgw.toml", ports)
     proc, out, err = run_up(tmp_path, port, config)
     try:
