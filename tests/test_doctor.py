@@ -46,6 +46,11 @@ def tree(tmp_path, avx2=True, nvidia_card=False, ib_ports=()):
     return str(root)
 
 
+def run_doctor(*args, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), *args], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
 def findings_of(facts):
     return [(f.level, f.area, f.message) for f in doctor.evaluate(facts)]
 
@@ -70,8 +75,7 @@ def test_a_card_with_no_driver_fails_first_with_its_fix(tmp_path):
     root = tree(tmp_path, nvidia_card=True, avx2=False)
     config = write_config(tmp_path / "agent.toml", {"agent.nvidia_smi": str(empty),
                                                     "agent.weights_dir": str(tmp_path)})
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--config", config, "--root", root],
-                         capture_output=True, text=True, timeout=60)
+    run = run_doctor("--config", config, "--root", root)
     assert run.returncode == 1, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert lines[2].startswith("FAIL gpu     1 NVIDIA card(s) on the PCI bus (0000:3b:00.0) but no working driver")
@@ -103,8 +107,7 @@ def test_a_gpu_probe_that_fails_is_a_failure_not_no_gpus(tmp_path):
 
 
 def test_this_machine_for_real():
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--json"], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "LLMGW_CONFIG": ""})
+    run = run_doctor("--json", env={**os.environ, "LLMGW_CONFIG": ""})
     report = json.loads(run.stdout)
     assert run.returncode == 0, run.stdout  # no GPU, AVX2, llama.cpp installed: nothing fails here
     assert "avx2" in report["facts"]["cpu"]["flags"] and report["facts"]["gpu"]["gpus"] == []
@@ -119,8 +122,7 @@ def test_the_controller_answers_and_accepts_the_key_or_not(tmp_path):
         (tmp_path / "node.key").write_text(key_text)
         good = write_config(tmp_path / "good.toml", {"agent.controllers": [f"127.0.0.1:{c.agent_port}"],
                                                       "agent.key_file": str(tmp_path / "node.key")})
-        run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--config", good],
-                             capture_output=True, text=True, timeout=60)
+        run = run_doctor("--config", good)
         assert f"OK   agent   the controller at 127.0.0.1:{c.agent_port} accepts this node's key" in run.stdout
         assert "this node reaches" in run.stdout and "via lo" in run.stdout
         # A key the controller never issued (another controller's) is refused.
@@ -132,15 +134,13 @@ def test_the_controller_answers_and_accepts_the_key_or_not(tmp_path):
             other.stop()
         bad = write_config(tmp_path / "bad.toml", {"agent.controllers": [f"127.0.0.1:{c.agent_port}"],
                                                     "agent.key_file": str(tmp_path / "stranger.key")})
-        run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--config", bad],
-                             capture_output=True, text=True, timeout=60)
+        run = run_doctor("--config", bad)
         assert run.returncode == 1 and "refuses this node's key" in run.stdout
     finally:
         c.stop()
     silent = write_config(tmp_path / "silent.toml", {"agent.controllers": [f"127.0.0.1:{free_port()}"],
                                                       "agent.key_file": str(tmp_path / "node.key")})
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--config", silent],
-                         capture_output=True, text=True, timeout=60)
+    run = run_doctor("--config", silent)
     assert run.returncode == 1 and "does not answer" in run.stdout
 
 
@@ -192,8 +192,7 @@ def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
 def test_gpus_through_nvml_replayed(tmp_path):
     env = {**os.environ, "LLMGW_CONFIG": "", "PYTHONPATH": os.path.join(ROOT, "tests", "fakenvml"),
            "LLMGW_FAKE_NVML": os.path.join(FIXTURES, "nvml-4xa100.json")}
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "doctor.py"), "--json"], capture_output=True,
-                         text=True, timeout=60, env=env)
+    run = run_doctor("--json", env=env)
     report = json.loads(run.stdout)
     assert [g["name"] for g in report["facts"]["gpu"]["gpus"]] == ["NVIDIA A100-SXM4-80GB"] * 4
     assert {"level": OK, "area": "gpu", "message": "4 GPU(s): NVIDIA A100-SXM4-80GB", "fix": ""} in report["findings"]
