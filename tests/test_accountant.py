@@ -256,3 +256,19 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
     assert a.admit(wire(table.access[key.id]), True, 1).limit == "budget"
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(store.usage)).scalar() == 2
+
+
+def test_the_accountant_server_ignores_what_it_cannot_read():
+    from llmgw.accountserver import handle
+
+    a = Accountant(Clock())
+    assert handle(a, {"op": "nonsense"}) is None
+    for bad in ({"op": "admit", "id": 1, "levels": [["key:k", 1]]},  # a level missing its fields
+                {"op": "admit", "id": 2, "levels": [["key:k", "ten", None, None, "month"]]},
+                {"op": "settle", "r": "x"}):
+        with pytest.raises((ValueError, TypeError, KeyError)):
+            handle(a, bad)  # the server's loop logs these and carries on
+    answer = handle(a, {"op": "admit", "id": 3, "levels": [level("key:k", rpm=1)], "priced": False, "tokens": 1})
+    assert answer["ok"] and answer["status"] == {"rpm": [1, 0]}
+    refused = handle(a, {"op": "admit", "id": 4, "levels": [level("key:k", rpm=1)], "priced": False, "tokens": 1})
+    assert refused["ok"] is False and refused["limit"] == "rpm" and refused["retry_after"] == 60

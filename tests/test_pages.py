@@ -285,3 +285,23 @@ def test_a_persons_own_key_may_narrow_its_models_and_yield_but_never_rise(site):
     table = keys.KeyTable.load(engine)
     (record,) = [r for r in table.by_hash.values() if r.name == "batch"]
     assert table.access[record.id].band == "low" and table.access[record.id].models == frozenset({"sim", "other"})
+
+
+def test_the_chat_endpoint_needs_a_session_and_its_token(site):
+    _, _, app = site
+    import io
+    import json as json_
+
+    def call(headers):
+        body = json_.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/chat/completions", "wsgi.input": io.BytesIO(body),
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json", "SERVER_NAME": "t",
+                   "SERVER_PORT": "80", "wsgi.url_scheme": "http", "REMOTE_ADDR": "127.0.0.1", **headers}
+        seen = {}
+        out = b"".join(app(environ, lambda status, hdrs: seen.update(status=status)))
+        return seen["status"], json_.loads(out)
+
+    status, body = call({})
+    assert status.startswith("401") and body["error"]["code"] == "not_signed_in"
+    status, body = call({"HTTP_COOKIE": "llmgw_session=forged.value.here", "HTTP_X_CSRF_TOKEN": "x"})
+    assert status.startswith("401")
