@@ -88,15 +88,6 @@ class Tree:
         known = ", ".join(n.path for n in self.of_kind(kind)[:10]) or "none yet"
         raise TreeError(f"no {word} {which!r}; {word}s: {known}")
 
-    def ancestors(self, node_id: str) -> list[Node]:
-        """NODE_ID's node and those above it, nearest first."""
-        out = []
-        node = self.by_id.get(node_id)
-        while node is not None:
-            out.append(node)
-            node = self.by_id.get(node.parent_id) if node.parent_id else None
-        return out
-
     def projects_under(self, node_id: str) -> list[Node]:
         node = self.by_id[node_id]
         if node.kind == "project":
