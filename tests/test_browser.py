@@ -85,7 +85,7 @@ def test_sign_up_approve_sign_in_make_a_key_and_use_it(site):
     page.close()
 
 
-@pytest.mark.parametrize("path", ["/", "/login", "/signup"])
+@pytest.mark.parametrize("path", ["/", "/login", "/signup", "/claim/some-token"])
 def test_every_page_fits_a_phone(site, path):
     browser, gw, _, tmp = site
     page = browser.new_page(viewport=PHONE)

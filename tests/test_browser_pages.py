@@ -15,6 +15,8 @@ from llmgw import accounts, starter, store
 from llmgw.engines import llamacpp
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import Gateway, Sim, make_key, stop_process
+from tests.test_mirror import gguf_bytes
+from tests.test_mirrorpage import Registry
 
 PHONE = {"width": 390, "height": 844}
 PASSWORD = "a long enough password"
@@ -30,6 +32,7 @@ def cluster(tmp_path_factory):
                                   stdout=log, stderr=subprocess.STDOUT)
     engine_url = f"http://127.0.0.1:{port}"
     sim = Sim(model="sim", replica="s", ttft_ms=1, tokens_per_s=0)
+    registry = Registry({"tiny-q4_k_m-with-a-rather-long-file-name.gguf": gguf_bytes("llama", 100)})
     url = f"sqlite:///{tmp}/pages.db"
     db = store.open_store(url)
     admin = accounts.create_user(db, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
@@ -37,7 +40,7 @@ def cluster(tmp_path_factory):
     try:
         wait_for("llama.cpp to load the model", 120, lambda: http_status(engine_url + "/health") == 200,
                  alive=lambda: engine.poll() is None, interval=0.2)
-        gw = Gateway(tmp, url, workers=2, gateway__signup_open=True,
+        gw = Gateway(tmp, url, workers=2, gateway__signup_open=True, mirror__hf_endpoint=registry.url,
                      endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
                                 {"id": "s", "url": sim.url, "models": ["sim"]}],
                      models=[{"name": starter.NAME, "max_output": 400, "description": "SmolLM2 on a CPU"}])
@@ -52,6 +55,7 @@ def cluster(tmp_path_factory):
         browser.close()
     gw.stop()
     sim.stop()
+    registry.stop()
     stop_process(engine)
 
 
@@ -206,7 +210,8 @@ def test_a_quota_changed_on_the_page_is_enforced(cluster):
 
 @pytest.mark.parametrize("path", ["/account", "/account/password", "/chat", "/admin", "/admin/people",
                                   "/admin/quotas", "/admin/usage", "/org", "/admin/quotas?edit=cluster:",
-                                  "/admin/mirror", "/admin/mirror/serve?model=smol&source=http://m/smol/1/smol.gguf"])
+                                  "/admin/mirror", "/admin/mirror/serve?model=smol&source=http://m/smol/1/smol.gguf",
+                                  "/admin/mirror/registry", "/admin/mirror/repo?id=acme/tiny-GGUF"])
 def test_every_signed_in_page_fits_a_phone(cluster, path):
     context, page = signed_in(cluster)
     page.goto(cluster["gw"].url + path)
