@@ -166,9 +166,10 @@ class Proxy:
             shown = ", ".join(sorted(access.models)) or "none"
             raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
                                 "if you need another model.", "model_not_allowed", "model")
+        # Every request is priced (its usage row records the cost), limited or not.
+        caller.price = self.rt.keys.prices.of(model.name)
         if not access.levels:
             return
-        caller.price = self.rt.keys.prices.of(model.name)
         priced = not caller.price.zero()
         # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
         # output is what the request may generate at most: an estimate on the high side, so that the

@@ -126,3 +126,20 @@ def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, ma
     finally:
         engine.dispose()
         controller.stop()
+
+
+def test_every_request_is_priced_limited_or_not(tmp_path, make_sim, make_gateway):
+    # sim answers 10 completion tokens; at 2 units a million output tokens that is 20 micro-units.
+    sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
+    url = f"sqlite:///{tmp_path}/priced.db"
+    gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1)
+    engine = store.open_engine(url)
+    try:
+        limits.set_price(engine, "sim", "0", "2", "test")
+        _, secret = keys.create_key(engine, "free-running")  # nothing limits it
+        time.sleep(2.5)
+        assert post(gw.url + "/v1/chat/completions", {**BODY, "max_tokens": None}, secret)[0] == 200
+        wait_until("the usage row", 10, lambda: _spent(engine) > 0)
+        assert _spent(engine) == 20
+    finally:
+        engine.dispose()
