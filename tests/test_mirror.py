@@ -215,6 +215,9 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
     with urllib.request.urlopen(f"{files}/smollm2/2024-11/") as resp:
         manifest = json.load(resp)
     assert manifest["files"][0]["url"] == url
+    # HEAD answers too: a catalog's source check uses it, and a set's source is its manifest.
+    with urllib.request.urlopen(urllib.request.Request(f"{files}/smollm2/2024-11/", method="HEAD")) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"] == "application/json"
     req = urllib.request.Request(url, headers={"Range": "bytes=0-3"})
     with urllib.request.urlopen(req) as resp:
         assert resp.status == 206 and resp.read() == b"GGUF"
