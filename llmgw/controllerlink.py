@@ -26,17 +26,25 @@ SILENCE_INTERVALS = 3
 COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request")
 
 
-def check_handshake(context: zmq.Context, address: str, keys: dict | None, timeout: float = 5.0) -> str:
-    """Connect to the controller at ADDRESS without registering: "accepted" when the handshake
-    succeeds (with CURVE: the controller knows this node's key), "refused", or "silent"."""
+FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def _dealer(context: zmq.Context, keys: dict | None, events: int) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER with this node's CURVE keys (none: plaintext), and a monitor told of EVENTS."""
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         sock.curve_secretkey = keys["secret_key"].encode()
         sock.curve_publickey = keys["public_key"].encode()
         sock.curve_serverkey = keys["controller_public_key"].encode()
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                                      | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    return sock, sock.get_monitor_socket(events)
+
+
+def check_handshake(context: zmq.Context, address: str, keys: dict | None, timeout: float = 5.0) -> str:
+    """Connect to the controller at ADDRESS without registering: "accepted" when the handshake
+    succeeds (with CURVE: the controller knows this node's key), "refused", or "silent"."""
+    sock, monitor = _dealer(context, keys, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED_HANDSHAKE)
     try:
         sock.connect(f"tcp://{address}")
         if not monitor.poll(int(timeout * 1000)):
@@ -73,14 +81,7 @@ class ControllerLink:
         self.seq = 0
 
     def _connect(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
-        sock = self.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self.keys is not None:
-            sock.curve_secretkey = self.keys["secret_key"].encode()
-            sock.curve_publickey = self.keys["public_key"].encode()
-            sock.curve_serverkey = self.keys["controller_public_key"].encode()
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        sock, monitor = _dealer(self.context, self.keys, FAILED_HANDSHAKE)
         sock.connect(f"tcp://{address}")
         return sock, monitor
 
