@@ -15,6 +15,7 @@ request costs nothing and a budget never binds, which the pages say.
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import json
 import math
@@ -94,10 +95,9 @@ def show_money(micros: int | None) -> str:
 
 
 def period_start(period: str, now: float) -> float:
+    """The start of NOW's day or month, in UTC (whatever this machine's time zone, summer time included)."""
     t = time.gmtime(now)
-    if period == "day":
-        return float(time.mktime((t.tm_year, t.tm_mon, t.tm_mday, 0, 0, 0, 0, 0, 0)) - time.timezone)
-    return float(time.mktime((t.tm_year, t.tm_mon, 1, 0, 0, 0, 0, 0, 0)) - time.timezone)
+    return float(calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday if period == "day" else 1, 0, 0, 0)))
 
 
 # --- prices ----------------------------------------------------------------------------------
