@@ -31,11 +31,9 @@ import logging
 import math
 import time
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from llmgw import limits as lim
-from llmgw import store
 
 log = logging.getLogger("llmgw.accountant")
 
@@ -215,18 +213,17 @@ class Accountant:
         return len(stale)
 
     def restore(self, engine: Engine) -> int:
-        """Rebuild the spend of every scope for today and this month from the usage rows."""
+        """Rebuild the spend of every scope for today and this month from the usage roll-ups (and the
+        rows not yet rolled up), so a restart costs the same over a quiet month or a busy one."""
+        from llmgw import rollup
+
         now = self.clock()
         restored = 0
         with engine.connect() as conn:
             rules = lim.Rules.read(conn)
             for period in lim.PERIODS:
                 start = lim.period_start(period, now)
-                u = store.usage
-                rows = conn.execute(sa.select(u.c.key_id, u.c.project_id, u.c.user_id, sa.func.sum(u.c.cost_micros))
-                                    .where(sa.and_(u.c.at >= start, u.c.cost_micros > 0))
-                                    .group_by(u.c.key_id, u.c.project_id, u.c.user_id)).all()
-                for key_id, project_id, user_id, cost in rows:
+                for key_id, project_id, user_id, cost in rollup.spend_since(conn, start):
                     # The chat page's rows carry "session:<person>" and spend as that person.
                     key = key_id if key_id and not key_id.startswith("session:") else None
                     counters = [c for _scope, _sid, c in rules.scopes_of(key, project_id, user_id)]

@@ -37,15 +37,29 @@ def bucket(column, seconds: int):
 
 
 def watermark(conn: Connection, lock: bool = False) -> int:
+    """The last usage id rolled up (0 before the first pass). LOCK holds it for this transaction on
+    PostgreSQL; the row is made when missing only then, by the roller, so readers never write."""
     r = store.revisions
     query = sa.select(r.c.value).where(r.c.name == WATERMARK)
     if lock and conn.dialect.name == "postgresql":
         query = query.with_for_update()
     value = conn.execute(query).scalar()
-    if value is None:
+    if value is None and lock:
         conn.execute(r.insert().values(name=WATERMARK, value=0))
-        return 0
-    return value
+    return value or 0
+
+
+def spend_since(conn: Connection, start: float) -> list[tuple[str | None, str | None, str | None, int]]:
+    """(key, project, person, micro-units) spent since START, a day's start: from the daily roll-ups
+    and the raw rows past the watermark, so it costs the same over a day or a month of requests."""
+    d, u = store.usage_daily, store.usage
+    rolled = conn.execute(sa.select(d.c.key_id, d.c.project_id, d.c.user_id, sa.func.sum(d.c.cost_micros))
+                          .where(d.c.day >= start, d.c.cost_micros > 0)
+                          .group_by(d.c.key_id, d.c.project_id, d.c.user_id)).all()
+    tail = conn.execute(sa.select(u.c.key_id, u.c.project_id, u.c.user_id, sa.func.sum(u.c.cost_micros))
+                        .where(u.c.id > watermark(conn), u.c.at >= start, u.c.cost_micros > 0)
+                        .group_by(u.c.key_id, u.c.project_id, u.c.user_id)).all()
+    return [(k or None, p or None, who or None, int(cost)) for k, p, who, cost in rolled + tail]
 
 
 def _upsert(conn: Connection, table: sa.Table, rows: list[dict]) -> None:

@@ -76,8 +76,7 @@ def report(engine: Engine, by: str, since: float, now: float | None = None, proj
               "model": "model", "key": "key_id"}[by]
     u = store.usage
     with engine.connect() as conn:
-        mark = rollup.watermark(conn) if conn.execute(sa.select(store.revisions.c.value).where(
-            store.revisions.c.name == rollup.WATERMARK)).first() else 0
+        mark = rollup.watermark(conn)
         bucket_col = table.c["hour" if step == rollup.HOUR else "day"]
         rolled = sa.select(bucket_col, table.c[column], sa.func.sum(table.c.requests), sa.func.sum(table.c.errors),
                            sa.func.sum(table.c.prompt_tokens), sa.func.sum(table.c.completion_tokens),
