@@ -203,8 +203,7 @@ def test_a_quota_changed_on_the_page_is_enforced(cluster):
         page.goto(gw.url + "/admin/quotas?edit=cluster:")
         page.fill("#rpm", "")
         page.click("form.stack button[type=submit]")
-        assert "Requests/min" in page.inner_text("main")
-        assert "Cluster defaults" in page.inner_text("main")
+        assert "Limits saved" in page.inner_text("[role=status]")  # cleared, so later tests are unlimited
         context.close()
 
 
