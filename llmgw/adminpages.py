@@ -22,8 +22,7 @@ import flask_login
 import requests
 from flask import Flask, abort, flash, redirect, render_template, request
 
-from llmgw import accounts, forms, keys, limits, memberships, orgtree, svgchart, usagereport
-from llmgw.limiter import Unavailable
+from llmgw import accounts, budgets, forms, keys, limits, memberships, orgtree, svgchart, usagereport
 from llmgw.worker import Runtime
 
 log = logging.getLogger("llmgw.adminpages")
@@ -262,12 +261,8 @@ def _spent(runtime: Runtime, node, rules) -> tuple[int, int] | None:
     if own is None or own.budget is None:
         return None
     level = limits.Level(limits.counter(node.kind, node.id), None, None, own.budget, own.period or "month")
-    try:
-        answer = runtime.limiter.ask(runtime.router.snapshot.accountant, {"op": "status", "levels": [level.wire()]})
-        limit, remaining = answer["status"]["budget"]
-    except (Unavailable, KeyError, TypeError, ValueError):
-        return None
-    return limit - remaining, limit
+    used = budgets.spent(runtime, level)
+    return None if used is None else (used, own.budget)
 
 
 def _quotas_view(runtime: Runtime, edit: str | None) -> dict:

@@ -57,11 +57,15 @@ def for_person(runtime, user_id: str, project_ids: list[str], tree) -> list[Budg
                 seen.setdefault(level.counter, level)
     out = []
     for counter, level in seen.items():
-        try:
-            answer = runtime.limiter.ask(runtime.router.snapshot.accountant, {"op": "status", "levels": [level.wire()]})
-            limit, remaining = answer["status"]["budget"]
-            spent = limit - remaining
-        except (Unavailable, KeyError, TypeError, ValueError):
-            spent = None
-        out.append(Budget(_label(counter, tree, user_id), level.budget, level.period, spent))
+        out.append(Budget(_label(counter, tree, user_id), level.budget, level.period, spent(runtime, level)))
     return sorted(out, key=lambda b: b.label)
+
+
+def spent(runtime, level: limits.Level) -> int | None:
+    """What the accountant says is spent of LEVEL's budget this period; None when it does not answer."""
+    try:
+        answer = runtime.limiter.ask(runtime.router.snapshot.accountant, {"op": "status", "levels": [level.wire()]})
+        limit, remaining = answer["status"]["budget"]
+    except (Unavailable, KeyError, TypeError, ValueError):
+        return None
+    return limit - remaining

@@ -305,3 +305,32 @@ def test_the_chat_endpoint_needs_a_session_and_its_token(site):
     assert status.startswith("401") and body["error"]["code"] == "not_signed_in"
     status, body = call({"HTTP_COOKIE": "llmgw_session=forged.value.here", "HTTP_X_CSRF_TOKEN": "x"})
     assert status.startswith("401")
+
+
+def test_the_account_shows_each_budgets_spend_from_the_accountant(site):
+    import dataclasses
+
+    from llmgw import limits
+    from llmgw.accountant import Accountant
+    from llmgw.accountserver import AccountServer
+
+    pages, engine, app = site
+    user = accounts.create_user(engine, "b@example.org", "a long enough password", state=accounts.ACTIVE)
+    limits.set_limits(engine, "user", user.id, "test", budget=limits.parse_money("40"))
+    limits.set_price(engine, "*", "1", "1", "test")
+    accountant = Accountant()
+    # 34 of 40 units spent this month: 85%, past the amber mark.
+    accountant.spend[(f"user:{user.id}", "month", limits.period_start("month", time.time()))] = 34_000_000
+    server = AccountServer(accountant, "127.0.0.1:0").start()
+    try:
+        app.runtime.refresh_keys()
+        app.runtime.router.snapshot = dataclasses.replace(app.runtime.router.snapshot,
+                                                          accountant=f"127.0.0.1:{server.port}")
+        client = pages.test_client()
+        sign_in(client, user.email, "a long enough password")
+        page = client.get("/account").data.decode()
+        assert "you, everywhere: 34 of 40 this month" in page and '<li class="warn">' in page
+        assert "budgets never bind" not in page
+    finally:
+        app.runtime.limiter.close()
+        server.stop()
