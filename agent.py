@@ -22,9 +22,11 @@ import threading
 import click
 import zmq
 
-from llmgw import __version__, curvekeys, discovery, doctor, engines, settings
-from llmgw.controllerlink import ControllerLink
-from llmgw.supervisor import Supervisor
+from llmgw import __version__, engines, settings
+from llmgw.control import curvekeys
+from llmgw.node import discovery, doctor
+from llmgw.node.controllerlink import ControllerLink
+from llmgw.node.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
 

@@ -25,17 +25,18 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import adminapi, curvekeys, settings, store
-from llmgw.accountant import Accountant
-from llmgw.accountserver import AccountServer
-from llmgw.agentserver import AgentServer, KeyRing
-from llmgw.catalog import Catalog, CatalogError
-from llmgw.fleet import Fleet
-from llmgw.fleetmetrics import FleetCollector
-from llmgw.metrics import serve_registry
-from llmgw.publisher import Publisher, snapshot_body
-from llmgw.reconciler import Demand, Replicas, Start, plan, start_message
-from llmgw.rollup import Roller
+from llmgw import settings, store
+from llmgw.control import adminapi, curvekeys
+from llmgw.control.accountant import Accountant
+from llmgw.control.accountserver import AccountServer
+from llmgw.control.agentserver import AgentServer, KeyRing
+from llmgw.control.catalog import Catalog, CatalogError
+from llmgw.control.fleet import Fleet
+from llmgw.control.fleetmetrics import FleetCollector
+from llmgw.control.publisher import Publisher, snapshot_body
+from llmgw.control.reconciler import Demand, Replicas, Start, plan, start_message
+from llmgw.gateway.metrics import serve_registry
+from llmgw.people.rollup import Roller
 
 log = logging.getLogger("llmgw.controller")
 

@@ -20,7 +20,9 @@ import sys
 
 import click
 
-from llmgw import curvekeys, doctor, settings
+from llmgw import settings
+from llmgw.control import curvekeys
+from llmgw.node import doctor
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

@@ -17,7 +17,8 @@ import tempfile
 
 import click
 
-from llmgw import accounts, settings, store
+from llmgw import settings, store
+from llmgw.people import accounts
 from llmgw.procs import raise_fd_limit
 
 
@@ -62,7 +63,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     metrics_dir = tempfile.mkdtemp(prefix="llmgw-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
-        from llmgw.server import GatewayServer
+        from llmgw.gateway.server import GatewayServer
 
         GatewayServer(cfg).run()
     finally:

@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import settings
-from llmgw.metrics import serve_registry
-from llmgw.mirrorfetch import Manager
-from llmgw.mirrorserver import Allowed, MirrorCollector, api_app, files_app
-from llmgw.mirrorstore import MirrorDir
+from llmgw.gateway.metrics import serve_registry
+from llmgw.mirror.fetch import Manager
+from llmgw.mirror.server import Allowed, MirrorCollector, api_app, files_app
+from llmgw.mirror.store import MirrorDir
 
 log = logging.getLogger("llmgw.mirror")
 

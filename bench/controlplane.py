@@ -33,9 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.procstat import cpu_seconds  # noqa: E402
-from llmgw import curvekeys, protocol, settings, store  # noqa: E402
-from llmgw.discovery import parse_nvidia_smi  # noqa: E402
+from llmgw import settings, store  # noqa: E402
+from llmgw.control import curvekeys  # noqa: E402
+from llmgw.node.discovery import parse_nvidia_smi  # noqa: E402
 from llmgw.procs import free_port, raise_fd_limit, wait_for  # noqa: E402
+from llmgw.wire import agent as protocol  # noqa: E402
 
 
 def run_agents(address: str, key_files: list[str], interval: float, silent: str | None) -> None:

@@ -33,7 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
-from llmgw import keys, store  # noqa: E402
+from llmgw import store  # noqa: E402
+from llmgw.people import keys  # noqa: E402
 from llmgw.procs import free_port, http_status, raise_fd_limit, wait_for  # noqa: E402
 
 

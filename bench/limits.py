@@ -35,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.gateway import Rig  # noqa: E402
-from llmgw import keys, limits, orgtree, rollup, store, usagereport  # noqa: E402
+from llmgw import store  # noqa: E402
+from llmgw.people import keys, limits, orgtree, rollup, usagereport  # noqa: E402
 
 FOUR_LEVELS = dict(rpm=10_000_000, tpm=10_000_000_000, budget=10 ** 15)
 
@@ -56,7 +57,7 @@ def four_levels() -> list[list]:
 
 
 def bench_accountant(n: int) -> dict:
-    from llmgw.accountant import Accountant
+    from llmgw.control.accountant import Accountant
 
     accountant = Accountant()
     levels = four_levels()
@@ -72,9 +73,9 @@ def bench_accountant(n: int) -> dict:
 def bench_round_trip(n: int) -> dict:
     """Round trips from a gevent client, as a worker makes them."""
 
-    from llmgw.accountant import Accountant
-    from llmgw.accountserver import AccountServer
-    from llmgw.limiter import Limiter
+    from llmgw.control.accountant import Accountant
+    from llmgw.control.accountserver import AccountServer
+    from llmgw.gateway.limiter import Limiter
 
     server = AccountServer(Accountant(), "127.0.0.1:0").start()
     address = f"127.0.0.1:{server.port}"
@@ -201,8 +202,9 @@ def time_usage_page(url: str) -> list[float]:
     """The whole /admin/usage page (report, chart, template) for an administrator, ten times."""
     import re
 
-    from llmgw import accounts, settings
-    from llmgw.webapp import GatewayApp
+    from llmgw import settings
+    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.people import accounts
 
     engine = store.open_engine(url)
     accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)

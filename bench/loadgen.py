@@ -22,8 +22,8 @@ import time  # noqa: E402
 import gevent  # noqa: E402
 from gevent.pool import Pool as GreenletPool  # noqa: E402
 
+from llmgw.gateway.upstream import Pool, Target, UpstreamError  # noqa: E402
 from llmgw.procs import raise_fd_limit  # noqa: E402
-from llmgw.upstream import Pool, Target, UpstreamError  # noqa: E402
 
 
 def percentile(values, p):

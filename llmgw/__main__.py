@@ -1,5 +1,5 @@
 """`python -m llmgw` is the `llmgw` command."""
 
-from llmgw.cli import main
+from llmgw.cli.main import main
 
 main()

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import urllib.request
 
+from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status, wait_for
-from llmgw.supervisor import running_engines
 from tests.conftest import ROOT, stop_process, write_config
 
 FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agent.heartbeat_interval": 0.2,

@@ -207,7 +207,7 @@ def make_gateway(tmp_path):
 
 
 def make_key(url: str, name: str = "test", **kwargs) -> str:
-    from llmgw import keys
+    from llmgw.people import keys
 
     engine = store.open_store(url)
     try:

@@ -7,8 +7,9 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from llmgw import accounts, keys, limits, memberships, orgtree, store
-from llmgw.accountant import Accountant, Refused, Reservation, Window
+from llmgw import store
+from llmgw.control.accountant import Accountant, Refused, Reservation, Window
+from llmgw.people import accounts, keys, limits, memberships, orgtree
 
 
 class Clock:
@@ -265,7 +266,7 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
     assert a.spent(f"team:{team.id}", "month") == 600
     # The same once the rows are rolled up, plus one more not yet rolled up (100 by the chat page):
     # each counted once, whether it is read from a roll-up or from the raw rows past the watermark.
-    from llmgw import rollup
+    from llmgw.people import rollup
     assert rollup.roll_up(engine, now + rollup.SETTLE + 1) == 2
     with engine.begin() as conn:
         conn.execute(store.usage.insert().values(at=now, key_id=f"session:{ayse.id}", user_id=ayse.id,
@@ -285,7 +286,7 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
 
 
 def test_the_accountant_server_ignores_what_it_cannot_read():
-    from llmgw.accountserver import handle
+    from llmgw.control.accountserver import handle
 
     a = Accountant(Clock())
     assert handle(a, {"op": "nonsense"}) is None

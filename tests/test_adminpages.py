@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from llmgw import accounts, keys, limits, memberships, orgtree, usagereport
+from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
 from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
 
 PASSWORD = "a long enough password"
@@ -130,7 +130,7 @@ def test_usage_page_draws_svg_from_the_roll_ups(admin):
     client, engine, _ = admin
     import time
 
-    from llmgw.usage import UsageRecorder
+    from llmgw.gateway.usage import UsageRecorder
     project = orgtree.add(engine, "project", "p<b>", "default/default")
     recorder = UsageRecorder(engine, 100)
     for i in range(5):

@@ -7,8 +7,9 @@ import time
 import gevent
 import pytest
 
-from llmgw import keys, store
-from llmgw.admission import AdmissionQueue, Refused
+from llmgw import store
+from llmgw.gateway.admission import AdmissionQueue, Refused
+from llmgw.people import keys
 from tests.conftest import post
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from llmgw import apirequest
-from llmgw.errors import ApiError
+from llmgw.gateway import apirequest
+from llmgw.gateway.errors import ApiError
 
 
 def parse(kind, body, prefix=2048):

@@ -1,9 +1,9 @@
 import collections
 import random
 
-from llmgw.balancer import ReplicaState, Router, affinity_key, choose
-from llmgw.breaker import MAX_COOLDOWN, Breaker
-from llmgw.snapshot import ModelSpec, ReplicaSpec, Snapshot
+from llmgw.gateway.balancer import ReplicaState, Router, affinity_key, choose
+from llmgw.gateway.breaker import MAX_COOLDOWN, Breaker
+from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
 
 STALE = 5.0
 

@@ -9,7 +9,8 @@ import openai
 import pytest
 from playwright.sync_api import sync_playwright
 
-from llmgw import accounts, store
+from llmgw import store
+from llmgw.people import accounts
 from tests.conftest import Gateway, Sim
 
 PHONE = {"width": 390, "height": 844}

@@ -11,8 +11,10 @@ import pytest
 import sqlalchemy as sa
 from playwright.sync_api import sync_playwright
 
-from llmgw import accounts, starter, store
+from llmgw import store
+from llmgw.cli import starter
 from llmgw.engines import llamacpp
+from llmgw.people import accounts
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import Gateway, Sim, make_key, stop_process
 from tests.test_mirror import gguf_bytes

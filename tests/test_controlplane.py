@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from llmgw import curvekeys
+from llmgw.control import curvekeys
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Agent, Controller
 

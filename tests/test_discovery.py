@@ -1,7 +1,7 @@
 import os
 import time
 
-from llmgw import discovery
+from llmgw.node import discovery
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

@@ -6,8 +6,8 @@ import re
 from click.testing import CliRunner
 
 from llmgw import settings
-from llmgw.cli import main as cli
-from llmgw.metrics import GatewayMetrics
+from llmgw.cli.main import main as cli
+from llmgw.gateway.metrics import GatewayMetrics
 from tests.conftest import ROOT
 
 
@@ -47,9 +47,9 @@ def test_alert_rules_use_only_series_the_gateway_emits():
 def test_the_mirrors_metrics_are_documented_and_alerted_on_truly(tmp_path):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from llmgw.mirrorfetch import Manager
-    from llmgw.mirrorserver import MirrorCollector
-    from llmgw.mirrorstore import MirrorDir
+    from llmgw.mirror.fetch import Manager
+    from llmgw.mirror.server import MirrorCollector
+    from llmgw.mirror.store import MirrorDir
 
     registry = CollectorRegistry()
     registry.register(MirrorCollector(Manager(MirrorDir(str(tmp_path)))))
@@ -85,8 +85,8 @@ def test_commands_have_help():
 
 
 def test_every_fleet_metric_is_documented():
-    from llmgw.fleet import Fleet
-    from llmgw.fleetmetrics import FleetCollector
+    from llmgw.control.fleet import Fleet
+    from llmgw.control.fleetmetrics import FleetCollector
 
     doc = read("docs/operations.md")
     for family in FleetCollector(Fleet(15, 60)).collect():
@@ -106,5 +106,6 @@ def test_every_module_is_in_the_architecture_page():
     for path in sorted(pathlib.Path(ROOT, "llmgw").rglob("*.py")):
         if path.name in ("__init__.py", "__main__.py") or path.parent.name == "engines":
             continue
-        assert f"`llmgw/{path.name}`" in doc, f"llmgw/{path.name} is not described in docs/architecture.md"
+        name = path.relative_to(ROOT).as_posix()
+        assert f"`{name}`" in doc, f"{name} is not described in docs/architecture.md"
     assert "`llmgw/engines/`" in doc

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from llmgw import doctor
-from llmgw.doctor import FAIL, OK, WARN
+from llmgw.node import doctor
+from llmgw.node.doctor import FAIL, OK, WARN
 from llmgw.procs import free_port
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, wait_until, write_config
@@ -162,8 +162,9 @@ def _no_config(monkeypatch):
 
 
 def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
-    from llmgw import accounts, settings, store
-    from llmgw.webapp import GatewayApp
+    from llmgw import settings, store
+    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.people import accounts
     from tests.test_pages import sign_in
 
     c = Controller(tmp_path)

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from llmgw.enginemetrics import parse_load
+from llmgw.engines.metrics import parse_load
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 

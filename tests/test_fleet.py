@@ -1,6 +1,6 @@
 import pytest
 
-from llmgw.fleet import CORDONED, LOST, READY, UNREACHABLE, Fleet, FleetError
+from llmgw.control.fleet import CORDONED, LOST, READY, UNREACHABLE, Fleet, FleetError
 
 
 def test_states_age_with_silence():

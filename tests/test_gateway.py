@@ -9,8 +9,9 @@ import openai
 import pytest
 from click.testing import CliRunner
 
-from llmgw import keys, store
-from llmgw.cli import main as cli
+from llmgw import store
+from llmgw.cli.main import main as cli
+from llmgw.people import keys
 from tests.conftest import Gateway, Sim, make_key, post, wait_until
 
 

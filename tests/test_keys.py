@@ -3,8 +3,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from llmgw import keys, store
-from llmgw.cli import main
+from llmgw import store
+from llmgw.cli.main import main
+from llmgw.people import keys
 
 
 def test_secret_is_stored_only_as_a_hash(store_url):
@@ -123,7 +124,7 @@ def test_users_cli(store_url):
     made = runner.invoke(main, ["--store", store_url, "users", "create", "ops@example.org", "--admin"],
                          input="a long enough password\na long enough password\n")
     assert made.exit_code == 0 and "an administrator" in made.stderr
-    from llmgw import accounts
+    from llmgw.people import accounts
 
     engine = store.open_engine(store_url)
     accounts.create_user(engine, "new@example.org", "another long password")

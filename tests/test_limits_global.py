@@ -7,7 +7,8 @@ import time
 
 import sqlalchemy as sa
 
-from llmgw import keys, limits, store
+from llmgw import store
+from llmgw.people import keys, limits
 from tests.cluster import Controller
 from tests.conftest import post, wait_until
 

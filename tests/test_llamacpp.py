@@ -5,7 +5,7 @@ import subprocess
 import openai
 import pytest
 
-from llmgw import starter
+from llmgw.cli import starter
 from llmgw.engines import llamacpp
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import Gateway, make_key, stop_process

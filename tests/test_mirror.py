@@ -19,11 +19,12 @@ from werkzeug.serving import make_server
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 
-from llmgw import gguf, starter, weights
-from llmgw.cli import main
-from llmgw.mirrorfetch import Manager
-from llmgw.mirrorserver import Allowed
-from llmgw.mirrorstore import MirrorDir, MirrorError
+from llmgw import gguf, weights
+from llmgw.cli import starter
+from llmgw.cli.main import main
+from llmgw.mirror.fetch import Manager
+from llmgw.mirror.server import Allowed
+from llmgw.mirror.store import MirrorDir, MirrorError
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import ROOT, stop_process, write_config
 
@@ -263,7 +264,7 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
 
 
 def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
-    from llmgw.catalog import CatalogError, check_source
+    from llmgw.control.catalog import CatalogError, check_source
 
     bad = tmp_path / "kev-0.5b.gguf"
     bad.write_bytes(gguf_bytes("ggmlc"))
@@ -275,7 +276,7 @@ def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
 
 
 def test_a_node_fetches_a_sharded_set_whole(tmp_path, source):
-    from llmgw.mirrorserver import files_app
+    from llmgw.mirror.server import files_app
 
     server, folder = source
     for i in (1, 2):

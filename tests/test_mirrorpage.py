@@ -17,12 +17,14 @@ import requests
 from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
-from llmgw import accounts, settings, starter, store
-from llmgw.mirrorfetch import Manager
-from llmgw.mirrorserver import Allowed, api_app, files_app
-from llmgw.mirrorstore import MirrorDir
+from llmgw import settings, store
+from llmgw.cli import starter
+from llmgw.gateway.webapp import GatewayApp
+from llmgw.mirror.fetch import Manager
+from llmgw.mirror.server import Allowed, api_app, files_app
+from llmgw.mirror.store import MirrorDir
+from llmgw.people import accounts
 from llmgw.procs import free_port, http_status, wait_for
-from llmgw.webapp import GatewayApp
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
 from tests.test_mirror import LIBRARY, gguf_bytes
@@ -261,7 +263,7 @@ def _file_app(environ, start_response, path):
 def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
     from click.testing import CliRunner
 
-    from llmgw.cli import main
+    from llmgw.cli.main import main
 
     client, manager, controller, base, api = rig
     for model in ("kept", "spare"):

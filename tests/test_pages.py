@@ -5,8 +5,9 @@ import time
 
 import pytest
 
-from llmgw import accounts, keys, settings, store
-from llmgw.webapp import GatewayApp
+from llmgw import settings, store
+from llmgw.gateway.webapp import GatewayApp
+from llmgw.people import accounts, keys
 
 
 @pytest.fixture
@@ -176,7 +177,7 @@ def test_passwords_are_slow_salted_hashes(store_url):
 
 
 def test_the_account_shows_last_use_and_the_last_30_days(site):
-    from llmgw.usage import UsageRecorder
+    from llmgw.gateway.usage import UsageRecorder
 
     pages, engine, _ = site
     user = accounts.create_user(engine, "u@example.org", "a long enough password", state=accounts.ACTIVE)
@@ -199,7 +200,7 @@ def test_the_account_shows_last_use_and_the_last_30_days(site):
 
 
 def test_answers_are_rendered_as_markdown_with_nothing_live():
-    from llmgw.chatpage import render_markdown
+    from llmgw.web.chatpage import render_markdown
 
     html = render_markdown("# Title\n\n**bold** <script>alert(1)</script> <b onclick=x>b</b>\n\n"
                            "[ok](https://example.org) [bad](javascript:alert(1)) [data](data:text/html,x) "
@@ -245,7 +246,7 @@ def test_a_claim_link_shows_the_key_once_and_only_on_a_button(site):
 
 
 def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site):
-    from llmgw import limits, memberships, orgtree
+    from llmgw.people import limits, memberships, orgtree
 
     pages, engine, app = site
     user = accounts.create_user(engine, "m@example.org", "a long enough password", state=accounts.ACTIVE)
@@ -310,9 +311,9 @@ def test_the_chat_endpoint_needs_a_session_and_its_token(site):
 def test_the_account_shows_each_budgets_spend_from_the_accountant(site):
     import dataclasses
 
-    from llmgw import limits
-    from llmgw.accountant import Accountant
-    from llmgw.accountserver import AccountServer
+    from llmgw.control.accountant import Accountant
+    from llmgw.control.accountserver import AccountServer
+    from llmgw.people import limits
 
     pages, engine, app = site
     user = accounts.create_user(engine, "b@example.org", "a long enough password", state=accounts.ACTIVE)

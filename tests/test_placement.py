@@ -1,7 +1,7 @@
 import pytest
 
-from llmgw import catalog, placement
-from llmgw.reconciler import Replicas, Start, Stop, plan
+from llmgw.control import catalog, placement
+from llmgw.control.reconciler import Replicas, Start, Stop, plan
 
 GiB = 1024 ** 3
 

@@ -3,8 +3,9 @@
 import openai
 from click.testing import CliRunner
 
-from llmgw import keys, store
-from llmgw.cli import main as cli
+from llmgw import store
+from llmgw.cli.main import main as cli
+from llmgw.people import keys
 from tests.conftest import count_usage, post, store_url_for, wait_until, wipe
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from llmgw import protocol
+from llmgw.wire import agent as protocol
 
 
 def test_round_trip_leaves_absent_fields_absent():

@@ -1,6 +1,6 @@
 import json
 
-from llmgw.sse import MAX_PENDING, EventRelay
+from llmgw.gateway.sse import MAX_PENDING, EventRelay
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
 

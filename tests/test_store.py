@@ -25,7 +25,7 @@ def test_fresh_store_is_migrated_at_open(tmp_path):
 
 
 def test_usage_rows_round_trip(store_url):
-    from llmgw.usage import FIELDS, UsageRecorder
+    from llmgw.gateway.usage import FIELDS, UsageRecorder
 
     engine = store.open_engine(store_url)
     recorder = UsageRecorder(engine, batch_size=2)
@@ -40,7 +40,7 @@ def test_usage_rows_round_trip(store_url):
 
 
 def test_failed_usage_write_keeps_the_rows(tmp_path):
-    from llmgw.usage import UsageRecorder
+    from llmgw.gateway.usage import UsageRecorder
 
     engine = store.open_engine(f"sqlite:///{tmp_path}/unmigrated.db")  # no usage table: writes fail
     recorder = UsageRecorder(engine, batch_size=10)
@@ -62,8 +62,8 @@ def test_describe_hides_the_password():
 
 
 def test_last_use_of_each_key(store_url):
-    from llmgw import usagereport
-    from llmgw.usage import UsageRecorder
+    from llmgw.gateway.usage import UsageRecorder
+    from llmgw.people import usagereport
 
     engine = store.open_engine(store_url)
     recorder = UsageRecorder(engine, batch_size=10)

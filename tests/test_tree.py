@@ -5,8 +5,9 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from llmgw import accounts, keys, memberships, orgtree, store
-from llmgw.orgtree import TreeError
+from llmgw import store
+from llmgw.people import accounts, keys, memberships, orgtree
+from llmgw.people.orgtree import TreeError
 from tests.conftest import store_url_for, wipe
 
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
+from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status
-from llmgw.supervisor import running_engines
 from tests.conftest import post, write_config
 
 

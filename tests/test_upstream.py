@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from llmgw.upstream import Pool, Target, UpstreamError
+from llmgw.gateway.upstream import Pool, Target, UpstreamError
 
 
 class Scripted:

@@ -5,9 +5,10 @@ import json
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from llmgw import keys, orgtree, rollup, store, usagereport
-from llmgw.cli import main
-from llmgw.usage import UsageRecorder
+from llmgw import store
+from llmgw.cli.main import main
+from llmgw.gateway.usage import UsageRecorder
+from llmgw.people import keys, orgtree, rollup, usagereport
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15 08:00 UTC
 

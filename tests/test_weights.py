@@ -70,7 +70,7 @@ def test_a_missing_file_says_what_the_server_said(server, tmp_path):
 
 
 def test_the_agent_removes_only_what_it_fetched(tmp_path):
-    from llmgw.supervisor import Supervisor
+    from llmgw.node.supervisor import Supervisor
 
     supervisor = Supervisor("n", str(tmp_path / "work"), str(tmp_path / "w"), "127.0.0.1", "127.0.0.1", print)
     assert "never deletes files it did not fetch" in supervisor.remove_weights("/models/mine.gguf")

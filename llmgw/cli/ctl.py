@@ -1,0 +1,274 @@
+"""`llmgw ctl`: the operator's commands for the fleet, spoken to the controller's admin API.
+
+Tables for people, `--json` for scripts. The controller is found at
+`controller.admin_listen` from the same configuration (`--config`), or
+`--admin URL`. When it does not answer, the error says where it looked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.cli.tables import human_bytes, print_table
+
+
+class Admin:
+    """The controller's admin API, its errors as click's."""
+
+    def __init__(self, url: str):
+        self.client = ApiClient(url, "the controller's admin API",
+                                "Is controller.py running on this machine? Give --admin URL otherwise.")
+        self.url = self.client.url
+
+    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            return self.client.call(method, path, body)
+        except ApiError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group()
+@click.option("--admin", "admin_url", help="The controller's admin API [http://controller.admin_listen].")
+@click.pass_context
+def ctl(ctx, admin_url):
+    """Manage the fleet through the controller."""
+    ctx.obj.admin = Admin(admin_url or address_url(ctx.obj.config()["controller.admin_listen"]))
+
+
+@ctl.command()
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def status(obj, as_json):
+    """How many nodes are in each state."""
+    result = obj.admin.call("GET", "/api/v1/status")
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    counts = result["nodes"]
+    total = sum(counts.values())
+    parts = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    click.echo(f"{total} nodes{': ' + parts if parts else ''}")
+    if result["plaintext"]:
+        click.echo("warning: agents connect without keys (controller.plaintext)", err=True)
+
+
+@ctl.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per node.")
+@click.pass_obj
+def nodes(obj, as_json):
+    """The nodes: state, when last heard, CPU, memory, disk, GPUs."""
+    result = obj.admin.call("GET", "/api/v1/nodes")["nodes"]
+    if as_json:
+        for node in result:
+            click.echo(json.dumps(node))
+        return
+    if not result:
+        click.echo("no node has registered yet; start agent.py on a node with this controller's address", err=True)
+        return
+    rows = [("NODE", "STATE", "LAST SEEN", "ADDRESS", "CPUS", "MEMORY", "DISK FREE", "GPUS")]
+    for n in result:
+        facts, status_ = n["facts"], n["status"]
+        memory = {**facts.get("memory", {}), **status_.get("memory", {})}
+        disk = {**facts.get("disk", {}), **status_.get("disk", {})}
+        gpus = facts.get("gpus")
+        gpu_text = ("?" if gpus is None else
+                    ", ".join(f"{g.get('class', g.get('name'))}" for g in gpus) or "none")
+        flags = facts.get("cpu", {}).get("flags")
+        cpus = str(facts.get("cpu", {}).get("count", "?")) + ("" if flags is None or "avx2" in flags or "asimd" in flags
+                                                            else " (no AVX2)")
+        rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago", facts.get("address") or "-",
+                     cpus, human_bytes(memory.get("total_bytes")), human_bytes(disk.get("free_bytes")), gpu_text))
+    print_table(rows)
+
+
+@ctl.command()
+@click.argument("node")
+@click.pass_obj
+def cordon(obj, node):
+    """Place nothing new on NODE (what runs there stays)."""
+    obj.admin.call("POST", f"/api/v1/nodes/{node}/cordon")
+    click.echo(f"cordoned {node}: nothing new is placed there; `llmgw ctl uncordon {node}` undoes it", err=True)
+
+
+@ctl.command()
+@click.argument("node")
+@click.pass_obj
+def uncordon(obj, node):
+    """Let placement use NODE again."""
+    obj.admin.call("POST", f"/api/v1/nodes/{node}/uncordon")
+    click.echo(f"uncordoned {node}", err=True)
+
+
+@ctl.command()
+@click.argument("node")
+@click.pass_obj
+def drain(obj, node):
+    """Move NODE's replicas elsewhere, one at a time, each stopped only once its replacement is ready."""
+    obj.admin.call("POST", f"/api/v1/nodes/{node}/drain")
+    click.echo(f"draining {node}: `llmgw ctl replicas` shows the moves; `llmgw ctl uncordon {node}` ends it",
+               err=True)
+
+
+@ctl.group("node")
+def node_group():
+    """Nodes: remove a lost one."""
+
+
+@node_group.command("remove")
+@click.argument("node")
+@click.pass_obj
+def node_remove(obj, node):
+    """Forget NODE, which must be lost (silent for controller.lost_after)."""
+    obj.admin.call("DELETE", f"/api/v1/nodes/{node}")
+    click.echo(f"removed {node}", err=True)
+
+
+@ctl.group("node-key")
+def node_key():
+    """CURVE keys that let a node connect."""
+
+
+@node_key.command("issue")
+@click.argument("node")
+@click.pass_obj
+def node_key_issue(obj, node):
+    """Make NODE's key pair and authorise it; prints the key file (on standard output) for that node."""
+    result = obj.admin.call("POST", "/api/v1/node-keys", {"node_id": node})
+    click.echo(result["key_file"], nl=False)
+    if sys.stdout.isatty():
+        click.echo("", err=True)
+    click.echo(f"issued a key for {node}. Install it on the node as agent.key_file (default /etc/llmgw/node.key), "
+               "mode 0600. Any earlier key of this node no longer works.", err=True)
+
+
+@ctl.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per model.")
+@click.pass_obj
+def models(obj, as_json):
+    """The catalog: each model, how many replicas serve it, and why not when none can be placed."""
+    result = obj.admin.call("GET", "/api/v1/models")["models"]
+    if as_json:
+        for model in result:
+            click.echo(json.dumps(model))
+        return
+    if not result:
+        click.echo("the catalog is empty; add a model with `llmgw ctl model add -f model.toml`", err=True)
+        return
+    rows = [("MODEL", "SERVING", "REPLICAS", "SCALING", "ORIGIN", "ALIASES")]
+    for m in result:
+        rows.append((m["name"], m["ready"], m["replicas"], f"{m['scaling']['min']}-{m['scaling']['max']}",
+                     m["origin"], ", ".join(m["aliases"]) or "-"))
+    print_table(rows)
+    for m in result:
+        if m["unplaced"]:
+            click.echo(f"\n{m['name']} cannot be placed:", err=True)
+            for node, reason in m["unplaced"].items():
+                click.echo(f"  {node}: {reason}", err=True)
+        if m["last_failure"] and m["ready"] == 0:
+            failure = m["last_failure"]
+            click.echo(f"\n{m['name']} failed on {failure['node']} ({failure['count']} in a row): {failure['detail']}",
+                       err=True)
+            for line in failure["last_output"][-10:]:
+                click.echo(f"  | {line}", err=True)
+
+
+@ctl.command()
+@click.option("--model", help="Only this model's replicas.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per replica.")
+@click.pass_obj
+def replicas(obj, model, as_json):
+    """Every replica: where, in what state, downloading how much, and whether its profile is stale."""
+    result = [r for r in obj.admin.call("GET", "/api/v1/replicas")["replicas"] if not model or r["model"] == model]
+    if as_json:
+        for replica in result:
+            click.echo(json.dumps(replica))
+        return
+    if not result:
+        click.echo("no replicas", err=True)
+        return
+    rows = [("REPLICA", "MODEL", "NODE", "STATE", "ENGINE", "URL")]
+    for r in result:
+        state = r["state"] + (" (stale profile)" if r["stale_profile"] else "")
+        if r["state"] == "fetching" and r["fetch"]:
+            done, total = r["fetch"].get("bytes_done", 0), r["fetch"].get("bytes_total")
+            state += f" {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
+        rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
+    print_table(rows)
+
+
+@ctl.command("explain-placement")
+@click.argument("model")
+@click.pass_obj
+def explain_placement(obj, model):
+    """For every node and profile: could MODEL run there, and if not, why."""
+    result = obj.admin.call("GET", f"/api/v1/models/{model}/placement")["nodes"]
+    if not result:
+        click.echo("no node has registered", err=True)
+        return
+    print_table([("NODE", "PROFILE", "FITS", "WHY")] + [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"])
+                                                  for r in result])
+
+
+@ctl.command()
+@click.argument("model")
+@click.option("--min", "low", type=click.IntRange(min=0), help="Replicas kept running at least.")
+@click.option("--max", "high", type=click.IntRange(min=0), help="Replicas at most.")
+@click.pass_obj
+def scale(obj, model, low, high):
+    """Change how many replicas of MODEL run (models added with `ctl model add`)."""
+    if low is None and high is None:
+        raise click.UsageError("give --min, --max or both")
+    result = obj.admin.call("POST", f"/api/v1/models/{model}/scale", {"min": low, "max": high})
+    click.echo(f"{model}: min {result['min']}, max {result['max']}", err=True)
+
+
+@ctl.command()
+@click.argument("node")
+@click.option("--source", help="A shard id; the node lists its sources when it has none by that name.")
+@click.option("--lines", type=int, default=200, show_default=True)
+@click.pass_obj
+def logs(obj, node, source, lines):
+    """The last lines an engine on NODE printed."""
+    query = f"?lines={lines}" + (f"&source={source}" if source else "")
+    result = obj.admin.call("GET", f"/api/v1/nodes/{node}/logs{query}")
+    if not source:
+        click.echo("sources: " + (", ".join(result["sources"]) or "none") + " (choose one with --source)", err=True)
+    for line in result["lines"]:
+        click.echo(line)
+
+
+@ctl.group("model")
+def model_group():
+    """Add and remove models while running."""
+
+
+@model_group.command("add")
+@click.option("-f", "--file", "path", required=True, type=click.Path(dir_okay=False),
+              help="A TOML file with the keys of one [[models]] entry.")
+@click.option("--no-source-check", is_flag=True, help="Accept a source the controller cannot see.")
+@click.pass_obj
+def model_add(obj, path, no_source_check):
+    """Add (or replace) a model in the catalog; the reconciler places it."""
+    from llmgw.control.catalog import CatalogError, parse_model, read_model_file
+
+    try:
+        table_ = read_model_file(path)
+        parse_model(table_)
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+    query = "?source_check=0" if no_source_check else ""
+    obj.admin.call("POST", f"/api/v1/models{query}", table_)
+    click.echo(f"added {table_['name']}; `llmgw ctl replicas --model {table_['name']}` shows it starting", err=True)
+
+
+@model_group.command("remove")
+@click.argument("model")
+@click.pass_obj
+def model_remove(obj, model):
+    """Remove MODEL from the catalog; its replicas are stopped."""
+    obj.admin.call("DELETE", f"/api/v1/models/{model}")
+    click.echo(f"removed {model}; its replicas are stopping", err=True)

@@ -1,0 +1,228 @@
+"""The `llmgw` command: keys, the simulated engine, and `llmgw up`.
+
+Commands find the store through the same configuration the gateway reads
+(`--config`, or `$LLMGW_CONFIG`), so `llmgw keys create` on the gateway's
+machine needs no other flag. What a script wants (a secret, JSON) goes to
+standard output; everything said to the person goes to standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from llmgw import settings, store
+from llmgw.cli.ctl import ctl
+from llmgw.cli.mirror import mirror
+from llmgw.cli.org import limits_cli, org, prices
+from llmgw.cli.tables import print_table
+from llmgw.cli.users import users
+
+
+class Context:
+    def __init__(self, config_path: str | None, store_url: str | None):
+        self.config_path = config_path
+        self.store_url = store_url
+        self.admin = None  # set by `llmgw ctl`
+
+    def config(self) -> settings.Config:
+        try:
+            return settings.load(self.config_path, {"store.url": self.store_url})
+        except settings.ConfigError as e:
+            raise click.ClickException(str(e)) from None
+
+    def engine(self):
+        url = self.config()["store.url"]
+        try:
+            return store.open_store(url)
+        except Exception as e:
+            raise click.ClickException(f"cannot open the store {store.describe(url)}: {e}") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML configuration file, the gateway's (also $LLMGW_CONFIG).")
+@click.option("--store", "store_url", help="Database URL, overriding store.url.")
+@click.version_option(package_name="llmgw")
+@click.pass_context
+def main(ctx, config_path, store_url):
+    """llmgw: one OpenAI-compatible endpoint in front of your own LLM servers."""
+    ctx.obj = Context(config_path, store_url)
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
+
+
+@main.group()
+def keys():
+    """Make, list and revoke API keys."""
+
+
+@keys.command("create")
+@click.argument("name")
+@click.option("--project", help="Project it spends against (id, path or unique name). "
+              f"Default: {store.DEFAULT_PATH}, or none (a personal key) with --for.")
+@click.option("--for", "owner", metavar="EMAIL", help="The person the key belongs to; alone, a personal key.")
+@click.option("--expires-in", metavar="DURATION", help="Lifetime such as 30d, 12h or 2w; none by default.")
+@click.option("--band", type=click.Choice(["high", "normal", "low"]), help="Admission band when replicas are full.")
+@click.option("--models", help="Comma-separated models the key may use (default: every model its scopes allow).")
+@click.option("--claim", is_flag=True, help="Print a one-time link that shows the key, instead of the key.")
+@click.pass_obj
+def keys_create(obj: Context, name, project, owner, expires_in, band, models, claim):
+    """Make a key called NAME and print its secret (on standard output, alone; it is shown only now)."""
+    from llmgw.people import accounts
+    from llmgw.people import keys as keymod
+
+    try:
+        lifetime = keymod.parse_duration(expires_in) if expires_in else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--expires-in") from None
+    engine = obj.engine()
+    try:
+        user_id = accounts.find(engine, owner).id if owner else None
+        where = project if project else (None if owner else store.DEFAULT_PATH)
+        record, secret = keymod.create_key(engine, name, where, lifetime, user_id=user_id, band=band,
+                                           models=models.split(",") if models else None)
+    except (keymod.KeyRefused, accounts.AccountError) as e:
+        raise click.ClickException(str(e)) from None
+    expiry = f", expires {_when(record.expires_at)} UTC" if record.expires_at else ""
+    spends = "a personal key" if record.project_id is None else f"in project {record.project}"
+    click.echo(f"created key {record.id} ({record.prefix}...), {spends}{owner and f' for {owner}' or ''}{expiry}.",
+               err=True)
+    if claim:
+        token = keymod.make_claim(engine, record.id, secret)
+        click.echo("Send this link to whoever should have the key; it shows the key once, to the first to open "
+                   "it, within 7 days:", err=True)
+        click.echo(f"{obj.config().public_url()}/claim/{token}")
+        return
+    click.echo("The secret is below and will not be shown again; keep it somewhere safe.", err=True)
+    click.echo(secret)
+
+
+@keys.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per key, for scripts.")
+@click.pass_obj
+def keys_list(obj: Context, as_json):
+    """List keys (never their secrets): where each spends, and whose it is."""
+    from llmgw.people import accounts
+    from llmgw.people import keys as keymod
+
+    engine = obj.engine()
+    records = keymod.list_keys(engine)
+    emails = {u.id: u.email for u in accounts.list_users(engine)}
+    now = time.time()
+    if as_json:
+        for r in records:
+            click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "owner": emails.get(r.user_id),
+                                   "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
+                                   "revoked_at": r.revoked_at}))
+        return
+    if not records:
+        click.echo("no keys yet; make one with `llmgw keys create NAME`", err=True)
+        return
+    rows = [("ID", "NAME", "SPENDS IN", "OWNER", "PREFIX", "CREATED", "STATE")]
+    for r in records:
+        state = ("revoked " + _when(r.revoked_at) if r.revoked_at else
+                 "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
+                 "expires " + _when(r.expires_at) if r.expires_at else "active")
+        rows.append((r.id, r.name, r.project, emails.get(r.user_id, "-"), r.prefix + "...", _when(r.created_at), state))
+    print_table(rows)
+
+
+@keys.command("revoke")
+@click.argument("which")
+@click.pass_obj
+def keys_revoke(obj: Context, which):
+    """Revoke the key with id, prefix or name WHICH. Every gateway refuses it within seconds."""
+    from llmgw.people import keys as keymod
+
+    try:
+        record = keymod.revoke_key(obj.engine(), which)
+    except keymod.KeyRefused as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"revoked key {record.id} ({record.prefix}..., {record.name}).", err=True)
+
+
+@main.command()
+@click.option("--by", type=click.Choice(["org", "team", "project", "person", "model", "key"]), default="project",
+              show_default=True, help="What to group by.")
+@click.option("--since", default="7d", show_default=True, metavar="DURATION", help="How far back: 24h, 7d, 4w.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per group, with its series.")
+@click.pass_obj
+def usage(obj: Context, by, since, as_json):
+    """Requests, tokens and spend per organisation, team, project, person, model or key."""
+    from llmgw.people import keys as keymod
+    from llmgw.people import limits, usagereport
+
+    try:
+        span = keymod.parse_duration(since)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--since") from None
+    found = usagereport.report(obj.engine(), by, time.time() - span)
+    if as_json:
+        for line in found.lines:
+            click.echo(json.dumps({by: line.label, "requests": line.requests, "errors": line.errors,
+                                   "prompt_tokens": line.prompt_tokens, "completion_tokens": line.completion_tokens,
+                                   "cost_micros": line.cost_micros,
+                                   "series": {str(int(k)): v for k, v in sorted(line.series.items())}}))
+        return
+    if not found.lines:
+        click.echo(f"no use in the last {since}", err=True)
+        return
+    rows = [(by.upper(), "REQUESTS", "ERRORS", "PROMPT TOKENS", "COMPLETION TOKENS", "SPENT")]
+    rows += [(line.label, f"{line.requests:,}", f"{line.errors:,}", f"{line.prompt_tokens:,}",
+              f"{line.completion_tokens:,}", limits.show_money(line.cost_micros)) for line in found.lines]
+    print_table(rows)
+
+
+@main.command()
+@click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT; port 0 picks a free one.")
+@click.option("--model", default="sim", show_default=True, help="The model name it serves.")
+@click.option("--replica", default="sim", show_default=True, help="Its name in answers (system_fingerprint).")
+@click.option("--ttft-ms", type=float, default=50.0, show_default=True, help="Time to first token.")
+@click.option("--tokens-per-s", type=float, default=50.0, show_default=True, help="Token rate; 0 for no delay.")
+@click.option("--max-concurrency", type=int, default=0, show_default=True,
+              help="Requests generating at once; the rest wait. 0 for no limit.")
+@click.option("--max-queue", type=int, default=-1, show_default=True,
+              help="With --max-concurrency: requests allowed to wait; beyond, 429. -1 for no limit.")
+@click.option("--default-tokens", type=int, default=16, show_default=True, help="Answer length without max_tokens.")
+@click.option("--no-prefix-cache", is_flag=True, help="Every prompt pays its full time to first token.")
+@click.option("--fail-rate", type=float, default=0.0, show_default=True, help="Fraction of requests answered 500.")
+@click.option("--die-after", type=int, default=0, show_default=True,
+              help="Exit partway through the Nth request (0: never).")
+@click.option("--stall-after-tokens", type=int, default=-1, show_default=True,
+              help="Stop sending after K tokens of a stream, keeping the connection open (-1: never).")
+def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
+        fail_rate, die_after, stall_after_tokens):
+    """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
+    from llmgw.engines.sim import SimOptions, serve
+
+    options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
+                         max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
+                         prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
+                         stall_after_tokens=stall_after_tokens)
+    serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
+
+
+main.add_command(ctl)
+main.add_command(users)
+main.add_command(org)
+main.add_command(limits_cli)
+main.add_command(prices)
+main.add_command(mirror)
+
+
+@main.command()
+@click.option("--listen", default="127.0.0.1:8080", show_default=True,
+              help="Where the gateway listens. Loopback for a first try; use :8080 to open it to others.")
+@click.option("--workers", type=int, default=2, show_default=True, help="Gateway worker processes.")
+@click.pass_obj
+def up(obj: Context, listen, workers):
+    """Serve the starter model on this machine: llama.cpp, a gateway in front, and a key to call it."""
+    from llmgw.cli.up import Up
+
+    Up(obj.config(), obj.config_path, listen, workers).run()

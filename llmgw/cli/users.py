@@ -1,0 +1,141 @@
+"""`llmgw users`: accounts from a shell, for the people who run the cluster."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from llmgw.cli.tables import print_table
+from llmgw.people import accounts, memberships
+from llmgw.people.orgtree import Tree, TreeError
+
+
+def _fail(e: Exception):
+    raise click.ClickException(str(e)) from None
+
+
+@click.group()
+def users():
+    """Accounts: create, approve, promote, suspend, reinstate, remove."""
+
+
+@users.command("list")
+@click.option("--pending", is_flag=True, help="Only sign-ups waiting for approval.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per account.")
+@click.pass_obj
+def users_list(obj, pending, as_json):
+    """The accounts, oldest first."""
+    engine = obj.engine()
+    found = accounts.list_users(engine, accounts.PENDING if pending else None)
+    with engine.connect() as conn:
+        tree = Tree.read(conn)
+        where = {u.id: [m.path + ("*" if m.role == memberships.MANAGER else "")
+                        for m in memberships.of_user(conn, tree, u.id)] for u in found}
+    if as_json:
+        for u in found:
+            click.echo(json.dumps({"id": u.id, "email": u.email, "state": u.state, "admin": u.is_admin,
+                                   "member_of": where[u.id], "created_at": u.created_at}))
+        return
+    if not found:
+        click.echo("no accounts" + (" waiting for approval" if pending else ""), err=True)
+        return
+    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP")]
+    rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", ", ".join(where[u.id]) or "on their own",
+              time.strftime("%Y-%m-%d", time.gmtime(u.created_at))) for u in found]
+    print_table(rows)
+
+
+@users.command("create")
+@click.argument("email")
+@click.option("--admin", is_flag=True, help="An administrator.")
+@click.password_option(help="Asked for when not given (read from standard input when it is not a terminal).")
+@click.pass_obj
+def users_create(obj, email, admin, password):
+    """Make an active account for EMAIL."""
+    try:
+        user = accounts.create_user(obj.engine(), email, password, state=accounts.ACTIVE, is_admin=admin)
+    except accounts.AccountError as e:
+        _fail(e)
+    click.echo(f"created {user.email} ({user.id}){', an administrator' if admin else ''}", err=True)
+
+
+def _action(name: str, verb: str, run):
+    @users.command(name)
+    @click.argument("who")
+    @click.pass_obj
+    def command(obj, who):
+        try:
+            user = run(obj.engine(), who)
+        except accounts.AccountError as e:
+            _fail(e)
+        click.echo(f"{verb} {user.email}", err=True)
+
+    command.__doc__ = f"{verb.capitalize()} the account WHO (an id or an email)."
+    return command
+
+
+@users.command("approve")
+@click.argument("who")
+@click.option("--project", help="Also make them a member of this project (id, path or unique name).")
+@click.pass_obj
+def users_approve(obj, who, project):
+    """Approve the sign-up WHO (an id or an email), on their own or straight into a project."""
+    engine = obj.engine()
+    try:
+        user = accounts.approve(engine, who)
+        if project:
+            memberships.join(engine, user.id, "project", project)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"approved {user.email}" + (f", a member of {project}" if project else ", on their own"), err=True)
+
+
+def _place(team, project, org):
+    given = [(kind, value) for kind, value in (("org", org), ("team", team), ("project", project)) if value]
+    if len(given) != 1:
+        raise click.UsageError("say exactly one of --org, --team or --project")
+    return given[0]
+
+
+@users.command("join")
+@click.argument("who")
+@click.option("--org", help="An organisation (every project in it).")
+@click.option("--team", help="A team, ORG/TEAM (every project in it).")
+@click.option("--project", help="A project, ORG/TEAM/PROJECT.")
+@click.option("--role", type=click.Choice([memberships.MEMBER, memberships.MANAGER]), default=memberships.MEMBER,
+              show_default=True, help="A manager of an organisation sees its page (read-only).")
+@click.pass_obj
+def users_join(obj, who, org, team, project, role):
+    """Make WHO a member of an organisation, team or project."""
+    kind, which = _place(team, project, org)
+    try:
+        user, membership = memberships.join(obj.engine(), who, kind, which, role)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"{user.email} is a {role} of {membership.path}", err=True)
+
+
+@users.command("leave")
+@click.argument("who")
+@click.option("--org", help="An organisation.")
+@click.option("--team", help="A team.")
+@click.option("--project", help="A project.")
+@click.pass_obj
+def users_leave(obj, who, org, team, project):
+    """End WHO's membership; the keys they made in projects they can no longer reach are revoked."""
+    kind, which = _place(team, project, org)
+    try:
+        membership, revoked = memberships.leave(obj.engine(), who, kind, which)
+    except (accounts.AccountError, TreeError) as e:
+        _fail(e)
+    click.echo(f"left {membership.path}; {revoked} key(s) revoked", err=True)
+
+
+_action("reject", "rejected (and deleted) the sign-up of", accounts.reject)
+_action("suspend", "suspended", accounts.suspend)
+_action("reinstate", "reinstated", accounts.reinstate)
+_action("promote", "made an administrator:", accounts.promote)
+_action("demote", "no longer an administrator:", lambda engine, who: accounts.promote(engine, who, admin=False))
+_action("remove", "removed (and revoked the keys of)", accounts.remove)

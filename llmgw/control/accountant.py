@@ -1,0 +1,256 @@
+"""The accountant: admits and settles requests against every pool that limits them.
+
+There is one accountant for the whole cluster (in the controller), so a limit
+holds across any number of gateway workers and processes. A gateway sends the
+levels a request is held to (see `limits.Access`); the accountant answers
+yes, or which pool refused and when to retry.
+
+The rules, in the order they are checked:
+
+1. Budgets first, every level's, and only when the model has a price. A
+   budget refuses once what is spent plus what requests in flight may still
+   spend (their estimated cost, reserved at admission) reaches it; the request
+   that crosses it is served, so a budget is overspent by at most one
+   request, however many run at once. A refusal charges no other pool.
+2. Requests a minute: each level charges one as it checks, so two requests
+   at once cannot both see the last slot. When a level refuses, what the
+   levels before it took is handed back.
+3. Tokens a minute: the same, with the estimate; a refusal here hands back
+   the tokens but not the request (it did arrive).
+
+Settling replaces each token estimate with the real count in every pool that
+took it, and adds the cost to every budget. After a restart, spend is rebuilt
+for every scope from the usage rows of the current day and month.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import time
+
+from sqlalchemy.engine import Engine
+
+from llmgw.people import limits as lim
+
+log = logging.getLogger("llmgw.accountant")
+
+WINDOW = 60.0  # seconds: "a minute" is any sixty seconds, not the clock's minute
+ADJECTIVE = {"day": "daily", "month": "monthly"}
+RESERVATION_TTL = 3600.0  # a reservation never settled (its gateway died) is forgotten after this
+
+
+class Window:
+    """A sliding sixty seconds of charges: exact, so a limit of N admits at most N in any minute."""
+
+    __slots__ = ("entries", "total")
+
+    def __init__(self):
+        self.entries: collections.deque[list] = collections.deque()  # [time, amount]
+        self.total = 0
+
+    def _expire(self, now: float) -> None:
+        entries = self.entries
+        while entries and entries[0][0] <= now - WINDOW:
+            self.total -= entries.popleft()[1]
+
+    def allow(self, limit: int, amount: int, now: float) -> list | None:
+        """Charge AMOUNT if it fits under LIMIT; the entry (to hand back or settle later), or None.
+        An empty window takes any one request, so a single estimate larger than the limit is not
+        refused forever."""
+        self._expire(now)
+        if self.total + amount > limit and (self.total > 0 or limit == 0):
+            return None
+        entry = [now, amount]
+        self.entries.append(entry)
+        self.total += amount
+        return entry
+
+    def adjust(self, entry: list, amount: int, now: float) -> None:
+        """Make ENTRY count AMOUNT (0 hands it back); it keeps its time."""
+        self._expire(now)
+        if entry[0] > now - WINDOW:  # still in the window, so part of the total
+            self.total += amount - entry[1]
+        entry[1] = amount
+
+    def used(self, now: float) -> int:
+        self._expire(now)
+        return self.total
+
+    def retry_after(self, now: float) -> int:
+        """Seconds until the oldest charge leaves the window."""
+        if not self.entries:
+            return 1
+        return max(1, math.ceil(self.entries[0][0] + WINDOW - now))
+
+
+@dataclasses.dataclass
+class Reservation:
+    id: int
+    at: float
+    tokens: list[tuple[Window, list]]  # each token pool's entry, settled to the real count
+    budgets: list[tuple[str, str, float]]  # (counter, period, period start) of every level with a budget
+    cost: int  # the estimated cost held in each budget's reserve until settled
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    limit: str  # budget, rpm, tpm
+    counter: str
+    retry_after: int
+    message: str
+
+
+class Accountant:
+    def __init__(self, clock=time.time):
+        self.clock = clock
+        self.requests: dict[str, Window] = collections.defaultdict(Window)
+        self.tokens: dict[str, Window] = collections.defaultdict(Window)
+        self.spend: dict[tuple[str, str, float], int] = collections.defaultdict(int)
+        self.reserved: dict[tuple[str, str, float], int] = collections.defaultdict(int)
+        self.reservations: dict[int, Reservation] = {}
+        self.next_id = 1
+
+    def spent(self, counter: str, period: str, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        return self.spend.get((counter, period, lim.period_start(period, now)), 0)
+
+    def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0) -> Reservation | Refused:
+        """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
+        that may cost up to COST micro-units."""
+        now = self.clock()
+        budgets = [(counter, period, lim.period_start(period, now))
+                   for counter, _r, _t, budget, period in levels if budget is not None]
+        if priced:
+            for counter, _rpm, _tpm, budget, period in levels:
+                if budget is None:
+                    continue
+                pool = (counter, period, lim.period_start(period, now))
+                if self.spend.get(pool, 0) + self.reserved.get(pool, 0) >= budget:
+                    return Refused("budget", counter, _until_next(period, now),
+                                   f"the {ADJECTIVE.get(period, period)} budget of {_scope_words(counter)} is spent")
+        taken: list[tuple[Window, list]] = []
+        for counter, rpm, _tpm, _budget, _period in levels:
+            if rpm is None:
+                continue
+            window = self.requests[counter]
+            entry = window.allow(rpm, 1, now)
+            if entry is None:
+                _hand_back(taken, now)
+                return Refused("rpm", counter, window.retry_after(now),
+                               f"{_scope_words(counter)} may make {rpm} requests a minute")
+            taken.append((window, entry))
+        tokens: list[tuple[Window, list]] = []
+        for counter, _rpm, tpm, _budget, _period in levels:
+            if tpm is None:
+                continue
+            window = self.tokens[counter]
+            entry = window.allow(tpm, estimate, now)
+            if entry is None:
+                _hand_back(tokens, now)
+                return Refused("tpm", counter, window.retry_after(now),
+                               f"{_scope_words(counter)} may use {tpm} tokens a minute")
+            tokens.append((window, entry))
+        reservation = Reservation(self.next_id, now, tokens, budgets, cost if priced else 0)
+        self.next_id += 1
+        for pool in budgets:
+            self.reserved[pool] += reservation.cost
+        if tokens or reservation.budgets:
+            self.reservations[reservation.id] = reservation
+        return reservation
+
+    def settle(self, reservation_id: int, tokens: int, cost: int, budgets: list[list] | None = None) -> None:
+        """The request is over: TOKENS were used and it cost COST micro-units. BUDGETS names the budget
+        pools when the reservation is not known here (this accountant restarted in between)."""
+        reservation = self.reservations.pop(reservation_id, None)
+        if reservation is not None:
+            for window, entry in reservation.tokens:
+                window.adjust(entry, tokens, self.clock())
+            pools = reservation.budgets
+            self._release(reservation)
+        else:
+            now = self.clock()
+            pools = [(counter, period, lim.period_start(period, now)) for counter, period in budgets or ()]
+        if cost:
+            for pool in pools:
+                self.spend[pool] += cost
+
+    def _release(self, reservation: Reservation) -> None:
+        for pool in reservation.budgets:
+            left = self.reserved[pool] - reservation.cost
+            if left > 0:
+                self.reserved[pool] = left
+            else:
+                self.reserved.pop(pool, None)
+
+    def status(self, levels: list[list]) -> dict[str, tuple[int, int]]:
+        """What a key is told: for each kind of limit, (limit, remaining) of the pool nearest to
+        refusing, which is the fullest pool rather than the smallest number."""
+        now = self.clock()
+        out: dict[str, tuple[int, int]] = {}
+        for counter, rpm, tpm, budget, period in levels:
+            for name, limit in (("rpm", rpm), ("tpm", tpm), ("budget", budget)):
+                if limit is None:
+                    continue
+                if name == "budget":
+                    used = self.spent(counter, period, now)
+                else:
+                    window = (self.requests if name == "rpm" else self.tokens).get(counter)
+                    used = window.used(now) if window else 0
+                remaining = max(0, limit - used)
+                # Compare shares left (remaining / limit) without division.
+                if name not in out or remaining * out[name][0] < out[name][1] * limit:
+                    out[name] = (limit, remaining)
+        return out
+
+    def forget_stale(self) -> int:
+        cutoff = self.clock() - RESERVATION_TTL
+        stale = [rid for rid, r in self.reservations.items() if r.at < cutoff]
+        for rid in stale:
+            self._release(self.reservations.pop(rid))
+        return len(stale)
+
+    def restore(self, engine: Engine) -> int:
+        """Rebuild the spend of every scope for today and this month from the usage roll-ups (and the
+        rows not yet rolled up), so a restart costs the same over a quiet month or a busy one."""
+        from llmgw.people import rollup
+
+        now = self.clock()
+        restored = 0
+        with engine.connect() as conn:
+            rules = lim.Rules.read(conn)
+            for period in lim.PERIODS:
+                start = lim.period_start(period, now)
+                for key_id, project_id, user_id, cost in rollup.spend_since(conn, start):
+                    # The chat page's rows carry "session:<person>" and spend as that person.
+                    key = key_id if key_id and not key_id.startswith("session:") else None
+                    counters = [c for _scope, _sid, c in rules.scopes_of(key, project_id, user_id)]
+                    if counters:
+                        counters.append("default:" + counters[0])  # the cluster's default budget, if one binds
+                    for counter in counters:
+                        self.spend[(counter, period, start)] += int(cost)
+                    restored += 1
+        log.info("rebuilt budgets from %d groups of usage rows for today and this month", restored)
+        return restored
+
+
+def _hand_back(taken: list[tuple[Window, list]], now: float) -> None:
+    for window, entry in taken:
+        window.adjust(entry, 0, now)
+
+
+def _until_next(period: str, now: float) -> int:
+    start = lim.period_start(period, now)
+    following = lim.period_start(period, start + (86400 * 1.5 if period == "day" else 86400 * 32))
+    return max(1, math.ceil(following - now))
+
+
+def _scope_words(counter: str) -> str:
+    scope, _, rest = counter.partition(":")
+    words = {"key": "this key", "user": "this person", "project": "this project", "team": "this team",
+             "org": "this organisation", "project_member": "each member of this project",
+             "team_member": "each member of this team", "org_member": "each member of this organisation",
+             "default": "a key without limits of its own (the cluster's default)"}
+    return words.get(scope, counter)

@@ -1,0 +1,194 @@
+"""The controller's admin API, which `llmgw ctl` speaks: JSON under /api/v1, on loopback by default.
+
+It can issue node keys, so it is never opened to the network by default;
+anyone who can reach it can make a node. Errors are `{"error": "..."}` with a
+sentence that says what to do.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from flask import Flask, jsonify, request
+from sqlalchemy.engine import Engine
+
+from llmgw import __version__, store
+from llmgw.control import curvekeys, placement
+from llmgw.control.agentserver import KeyRing
+from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
+from llmgw.control.fleet import STATES, Fleet, FleetError
+from llmgw.control.reconciler import Replicas
+
+NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
+               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node) -> Flask:
+    """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None)."""
+    app = Flask("llmgw.admin")
+    unplaced: dict = {}
+    app.config["unplaced"] = unplaced  # the controller's reconciler keeps it current
+
+    def kick() -> None:
+        app.config.get("kick", lambda: None)()
+
+    def error(status: int, message: str):
+        return jsonify({"error": message}), status
+
+    @app.errorhandler(FleetError)
+    def fleet_error(e):
+        return error(409, str(e))
+
+    @app.errorhandler(CatalogError)
+    def catalog_error(e):
+        return error(400, str(e))
+
+    def replica_rows() -> list[dict]:
+        models = catalog.models()
+        rows = []
+        for r in sorted(replicas.snapshot(), key=lambda r: (r.model, r.node_id, r.shard_id)):
+            model = models.get(r.model)
+            current = {model.fingerprint(p) for p in model.profiles} if model else set()
+            stale = r.profile_fp is not None and r.profile_fp not in current
+            rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
+                         "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
+                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1)})
+        return rows
+
+    @app.get("/api/v1/models")
+    def models():
+        live = replica_rows()
+        out = []
+        for m in sorted(catalog.models().values(), key=lambda m: m.name):
+            mine = [r for r in live if r["model"] == m.name]
+            failure = replicas.failures.get(m.name)
+            out.append({"name": m.name, "aliases": list(m.aliases), "origin": m.origin, "source": m.source,
+                        "scaling": {"min": m.min_replicas, "max": m.max_replicas, "idle_timeout": m.idle_timeout},
+                        "profiles": [p.name for p in m.profiles],
+                        "ready": sum(1 for r in mine if r["state"] == "ready"), "replicas": len(mine),
+                        "last_failure": failure and {"node": failure.node_id, "detail": failure.detail,
+                                                     "last_output": failure.last_output, "count": failure.count},
+                        "unplaced": unplaced.get(m.name)})
+        return jsonify({"models": out})
+
+    @app.post("/api/v1/models")
+    def add_model():
+        table = request.get_json(silent=True)
+        if not isinstance(table, dict):
+            return error(400, "send the model as a JSON object (llmgw ctl model add -f model.toml does)")
+        model = parse_model(table, origin="runtime")
+        if request.args.get("source_check", "1") != "0":
+            size = check_source(model.source)
+            if size is not None and "size_bytes" not in table:
+                table["size_bytes"] = size  # placement skips nodes without the disk for it
+        catalog.add(table)
+        kick()
+        return jsonify({"name": model.name, "added": True})
+
+    @app.delete("/api/v1/models/<name>")
+    def remove_model(name):
+        catalog.remove(name)
+        kick()
+        return jsonify({"name": name, "removed": True})
+
+    @app.post("/api/v1/models/<name>/scale")
+    def scale(name):
+        body = request.get_json(silent=True) or {}
+        model = catalog.scale(name, body.get("min"), body.get("max"))
+        kick()
+        return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
+
+    @app.get("/api/v1/models/<name>/placement")
+    def explain_placement(name):
+        model = catalog.models().get(name)
+        if model is None:
+            return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
+        return jsonify({"model": name, "nodes": placement.explain(model, fleet.describe(time.monotonic()),
+                                                                   replicas.claims())})
+
+    @app.get("/api/v1/replicas")
+    def replica_list():
+        return jsonify({"replicas": replica_rows()})
+
+    @app.get("/api/v1/nodes/<node_id>/logs")
+    def logs(node_id):
+        if node_id not in {n["node_id"] for n in fleet.describe(time.monotonic())}:
+            return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
+        lines = request.args.get("lines", "200")
+        fields = {"lines": int(lines) if lines.isdigit() else 200}
+        if request.args.get("source"):
+            fields["source"] = request.args["source"]
+        reply = ask_node(node_id, "logs_request", fields, 10.0)
+        if reply is None:
+            return error(504, f"{node_id} did not answer within 10 s; `llmgw ctl nodes` shows when it was last heard")
+        if reply.get("error"):
+            return error(404, reply["error"])
+        return jsonify({"node": node_id, "lines": reply.get("lines", []), "sources": reply.get("sources", [])})
+
+    @app.get("/api/v1/status")
+    def status():
+        nodes = fleet.describe(time.monotonic())
+        counts = {state: sum(1 for n in nodes if n["state"] == state) for state in STATES}
+        rows = replica_rows()
+        models_ = catalog.models()
+        serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
+        return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts, "models": len(models_),
+                        "models_serving": serving, "replicas": len(rows),
+                        "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
+                        "reconcile_seconds": app.config.get("reconcile_seconds"),
+                        "reconcile_seconds_max": app.config.get("reconcile_seconds_max")})
+
+    @app.get("/api/v1/nodes")
+    def nodes():
+        return jsonify({"nodes": fleet.describe(time.monotonic())})
+
+    @app.post("/api/v1/nodes/<node_id>/cordon")
+    def cordon(node_id):
+        fleet.set_cordon(node_id, True)
+        _remember_cordon(engine, node_id, True)
+        return jsonify({"node_id": node_id, "cordoned": True})
+
+    @app.post("/api/v1/nodes/<node_id>/uncordon")
+    def uncordon(node_id):
+        fleet.set_cordon(node_id, False)
+        _remember_cordon(engine, node_id, False)
+        return jsonify({"node_id": node_id, "cordoned": False})
+
+    @app.post("/api/v1/nodes/<node_id>/drain")
+    def drain(node_id):
+        fleet.drain(node_id)
+        _remember_cordon(engine, node_id, True)
+        return jsonify({"node_id": node_id, "draining": True})
+
+    @app.delete("/api/v1/nodes/<node_id>")
+    def remove(node_id):
+        fleet.remove(node_id, time.monotonic())
+        return jsonify({"node_id": node_id, "removed": True})
+
+    @app.post("/api/v1/node-keys")
+    def issue_key():
+        body = request.get_json(silent=True) or {}
+        node_id = body.get("node_id")
+        if not isinstance(node_id, str) or not NODE_ID.match(node_id):
+            return error(400, "node_id must be a name of letters, digits, '.', '_' or '-', such as gpu-01")
+        if ring is None:
+            return error(409, "this controller runs with controller.plaintext: agents use no keys")
+        public, secret = curvekeys.issue_node_key(engine, node_id)
+        ring.replace(curvekeys.authorised_keys(engine))
+        return jsonify({"node_id": node_id, "key_file": curvekeys.node_key_file(node_id, public, secret,
+                                                                                 controller_public)})
+
+    return app
+
+
+def _remember_cordon(engine: Engine, node_id: str, cordoned: bool) -> None:
+    with engine.begin() as conn:
+        conn.execute(store.node_settings.delete().where(store.node_settings.c.node_id == node_id))
+        conn.execute(store.node_settings.insert().values(node_id=node_id, cordoned=cordoned, updated_at=time.time()))
+
+
+def cordoned_nodes(engine: Engine) -> set[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(store.node_settings.select().where(store.node_settings.c.cordoned.is_(True))).all()
+    return {row.node_id for row in rows}

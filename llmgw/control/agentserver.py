@@ -1,0 +1,155 @@
+"""The controller's end of the agents' connections: one ZeroMQ ROUTER, CURVE-authenticated.
+
+Agents dial in (DEALER); everything travels on that one connection in both
+directions. With CURVE, the ZAP handler admits only keys issued by `llmgw ctl
+node-key issue`, and labels each message with the node id the key was issued
+to; a node claiming another id is refused and told why. A key nobody issued
+fails the handshake, which the agent sees on its socket monitor. Without a ZAP
+handler CURVE admits every key, so the domain is enforced: with no handler
+answering, connections fail closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from llmgw.control.fleet import Fleet
+from llmgw.wire import agent as protocol
+
+log = logging.getLogger("llmgw.agentserver")
+
+ZAP_DOMAIN = "llmgw"
+
+
+class KeyRing:
+    """Issued node keys (z85 public key -> node id); replaced whole when a key is issued."""
+
+    def __init__(self, keys: dict[bytes, str]):
+        self.keys = dict(keys)
+        self.lock = threading.Lock()
+
+    def replace(self, keys: dict[bytes, str]) -> None:
+        with self.lock:
+            self.keys = dict(keys)
+
+    def node_for(self, z85_key: bytes) -> str | None:
+        return self.keys.get(z85_key)
+
+    # The credentials-provider interface of pyzmq's authenticator.
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        allowed = z85_key in self.keys
+        if not allowed:
+            log.warning("refused a connection with a key no node was issued (%s...)", z85_key[:8].decode())
+        return allowed
+
+
+class _NodeAuthenticator(ThreadAuthenticator):
+    def __init__(self, context: zmq.Context, ring: KeyRing):
+        super().__init__(context)
+        self.ring = ring
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        from zmq.utils import z85
+
+        return self.ring.node_for(z85.encode(client_public_key)) or ""
+
+
+class AgentServer:
+    def __init__(self, context: zmq.Context, listen: str, fleet: Fleet, ring: KeyRing | None,
+                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None):
+        self.fleet = fleet
+        self.replicas = replicas
+        self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply"}, for replies someone waits on
+        self.ring = ring
+        self.heartbeat_interval = heartbeat_interval
+        self.auth = None
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent may reuse its identity
+        if ring is not None:
+            self.auth = _NodeAuthenticator(context, ring)
+            self.auth.start()
+            self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=ring)
+            public, secret = keypair
+            self.socket.curve_secretkey = secret
+            self.socket.curve_publickey = public
+            self.socket.zap_domain = ZAP_DOMAIN.encode()
+            self.socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            self.socket.curve_server = True  # must come before bind
+        host, _, port = listen.rpartition(":")
+        self.socket.bind(f"tcp://{host or '*'}:{port}")
+
+    def close(self) -> None:
+        self.socket.close(0)
+        if self.auth is not None:
+            self.auth.stop()
+
+    def send(self, identity: bytes, kind: str, **fields) -> None:
+        try:
+            self.socket.send_multipart([identity, protocol.encode(kind, **fields)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not send %s: the agent's queue is full", kind)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Handle whatever arrives within TIMEOUT_MS."""
+        if not self.socket.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue
+            identity = frames[0].bytes
+            authenticated = frames[1].get("User-Id") if self.ring is not None else None
+            self.handle(identity, authenticated, frames[1].bytes)
+
+    def handle(self, identity: bytes, authenticated: str | None, payload: bytes) -> None:
+        try:
+            message = protocol.decode(payload)
+        except protocol.ProtocolError as e:
+            log.warning("dropped a message that cannot be read: %s", e)
+            return
+        node_id = message.get("node_id")
+        if authenticated is not None and node_id != authenticated:
+            # The key is genuine but belongs to another node: never let one node speak for another.
+            log.warning("refused %s from a node whose key was issued to %r", message["type"], authenticated)
+            self.send(identity, "refused", reason=f"this node's key was issued to {authenticated!r}, not {node_id!r}. "
+                                                  f"Set agent.node_id to {authenticated!r}, or issue a key for "
+                                                  f"{node_id!r} with `llmgw ctl node-key issue {node_id}`.")
+            return
+        now = time.monotonic()
+        if message["type"] == "register":
+            facts = {k: v for k, v in message.items() if k not in ("v", "type", "shards")}
+            self.fleet.register(node_id, facts, identity, now)
+            shards = [s for s in message.get("shards", []) if isinstance(s, dict) and "shard_id" in s and "state" in s]
+            if self.replicas is not None:
+                for shard in shards:
+                    # What the node already runs: how a restarted controller learns its replicas.
+                    self.replicas.report(node_id, shard, now)
+            log.info("node %s registered (agent %s, %s, %d shards running)", node_id, message["agent_version"],
+                     message.get("address"), len(shards))
+            self.send(identity, "registered", node_id=node_id, heartbeat_interval=self.heartbeat_interval)
+        elif message["type"] == "heartbeat":
+            if self.fleet.heartbeat(node_id, message, identity, now):
+                self.send(identity, "heartbeat_ack", seq=message["seq"])
+            else:
+                self.send(identity, "register_again", reason="this controller does not know the node (it restarted)")
+        elif message["type"] == "shard_status":
+            if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
+                self.replicas.report(node_id, message, now)
+        elif message["type"] in ("ack", "logs_reply"):
+            waiter = self.waiting.get(message["request_id"])
+            if waiter is not None:
+                waiter["reply"] = message
+                waiter["event"].set()
+            elif message["type"] == "ack" and not message["ok"]:
+                log.warning("node %s could not carry out a command: %s", node_id, message.get("error"))
+        else:
+            log.warning("dropped a %s message: agents do not send those", message["type"])

@@ -1,0 +1,228 @@
+"""The catalog: which models the cluster should serve, from where, on what, and how many.
+
+A model comes from the configuration file (`[[models]]`, declarative: present
+on every start, changed only by editing the file) or is added while running
+(`llmgw ctl model add -f model.toml`, kept in the store). Each has a source
+(a path used in place, or a URL the node fetches), limits, scaling
+`{min, max, idle_timeout}`, and profiles: ways to run it (an engine, a GPU
+class and count, memory, a node selector, extra arguments), tried by
+priority. A profile's fingerprint changes when anything that would change the
+running engine changes; replicas started under another fingerprint are shown
+as running a stale profile rather than being restarted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import tomllib
+import urllib.request
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from llmgw import gguf, store
+
+ENGINES = ("llamacpp", "vllm", "sglang", "sim")
+
+
+class CatalogError(Exception):
+    """A model definition that cannot be used; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    engine: str
+    gpu_class: str | None = None  # None: any, including no GPU
+    gpus: int = 0
+    min_memory_gb: float = 0.0
+    node_selector: tuple[tuple[str, str], ...] = ()
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    priority: int = 100
+    weight: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    name: str
+    source: str
+    profiles: tuple[Profile, ...]
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    max_context: int | None = None
+    max_output: int | None = None
+    min_replicas: int = 1
+    max_replicas: int = 1
+    idle_timeout: float | None = None  # seconds; None: never stopped for being idle
+    origin: str = "config"  # or "runtime"
+    size_bytes: int | None = None  # the download's size, where known: nodes without the disk are skipped
+
+    def fingerprint(self, profile: Profile) -> str:
+        """What a running engine was started from; a change means its replicas run a stale profile."""
+        data = json.dumps([self.source, self.max_context, dataclasses.asdict(profile)], sort_keys=True)
+        return hashlib.sha256(data.encode()).hexdigest()[:12]
+
+
+_PROFILE_KEYS = {"name": str, "engine": str, "gpu_class": str, "gpus": int, "min_memory_gb": (int, float),
+                 "node_selector": dict, "args": list, "env": dict, "priority": int, "weight": (int, float)}
+
+
+def _duration(value, where: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        from llmgw.people.keys import parse_duration
+
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            raise CatalogError(f"{where}: {e}") from None
+    raise CatalogError(f"{where}: write a duration such as \"30m\" or a number of seconds")
+
+
+def parse_model(table: dict, origin: str = "config") -> Model:
+    """A Model from a `[[models]]` table (or a model file); raises CatalogError naming the field."""
+    name = table.get("name")
+    if not isinstance(name, str) or not name:
+        raise CatalogError("a model needs a name")
+    where = f"model {name}"
+    source = table.get("source")
+    if not isinstance(source, str) or not source:
+        raise CatalogError(f"{where}: source is required: a path on the nodes, or an http(s) URL to fetch")
+    scaling = table.get("scaling", {})
+    if not isinstance(scaling, dict):
+        raise CatalogError(f"{where}: scaling must be a table such as {{min = 1, max = 2}}")
+    low, high = scaling.get("min", 1), scaling.get("max", max(1, scaling.get("min", 1)))
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (low, high)) or high < low:
+        raise CatalogError(f"{where}: scaling needs whole numbers with 0 <= min <= max, got min={low}, max={high}")
+    profiles = []
+    raw_profiles = table.get("profiles") or []
+    if not raw_profiles:
+        raise CatalogError(f"{where}: at least one profile is needed, such as [[models.profiles]] engine = \"llamacpp\"")
+    for i, raw in enumerate(raw_profiles):
+        label = f"{where}, profile {i + 1}"
+        if not isinstance(raw, dict):
+            raise CatalogError(f"{label}: expected a table")
+        for key, value in raw.items():
+            if key not in _PROFILE_KEYS:
+                raise CatalogError(f"{label}: unknown key {key!r}; allowed: {', '.join(_PROFILE_KEYS)}")
+            if isinstance(value, bool) or not isinstance(value, _PROFILE_KEYS[key]):
+                raise CatalogError(f"{label}: {key} has the wrong type ({type(value).__name__})")
+        engine = raw.get("engine")
+        if engine not in ENGINES:
+            raise CatalogError(f"{label}: engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+        if raw.get("gpus", 0) < 0:
+            raise CatalogError(f"{label}: gpus cannot be negative")
+        profiles.append(Profile(
+            name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
+            gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
+            node_selector=tuple(sorted((str(k), str(v)) for k, v in raw.get("node_selector", {}).items())),
+            args=tuple(str(a) for a in raw.get("args", [])),
+            env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
+            priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0))))
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        raise CatalogError(f"{where}: aliases must be a list of names")
+    return Model(name=name, source=source, profiles=tuple(sorted(profiles, key=lambda p: -p.priority)),
+                 aliases=tuple(aliases), description=str(table.get("description", "")),
+                 max_context=table.get("max_context"), max_output=table.get("max_output"),
+                 min_replicas=low, max_replicas=high,
+                 idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin,
+                 size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None)
+
+
+def read_model_file(path: str) -> dict:
+    """The table of a model file for `llmgw ctl model add -f`: the keys of one [[models]] entry at top level."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise CatalogError(f"cannot read {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CatalogError(f"{path} is not valid TOML: {e}") from None
+
+
+def check_source(source: str, timeout: float = 10.0) -> int | None:
+    """Refuse early a source that is not there, rather than failing later on every node.
+
+    A URL must answer a HEAD request; a path must exist here when it is
+    absolute and this machine can see it (a path only the nodes see cannot be
+    checked, and `--no-source-check` skips the check). Returns the download's
+    size when the server says it.
+    """
+    if source.split("?", 1)[0].endswith(".gguf"):
+        why = gguf.refusal(source)
+        if why:
+            raise CatalogError(f"the source {source} cannot be served: {why}")
+    if source.startswith(("http://", "https://")):
+        req = urllib.request.Request(source, method="HEAD")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                length = resp.headers.get("Content-Length")
+                return int(length) if length and length.isdigit() else None
+        except Exception as e:
+            raise CatalogError(f"the source {source} does not answer ({e}); check the URL, or add the model with "
+                               "--no-source-check if only the nodes can reach it") from None
+    if not os.path.exists(source):
+        raise CatalogError(f"the source {source} does not exist on the controller's machine; if it exists only on "
+                           "the nodes, add the model with --no-source-check")
+    return None
+
+
+class Catalog:
+    """Configuration models plus runtime ones from the store; runtime changes are written through."""
+
+    def __init__(self, engine: Engine, config_models: list[dict]):
+        self.engine = engine
+        self.config = {m.name: m for m in (parse_model(t) for t in config_models if t.get("profiles"))}
+        self.runtime: dict[str, Model] = {}
+        with engine.connect() as conn:
+            for name, spec in conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec)):
+                self.runtime[name] = parse_model(json.loads(spec), origin="runtime")
+
+    def models(self) -> dict[str, Model]:
+        return {**self.runtime, **self.config}
+
+    def add(self, table: dict) -> Model:
+        model = parse_model(table, origin="runtime")
+        if model.name in self.config:
+            raise CatalogError(f"{model.name} is defined in the configuration file; edit it there")
+        with self.engine.begin() as conn:
+            conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == model.name))
+            conn.execute(store.catalog_models.insert().values(name=model.name, spec=json.dumps(table),
+                                                              updated_at=time.time()))
+        self.runtime[model.name] = model
+        return model
+
+    def remove(self, name: str) -> None:
+        if name in self.config:
+            raise CatalogError(f"{name} is defined in the configuration file; remove it there and restart")
+        if name not in self.runtime:
+            raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
+        with self.engine.begin() as conn:
+            conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == name))
+        del self.runtime[name]
+
+    def scale(self, name: str, low: int | None, high: int | None) -> Model:
+        if name in self.config:
+            raise CatalogError(f"{name} is defined in the configuration file; change its scaling there")
+        if name not in self.runtime:
+            raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
+        with self.engine.connect() as conn:
+            table = json.loads(conn.execute(sa.select(store.catalog_models.c.spec).where(
+                store.catalog_models.c.name == name)).scalar_one())
+        scaling = dict(table.get("scaling", {}))
+        if low is not None:
+            scaling["min"] = low
+        if high is not None:
+            scaling["max"] = high
+        if high is None and scaling.get("max", 1) < scaling.get("min", 1):
+            scaling["max"] = scaling["min"]  # raising min alone raises max with it
+        return self.add({**table, "scaling": scaling})

@@ -1,0 +1,115 @@
+"""The fleet as Prometheus series, read from the controller's memory at each scrape.
+
+Agents publish nothing themselves: one scrape of the controller shows every
+node. A figure a node did not report is left out, not written as 0 (a GPU
+whose driver cannot say its utilisation has no utilisation series).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client.core import GaugeMetricFamily
+
+from llmgw.control.fleet import STATES, Fleet
+
+
+class FleetCollector:
+    def __init__(self, fleet: Fleet, replicas=None, models=lambda: {}):
+        """REPLICAS is the controller's Replicas; MODELS() returns the catalog's models."""
+        self.fleet = fleet
+        self.replicas = replicas
+        self.models = models
+
+    def collect(self):
+        nodes = self.fleet.describe(time.monotonic())
+        up = GaugeMetricFamily("llmgw_node_up", "1 for the state each node is in.", labels=["node", "state"])
+        seen = GaugeMetricFamily("llmgw_node_last_seen_seconds", "Seconds since the node was last heard.",
+                                 labels=["node"])
+        cpus = GaugeMetricFamily("llmgw_node_cpus", "CPUs of the node.", labels=["node"])
+        mem_total = GaugeMetricFamily("llmgw_node_memory_total_bytes", "Memory of the node.", labels=["node"])
+        mem_avail = GaugeMetricFamily("llmgw_node_memory_available_bytes", "Memory available on the node.",
+                                      labels=["node"])
+        load = GaugeMetricFamily("llmgw_node_load", "1-minute load average of the node.", labels=["node"])
+        cpu_util = GaugeMetricFamily("llmgw_node_cpu_utilization_percent", "CPU use of the whole node, 0-100.",
+                                     labels=["node"])
+        disk_free = GaugeMetricFamily("llmgw_node_disk_free_bytes", "Free space where the node keeps weights.",
+                                      labels=["node"])
+        disk_total = GaugeMetricFamily("llmgw_node_disk_total_bytes", "Size of the disk holding the weights.",
+                                       labels=["node"])
+        gpu_mem = GaugeMetricFamily("llmgw_gpu_memory_used_bytes", "GPU memory in use.", labels=["node", "gpu"])
+        gpu_total = GaugeMetricFamily("llmgw_gpu_memory_total_bytes", "GPU memory.", labels=["node", "gpu"])
+        gpu_util = GaugeMetricFamily("llmgw_gpu_utilization_percent", "GPU utilisation, where the driver reports it.",
+                                     labels=["node", "gpu"])
+        gpu_ok = GaugeMetricFamily("llmgw_gpu_healthy", "1 while the GPU reports healthy.", labels=["node", "gpu"])
+        shard_cpu = GaugeMetricFamily("llmgw_shard_cpu_cores", "CPU cores an engine uses, its workers included.",
+                                      labels=["node", "shard"])
+        shard_mem = GaugeMetricFamily("llmgw_shard_memory_bytes", "Resident memory of an engine and its workers.",
+                                      labels=["node", "shard"])
+        shard_waiting = GaugeMetricFamily("llmgw_shard_requests_waiting", "Requests waiting in an engine, as it reports.",
+                                          labels=["node", "shard"])
+        shard_running = GaugeMetricFamily("llmgw_shard_requests_running", "Requests an engine is generating for.",
+                                          labels=["node", "shard"])
+        shard_kv = GaugeMetricFamily("llmgw_shard_kv_cache_usage", "An engine's KV cache use, 0 to 1, where it reports it.",
+                                     labels=["node", "shard"])
+        for n in nodes:
+            node = n["node_id"]
+            for state in STATES:
+                up.add_metric([node, state], 1.0 if n["state"] == state else 0.0)
+            seen.add_metric([node], n["last_heard_s"])
+            facts, status = n["facts"], n["status"]
+            if "count" in facts.get("cpu", {}):
+                cpus.add_metric([node], facts["cpu"]["count"])
+            memory = {**facts.get("memory", {}), **status.get("memory", {})}
+            if "total_bytes" in memory:
+                mem_total.add_metric([node], memory["total_bytes"])
+            if "available_bytes" in memory:
+                mem_avail.add_metric([node], memory["available_bytes"])
+            node_load = status.get("load", {})
+            for shard in node_load.get("shards", []):
+                if "cpu_cores" in shard:
+                    shard_cpu.add_metric([node, shard["shard_id"]], shard["cpu_cores"])
+                if "memory_rss_bytes" in shard:
+                    shard_mem.add_metric([node, shard["shard_id"]], shard["memory_rss_bytes"])
+                for family, field in ((shard_waiting, "waiting"), (shard_running, "running"), (shard_kv, "kv_cache")):
+                    if field in shard:
+                        family.add_metric([node, shard["shard_id"]], shard[field])
+            if "load1" in node_load:
+                load.add_metric([node], node_load["load1"])
+            if "cpu_percent" in node_load:
+                cpu_util.add_metric([node], node_load["cpu_percent"])
+            disk = {**facts.get("disk", {}), **status.get("disk", {})}
+            if "free_bytes" in disk:
+                disk_free.add_metric([node], disk["free_bytes"])
+            if "total_bytes" in disk:
+                disk_total.add_metric([node], disk["total_bytes"])
+            used = {g["index"]: g for g in status.get("gpus", []) if isinstance(g, dict) and "index" in g}
+            for gpu in facts.get("gpus", []):
+                index = str(gpu.get("index"))
+                current = {**gpu, **used.get(gpu.get("index"), {})}
+                if "memory_total_bytes" in current:
+                    gpu_total.add_metric([node, index], current["memory_total_bytes"])
+                if "memory_used_bytes" in current:
+                    gpu_mem.add_metric([node, index], current["memory_used_bytes"])
+                if "utilization_percent" in current:
+                    gpu_util.add_metric([node, index], current["utilization_percent"])
+                gpu_ok.add_metric([node, index], 1.0 if current.get("health") == "ok" else 0.0)
+        yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
+                    gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem, shard_waiting, shard_running, shard_kv)
+        yield from self._replica_families()
+
+    def _replica_families(self):
+        by_state = GaugeMetricFamily("llmgw_replicas", "Replicas by state.", labels=["state"])
+        ready = GaugeMetricFamily("llmgw_model_replicas_ready",
+                                  "Ready replicas of each model that should be running (absent for a stopped one).",
+                                  labels=["model"])
+        shards = self.replicas.snapshot() if self.replicas is not None else []
+        for state in ("pending", "fetching", "starting", "ready", "stopping"):
+            by_state.add_metric([state], sum(1 for r in shards if r.state == state))
+        for name in self.models():
+            count = sum(1 for r in shards if r.model == name and r.state == "ready")
+            live = any(r.model == name for r in shards)
+            if live or self.models()[name].min_replicas > 0:
+                ready.add_metric([name], count)
+        yield by_state
+        yield ready

@@ -1,0 +1,132 @@
+"""Where a new replica of a model can run, and, for every node where it cannot, why.
+
+Pure: it takes the nodes as the controller knows them and the replicas already
+placed, and returns a decision or the reasons. A node is a candidate for a
+profile only if it is ready (not cordoned, unreachable or lost), has the
+profile's engine installed and seen to run, carries every label the profile
+selects on, has enough GPUs of the profile's class free (indices not held by
+another replica), and enough memory not already claimed by replicas placed
+there: a claim counts from the moment of placement, so two models are never
+given the same memory between two heartbeats. Profiles are tried by priority;
+among candidates, the node with the fewest replicas of this model wins (spread),
+then the one with the most unclaimed memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.fleet import READY
+
+GiB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a placed replica holds on its node."""
+    node_id: str
+    model: str
+    memory_bytes: int
+    gpus: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    node_id: str
+    profile: Profile
+    gpus: tuple[int, ...]
+
+
+def memory_claim(profile: Profile) -> int:
+    return int(profile.min_memory_gb * GiB)
+
+
+def _by_node(claims: list[Claim]) -> dict[str, list[Claim]]:
+    held: dict[str, list[Claim]] = {}
+    for claim in claims:
+        held.setdefault(claim.node_id, []).append(claim)
+    return held
+
+
+def _refusal(node: dict, profile: Profile, held: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
+    """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE, else (reason, ())."""
+    if node["state"] != READY:
+        return f"node is {node['state']}", ()
+    facts = node["facts"]
+    engines = facts.get("engines")
+    if not facts.get("engines_probed") or engines is None:
+        return "the node has not said which engines it runs (an old agent?)", ()
+    if profile.engine not in engines:
+        installed = ", ".join(sorted(engines)) or "none"
+        return f"engine {profile.engine} is not installed there (installed: {installed})", ()
+    labels = facts.get("labels") or {}
+    for key, value in profile.node_selector:
+        if labels.get(key) != value:
+            return f"label {key}={value} wanted, node has {key}={labels.get(key, '(unset)')}", ()
+    gpus: tuple[int, ...] = ()
+    if profile.gpus:
+        known = facts.get("gpus")
+        if known is None:
+            return "the node's GPUs are not known (its GPU probe failed)", ()
+        taken = {i for c in held for i in c.gpus}
+        fitting = [g for g in known if profile.gpu_class in (None, g.get("class"))]
+        free = [g["index"] for g in fitting if g["index"] not in taken and g.get("health", "ok") == "ok"]
+        if len(free) < profile.gpus:
+            wanted = f"{profile.gpus} x {profile.gpu_class or 'any GPU'}"
+            return f"needs {wanted}, {len(free)} free of {len(fitting)}", ()
+        gpus = tuple(sorted(free)[:profile.gpus])
+    elif profile.gpu_class:
+        return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
+    if model.size_bytes and model.source.startswith(("http://", "https://")):
+        free = {**facts.get("disk", {}), **node.get("status", {}).get("disk", {})}.get("free_bytes")
+        if free is not None and free < model.size_bytes:
+            return (f"needs {model.size_bytes / GiB:.1f} GiB of disk for the weights, "
+                    f"{free / GiB:.1f} GiB free in its weights directory"), ()
+    total = facts.get("memory", {}).get("total_bytes")
+    need = memory_claim(profile)
+    if need:
+        if total is None:
+            return "the node's memory is not known", ()
+        claimed = sum(c.memory_bytes for c in held)
+        if total - claimed < need:
+            return (f"needs {need / GiB:.1f} GiB of memory, {max(0, total - claimed) / GiB:.1f} GiB unclaimed "
+                    f"of {total / GiB:.1f} GiB"), ()
+    return None, gpus
+
+
+def place(model: Model, nodes: list[dict], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:
+    """A node for one more replica of MODEL, or None with every node's reason."""
+    reasons: dict[str, str] = {}
+    held = _by_node(claims)
+    for profile in model.profiles:
+        candidates = []
+        for node in nodes:
+            mine = held.get(node["node_id"], [])
+            reason, gpus = _refusal(node, profile, mine, model)
+            if reason is None:
+                here = sum(1 for c in mine if c.model == model.name)
+                total = node["facts"].get("memory", {}).get("total_bytes", 0)
+                claimed = sum(c.memory_bytes for c in mine)
+                candidates.append((here, -(total - claimed), node["node_id"], gpus))
+            else:
+                label = f"{node['node_id']}" if len(model.profiles) == 1 else f"{node['node_id']} ({profile.name})"
+                reasons[label] = reason
+        if candidates:
+            _, _, node_id, gpus = min(candidates)
+            return Decision(node_id, profile, gpus), reasons
+    if not nodes:
+        reasons["(none)"] = "no node has registered"
+    return None, reasons
+
+
+def explain(model: Model, nodes: list[dict], claims: list[Claim]) -> list[dict]:
+    """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason."""
+    rows = []
+    held = _by_node(claims)
+    for profile in model.profiles:
+        for node in nodes:
+            reason, gpus = _refusal(node, profile, held.get(node["node_id"], []), model)
+            rows.append({"node": node["node_id"], "profile": profile.name, "fits": reason is None,
+                         "reason": reason or (f"fits (GPUs {', '.join(map(str, gpus))})" if gpus else "fits")})
+    return rows

@@ -1,0 +1,211 @@
+"""Keeping the right replicas running: what the catalog asks for, against what the agents report.
+
+The controller keeps no record of replicas of its own: each one is known from
+its agent's reports (a shard status, or the shards listed at registration), so
+a restarted controller rebuilds the same view and places nothing twice. Every
+pass compares each model's live replicas with its scaling and decides what to
+start and what to stop, with reasons; it never stops a serving replica just
+because its profile changed (that replica is shown as running a stale
+profile), and after a replica fails the model waits before the next try:
+10 s, doubling, up to 5 minutes, reset once a replica is ready. The last
+failure's output is kept for the operator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+
+from llmgw.control import placement
+from llmgw.control.catalog import Model
+from llmgw.control.fleet import DRAINING, LOST
+
+LIVE = ("pending", "fetching", "starting", "ready")
+MAX_BACKOFF = 300.0
+
+
+@dataclasses.dataclass
+class Replica:
+    shard_id: str
+    model: str
+    node_id: str
+    state: str  # pending (sent, not yet reported), fetching, starting, ready, stopping
+    profile_fp: str | None = None
+    engine: str | None = None
+    url: str | None = None
+    gpus: tuple[int, ...] = ()
+    memory_bytes: int = 0
+    fetch: dict | None = None
+    since: float = 0.0
+
+
+@dataclasses.dataclass
+class Failure:
+    shard_id: str
+    node_id: str
+    at: float
+    detail: str | None
+    last_output: list[str]
+    count: int  # failures in a row for this model
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    model: str
+    shard_id: str
+    decision: placement.Decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    shard_id: str
+    node_id: str
+    reason: str
+
+
+class Replicas:
+    """Replicas as agents report them, plus each model's last failure and backoff. Thread-safe."""
+
+    def __init__(self, base_backoff: float = 10.0):
+        self.base_backoff = base_backoff
+        self.items: dict[str, Replica] = {}
+        self.failures: dict[str, Failure] = {}
+        self.retry_at: dict[str, float] = {}
+        self.lock = threading.RLock()
+
+    def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None) -> None:
+        """Take one shard_status (or a shard listed at registration)."""
+        with self.lock:
+            shard_id, state = status["shard_id"], status["state"]
+            current = self.items.get(shard_id)
+            if state in ("failed", "stopped"):
+                self.items.pop(shard_id, None)
+                if state == "failed" and status.get("model"):
+                    model = status["model"]
+                    count = self.failures[model].count + 1 if model in self.failures else 1
+                    self.failures[model] = Failure(shard_id, node_id, now, status.get("detail"),
+                                                   list(status.get("last_output") or []), count)
+                    self.retry_at[model] = now + min(self.base_backoff * 2 ** (count - 1), MAX_BACKOFF)
+                return
+            if current is None:
+                current = Replica(shard_id, status.get("model", "?"), node_id, state, since=now,
+                                  memory_bytes=memory_bytes or 0)
+                self.items[shard_id] = current
+            if current.state != "stopping":
+                current.state = state
+            current.node_id = node_id
+            for field in ("profile_fp", "engine", "url", "fetch"):
+                if field in status:
+                    setattr(current, field, status[field])
+            if "gpus" in status:
+                current.gpus = tuple(status["gpus"])
+            if state == "ready":
+                self.retry_at.pop(current.model, None)
+                failure = self.failures.get(current.model)
+                if failure is not None:
+                    failure.count = 0
+
+    def claims(self) -> list[placement.Claim]:
+        with self.lock:
+            return [placement.Claim(r.node_id, r.model, r.memory_bytes, r.gpus) for r in self.items.values()
+                    if r.state in LIVE]
+
+    def snapshot(self) -> list[Replica]:
+        with self.lock:
+            return [dataclasses.replace(r) for r in self.items.values()]
+
+
+DEFAULT_IDLE_TIMEOUT = 900.0  # an on-demand model with no idle_timeout stops after 15 minutes unused
+
+
+class Demand:
+    """When each model was last wanted (asked for, or served) according to the gateways."""
+
+    def __init__(self):
+        self.last: dict[str, float] = {}
+        self.lock = threading.Lock()
+
+    def note(self, model: str, now: float) -> None:
+        with self.lock:
+            self.last[model] = now
+
+    def wanted(self, models: dict[str, Model], now: float) -> dict[str, int]:
+        """For models that run on demand (min 0): one replica while used within its idle timeout, else none."""
+        with self.lock:
+            out = {}
+            for name, model in models.items():
+                if model.min_replicas == 0:
+                    idle = model.idle_timeout if model.idle_timeout is not None else DEFAULT_IDLE_TIMEOUT
+                    out[name] = 1 if now - self.last.get(name, float("-inf")) < idle else 0
+            return out
+
+
+def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: float,
+         wanted: dict[str, int] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
+    """One pass: what to start and stop, and for each model that could not be placed, why, by node.
+
+    WANTED overrides a model's count within its scaling (demand for an
+    on-demand model); otherwise a model wants its minimum.
+    """
+    actions: list[Start | Stop] = []
+    unplaced: dict[str, dict[str, str]] = {}
+    lost = {n["node_id"] for n in nodes if n["state"] == LOST}
+    # Planning and recording what was planned happen under one lock: a replica
+    # decided here is a claim at once, so the next pass cannot place it twice.
+    with replicas.lock:
+        for replica in [r for r in replicas.items.values() if r.node_id in lost]:
+            del replicas.items[replica.shard_id]  # its node is gone: replace it elsewhere
+        current = list(replicas.items.values())
+        claims = replicas.claims()
+        for replica in current:
+            if replica.model not in models and replica.state != "stopping":
+                replica.state = "stopping"
+                actions.append(Stop(replica.shard_id, replica.node_id, f"{replica.model} is no longer in the catalog"))
+        draining = {n["node_id"] for n in nodes if n["state"] == DRAINING}
+        moving = False  # a drain moves one replica at a time, across every model
+        for name, model in sorted(models.items()):
+            live = [r for r in current if r.model == name and r.state in LIVE]
+            staying = [r for r in live if r.node_id not in draining]
+            leaving = [r for r in live if r.node_id in draining]
+            want = model.min_replicas if wanted is None or name not in wanted else \
+                max(model.min_replicas, min(model.max_replicas, wanted[name]))
+            if len(staying) > want or (len(staying) == want and leaving and
+                                       all(r.state == "ready" for r in staying)):
+                # Stop the least useful first: those on a draining node, not yet ready, the newest.
+                for r in sorted(live, key=lambda r: (r.node_id not in draining, r.state == "ready",
+                                                     -r.since))[:len(live) - want]:
+                    r.state = "stopping"
+                    why = f"{r.node_id} is draining" if r.node_id in draining else \
+                        f"{name} wants {want} replicas, had {len(live)}"
+                    actions.append(Stop(r.shard_id, r.node_id, why))
+                continue
+            if leaving and (moving or any(r.state != "ready" for r in staying)):
+                moving = True  # a replacement is on its way; the next one waits for it
+                continue
+            if len(staying) >= want or now < replicas.retry_at.get(name, 0.0):
+                continue
+            for _ in range(min(want - len(staying), 1 if leaving else want)):
+                decision, reasons = placement.place(model, nodes, claims)
+                if decision is None:
+                    unplaced[name] = reasons
+                    break
+                shard_id = f"{name}-{uuid.uuid4().hex[:8]}"
+                memory = placement.memory_claim(decision.profile)
+                claims.append(placement.Claim(decision.node_id, name, memory, decision.gpus))
+                replicas.items[shard_id] = Replica(shard_id, name, decision.node_id, "pending",
+                                                   profile_fp=model.fingerprint(decision.profile),
+                                                   engine=decision.profile.engine, gpus=decision.gpus,
+                                                   memory_bytes=memory, since=now)
+                actions.append(Start(name, shard_id, decision))
+                moving = moving or bool(leaving)
+    return actions, unplaced
+
+
+def start_message(model: Model, action: Start) -> dict:
+    """The fields of the start_shard command that carries out ACTION."""
+    profile = action.decision.profile
+    return {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
+            "engine": profile.engine, "source": model.source, "args": list(profile.args), "env": dict(profile.env),
+            "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
+            "max_context": model.max_context}

@@ -1,0 +1,146 @@
+"""Choosing a replica for a request: least loaded of two, or the one with the prompt cached.
+
+Round-robin leaves one replica with seven requests while another sits idle,
+because answers take wildly different times. Here a replica's load is what
+this worker has outstanding on it now, plus what the engine last reported
+waiting and running beyond this worker's own requests at that moment (other
+workers' and other gateways' traffic). Counting our own requests from the
+engine's figures as well made a replica look busy for a second after its
+answer was done. Figures older than `stale_after` are ignored: routing on an
+old queue length is worse than routing on what we know. Two replicas are
+drawn by weight and the less loaded (per unit of weight) wins: the power of
+two choices keeps queues short without every worker piling onto the same
+"least loaded" replica between two metric reads.
+
+Prompt affinity: requests that share the start of their prompt are sent to the
+same replica (chosen by rendezvous hashing, so every worker picks the same one
+with no shared state), where the engine's prefix cache already holds it, as
+long as that replica is no busier than `affinity_factor` times the least
+loaded one, or at most one request busier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from llmgw.gateway.breaker import Breaker
+from llmgw.gateway.snapshot import ReplicaSpec, Snapshot
+
+
+class ReplicaState:
+    """What one worker knows about one replica."""
+
+    __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at",
+                 "outstanding_at_metrics", "seed")
+
+    def __init__(self, spec: ReplicaSpec, breaker: Breaker, target=None):
+        self.spec = spec
+        self.target = target  # how to reach it (an upstream.Target), made once per replica
+        self.outstanding = 0
+        self.breaker = breaker
+        self.waiting: float | None = None  # None: the engine has not told us
+        self.running: float | None = None
+        self.kv_cache: float | None = None
+        self.metrics_at: float | None = None
+        self.outstanding_at_metrics = 0  # ours among the engine's figures when it reported them
+        self.seed = hashlib.blake2b(spec.id.encode(), digest_size=8).digest()
+
+    def fresh(self, now: float, stale_after: float) -> bool:
+        return self.metrics_at is not None and now - self.metrics_at <= stale_after
+
+    def load(self, now: float, stale_after: float) -> float:
+        """Requests ahead of a new one, counting the new one (so the idle load is 1)."""
+        load = float(self.outstanding)
+        if self.fresh(now, stale_after):
+            reported = (self.waiting or 0.0) + (self.running or 0.0)
+            load += max(0.0, reported - self.outstanding_at_metrics)
+            # A nearly full KV cache means the next request will queue even if
+            # few are running: past half full, count it as up to one more request
+            # ahead. Below that it is left out, so that small fractions do not tip
+            # decisions between whole requests.
+            load += max(0.0, (self.kv_cache or 0.0) - 0.5) * 2
+        return load + 1.0
+
+    def record_metrics(self, figures: dict[str, float], now: float) -> None:
+        """Take the engine's own load figures (absent ones stay unknown)."""
+        self.waiting = figures.get("waiting")
+        self.running = figures.get("running")
+        self.kv_cache = figures.get("kv_cache")
+        self.metrics_at = now
+        self.outstanding_at_metrics = self.outstanding
+
+
+def affinity_key(text: bytes, prefix_bytes: int) -> bytes | None:
+    if prefix_bytes <= 0 or not text:
+        return None
+    return hashlib.blake2b(text[:prefix_bytes], digest_size=8).digest()
+
+
+def _rendezvous(key: bytes, replica: ReplicaState) -> bytes:
+    return hashlib.blake2b(key, key=replica.seed, digest_size=8).digest()
+
+
+def choose(candidates: list[ReplicaState], now: float, stale_after: float, key: bytes | None,
+           affinity_factor: float, rng: random.Random) -> ReplicaState:
+    """One of CANDIDATES (not empty, breakers already checked) for a request."""
+    if len(candidates) == 1:
+        return candidates[0]
+    loads = {id(r): r.load(now, stale_after) / r.spec.weight for r in candidates}
+    if key is not None:
+        preferred = max(candidates, key=lambda r: _rendezvous(key, r))
+        least = min(loads.values())
+        # At low load a ratio alone is too strict: 2 against 1 is "twice as busy", yet one request
+        # ahead costs less than recomputing a long prompt. So one request more than the least
+        # loaded is always acceptable, and beyond that the factor decides.
+        if loads[id(preferred)] <= max(affinity_factor * least, least + 1.0):
+            return preferred
+    weights = [r.spec.weight for r in candidates]
+    a, b = rng.choices(candidates, weights=weights, k=2)
+    if a is b:
+        b = rng.choice([r for r in candidates if r is not a])
+    return a if loads[id(a)] <= loads[id(b)] else b
+
+
+class Router:
+    """A worker's replicas: the current snapshot plus what it has learnt about each replica."""
+
+    def __init__(self, snapshot: Snapshot, breaker_failures: int, breaker_cooldown: float, stale_after: float,
+                 affinity_factor: float, make_target=None, seed: int | None = None):
+        self.make_target = make_target or (lambda url: None)
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown = breaker_cooldown
+        self.stale_after = stale_after
+        self.affinity_factor = affinity_factor
+        self.rng = random.Random(seed)
+        self.snapshot = snapshot
+        self.states: dict[str, ReplicaState] = {}
+        self.apply(snapshot)
+
+    def apply(self, snapshot: Snapshot) -> None:
+        """Adopt SNAPSHOT, keeping load and breaker state of replicas that persist."""
+        states = {}
+        for rid, spec in snapshot.replicas.items():
+            state = self.states.get(rid)
+            if state is None or state.spec.url != spec.url:
+                state = ReplicaState(spec, Breaker(self.breaker_failures, self.breaker_cooldown),
+                                     self.make_target(spec.url))
+            else:
+                state.spec = spec
+            states[rid] = state
+        self.states = states
+        self.snapshot = snapshot
+
+    def available(self, model: str) -> list[ReplicaState]:
+        states = self.states
+        return [states[rid] for rid in self.snapshot.replicas_for(model) if not states[rid].breaker.is_open]
+
+    def pick(self, model: str, now: float, key: bytes | None, exclude: set[str]) -> ReplicaState | None:
+        candidates = [r for r in self.available(model) if r.spec.id not in exclude]
+        if not candidates:
+            return None
+        return choose(candidates, now, self.stale_after, key, self.affinity_factor, self.rng)
+
+    def ready(self) -> bool:
+        """Somewhere to send a request: at least one replica whose breaker is closed."""
+        return any(not s.breaker.is_open for s in self.states.values())

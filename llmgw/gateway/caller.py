@@ -1,0 +1,52 @@
+"""Who a request is from and what it may spend: a key, or a signed-in person on the chat page.
+
+A `Caller` carries the principal's `limits.Access` through the `/v1` pipeline,
+the reservation the accountant granted it, and what the accountant said about
+the pools it was counted in, which becomes OpenAI's rate-limit headers.
+"""
+
+from __future__ import annotations
+
+from llmgw.people.limits import Access, Price, show_money
+
+
+def duration(seconds: int) -> str:
+    """SECONDS in words for a refusal: how long until a budget starts again."""
+    if seconds >= 86400:
+        return f"{seconds // 86400} d {seconds % 86400 // 3600} h"
+    if seconds >= 3600:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    return f"{max(1, seconds // 60)} min"
+
+
+class Caller:
+    """Who a request is from and what it may spend: a key, or a signed-in person on the chat page."""
+
+    __slots__ = ("key_id", "project_id", "user_id", "access", "wire", "price", "reservation", "estimate", "status")
+
+    def __init__(self, key_id: str, project_id: str | None, user_id: str | None, access: Access):
+        self.key_id = key_id
+        self.project_id = project_id
+        self.user_id = user_id
+        self.access = access
+        self.wire = access.wire
+        self.price: Price | None = None
+        self.reservation: int | None = None
+        self.estimate = 0
+        self.status: dict = {}
+
+    def budget_pools(self) -> list[list[str]]:
+        return [[lv.counter, lv.period] for lv in self.access.levels if lv.budget is not None]
+
+    def limit_headers(self) -> list[tuple[str, str]]:
+        """OpenAI's rate-limit headers, from the pool nearest to refusing, and the budget left."""
+        out = []
+        for name, kind in (("rpm", "requests"), ("tpm", "tokens")):
+            if name in self.status:
+                limit, remaining = self.status[name]
+                out += [(f"X-RateLimit-Limit-{kind.capitalize()}", str(limit)),
+                        (f"X-RateLimit-Remaining-{kind.capitalize()}", str(remaining))]
+        if "budget" in self.status and self.price is not None and not self.price.zero():
+            _limit, remaining = self.status["budget"]
+            out.append(("X-Llmgw-Budget-Remaining", show_money(remaining)))
+        return out

@@ -1,0 +1,56 @@
+"""A gateway worker following the controller: routing snapshots arrive over ZeroMQ SUB.
+
+A greenlet in each worker subscribes to the controller's publisher
+(`gateway.controller`) and swaps each newer snapshot in whole. Replicas and
+models given in the gateway's own configuration stay in every snapshot, so
+router-only endpoints and controller-placed replicas can be mixed. While the
+controller is away, the worker keeps routing with the last snapshot it had:
+the engines it lists are probably still serving, and the breakers take out
+any that are not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import zmq.green as zmq
+
+from llmgw.control.publisher import TOPIC
+from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
+
+log = logging.getLogger("llmgw.follower")
+
+
+def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snapshot:
+    models = dict(base.models)
+    for m in body.get("models", []):
+        models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
+                                      description=m.get("description") or "", max_context=m.get("max_context"),
+                                      max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")))
+    replicas = dict(base.replicas)
+    for r in body.get("replicas", []):
+        replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
+                                        weight=float(r.get("weight", 1.0)))
+    demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
+    accountant = f"{host}:{body['accountant_port']}" if body.get("accountant_port") else base.accountant
+    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant)
+
+
+def follow(address: str, base: Snapshot, apply) -> None:
+    """Run forever: APPLY(snapshot) for each snapshot the controller at ADDRESS publishes."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sock.connect(f"tcp://{address}")
+    try:
+        while True:
+            _, payload = sock.recv_multipart()
+            try:
+                body = json.loads(payload)
+                apply(from_controller(body, base, address.rpartition(":")[0] or "127.0.0.1"))
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignored a snapshot from the controller that cannot be read: %s", e)
+    finally:
+        sock.close(0)

@@ -1,0 +1,500 @@
+"""The `/v1` request pipeline: authenticate, read, route, forward, relay, account.
+
+Every OpenAI route goes through this one path; nothing here queries the
+database or waits on anything but the client and the engine. It is a plain
+WSGI callable rather than a Flask view: on this path Flask's dispatch costs
+a few tenths of a millisecond a request, which is most of the budget.
+
+Retries: an attempt that fails before anything has been sent to the client
+(no connection, a timeout before the answer starts, a 5xx) is tried again on
+another replica, up to `routing.attempts`. Once a stream has started, an
+engine that fails ends it with an error event: the client has seen tokens,
+and a second replica would start the answer again.
+"""
+
+from __future__ import annotations
+
+import http
+import json
+import logging
+import socket
+import time
+
+import gevent
+from gevent.socket import wait_read
+
+from llmgw.gateway import admission, apirequest, balancer
+from llmgw.gateway.caller import Caller, duration
+from llmgw.gateway.errors import ApiError
+from llmgw.gateway.limiter import Unavailable
+from llmgw.gateway.snapshot import ModelSpec
+from llmgw.gateway.sse import EventRelay
+from llmgw.gateway.upstream import Response, UpstreamError
+from llmgw.gateway.worker import Runtime
+from llmgw.people.keys import Refusal
+
+log = logging.getLogger("llmgw.proxy")
+
+OVERHEAD_HEADER = "X-Llmgw-Overhead-Ms"
+SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")]
+LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
+KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
+DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"{status} Engine Status"
+
+
+def _upstream_error(model: str, e: UpstreamError, replica: str) -> ApiError:
+    if e.phase == "busy":
+        return ApiError(429, f"Every replica of {model} tried is at capacity. Retry after {e.retry_after} s.",
+                        "engine_at_capacity", retry_after=e.retry_after)
+    if e.phase in ("first_byte", "idle", "total"):
+        return ApiError(504, f"The engine for {model} (replica {replica}) timed out: {e}. Try again; if it keeps "
+                             "happening, the model may be overloaded or the timeouts.* settings too short.",
+                        "upstream_timeout")
+    return ApiError(502, f"The engine for {model} (replica {replica}) failed: {e}. Try again; an operator "
+                         "should look at that replica's logs if it persists.", "upstream_error")
+
+
+def _retry_after(value: str | None) -> int:
+    try:
+        return max(1, int(value)) if value else 1
+    except ValueError:
+        return 1
+
+
+def _watch_client(sock: socket.socket, resp: Response) -> None:
+    """Abort RESP as soon as the client hangs up.
+
+    Without this, a client gone mid-stream is only noticed on the second write
+    after it left, which with slow tokens is many seconds of the engine
+    generating for nobody. Closing the engine's connection stops its work.
+    """
+    try:
+        wait_read(sock.fileno())
+        if sock.recv(1, socket.MSG_PEEK):
+            return  # the client sent more (a pipelined request), it did not leave
+    except OSError:
+        pass
+    resp.abort()
+
+
+class Proxy:
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+        cfg = runtime.cfg
+        self.max_body = cfg["gateway.max_body_bytes"]
+        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"]
+        self.attempts = cfg["routing.attempts"]
+        self.first_byte = cfg["timeouts.first_byte"]
+        self.idle = cfg["timeouts.idle"]
+        self.total = cfg["timeouts.total"]
+        self.load_wait = cfg["gateway.load_wait"]
+        self.output_estimate = cfg["limits.output_estimate"]
+        self.max_outstanding = cfg["routing.max_outstanding"]
+        self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
+
+    def __call__(self, environ, start_response, caller: Caller | None = None):
+        """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
+        t0 = time.perf_counter()
+        path = environ.get("PATH_INFO", "")
+        req = None
+        model: ModelSpec | None = None
+        try:
+            kind = apirequest.KINDS.get(path)
+            if kind is None and path != "/v1/models":
+                raise ApiError(404, f"There is no API at {path}. This gateway serves /v1/chat/completions, "
+                                    "/v1/completions, /v1/embeddings and /v1/models.", "unknown_url")
+            if caller is None:
+                caller = self._authenticate(environ)
+            method = environ["REQUEST_METHOD"]
+            if kind is None:
+                if method != "GET":
+                    raise ApiError(405, "Use GET for /v1/models.", "method_not_allowed")
+                return self._models(start_response, t0)
+            if method != "POST":
+                raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
+            raw = self._read_body(environ)
+            req = apirequest.parse(kind, raw, self.prefix_bytes)
+            model = self.rt.router.snapshot.resolve(req.model)
+            if model is None:
+                raise ApiError(404, self._unknown_model(req.model), "model_not_found", "model")
+            if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
+                raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
+                                    f"{model.max_output}. Ask for {model.max_output} or fewer.",
+                               "max_tokens_too_large", "max_tokens")
+            self._admit(caller, req, model)
+            return self._forward(environ, start_response, path, caller, req, model, t0)
+        except ApiError as e:
+            body = e.body()
+            headers = e.headers(body)
+            headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
+            if caller is not None:
+                headers += caller.limit_headers()
+            self._account(t0, caller, req, model, None, e.status, None, None)
+            start_response(e.status_line, headers)
+            return [body]
+        except Exception:
+            # A bug must cost one request, never the worker, and the client
+            # still gets an error it can parse.
+            log.exception("unexpected failure answering %s", path)
+            e = ApiError(500, "The gateway failed to handle this request. It has been logged; try again.",
+                         "internal_error")
+            body = e.body()
+            start_response(e.status_line, e.headers(body))
+            return [body]
+
+    # --- admission -----------------------------------------------------------------
+
+    def _authenticate(self, environ) -> Caller:
+        table = self.rt.keys
+        result = table.authenticate(environ.get("HTTP_AUTHORIZATION"), time.time())
+        if isinstance(result, Refusal):
+            raise ApiError(401, result.message, result.code)
+        return Caller(result.id, result.project_id, result.user_id, table.access[result.id])
+
+    def _admit(self, caller: Caller, req, model: ModelSpec) -> None:
+        """Hold the request to its allowlist and to every pool that limits it; raises ApiError when refused."""
+        access = caller.access
+        if access.models is not None and not self._allowed(access.models, model.name):
+            self.rt.metrics.limited.labels("model").inc()
+            shown = ", ".join(sorted(access.models)) or "none"
+            raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
+                                "if you need another model.", "model_not_allowed", "model")
+        # Every request is priced (its usage row records the cost), limited or not.
+        caller.price = self.rt.keys.prices.of(model.name)
+        if not access.levels:
+            return
+        priced = not caller.price.zero()
+        # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
+        # output is what the request may generate at most: an estimate on the high side, so that the
+        # budgets' reserve covers what requests in flight can still spend.
+        prompt = len(req.raw) // 4
+        output = req.max_tokens or model.max_output or self.output_estimate
+        estimate = prompt + output
+        try:
+            answer = self.rt.limiter.admit(self._accountant(), caller.wire, priced, estimate,
+                                           caller.price.cost(prompt, output))
+        except Unavailable:
+            if priced and any(lv.budget is not None for lv in access.levels):
+                raise ApiError(503, "Limits cannot be checked right now (the accountant does not answer), and a "
+                                    "budget applies to this key. Try again shortly.", "limits_unavailable",
+                               retry_after=5) from None
+            return
+        caller.status = answer.get("status") or {}
+        if not answer.get("ok"):
+            limit = answer.get("limit", "rpm")
+            self.rt.metrics.limited.labels(limit).inc()
+            retry = int(answer.get("retry_after") or 1)
+            if limit == "budget":
+                raise ApiError(429, f"Budget spent: {answer.get('message')}. It starts again in {duration(retry)}; "
+                                    "ask an operator for more.", "budget_exhausted", retry_after=retry)
+            raise ApiError(429, f"Rate limit: {answer.get('message')}. Retry after {retry} s.",
+                           "rate_limit_exceeded" if limit == "rpm" else "tokens_limit_exceeded", retry_after=retry)
+        caller.reservation = answer.get("r")
+        caller.estimate = estimate
+
+    def _accountant(self) -> str | None:
+        """The accountant's address; a worker that follows a controller waits briefly for its first snapshot."""
+        address = self.rt.router.snapshot.accountant
+        if address is None and self.rt.cfg["gateway.controller"]:
+            deadline = time.monotonic() + self.rt.limiter.timeout
+            while address is None and time.monotonic() < deadline:
+                gevent.sleep(0.02)
+                address = self.rt.router.snapshot.accountant
+        return address
+
+    def _allowed(self, allowlist: frozenset[str], served: str) -> bool:
+        # An alias on the list allows its model, and the model's name allows every alias.
+        snapshot = self.rt.router.snapshot
+        return served in allowlist or any((m := snapshot.resolve(name)) is not None and m.name == served
+                                          for name in allowlist)
+
+    def _read_body(self, environ) -> bytes:
+        stream = environ["wsgi.input"]
+        length = environ.get("CONTENT_LENGTH")
+        if length:
+            try:
+                size = int(length)
+            except ValueError:
+                raise ApiError(400, "Content-Length is not a number.", "invalid_request") from None
+            if size > self.max_body:
+                raise ApiError(413, f"The body is {size} bytes; this gateway accepts at most {self.max_body} "
+                                    "(gateway.max_body_bytes). Send less, or ask an operator to raise the limit.",
+                               "body_too_large")
+            data = stream.read(size)
+            if len(data) < size:
+                raise ApiError(400, "The body ended before Content-Length bytes arrived.", "invalid_request")
+            return data
+        # A chunked body has no length up front: read one byte past the limit to know.
+        data = stream.read(self.max_body + 1)
+        if len(data) > self.max_body:
+            raise ApiError(413, f"The body is larger than {self.max_body} bytes (gateway.max_body_bytes).",
+                           "body_too_large")
+        return data
+
+    def _unknown_model(self, name: str) -> str:
+        names = [n for n, _ in self.rt.router.snapshot.listed_ids()]
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        return (f"The model {name!r} does not exist here. Models: {shown or 'none yet'}. "
+                "GET /v1/models lists them.")
+
+    def _models(self, start_response, t0):
+        snapshot = self.rt.router.snapshot
+        data = [{"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw",
+                 "root": spec.name, "description": spec.description or None,
+                 "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
+                for name, spec in snapshot.listed_ids()]
+        body = json.dumps({"object": "list", "data": data}).encode()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                                  (OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}")])
+        return [body]
+
+    # --- forwarding --------------------------------------------------------------------
+
+    def _forward(self, environ, start_response, path, caller, req, model, t0):
+        rt = self.rt
+        if model.on_demand and not rt.router.available(model.name):
+            rt.demand(model.name)
+            if req.stream:
+                # Headers now, then a comment every few seconds: the client sees a live
+                # stream rather than a silent socket while the model loads.
+                start_response("200 OK", SSE_HEADERS + caller.limit_headers())
+                rt.metrics.in_flight.labels(model.name).inc()
+                return self._held_stream(environ, path, caller, req, model, t0)
+            for _ in self._until_ready(model):
+                pass
+            if not rt.router.available(model.name):
+                raise self._still_loading(model)
+        rt.metrics.in_flight.labels(model.name).inc()
+        try:
+            resp, replica, data, overhead = self._connect_in_turn(path, req, model, t0, caller)
+        except ApiError:
+            rt.metrics.in_flight.labels(model.name).dec()
+            raise
+        if data is None:
+            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+            return self._relay(environ, resp, replica, caller, req, model, t0)
+        usage = apirequest.usage_of(data) if resp.status == 200 else None
+        start_response(_status_line(resp.status), [
+            ("Content-Type", resp.headers.get("content-type", "application/json")),
+            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+        self._account(t0, caller, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
+        return [data]
+
+    def _connect_in_turn(self, path, req, model, t0, caller):
+        """`_connect`, but a request for a saturated model waits its turn in the admission queue
+        rather than being refused at once (see llmgw/admission.py)."""
+        deadline = time.monotonic() + self.queue.wait
+        band = caller.access.band
+        while True:
+            if self.max_outstanding:
+                self._turn(model, band, lambda: self._has_room(model))
+            try:
+                return self._connect(path, req, model, t0)
+            except ApiError as e:
+                if e.code != "engine_at_capacity" or time.monotonic() >= deadline:
+                    raise
+            # Every replica said busy: wait for a request on the model to end (or a recheck), then try again.
+            self._turn(model, band, lambda: True, wait_first=True)
+
+    def _has_room(self, model: ModelSpec) -> bool:
+        return any(s.outstanding < self.max_outstanding for s in self.rt.router.available(model.name))
+
+    def _turn(self, model: ModelSpec, band: str, has_room, wait_first: bool = False) -> None:
+        try:
+            self.queue.wait_turn(model.name, band, has_room, wait_first)
+        except admission.Refused as e:
+            self.rt.metrics.limited.labels("queue").inc()
+            raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
+                                "Retry shortly.", "model_saturated", retry_after=2) from None
+
+    def _connect(self, path, req, model, t0):
+        """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms).
+
+        Raises ApiError when every attempt failed or no replica is in rotation.
+        """
+        rt = self.rt
+        router = rt.router
+        body = req.upstream_body(model.name)
+        affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
+        deadline = time.monotonic() + self.total
+        tried: set[str] = set()
+        failure: tuple[UpstreamError, str] | None = None
+        engine_time = 0.0
+        for _ in range(self.attempts):
+            replica = router.pick(model.name, time.monotonic(), affinity, tried)
+            if replica is None:
+                break
+            if failure is not None:
+                rt.metrics.retries.labels(failure[0].phase).inc()
+            tried.add(replica.spec.id)
+            replica.outstanding += 1
+            sent = time.perf_counter()
+            try:
+                resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline)
+                if resp.status == 429:
+                    # The engine is full, not broken: another replica may
+                    # have room, and the breaker is left alone.
+                    resp.read(self.idle)
+                    resp.release()
+                    raise UpstreamError("busy", "it is at capacity (429)",
+                                        retry_after=_retry_after(resp.headers.get("retry-after")))
+                if resp.status >= 500:
+                    detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
+                    resp.release()
+                    raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
+                # A whole answer is read here, inside the attempt: if the
+                # engine fails halfway, nothing has reached the client yet and
+                # another replica can still be tried.
+                data = None if req.stream and resp.status == 200 else resp.read(self.idle)
+            except UpstreamError as e:
+                engine_time += time.perf_counter() - sent
+                replica.outstanding -= 1
+                if e.phase != "busy" and replica.breaker.failure(time.monotonic()):
+                    log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
+                                replica.spec.id, replica.breaker.failures, e)
+                failure = (e, replica.spec.id)
+                continue
+            engine_time += time.perf_counter() - sent
+            replica.breaker.success()
+            overhead = (time.perf_counter() - t0 - engine_time) * 1000
+            rt.metrics.overhead.observe(overhead / 1000)
+            if data is not None:
+                resp.release()
+                replica.outstanding -= 1
+            rt.used(model.name)
+            return resp, replica, data, overhead
+        if failure is None:
+            configured = len(router.snapshot.replicas_for(model.name))
+            if configured:
+                raise ApiError(503, f"No replica of {model.name} is in rotation: all {configured} failed recently "
+                                    "and are waiting to be probed. Try again in a few seconds.",
+                               "no_replica_ready", retry_after=max(1, int(rt.cfg["breaker.cooldown"])))
+            raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
+                                "that its engines are up.", "no_replica_ready", retry_after=5)
+        raise _upstream_error(model.name, *failure)
+
+    def _until_ready(self, model: ModelSpec):
+        """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
+
+        The controller is reminded of the demand every few seconds, in case a
+        message was lost or its first try to start the model failed.
+        """
+        deadline = time.monotonic() + self.load_wait
+        reminded = time.monotonic()
+        while not self.rt.router.available(model.name) and time.monotonic() < deadline:
+            if time.monotonic() - reminded >= DEMAND_REMINDER:
+                self.rt.demand(model.name)
+                reminded = time.monotonic()
+            yield
+            gevent.sleep(LOAD_POLL)
+
+    def _still_loading(self, model: ModelSpec) -> ApiError:
+        return ApiError(503, f"{model.name} is loading: it runs on demand and is not ready after "
+                             f"{self.load_wait:.0f} s. Retry in a minute.", "model_loading", retry_after=60)
+
+    def _held_stream(self, environ, path, caller, req, model, t0):
+        """The stream of a request for a model that is loading: comments while waiting, then the answer."""
+        said = 0.0
+        for _ in self._until_ready(model):
+            if time.monotonic() - said >= KEEPALIVE:
+                yield f": {model.name} is loading\n\n".encode()
+                said = time.monotonic()
+        if not self.rt.router.available(model.name):
+            e = self._still_loading(model)
+            self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
+            yield e.sse_event()
+            return
+        try:
+            resp, replica, data, _ = self._connect_in_turn(path, req, model, t0, caller)
+        except ApiError as e:
+            self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
+            yield e.sse_event()
+            return
+        if data is not None:  # the engine refused the request (4xx): pass its error on as an event
+            yield b"data: " + data + b"\n\n"
+            self._account(t0, caller, req, model, replica.spec.id, resp.status, None, None, in_flight=True)
+            return
+        yield from self._relay(environ, resp, replica, caller, req, model, t0)
+
+    def _relay(self, environ, resp: Response, replica, caller, req, model, t0):
+        """The generator that streams RESP to the client, accounting for it at the end."""
+        relay = EventRelay(req.client_wants_usage)
+        sock = environ.get("gunicorn.socket")
+        watcher = gevent.spawn(_watch_client, sock, resp) if sock is not None else None
+        status, ttft = 200, None
+        try:
+            for piece in resp.iter_body(self.idle):
+                out = relay.feed(piece)
+                if out:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    yield out
+            tail = relay.rest()
+            if tail:
+                yield tail
+        except UpstreamError as e:
+            if resp.closed_by_other:
+                status = 499
+            else:
+                status = 504 if e.phase in ("idle", "total") else 502
+                replica.breaker.failure(time.monotonic())
+                log.warning("stream from replica %s broke off: %s", replica.spec.id, e)
+                yield _upstream_error(model.name, e, replica.spec.id).sse_event()
+        except GeneratorExit:
+            status = 499  # the client left while we were writing to it
+            raise
+        finally:
+            if watcher is not None:
+                watcher.kill(block=False)
+            if resp.done and status == 200:
+                resp.release()
+            else:
+                resp.abort()
+            replica.outstanding -= 1
+            self._account(t0, caller, req, model, replica.spec.id, status, relay.usage, ttft, in_flight=True)
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def _account(self, t0, caller, req, model, replica, status, usage, ttft, in_flight=False):
+        """Metrics for every request; for every one with a caller, its settlement and usage row."""
+        elapsed = time.perf_counter() - t0
+        m = self.rt.metrics
+        label = model.name if model is not None else "unknown"
+        m.requests.labels(label, str(status)).inc()
+        m.duration.labels(label).observe(elapsed)
+        if in_flight:
+            m.in_flight.labels(label).dec()
+            self.queue.release(label)
+        if ttft is not None:
+            m.ttft.labels(label).observe(ttft)
+        prompt = completion = None
+        if usage:
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            prompt = prompt if isinstance(prompt, int) else None
+            completion = completion if isinstance(completion, int) else None
+            if prompt is not None:
+                m.tokens.labels(label, "in").inc(prompt)
+            if completion is not None:
+                m.tokens.labels(label, "out").inc(completion)
+        if caller is None:
+            return
+        cost = caller.price.cost(prompt or 0, completion or 0) if caller.price is not None else 0
+        if caller.reservation is not None:
+            # Unknown usage (an error, a client gone before the usage event) settles at the estimate
+            # for a served request and at nothing for one no engine answered.
+            used = (prompt or 0) + (completion or 0) if usage else (caller.estimate if replica else 0)
+            self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost,
+                                   caller.budget_pools())
+            caller.reservation = None
+        self.rt.usage.record((
+            time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,
+            replica, req.kind if req else "models", bool(req and req.stream), status, prompt, completion,
+            elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost))
+

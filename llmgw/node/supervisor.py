@@ -1,0 +1,365 @@
+"""The agent's engines: start them, watch them, stop them, and adopt them after a restart.
+
+Each engine (a shard) runs in its own session and process group, writing to
+a log file in the work directory, with a small state file beside it. So an
+engine outlives its agent: an agent killed with SIGKILL and started again reads
+the state files, finds the processes still running, and adopts them (the same
+processes; requests in flight go on). A shard moves through fetching,
+starting, ready, and ends stopped or failed; every transition is reported, a
+failed one with the last lines the engine printed. Starting is idempotent by
+shard id: the controller may send the same command twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+from llmgw import engines, weights
+from llmgw.engines import metrics as enginemetrics
+from llmgw.node import discovery
+from llmgw.procs import free_port
+
+log = logging.getLogger("llmgw.supervisor")
+
+START_LIMIT = 600.0  # seconds an engine may take to answer /health (a 70B model loads slowly)
+HEALTH_INTERVAL = 0.5
+STOP_TIMEOUT = 30.0
+LAST_LINES = 40
+ALIVE = ("fetching", "starting", "ready")
+
+
+class Shard:
+    def __init__(self, spec: dict, port: int, log_path: str):
+        self.spec = spec
+        self.shard_id = spec["shard_id"]
+        self.port = port
+        self.log_path = log_path
+        self.state = "fetching"
+        self.pid: int | None = None
+        self.proc: subprocess.Popen | None = None
+        self.exit_code: int | None = None
+        self.fetch: dict | None = None
+        self.detail: str | None = None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def tail(path: str, lines: int) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return data.splitlines()[-lines:]
+
+
+class Supervisor:
+    def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report):
+        """REPORT(fields) is called (from any thread) with each shard_status to send."""
+        self.node_id = node_id
+        self.work_dir = work_dir
+        self.weights_dir = weights_dir
+        self.engine_host = engine_host
+        self.address = address
+        self.report = report
+        self.shards: dict[str, Shard] = {}
+        self.lock = threading.RLock()
+        self.cpu_samples: dict[str, tuple[float, float]] = {}  # shard -> (cpu seconds, when)
+        os.makedirs(os.path.join(work_dir, "shards"), exist_ok=True)
+
+    # --- reporting -------------------------------------------------------------------------
+
+    def status(self, shard: Shard) -> dict:
+        spec = shard.spec
+        fields = dict(node_id=self.node_id, shard_id=shard.shard_id, state=shard.state, model=spec["model"],
+                      engine=spec["engine"], port=shard.port, url=f"http://{self.address}:{shard.port}",
+                      profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
+                      exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail)
+        if shard.state == "failed":
+            fields["last_output"] = tail(shard.log_path, LAST_LINES)
+        return {k: v for k, v in fields.items() if v is not None}
+
+    def _set(self, shard: Shard, state: str, detail: str | None = None) -> None:
+        shard.state = state
+        shard.detail = detail
+        self._save(shard)
+        self.report(self.status(shard))
+        if state in ("failed", "stopped"):
+            # The controller keeps a failed shard's last output; the agent forgets it.
+            with self.lock:
+                if self.shards.get(shard.shard_id) is shard:
+                    del self.shards[shard.shard_id]
+        log.info("shard %s (%s): %s%s", shard.shard_id, shard.spec["model"], state, f": {detail}" if detail else "")
+
+    def loads(self) -> list[dict]:
+        """Each running engine's CPU (in cores, since the last call) and resident memory, its workers
+        included, and for a ready one the requests it reports waiting and running and its KV cache use."""
+        out = []
+        with self.lock:
+            shards = [s for s in self.shards.values() if s.pid and s.state in ALIVE]
+        now = time.monotonic()
+        for shard in shards:
+            usage = discovery.group_usage(shard.pid)
+            if usage is None:
+                continue
+            cpu, rss = usage
+            entry = {"shard_id": shard.shard_id, "memory_rss_bytes": rss}
+            previous = self.cpu_samples.get(shard.shard_id)
+            if previous is not None and now > previous[1]:
+                entry["cpu_cores"] = round((cpu - previous[0]) / (now - previous[1]), 2)
+            self.cpu_samples[shard.shard_id] = (cpu, now)
+            if shard.state == "ready":
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=1) as resp:
+                        entry.update(enginemetrics.parse_load(resp.read().decode("utf-8", "replace")))
+                except OSError:
+                    pass  # not known this time: left out
+            out.append(entry)
+        return out
+
+    def describe(self) -> list[dict]:
+        with self.lock:
+            return [self.status(s) for s in self.shards.values()]
+
+    # --- state files: what lets a restarted agent adopt its engines --------------------------
+
+    def _state_path(self, shard_id: str) -> str:
+        return os.path.join(self.work_dir, "shards", f"{shard_id}.json")
+
+    def _save(self, shard: Shard) -> None:
+        if shard.state in ("stopped", "failed"):
+            try:
+                os.remove(self._state_path(shard.shard_id))
+            except FileNotFoundError:
+                pass
+            return
+        data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
+                "log_path": shard.log_path}
+        tmp = self._state_path(shard.shard_id) + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self._state_path(shard.shard_id))
+
+    def adopt(self) -> list[str]:
+        """Take back engines a previous agent left running; forget the ones that died meanwhile."""
+        adopted = []
+        folder = os.path.join(self.work_dir, "shards")
+        for name in sorted(os.listdir(folder)):
+            if not name.endswith(".json"):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError):
+                os.remove(path)
+                continue
+            pid = data.get("pid")
+            if not pid or not _alive(pid):
+                os.remove(path)
+                continue
+            shard = Shard(data["spec"], data["port"], data["log_path"])
+            shard.pid = pid
+            shard.state = data["state"] if data["state"] in ("starting", "ready") else "starting"
+            with self.lock:
+                self.shards[shard.shard_id] = shard
+            adopted.append(shard.shard_id)
+            log.info("adopted shard %s (%s), pid %d, still running from before this agent started",
+                     shard.shard_id, shard.spec["model"], pid)
+            if shard.state == "starting":
+                threading.Thread(target=self._wait_ready, args=(shard,), daemon=True).start()
+        return adopted
+
+    # --- commands --------------------------------------------------------------------------
+
+    def start(self, spec: dict) -> None:
+        """Start the shard SPEC describes, unless it already runs."""
+        with self.lock:
+            existing = self.shards.get(spec["shard_id"])
+            if existing is not None and existing.state in ALIVE:
+                self.report(self.status(existing))  # the controller may have missed it
+                return
+            port = free_port(self.engine_host if self.engine_host != "0.0.0.0" else "127.0.0.1")
+            log_path = os.path.join(self.work_dir, "shards", f"{spec['shard_id']}.log")
+            shard = Shard(spec, port, log_path)
+            self.shards[shard.shard_id] = shard
+        threading.Thread(target=self._run, args=(shard,), name=f"shard-{shard.shard_id}", daemon=True).start()
+
+    def _run(self, shard: Shard) -> None:
+        spec = shard.spec
+        if weights.is_url(spec["source"]):
+            self._set(shard, "fetching")
+        try:
+            def progress(done, total):
+                shard.fetch = {"source": spec["source"], "bytes_done": done, **({"bytes_total": total} if total else {})}
+                self.report(self.status(shard))
+
+            path = weights.fetch(spec["source"], self.weights_dir, progress)
+        except weights.FetchError as e:
+            self._set(shard, "failed", str(e))
+            return
+        argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
+                               spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
+                               replica=shard.shard_id)
+        env = dict(os.environ)
+        env.update(spec.get("env") or {})
+        if spec.get("gpus") is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec["gpus"])
+        with open(shard.log_path, "ab") as out:
+            out.write(f"--- llmgw: starting {' '.join(argv)}\n".encode())
+            out.flush()
+            try:
+                # A session of its own: the engine outlives the agent, and is stopped as a group.
+                shard.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                              cwd=self.work_dir, start_new_session=True)
+            except OSError as e:
+                self._set(shard, "failed", f"cannot run {argv[0]}: {e.strerror}")
+                return
+        shard.pid = shard.proc.pid
+        self._set(shard, "starting")
+        self._wait_ready(shard)
+
+    def _wait_ready(self, shard: Shard) -> None:
+        deadline = time.monotonic() + START_LIMIT
+        url = f"http://127.0.0.1:{shard.port}/health"
+        while time.monotonic() < deadline:
+            if shard.state != "starting":
+                return
+            if not self._running(shard):
+                self._set(shard, "failed", f"the engine exited with status {shard.exit_code} while starting")
+                return
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        self._set(shard, "ready")
+                        return
+            except OSError:
+                pass
+            time.sleep(HEALTH_INTERVAL)
+        self.stop(shard.shard_id, reason=f"it did not answer /health within {START_LIMIT:.0f} s")
+
+    def _running(self, shard: Shard) -> bool:
+        if shard.proc is not None:
+            code = shard.proc.poll()
+            if code is not None:
+                shard.exit_code = code
+                return False
+            return True
+        return shard.pid is not None and _alive(shard.pid)
+
+    def check(self) -> None:
+        """Notice engines that died (called every second or so by the agent's loop)."""
+        with self.lock:
+            shards = list(self.shards.values())
+        for shard in shards:
+            if shard.state == "ready" and not self._running(shard):
+                hint = " (SIGKILL: out of memory?)" if shard.exit_code == -signal.SIGKILL else ""
+                self._set(shard, "failed", f"the engine exited with status {shard.exit_code}{hint}")
+
+    def stop(self, shard_id: str, reason: str | None = None, drain: float | None = None) -> bool:
+        """Stop a shard: SIGTERM to its process group, SIGKILL after STOP_TIMEOUT. With DRAIN, first wait
+        (at most that many seconds) until its engine has no request running or waiting. False if unknown."""
+        with self.lock:
+            shard = self.shards.get(shard_id)
+        if shard is None:
+            return False
+        if shard.state not in ALIVE:
+            return True
+        shard.state = "stopping"
+        target, args = (self._drain, (shard, drain)) if drain is not None else (self._stop, (shard, reason))
+        threading.Thread(target=target, args=args, daemon=True).start()
+        return True
+
+    def _drain(self, shard: Shard, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._running(shard):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=2) as resp:
+                    load = enginemetrics.parse_load(resp.read().decode("utf-8", "replace"))
+            except OSError:
+                break  # no metrics to wait on: stop now
+            if not load or (load.get("running", 0) + load.get("waiting", 0)) == 0:
+                break
+            time.sleep(HEALTH_INTERVAL)
+        self._stop(shard, None)
+
+    def _stop(self, shard: Shard, reason: str | None) -> None:
+        if shard.pid:
+            try:
+                os.killpg(shard.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + STOP_TIMEOUT
+            while self._running(shard) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if self._running(shard):
+                log.warning("shard %s did not stop within %.0f s of SIGTERM; killing it", shard.shard_id, STOP_TIMEOUT)
+                try:
+                    os.killpg(shard.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self._set(shard, "failed" if reason else "stopped", reason)
+
+    def remove_weights(self, source: str) -> str | None:
+        """Delete what was fetched for SOURCE; the reason when it is refused."""
+        if not weights.is_url(source):
+            return f"{source} is not a download: llmgw never deletes files it did not fetch"
+        with self.lock:
+            users = [s.shard_id for s in self.shards.values() if s.spec.get("source") == source and s.state in ALIVE]
+        if users:
+            return f"shards {', '.join(users)} still use {source}"
+        path = weights.local_name(source, self.weights_dir)
+        for leftover in (path, path + ".part"):
+            try:
+                os.remove(leftover)
+            except FileNotFoundError:
+                pass
+        return None
+
+    def logs(self, source: str | None, lines: int) -> tuple[list[str], list[str]]:
+        """(the last LINES of SOURCE's output, every source there is)."""
+        with self.lock:
+            sources = sorted(self.shards)
+            shard = self.shards.get(source) if source else None
+        if source and shard is None:
+            path = os.path.join(self.work_dir, "shards", f"{source}.log")
+            return (tail(path, lines) if os.path.exists(path) else []), sources
+        return (tail(shard.log_path, lines) if shard else []), sources
+
+
+def running_engines(work_dir: str) -> dict[str, int]:
+    """shard id -> pid of every engine the state files in WORK_DIR list as running."""
+    found = {}
+    folder = os.path.join(work_dir, "shards")
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    pid = json.load(f).get("pid")
+            except (OSError, ValueError):
+                continue
+            if pid and _alive(pid):
+                found[name[:-5]] = pid
+    return found

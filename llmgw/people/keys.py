@@ -1,0 +1,312 @@
+"""API keys: making them, keeping only their hashes, and checking them from memory.
+
+A secret is shown once, when it is made; the store keeps its SHA-256 and a
+short prefix people can recognise it by. Gateway workers hold a `KeyTable`
+built from the store and refreshed when the store's key revision changes, so a
+request is authenticated with one hash and one dictionary lookup, never a
+query. Expiry is checked against the clock at each request, so an expired key
+needs no refresh to stop working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import re
+import secrets
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from llmgw import store
+from llmgw.ids import new_id
+
+SECRET_PREFIX = "sk-llmgw-"
+# The prefix people see in listings: enough to tell keys apart, far too little to guess the rest.
+DISPLAY_CHARS = len(SECRET_PREFIX) + 6
+
+
+class KeyRefused(Exception):
+    """A key operation refused; the message says what to do instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    name: str
+    project_id: str | None  # None for a personal key
+    project: str  # the project's path, or "personal"
+    prefix: str
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+    user_id: str | None = None  # whose key it is, when it is a person's
+
+
+PERSONAL = "personal"
+
+
+def new_secret() -> str:
+    return SECRET_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+_DURATION = re.compile(r"^(\d+)\s*([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`30d`, `12h`, `90m`, `2w`, `45s` in seconds."""
+    match = _DURATION.match(text.strip())
+    if not match or int(match.group(1)) == 0:
+        raise ValueError(f"{text!r} is not a duration; write a whole number and a unit, such as 30d, 12h or 90m")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PATH, expires_in: float | None = None,
+               user_id: str | None = None, made_by: str | None = None, band: str | None = None,
+               models: list[str] | None = None, member_only: bool = False) -> tuple[KeyRecord, str]:
+    """Make a key; returns its record and the secret, which is never stored.
+
+    PROJECT (an id, path or unique name) is what it spends against; None makes a
+    personal key, which needs USER_ID. With MEMBER_ONLY, USER_ID must be able to
+    use the project through a membership (a person making their own key).
+    BAND and MODELS are the key's own admission band and model allowlist.
+    """
+    from llmgw.people import limits, memberships
+    from llmgw.people.orgtree import Tree, TreeError
+
+    if not name.strip():
+        raise KeyRefused("a key needs a name, such as the person or program that will use it")
+    if project is None and user_id is None:
+        raise KeyRefused("a personal key belongs to a person: say whose (--for EMAIL), or give a project")
+    own = {k: v for k, v in (("band", band), ("models", models)) if v is not None}
+    try:
+        own = limits.validate(own)
+    except limits.LimitError as e:
+        raise KeyRefused(str(e)) from None
+    secret = new_secret()
+    now = time.time()
+    with engine.begin() as conn:
+        tree = Tree.read(conn)
+        path, project_id = PERSONAL, None
+        if project is not None:
+            try:
+                node = tree.find("project", project)
+            except TreeError as e:
+                raise KeyRefused(str(e)) from None
+            if member_only and node.id not in memberships.reachable_projects(conn, tree, user_id):
+                raise KeyRefused(f"you are not a member of {node.path}; make a personal key, "
+                                 "or ask an operator to add you to the project")
+            path, project_id = node.path, node.id
+        key_id = new_id()
+        values = dict(id=key_id, name=name.strip(), project_id=project_id, hash=hash_secret(secret),
+                      prefix=secret[:DISPLAY_CHARS], created_at=now,
+                      expires_at=now + expires_in if expires_in else None, user_id=user_id, made_by=made_by)
+        conn.execute(store.api_keys.insert().values(**values))
+        if own:
+            conn.execute(store.limits.insert().values(
+                scope="key", scope_id=key_id, band=own.get("band"), updated_at=now,
+                models=json.dumps(list(own["models"])) if "models" in own else None))
+        store.bump_revision(conn, "keys")
+    record = KeyRecord(id=key_id, name=values["name"], project_id=project_id, project=path, prefix=values["prefix"],
+                       created_at=now, expires_at=values["expires_at"], revoked_at=None, user_id=user_id)
+    return record, secret
+
+
+_COLUMNS = ("id", "name", "project_id", "prefix", "created_at", "expires_at", "revoked_at", "user_id")
+
+
+def _record(row, tree) -> KeyRecord:
+    node = tree.by_id.get(row.project_id) if row.project_id else None
+    return KeyRecord(row.id, row.name, row.project_id, node.path if node else PERSONAL, row.prefix,
+                     row.created_at, row.expires_at, row.revoked_at, row.user_id)
+
+
+def list_keys(engine: Engine, user_id: str | None = None, project_ids: set[str] | None = None) -> list[KeyRecord]:
+    """Every key; or only USER_ID's; or only those in PROJECT_IDS."""
+    from llmgw.people.orgtree import Tree
+
+    k = store.api_keys
+    query = sa.select(*(k.c[c] for c in _COLUMNS)).order_by(k.c.created_at)
+    if user_id is not None:
+        query = query.where(k.c.user_id == user_id)
+    if project_ids is not None:
+        query = query.where(k.c.project_id.in_(project_ids))
+    with engine.connect() as conn:
+        tree = Tree.read(conn)
+        return [_record(row, tree) for row in conn.execute(query)]
+
+
+def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRecord:
+    """Revoke the key whose id, display prefix or name is WHICH (it must match exactly one);
+    with USER_ID, only among that person's keys."""
+    from llmgw.people.orgtree import Tree
+
+    k = store.api_keys
+    with engine.begin() as conn:
+        query = sa.select(*(k.c[c] for c in _COLUMNS)).where(sa.or_(k.c.id == which, k.c.prefix == which,
+                                                                    k.c.name == which))
+        if user_id is not None:
+            query = query.where(k.c.user_id == user_id)
+        rows = conn.execute(query).all()
+        if not rows:
+            raise KeyRefused(f"no key has the id, prefix or name {which!r}; `llmgw keys list` shows them")
+        if len(rows) > 1:
+            ids = ", ".join(r[0] for r in rows)
+            raise KeyRefused(f"{len(rows)} keys match {which!r} ({ids}); revoke one by its id")
+        record = _record(rows[0], Tree.read(conn))
+        if record.revoked_at is None:
+            now = time.time()
+            conn.execute(k.update().where(k.c.id == record.id).values(revoked_at=now))
+            store.bump_revision(conn, "keys")
+            record = dataclasses.replace(record, revoked_at=now)
+    return record
+
+
+# --- claim links ---------------------------------------------------------------------------------
+
+CLAIM_TTL = 7 * 86400  # a link nobody opened within a week stops working
+
+
+def _keystream(token: str, n: int) -> bytes:
+    out = b""
+    block = 0
+    while len(out) < n:
+        out += hmac.new(token.encode(), block.to_bytes(4, "big"), hashlib.sha256).digest()
+        block += 1
+    return out[:n]
+
+
+def _seal(secret: str, token: str) -> str:
+    # The token is random, used once and not kept, so a keystream derived from
+    # it hides the secret from anyone who reads the database.
+    data = secret.encode()
+    return bytes(a ^ b for a, b in zip(data, _keystream(token, len(data)))).hex()
+
+
+def _unseal(sealed: str, token: str) -> str:
+    data = bytes.fromhex(sealed)
+    return bytes(a ^ b for a, b in zip(data, _keystream(token, len(data)))).decode()
+
+
+def make_claim(engine: Engine, key_id: str, secret: str, ttl: float = CLAIM_TTL) -> str:
+    """A one-time token that shows SECRET to whoever opens /claim/<token> first."""
+    token = secrets.token_urlsafe(24)
+    now = time.time()
+    with engine.begin() as conn:
+        conn.execute(store.key_claims.insert().values(token_hash=hash_secret(token), key_id=key_id,
+                                                      sealed=_seal(secret, token), created_at=now, expires_at=now + ttl))
+    return token
+
+
+def claim(engine: Engine, token: str) -> tuple[str, KeyRecord] | str:
+    """Open a claim link: the secret and its key, once; afterwards (or when expired), why not."""
+    c = store.key_claims
+    with engine.begin() as conn:
+        row = conn.execute(c.select().where(c.c.token_hash == hash_secret(token))).first()
+        if row is None:
+            return "This link is not known here. Check that it was copied whole."
+        if row.claimed_at is not None:
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(row.claimed_at))
+            return f"This key was already shown, at {when}. If that was not you, ask for the key to be revoked."
+        if row.expires_at <= time.time():
+            return "This link has expired. Ask for a new key."
+        # Emptied in the same transaction that reads it: a second opener finds nothing.
+        updated = conn.execute(c.update().where(sa.and_(c.c.token_hash == row.token_hash, c.c.claimed_at.is_(None)))
+                               .values(sealed=None, claimed_at=time.time())).rowcount
+        if updated != 1:
+            return "This key was already shown."
+    record = next(r for r in list_keys(engine) if r.id == row.key_id)
+    return _unseal(row.sealed, token), record
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why a key was not accepted, in words for the client."""
+    message: str
+    code: str
+
+
+MISSING = Refusal("No API key was given. Send it as `Authorization: Bearer sk-llmgw-...`; "
+                  "an operator makes one with `llmgw keys create NAME`.", "missing_api_key")
+UNKNOWN = Refusal("This API key is not known here. Check that it was copied whole; "
+                  "an operator can list keys with `llmgw keys list`.", "invalid_api_key")
+
+
+class KeyTable:
+    """Keys by hash, with what each is allowed, as one worker knows them. Replaced whole on
+    refresh, so a lookup never sees a half-built table.
+
+    Besides the keys it holds the rules they are resolved by (limits, tree, prices), so the chat
+    page's people are resolved from the same moment's rules."""
+
+    def __init__(self, records: dict[str, KeyRecord], revision: int, rules=None, prices=None,
+                 suspended: frozenset[str] = frozenset()):
+        from llmgw.people import limits
+
+        self.by_hash = records
+        self.revision = revision
+        self.rules = rules or limits.Rules({}, {}, {})
+        self.prices = prices or limits.Prices({})
+        self.suspended = suspended
+        self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
+        self.people: dict[str, object] = {}
+        self.active_people: frozenset[str] = frozenset()  # who may use the chat page
+
+    @classmethod
+    def load(cls, engine: Engine) -> "KeyTable":
+        from llmgw.people import limits
+        from llmgw.people.orgtree import Tree
+
+        k, u = store.api_keys, store.users
+        with engine.connect() as conn:
+            revision = store.read_revision(conn, "keys")
+            tree = Tree.read(conn)
+            rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
+            rules = limits.Rules.read(conn)
+            prices = limits.read_prices(conn)
+            states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
+        table = cls({row.hash: _record(row, tree) for row in rows}, revision, rules, prices,
+                    frozenset(i for i, state in states.items() if state != "active"))
+        table.active_people = frozenset(i for i, state in states.items() if state == "active")
+        return table
+
+    def person(self, user_id: str):
+        """The access of a signed-in person using the chat page (no key: they spend as themselves)."""
+        found = self.people.get(user_id)
+        if found is None:
+            found = self.people[user_id] = self.rules.access(None, None, user_id)
+        return found
+
+    def authenticate(self, authorization: str | None, now: float) -> KeyRecord | Refusal:
+        if not authorization:
+            return MISSING
+        scheme, _, secret = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            return Refusal("The Authorization header must be `Bearer <key>`.", "invalid_api_key")
+        record = self.by_hash.get(hash_secret(secret.strip()))
+        if record is None:
+            return UNKNOWN
+        if record.revoked_at is not None:
+            return Refusal(f"This API key ({record.prefix}...) was revoked. Ask an operator for a new one.",
+                           "revoked_api_key")
+        if record.expires_at is not None and now >= record.expires_at:
+            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record.expires_at))
+            return Refusal(f"This API key ({record.prefix}...) expired at {when}. Ask an operator for a new one.",
+                           "expired_api_key")
+        if record.user_id in self.suspended:
+            return Refusal(f"This API key ({record.prefix}...) belongs to an account that is suspended or "
+                           "waiting for approval. Ask an operator.", "account_inactive")
+        return record
+
+
+def current_revision(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return store.read_revision(conn, "keys")

@@ -1,0 +1,384 @@
+"""The administration pages (administrators only) and an organisation's page for its managers.
+
+- `/admin`: the cluster, problems first: nodes, models, replicas, refreshed in place.
+- `/admin/people`: the tree with its people and keys, and every action on them.
+- `/admin/quotas`: limits in every scope with what binds there and where it comes from, prices,
+  and the log of every change.
+- `/admin/usage`: requests, tokens and spend over time by organisation, team, project or person.
+- `/org`: what a manager may see of their organisation, read-only.
+
+Every change is a plain HTML form with a CSRF token, posted and redirected, so the pages work
+without JavaScript; the cluster page refreshes itself in place when script runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+
+import flask_login
+import requests
+from flask import Flask, abort, flash, redirect, render_template, request
+
+from llmgw.gateway.worker import Runtime
+from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
+from llmgw.web import budgets, forms, svgchart
+
+log = logging.getLogger("llmgw.adminpages")
+
+SPANS = {"24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "90d": 90 * 86400}
+METRICS = {"requests": 0, "tokens": 1, "spend": 2}
+LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
+                ("band", "Band"))
+
+
+def admin_only(view):
+    """A view for administrators: others signed in get 403, and those not signed in the sign-in page."""
+    @functools.wraps(view)
+    @flask_login.login_required
+    def wrapped(*args, **kwargs):
+        if not flask_login.current_user.user.is_admin:
+            abort(403)
+        return view(*args, **kwargs)
+    return wrapped
+
+
+def require_token(form) -> None:
+    """Refuse a posted form without this session's CSRF token."""
+    if not form(forms.ActionForm, request.form).validate():
+        abort(400, "The form expired or did not come from this page; reload the page and try again.")
+
+
+def install(app: Flask, runtime: Runtime, form, sentence) -> None:
+    engine = runtime.engine
+    cfg = runtime.cfg
+
+    def checked() -> None:
+        require_token(form)
+
+    def me() -> accounts.User:
+        return flask_login.current_user.user
+
+    # --- the cluster ---------------------------------------------------------------------------
+
+    @app.get("/admin")
+    @admin_only
+    def cluster():
+        view = _cluster_view(runtime, cfg)
+        template = "_cluster.html" if request.args.get("partial") else "admin_cluster.html"
+        return render_template(template, **view)
+
+    # --- people and the tree -------------------------------------------------------------------
+
+    @app.get("/admin/people")
+    @admin_only
+    def people():
+        with engine.connect() as conn:
+            tree = orgtree.Tree.read(conn)
+            rows = memberships.all_memberships(conn)
+        everyone = accounts.list_users(engine)
+        emails = {u.id: u.email for u in everyone}
+        members: dict[str, list] = {}
+        for m in rows:
+            members.setdefault(m.scope_id, []).append((emails.get(m.user_id, m.user_id), m.role, m.user_id, m.scope))
+        all_keys = keys.list_keys(engine)
+        by_project: dict[str | None, list] = {}
+        for k in all_keys:
+            if k.revoked_at is None:
+                by_project.setdefault(k.project_id, []).append(k)
+        q = request.args.get("q", "").strip().lower()
+        shown = [u for u in everyone if q in u.email] if q else everyone
+        return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
+                               pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
+                               action=form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
+                               + tree.of_kind("project"))
+
+    @app.post("/admin/people")
+    @admin_only
+    def people_action():
+        checked()
+        f = request.form
+        do = f.get("do", "")
+        try:
+            message = _people_action(engine, do, f)
+        except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused) as e:
+            flash(sentence(e), "problem")
+        except KeyError as e:
+            flash(f"The form lacks {e}.", "problem")
+        else:
+            flash(message, "done")
+            log.info("%s: %s", me().email, message)
+        return redirect("/admin/people" + (f"?q={f['q']}" if f.get("q") else ""))
+
+    @app.post("/admin/people/key")
+    @admin_only
+    def people_key():
+        """An operator's key in a project (for a person, or nobody), shown once here or as a claim link.
+        Answered as a page, never through a redirect: a secret must not travel in the session cookie."""
+        checked()
+        f = request.form
+        try:
+            owner = accounts.find(engine, f["for"]).id if f.get("for") else None
+            lifetime = keys.parse_duration(f["expires"]) if f.get("expires") else None
+            record, secret = keys.create_key(engine, f.get("name", ""), f.get("project") or None, lifetime,
+                                             user_id=owner)
+        except (accounts.AccountError, keys.KeyRefused, ValueError) as e:
+            flash(sentence(e), "problem")
+            return redirect("/admin/people")
+        log.info("%s made the key %s (%s) in %s", me().email, record.name, record.id, record.project)
+        link = None
+        if f.get("claim"):
+            link = request.host_url.rstrip("/") + "/claim/" + keys.make_claim(engine, record.id, secret)
+            secret = None
+        return render_template("admin_key.html", record=record, secret=secret, link=link)
+
+    # --- quotas --------------------------------------------------------------------------------
+
+    @app.get("/admin/quotas")
+    @admin_only
+    def quotas():
+        return render_template("admin_quotas.html", **_quotas_view(runtime, request.args.get("edit")),
+                               action=form(forms.ActionForm))
+
+    @app.post("/admin/quotas")
+    @admin_only
+    def quotas_action():
+        checked()
+        f = request.form
+        try:
+            if f.get("do") == "price":
+                limits.set_price(engine, f["model"].strip(), f.get("input") or "0", f.get("output") or "0",
+                                 me().email)
+                flash(f"Price of {f['model'].strip()} set.", "done")
+            else:
+                scope, scope_id = f["scope"], f.get("id", "")
+                if scope not in limits.SCOPES:
+                    abort(400, "No such scope.")
+                changes = _limit_changes(f)
+                limits.set_limits(engine, scope, scope_id, me().email, **changes)
+                flash("Limits saved. Gateways apply them within a few seconds.", "done")
+        except (limits.LimitError, ValueError) as e:
+            flash(sentence(e), "problem")
+            return redirect(request.referrer or "/admin/quotas")
+        return redirect("/admin/quotas")
+
+    # --- usage ---------------------------------------------------------------------------------
+
+    @app.get("/admin/usage")
+    @admin_only
+    def usage():
+        return render_template("admin_usage.html", **_usage_view(engine, request.args, None,
+                                                                 ("org", "team", "project", "person", "model")))
+
+    @app.get("/org")
+    @flask_login.login_required
+    def org_page():
+        with engine.connect() as conn:
+            mine = memberships.managed_orgs(conn, me().id)
+            tree = orgtree.Tree.read(conn)
+            rules = limits.Rules.read(conn)
+            rows = memberships.all_memberships(conn)
+        allowed = [tree.by_id[o] for o in (mine if not me().is_admin else [n.id for n in tree.of_kind("org")])
+                   if o in tree.by_id]
+        if not allowed:
+            abort(403)
+        chosen = next((o for o in allowed if o.id == request.args.get("org")), allowed[0])
+        projects = tree.projects_under(chosen.id)
+        view = _usage_view(engine, request.args, {p.id for p in projects}, ("team", "project", "person"))
+        inside = {n.id for n in tree.by_id.values() if n.path.split("/")[0] == chosen.path}
+        emails = {u.id: u.email for u in accounts.list_users(engine)}
+        people_here = sorted({(emails.get(m.user_id, m.user_id), m.role) for m in rows if m.scope_id in inside})
+        names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
+        parts = [n for n in tree.of_kind("team") + tree.of_kind("project") if n.id in inside]
+        table = [(n, limits.effective(rules, n.kind, n.id, names), _spent(runtime, n, rules)) for n in parts]
+        return render_template("org.html", org=chosen, orgs=allowed, parts=table, people=people_here, **view)
+
+
+def _people_action(engine, do: str, f) -> str:
+    if do in ("approve", "reject", "suspend", "reinstate", "promote", "demote", "remove"):
+        who = f["user"]
+        if do == "approve":
+            user = accounts.approve(engine, who)
+            if f.get("project"):
+                memberships.join(engine, user.id, "project", f["project"])
+                return f"Approved {user.email} into {orgtree.Tree.load(engine).find('project', f['project']).path}."
+            return f"Approved {user.email}, on their own."
+        run = {"reject": accounts.reject, "suspend": accounts.suspend, "reinstate": accounts.reinstate,
+               "promote": accounts.promote, "demote": lambda e, w: accounts.promote(e, w, admin=False),
+               "remove": accounts.remove}[do]
+        user = run(engine, who)
+        return {"reject": f"Rejected the sign-up of {user.email}.", "suspend": f"Suspended {user.email}.",
+                "reinstate": f"Reinstated {user.email}.", "promote": f"{user.email} is an administrator.",
+                "demote": f"{user.email} is no longer an administrator.",
+                "remove": f"Removed {user.email} and revoked their keys."}[do]
+    if do == "join":
+        kind, _, node_id = f["where"].partition(":")
+        if kind not in orgtree.KINDS:
+            raise orgtree.TreeError("choose an organisation, team or project")
+        user, membership = memberships.join(engine, f["user"], kind, node_id, f.get("role") or memberships.MEMBER)
+        return f"{user.email} is a {membership.role} of {membership.path}."
+    if do == "leave":
+        membership, revoked = memberships.leave(engine, f["user"], f["kind"], f["node"])
+        return f"Left {membership.path}; {revoked} key(s) revoked."
+    if do == "revoke":
+        record = keys.revoke_key(engine, f["key"])
+        return f"Revoked the key {record.name} ({record.prefix}…)."
+    if do == "add":
+        node = orgtree.add(engine, f["kind"], f["name"], f.get("parent") or None)
+        return f"Added {node.path}."
+    if do == "rename":
+        node = orgtree.rename(engine, f["kind"], f["node"], f["name"])
+        return f"Renamed to {node.path}."
+    if do == "move":
+        node = orgtree.move(engine, f["kind"], f["node"], f["to"])
+        return f"Moved to {node.path}."
+    if do == "remove-node":
+        node = orgtree.remove(engine, f["kind"], f["node"])
+        return f"Removed {node.path}."
+    raise orgtree.TreeError("that is not an action this page knows")
+
+
+def _limit_changes(f) -> dict:
+    changes: dict = {}
+    for name in ("rpm", "tpm"):
+        text = f.get(name, "").strip()
+        if text and not text.isdigit():
+            raise limits.LimitError(f"{name} is a whole number, or empty for none")
+        changes[name] = int(text) if text else None
+    budget = f.get("budget", "").strip()
+    changes["budget"] = limits.parse_money(budget) if budget else None
+    changes["period"] = f.get("period") or None
+    models = [m.strip() for m in f.get("models", "").split(",") if m.strip()]
+    changes["models"] = models or None
+    changes["band"] = f.get("band") or None
+    return changes
+
+
+def _spent(runtime: Runtime, node, rules) -> tuple[int, int] | None:
+    """(spent, budget) of NODE's own budget pool, when it has one and the accountant answers."""
+    own = rules.limits.get((node.kind, node.id))
+    if own is None or own.budget is None:
+        return None
+    level = limits.Level(limits.counter(node.kind, node.id), None, None, own.budget, own.period or "month")
+    used = budgets.spent(runtime, level)
+    return None if used is None else (used, own.budget)
+
+
+def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
+    engine = runtime.engine
+    with engine.connect() as conn:
+        tree = orgtree.Tree.read(conn)
+        rules = limits.Rules.read(conn)
+        prices = limits.read_prices(conn)
+        log_rows = limits.changes_log(conn)
+    emails = {u.id: u.email for u in accounts.list_users(engine)}
+    key_names = {k.id: f"key {k.name} ({k.project})" for k in keys.list_keys(engine)}
+    names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
+    names.update({f"user:{i}": e for i, e in emails.items()})
+
+    def describe(scope: str, scope_id: str) -> str:
+        if scope == "cluster":
+            return "Cluster defaults (keys nothing else limits)"
+        if scope.endswith("_member"):
+            node = tree.by_id.get(scope_id)
+            return f"each member of {node.path if node else scope_id}"
+        if scope == "user":
+            return emails.get(scope_id, scope_id)
+        if scope == "key":
+            return key_names.get(scope_id, scope_id)
+        node = tree.by_id.get(scope_id)
+        return node.path if node else scope_id
+
+    rows = [("cluster", "", 0)]
+    for org in tree.of_kind("org"):
+        rows.append(("org", org.id, 0))
+        for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name.lower()):
+            rows.append(("team", team.id, 1))
+            for project in sorted(tree.children.get(team.id, []), key=lambda n: n.name.lower()):
+                rows.append(("project", project.id, 2))
+    rows += [(scope, sid, 0) for (scope, sid) in sorted(rules.limits) if scope not in ("cluster", "org", "team", "project")]
+    table = []
+    for scope, sid, depth in rows:
+        cells = limits.effective(rules, scope, sid, names)
+        node = tree.by_id.get(sid)
+        spent = _spent(runtime, node, rules) if node is not None else None
+        table.append({"scope": scope, "id": sid, "name": describe(scope, sid), "depth": depth, "cells": cells,
+                      "spent": spent})
+    editing = None
+    if edit:
+        scope, _, sid = edit.partition(":")
+        if scope in limits.SCOPES:
+            editing = {"scope": scope, "id": sid, "name": describe(scope, sid),
+                       "own": rules.limits.get((scope, sid), limits.Limits())}
+    changes = [{"at": r.at, "who": r.who, "what": describe(r.scope, r.scope_id) if r.scope != "price" else
+                f"price of {r.scope_id}", "field": r.field, "old": _shown(r.field, r.old), "new": _shown(r.field, r.new)}
+               for r in log_rows]
+    return {"rows": table, "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
+            "priced": prices.anything_priced(), "money": limits.show_money, "periods": limits.PERIODS,
+            "bands": limits.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
+
+
+def _shown(field: str, value: str | None) -> str:
+    if value is None:
+        return "none"
+    if field == "budget":
+        return limits.show_money(int(json.loads(value)))
+    if field == "price":
+        a, _, b = value.partition("/")
+        return f"{limits.show_money(int(a))} in, {limits.show_money(int(b))} out"
+    loaded = json.loads(value)
+    return ", ".join(loaded) if isinstance(loaded, list) else str(loaded)
+
+
+def _usage_view(engine, args, project_ids: set[str] | None, choices: tuple[str, ...]) -> dict:
+    by = args.get("by") if args.get("by") in choices else choices[0]
+    span = args.get("since") if args.get("since") in SPANS else "7d"
+    metric = args.get("metric") if args.get("metric") in METRICS else "requests"
+    found = usagereport.report(engine, by, time.time() - SPANS[span], project_ids=project_ids)
+    index = METRICS[metric]
+    groups = [(line.label, {b: figures[index] / (limits.MICROS if metric == "spend" else 1)
+                            for b, figures in line.series.items()}) for line in found.lines]
+    chart = svgchart.stacked_bars(found.buckets, groups, found.step, f"{metric} by {by}, last {span}")
+    return {"report": found, "by": by, "since": span, "metric": metric, "chart": chart, "choices": choices,
+            "spans": list(SPANS), "metrics": list(METRICS), "money": limits.show_money}
+
+
+def _cluster_view(runtime: Runtime, cfg) -> dict:
+    """Nodes, models and replicas from the controller's admin API, with this gateway's own view of each
+    replica (its breaker, its load). Without a controller, only what the gateway routes to."""
+    router = runtime.router
+    gateway_side = [{"id": s.spec.id, "url": s.spec.url, "models": ", ".join(s.spec.models),
+                     "in_rotation": not s.breaker.is_open, "outstanding": s.outstanding,
+                     "waiting": s.waiting, "kv": s.kv_cache} for s in router.states.values()]
+    view = {"gateway_replicas": gateway_side, "controller": None, "problem": None, "nodes": [], "models": [],
+            "replicas": []}
+    if cfg["gateway.controller"]:
+        base = f"http://{cfg['gateway.controller_admin']}/api/v1"
+        try:
+            view["nodes"] = requests.get(base + "/nodes", timeout=2).json()["nodes"]
+            view["models"] = requests.get(base + "/models", timeout=2).json()["models"]
+            view["replicas"] = requests.get(base + "/replicas", timeout=2).json()["replicas"]
+            view["controller"] = cfg["gateway.controller_admin"]
+        except (requests.RequestException, ValueError, KeyError) as e:
+            view["problem"] = f"The controller's admin API at {cfg['gateway.controller_admin']} does not answer ({e})."
+    problems = []
+    for node in view["nodes"]:
+        if node["state"] in ("unreachable", "lost"):
+            problems.append(f"Node {node['node_id']} is {node['state']} (last heard {node['last_heard_s']:.0f} s ago).")
+        checkup = node["facts"].get("doctor") or {}
+        for finding in checkup.get("failures", []) + checkup.get("warnings", []):
+            problems.append(f"Node {node['node_id']}: {finding['message']} (→ {finding['fix']})" if finding.get("fix")
+                            else f"Node {node['node_id']}: {finding['message']}")
+    for model in view["models"]:
+        if model["scaling"]["min"] > 0 and not model["ready"]:
+            detail = model.get("unplaced") or (model.get("last_failure") or {}).get("detail") or "no replica is ready"
+            problems.append(f"Model {model['name']} is not serving: {detail}.")
+    for replica in gateway_side:
+        if not replica["in_rotation"]:
+            problems.append(f"Replica {replica['id']} is out of rotation: its last requests failed.")
+    view["problems"] = problems
+    view["checked_at"] = time.strftime("%H:%M:%S UTC", time.gmtime())
+    return view
+

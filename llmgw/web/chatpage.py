@@ -1,0 +1,111 @@
+"""The chat page: a signed-in person talks to any served model in the browser.
+
+The page's requests go through the same `/v1` pipeline as an API client's,
+as the person (no key): their limits apply, their use is recorded against
+them ("session:<id>"), and a Stop in the browser closes the connection, which
+stops the engine's work. Finished answers are rendered as Markdown here, on
+the server, with raw HTML dropped, images not loaded and only http, https and
+mailto links kept, so a model cannot put script or a tracking pixel into the
+page.
+
+Who is asking is read from the signed session cookie and the CSRF header
+alone; whether that person is still active comes from the worker's key table,
+so a chat request queries no database either.
+"""
+
+from __future__ import annotations
+
+import flask_login
+from flask import Flask, abort, render_template, request
+from markdown_it import MarkdownIt
+from werkzeug.datastructures import MultiDict
+
+from llmgw.gateway.errors import ApiError
+from llmgw.gateway.worker import Runtime
+from llmgw.web import forms
+
+MAX_RENDER = 200_000  # characters of Markdown rendered at once
+SAFE_SCHEMES = ("http://", "https://", "mailto:")
+
+
+def _markdown() -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False})
+    md.disable("image")  # an image would be fetched by the browser: a model must not make it call out
+    md.validateLink = lambda url: url.strip().lower().startswith(SAFE_SCHEMES)
+
+    def link_open(renderer, tokens, idx, options, env):
+        tokens[idx].attrSet("rel", "noopener noreferrer nofollow")
+        tokens[idx].attrSet("target", "_blank")
+        return renderer.renderToken(tokens, idx, options, env)
+
+    md.add_render_rule("link_open", link_open)
+    return md
+
+
+MARKDOWN = _markdown()
+
+
+def render_markdown(text: str) -> str:
+    return MARKDOWN.render(text[:MAX_RENDER])
+
+
+def install(app: Flask, runtime: Runtime, csrf_secret: bytes, form) -> None:
+    """Add the chat page's routes to the pages' app."""
+
+    @app.get("/chat")
+    @flask_login.login_required
+    def chat():
+        return render_template("chat.html", models=_models(runtime), token=form(forms.ActionForm).csrf_token.current_token)
+
+    @app.get("/chat/models")
+    @flask_login.login_required
+    def chat_models():
+        return {"models": _models(runtime)}
+
+    @app.post("/chat/render")
+    @flask_login.login_required
+    def chat_render():
+        if not _csrf_ok(csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
+            abort(400, "The page is out of date; reload it.")
+        text = (request.get_json(silent=True) or {}).get("text")
+        if not isinstance(text, str):
+            abort(400, "Send {\"text\": \"...\"}.")
+        return {"html": render_markdown(text)}
+
+
+def _models(runtime: Runtime) -> list[dict]:
+    """Each served model once (no aliases), whether it answers now, and whether it starts when asked."""
+    router = runtime.router
+    return [{"name": spec.name, "ready": bool(router.available(spec.name)), "on_demand": spec.on_demand,
+             "max_output": spec.max_output, "description": spec.description}
+            for spec in sorted(router.snapshot.models.values(), key=lambda m: m.name)]
+
+
+def _csrf_ok(secret: bytes, token: str, environ) -> bool:
+    from flask import session
+
+    f = forms.make(forms.ActionForm, MultiDict({"csrf_token": token}), secret, session)
+    return f.validate()
+
+
+def caller_for(app: Flask, runtime: Runtime, csrf_secret: bytes, environ):
+    """The person behind a chat request, as a proxy `Caller`; raises ApiError when there is none."""
+    from llmgw.gateway.caller import Caller
+
+    with app.request_context(environ):
+        from flask import session
+
+        user_id = session.get("_user_id")
+        table = runtime.keys
+        if not user_id or user_id not in table.active_people:
+            raise ApiError(401, "Sign in again to chat (your session ended).", "not_signed_in")
+        if not _csrf_ok(csrf_secret, environ.get("HTTP_X_CSRF_TOKEN", ""), environ):
+            raise ApiError(403, "The page is out of date; reload it.", "csrf_failed")
+    return Caller(f"session:{user_id}", None, user_id, table.person(user_id))
+
+
+def error_response(e: ApiError, start_response):
+    body = e.body()
+    start_response(e.status_line, e.headers(body))
+    return [body]
+

@@ -1,0 +1,190 @@
+"""The mirror's administration page: what it holds and is fetching, fetch, retry, remove, serve this,
+and an explorer of the configured registry.
+
+The page speaks to the mirror's management API (`mirror.api`) and, for what
+the catalog uses and to add a model, to the controller's admin API
+(`gateway.controller_admin`). An unreachable mirror or catalog is said
+outright, never shown as an empty table. The page refreshes itself only while
+something downloads, so a half-typed form is not lost otherwise.
+
+"Serve this" fills a form from the file: a name, the mirror URL as source,
+the engine (llama.cpp for GGUF, vLLM otherwise), memory estimated from the
+size, and a run mode: always on (min 1), on demand (min 0, max 1) or
+stopped (max 0). Registry listings come from a Hugging Face compatible API
+(`mirror.hf_endpoint`); model cards are rendered like chat answers (raw HTML
+dropped, images not loaded, only safe links).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.parse
+import urllib.request
+
+from flask import Flask, abort, flash, redirect, render_template, request
+
+from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.gateway.worker import Runtime
+from llmgw.web import forms
+from llmgw.web.adminpages import admin_only, require_token
+from llmgw.web.chatpage import render_markdown
+
+RUN_MODES = {"always": {"min": 1, "max": 1}, "on_demand": {"min": 0, "max": 1}, "stopped": {"min": 0, "max": 0}}
+REGISTRY_SORTS = {"trending": "trendingScore", "downloads": "downloads", "new": "createdAt"}
+REGISTRY_TIMEOUT = 10
+
+
+def install(app: Flask, runtime: Runtime, form, sentence) -> None:
+    cfg = runtime.cfg
+
+    def checked() -> None:
+        require_token(form)
+
+    def mirror() -> ApiClient:
+        return ApiClient(address_url(cfg["mirror.api"]), "the mirror's management API")
+
+    def controller() -> ApiClient:
+        return ApiClient(address_url(cfg["gateway.controller_admin"]), "the controller's admin API")
+
+    def catalog() -> tuple[list[dict] | None, str | None]:
+        try:
+            return controller().call("GET", "/api/v1/models", timeout=3)["models"], None
+        except ApiError as e:
+            return None, str(e)
+
+    @app.get("/admin/mirror")
+    @admin_only
+    def mirror_page():
+        if not cfg["mirror.api"]:
+            return render_template("message.html", title="No mirror",
+                                   text="No mirror is configured here (mirror.api)."), 404
+        problem = None
+        try:
+            found = mirror().call("GET", "/api/v1/models", timeout=3)
+        except ApiError as e:
+            found, problem = None, str(e)
+        models, catalog_problem = catalog()
+        rows = []
+        if found is not None:
+            for v in found["held"]:
+                prefix = f"{found['base_url']}/{v['model']}/{v['version']}/"
+                users = [m["name"] for m in models or [] if m["source"].startswith(prefix)]
+                rows.append({**v, "used_by": users,
+                             "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
+        template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
+        return render_template(template, found=found, rows=rows, problem=problem, catalog_problem=catalog_problem,
+                               action=form(forms.ActionForm), registry=bool(cfg["mirror.hf_endpoint"]))
+
+    @app.post("/admin/mirror/fetch")
+    @admin_only
+    def mirror_fetch():
+        checked()
+        f = request.form
+        try:
+            mirror().call("POST", "/api/v1/models", {"source": f.get("source", "").strip(),
+                                                     "model": f.get("model", "").strip(),
+                                                     "version": f.get("version", "").strip(),
+                                                     "anyway": bool(f.get("anyway"))})
+            flash(f"Fetching {f.get('source')} into {f.get('model')}/{f.get('version')}.", "done")
+        except ApiError as e:
+            flash(sentence(e), "problem")
+        return redirect("/admin/mirror")
+
+    @app.post("/admin/mirror/remove")
+    @admin_only
+    def mirror_remove():
+        checked()
+        model, version = request.form.get("model", ""), request.form.get("version", "")
+        try:
+            mirror().call("DELETE", f"/api/v1/models/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}")
+            flash(f"Removed {model}/{version}.", "done")
+        except ApiError as e:
+            flash(sentence(e), "problem")
+        return redirect("/admin/mirror")
+
+    @app.route("/admin/mirror/serve", methods=["GET", "POST"])
+    @admin_only
+    def mirror_serve():
+        if request.method == "GET":
+            size = int(request.args.get("size") or 0)
+            source = request.args.get("source", "")
+            gguf = source.endswith(".gguf") or "gguf" in source.lower()
+            suggested = {"name": request.args.get("model", ""), "source": source,
+                         "engine": "llamacpp" if gguf else "vllm",
+                         # Weights plus room for the context: a rule of thumb the form lets one change.
+                         "memory": max(1, math.ceil(size * 1.2 / (1 << 30) + 0.5)), "max_context": 4096}
+            return render_template("mirror_serve.html", s=suggested, action=form(forms.ActionForm),
+                                   modes=list(RUN_MODES))
+        checked()
+        f = request.form
+        try:
+            table = {"name": f["name"].strip(), "source": f["source"].strip(),
+                     "max_context": int(f.get("max_context") or 4096),
+                     "scaling": RUN_MODES.get(f.get("mode"), RUN_MODES["on_demand"]),
+                     "profiles": [{"engine": f.get("engine", "llamacpp"),
+                                   "min_memory_gb": float(f.get("memory") or 0)}]}
+        except (KeyError, ValueError):
+            flash("Give the model a name, a source, and numbers for memory and context.", "problem")
+            return redirect(request.referrer or "/admin/mirror")
+        try:
+            controller().call("POST", "/api/v1/models", table)
+            flash(f"{table['name']} is in the catalog ({f.get('mode', 'on_demand').replace('_', ' ')}).", "done")
+        except ApiError as e:
+            flash(sentence(e), "problem")
+            return redirect(request.referrer or "/admin/mirror")
+        return redirect("/admin/mirror")
+
+    @app.get("/admin/mirror/registry")
+    @admin_only
+    def registry():
+        sort = request.args.get("sort") if request.args.get("sort") in REGISTRY_SORTS else "trending"
+        q = request.args.get("q", "").strip()
+        params = {"sort": REGISTRY_SORTS[sort], "direction": "-1", "limit": "30", "filter": "gguf"}
+        if q:
+            params["search"] = q
+        repos, problem = _registry(cfg, "/api/models?" + urllib.parse.urlencode(params))
+        return render_template("mirror_registry.html", repos=repos or [], problem=problem, sort=sort, q=q,
+                               sorts=list(REGISTRY_SORTS))
+
+    @app.get("/admin/mirror/repo")
+    @admin_only
+    def repo():
+        repo_id = request.args.get("id", "")
+        if repo_id.count("/") != 1 or any(c in repo_id for c in " ?#\\"):
+            abort(404)
+        info, problem = _registry(cfg, f"/api/models/{repo_id}?blobs=true")
+        card = None
+        if info:
+            sha = info.get("sha") or "main"
+            text, _ = _registry(cfg, f"/{repo_id}/raw/{sha}/README.md", raw=True)
+            card = render_markdown(_strip_front_matter(text)) if text else None
+        files = []
+        for s in (info or {}).get("siblings", []):
+            name = s.get("rfilename", "")
+            if not name.endswith((".gguf", ".safetensors")):
+                continue  # weights only
+            size = (s.get("lfs") or {}).get("size") or s.get("size")
+            files.append({"name": name, "size": size, "sha256": (s.get("lfs") or {}).get("sha256"),
+                          "not_a_model": "mmproj" in name or "imatrix" in name})
+        return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
+                               files=files, action=form(forms.ActionForm))
+
+
+def _registry(cfg, path: str, raw: bool = False):
+    """(answer, problem) from the registry: JSON, or text when RAW."""
+    url = cfg["mirror.hf_endpoint"].rstrip("/") + path
+    try:
+        with urllib.request.urlopen(url, timeout=REGISTRY_TIMEOUT) as resp:
+            body = resp.read(4 << 20)
+        return (body.decode("utf-8", "replace") if raw else json.loads(body)), None
+    except (OSError, ValueError) as e:
+        return None, f"the registry at {cfg['mirror.hf_endpoint']} did not answer ({e})"
+
+
+def _strip_front_matter(text: str) -> str:
+    if text.startswith("---"):
+        end = text.find("\n---", 3)
+        if end != -1:
+            return text[end + 4:]
+    return text
