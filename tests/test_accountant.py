@@ -7,7 +7,7 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from llmgw import store
+from llmgw import rules, store
 from llmgw.control.accountant import Accountant, Refused, Reservation, Window
 from llmgw.people import accounts, keys, limits, memberships, orgtree
 
@@ -131,8 +131,8 @@ def test_periods_start_at_midnight_utc_in_any_time_zone(monkeypatch):
     time.tzset()
     try:
         noon = calendar.timegm((2026, 7, 15, 12, 0, 0))
-        assert limits.period_start("day", noon) == calendar.timegm((2026, 7, 15, 0, 0, 0))
-        assert limits.period_start("month", noon) == calendar.timegm((2026, 7, 1, 0, 0, 0))
+        assert rules.period_start("day", noon) == calendar.timegm((2026, 7, 15, 0, 0, 0))
+        assert rules.period_start("month", noon) == calendar.timegm((2026, 7, 1, 0, 0, 0))
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
@@ -237,14 +237,14 @@ def test_every_limit_change_is_logged_with_who_and_what_it_was(engine):
 
 
 def test_money_is_whole_units_in_and_micro_units_kept():
-    assert limits.parse_money("50") == 50_000_000
-    assert limits.parse_money("0.25") == 250_000
-    assert limits.show_money(250_000) == "0.25"
-    with pytest.raises(limits.LimitError, match="not an amount"):
-        limits.parse_money("lots")
+    assert rules.parse_money("50") == 50_000_000
+    assert rules.parse_money("0.25") == 250_000
+    assert rules.show_money(250_000) == "0.25"
+    with pytest.raises(rules.LimitError, match="not an amount"):
+        rules.parse_money("lots")
     # 0.5 a million in, 1.5 a million out: 1000 + 500 tokens cost 500 + 750 = 1250 micro-units.
-    assert limits.Price(500_000, 1_500_000).cost(1000, 500) == 1250
-    assert limits.Price(1, 0).cost(1, 0) == 1  # rounded up: nothing is free by being small
+    assert rules.Price(500_000, 1_500_000).cost(1000, 500) == 1250
+    assert rules.Price(1, 0).cost(1, 0) == 1  # rounded up: nothing is free by being small
 
 
 def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):

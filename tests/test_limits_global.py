@@ -7,7 +7,7 @@ import time
 
 import sqlalchemy as sa
 
-from llmgw import store
+from llmgw import rules, store
 from llmgw.people import keys, limits
 from tests.cluster import Controller
 from tests.conftest import post, wait_until
@@ -62,7 +62,7 @@ def test_a_budget_is_overspent_by_at_most_one_request(tmp_path, make_sim, make_g
         # One unit per output token, nothing for input: a request answering 10 tokens costs 10 units.
         limits.set_price(engine, "sim", "0", "1000000", "test")
         record, secret = keys.create_key(engine, "budgeted")
-        limits.set_limits(engine, "key", record.id, "test", budget=limits.parse_money("95"), period="day")
+        limits.set_limits(engine, "key", record.id, "test", budget=rules.parse_money("95"), period="day")
         time.sleep(2.5)
         # 40 requests at once against a budget of 95 units: requests in flight hold their estimated
         # cost, so admissions stop once spent + held reaches 95. At most 10 are served (the tenth
@@ -70,8 +70,8 @@ def test_a_budget_is_overspent_by_at_most_one_request(tmp_path, make_sim, make_g
         results = fire([gw.url for gw in gws], secret, 40)
         statuses = [s for s, _ in results]
         assert statuses.count(200) == 10 and statuses.count(429) == 30, statuses
-        wait_until("usage rows to be written", 10, lambda: _spent(engine) >= 100 * limits.MICROS)
-        assert _spent(engine) == 100 * limits.MICROS  # 95 + 5: less than one request over
+        wait_until("usage rows to be written", 10, lambda: _spent(engine) >= 100 * rules.MICROS)
+        assert _spent(engine) == 100 * rules.MICROS  # 95 + 5: less than one request over
         status, headers, body = post(gws[0].url + "/v1/chat/completions", BODY, secret)
         error = json.loads(body)["error"]
         assert status == 429 and error["code"] == "budget_exhausted" and "daily budget of this key" in error["message"]
@@ -115,7 +115,7 @@ def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, ma
         rated, rated_secret = keys.create_key(engine, "rated")
         limits.set_limits(engine, "key", rated.id, "test", rpm=1)
         budgeted, budgeted_secret = keys.create_key(engine, "budgeted")
-        limits.set_limits(engine, "key", budgeted.id, "test", budget=limits.parse_money("100"))
+        limits.set_limits(engine, "key", budgeted.id, "test", budget=rules.parse_money("100"))
         time.sleep(2.5)
         assert post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] == 200
         controller.stop()

@@ -246,6 +246,7 @@ def test_a_claim_link_shows_the_key_once_and_only_on_a_button(site):
 
 
 def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site):
+    from llmgw import rules
     from llmgw.people import limits, memberships, orgtree
 
     pages, engine, app = site
@@ -255,7 +256,7 @@ def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site
     mine = orgtree.add(engine, "project", "training", "Acme/ml")
     theirs = orgtree.add(engine, "project", "secret", "default/default")
     memberships.join(engine, user.email, "team", "Acme/ml")
-    limits.set_limits(engine, "team", mine.parent_id, "test", budget=limits.parse_money("40"))
+    limits.set_limits(engine, "team", mine.parent_id, "test", budget=rules.parse_money("40"))
     app.runtime.refresh_keys()  # what a worker's key refresh does within a second
     client = pages.test_client()
     sign_in(client, user.email, "a long enough password")
@@ -311,17 +312,18 @@ def test_the_chat_endpoint_needs_a_session_and_its_token(site):
 def test_the_account_shows_each_budgets_spend_from_the_accountant(site):
     import dataclasses
 
+    from llmgw import rules
     from llmgw.control.accountant import Accountant
     from llmgw.control.accountserver import AccountServer
     from llmgw.people import limits
 
     pages, engine, app = site
     user = accounts.create_user(engine, "b@example.org", "a long enough password", state=accounts.ACTIVE)
-    limits.set_limits(engine, "user", user.id, "test", budget=limits.parse_money("40"))
+    limits.set_limits(engine, "user", user.id, "test", budget=rules.parse_money("40"))
     limits.set_price(engine, "*", "1", "1", "test")
     accountant = Accountant()
     # 34 of 40 units spent this month: 85%, past the amber mark.
-    accountant.spend[(f"user:{user.id}", "month", limits.period_start("month", time.time()))] = 34_000_000
+    accountant.spend[(f"user:{user.id}", "month", rules.period_start("month", time.time()))] = 34_000_000
     server = AccountServer(accountant, "127.0.0.1:0").start()
     try:
         app.runtime.refresh_keys()

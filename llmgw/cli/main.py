@@ -155,8 +155,9 @@ def keys_revoke(obj: Context, which):
 @click.pass_obj
 def usage(obj: Context, by, since, as_json):
     """Requests, tokens and spend per organisation, team, project, person, model or key."""
+    from llmgw import rules
     from llmgw.people import keys as keymod
-    from llmgw.people import limits, usagereport
+    from llmgw.people import usagereport
 
     try:
         span = keymod.parse_duration(since)
@@ -175,7 +176,7 @@ def usage(obj: Context, by, since, as_json):
         return
     rows = [(by.upper(), "REQUESTS", "ERRORS", "PROMPT TOKENS", "COMPLETION TOKENS", "SPENT")]
     rows += [(line.label, f"{line.requests:,}", f"{line.errors:,}", f"{line.prompt_tokens:,}",
-              f"{line.completion_tokens:,}", limits.show_money(line.cost_micros)) for line in found.lines]
+              f"{line.completion_tokens:,}", rules.show_money(line.cost_micros)) for line in found.lines]
     print_table(rows)
 
 

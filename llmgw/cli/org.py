@@ -7,6 +7,7 @@ import json
 
 import click
 
+from llmgw import rules
 from llmgw.cli.tables import print_table
 from llmgw.people import accounts, limits, memberships, orgtree
 
@@ -145,22 +146,22 @@ def limits_cli():
 
 
 @limits_cli.command("set")
-@click.option("--scope", required=True, type=click.Choice(limits.TREE_SCOPES + ("user", "key", "cluster")),
+@click.option("--scope", required=True, type=click.Choice(rules.TREE_SCOPES + ("user", "key", "cluster")),
               help="What the limit is on; `cluster` sets the defaults for keys nothing else limits.")
 @click.option("--id", "which", help="The org, team or project (id, path or name), person (email) or key.")
 @click.option("--per-member", is_flag=True, help="On an org, team or project: each member gets their own share.")
 @click.option("--rpm", help="Requests a minute ('none' clears).")
 @click.option("--tpm", help="Tokens a minute ('none' clears).")
 @click.option("--budget", help="Spend per period in whole units, such as 50 or 0.25 ('none' clears).")
-@click.option("--period", type=click.Choice(limits.PERIODS), help="The budget's period (month by default).")
+@click.option("--period", type=click.Choice(rules.PERIODS), help="The budget's period (month by default).")
 @click.option("--models", help="Comma-separated allowlist of models ('none' clears: every model).")
-@click.option("--band", type=click.Choice(limits.BANDS + ("none",)), help="Admission band when replicas are full.")
+@click.option("--band", type=click.Choice(rules.BANDS + ("none",)), help="Admission band when replicas are full.")
 @click.pass_obj
 def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, band):
     """Set (or with 'none' clear) limits on one scope. Unnamed limits are left as they are."""
     engine = obj.engine()
     if per_member:
-        if scope not in limits.TREE_SCOPES:
+        if scope not in rules.TREE_SCOPES:
             raise click.UsageError("--per-member applies to an org, team or project")
         scope = f"{scope}_member"
     changes: dict = {}
@@ -169,7 +170,7 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
             if value is not None:
                 changes[name] = None if value == "none" else _whole(name, value)
         if budget is not None:
-            changes["budget"] = None if budget == "none" else limits.parse_money(budget)
+            changes["budget"] = None if budget == "none" else rules.parse_money(budget)
         if period is not None:
             changes["period"] = period
         if models is not None:
@@ -179,7 +180,7 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
         if not changes:
             raise click.UsageError("say what to set: --rpm, --tpm, --budget, --period, --models or --band")
         after = limits.set_limits(engine, scope, _scope_id(engine, scope, which), operator(), **changes)
-    except (limits.LimitError, orgtree.TreeError, accounts.AccountError) as e:
+    except (rules.LimitError, orgtree.TreeError, accounts.AccountError) as e:
         _fail(e)
     click.echo(f"{scope} {which or ''}: {describe(after)}", err=True)
     with engine.connect() as conn:
@@ -195,14 +196,14 @@ def _whole(name: str, value: str) -> int:
         raise click.BadParameter(f"{value!r} is not a whole number", param_hint=f"--{name}") from None
 
 
-def describe(lim: limits.Limits) -> str:
+def describe(lim: rules.Limits) -> str:
     parts = []
     if lim.rpm is not None:
         parts.append(f"{lim.rpm} requests/min")
     if lim.tpm is not None:
         parts.append(f"{lim.tpm} tokens/min")
     if lim.budget is not None:
-        parts.append(f"budget {limits.show_money(lim.budget)} a {lim.period or 'month'}")
+        parts.append(f"budget {rules.show_money(lim.budget)} a {lim.period or 'month'}")
     if lim.models is not None:
         parts.append("models " + (", ".join(lim.models) or "(none)"))
     if lim.band:
@@ -255,9 +256,9 @@ def prices_set(obj, model, input_units, output_units):
     """Price MODEL ('*' prices every model without its own price)."""
     try:
         price = limits.set_price(obj.engine(), model, input_units, output_units, operator())
-    except limits.LimitError as e:
+    except rules.LimitError as e:
         _fail(e)
-    click.echo(f"{model}: {limits.show_money(price.input)} in, {limits.show_money(price.output)} out "
+    click.echo(f"{model}: {rules.show_money(price.input)} in, {rules.show_money(price.output)} out "
                "per million tokens", err=True)
 
 
@@ -271,5 +272,5 @@ def prices_list(obj):
         click.echo("no prices: every request costs nothing and budgets never bind", err=True)
         return
     rows = [("MODEL", "INPUT / 1M", "OUTPUT / 1M")]
-    rows += [(m, limits.show_money(p.input), limits.show_money(p.output)) for m, p in sorted(found.by_model.items())]
+    rows += [(m, rules.show_money(p.input), rules.show_money(p.output)) for m, p in sorted(found.by_model.items())]
     print_table(rows)

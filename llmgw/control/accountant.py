@@ -33,6 +33,7 @@ import time
 
 from sqlalchemy.engine import Engine
 
+from llmgw import rules
 from llmgw.people import limits as lim
 
 log = logging.getLogger("llmgw.accountant")
@@ -115,19 +116,19 @@ class Accountant:
 
     def spent(self, counter: str, period: str, now: float | None = None) -> int:
         now = self.clock() if now is None else now
-        return self.spend.get((counter, period, lim.period_start(period, now)), 0)
+        return self.spend.get((counter, period, rules.period_start(period, now)), 0)
 
     def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0) -> Reservation | Refused:
         """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
         that may cost up to COST micro-units."""
         now = self.clock()
-        budgets = [(counter, period, lim.period_start(period, now))
+        budgets = [(counter, period, rules.period_start(period, now))
                    for counter, _r, _t, budget, period in levels if budget is not None]
         if priced:
             for counter, _rpm, _tpm, budget, period in levels:
                 if budget is None:
                     continue
-                pool = (counter, period, lim.period_start(period, now))
+                pool = (counter, period, rules.period_start(period, now))
                 if self.spend.get(pool, 0) + self.reserved.get(pool, 0) >= budget:
                     return Refused("budget", counter, _until_next(period, now),
                                    f"the {ADJECTIVE.get(period, period)} budget of {_scope_words(counter)} is spent")
@@ -172,7 +173,7 @@ class Accountant:
             self._release(reservation)
         else:
             now = self.clock()
-            pools = [(counter, period, lim.period_start(period, now)) for counter, period in budgets or ()]
+            pools = [(counter, period, rules.period_start(period, now)) for counter, period in budgets or ()]
         if cost:
             for pool in pools:
                 self.spend[pool] += cost
@@ -220,13 +221,13 @@ class Accountant:
         now = self.clock()
         restored = 0
         with engine.connect() as conn:
-            rules = lim.Rules.read(conn)
-            for period in lim.PERIODS:
-                start = lim.period_start(period, now)
+            ruleset = lim.read_rules(conn)
+            for period in rules.PERIODS:
+                start = rules.period_start(period, now)
                 for key_id, project_id, user_id, cost in rollup.spend_since(conn, start):
                     # The chat page's rows carry "session:<person>" and spend as that person.
                     key = key_id if key_id and not key_id.startswith("session:") else None
-                    counters = [c for _scope, _sid, c in rules.scopes_of(key, project_id, user_id)]
+                    counters = [c for _scope, _sid, c in ruleset.scopes_of(key, project_id, user_id)]
                     if counters:
                         counters.append("default:" + counters[0])  # the cluster's default budget, if one binds
                     for counter in counters:
@@ -242,8 +243,8 @@ def _hand_back(taken: list[tuple[Window, list]], now: float) -> None:
 
 
 def _until_next(period: str, now: float) -> int:
-    start = lim.period_start(period, now)
-    following = lim.period_start(period, start + (86400 * 1.5 if period == "day" else 86400 * 32))
+    start = rules.period_start(period, now)
+    following = rules.period_start(period, start + (86400 * 1.5 if period == "day" else 86400 * 32))
     return max(1, math.ceil(following - now))
 
 

@@ -18,9 +18,9 @@ import zmq
 
 from llmgw.control.catalog import Model
 from llmgw.control.reconciler import Replica
+from llmgw.wire.snapshot import TOPIC
 
 REPEAT = 2.0
-TOPIC = b"snapshot"
 
 
 def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None,

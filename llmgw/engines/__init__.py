@@ -4,6 +4,13 @@
 routing uses (requests waiting, requests running, KV cache use from 0 to 1).
 The gateway does not need to know which engine a replica runs: the names do
 not overlap, so one table reads them all.
+
+Imported by: the agent (launching, probing), the gateway (reading a
+replica's load from its `/metrics`) and `llmgw sim` (the simulated engine, a
+gevent process of its own).
+Concurrency: none here; `sim` runs under gevent in its own process.
+May import: the top-level modules except `store`. Never another llmgw
+package: both sides of the cluster use it.
 """
 
 from llmgw import __version__

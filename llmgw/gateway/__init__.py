@@ -1,1 +1,11 @@
-"""(filled in below)"""
+"""The gateway: the `/v1` pipeline and everything a gateway process holds.
+
+Imported by: `gateway.py`, whose gunicorn master and gevent workers run it.
+Concurrency: gevent. Each worker is patched by gunicorn before the app is
+built, so sockets are green; ZeroMQ is used through `zmq.green`. Nothing on
+the request path queries the database or blocks a worker.
+May import: the top-level modules, `wire`, `engines` (reading an engine's
+load) and `web` (only `webapp`, which mounts the pages). Never `control`,
+`people`, `node`, `mirror` or `cli`: what a gateway knows of keys, limits and
+replicas arrives over the wire or is handed to it by `gateway.py`.
+"""

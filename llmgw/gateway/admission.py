@@ -6,7 +6,7 @@ tried answered "busy" (429). A request for it then waits here instead of
 being refused at once. Whenever a request on the model ends, the waiter with
 the best band (high, then normal, then low; first come first within one) is
 woken to try; the others keep waiting. Bands come from the key and its
-scopes (`limits.Access.band`), never from the request.
+scopes (`rules.Access.band`), never from the request.
 
 The queue is bounded (`gateway.queue_size` per model). When it is full, a
 newcomer in a better band than the worst waiter takes that waiter's place,
@@ -27,7 +27,7 @@ import time
 
 from gevent.event import Event
 
-from llmgw.people.limits import BANDS
+from llmgw.rules import BANDS
 
 RANK = {band: i for i, band in enumerate(BANDS)}
 RECHECK = 0.25  # seconds: a waiter looks again even unwoken (capacity can free up on another worker's side)

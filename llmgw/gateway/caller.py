@@ -1,13 +1,13 @@
 """Who a request is from and what it may spend: a key, or a signed-in person on the chat page.
 
-A `Caller` carries the principal's `limits.Access` through the `/v1` pipeline,
+A `Caller` carries the principal's `rules.Access` through the `/v1` pipeline,
 the reservation the accountant granted it, and what the accountant said about
 the pools it was counted in, which becomes OpenAI's rate-limit headers.
 """
 
 from __future__ import annotations
 
-from llmgw.people.limits import Access, Price, show_money
+from llmgw.rules import Access, Price, show_money
 
 
 def duration(seconds: int) -> str:

@@ -16,8 +16,8 @@ import logging
 
 import zmq.green as zmq
 
-from llmgw.control.publisher import TOPIC
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
+from llmgw.wire.snapshot import TOPIC
 
 log = logging.getLogger("llmgw.follower")
 

@@ -21,7 +21,7 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from llmgw import store
+from llmgw import rules, store
 from llmgw.ids import new_id
 
 SECRET_PREFIX = "sk-llmgw-"
@@ -89,7 +89,7 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
     own = {k: v for k, v in (("band", band), ("models", models)) if v is not None}
     try:
         own = limits.validate(own)
-    except limits.LimitError as e:
+    except rules.LimitError as e:
         raise KeyRefused(str(e)) from None
     secret = new_secret()
     now = time.time()
@@ -247,14 +247,13 @@ class KeyTable:
     Besides the keys it holds the rules they are resolved by (limits, tree, prices), so the chat
     page's people are resolved from the same moment's rules."""
 
-    def __init__(self, records: dict[str, KeyRecord], revision: int, rules=None, prices=None,
+    def __init__(self, records: dict[str, KeyRecord], revision: int, ruleset=None, prices=None,
                  suspended: frozenset[str] = frozenset()):
-        from llmgw.people import limits
 
         self.by_hash = records
         self.revision = revision
-        self.rules = rules or limits.Rules({}, {}, {})
-        self.prices = prices or limits.Prices({})
+        self.rules = ruleset or rules.Rules({}, {}, {})
+        self.prices = prices or rules.Prices({})
         self.suspended = suspended
         self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
         self.people: dict[str, object] = {}
@@ -270,10 +269,10 @@ class KeyTable:
             revision = store.read_revision(conn, "keys")
             tree = Tree.read(conn)
             rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
-            rules = limits.Rules.read(conn)
+            ruleset = limits.read_rules(conn)
             prices = limits.read_prices(conn)
             states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
-        table = cls({row.hash: _record(row, tree) for row in rows}, revision, rules, prices,
+        table = cls({row.hash: _record(row, tree) for row in rows}, revision, ruleset, prices,
                     frozenset(i for i, state in states.items() if state != "active"))
         table.active_people = frozenset(i for i, state in states.items() if state == "active")
         return table

@@ -1,131 +1,22 @@
-"""Limits and prices as the store keeps them, and the chain of levels each key is held to.
+"""Limits and prices as the store keeps them: reading, setting (every change logged) and the change log.
 
-A limit is set on one scope: the cluster (defaults), an organisation, team or
-project, each member of one of those, a person, or a key. A request is held to
-every level that applies to it at once, each counted in its own pool, so a
-team's budget is one pool for all its keys and a per-member limit one pool per
-member. `Rules` turns the store's rows into an `Access` per key: the levels
-with their counters, the model allowlist (the intersection of every level's)
-and the admission band. Gateways hold these in memory; the accountant counts.
-
-Money is kept in integer micro-units (a millionth of a unit). Prices are per
-million tokens; budgets are entered in whole units. Without any price every
-request costs nothing and a budget never binds, which the pages say.
+What a limit means, and how the chain of levels a key is held to is worked
+out, is `llmgw.rules`; this module is its store half.
 """
 
 from __future__ import annotations
 
-import calendar
 import dataclasses
 import json
-import math
 import time
-from decimal import Decimal, InvalidOperation
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from llmgw import store
-
-MICROS = 1_000_000
-TREE_SCOPES = ("org", "team", "project")
-MEMBER_SCOPES = tuple(f"{s}_member" for s in TREE_SCOPES)
-SCOPES = ("cluster",) + TREE_SCOPES + MEMBER_SCOPES + ("user", "key")
-PERIODS = ("day", "month")
-BANDS = ("high", "normal", "low")  # the order requests are let through when replicas are saturated
-DEFAULT_BAND = "normal"
-FIELDS = ("rpm", "tpm", "budget", "period", "models", "band")
-
-
-class LimitError(Exception):
-    """A limit or price that cannot be set as asked; the message says what is allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What one scope sets; None is "not set here"."""
-    rpm: int | None = None
-    tpm: int | None = None
-    budget: int | None = None  # micro-units
-    period: str | None = None
-    models: tuple[str, ...] | None = None
-    band: str | None = None
-
-    def empty(self) -> bool:
-        return all(getattr(self, f) is None for f in FIELDS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Level:
-    """One pool a request is counted in."""
-    counter: str  # "team:<id>", "project_member:<project id>/<user id>", ...
-    rpm: int | None
-    tpm: int | None
-    budget: int | None
-    period: str
-
-    def wire(self) -> list:
-        return [self.counter, self.rpm, self.tpm, self.budget, self.period]
-
-
-@dataclasses.dataclass(frozen=True)
-class Access:
-    """Everything a gateway needs to admit one principal's requests."""
-    levels: tuple[Level, ...]
-    models: frozenset[str] | None  # None: every model
-    band: str
-    wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
-
-
-def parse_money(text: str | float | int) -> int:
-    """Whole units as written by a person ("50", "0.25") in micro-units."""
-    try:
-        value = Decimal(str(text).strip())
-    except InvalidOperation:
-        raise LimitError(f"{text!r} is not an amount; write a number of whole units such as 50 or 0.25") from None
-    if value < 0 or not value.is_finite():
-        raise LimitError(f"an amount cannot be {text!r}")
-    return int(value * MICROS)
-
-
-def show_money(micros: int | None) -> str:
-    if micros is None:
-        return "-"
-    return f"{Decimal(micros) / MICROS:,.6f}".rstrip("0").rstrip(".")
-
-
-def period_start(period: str, now: float) -> float:
-    """The start of NOW's day or month, in UTC (whatever this machine's time zone, summer time included)."""
-    t = time.gmtime(now)
-    return float(calendar.timegm((t.tm_year, t.tm_mon, t.tm_mday if period == "day" else 1, 0, 0, 0)))
-
+from llmgw.rules import BANDS, FIELDS, PERIODS, SCOPES, LimitError, Limits, Price, Prices, Rules, parse_money
 
 # --- prices ----------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Price:
-    input: int = 0  # micro-units per million tokens
-    output: int = 0
-
-    def zero(self) -> bool:
-        return not (self.input or self.output)
-
-    def cost(self, prompt: int, completion: int) -> int:
-        # Rounded up: a stream of tiny requests must not be free.
-        return math.ceil((prompt * self.input + completion * self.output) / MICROS)
-
-
-class Prices:
-    def __init__(self, by_model: dict[str, Price]):
-        self.by_model = by_model
-        self.fallback = by_model.get("*", Price())
-
-    def of(self, model: str) -> Price:
-        return self.by_model.get(model, self.fallback)
-
-    def anything_priced(self) -> bool:
-        return any(not p.zero() for p in self.by_model.values())
-
 
 def read_prices(conn: Connection) -> Prices:
     return Prices({r.model: Price(r.input_micros, r.output_micros) for r in conn.execute(store.prices.select())})
@@ -147,8 +38,6 @@ def set_price(engine: Engine, model: str, input_units: str, output_units: str, w
         store.bump_revision(conn, "keys")
     return price
 
-
-# --- limits as stored --------------------------------------------------------------------------
 
 def _from_row(row) -> Limits:
     return Limits(row.rpm, row.tpm, row.budget_micros, row.period,
@@ -223,111 +112,10 @@ def changes_log(conn: Connection, limit: int = 50) -> list:
     return conn.execute(c.select().order_by(c.c.id.desc()).limit(limit)).all()
 
 
-# --- the chain a principal is held to ----------------------------------------------------------
 
-def counter(scope: str, scope_id: str, user_id: str | None = None) -> str:
-    return f"{scope}:{scope_id}/{user_id}" if scope.endswith("_member") else f"{scope}:{scope_id}"
-
-
-class Rules:
-    """The tree, the limits and the memberships read at one moment, to resolve principals from."""
-
-    def __init__(self, limits: dict[tuple[str, str], Limits], parents: dict[str, tuple[str, str]],
-                 team_org: dict[str, str]):
-        self.limits = limits
-        self.parents = parents  # project id -> (team id, org id)
-        self.team_org = team_org
-
-    @classmethod
-    def read(cls, conn: Connection) -> "Rules":
-        t, p = store.teams, store.projects
-        parents = {r[0]: (r[1], r[2]) for r in conn.execute(
-            sa.select(p.c.id, p.c.team_id, t.c.org_id).join(t, t.c.id == p.c.team_id))}
-        return cls(read_all(conn), parents, {r[0]: r[1] for r in conn.execute(sa.select(t.c.id, t.c.org_id))})
-
-    def scopes_of(self, key_id: str | None, project_id: str | None, user_id: str | None) -> list[tuple[str, str, str]]:
-        """(scope, id, counter) for every level that could apply, nearest first."""
-        out = []
-        if key_id:
-            out.append(("key", key_id, counter("key", key_id)))
-        if project_id and project_id in self.parents:
-            team_id, org_id = self.parents[project_id]
-            for scope, sid in (("project", project_id), ("team", team_id), ("org", org_id)):
-                if user_id:
-                    out.append((f"{scope}_member", sid, counter(f"{scope}_member", sid, user_id)))
-                out.append((scope, sid, counter(scope, sid)))
-        if user_id:
-            out.append(("user", user_id, counter("user", user_id)))
-        return out
-
-    def access(self, key_id: str | None, project_id: str | None, user_id: str | None) -> Access:
-        """The levels, allowlist and band for a key (KEY_ID) or a signed-in person (KEY_ID None)."""
-        levels: list[Level] = []
-        allowed: frozenset[str] | None = None
-        band = None
-        set_rpm = set_tpm = False
-        found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in self.scopes_of(
-            key_id, project_id, user_id)]
-        found.append(("cluster", "", None, self.limits.get(("cluster", ""))))
-        own = found[0][2]  # the principal's own counter: its key, or for the chat page its person
-        for scope, _sid, count, lim in found:
-            if lim is None:
-                continue
-            if lim.models is not None:
-                allowed = frozenset(lim.models) if allowed is None else allowed & frozenset(lim.models)
-            if band is None and lim.band:
-                band = lim.band
-            if scope == "cluster":
-                # Defaults: each applies only where no level set its own.
-                rpm = None if set_rpm else lim.rpm
-                tpm = None if set_tpm else lim.tpm
-                budget = lim.budget if not any(lv.budget is not None for lv in levels) else None
-                if rpm is not None or tpm is not None or budget is not None:
-                    levels.append(Level(f"default:{own}", rpm, tpm, budget, lim.period or "month"))
-                continue
-            if lim.rpm is None and lim.tpm is None and lim.budget is None:
-                continue
-            set_rpm |= lim.rpm is not None
-            set_tpm |= lim.tpm is not None
-            levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month"))
-        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels])
-
-
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    """One field of one scope as the quotas page shows it."""
-    own: object  # set here, or None
-    value: object  # what binds here: the strictest along the way up (numbers), or the nearest set (others)
-    source: str  # where VALUE comes from ("" when set here)
-    unreachable: bool  # set here, but a stricter level above caps it
-
-
-def effective(rules: Rules, scope: str, scope_id: str, names: dict[str, str]) -> dict[str, Cell]:
-    """Each field at SCOPE/SCOPE_ID: its own value, what binds and where that is set, looking up
-    the tree and then at the cluster's defaults. NAMES gives a label for each "scope:id"."""
-    chain = [(scope, scope_id)]
-    team = rules.parents[scope_id][0] if scope == "project" and scope_id in rules.parents else \
-        scope_id if scope == "team" else None
-    if team:
-        if scope == "project":
-            chain.append(("team", team))
-        if team in rules.team_org:
-            chain.append(("org", rules.team_org[team]))
-    chain.append(("cluster", ""))
-    own = rules.limits.get((scope, scope_id), Limits())
-    cells = {}
-    for name in FIELDS:
-        best, source = None, ""
-        for s, sid in chain:
-            value = getattr(rules.limits.get((s, sid), Limits()), name)
-            if value is None:
-                continue
-            if s == "cluster" and best is not None:
-                break  # defaults fill gaps only
-            if best is None or (name in ("rpm", "tpm", "budget") and value < best):
-                best, source = value, "" if (s, sid) == (scope, scope_id) else names.get(f"{s}:{sid}", s)
-            if name not in ("rpm", "tpm", "budget"):
-                break
-        mine = getattr(own, name)
-        cells[name] = Cell(mine, best, source, mine is not None and best is not None and source != "")
-    return cells
+def read_rules(conn: Connection) -> Rules:
+    """The tree, the limits and the memberships as they are now, to resolve principals from."""
+    t, p = store.teams, store.projects
+    parents = {r[0]: (r[1], r[2]) for r in conn.execute(
+        sa.select(p.c.id, p.c.team_id, t.c.org_id).join(t, t.c.id == p.c.team_id))}
+    return Rules(read_all(conn), parents, {r[0]: r[1] for r in conn.execute(sa.select(t.c.id, t.c.org_id))})

@@ -22,6 +22,7 @@ import flask_login
 import requests
 from flask import Flask, abort, flash, redirect, render_template, request
 
+from llmgw import rules
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
 from llmgw.web import budgets, forms, svgchart
@@ -154,12 +155,12 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                 flash(f"Price of {f['model'].strip()} set.", "done")
             else:
                 scope, scope_id = f["scope"], f.get("id", "")
-                if scope not in limits.SCOPES:
+                if scope not in rules.SCOPES:
                     abort(400, "No such scope.")
                 changes = _limit_changes(f)
                 limits.set_limits(engine, scope, scope_id, me().email, **changes)
                 flash("Limits saved. Gateways apply them within a few seconds.", "done")
-        except (limits.LimitError, ValueError) as e:
+        except (rules.LimitError, ValueError) as e:
             flash(sentence(e), "problem")
             return redirect(request.referrer or "/admin/quotas")
         return redirect("/admin/quotas")
@@ -178,7 +179,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         with engine.connect() as conn:
             mine = memberships.managed_orgs(conn, me().id)
             tree = orgtree.Tree.read(conn)
-            rules = limits.Rules.read(conn)
+            ruleset = limits.read_rules(conn)
             rows = memberships.all_memberships(conn)
         allowed = [tree.by_id[o] for o in (mine if not me().is_admin else [n.id for n in tree.of_kind("org")])
                    if o in tree.by_id]
@@ -192,7 +193,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         people_here = sorted({(emails.get(m.user_id, m.user_id), m.role) for m in rows if m.scope_id in inside})
         names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
         parts = [n for n in tree.of_kind("team") + tree.of_kind("project") if n.id in inside]
-        table = [(n, limits.effective(rules, n.kind, n.id, names), _spent(runtime, n, rules)) for n in parts]
+        table = [(n, rules.effective(ruleset, n.kind, n.id, names), _spent(runtime, n, ruleset)) for n in parts]
         return render_template("org.html", org=chosen, orgs=allowed, parts=table, people=people_here, **view)
 
 
@@ -245,10 +246,10 @@ def _limit_changes(f) -> dict:
     for name in ("rpm", "tpm"):
         text = f.get(name, "").strip()
         if text and not text.isdigit():
-            raise limits.LimitError(f"{name} is a whole number, or empty for none")
+            raise rules.LimitError(f"{name} is a whole number, or empty for none")
         changes[name] = int(text) if text else None
     budget = f.get("budget", "").strip()
-    changes["budget"] = limits.parse_money(budget) if budget else None
+    changes["budget"] = rules.parse_money(budget) if budget else None
     changes["period"] = f.get("period") or None
     models = [m.strip() for m in f.get("models", "").split(",") if m.strip()]
     changes["models"] = models or None
@@ -256,12 +257,12 @@ def _limit_changes(f) -> dict:
     return changes
 
 
-def _spent(runtime: Runtime, node, rules) -> tuple[int, int] | None:
+def _spent(runtime: Runtime, node, ruleset) -> tuple[int, int] | None:
     """(spent, budget) of NODE's own budget pool, when it has one and the accountant answers."""
-    own = rules.limits.get((node.kind, node.id))
+    own = ruleset.limits.get((node.kind, node.id))
     if own is None or own.budget is None:
         return None
-    level = limits.Level(limits.counter(node.kind, node.id), None, None, own.budget, own.period or "month")
+    level = rules.Level(rules.counter(node.kind, node.id), None, None, own.budget, own.period or "month")
     used = budgets.spent(runtime, level)
     return None if used is None else (used, own.budget)
 
@@ -270,7 +271,7 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
     engine = runtime.engine
     with engine.connect() as conn:
         tree = orgtree.Tree.read(conn)
-        rules = limits.Rules.read(conn)
+        ruleset = limits.read_rules(conn)
         prices = limits.read_prices(conn)
         log_rows = limits.changes_log(conn)
     emails = {u.id: u.email for u in accounts.list_users(engine)}
@@ -298,36 +299,36 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
             rows.append(("team", team.id, 1))
             for project in sorted(tree.children.get(team.id, []), key=lambda n: n.name.lower()):
                 rows.append(("project", project.id, 2))
-    rows += [(scope, sid, 0) for (scope, sid) in sorted(rules.limits) if scope not in ("cluster", "org", "team", "project")]
+    rows += [(scope, sid, 0) for (scope, sid) in sorted(ruleset.limits) if scope not in ("cluster", "org", "team", "project")]
     table = []
     for scope, sid, depth in rows:
-        cells = limits.effective(rules, scope, sid, names)
+        cells = rules.effective(ruleset, scope, sid, names)
         node = tree.by_id.get(sid)
-        spent = _spent(runtime, node, rules) if node is not None else None
+        spent = _spent(runtime, node, ruleset) if node is not None else None
         table.append({"scope": scope, "id": sid, "name": describe(scope, sid), "depth": depth, "cells": cells,
                       "spent": spent})
     editing = None
     if edit:
         scope, _, sid = edit.partition(":")
-        if scope in limits.SCOPES:
+        if scope in rules.SCOPES:
             editing = {"scope": scope, "id": sid, "name": describe(scope, sid),
-                       "own": rules.limits.get((scope, sid), limits.Limits())}
+                       "own": ruleset.limits.get((scope, sid), rules.Limits())}
     changes = [{"at": r.at, "who": r.who, "what": describe(r.scope, r.scope_id) if r.scope != "price" else
                 f"price of {r.scope_id}", "field": r.field, "old": _shown(r.field, r.old), "new": _shown(r.field, r.new)}
                for r in log_rows]
     return {"rows": table, "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
-            "priced": prices.anything_priced(), "money": limits.show_money, "periods": limits.PERIODS,
-            "bands": limits.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
+            "priced": prices.anything_priced(), "money": rules.show_money, "periods": rules.PERIODS,
+            "bands": rules.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
 
 
 def _shown(field: str, value: str | None) -> str:
     if value is None:
         return "none"
     if field == "budget":
-        return limits.show_money(int(json.loads(value)))
+        return rules.show_money(int(json.loads(value)))
     if field == "price":
         a, _, b = value.partition("/")
-        return f"{limits.show_money(int(a))} in, {limits.show_money(int(b))} out"
+        return f"{rules.show_money(int(a))} in, {rules.show_money(int(b))} out"
     loaded = json.loads(value)
     return ", ".join(loaded) if isinstance(loaded, list) else str(loaded)
 
@@ -338,11 +339,11 @@ def _usage_view(engine, args, project_ids: set[str] | None, choices: tuple[str, 
     metric = args.get("metric") if args.get("metric") in METRICS else "requests"
     found = usagereport.report(engine, by, time.time() - SPANS[span], project_ids=project_ids)
     index = METRICS[metric]
-    groups = [(line.label, {b: figures[index] / (limits.MICROS if metric == "spend" else 1)
+    groups = [(line.label, {b: figures[index] / (rules.MICROS if metric == "spend" else 1)
                             for b, figures in line.series.items()}) for line in found.lines]
     chart = svgchart.stacked_bars(found.buckets, groups, found.step, f"{metric} by {by}, last {span}")
     return {"report": found, "by": by, "since": span, "metric": metric, "chart": chart, "choices": choices,
-            "spans": list(SPANS), "metrics": list(METRICS), "money": limits.show_money}
+            "spans": list(SPANS), "metrics": list(METRICS), "money": rules.show_money}
 
 
 def _cluster_view(runtime: Runtime, cfg) -> dict:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmgw import rules
 from llmgw.gateway.limiter import Unavailable
-from llmgw.people import limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _label(counter: str, tree, user_id: str) -> str:
 def for_person(runtime, user_id: str, project_ids: list[str], tree) -> list[Budget]:
     """Every budget pool USER_ID can spend in: their own and those of PROJECT_IDS."""
     table = runtime.keys
-    seen: dict[str, limits.Level] = {}
+    seen: dict[str, rules.Level] = {}
     for access in [table.person(user_id)] + [table.rules.access(None, p, user_id) for p in project_ids]:
         for level in access.levels:
             if level.budget is not None:
@@ -61,7 +61,7 @@ def for_person(runtime, user_id: str, project_ids: list[str], tree) -> list[Budg
     return sorted(out, key=lambda b: b.label)
 
 
-def spent(runtime, level: limits.Level) -> int | None:
+def spent(runtime, level: rules.Level) -> int | None:
     """What the accountant says is spent of LEVEL's budget this period; None when it does not answer."""
     try:
         answer = runtime.limiter.ask(runtime.router.snapshot.accountant, {"op": "status", "levels": [level.wire()]})

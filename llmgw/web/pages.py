@@ -18,6 +18,7 @@ from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
 from markupsafe import Markup
 
+from llmgw import rules
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, usagereport
 from llmgw.people.orgtree import Tree
@@ -170,7 +171,7 @@ def create_app(runtime: Runtime) -> Flask:
                                revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem,
                                last_used=usagereport.last_used(engine, ids), use=use, days=days,
                                day_names=[time.strftime("%Y-%m-%d", time.gmtime(b)) for b in use.buckets],
-                               peak=max(days, default=0), money=limits.show_money, priced=priced,
+                               peak=max(days, default=0), money=rules.show_money, priced=priced,
                                budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree)), status
 
     @app.get("/account")

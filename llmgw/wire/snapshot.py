@@ -1,0 +1,3 @@
+"""The routing snapshot the controller publishes to gateways: its topic and version rule."""
+
+TOPIC = b"snapshot"

@@ -1,0 +1,108 @@
+"""The house rules: which llmgw package may import which, as each package's docstring states.
+
+A failure names the module, the line and the import that broke a rule. The
+rules are read from the source (bench/house.py), so nothing is imported here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.house import PACKAGES, imports, modules, package_of  # noqa: E402
+
+EVERY = set(PACKAGES) | {"top"}
+# package -> the llmgw packages it may import ("top" is the top-level modules).
+MAY_IMPORT = {
+    "wire": {"wire", "rules"},
+    "engines": {"engines", "top"},
+    "node": {"node", "top", "wire", "engines"},
+    "mirror": {"mirror", "top"},
+    "people": {"people", "top"},
+    "control": {"control", "top", "wire", "people"},
+    "gateway": {"gateway", "top", "wire", "engines", "web"},
+    "web": {"web", "top", "gateway", "people"},
+    "cli": EVERY - {"gateway", "web"},
+    "top": {"top"},
+}
+# Third-party packages a package must never import, whatever imports it.
+MUST_NOT = {
+    "node": {"sqlalchemy", "gevent", "flask"},
+    "mirror": {"sqlalchemy", "gevent"},
+    "control": {"gevent"},
+    "people": {"gevent", "zmq", "flask"},
+    "wire": {"sqlalchemy", "gevent", "flask"},
+}
+# Top-level modules that a package may not import although they are top-level.
+NOT_THE_STORE = {"node", "mirror", "engines", "wire"}
+# Crossings that exist today and are on their way out, each with the reason it is still here.
+# A gateway in router-only mode (no controller) still reads keys from the store, and its gunicorn
+# master hosts the accountant and the usage roll-ups itself; both go when keys reach gateways over
+# the wire and the role file hands the master its stand-in accountant.
+KNOWN = {
+    ("llmgw.gateway.worker", "llmgw.people.keys"),
+    ("llmgw.gateway.proxy", "llmgw.people.keys"),
+    ("llmgw.gateway.server", "llmgw.control.accountant"),
+    ("llmgw.gateway.server", "llmgw.control.accountserver"),
+    ("llmgw.gateway.server", "llmgw.people.rollup"),
+    ("llmgw.top.__main__", "llmgw.cli.main"),
+}
+
+
+def _module_of(target: str, known: dict[str, str]) -> str:
+    """TARGET as a module name: `llmgw.people.keys.KeyTable` -> `llmgw.people.keys`."""
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def broken_rules() -> list[str]:
+    found = modules()
+    problems = []
+    for dotted, path in sorted(found.items()):
+        package = package_of(dotted)
+        allowed = MAY_IMPORT[package]
+        where = os.path.relpath(path, ROOT)
+        for target, line in imports(path):
+            top = target.split(".")[0]
+            if top in MUST_NOT.get(package, ()):
+                problems.append(f"{where}:{line} imports {target}: {package}/ must not use {top}")
+            if top != "llmgw":
+                continue
+            module = _module_of(target, found)
+            if not module or module == "llmgw":
+                continue
+            other = package_of(module)
+            exempt = (dotted.replace("llmgw.", "llmgw.top.") if package == "top" else dotted, module) in KNOWN
+            if other not in allowed and module.rpartition(".")[2] not in allowed and not exempt:
+                problems.append(f"{where}:{line} imports {module}: {package}/ may import only "
+                                f"{', '.join(sorted(allowed))}")
+            if package in NOT_THE_STORE and module == "llmgw.store":
+                problems.append(f"{where}:{line} imports llmgw.store: {package}/ runs where there is no database")
+    return problems
+
+
+def test_every_package_keeps_to_its_imports():
+    assert broken_rules() == []
+
+
+def test_the_rules_catch_a_forbidden_import(tmp_path, monkeypatch):
+    # A node module that reaches for the store must be named, with its line.
+    import bench.house as house
+
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom llmgw import store\n")
+    real = house.modules()
+    monkeypatch.setattr(sys.modules[__name__], "modules", lambda: {**real, "llmgw.node.bad": str(bad)})
+    problems = broken_rules()
+    assert any("bad.py:2 imports llmgw.store" in p for p in problems), problems
+
+
+def test_every_package_says_where_it_runs_and_what_it_may_import():
+    for package in PACKAGES:
+        with open(os.path.join(ROOT, "llmgw", package, "__init__.py")) as f:
+            doc = f.read()
+        assert "Imported by:" in doc and "Concurrency:" in doc and "May import:" in doc, package
