@@ -29,7 +29,7 @@ from llmgw import settings, store
 from llmgw.control import adminapi, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
-from llmgw.control.agentserver import AgentServer, KeyRing
+from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
@@ -70,16 +70,24 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}") from None
 
     plaintext = cfg["controller.plaintext"]
+    context = zmq.Context()
     if plaintext:
-        log.warning("controller.plaintext is set: agents connect WITHOUT encryption or keys, and any machine "
-                    "that reaches %s can claim to be any node. Use it only on a closed test network.",
-                    cfg["controller.agent_listen"])
-        ring, keypair, public = None, None, None
+        log.warning("controller.plaintext is set: agents and gateways connect WITHOUT encryption or keys; any "
+                    "machine that reaches %s can claim to be any node, and any that reaches %s or %s can read "
+                    "snapshots, spend or refund budgets. Use it only on a closed test network.",
+                    cfg["controller.agent_listen"], cfg["controller.gateway_listen"],
+                    cfg["controller.accountant_listen"])
+        ring, gateway_ring, keypair, public, auth = None, None, None, None, None
     else:
         keypair = curvekeys.controller_keypair(cfg["controller.keys_dir"])
         public = keypair[0]
-        ring = KeyRing(curvekeys.authorised_keys(engine))
-        log.info("agents authenticate with CURVE; %d node keys issued", len(ring.keys))
+        ring = curvekeys.KeyRing(curvekeys.authorised_keys(engine), "node")
+        gateway_ring = curvekeys.KeyRing(curvekeys.gateway_keys(engine), "gateway")
+        auth = curvekeys.Authenticator(context, {curvekeys.AGENTS: ring, curvekeys.GATEWAYS: gateway_ring}).start()
+        log.info("agents and gateways authenticate with CURVE; %d node keys and %d gateway keys issued",
+                 len(ring.keys), len(gateway_ring.keys))
+    # Each socket gateways use admits only gateway keys (or anyone, in plaintext mode).
+    gateway_keys = None if plaintext else (keypair, curvekeys.GATEWAYS)
 
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
                   cordoned=adminapi.cordoned_nodes(engine))
@@ -88,17 +96,18 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     except CatalogError as e:
         raise click.ClickException(f"{e} (in {cfg.source})") from None
     replicas = Replicas(base_backoff=cfg["controller.base_backoff"])
-    context = zmq.Context()
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
                          heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas)
-    publisher = Publisher(context, cfg["controller.gateway_listen"])
+    publisher = Publisher(context, cfg["controller.gateway_listen"], gateway_keys)
     accountant = Accountant()
     accountant.restore(engine)
-    account_server = AccountServer(accountant, cfg["controller.accountant_listen"]).start()
+    account_server = AccountServer(accountant, cfg["controller.accountant_listen"], context, gateway_keys).start()
     roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
     demand = Demand()
     wants = context.socket(zmq.PULL)
     wants.setsockopt(zmq.LINGER, 0)
+    if gateway_keys:
+        curvekeys.serve_curve(wants, *gateway_keys)
     wants_host, _, wants_port = cfg["controller.demand_listen"].rpartition(":")
     wants.bind(f"tcp://{wants_host or '*'}:{wants_port}")
     # Other threads never touch a ZeroMQ socket: they queue what to send, and the loop sends it.
@@ -106,14 +115,15 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
 
     def ask_node(node_id: str, kind: str, fields: dict, timeout: float):
         request_id = uuid.uuid4().hex
-        waiter = {"event": threading.Event(), "reply": None}
+        waiter = {"event": threading.Event(), "reply": None, "node": node_id}
         server.waiting[request_id] = waiter
         outbox.put((node_id, kind, {"request_id": request_id, **fields}))
         waiter["event"].wait(timeout)
         server.waiting.pop(request_id, None)
         return waiter["reply"]
 
-    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node)
+    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node,
+                              gateway_ring=gateway_ring)
 
     def reconcile() -> None:
         now = time.monotonic()
@@ -150,6 +160,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
+    registry.register(server)
     serve_registry(cfg["controller.metrics_listen"], registry)
     log.info("agents on %s, gateways on %s, the accountant on %s, admin API on http://%s, metrics on http://%s/metrics",
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],
@@ -187,6 +198,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         roller.stop()
         wants.close(0)
         server.close()
+        if auth is not None:
+            auth.stop()
         context.term()
         engine.dispose()
         log.info("controller stopped")

@@ -18,8 +18,10 @@ import tempfile
 import click
 
 from llmgw import settings, store
+from llmgw.control import curvekeys
 from llmgw.people import accounts
 from llmgw.procs import raise_fd_limit
+from llmgw.wire.curve import ClientKeys
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,6 +57,20 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     if limit < 2 * cfg["gateway.worker_connections"] + 64:
         log.warning("open files are limited to %d: each stream holds two, so a worker holds at most about %d "
                     "streams. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n).", limit, limit // 2)
+    if cfg["gateway.controller"]:
+        if cfg["gateway.plaintext"]:
+            log.warning("gateway.plaintext is set: this gateway follows the controller WITHOUT encryption or a key, "
+                        "and believes whoever answers on %s. Use it only on a closed test network.",
+                        cfg["gateway.controller"])
+        else:
+            try:
+                keys = curvekeys.read_gateway_key_file(cfg["gateway.key_file"])
+            except curvekeys.KeyFileError as e:
+                raise click.ClickException(str(e)) from None
+            cfg.controller_keys = ClientKeys(keys["controller_public_key"].encode(), keys["public_key"].encode(),
+                                             keys["secret_key"].encode())
+            log.info("following the controller at %s as gateway %s (CURVE)", cfg["gateway.controller"],
+                     keys["gateway"])
     if not cfg.endpoints and not cfg["gateway.controller"]:
         log.warning("no endpoints are configured and no controller is followed: /ready stays 503. Give "
                     "gateway.controller, --endpoint ID=URL=MODEL or [[endpoints]] in the configuration.")

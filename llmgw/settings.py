@@ -53,6 +53,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.controller", "str", "",
             "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
             "`[[endpoints]]`."),
+    Setting("gateway.key_file", "str", "/etc/llmgw/gateway.key",
+            "This gateway's CURVE key file, from `llmgw ctl gateway-key issue NAME` on the controller: it opens "
+            "the controller's snapshots, demand and accountant sockets to this gateway and to no one else."),
+    Setting("gateway.plaintext", "bool", False,
+            "Follow the controller without CURVE (the controller must run with controller.plaintext too)."),
     Setting("gateway.controller_admin", "str", "127.0.0.1:9090",
             "The controller's admin API (`controller.admin_listen`), read by the cluster page when "
             "`gateway.controller` is set."),
@@ -151,8 +156,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller.keys_dir", "str", "var/keys",
             "Where the controller keeps its CURVE key pair (made on first start, mode 0600)."),
     Setting("controller.plaintext", "bool", False,
-            "Let agents connect without CURVE encryption and keys. Only for a closed test network: "
-            "any machine that reaches agent_listen can then claim to be any node."),
+            "Let agents and gateways connect without CURVE encryption and keys. Only for a closed test network: "
+            "any machine that reaches its sockets can then claim to be any node, publish routing snapshots to "
+            "gateways, or spend and refund any budget."),
     Setting("controller.unreachable_after", "float", 15.0,
             "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it.", minimum=0.1),
     Setting("controller.lost_after", "float", 60.0,
@@ -224,6 +230,10 @@ class Config:
         self.source = source
         # Set by the gateway's master when it runs the accountant itself (no controller).
         self.local_accountant: str | None = None
+        # CURVE keys (llmgw.wire.curve.ClientKeys) a gateway dials with: for the controller's sockets, read
+        # from gateway.key_file by gateway.py; for the master's own accountant, made by the master.
+        self.controller_keys = None
+        self.local_accountant_keys = None
 
     def public_url(self) -> str:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""

@@ -193,6 +193,15 @@ node_keys = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
+# A gateway's CURVE public key, bound to its name: the controller's gateway
+# sockets (snapshots, demand, the accountant) admit only these.
+gateway_keys = sa.Table(
+    "gateway_keys", metadata,
+    sa.Column("name", sa.String(200), primary_key=True),
+    sa.Column("public_key", sa.String(40), nullable=False, unique=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
 # What an operator decided about a node (cordoned), kept across controller restarts.
 node_settings = sa.Table(
     "node_settings", metadata,
@@ -335,6 +344,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (6, "people and secrets", _create([users, secrets_table])),
     (7, "keys made by a person", _add_key_owner),
     (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
+    (9, "gateway keys", _create([gateway_keys])),
 ]
 
 

@@ -73,6 +73,15 @@ class Controller:
         assert run.returncode == 0, run.stderr
         return run.stdout
 
+    def gateway_key_file(self, name="gw") -> str:
+        """A key file issued to gateway NAME, for `gateway.key_file`."""
+        run = self.ctl("gateway-key", "issue", name)
+        assert run.returncode == 0, run.stderr
+        path = self.tmp / f"gateway-{name}.key"
+        path.write_text(run.stdout)
+        path.chmod(0o600)
+        return str(path)
+
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
             return resp.read().decode()

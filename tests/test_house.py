@@ -48,6 +48,7 @@ KNOWN = {
     ("llmgw.gateway.server", "llmgw.control.accountant"),
     ("llmgw.gateway.server", "llmgw.control.accountserver"),
     ("llmgw.gateway.server", "llmgw.people.rollup"),
+    ("llmgw.gateway.server", "llmgw.control.curvekeys"),
     ("llmgw.top.__main__", "llmgw.cli.main"),
 }
 

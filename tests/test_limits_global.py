@@ -31,7 +31,8 @@ def start(tmp_path, make_sim, make_gateway, gateways=2):
     controller = Controller(tmp_path, store_url=url)
     endpoints = [{"id": "sim-1", "url": sim.url, "models": ["sim"]}]
     gws = [make_gateway(store_url=url, endpoints=endpoints, workers=2,
-                        gateway__controller=f"127.0.0.1:{controller.gateway_port}") for _ in range(gateways)]
+                        gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                        gateway__key_file=controller.gateway_key_file(f"gw{i}")) for i in range(gateways)]
     return controller, gws, store.open_engine(url)
 
 

@@ -195,6 +195,7 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
         engine.dispose()
         key = make_key(url)
         gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                     gateway__key_file=controller.gateway_key_file(),
                      gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}")
         browser = requests.Session()
         login = browser.get(gw.url + "/login").text

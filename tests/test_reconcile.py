@@ -37,7 +37,8 @@ def cluster(tmp_path):
         def gateway(self):
             url = f"sqlite:///{tmp_path}/gateway.db"
             self.key = make_key(url)
-            gw = Gateway(tmp_path, url, workers=2, gateway__controller=f"127.0.0.1:{self.c.gateway_port}")
+            gw = Gateway(tmp_path, url, workers=2, gateway__controller=f"127.0.0.1:{self.c.gateway_port}",
+                         gateway__key_file=self.c.gateway_key_file())
             made.append(gw)
             return gw
 
@@ -266,7 +267,8 @@ def test_a_model_that_cannot_start_is_503_loading_with_retry_after(cluster, tmp_
     cluster.agent("n1")
     url = f"sqlite:///{tmp_path}/gateway.db"
     key = make_key(url)
-    gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}", gateway__load_wait=1.0)
+    gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}", gateway__load_wait=1.0,
+                 gateway__key_file=c.gateway_key_file())
     try:
         wait_for("the gateway to know the model", 10,
                  lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "never"}, key)[0] != 404)

@@ -145,6 +145,22 @@ def node_key_issue(obj, node):
                "mode 0600. Any earlier key of this node no longer works.", err=True)
 
 
+@ctl.group("gateway-key")
+def gateway_key():
+    """CURVE keys that let a gateway follow the controller and use its accountant."""
+
+
+@gateway_key.command("issue")
+@click.argument("name")
+@click.pass_obj
+def gateway_key_issue(obj, name):
+    """Make gateway NAME's key pair and authorise it; prints the key file (on standard output)."""
+    result = obj.admin.call("POST", "/api/v1/gateway-keys", {"name": name})
+    click.echo(result["key_file"], nl=False)
+    click.echo(f"issued a key for gateway {name}. Install it on that gateway as gateway.key_file, mode 0600. "
+               "Any earlier key of this gateway no longer works.", err=True)
+
+
 @ctl.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per model.")
 @click.pass_obj

@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 KEY_NAME = "starter"
 ADMIN = "admin@localhost"
 NODE = "local"
+GATEWAY = "local"
 START_LIMIT = 60.0
 SERVE_LIMIT = 300.0
 
@@ -121,11 +122,14 @@ class Up:
         controller_public, _ = curvekeys.controller_keypair(keys_dir)
         public, secret = curvekeys.issue_node_key(engine, NODE)
         key_file = os.path.join(self.var, "node.key")
-        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(curvekeys.node_key_file(NODE, public, secret, controller_public))
+        curvekeys.write_private(key_file, curvekeys.node_key_file(NODE, public, secret, controller_public))
+        gateway_public, gateway_secret = curvekeys.issue_gateway_key(engine, GATEWAY)
+        gateway_key_file = os.path.join(self.var, "gateway.key")
+        curvekeys.write_private(gateway_key_file, curvekeys.gateway_key_file(GATEWAY, gateway_public, gateway_secret,
+                                                                             controller_public))
         values = {
             "store.url": self.cfg["store.url"], "log.level": self.cfg["log.level"],
+            "gateway.key_file": gateway_key_file,
             "gateway.listen": self.listen, "gateway.workers": self.workers,
             "gateway.metrics_listen": self.cfg["gateway.metrics_listen"],
             "gateway.controller": self.cfg["controller.gateway_listen"],

@@ -26,6 +26,7 @@ import time
 import zmq
 
 from llmgw.control.accountant import Accountant, Refused
+from llmgw.control.curvekeys import serve_curve
 
 log = logging.getLogger("llmgw.accountserver")
 
@@ -59,11 +60,17 @@ def handle(accountant: Accountant, msg: dict) -> dict | None:
 class AccountServer:
     """The accountant's thread. `start()` binds (so the port is known at once) and serves until `stop()`."""
 
-    def __init__(self, accountant: Accountant, listen: str):
+    def __init__(self, accountant: Accountant, listen: str, context: zmq.Context | None = None,
+                 curve: tuple | None = None):
+        """CONTEXT is the caller's (whose authenticator admits gateway keys); CURVE is (keypair, domain), or
+        None for plaintext."""
         self.accountant = accountant
-        self.context = zmq.Context()
+        self.own_context = context is None
+        self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            serve_curve(self.socket, *curve)
         host, _, port = listen.rpartition(":")
         host = host or "*"
         if port in ("", "0"):
@@ -81,7 +88,9 @@ class AccountServer:
     def stop(self) -> None:
         self.stopping.set()
         self.thread.join(timeout=5)
-        self.context.destroy(linger=0)
+        self.socket.close(0)
+        if self.own_context:
+            self.context.destroy(linger=0)
 
     def _serve(self) -> None:
         sock = self.socket

@@ -15,8 +15,8 @@ from sqlalchemy.engine import Engine
 
 from llmgw import __version__, store
 from llmgw.control import curvekeys, placement
-from llmgw.control.agentserver import KeyRing
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
+from llmgw.control.curvekeys import KeyRing
 from llmgw.control.fleet import STATES, Fleet, FleetError
 from llmgw.control.reconciler import Replicas
 
@@ -24,7 +24,8 @@ NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
-               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node) -> Flask:
+               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node,
+               gateway_ring: KeyRing | None = None) -> Flask:
     """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None)."""
     app = Flask("llmgw.admin")
     unplaced: dict = {}
@@ -178,6 +179,19 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         ring.replace(curvekeys.authorised_keys(engine))
         return jsonify({"node_id": node_id, "key_file": curvekeys.node_key_file(node_id, public, secret,
                                                                                  controller_public)})
+
+    @app.post("/api/v1/gateway-keys")
+    def issue_gateway_key():
+        body = request.get_json(silent=True) or {}
+        name = body.get("name")
+        if not isinstance(name, str) or not NODE_ID.match(name):
+            return error(400, "name must be letters, digits, '.', '_' or '-', such as gw-01")
+        if gateway_ring is None:
+            return error(409, "this controller runs with controller.plaintext: gateways use no keys")
+        public, secret = curvekeys.issue_gateway_key(engine, name)
+        gateway_ring.replace(curvekeys.gateway_keys(engine))
+        return jsonify({"name": name, "key_file": curvekeys.gateway_key_file(name, public, secret,
+                                                                             controller_public)})
 
     return app
 

@@ -12,82 +12,39 @@ answering, connections fail closed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+from prometheus_client.core import CounterMetricFamily
 
+from llmgw.control.curvekeys import AGENTS, KeyRing, serve_curve
 from llmgw.control.fleet import Fleet
 from llmgw.wire import agent as protocol
 
 log = logging.getLogger("llmgw.agentserver")
 
-ZAP_DOMAIN = "llmgw"
-
-
-class KeyRing:
-    """Issued node keys (z85 public key -> node id); replaced whole when a key is issued."""
-
-    def __init__(self, keys: dict[bytes, str]):
-        self.keys = dict(keys)
-        self.lock = threading.Lock()
-
-    def replace(self, keys: dict[bytes, str]) -> None:
-        with self.lock:
-            self.keys = dict(keys)
-
-    def node_for(self, z85_key: bytes) -> str | None:
-        return self.keys.get(z85_key)
-
-    # The credentials-provider interface of pyzmq's authenticator.
-    def callback(self, domain: str, z85_key: bytes) -> bool:
-        allowed = z85_key in self.keys
-        if not allowed:
-            log.warning("refused a connection with a key no node was issued (%s...)", z85_key[:8].decode())
-        return allowed
-
-
-class _NodeAuthenticator(ThreadAuthenticator):
-    def __init__(self, context: zmq.Context, ring: KeyRing):
-        super().__init__(context)
-        self.ring = ring
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        from zmq.utils import z85
-
-        return self.ring.node_for(z85.encode(client_public_key)) or ""
-
 
 class AgentServer:
     def __init__(self, context: zmq.Context, listen: str, fleet: Fleet, ring: KeyRing | None,
                  keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None):
+        """RING is None only in plaintext mode; then no key is asked for. The controller's `Authenticator`
+        must be running on CONTEXT with RING as its agents' domain."""
         self.fleet = fleet
         self.replicas = replicas
-        self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply"}, for replies someone waits on
+        self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply", "node"}, for replies someone waits on
         self.ring = ring
         self.heartbeat_interval = heartbeat_interval
-        self.auth = None
+        self.refused: dict[str, int] = {}  # why -> messages dropped or refused, for llmgw_agent_messages_refused_total
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent may reuse its identity
         if ring is not None:
-            self.auth = _NodeAuthenticator(context, ring)
-            self.auth.start()
-            self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=ring)
-            public, secret = keypair
-            self.socket.curve_secretkey = secret
-            self.socket.curve_publickey = public
-            self.socket.zap_domain = ZAP_DOMAIN.encode()
-            self.socket.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-            self.socket.curve_server = True  # must come before bind
+            serve_curve(self.socket, keypair, AGENTS)
         host, _, port = listen.rpartition(":")
         self.socket.bind(f"tcp://{host or '*'}:{port}")
 
     def close(self) -> None:
         self.socket.close(0)
-        if self.auth is not None:
-            self.auth.stop()
 
     def send(self, identity: bytes, kind: str, **fields) -> None:
         try:
@@ -115,11 +72,13 @@ class AgentServer:
             message = protocol.decode(payload)
         except protocol.ProtocolError as e:
             log.warning("dropped a message that cannot be read: %s", e)
+            self._count("malformed")
             return
         node_id = message.get("node_id")
         if authenticated is not None and node_id != authenticated:
             # The key is genuine but belongs to another node: never let one node speak for another.
             log.warning("refused %s from a node whose key was issued to %r", message["type"], authenticated)
+            self._count("other_node")
             self.send(identity, "refused", reason=f"this node's key was issued to {authenticated!r}, not {node_id!r}. "
                                                   f"Set agent.node_id to {authenticated!r}, or issue a key for "
                                                   f"{node_id!r} with `llmgw ctl node-key issue {node_id}`.")
@@ -132,7 +91,7 @@ class AgentServer:
             if self.replicas is not None:
                 for shard in shards:
                     # What the node already runs: how a restarted controller learns its replicas.
-                    self.replicas.report(node_id, shard, now)
+                    self._refuse_if(node_id, shard["shard_id"], self.replicas.report(node_id, shard, now))
             log.info("node %s registered (agent %s, %s, %d shards running)", node_id, message["agent_version"],
                      message.get("address"), len(shards))
             self.send(identity, "registered", node_id=node_id, heartbeat_interval=self.heartbeat_interval)
@@ -143,13 +102,34 @@ class AgentServer:
                 self.send(identity, "register_again", reason="this controller does not know the node (it restarted)")
         elif message["type"] == "shard_status":
             if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
-                self.replicas.report(node_id, message, now)
+                self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now))
         elif message["type"] in ("ack", "logs_reply"):
             waiter = self.waiting.get(message["request_id"])
-            if waiter is not None:
+            if waiter is not None and waiter.get("node", node_id) != node_id:
+                self._refuse_if(node_id, message["request_id"], f"request {message['request_id']} went to "
+                                                                 f"{waiter['node']}, not to {node_id}")
+            elif waiter is not None:
                 waiter["reply"] = message
                 waiter["event"].set()
             elif message["type"] == "ack" and not message["ok"]:
                 log.warning("node %s could not carry out a command: %s", node_id, message.get("error"))
         else:
             log.warning("dropped a %s message: agents do not send those", message["type"])
+
+    def _refuse_if(self, node_id: str, about: str, reason: str | None) -> None:
+        """Log and count a claim NODE_ID may not make (REASON None: it was accepted)."""
+        if reason is not None:
+            self._count("not_its_own")
+            log.warning("refused what node %s said about %s: %s", node_id, about, reason)
+
+    def _count(self, why: str) -> None:
+        self.refused[why] = self.refused.get(why, 0) + 1
+
+    def collect(self):
+        """prometheus-client's collector interface: what agents said that was dropped or refused, by why."""
+        family = CounterMetricFamily("llmgw_agent_messages_refused", "Messages from agents dropped (malformed) or "
+                                     "refused (about another node's shard or request, or as another node).",
+                                     labels=["why"])
+        for why in ("malformed", "other_node", "not_its_own"):
+            family.add_metric([why], self.refused.get(why, 0))
+        yield family

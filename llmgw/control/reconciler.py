@@ -74,11 +74,15 @@ class Replicas:
         self.retry_at: dict[str, float] = {}
         self.lock = threading.RLock()
 
-    def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None) -> None:
-        """Take one shard_status (or a shard listed at registration)."""
+    def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None) -> str | None:
+        """Take one shard_status (or a shard listed at registration) from NODE_ID; the reason it was refused,
+        or None. A node speaks only for shards placed on it: once a node with a valid key took over another's
+        replica this way, and gateways sent that replica's prompts to it."""
         with self.lock:
             shard_id, state = status["shard_id"], status["state"]
             current = self.items.get(shard_id)
+            if current is not None and current.node_id != node_id:
+                return f"shard {shard_id} is placed on {current.node_id}, not on {node_id}"
             if state in ("failed", "stopped"):
                 self.items.pop(shard_id, None)
                 if state == "failed" and status.get("model"):
@@ -87,14 +91,13 @@ class Replicas:
                     self.failures[model] = Failure(shard_id, node_id, now, status.get("detail"),
                                                    list(status.get("last_output") or []), count)
                     self.retry_at[model] = now + min(self.base_backoff * 2 ** (count - 1), MAX_BACKOFF)
-                return
+                return None
             if current is None:
                 current = Replica(shard_id, status.get("model", "?"), node_id, state, since=now,
                                   memory_bytes=memory_bytes or 0)
                 self.items[shard_id] = current
             if current.state != "stopping":
                 current.state = state
-            current.node_id = node_id
             for field in ("profile_fp", "engine", "url", "fetch"):
                 if field in status:
                     setattr(current, field, status[field])
@@ -105,6 +108,7 @@ class Replicas:
                 failure = self.failures.get(current.model)
                 if failure is not None:
                     failure.count = 0
+            return None
 
     def claims(self) -> list[placement.Claim]:
         with self.lock:

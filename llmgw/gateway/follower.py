@@ -17,6 +17,7 @@ import logging
 import zmq.green as zmq
 
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
+from llmgw.wire.curve import ClientKeys, dial
 from llmgw.wire.snapshot import TOPIC
 
 log = logging.getLogger("llmgw.follower")
@@ -34,14 +35,17 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                                         weight=float(r.get("weight", 1.0)))
     demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
     accountant = f"{host}:{body['accountant_port']}" if body.get("accountant_port") else base.accountant
-    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant)
+    return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
+                    epoch=body.get("epoch"))
 
 
-def follow(address: str, base: Snapshot, apply) -> None:
-    """Run forever: APPLY(snapshot) for each snapshot the controller at ADDRESS publishes."""
+def follow(address: str, base: Snapshot, apply, keys: ClientKeys | None) -> None:
+    """Run forever: APPLY(snapshot) for each snapshot the controller at ADDRESS publishes. With KEYS, only a
+    publisher holding the controller's secret key is heard."""
     context = zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    dial(sock, keys)
     sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
     sock.connect(f"tcp://{address}")
     try:

@@ -22,6 +22,8 @@ import gevent
 from gevent.event import AsyncResult
 from zmq import NOBLOCK, Again
 
+from llmgw.wire.curve import ClientKeys, dial
+
 log = logging.getLogger("llmgw.limiter")
 
 
@@ -30,8 +32,9 @@ class Unavailable(Exception):
 
 
 class Limiter:
-    def __init__(self, timeout: float, metrics=None):
+    def __init__(self, timeout: float, metrics=None, keys: ClientKeys | None = None):
         self.timeout = timeout
+        self.keys = keys  # the accountant's server key and ours; None: plaintext
         self.metrics = metrics
         self.address: str | None = None
         self.socket = None
@@ -46,6 +49,7 @@ class Limiter:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 10000)
+        dial(self.socket, self.keys)
         self.socket.connect(f"tcp://{address}")
         self.address = address
         self.reader = gevent.spawn(self._read, self.socket)

@@ -44,6 +44,7 @@ class Snapshot:
     replicas: dict[str, ReplicaSpec]
     demand: str | None = None  # where to say a model is wanted (the controller's demand address), if anywhere
     accountant: str | None = None  # where requests are admitted against limits
+    epoch: str | None = None  # the controller start that published it (None: the gateway's own configuration)
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)

@@ -25,6 +25,7 @@ from llmgw.gateway.upstream import Pool, Target, UpstreamError
 from llmgw.gateway.usage import UsageRecorder
 from llmgw.people import keys
 from llmgw.settings import Config
+from llmgw.wire.curve import dial
 
 log = logging.getLogger("llmgw.worker")
 
@@ -43,7 +44,8 @@ class Runtime:
         self.pool = Pool(cfg["timeouts.connect"])
         self.keys = keys.KeyTable.load(engine)
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
-        self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics)
+        self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
+                               cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
         self.greenlets: list[gevent.Greenlet] = []
         self.demand_socket = None
         self.demand_address: str | None = None
@@ -70,6 +72,7 @@ class Runtime:
             self.demand_socket = zmq.Context.instance().socket(zmq.PUSH)
             self.demand_socket.setsockopt(zmq.LINGER, 0)
             self.demand_socket.setsockopt(zmq.SNDHWM, 100)
+            dial(self.demand_socket, self.cfg.controller_keys)
             self.demand_socket.connect(f"tcp://{address}")
             self.demand_address = address
         try:
@@ -79,8 +82,10 @@ class Runtime:
         self.told[(kind, model)] = now
 
     def apply(self, snapshot: Snapshot) -> None:
-        """Take a newer snapshot (an older or equal one is ignored)."""
-        if snapshot.version > self.router.snapshot.version:
+        """Take a newer snapshot (an older or equal one is ignored), or the first of a new controller's epoch:
+        only the authenticated controller publishes, so a new epoch is a restart, never a forger's word."""
+        current = self.router.snapshot
+        if snapshot.epoch != current.epoch or snapshot.version > current.version:
             self.router.apply(snapshot)
 
     def start(self) -> None:
@@ -91,7 +96,7 @@ class Runtime:
             from llmgw.gateway.follower import follow
 
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.router.snapshot,
-                                               self.apply))
+                                               self.apply, self.cfg.controller_keys))
 
     def close(self) -> None:
         """Stop the background work and write every buffered usage row."""

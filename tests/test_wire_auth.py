@@ -1,0 +1,144 @@
+"""Attacks on the channels between processes: each must fail against a cluster started as it ships.
+
+A forger on the controller's host publishes routing snapshots while the
+controller restarts; a node key tries the gateways' sockets and a gateway key
+the agents'; a node with a valid key speaks for a shard placed on another
+node. Each attack is also shown to work where the channel is left open
+(plaintext), so the tests prove they can see it.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+
+import pytest
+import zmq
+
+from llmgw.control.agentserver import AgentServer
+from llmgw.control.fleet import Fleet
+from llmgw.control.reconciler import Replicas
+from llmgw.procs import free_port
+from llmgw.wire import agent as protocol
+from llmgw.wire.snapshot import TOPIC
+from tests.cluster import Controller
+from tests.conftest import make_key, wait_until
+
+MODEL = {"name": "honest", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
+         "profiles": [{"engine": "sim"}]}
+
+
+def models_of(gateway, key) -> set[str]:
+    request = urllib.request.Request(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return {m["id"] for m in json.loads(resp.read())["data"]}
+
+
+def forge(port: int, seconds: float) -> None:
+    """Bind the controller's snapshot port and publish a forged snapshot for SECONDS."""
+    context = zmq.Context()
+    sock = context.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    forged = {"epoch": "forger", "version": 10 ** 15, "demand_port": None, "accountant_port": None,
+              "models": [{"name": "forged", "aliases": [], "description": "", "max_context": None,
+                          "max_output": None, "on_demand": False}],
+              "replicas": [{"id": "evil", "url": "http://127.0.0.1:9", "models": ["forged"], "weight": 1.0}]}
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            sock.send_multipart([TOPIC, json.dumps(forged).encode()])
+            time.sleep(0.1)
+    finally:
+        sock.close(0)
+        context.term()
+
+
+@pytest.mark.parametrize("plaintext", [False, True])
+def test_a_forged_snapshot_is_never_believed(tmp_path, make_gateway, plaintext):
+    url = f"sqlite:///{tmp_path}/c.db"
+    c = Controller(tmp_path, store_url=url, models=[MODEL], controller__plaintext=plaintext)
+    keys = {"gateway__plaintext": True} if plaintext else {"gateway__key_file": c.gateway_key_file()}
+    key = make_key(url)
+    gw = make_gateway(store_url=url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}", **keys)
+    try:
+        wait_until("the gateway to follow the controller", 30, lambda: "honest" in models_of(gw, key))
+        c.stop(signal.SIGKILL)
+        forge(c.gateway_port, 4.0)
+        # The forger is heard only where the channel is open: that is what the old code did everywhere.
+        assert ("forged" in models_of(gw, key)) is plaintext
+        if plaintext:
+            return
+        # The real controller comes back with a new epoch and a clock that may be behind: believed at once.
+        c.start()
+        wait_until("the restarted controller's snapshot", 30, lambda: models_of(gw, key) >= {"honest"})
+        assert "forged" not in models_of(gw, key)
+    finally:
+        c.stop()
+
+
+def test_keys_open_only_their_own_sockets(tmp_path):
+    c = Controller(tmp_path)
+    try:
+        with open(c.gateway_key_file()) as f:
+            gateway_key = f.read()
+        node_key = c.issue_key("n1")
+
+        def field(text, name):
+            return next(line.split('"')[1] for line in text.splitlines() if line.startswith(name + " "))
+
+        context = zmq.Context()
+
+        def subscriber(text):
+            sock = context.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.curve_serverkey = field(text, "controller_public_key").encode()
+            sock.curve_publickey = field(text, "public_key").encode()
+            sock.curve_secretkey = field(text, "secret_key").encode()
+            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            sock.connect(f"tcp://127.0.0.1:{c.gateway_port}")
+            return sock
+
+        with_gateway_key, with_node_key = subscriber(gateway_key), subscriber(node_key)
+        # The publisher repeats every 2 s: a gateway key hears it, a node key never does.
+        assert with_gateway_key.poll(15000), "a gateway key should receive snapshots"
+        assert not with_node_key.poll(3000), "a node key must not open the gateways' sockets"
+        assert "refused a connection with a key no gateway was issued" in c.log()
+        with_gateway_key.close(0)
+        with_node_key.close(0)
+        context.term()
+    finally:
+        c.stop()
+
+
+def test_a_node_speaks_only_for_its_own_shards():
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context = zmq.Context()
+    server = AgentServer(context, f"127.0.0.1:{free_port()}", fleet, None, None, replicas=replicas)
+    try:
+        for node in ("victim", "rogue"):
+            server.handle(node.encode(), node, protocol.encode("register", node_id=node, agent_version="t"))
+        server.handle(b"victim", "victim", protocol.encode(
+            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"))
+        # A node holding a valid key claims the victim's shard, with its own address.
+        server.handle(b"rogue", "rogue", protocol.encode(
+            "shard_status", node_id="rogue", shard_id="m-1", state="ready", model="m", url="http://10.6.6.6:8000"))
+        server.handle(b"rogue", "rogue", protocol.encode(
+            "shard_status", node_id="rogue", shard_id="m-1", state="stopped", model="m"))
+        (replica,) = replicas.snapshot()
+        assert (replica.node_id, replica.url, replica.state) == ("victim", "http://10.0.0.1:8000", "ready")
+        assert server.refused == {"not_its_own": 2}
+        # An ack for a request sent to the victim is not the rogue's to give.
+        waiter = {"event": __import__("threading").Event(), "reply": None, "node": "victim"}
+        server.waiting["r1"] = waiter
+        server.handle(b"rogue", "rogue", protocol.encode("ack", node_id="rogue", request_id="r1", ok=True))
+        assert not waiter["event"].is_set() and server.refused["not_its_own"] == 3
+        server.handle(b"victim", "victim", protocol.encode("ack", node_id="victim", request_id="r1", ok=True))
+        assert waiter["event"].is_set()
+        metrics = "".join(f"{s.name}{s.labels} {s.value}\n" for fam in server.collect() for s in fam.samples)
+        assert "llmgw_agent_messages_refused_total{'why': 'not_its_own'} 3" in metrics
+    finally:
+        server.close()
+        context.term()
