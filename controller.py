@@ -161,6 +161,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
     registry.register(server)
+    registry.register(account_server)  # the messages it dropped
     serve_registry(cfg["controller.metrics_listen"], registry)
     log.info("agents on %s, gateways on %s, the accountant on %s, admin API on http://%s, metrics on http://%s/metrics",
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],

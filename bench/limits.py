@@ -91,7 +91,7 @@ def bench_round_trip(n: int) -> dict:
             empty.append(time.perf_counter() - started)
             started = time.perf_counter()
             answer = client.admit(address, levels, True, 300, 300)
-            client.settle(address, answer["r"], 250, 250, [[lv[0], lv[4]] for lv in levels])
+            client.settle(address, answer["r"], 250, 250)
             admits.append(time.perf_counter() - started)
     finally:
         client.close()

@@ -285,17 +285,17 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
         assert conn.execute(sa.select(sa.func.count()).select_from(store.usage)).scalar() == 3
 
 
-def test_the_accountant_server_ignores_what_it_cannot_read():
-    from llmgw.control.accountserver import handle
-
+def test_only_the_gateway_that_admitted_a_request_settles_it_once_and_never_negative():
     a = Accountant(Clock())
-    assert handle(a, {"op": "nonsense"}) is None
-    for bad in ({"op": "admit", "id": 1, "levels": [["key:k", 1]]},  # a level missing its fields
-                {"op": "admit", "id": 2, "levels": [["key:k", "ten", None, None, "month"]]},
-                {"op": "settle", "r": "x"}):
-        with pytest.raises((ValueError, TypeError, KeyError)):
-            handle(a, bad)  # the server's loop logs these and carries on
-    answer = handle(a, {"op": "admit", "id": 3, "levels": [level("key:k", rpm=1)], "priced": False, "tokens": 1})
-    assert answer["ok"] and answer["status"] == {"rpm": [1, 0]}
-    refused = handle(a, {"op": "admit", "id": 4, "levels": [level("key:k", rpm=1)], "priced": False, "tokens": 1})
-    assert refused["ok"] is False and refused["limit"] == "rpm" and refused["retry_after"] == 60
+    chain = [level("key:k", tpm=100, budget=1000)]
+    r = a.admit(chain, True, 10, 10, owner=b"gateway-1")
+    for tokens, cost, owner, words in ((-5, 0, b"gateway-1", "negative"), (5, -10**9, b"gateway-1", "negative"),
+                                       (5, 10, b"gateway-2", "admitted by another gateway"),
+                                       (5, 10, None, "admitted by another gateway")):
+        assert words in a.settle(r.id, tokens, cost, owner=owner)
+    assert a.reserved and a.tokens["key:k"].used(a.clock()) == 10  # the refusals changed nothing
+    assert a.settle(r.id, 5, 10, owner=b"gateway-1") is None
+    assert a.spent("key:k", "month") == 10 and a.tokens["key:k"].used(a.clock()) == 5 and not a.reserved
+    assert "not held here" in a.settle(r.id, 5, 10, owner=b"gateway-1")  # settled already
+    assert "not held here" in a.settle(999, 0, 10, owner=b"gateway-1")  # never admitted
+    assert a.spent("key:k", "month") == 10

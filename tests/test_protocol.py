@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from llmgw.wire import accounting
 from llmgw.wire import agent as protocol
 
 
@@ -31,10 +32,45 @@ def test_bad_messages_are_refused_with_the_reason(data, words):
         protocol.decode(data)
 
 
-def test_every_message_is_documented():
+def test_an_accounting_message_is_checked_to_the_last_number():
+    level = ["key:k", 10, None, 1000, "month"]
+    admit = accounting.decode(accounting.encode("admit", id=1, levels=[level], priced=True, tokens=5, cost=9))
+    assert admit["levels"] == [level] and admit["v"] == accounting.VERSION
+    assert "r" not in accounting.decode(accounting.encode("admitted", id=1, ok=True, r=None, status={}))
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"v": 2}, "protocol version 2 is not one this peer reads"),
+    ({"op": ["admit"]}, "unknown message type"),
+    ({"levels": [["key:k", 10, None, 1000]]}, r"admit.levels\[0\] must be an array of 5 items"),
+    ({"levels": [["key:k", 10, None, 1000, "week"]]}, r"admit.levels\[0\]\[4\] must be one of day, month"),
+    ({"levels": [["key:k", -1, None, None, "day"]]}, r"admit.levels\[0\]\[1\] must be an int from 0"),
+    ({"levels": [["key:k", None, None, None, "day"]] * 65}, "at most 64 items"),
+    ({"tokens": 10**12}, "admit.tokens must be an int from 0 to"),
+    ({"cost": -1}, "admit.cost must be an int from 0 to"),
+    ({"priced": 1}, "admit.priced must be bool"),
+])
+def test_a_bad_accounting_message_is_refused_with_the_reason(fields, words):
+    message = {"v": 1, "op": "admit", "id": 1, "levels": [], "priced": True, "tokens": 1, "cost": 1, **fields}
+    with pytest.raises(accounting.ProtocolError, match=words):
+        accounting.decode(json.dumps(message).encode())
+
+
+def documented(title: str) -> str:
+    """The part of docs/protocol.md under the first-level heading TITLE."""
     with open("docs/protocol.md", encoding="utf-8") as f:
         doc = f.read()
-    for kind, fields in protocol.MESSAGES.items():
+    parts = doc.split("\n# ")
+    return next(part for part in parts if part.lstrip("# ").startswith(title))
+
+
+@pytest.mark.parametrize("title, messages", [("The agent protocol", protocol.MESSAGES),
+                                             ("The accountant protocol", accounting.MESSAGES)])
+def test_every_message_is_documented(title, messages):
+    doc = documented(title)
+    for kind, fields in messages.items():
         assert f"### `{kind}`" in doc, kind
+        section = doc.split(f"### `{kind}`")[1].split("\n### ")[0]
         for field in fields:
-            assert f"`{field}`" in doc, f"{kind}.{field}"
+            assert f"| `{field}` |" in section, f"{kind}.{field}"
+    assert doc.count("\n### ") == len(messages), "a message documented that the schema does not have"

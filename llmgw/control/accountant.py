@@ -19,8 +19,13 @@ The rules, in the order they are checked:
    the tokens but not the request (it did arrive).
 
 Settling replaces each token estimate with the real count in every pool that
-took it, and adds the cost to every budget. After a restart, spend is rebuilt
-for every scope from the usage rows of the current day and month.
+took it, and adds the cost to every budget. Only the gateway that admitted a
+request may settle it, once, with amounts that are not negative; any other
+settle is refused and changes nothing, so no peer can refund a budget or spend
+another's. After a restart, spend is rebuilt for every scope from the usage
+rows of the current day and month; a settle for a reservation made before it
+is refused (nobody here can tell who may make it), so what requests in flight
+at that moment spend counts from the next restart's rebuild.
 """
 
 from __future__ import annotations
@@ -94,6 +99,12 @@ class Reservation:
     tokens: list[tuple[Window, list]]  # each token pool's entry, settled to the real count
     budgets: list[tuple[str, str, float]]  # (counter, period, period start) of every level with a budget
     cost: int  # the estimated cost held in each budget's reserve until settled
+    owner: object = None  # who admitted it, and so the only one who may settle it
+
+    @property
+    def held(self) -> bool:
+        """Whether it waits for a settle: it took tokens or reserved a budget's cost."""
+        return bool(self.tokens or self.budgets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +129,10 @@ class Accountant:
         now = self.clock() if now is None else now
         return self.spend.get((counter, period, rules.period_start(period, now)), 0)
 
-    def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0) -> Reservation | Refused:
+    def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0,
+              owner: object = None) -> Reservation | Refused:
         """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
-        that may cost up to COST micro-units."""
+        that may cost up to COST micro-units; only OWNER may settle what it reserves."""
         now = self.clock()
         budgets = [(counter, period, rules.period_start(period, now))
                    for counter, _r, _t, budget, period in levels if budget is not None]
@@ -154,29 +166,33 @@ class Accountant:
                 return Refused("tpm", counter, window.retry_after(now),
                                f"{_scope_words(counter)} may use {tpm} tokens a minute")
             tokens.append((window, entry))
-        reservation = Reservation(self.next_id, now, tokens, budgets, cost if priced else 0)
+        reservation = Reservation(self.next_id, now, tokens, budgets, cost if priced else 0, owner)
         self.next_id += 1
         for pool in budgets:
             self.reserved[pool] += reservation.cost
-        if tokens or reservation.budgets:
+        if reservation.held:
             self.reservations[reservation.id] = reservation
         return reservation
 
-    def settle(self, reservation_id: int, tokens: int, cost: int, budgets: list[list] | None = None) -> None:
-        """The request is over: TOKENS were used and it cost COST micro-units. BUDGETS names the budget
-        pools when the reservation is not known here (this accountant restarted in between)."""
-        reservation = self.reservations.pop(reservation_id, None)
-        if reservation is not None:
-            for window, entry in reservation.tokens:
-                window.adjust(entry, tokens, self.clock())
-            pools = reservation.budgets
-            self._release(reservation)
-        else:
-            now = self.clock()
-            pools = [(counter, period, rules.period_start(period, now)) for counter, period in budgets or ()]
+    def settle(self, reservation_id: int, tokens: int, cost: int, owner: object = None) -> str | None:
+        """The request is over: TOKENS were used and it cost COST micro-units. None when settled; else
+        why it was refused, with nothing changed."""
+        if tokens < 0 or cost < 0:
+            return f"a settle of {tokens} tokens and cost {cost}: neither may be negative"
+        reservation = self.reservations.get(reservation_id)
+        if reservation is None:
+            return (f"reservation {reservation_id} is not held here (never admitted, already settled, made "
+                    "before a restart, or forgotten after an hour)")
+        if reservation.owner != owner:
+            return f"reservation {reservation_id} was admitted by another gateway, which alone may settle it"
+        del self.reservations[reservation_id]
+        for window, entry in reservation.tokens:
+            window.adjust(entry, tokens, self.clock())
+        self._release(reservation)
         if cost:
-            for pool in pools:
+            for pool in reservation.budgets:
                 self.spend[pool] += cost
+        return None
 
     def _release(self, reservation: Reservation) -> None:
         for pool in reservation.budgets:

@@ -2,15 +2,15 @@
 
 One thread owns the `Accountant`, so every admit and settle is applied in the
 order it arrives and no lock is needed: two workers asking for the last slot
-of a limit are answered one after the other. Messages are JSON:
+of a limit are answered one after the other. The messages (admit, settle,
+status and their answers) are in `llmgw/wire/accounting.py` and
+`docs/protocol.md`.
 
-    admit   {"op": "admit", "id": N, "levels": [[counter, rpm, tpm, budget, period], ...],
-             "priced": bool, "tokens": estimate, "cost": estimated micro-units}
-            -> {"id": N, "ok": true, "r": reservation, "status": {...}}
-             | {"id": N, "ok": false, "limit": "rpm", "counter": ..., "retry_after": s, "message": ...}
-    settle  {"op": "settle", "r": reservation, "tokens": n, "cost": micro-units, "budgets": [[counter, period]]}
-            (no answer)
-    status  {"op": "status", "id": N, "levels": [...]} -> {"id": N, "status": {...}}
+Whoever reaches the socket can write anything to it, so nothing a peer sends
+can stop the thread: a frame that is not a message of the schema, or a settle
+the accountant refuses (another gateway's reservation, one already settled),
+is dropped, logged and counted (`llmgw_accountant_dropped_messages_total`),
+and so is a message whose handling fails in a way nobody foresaw.
 
 The controller runs it (`controller.accountant_listen`); a gateway without a
 controller runs its own in the gunicorn master, so its workers still share one.
@@ -18,43 +18,57 @@ controller runs its own in the gunicorn master, so its workers still share one.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 
 import zmq
+from prometheus_client.core import CounterMetricFamily
 
 from llmgw.control.accountant import Accountant, Refused
 from llmgw.control.curvekeys import serve_curve
+from llmgw.wire import accounting
+from llmgw.wire.accounting import ProtocolError
 
 log = logging.getLogger("llmgw.accountserver")
 
 SWEEP_EVERY = 60.0
+LOG_EVERY = 10.0  # seconds between log lines about dropped messages of one kind, so a flood cannot fill a disk
+DROPPED = ("malformed", "settle", "error")  # why a message was dropped: the counter's labels
+
+
+class Dropped(Exception):
+    """A message the accountant does not act on; WHY is one of DROPPED."""
+
+    def __init__(self, why: str, detail: str):
+        super().__init__(detail)
+        self.why = why
 
 
 def _status(accountant: Accountant, levels) -> dict:
     return {name: list(pair) for name, pair in accountant.status(levels).items()}
 
 
-def handle(accountant: Accountant, msg: dict) -> dict | None:
-    """The answer to MSG, or None when it needs none (or cannot be read)."""
-    op = msg.get("op")
+def handle(accountant: Accountant, peer: object, msg: dict) -> bytes | None:
+    """The answer to MSG (decoded, so its shape is checked) from PEER, or None when it needs none."""
+    op = msg["op"]
     if op == "settle":
-        accountant.settle(int(msg["r"]), int(msg.get("tokens") or 0), int(msg.get("cost") or 0), msg.get("budgets"))
+        refusal = accountant.settle(msg["r"], msg["tokens"], msg["cost"], owner=peer)
+        if refusal is not None:
+            raise Dropped("settle", refusal)
         return None
     if op == "admit":
         levels = msg["levels"]
-        result = accountant.admit(levels, bool(msg.get("priced")), int(msg.get("tokens") or 0),
-                                  int(msg.get("cost") or 0))
+        result = accountant.admit(levels, msg["priced"], msg["tokens"], msg["cost"], owner=peer)
         if isinstance(result, Refused):
-            return {"id": msg["id"], "ok": False, "limit": result.limit, "counter": result.counter,
-                    "retry_after": result.retry_after, "message": result.message,
-                    "status": _status(accountant, levels)}
-        return {"id": msg["id"], "ok": True, "r": result.id, "status": _status(accountant, levels)}
+            return accounting.encode("refused", id=msg["id"], ok=False, limit=result.limit, counter=result.counter,
+                                     retry_after=result.retry_after, message=result.message,
+                                     status=_status(accountant, levels))
+        return accounting.encode("admitted", id=msg["id"], ok=True, r=result.id if result.held else None,
+                                 status=_status(accountant, levels))
     if op == "status":
-        return {"id": msg["id"], "status": _status(accountant, msg["levels"])}
-    return None
+        return accounting.encode("status_reply", id=msg["id"], status=_status(accountant, msg["levels"]))
+    raise Dropped("malformed", f"{op!r} is an answer, not something the accountant is asked")
 
 
 class AccountServer:
@@ -66,6 +80,7 @@ class AccountServer:
         None for plaintext."""
         self.accountant = accountant
         self.own_context = context is None
+        self.curve = curve is not None
         self.context = context or zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -80,6 +95,8 @@ class AccountServer:
             self.port = int(port)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="accountant", daemon=True)
+        self.dropped = dict.fromkeys(DROPPED, 0)  # fixed keys: a scrape reads it while the thread counts
+        self.logged: dict[str, float] = {}
 
     def start(self) -> "AccountServer":
         self.thread.start()
@@ -99,19 +116,51 @@ class AccountServer:
             if sock.poll(200):
                 while True:
                     try:
-                        identity, payload = sock.recv_multipart(zmq.NOBLOCK)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    except ValueError:
-                        continue  # not two frames: not one of ours
-                    try:
-                        answer = handle(self.accountant, json.loads(payload))
-                    except (ValueError, KeyError, TypeError) as e:
-                        log.warning("ignored a message the accountant cannot read: %s", e)
-                        continue
-                    if answer is not None:
-                        sock.send_multipart([identity, json.dumps(answer).encode()])
+                    self._take(frames)
             if time.monotonic() - swept > SWEEP_EVERY:
                 swept = time.monotonic()
                 if self.accountant.forget_stale():
                     log.info("forgot reservations never settled (their gateway went away)")
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """Act on one message and answer it; whatever it holds, the loop goes on."""
+        try:
+            if len(frames) != 2:
+                raise Dropped("malformed", f"{len(frames) - 1} frames where a message is one")
+            identity, payload = frames[0].bytes, frames[1].bytes
+            # Who may settle what it admitted: the gateway its key was issued to (CURVE), and the worker's
+            # DEALER within it, whose random routing id survives its reconnects.
+            peer = (frames[1].get("User-Id") if self.curve else "", identity)
+            try:
+                msg = accounting.decode(payload)
+            except ProtocolError as e:
+                raise Dropped("malformed", str(e)) from None
+            answer = handle(self.accountant, peer, msg)
+            if answer is not None:
+                self.socket.send_multipart([identity, answer])
+        except Dropped as e:
+            self._drop(e.why, str(e))
+        except Exception as e:  # a peer must never be able to stop the accountant, whatever it found
+            self._drop("error", f"handling it failed, and the accountant carries on: {type(e).__name__}: {e}",
+                       traceback=True)
+
+    def _drop(self, why: str, detail: str, traceback: bool = False) -> None:
+        self.dropped[why] += 1
+        now = time.monotonic()
+        if now - self.logged.get(why, -LOG_EVERY) >= LOG_EVERY:
+            self.logged[why] = now
+            log.warning("the accountant dropped a message (%s, %d so far; one line every %g s at most): %s",
+                        why, self.dropped[why], LOG_EVERY, detail, exc_info=traceback)
+
+    def collect(self):
+        """The dropped messages, for a Prometheus registry (`registry.register(server)`)."""
+        family = CounterMetricFamily("llmgw_accountant_dropped_messages",
+                                     "Messages the accountant dropped unread or refused, by why: malformed, a "
+                                     "settle it refused (not the admitting gateway's, already settled, negative), "
+                                     "or an error handling it.", labels=["why"])
+        for why in DROPPED:
+            family.add_metric([why], self.dropped[why])
+        yield family

@@ -35,9 +35,6 @@ class Caller:
         self.estimate = 0
         self.status: dict = {}
 
-    def budget_pools(self) -> list[list[str]]:
-        return [[lv.counter, lv.period] for lv in self.access.levels if lv.budget is not None]
-
     def limit_headers(self) -> list[tuple[str, str]]:
         """OpenAI's rate-limit headers, from the pool nearest to refusing, and the budget left."""
         out = []

@@ -490,8 +490,7 @@ class Proxy:
             # Unknown usage (an error, a client gone before the usage event) settles at the estimate
             # for a served request and at nothing for one no engine answered.
             used = (prompt or 0) + (completion or 0) if usage else (caller.estimate if replica else 0)
-            self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost,
-                                   caller.budget_pools())
+            self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost)
             caller.reservation = None
         self.rt.usage.record((
             time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,

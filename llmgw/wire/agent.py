@@ -13,7 +13,9 @@ types. What a message means is the controller's and the agent's business.
 
 from __future__ import annotations
 
-import json
+from llmgw.wire.schema import ProtocolError, Schema
+
+__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode"]
 
 VERSION = 1
 
@@ -58,44 +60,6 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
     "refused": {"reason": ("str", True)},
 }
 
-_PY_TYPES = {"str": str, "int": int, "number": (int, float), "bool": bool, "object": dict, "array": list}
-
-
-class ProtocolError(Exception):
-    """A message that cannot be read; it is dropped and logged, never acted on."""
-
-
-def encode(kind: str, **fields) -> bytes:
-    """One message, with absent (None) fields left out rather than sent as null."""
-    if kind not in MESSAGES:
-        raise ValueError(f"unknown message type {kind!r}")
-    body = {"v": VERSION, "type": kind}
-    body.update((k, v) for k, v in fields.items() if v is not None)
-    return json.dumps(body, separators=(",", ":")).encode()
-
-
-def decode(data: bytes) -> dict:
-    """Parse and check a message; raises ProtocolError saying what is wrong."""
-    try:
-        message = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError(f"not JSON: {e}") from None
-    if not isinstance(message, dict):
-        raise ProtocolError("not a JSON object")
-    kind = message.get("type")
-    schema = MESSAGES.get(kind)
-    if schema is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
-    if not isinstance(message.get("v"), int):
-        raise ProtocolError("no protocol version (v)")
-    for field, (json_type, required) in schema.items():
-        if field not in message:
-            if required:
-                raise ProtocolError(f"{kind} without {field}")
-            continue
-        value = message[field]
-        if isinstance(value, bool) and json_type in ("int", "number"):
-            raise ProtocolError(f"{kind}.{field} must be {json_type}, not a boolean")
-        if not isinstance(value, _PY_TYPES[json_type]):
-            raise ProtocolError(f"{kind}.{field} must be {json_type}, not {type(value).__name__}")
-    return message
+_SCHEMA = Schema(MESSAGES, VERSION)
+encode = _SCHEMA.encode
+decode = _SCHEMA.decode
