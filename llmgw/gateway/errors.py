@@ -2,12 +2,16 @@
 
 Every refusal on `/v1` is built here, so clients (the `openai` library above
 all) see the shape they parse, and every message says what happened and what
-to do about it.
+to do about it. A message names no host, port or replica: it ends with the
+request's id (see llmgw/gateway/requestid.py), under which the log holds the
+detail.
 """
 
 from __future__ import annotations
 
 import json
+
+from llmgw.gateway import requestid
 
 REASONS = {
     400: "400 Bad Request", 401: "401 Unauthorized", 403: "403 Forbidden", 404: "404 Not Found",
@@ -36,7 +40,9 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def payload(self) -> dict:
-        return {"error": {"message": self.message, "type": TYPES.get(self.status, "api_error"),
+        rid = requestid.current.get()
+        message = self.message if rid is None else f"{self.message} (request id {rid})"
+        return {"error": {"message": message, "type": TYPES.get(self.status, "api_error"),
                           "param": self.param, "code": self.code}}
 
     def body(self) -> bytes:

@@ -49,16 +49,30 @@ def _status_line(status: int) -> str:
         return f"{status} Engine Status"
 
 
-def _upstream_error(model: str, e: UpstreamError, replica: str) -> ApiError:
+# What a client is told of an engine's failure. The UpstreamError's own text
+# names the engine's host and port and may quote its answer; that goes to the
+# log, under the request id the client's error ends with.
+FAILURES = {
+    "first_byte": "it did not start its answer within timeouts.first_byte",
+    "idle": "it sent nothing for longer than timeouts.idle",
+    "total": "the answer took longer than timeouts.total allows",
+    "connect": "it could not be reached",
+    "closed": "it closed the connection before the answer was complete",
+    "status": "it answered with a server error",
+    "protocol": "its answer could not be read",
+}
+
+
+def _upstream_error(model: str, e: UpstreamError) -> ApiError:
     if e.phase == "busy":
         return ApiError(429, f"Every replica of {model} tried is at capacity. Retry after {e.retry_after} s.",
                         "engine_at_capacity", retry_after=e.retry_after)
+    what = FAILURES.get(e.phase, "it failed")
     if e.phase in ("first_byte", "idle", "total"):
-        return ApiError(504, f"The engine for {model} (replica {replica}) timed out: {e}. Try again; if it keeps "
-                             "happening, the model may be overloaded or the timeouts.* settings too short.",
-                        "upstream_timeout")
-    return ApiError(502, f"The engine for {model} (replica {replica}) failed: {e}. Try again; an operator "
-                         "should look at that replica's logs if it persists.", "upstream_error")
+        return ApiError(504, f"The engine for {model} timed out: {what}. Try again; if it keeps happening, the "
+                             "model may be overloaded or the timeouts.* settings too short.", "upstream_timeout")
+    return ApiError(502, f"The engine for {model} failed: {what}. Try again; if it persists, an operator can "
+                         "find the cause in the gateway's log under the request id.", "upstream_error")
 
 
 def _retry_after(value: str | None) -> int:
@@ -182,6 +196,8 @@ class Proxy:
                                            caller.price.cost(prompt, output))
         except Unavailable:
             if priced and any(lv.budget is not None for lv in access.levels):
+                log.warning("refused a request of key %s for %s: a budget limits it and the accountant did not "
+                            "answer within limits.accountant_timeout", caller.key_id, model.name)
                 raise ApiError(503, "Limits cannot be checked right now (the accountant does not answer), and a "
                                     "budget applies to this key. Try again shortly.", "limits_unavailable",
                                retry_after=5) from None
@@ -325,14 +341,14 @@ class Proxy:
         affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
         deadline = time.monotonic() + self.total
         tried: set[str] = set()
-        failure: tuple[UpstreamError, str] | None = None
+        failure: UpstreamError | None = None
         engine_time = 0.0
         for _ in range(self.attempts):
             replica = router.pick(model.name, time.monotonic(), affinity, tried)
             if replica is None:
                 break
             if failure is not None:
-                rt.metrics.retries.labels(failure[0].phase).inc()
+                rt.metrics.retries.labels(failure.phase).inc()
             tried.add(replica.spec.id)
             replica.outstanding += 1
             sent = time.perf_counter()
@@ -356,10 +372,14 @@ class Proxy:
             except UpstreamError as e:
                 engine_time += time.perf_counter() - sent
                 replica.outstanding -= 1
+                # A full engine is routine under load (and queued for, below); a failure is worth a line.
+                log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
+                        "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
+                        model.name, e)
                 if e.phase != "busy" and replica.breaker.failure(time.monotonic()):
                     log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
                                 replica.spec.id, replica.breaker.failures, e)
-                failure = (e, replica.spec.id)
+                failure = e
                 continue
             engine_time += time.perf_counter() - sent
             replica.breaker.success()
@@ -378,7 +398,7 @@ class Proxy:
                                "no_replica_ready", retry_after=max(1, int(rt.cfg["breaker.cooldown"])))
             raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
-        raise _upstream_error(model.name, *failure)
+        raise _upstream_error(model.name, failure)
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
@@ -445,8 +465,9 @@ class Proxy:
             else:
                 status = 504 if e.phase in ("idle", "total") else 502
                 replica.breaker.failure(time.monotonic())
-                log.warning("stream from replica %s broke off: %s", replica.spec.id, e)
-                yield _upstream_error(model.name, e, replica.spec.id).sse_event()
+                log.warning("stream from replica %s (%s) of %s broke off: %s", replica.spec.id, replica.spec.url,
+                            model.name, e)
+                yield _upstream_error(model.name, e).sse_event()
         except GeneratorExit:
             status = 499  # the client left while we were writing to it
             raise

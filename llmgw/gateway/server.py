@@ -6,6 +6,8 @@ app is built inside each worker, after gevent has patched it: with
 `preload_app` the master would import ssl and sockets unpatched. The master
 serves the summed Prometheus metrics and tells prometheus-client when a
 worker dies; a stopping worker writes its buffered usage before it exits.
+Each worker tags the log lines written while it serves a request with that
+request's id.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ def _child_exit(server, worker) -> None:
 
 
 def _post_worker_init(worker) -> None:
+    from llmgw.gateway import requestid
+
+    requestid.install_log_filter()
     if worker.app.llmgw_cfg["store.url"].startswith("postgresql"):
         from llmgw.gateway.greendb import make_psycopg2_green
 

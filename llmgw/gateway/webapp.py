@@ -1,11 +1,14 @@
 """The gateway's WSGI application: `/v1` to the proxy, probes answered at once, pages to Flask.
 
 Made once in each worker, after gevent has patched it (gunicorn's `load`).
+Every request is given its id here, before it is dispatched, and every
+response leaves with it in `X-Request-Id` (see llmgw/gateway/requestid.py).
 """
 
 from __future__ import annotations
 
 from llmgw import store
+from llmgw.gateway import requestid
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.proxy import Proxy
@@ -32,6 +35,14 @@ class GatewayApp:
         self.runtime.close()
 
     def __call__(self, environ, start_response):
+        rid = requestid.begin(environ, self.proxies)
+
+        def respond(status, headers, *exc_info):
+            return start_response(status, [*headers, (requestid.HEADER, rid)], *exc_info)
+
+        return self._dispatch(environ, respond)
+
+    def _dispatch(self, environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path.startswith("/v1/"):
             return self.proxy(environ, start_response)
