@@ -95,7 +95,8 @@ def rig(tmp_path):
     accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{api.server_port}",
                                "mirror.hf_endpoint": registry.url,
-                               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}"})
+                               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
+                               "controller.keys_dir": controller.values["controller.keys_dir"]})
     app = GatewayApp(cfg)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
@@ -195,7 +196,8 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
         engine.dispose()
         key = make_key(url)
         gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
-                     gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}")
+                     gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}",
+                     controller__keys_dir=controller.values["controller.keys_dir"])
         browser = requests.Session()
         login = browser.get(gw.url + "/login").text
         browser.post(gw.url + "/login", data={"email": "root@example.org", "password": PASSWORD,
@@ -273,7 +275,8 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
     post(client, "/admin/mirror/serve", name="kept", source=f"{base}/kept/v1/kept.gguf", engine="llamacpp",
          memory="1", max_context="2048", mode="stopped")
     config = write_config(tmp_path / "cli.toml", {"mirror.api": api,
-                                                  "controller.admin_listen": f"127.0.0.1:{controller.admin_port}"})
+                                                  "controller.admin_listen": f"127.0.0.1:{controller.admin_port}",
+                                                  "controller.keys_dir": controller.values["controller.keys_dir"]})
     result = CliRunner().invoke(main, ["--config", config, "mirror", "unused"])
     assert result.exit_code == 0, result.output
     assert "spare  v1" in result.output and "kept" not in result.output.split("Before removing")[0]

@@ -24,7 +24,8 @@ class KeyFileError(Exception):
     """A key file that cannot be used; the message says what to do."""
 
 
-def _write_private(path: str, text: str) -> None:
+def write_private(path: str, text: str) -> None:
+    """Write TEXT to PATH, readable by this user only (0600) from the moment the file exists."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -36,7 +37,7 @@ def controller_keypair(keys_dir: str) -> tuple[bytes, bytes]:
     path = os.path.join(keys_dir, "controller.key")
     if not os.path.exists(path):
         public, secret = zmq.curve_keypair()
-        _write_private(path, f'public_key = "{public.decode()}"\nsecret_key = "{secret.decode()}"\n')
+        write_private(path, f'public_key = "{public.decode()}"\nsecret_key = "{secret.decode()}"\n')
     with open(path, "rb") as f:
         data = tomllib.load(f)
     return data["public_key"].encode(), data["secret_key"].encode()
