@@ -176,6 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mirror.api_allow", "list", [],
             "Addresses or networks (CIDR) besides this machine that may use the management API. Empty: this "
             "machine only."),
+    Setting("mirror.api_names", "list", [],
+            "Names besides its own address that the management API answers to in `Host` (the name in "
+            "`mirror.api` elsewhere). Any other name is refused with 421, against DNS rebinding."),
     Setting("mirror.base_url", "str", "",
             "The address nodes fetch files at, as catalog sources name it (`http://models.internal:8081`). "
             "Empty: this machine's address on `mirror.listen`."),

@@ -13,8 +13,9 @@ import pytest
 from llmgw import settings, store
 from llmgw.apiguard import HostCheck, bearer_matches
 from llmgw.people import accounts
+from llmgw.procs import free_port, http_status, wait_for
 from tests.cluster import Controller
-from tests.conftest import write_config
+from tests.conftest import ROOT, stop_process, write_config
 
 PASSWORD = "a long enough password"
 
@@ -117,6 +118,29 @@ def test_the_cluster_page_says_when_it_has_no_token(controller, tmp_path):
         finally:
             app.runtime.engine.dispose()
     engine.dispose()
+
+
+def test_the_mirrors_management_api_refuses_a_rebinding_host(tmp_path):
+    api = free_port()
+    config = write_config(tmp_path / "mirror.toml", {
+        "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{free_port()}",
+        "mirror.api_listen": f"127.0.0.1:{api}", "mirror.metrics_listen": f"127.0.0.1:{free_port()}",
+        "mirror.api_names": ["models.example"]})
+    with open(tmp_path / "mirror.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", config],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200,
+                 alive=lambda: proc.poll() is None)
+        status, body, _ = ask(api, "POST", "/api/v1/models", {"Host": f"evil.example:{api}"},
+                              {"source": "/etc/hostname", "model": "x", "version": "v1"})
+        assert status == 421 and "mirror.api_names" in body["error"]
+        assert ask(api, "GET", "/api/v1/models", {"Host": f"evil.example:{api}"})[0] == 421
+        assert not os.path.exists(tmp_path / "models" / "x")
+        for host in (f"localhost:{api}", "models.example:8443"):
+            assert ask(api, "GET", "/api/v1/models", {"Host": host})[0] == 200, host
+    finally:
+        stop_process(proc)
 
 
 def test_the_host_check_by_listener():

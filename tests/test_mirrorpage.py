@@ -18,6 +18,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from llmgw import settings, store
+from llmgw.apiguard import HostCheck
 from llmgw.cli import starter
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.mirror.fetch import Manager
@@ -87,7 +88,10 @@ def rig(tmp_path):
     manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY)
     files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
     threading.Thread(target=files.serve_forever, daemon=True).start()
-    api = serve(api_app(manager, base, Allowed([])))
+    api_port = free_port()
+    hosts = HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")
+    api = make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]), hosts), threaded=True)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
     controller = Controller(tmp_path)
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
