@@ -122,8 +122,9 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         server.waiting.pop(request_id, None)
         return waiter["reply"]
 
+    # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
     app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node,
-                              gateway_ring=gateway_ring)
+                              adminapi.Access.from_config(cfg), gateway_ring=gateway_ring)
 
     def reconcile() -> None:
         now = time.monotonic()

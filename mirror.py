@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import settings
+from llmgw.apiguard import HostCheck
 from llmgw.gateway.metrics import serve_registry
 from llmgw.mirror.fetch import Manager
 from llmgw.mirror.server import Allowed, MirrorCollector, api_app, files_app
@@ -84,7 +85,8 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
     registry.register(collector)
     serve_registry(cfg["mirror.metrics_listen"], registry)
     files = _serve(cfg["mirror.listen"], files_app(store, base, collector), "mirror-files")
-    api = _serve(cfg["mirror.api_listen"], api_app(manager, base, allowed), "mirror-api")
+    hosts = HostCheck(cfg["mirror.api_listen"], cfg["mirror.api_names"], "mirror.api_names")
+    api = _serve(cfg["mirror.api_listen"], api_app(manager, base, allowed, hosts), "mirror-api")
     who = (f"this machine and {', '.join(cfg['mirror.api_allow'])}" if cfg["mirror.api_allow"]
            else "this machine only")
     log.info("serving %s read-only on %s; management API on %s, for %s; metrics on http://%s/metrics; "

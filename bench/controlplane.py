@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import zmq
 
@@ -34,7 +33,8 @@ sys.path.insert(0, ROOT)
 
 from bench.procstat import cpu_seconds  # noqa: E402
 from llmgw import settings, store  # noqa: E402
-from llmgw.control import curvekeys  # noqa: E402
+from llmgw.apiclient import ApiClient, ApiError  # noqa: E402
+from llmgw.control import adminapi, curvekeys  # noqa: E402
 from llmgw.node.discovery import parse_nvidia_smi  # noqa: E402
 from llmgw.procs import free_port, raise_fd_limit, wait_for  # noqa: E402
 from llmgw.wire import agent as protocol  # noqa: E402
@@ -129,13 +129,11 @@ def main() -> int:
         key_files.append(path)
     engine.dispose()
     procs = []
-    admin = f"http://{ports['admin_listen']}"
+    admin = ApiClient(f"http://{ports['admin_listen']}", "the controller's admin API",
+                      token=adminapi.ensure_token(values["controller.keys_dir"]))
 
-    def api(path, body=None, method=None):
-        req = urllib.request.Request(admin + path, data=json.dumps(body).encode() if body is not None else None,
-                                     method=method, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
+    def api(path, body=None, method="GET"):
+        return admin.call(method, path, body)
 
     results = {"agents": args.agents, "replicas": args.replicas, "heartbeat_interval_s": 5.0,
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -144,7 +142,7 @@ def main() -> int:
                                        "--config", config], stdout=open(os.path.join(tmp, "controller.log"), "wb"),
                                       stderr=subprocess.STDOUT)
         procs.append(controller)
-        wait_for("the controller", 30, lambda: _ok(admin + "/api/v1/status"))
+        wait_for("the controller", 30, lambda: _ok(admin))
         silent = "node-0001"
         half = len(key_files) // 2
         for chunk in (key_files[:half], key_files[half:]):
@@ -201,11 +199,11 @@ def main() -> int:
     return 0
 
 
-def _ok(url: str) -> bool:
+def _ok(admin: ApiClient) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
+        admin.call("GET", "/api/v1/status", timeout=2)
+        return True
+    except ApiError:
         return False
 
 

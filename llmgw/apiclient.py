@@ -1,5 +1,8 @@
 """A small client for llmgw's own JSON APIs (the controller's admin API, the mirror's management API).
 
+The one client of both, for `llmgw ctl`, `llmgw mirror`, `llmgw up` and the gateway's pages alike;
+`admin_client` gives it the admin API's token from the configuration.
+
 Errors keep the server's own sentence ("the source answered 404"), not "HTTP 400": that sentence is
 what says what to do. A server that does not answer is a different error from one that refuses,
 because callers treat them differently (an unreachable catalog must never look like an empty one).
@@ -8,8 +11,11 @@ because callers treat them differently (an unreachable catalog must never look l
 from __future__ import annotations
 
 import json
+import os
 import urllib.error
 import urllib.request
+
+from llmgw import apiguard, settings
 
 
 class ApiError(Exception):
@@ -29,15 +35,19 @@ class Refused(ApiError):
 
 
 class ApiClient:
-    def __init__(self, url: str, name: str, hint: str = ""):
+    def __init__(self, url: str, name: str, hint: str = "", token: str | None = None, token_note: str = ""):
         self.url = url.rstrip("/")
         self.name = name  # "the controller's admin API", "the mirror"
         self.hint = hint  # what to do when it does not answer
+        self.token = token  # sent as a bearer token when there is one
+        self.token_note = token_note  # why there is none, added to the server's 401
 
     def call(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return json.loads(resp.read())
@@ -47,6 +57,8 @@ class ApiClient:
                     message = json.loads(e.read())["error"]
                 except (ValueError, KeyError, TypeError):
                     message = f"{self.name} answered HTTP {e.code}"
+            if e.code == 401 and self.token_note:
+                message = f"{message} ({self.token_note})"
             raise Refused(message, e.code) from None
         except (OSError, ValueError) as e:
             raise Unreachable(f"{self.name} does not answer at {self.url} ({e}).{' ' + self.hint if self.hint else ''}"
@@ -59,3 +71,19 @@ def address_url(listen: str) -> str:
         return listen.rstrip("/")
     host, _, port = listen.rpartition(":")
     return f"http://{host if host not in ('', '0.0.0.0', '::', '[::]') else '127.0.0.1'}:{port}"
+
+
+def admin_client(cfg: settings.Config, address: str, hint: str = "") -> ApiClient:
+    """A client of the controller's admin API at ADDRESS (`HOST:PORT` or a URL), with its token:
+    `controller.admin_token` when set, else the file the controller made in `controller.keys_dir`,
+    which is there on the controller's machine. The file is read each time, so a new token is picked up."""
+    token, note = cfg["controller.admin_token"], ""
+    if not token:
+        path = os.path.abspath(apiguard.token_path(cfg["controller.keys_dir"]))
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+            note = "" if token else f"{path} is empty"
+        except OSError as e:
+            note = f"no token was sent: {path} could not be read ({e.strerror})"
+    return ApiClient(address_url(address), "the controller's admin API", hint, token or None, note)

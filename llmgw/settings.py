@@ -137,6 +137,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node."),
     Setting("controller.admin_listen", "str", "127.0.0.1:9090",
             "The admin API `llmgw ctl` uses. Keep it on loopback: it can issue node keys."),
+    Setting("controller.admin_names", "list", [],
+            "Names besides its own address that the admin API answers to in `Host` (a DNS name, a proxy's "
+            "name). Any other name is refused with 421, so a web page cannot reach it by DNS rebinding."),
+    Setting("controller.admin_token", "str", "",
+            "The admin API's token, for `llmgw ctl`, `llmgw mirror` and the gateway's pages on a machine other "
+            "than the controller's (`@/path` to a copy of its `admin.token`). Empty: read `admin.token` in "
+            "`controller.keys_dir`. The controller itself always uses that file.", secret=True),
     Setting("controller.metrics_listen", "str", "127.0.0.1:9091",
             "Prometheus metrics of the whole fleet (nodes, GPUs, replicas); serves nothing else."),
     Setting("controller.gateway_listen", "str", "127.0.0.1:7444",
@@ -154,7 +161,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds before a model whose replica failed is tried again; doubles with each failure in a row, "
             "up to 5 minutes.", minimum=0.01),
     Setting("controller.keys_dir", "str", "var/keys",
-            "Where the controller keeps its CURVE key pair (made on first start, mode 0600)."),
+            "Where the controller keeps its CURVE key pair and the admin API's token, `admin.token` (made on "
+            "first start, mode 0600)."),
     Setting("controller.plaintext", "bool", False,
             "Let agents and gateways connect without CURVE encryption and keys. Only for a closed test network: "
             "any machine that reaches its sockets can then claim to be any node, publish routing snapshots to "
@@ -174,6 +182,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mirror.api_allow", "list", [],
             "Addresses or networks (CIDR) besides this machine that may use the management API. Empty: this "
             "machine only."),
+    Setting("mirror.api_names", "list", [],
+            "Names besides its own address that the management API answers to in `Host` (the name in "
+            "`mirror.api` elsewhere). Any other name is refused with 421, against DNS rebinding."),
     Setting("mirror.base_url", "str", "",
             "The address nodes fetch files at, as catalog sources name it (`http://models.internal:8081`). "
             "Empty: this machine's address on `mirror.listen`."),

@@ -40,15 +40,23 @@ class Controller:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "controller.py"), "--config", self.config],
                                          stdout=log, stderr=subprocess.STDOUT)
+        # Up once it answers; without the token, 401.
         wait_for("the controller's admin API", 20,
-                 lambda: http_status(f"http://127.0.0.1:{self.admin_port}/api/v1/status") == 200,
+                 lambda: http_status(f"http://127.0.0.1:{self.admin_port}/api/v1/status") == 401,
                  alive=lambda: self.proc.poll() is None)
 
     def log(self) -> str:
         return self.log_path.read_text()
 
+    def token(self) -> str:
+        """The admin API's token, from the file the controller made (what llmgw ctl reads)."""
+        with open(os.path.join(self.values["controller.keys_dir"], "admin.token")) as f:
+            return f.read().strip()
+
     def api(self, path):
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}{path}", timeout=5) as resp:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.admin_port}{path}",
+                                     headers={"Authorization": f"Bearer {self.token()}"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
     def nodes(self) -> dict:

@@ -174,7 +174,8 @@ def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     app = GatewayApp(settings.load(None, {"store.url": url, "gateway.controller": f"127.0.0.1:{c.gateway_port}",
-                                          "gateway.controller_admin": f"127.0.0.1:{c.admin_port}"}))
+                                          "gateway.controller_admin": f"127.0.0.1:{c.admin_port}",
+                                          "controller.keys_dir": c.values["controller.keys_dir"]}))
     try:
         wait_until("the node to register", 20, lambda: "n1" in c.nodes())
         warnings = c.nodes()["n1"]["facts"]["doctor"]["warnings"]

@@ -18,6 +18,7 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from llmgw import settings, store
+from llmgw.apiguard import HostCheck
 from llmgw.cli import starter
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.mirror.fetch import Manager
@@ -87,7 +88,10 @@ def rig(tmp_path):
     manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY)
     files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
     threading.Thread(target=files.serve_forever, daemon=True).start()
-    api = serve(api_app(manager, base, Allowed([])))
+    api_port = free_port()
+    hosts = HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")
+    api = make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]), hosts), threaded=True)
+    threading.Thread(target=api.serve_forever, daemon=True).start()
     controller = Controller(tmp_path)
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
@@ -95,7 +99,8 @@ def rig(tmp_path):
     accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{api.server_port}",
                                "mirror.hf_endpoint": registry.url,
-                               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}"})
+                               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
+                               "controller.keys_dir": controller.values["controller.keys_dir"]})
     app = GatewayApp(cfg)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
@@ -196,7 +201,8 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
         key = make_key(url)
         gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
                      gateway__key_file=controller.gateway_key_file(),
-                     gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}")
+                     gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}",
+                     controller__keys_dir=controller.values["controller.keys_dir"])
         browser = requests.Session()
         login = browser.get(gw.url + "/login").text
         browser.post(gw.url + "/login", data={"email": "root@example.org", "password": PASSWORD,
@@ -274,7 +280,8 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
     post(client, "/admin/mirror/serve", name="kept", source=f"{base}/kept/v1/kept.gguf", engine="llamacpp",
          memory="1", max_context="2048", mode="stopped")
     config = write_config(tmp_path / "cli.toml", {"mirror.api": api,
-                                                  "controller.admin_listen": f"127.0.0.1:{controller.admin_port}"})
+                                                  "controller.admin_listen": f"127.0.0.1:{controller.admin_port}",
+                                                  "controller.keys_dir": controller.values["controller.keys_dir"]})
     result = CliRunner().invoke(main, ["--config", config, "mirror", "unused"])
     assert result.exit_code == 0, result.output
     assert "spare  v1" in result.output and "kept" not in result.output.split("Before removing")[0]

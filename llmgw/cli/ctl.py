@@ -2,7 +2,9 @@
 
 Tables for people, `--json` for scripts. The controller is found at
 `controller.admin_listen` from the same configuration (`--config`), or
-`--admin URL`. When it does not answer, the error says where it looked.
+`--admin URL`, and its token in the same configuration (`admin.token` in
+`controller.keys_dir`, or `controller.admin_token`). When it does not answer,
+the error says where it looked.
 """
 
 from __future__ import annotations
@@ -12,17 +14,15 @@ import sys
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.apiclient import ApiClient, ApiError, admin_client
 from llmgw.cli.tables import human_bytes, print_table
 
 
 class Admin:
     """The controller's admin API, its errors as click's."""
 
-    def __init__(self, url: str):
-        self.client = ApiClient(url, "the controller's admin API",
-                                "Is controller.py running on this machine? Give --admin URL otherwise.")
-        self.url = self.client.url
+    def __init__(self, client: ApiClient):
+        self.client = client
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         try:
@@ -36,7 +36,9 @@ class Admin:
 @click.pass_context
 def ctl(ctx, admin_url):
     """Manage the fleet through the controller."""
-    ctx.obj.admin = Admin(admin_url or address_url(ctx.obj.config()["controller.admin_listen"]))
+    cfg = ctx.obj.config()
+    ctx.obj.admin = Admin(admin_client(cfg, admin_url or cfg["controller.admin_listen"],
+                                       "Is controller.py running on this machine? Give --admin URL otherwise."))
 
 
 @ctl.command()

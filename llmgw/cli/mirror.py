@@ -13,7 +13,7 @@ import time
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.apiclient import ApiClient, ApiError, address_url, admin_client
 from llmgw.cli.tables import human_bytes, print_table
 
 
@@ -26,7 +26,8 @@ def _mirror(obj) -> ApiClient:
 
 
 def _catalog_sources(obj) -> list[str]:
-    admin = ApiClient(address_url(obj.config()["controller.admin_listen"]), "the controller's admin API")
+    cfg = obj.config()
+    admin = admin_client(cfg, cfg["controller.admin_listen"])
     return [m["source"] for m in admin.call("GET", "/api/v1/models")["models"]]
 
 

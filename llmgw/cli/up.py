@@ -6,7 +6,9 @@ SQLite; imports the starter model (SmolLM2-135M-Instruct, from the
 llama.cpp, fetched by the node from the mirror; waits until it is placed and answers; checks
 that a real question gets a real answer; and prints how to ask one. Everything
 speaks over loopback, and the agent authenticates with a CURVE key like any
-node. Ctrl-C stops everything it started, engines included. Run again, it
+node. Every process reads one configuration, var/up.toml, whose
+`controller.keys_dir` holds the admin API's token: the controller, `llmgw ctl`
+and the gateway's pages find the same one there. Ctrl-C stops everything it started, engines included. Run again, it
 reuses the store, the keys and the downloaded state in `var/`.
 """
 
@@ -24,9 +26,9 @@ import urllib.request
 import click
 
 from llmgw import settings, store
-from llmgw.apiclient import ApiClient, Refused
+from llmgw.apiclient import ApiClient, ApiError, Refused
 from llmgw.cli import starter
-from llmgw.control import curvekeys
+from llmgw.control import adminapi, curvekeys
 from llmgw.node.supervisor import running_engines
 from llmgw.people import accounts, keys
 from llmgw.procs import http_status, wait_for
@@ -52,6 +54,7 @@ class Up:
         self.workers = workers
         self.var = os.path.abspath("var")
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.admin_api: ApiClient | None = None  # made with the token, by write_config
 
     def ensure_key(self, engine) -> str:
         """The starter key's secret: kept in var/starter-key (mode 0600) so a rerun can show it again."""
@@ -64,9 +67,7 @@ class Up:
                 say(f"kept  key {secret[:keys.DISPLAY_CHARS]}... ({path})")
                 return secret
         _, secret = keys.create_key(engine, KEY_NAME)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secret + "\n")
+        curvekeys.write_private(path, secret + "\n")
         say(f"done  key {secret[:keys.DISPLAY_CHARS]}... made, kept in {path} (mode 0600)")
         return secret
 
@@ -120,6 +121,9 @@ class Up:
                                        "(make run does this)")
         keys_dir = os.path.join(self.var, "keys")
         controller_public, _ = curvekeys.controller_keypair(keys_dir)
+        # Made now rather than by the controller's first start, so that waiting for the controller can use it.
+        self.admin_api = ApiClient(f"http://{self.loopback('controller.admin_listen')}", "the controller's admin API",
+                                   token=adminapi.ensure_token(keys_dir))
         public, secret = curvekeys.issue_node_key(engine, NODE)
         key_file = os.path.join(self.var, "node.key")
         curvekeys.write_private(key_file, curvekeys.node_key_file(NODE, public, secret, controller_public))
@@ -134,8 +138,9 @@ class Up:
             "gateway.metrics_listen": self.cfg["gateway.metrics_listen"],
             "gateway.controller": self.cfg["controller.gateway_listen"],
             "controller.keys_dir": keys_dir,
+            # Not admin_token: every process here reads the token from keys_dir, the file the controller uses.
             **{s.name: self.cfg[s.name] for s in settings.SETTINGS if s.name.startswith("controller.")
-               and s.name != "controller.keys_dir"},
+               and s.name not in ("controller.keys_dir", "controller.admin_token")},
             "agent.controllers": [self.cfg["controller.agent_listen"].replace("0.0.0.0:", "127.0.0.1:")],
             "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
             "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
@@ -166,14 +171,12 @@ class Up:
         return proc
 
     def admin(self, path: str) -> dict:
-        host, _, port = self.cfg["controller.admin_listen"].rpartition(":")
-        with urllib.request.urlopen(f"http://{host or '127.0.0.1'}:{port}{path}", timeout=5) as resp:
-            return json.loads(resp.read())
+        return self.admin_api.call("GET", path, timeout=5)
 
     def serving(self) -> bool:
         try:
             return self.admin("/api/v1/status")["models_serving"] >= 1
-        except OSError:
+        except ApiError:
             return False
 
     def ask(self, base: str, secret: str) -> str:
@@ -259,7 +262,7 @@ class Up:
         try:
             self.admin("/api/v1/status")
             return True
-        except OSError:
+        except ApiError:
             return False
 
     def explain(self, base: str, secret: str, admin_password: str | None) -> None:

@@ -1,19 +1,25 @@
 """The controller's admin API, which `llmgw ctl` speaks: JSON under /api/v1, on loopback by default.
 
-It can issue node keys, so it is never opened to the network by default;
-anyone who can reach it can make a node. Errors are `{"error": "..."}` with a
-sentence that says what to do.
+It can issue node keys, so it is never opened to the network by default, and
+even on loopback it answers only requests that carry its token
+(`Authorization: Bearer`, the token the controller keeps in `admin.token`
+beside its CURVE keys) and name one of its own addresses in `Host`: a web page
+in an operator's browser reaches loopback too, by DNS rebinding, but knows
+neither. Errors are `{"error": "..."}` with a sentence that says what to do.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+import secrets
 import time
 
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import Engine
 
-from llmgw import __version__, store
+from llmgw import __version__, apiguard, settings, store
 from llmgw.control import curvekeys, placement
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.curvekeys import KeyRing
@@ -23,8 +29,39 @@ from llmgw.control.reconciler import Replicas
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
+def ensure_token(keys_dir: str) -> str:
+    """The admin API's token, made on first use and kept in KEYS_DIR/admin.token (mode 0600).
+    An empty file counts as none: an empty token would let an empty `Bearer` in."""
+    path = apiguard.token_path(keys_dir)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+        if token:
+            return token
+    token = secrets.token_urlsafe(32)
+    curvekeys.write_private(path, token + "\n")
+    return token
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who the admin API answers: requests with TOKEN (kept in TOKEN_FILE) that name an allowed Host."""
+
+    token: str
+    token_file: str
+    hosts: apiguard.HostCheck
+
+    @classmethod
+    def from_config(cls, cfg: settings.Config) -> "Access":
+        """The token (made on the first start) and the Host names from CFG."""
+        return cls(ensure_token(cfg["controller.keys_dir"]),
+                   os.path.abspath(apiguard.token_path(cfg["controller.keys_dir"])),
+                   apiguard.HostCheck(cfg["controller.admin_listen"], cfg["controller.admin_names"],
+                                      "controller.admin_names"))
+
+
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
-               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node,
+               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node, access: Access,
                gateway_ring: KeyRing | None = None) -> Flask:
     """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None)."""
     app = Flask("llmgw.admin")
@@ -36,6 +73,26 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     def error(status: int, message: str):
         return jsonify({"error": message}), status
+
+    @app.before_request
+    def admitted():
+        # The Host first: a request by a name that is not ours is refused whatever it carries, a right token too.
+        refused = access.hosts.refusal(request.headers.get("Host"))
+        if refused:
+            return error(421, refused)
+        if apiguard.bearer_matches(request.headers.get("Authorization"), access.token):
+            return None
+        if request.headers.get("Authorization"):
+            message = (f"that is not this controller's admin token: use the one in {access.token_file} (on another "
+                       "machine, set controller.admin_token = \"@/path/to/a/copy\" of it; it changes when the "
+                       "file is removed and the controller restarts)")
+        else:
+            message = (f"the admin API wants its token: send Authorization: Bearer TOKEN. The controller keeps it in "
+                       f"{access.token_file} (mode 0600), where llmgw ctl and the gateway's pages on its machine read "
+                       "it; elsewhere, set controller.admin_token = \"@/path/to/a/copy\"")
+        body, status = error(401, message)
+        body.headers["WWW-Authenticate"] = 'Bearer realm="llmgw admin API"'
+        return body, status
 
     @app.errorhandler(FleetError)
     def fleet_error(e):

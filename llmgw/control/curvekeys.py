@@ -41,7 +41,7 @@ class KeyFileError(Exception):
 
 
 def write_private(path: str, text: str) -> None:
-    """Write TEXT to PATH readable by its owner only, even when PATH existed with a looser mode."""
+    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists, even over a looser file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)

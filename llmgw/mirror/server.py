@@ -8,7 +8,9 @@ node can check what it got. Paths are matched against strict names: nothing
 outside the directory can be reached.
 
 Management (`mirror.api_listen`), for this machine and the addresses in
-`mirror.api_allow` only:
+`mirror.api_allow` only, and only by its own address or a name in
+`mirror.api_names` in `Host` (421 otherwise: a web page on this machine could
+otherwise reach it by DNS rebinding, and fetch or delete models):
 
     GET    /api/v1/models                    held, arriving (with bytes), failed (with reasons)
     POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202
@@ -28,6 +30,7 @@ from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 from werkzeug.wsgi import FileWrapper
 
+from llmgw.apiguard import HostCheck
 from llmgw.mirror.fetch import Manager
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
 from llmgw.weights import SHA_HEADER
@@ -109,8 +112,8 @@ API = Map([
 ])
 
 
-def api_app(manager: Manager, base_url: str, allowed: Allowed):
-    """The management API."""
+def api_app(manager: Manager, base_url: str, allowed: Allowed, hosts: HostCheck):
+    """The management API, for the addresses ALLOWED lets in, by the Host names HOSTS answers to."""
 
     def app(environ, start_response):
         request = Request(environ)
@@ -118,6 +121,9 @@ def api_app(manager: Manager, base_url: str, allowed: Allowed):
             response = _json({"error": "this mirror is managed from its own machine and the addresses in "
                                        "mirror.api_allow only"}, 403)
             return response(environ, start_response)
+        refused = hosts.refusal(request.headers.get("Host"))
+        if refused:
+            return _json({"error": refused}, 421)(environ, start_response)
         try:
             endpoint, args = API.bind_to_environ(environ).match()
             response = _handle(manager, base_url, endpoint, args, request)

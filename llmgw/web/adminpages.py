@@ -19,10 +19,10 @@ import logging
 import time
 
 import flask_login
-import requests
 from flask import Flask, abort, flash, redirect, render_template, request
 
 from llmgw import rules
+from llmgw.apiclient import ApiError, admin_client
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
 from llmgw.web import budgets, forms, svgchart
@@ -356,14 +356,14 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
     view = {"gateway_replicas": gateway_side, "controller": None, "problem": None, "nodes": [], "models": [],
             "replicas": []}
     if cfg["gateway.controller"]:
-        base = f"http://{cfg['gateway.controller_admin']}/api/v1"
+        admin = admin_client(cfg, cfg["gateway.controller_admin"])
         try:
-            view["nodes"] = requests.get(base + "/nodes", timeout=2).json()["nodes"]
-            view["models"] = requests.get(base + "/models", timeout=2).json()["models"]
-            view["replicas"] = requests.get(base + "/replicas", timeout=2).json()["replicas"]
+            view["nodes"] = admin.call("GET", "/api/v1/nodes", timeout=2)["nodes"]
+            view["models"] = admin.call("GET", "/api/v1/models", timeout=2)["models"]
+            view["replicas"] = admin.call("GET", "/api/v1/replicas", timeout=2)["replicas"]
             view["controller"] = cfg["gateway.controller_admin"]
-        except (requests.RequestException, ValueError, KeyError) as e:
-            view["problem"] = f"The controller's admin API at {cfg['gateway.controller_admin']} does not answer ({e})."
+        except (ApiError, KeyError) as e:
+            view["problem"] = f"The cluster cannot be shown: {e}"
     problems = []
     for node in view["nodes"]:
         if node["state"] in ("unreachable", "lost"):

@@ -24,7 +24,7 @@ import urllib.request
 
 from flask import Flask, abort, flash, redirect, render_template, request
 
-from llmgw.apiclient import ApiClient, ApiError, address_url
+from llmgw.apiclient import ApiClient, ApiError, address_url, admin_client
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms
 from llmgw.web.adminpages import admin_only, require_token
@@ -45,7 +45,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         return ApiClient(address_url(cfg["mirror.api"]), "the mirror's management API")
 
     def controller() -> ApiClient:
-        return ApiClient(address_url(cfg["gateway.controller_admin"]), "the controller's admin API")
+        return admin_client(cfg, cfg["gateway.controller_admin"])
 
     def catalog() -> tuple[list[dict] | None, str | None]:
         try:

@@ -1,0 +1,103 @@
+"""What keeps strangers out of llmgw's own HTTP management APIs: the controller's admin API and the mirror's.
+
+Both listen on loopback (or a private network) and trust whoever reaches them
+a little. A web page open in an operator's browser can reach loopback too: it
+points a name it controls at 127.0.0.1 (DNS rebinding), and its requests then
+arrive from this machine, carrying that name in `Host`. `HostCheck` answers
+only to the addresses an API listens on and the names an operator lists, so
+such a request is refused whatever else it carries. The admin API also wants
+its token (`TOKEN_FILE`, beside the controller's CURVE keys), which no page
+can know.
+
+Used by the servers (llmgw/control/adminapi.py, llmgw/mirror/server.py) and,
+for the token's file name, by llmgw/apiclient.py. Imports nothing of llmgw's.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+
+TOKEN_FILE = "admin.token"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def token_path(keys_dir: str) -> str:
+    """Where the controller keeps the admin API's token: KEYS_DIR/admin.token."""
+    return os.path.join(keys_dir, TOKEN_FILE)
+
+
+def bearer_matches(authorization: str | None, token: str) -> bool:
+    """Whether an `Authorization` header carries TOKEN as a bearer token, compared in constant time.
+    An empty TOKEN matches nothing."""
+    scheme, _, given = (authorization or "").partition(" ")
+    # compare_digest takes str only when it is ASCII; a header is whatever the client sent.
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def _split(address: str) -> tuple[str, int | None]:
+    """(host, port) of `HOST:PORT`, `[V6]:PORT` or a bare host; the host lower-cased and without brackets."""
+    host, port = address.strip().lower(), None
+    if host.startswith("["):
+        host, _, rest = host[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else None
+    elif host.count(":") == 1:
+        host, _, port_text = host.partition(":")
+    else:
+        port_text = None
+    if port_text is not None:
+        port = int(port_text) if port_text.isdigit() else -1  # a port that can match no listener
+    return host, port
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(name: str) -> bool:
+    return name == "localhost" or (_is_ip(name) and ipaddress.ip_address(name).is_loopback)
+
+
+class HostCheck:
+    """The `Host` values an API listening on LISTEN answers to.
+
+    - its own address at its port; for a loopback listener also localhost, 127.0.0.1 and [::1];
+    - for a wildcard listener (`:8082`, `0.0.0.0:8082`), any IP address or localhost at its port: a
+      request by address cannot be a rebinding, which needs a name the attacker controls;
+    - any of NAMES, at any port (a proxy in front may listen on 443): the setting SETTING lists them.
+    """
+
+    def __init__(self, listen: str, names: list[str], setting: str):
+        self.host, self.port = _split(listen)
+        self.host = "" if self.host in WILDCARDS else self.host
+        self.names = {n.strip().lower() for n in names if n.strip()}
+        self.setting = setting
+
+    def allows(self, header: str | None) -> bool:
+        if not header:
+            return False
+        name, port = _split(header)
+        if name in self.names:
+            return True
+        if (port or 80) != self.port:
+            return False
+        if not self.host:
+            return name == "localhost" or _is_ip(name)
+        return name == self.host or (_is_loopback(self.host) and name in LOOPBACK_NAMES)
+
+    def refusal(self, header: str | None) -> str | None:
+        """None when HEADER (the request's `Host`) is allowed; else the sentence that refuses it."""
+        if self.allows(header):
+            return None
+        own = ("any of this machine's addresses" if not self.host
+               else "localhost, 127.0.0.1 or [::1]" if _is_loopback(self.host) else self.host)
+        listed = f", or to {', '.join(sorted(self.names))} ({self.setting})" if self.names else ""
+        return (f"this API answers to {own} on port {self.port}{listed}, not to Host {header or '(none)'!r}: "
+                f"a web page may be trying to reach it through DNS rebinding. If you reach it by that name "
+                f"(a proxy, a DNS name), add the name to {self.setting}.")
