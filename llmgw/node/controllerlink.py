@@ -41,6 +41,17 @@ def _dealer(context: zmq.Context, keys: dict | None, events: int) -> tuple[zmq.S
     return sock, sock.get_monitor_socket(events)
 
 
+def _send(sock: zmq.Socket, data: bytes) -> bool:
+    """Send without waiting. A DEALER with no live connection would block a plain send for ever: the
+    agent once hung so, inside its first register, after a refused handshake, and never said why.
+    What cannot be sent now is said again: registration repeats, and it lists the node's shards."""
+    try:
+        sock.send(data, zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
 def check_handshake(context: zmq.Context, address: str, keys: dict | None, timeout: float = 5.0) -> str:
     """Connect to the controller at ADDRESS without registering: "accepted" when the handshake
     succeeds (with CURVE: the controller knows this node's key), "refused", or "silent"."""
@@ -114,7 +125,7 @@ class ControllerLink:
         sock, monitor = self._connect(address)
         registered = False
         try:
-            sock.send(protocol.encode("register", **self.make_register()))
+            _send(sock, protocol.encode("register", **self.make_register()))
             last_heard = time.monotonic()
             next_beat = last_heard + self.heartbeat_interval
             while not stopping():
@@ -133,10 +144,10 @@ class ControllerLink:
                         kind, fields = self.outbox.get_nowait()
                     except queue.Empty:
                         break
-                    sock.send(protocol.encode(kind, **fields))
+                    _send(sock, protocol.encode(kind, **fields))
                 if registered and now >= next_beat:
                     self.seq += 1
-                    sock.send(protocol.encode("heartbeat", node_id=self.node_id, seq=self.seq,
+                    _send(sock, protocol.encode("heartbeat", node_id=self.node_id, seq=self.seq,
                                               **self.make_heartbeat()))
                     next_beat = now + self.heartbeat_interval
                 if not sock.poll(20):
@@ -156,14 +167,14 @@ class ControllerLink:
                     next_beat = time.monotonic()
                 elif kind == "register_again":
                     log.info("the controller at %s asks for registration again: %s", address, message["reason"])
-                    sock.send(protocol.encode("register", **self.make_register()))
+                    _send(sock, protocol.encode("register", **self.make_register()))
                 elif kind == "refused":
                     self.refusal = message["reason"]
                     log.error("the controller at %s refused this node: %s", address, message["reason"])
                     return registered
                 elif kind in COMMANDS:
                     for reply_kind, fields in self.on_command(message):
-                        sock.send(protocol.encode(reply_kind, **fields))
+                        _send(sock, protocol.encode(reply_kind, **fields))
             return registered
         finally:
             if self.registered_with == address:
