@@ -33,7 +33,7 @@ from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
-from llmgw.control.publisher import Publisher, snapshot_body
+from llmgw.control.publisher import KEYS_CHECK, DemandInbox, KeyPusher, Publisher, snapshot_body
 from llmgw.control.reconciler import Demand, Replicas, Start, plan, start_message
 from llmgw.gateway.metrics import serve_registry
 from llmgw.people.rollup import Roller
@@ -104,12 +104,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     account_server = AccountServer(accountant, cfg["controller.accountant_listen"], context, gateway_keys).start()
     roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
     demand = Demand()
-    wants = context.socket(zmq.PULL)
-    wants.setsockopt(zmq.LINGER, 0)
-    if gateway_keys:
-        curvekeys.serve_curve(wants, *gateway_keys)
-    wants_host, _, wants_port = cfg["controller.demand_listen"].rpartition(":")
-    wants.bind(f"tcp://{wants_host or '*'}:{wants_port}")
+    inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
+    key_pusher = KeyPusher(engine)
     # Other threads never touch a ZeroMQ socket: they queue what to send, and the loop sends it.
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -152,6 +148,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     scheduler = BackgroundScheduler()
     scheduler.add_job(reconcile, "interval", id="reconcile", seconds=cfg["controller.reconcile_interval"],
                       max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
+    scheduler.add_job(key_pusher.check, "interval", id="keys", seconds=KEYS_CHECK, max_instances=1, coalesce=True,
+                      next_run_time=datetime.datetime.now())
     scheduler.start()
     # A catalog change is acted on at once rather than at the next tick.
     app.config["kick"] = lambda: scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now())
@@ -162,6 +160,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
     registry.register(server)
+    registry.register(inbox)
     registry.register(account_server)  # the messages it dropped
     serve_registry(cfg["controller.metrics_listen"], registry)
     log.info("agents on %s, gateways on %s, the accountant on %s, admin API on http://%s, metrics on http://%s/metrics",
@@ -183,14 +182,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                 node = fleet.nodes.get(node_id)
                 if node is not None:
                     server.send(node.identity, kind, **fields)
-            while wants.poll(0):
-                try:
-                    note = wants.recv_json()
-                except ValueError:
-                    continue  # not ours, or garbled: nothing to act on
-                if isinstance(note, dict) and isinstance(note.get("model"), str):
-                    demand.note(note["model"], time.monotonic())
-            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port),
+            inbox.drain(lambda model: demand.note(model, time.monotonic()))
+            key_set = key_pusher.take()
+            if key_set is not None:
+                publisher.publish_keys(key_set)
+            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), inbox.port,
                                             account_server.port))
     finally:
         scheduler.shutdown(wait=False)
@@ -198,7 +194,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         publisher.close()
         account_server.stop()
         roller.stop()
-        wants.close(0)
+        inbox.close()
         server.close()
         if auth is not None:
             auth.stop()

@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from llmgw import rules, store
 from llmgw.control.accountant import Accountant, Refused, Reservation, Window
+from llmgw.gateway.keytable import KeyTable
 from llmgw.people import accounts, keys, limits, memberships, orgtree
 
 
@@ -163,7 +164,7 @@ def tree_with_people(engine):
 
 
 def access_of(engine, key_record):
-    return keys.KeyTable.load(engine).access[key_record.id]
+    return KeyTable.from_message(keys.key_set(engine)).access[key_record.id]
 
 
 def wire(access):
@@ -278,7 +279,7 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
     assert a.spent(f"user:{ayse.id}", "month") == 1100
     assert a.spent(f"project_member:{project.id}/{ayse.id}", "day") == 600
     limits.set_limits(engine, "user", ayse.id, "test", budget=1000)
-    table = keys.KeyTable.load(engine)
+    table = KeyTable.from_message(keys.key_set(engine))
     assert a.admit(wire(table.person(ayse.id)), True, 1).limit == "budget"
     assert a.admit(wire(table.access[key.id]), True, 1).limit == "budget"
     with engine.connect() as conn:

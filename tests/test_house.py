@@ -44,7 +44,6 @@ NOT_THE_STORE = {"node", "mirror", "engines", "wire"}
 # the wire and the role file hands the master its stand-in accountant.
 KNOWN = {
     ("llmgw.gateway.worker", "llmgw.people.keys"),
-    ("llmgw.gateway.proxy", "llmgw.people.keys"),
     ("llmgw.gateway.server", "llmgw.control.accountant"),
     ("llmgw.gateway.server", "llmgw.control.accountserver"),
     ("llmgw.gateway.server", "llmgw.people.rollup"),

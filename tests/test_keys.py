@@ -5,7 +5,9 @@ from click.testing import CliRunner
 
 from llmgw import store
 from llmgw.cli.main import main
+from llmgw.gateway.keytable import KeyTable
 from llmgw.people import keys
+from llmgw.principals import KeyRecord, hash_secret
 
 
 def test_secret_is_stored_only_as_a_hash(store_url):
@@ -15,7 +17,7 @@ def test_secret_is_stored_only_as_a_hash(store_url):
     assert record.prefix == secret[:keys.DISPLAY_CHARS]
     with engine.connect() as conn:
         row = conn.execute(store.api_keys.select()).one()
-    assert row.hash == keys.hash_secret(secret)
+    assert row.hash == hash_secret(secret)
     assert secret not in [str(v) for v in row]
     engine.dispose()
 
@@ -23,9 +25,9 @@ def test_secret_is_stored_only_as_a_hash(store_url):
 def test_key_table_authenticates_from_memory(store_url):
     engine = store.open_engine(store_url)
     _, secret = keys.create_key(engine, "alice")
-    table = keys.KeyTable.load(engine)
+    table = KeyTable.from_message(keys.key_set(engine))
     now = time.time()
-    assert isinstance(table.authenticate(f"Bearer {secret}", now), keys.KeyRecord)
+    assert isinstance(table.authenticate(f"Bearer {secret}", now), KeyRecord)
     assert table.authenticate(None, now).code == "missing_api_key"
     assert table.authenticate("Basic abc", now).code == "invalid_api_key"
     assert table.authenticate("Bearer sk-llmgw-nope", now).code == "invalid_api_key"
@@ -37,9 +39,9 @@ def test_revoked_and_expired_keys_are_refused_with_the_reason(store_url):
     revoked, revoked_secret = keys.create_key(engine, "gone")
     _, expiring_secret = keys.create_key(engine, "brief", expires_in=60)
     keys.revoke_key(engine, revoked.id)
-    table = keys.KeyTable.load(engine)
+    table = KeyTable.from_message(keys.key_set(engine))
     assert table.authenticate(f"Bearer {revoked_secret}", time.time()).code == "revoked_api_key"
-    assert isinstance(table.authenticate(f"Bearer {expiring_secret}", time.time()), keys.KeyRecord)
+    assert isinstance(table.authenticate(f"Bearer {expiring_secret}", time.time()), KeyRecord)
     # Expiry needs no refresh of the table: the clock decides.
     assert table.authenticate(f"Bearer {expiring_secret}", time.time() + 61).code == "expired_api_key"
     engine.dispose()

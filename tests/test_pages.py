@@ -6,8 +6,10 @@ import time
 import pytest
 
 from llmgw import settings, store
+from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
+from llmgw.principals import KeyRecord
 
 
 @pytest.fixture
@@ -88,13 +90,13 @@ def test_a_key_made_on_the_page_is_shown_once_works_and_can_be_revoked(site):
     assert b"shown only this once" in made
     assert b"<script>alert(1)</script>" not in made and b"&lt;script&gt;" in made  # the name is inert
     assert secret.encode() not in client.get("/account").data  # never again
-    table = keys.KeyTable.load(engine)
+    table = KeyTable.from_message(keys.key_set(engine))
     record = table.authenticate(f"Bearer {secret}", time.time())
-    assert isinstance(record, keys.KeyRecord) and record.expires_at is not None
+    assert isinstance(record, KeyRecord) and record.expires_at is not None
     key_id = keys.list_keys(engine, user_id=user.id)[0].id
     page = client.get("/account").data
     assert client.post(f"/account/keys/{key_id}/revoke", data={"csrf_token": token(page)}).status_code == 302
-    assert keys.KeyTable.load(engine).authenticate(f"Bearer {secret}", time.time()).code == "revoked_api_key"
+    assert KeyTable.from_message(keys.key_set(engine)).authenticate(f"Bearer {secret}", time.time()).code == "revoked_api_key"
 
 
 def test_one_person_cannot_revoke_anothers_key(site):
@@ -284,7 +286,7 @@ def test_a_persons_own_key_may_narrow_its_models_and_yield_but_never_rise(site):
     rising = client.post("/account/keys", data={"name": "vip", "spends": "personal", "band": "high", "expires": "",
                                                 "csrf_token": token(client.get("/account").data)})
     assert rising.status_code == 400  # "high" is not a choice a person has
-    table = keys.KeyTable.load(engine)
+    table = KeyTable.from_message(keys.key_set(engine))
     (record,) = [r for r in table.by_hash.values() if r.name == "batch"]
     assert table.access[record.id].band == "low" and table.access[record.id].models == frozenset({"sim", "other"})
 

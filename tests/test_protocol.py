@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from llmgw.wire import accounting
+from llmgw.wire import accounting, gateways
 from llmgw.wire import agent as protocol
 
 
@@ -65,7 +65,8 @@ def documented(title: str) -> str:
 
 
 @pytest.mark.parametrize("title, messages", [("The agent protocol", protocol.MESSAGES),
-                                             ("The accountant protocol", accounting.MESSAGES)])
+                                             ("The accountant protocol", accounting.MESSAGES),
+                                             ("The gateway protocol", gateways.MESSAGES)])
 def test_every_message_is_documented(title, messages):
     doc = documented(title)
     for kind, fields in messages.items():
@@ -74,3 +75,17 @@ def test_every_message_is_documented(title, messages):
         for field in fields:
             assert f"| `{field}` |" in section, f"{kind}.{field}"
     assert doc.count("\n### ") == len(messages), "a message documented that the schema does not have"
+
+
+def test_a_gateway_message_is_checked_before_anything_acts_on_it():
+    snapshot = gateways.encode("snapshot", epoch="e", version=1, models=[{"name": "m"}], replicas=[])
+    assert gateways.decode(snapshot)["models"] == [{"name": "m"}]
+    for bad, words in [({"type": "snapshot", "v": 2, "epoch": "e", "version": 1, "models": [], "replicas": []},
+                        "version 2"),
+                       ({"type": "snapshot", "v": 1, "epoch": "e", "version": -1, "models": [], "replicas": []},
+                        "version must be an int"),
+                       ({"type": "snapshot", "v": 1, "epoch": "e", "version": 1, "models": [{"aliases": []}],
+                         "replicas": []}, "without name"),
+                       ({"type": "demand", "v": 1, "model": ["x"]}, "model must be a string")]:
+        with pytest.raises(gateways.ProtocolError, match=words):
+            gateways.decode(json.dumps(bad).encode())

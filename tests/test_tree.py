@@ -6,8 +6,10 @@ import pytest
 import sqlalchemy as sa
 
 from llmgw import store
+from llmgw.gateway.keytable import KeyTable
 from llmgw.people import accounts, keys, memberships, orgtree
 from llmgw.people.orgtree import TreeError
+from llmgw.principals import KeyRecord
 from tests.conftest import store_url_for, wipe
 
 
@@ -118,9 +120,9 @@ def test_a_personal_key_needs_a_person(engine):
 def test_a_suspended_persons_keys_stop_working(engine):
     user = person(engine)
     _, secret = keys.create_key(engine, "laptop", None, user_id=user.id)
-    assert isinstance(keys.KeyTable.load(engine).authenticate(f"Bearer {secret}", time.time()), keys.KeyRecord)
+    assert isinstance(KeyTable.from_message(keys.key_set(engine)).authenticate(f"Bearer {secret}", time.time()), KeyRecord)
     accounts.suspend(engine, user.email)
-    refusal = keys.KeyTable.load(engine).authenticate(f"Bearer {secret}", time.time())
+    refusal = KeyTable.from_message(keys.key_set(engine)).authenticate(f"Bearer {secret}", time.time())
     assert refusal.code == "account_inactive"
 
 
@@ -185,7 +187,7 @@ def test_a_version_7_store_is_brought_up_to_date(kind, tmp_path, request):
     engine = store.open_engine(url)
     with engine.begin() as conn:
         _version_7(conn)
-    assert store.migrate(engine) == [8]
+    assert store.migrate(engine) == [8, 9]
     tree = orgtree.Tree.load(engine)
     assert sorted(n.path for n in tree.of_kind("project")) == ["default/default/default", "default/default/research"]
     (key,) = keys.list_keys(engine)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -22,7 +23,7 @@ from llmgw.control.fleet import Fleet
 from llmgw.control.reconciler import Replicas
 from llmgw.procs import free_port
 from llmgw.wire import agent as protocol
-from llmgw.wire.snapshot import TOPIC
+from llmgw.wire import gateways
 from tests.cluster import Controller
 from tests.conftest import make_key, wait_until
 
@@ -42,14 +43,14 @@ def forge(port: int, seconds: float) -> None:
     sock = context.socket(zmq.PUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(f"tcp://127.0.0.1:{port}")
-    forged = {"epoch": "forger", "version": 10 ** 15, "demand_port": None, "accountant_port": None,
-              "models": [{"name": "forged", "aliases": [], "description": "", "max_context": None,
-                          "max_output": None, "on_demand": False}],
-              "replicas": [{"id": "evil", "url": "http://127.0.0.1:9", "models": ["forged"], "weight": 1.0}]}
+    # A well-formed message: only the channel's authentication can keep it out.
+    forged = gateways.encode("snapshot", epoch="forger", version=10 ** 15,
+                             models=[{"name": "forged", "aliases": [], "on_demand": False}],
+                             replicas=[{"id": "evil", "url": "http://127.0.0.1:9", "models": ["forged"]}])
     try:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            sock.send_multipart([TOPIC, json.dumps(forged).encode()])
+            sock.send_multipart([gateways.SNAPSHOT, forged])
             time.sleep(0.1)
     finally:
         sock.close(0)
@@ -97,7 +98,7 @@ def test_keys_open_only_their_own_sockets(tmp_path):
             sock.curve_serverkey = field(text, "controller_public_key").encode()
             sock.curve_publickey = field(text, "public_key").encode()
             sock.curve_secretkey = field(text, "secret_key").encode()
-            sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+            sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
             sock.connect(f"tcp://127.0.0.1:{c.gateway_port}")
             return sock
 
@@ -142,3 +143,40 @@ def test_a_node_speaks_only_for_its_own_shards():
     finally:
         server.close()
         context.term()
+
+
+def status_of(gateway, key) -> int:
+    request = urllib.request.Request(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_a_revoked_key_stops_on_every_worker_of_every_gateway_within_a_second(tmp_path, make_gateway):
+    # Keys reach gateways from the controller; no worker polls the store for them.
+    from llmgw import store
+    from llmgw.people import keys
+
+    url = f"sqlite:///{tmp_path}/c.db"
+    c = Controller(tmp_path, store_url=url)
+    gws = [make_gateway(store_url=url, workers=2, gateway__controller=f"127.0.0.1:{c.gateway_port}",
+                        gateway__key_file=c.gateway_key_file(f"gw{i}")) for i in range(2)]
+    try:
+        engine = store.open_engine(url)
+        record, secret = keys.create_key(engine, "soon-gone")
+        # A key made after the workers started works everywhere once pushed (no worker reads the store).
+        wait_until("the new key on every worker", 30,
+                   lambda: all(status_of(g, secret) == 200 for g in gws for _ in range(8)))
+        keys.revoke_key(engine, record.id)
+        revoked_at = time.monotonic()
+        wait_until("the revocation on every worker", 10,
+                   lambda: all(status_of(g, secret) == 401 for g in gws for _ in range(8)), interval=0.02)
+        took = time.monotonic() - revoked_at
+        print(f"revocation reached every worker of 2 gateways in {took:.3f} s")
+        # The aim is 1 s; a busy 2-core machine may stretch it, never past 2 s.
+        assert took < 2.0, took
+        engine.dispose()
+    finally:
+        c.stop()

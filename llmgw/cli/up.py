@@ -62,8 +62,7 @@ class Up:
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 secret = f.read().strip()
-            table = keys.KeyTable.load(engine)
-            if isinstance(table.authenticate("Bearer " + secret, time.time()), keys.KeyRecord):
+            if keys.usable(engine, secret):
                 say(f"kept  key {secret[:keys.DISPLAY_CHARS]}... ({path})")
                 return secret
         _, secret = keys.create_key(engine, KEY_NAME)

@@ -15,18 +15,24 @@ gateway sent its traffic to the forger until restarted).
 
 from __future__ import annotations
 
-import json
+import logging
 import os
+import queue
 import time
 
 import zmq
+from prometheus_client.core import CounterMetricFamily
 
 from llmgw.control.catalog import Model
 from llmgw.control.curvekeys import serve_curve
 from llmgw.control.reconciler import Replica
-from llmgw.wire.snapshot import TOPIC
+from llmgw.people import keys
+from llmgw.wire import gateways
+
+log = logging.getLogger("llmgw.publisher")
 
 REPEAT = 2.0
+KEYS_CHECK = 0.25  # seconds between looks at the store's key revision
 
 
 def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None,
@@ -73,8 +79,75 @@ class Publisher:
         if body != self.last_body:
             self.version = max(self.version + 1, int(time.time() * 1000))
             self.last_body = body
-        self.socket.send_multipart([TOPIC, json.dumps({"epoch": self.epoch, "version": self.version, **body}).encode()])
+        self.socket.send_multipart([gateways.SNAPSHOT, gateways.encode("snapshot", epoch=self.epoch,
+                                                                       version=self.version, **body)])
         self.sent_at = now
+
+    def publish_keys(self, key_set: dict) -> None:
+        """Send every key with what it is held to (people.keys.key_set); the caller decides when."""
+        self.socket.send_multipart([gateways.KEYS, gateways.encode("keys", epoch=self.epoch, **key_set)])
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+class DemandInbox:
+    """The controller's PULL for what gateway workers say they want (`demand`) and use (`used`)."""
+
+    def __init__(self, context: zmq.Context, listen: str, curve: tuple | None = None):
+        self.socket = context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            serve_curve(self.socket, *curve)
+        host, _, port = listen.rpartition(":")
+        self.socket.bind(f"tcp://{host or '*'}:{port}")
+        self.port = int(port)
+        self.dropped = 0  # notes that could not be read, for llmgw_gateway_messages_dropped_total
+
+    def drain(self, note) -> None:
+        """NOTE(model) for each note waiting now; what cannot be read is logged and counted."""
+        while self.socket.poll(0):
+            try:
+                message = gateways.decode(self.socket.recv())
+            except gateways.ProtocolError as e:
+                self.dropped += 1
+                log.warning("dropped a note from a gateway that cannot be read: %s", e)
+                continue
+            note(message["model"])
+
+    def collect(self):
+        """prometheus-client's collector interface."""
+        family = CounterMetricFamily("llmgw_gateway_messages_dropped", "Notes from gateways that could not be "
+                                     "read (malformed, or of a protocol version this controller does not know).")
+        family.add_metric([], self.dropped)
+        yield family
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class KeyPusher:
+    """When gateways need the keys again: at once when the store's key revision changes (revoking a key
+    takes effect everywhere within `KEYS_CHECK` seconds and a message), and every `KEYS_REPEAT` seconds so a
+    gateway that missed one heals. `check` runs in the scheduler's thread (it queries the store); the loop
+    that owns the socket `take`s what is ready."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.ready: queue.SimpleQueue = queue.SimpleQueue()
+        self.revision: int | None = None
+        self.sent_at = 0.0
+
+    def check(self) -> None:
+        now = time.monotonic()
+        revision = keys.current_revision(self.engine)
+        if revision != self.revision or now - self.sent_at >= gateways.KEYS_REPEAT:
+            key_set = keys.key_set(self.engine)
+            self.ready.put(key_set)
+            self.revision, self.sent_at = key_set["revision"], now
+
+    def take(self) -> dict | None:
+        try:
+            return self.ready.get_nowait()
+        except queue.Empty:
+            return None

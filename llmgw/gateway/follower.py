@@ -1,7 +1,8 @@
-"""A gateway worker following the controller: routing snapshots arrive over ZeroMQ SUB.
+"""A gateway worker following the controller: routing snapshots and keys arrive over ZeroMQ SUB.
 
 A greenlet in each worker subscribes to the controller's publisher
-(`gateway.controller`) and swaps each newer snapshot in whole. Replicas and
+(`gateway.controller`) and swaps each newer snapshot, and each newer key
+table, in whole. Replicas and
 models given in the gateway's own configuration stay in every snapshot, so
 router-only endpoints and controller-placed replicas can be mixed. While the
 controller is away, the worker keeps routing with the last snapshot it had:
@@ -11,14 +12,13 @@ any that are not.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import zmq.green as zmq
 
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
+from llmgw.wire import gateways
 from llmgw.wire.curve import ClientKeys, dial
-from llmgw.wire.snapshot import TOPIC
 
 log = logging.getLogger("llmgw.follower")
 
@@ -39,22 +39,29 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                     epoch=body.get("epoch"))
 
 
-def follow(address: str, base: Snapshot, apply, keys: ClientKeys | None) -> None:
-    """Run forever: APPLY(snapshot) for each snapshot the controller at ADDRESS publishes. With KEYS, only a
-    publisher holding the controller's secret key is heard."""
+def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys) -> None:
+    """Run forever: ON_SNAPSHOT(message) and ON_KEYS(message) for each message the controller at ADDRESS
+    publishes, checked against its schema. With KEYS, only a publisher holding the controller's secret key
+    is heard."""
     context = zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)
-    sock.setsockopt(zmq.SUBSCRIBE, TOPIC)
+    sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
+    sock.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
     sock.connect(f"tcp://{address}")
+    handlers = {gateways.SNAPSHOT: on_snapshot, gateways.KEYS: on_keys}
     try:
         while True:
-            _, payload = sock.recv_multipart()
+            frames = sock.recv_multipart()
+            handler = handlers.get(frames[0]) if len(frames) == 2 else None
+            if handler is None:
+                log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
+                            frames[0][:20])
+                continue
             try:
-                body = json.loads(payload)
-                apply(from_controller(body, base, address.rpartition(":")[0] or "127.0.0.1"))
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("ignored a snapshot from the controller that cannot be read: %s", e)
+                handler(gateways.decode(frames[1]))
+            except gateways.ProtocolError as e:
+                log.warning("ignored a message from the controller that cannot be read: %s", e)
     finally:
         sock.close(0)

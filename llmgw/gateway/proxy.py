@@ -26,12 +26,12 @@ from gevent.socket import wait_read
 from llmgw.gateway import admission, apirequest, balancer
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.errors import ApiError
+from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.sse import EventRelay
 from llmgw.gateway.upstream import Response, UpstreamError
 from llmgw.gateway.worker import Runtime
-from llmgw.people.keys import Refusal
 
 log = logging.getLogger("llmgw.proxy")
 

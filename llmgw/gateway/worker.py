@@ -1,10 +1,11 @@
 """Everything one gateway worker holds in memory, and the greenlets that keep it current.
 
 The request path reads only what is here: the routing snapshot with each
-replica's load and breaker, the key table, the upstream connection pool. Three
-background greenlets keep it true: one reads each engine's load and probes
-replicas whose breaker is open, one notices changed keys (one small query a
-second, never one per request), and one writes buffered usage.
+replica's load and breaker, the key table, the upstream connection pool.
+Background greenlets keep it true: one reads each engine's load and probes
+replicas whose breaker is open, one writes buffered usage, and one follows the
+controller's snapshots and keys (or, without a controller, notices changed
+keys in the store with one small query a second, never one per request).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from zmq import NOBLOCK, Again
 
 from llmgw.engines import metrics as enginemetrics
 from llmgw.gateway.balancer import ReplicaState, Router
+from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.limiter import Limiter
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.snapshot import Snapshot
@@ -25,6 +27,7 @@ from llmgw.gateway.upstream import Pool, Target, UpstreamError
 from llmgw.gateway.usage import UsageRecorder
 from llmgw.people import keys
 from llmgw.settings import Config
+from llmgw.wire import gateways
 from llmgw.wire.curve import dial
 
 log = logging.getLogger("llmgw.worker")
@@ -42,7 +45,8 @@ class Runtime:
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
                              cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target)
         self.pool = Pool(cfg["timeouts.connect"])
-        self.keys = keys.KeyTable.load(engine)
+        # Read once at start; then pushed by the controller, or (without one) read again when they change.
+        self.keys = KeyTable.from_message(keys.key_set(engine))
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
                                cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
@@ -76,7 +80,7 @@ class Runtime:
             self.demand_socket.connect(f"tcp://{address}")
             self.demand_address = address
         try:
-            self.demand_socket.send_json({"kind": kind, "model": model}, flags=NOBLOCK)
+            self.demand_socket.send(gateways.encode(kind, model=model), flags=NOBLOCK)
         except Again:
             return  # the controller is away; the next request says it again
         self.told[(kind, model)] = now
@@ -88,15 +92,29 @@ class Runtime:
         if snapshot.epoch != current.epoch or snapshot.version > current.version:
             self.router.apply(snapshot)
 
+    def apply_keys(self, table: KeyTable) -> None:
+        """Take a newer key table (a later revision, or a new controller's first)."""
+        if self.keys.newer(table):
+            self.keys = table
+
     def start(self) -> None:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
-                          gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys),
                           gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.usage.flush)]
         if self.cfg["gateway.controller"]:
-            from llmgw.gateway.follower import follow
+            from llmgw.gateway.follower import follow, from_controller
 
-            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.router.snapshot,
-                                               self.apply, self.cfg.controller_keys))
+            base, host = self.router.snapshot, self.cfg["gateway.controller"].rpartition(":")[0] or "127.0.0.1"
+
+            def on_keys(message: dict) -> None:
+                # Repeats of what is held already cost a comparison, not a rebuild.
+                if message["revision"] != self.keys.revision or message["epoch"] != self.keys.epoch:
+                    self.apply_keys(KeyTable.from_message(message))
+
+            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
+                                               lambda body: self.apply(from_controller(body, base, host)), on_keys))
+        else:
+            # No controller pushes keys: notice a change in the store (one small query a second).
+            self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
 
     def close(self) -> None:
         """Stop the background work and write every buffered usage row."""
@@ -122,7 +140,7 @@ class Runtime:
 
     def refresh_keys(self) -> None:
         if keys.current_revision(self.engine) != self.keys.revision:
-            self.keys = keys.KeyTable.load(self.engine)
+            self.keys = KeyTable.from_message(keys.key_set(self.engine))
 
     def watch_replicas(self) -> None:
         states = list(self.router.states.values())

@@ -23,8 +23,8 @@ from sqlalchemy.engine import Engine
 
 from llmgw import rules, store
 from llmgw.ids import new_id
+from llmgw.principals import PERSONAL, SECRET_PREFIX, KeyRecord, hash_secret
 
-SECRET_PREFIX = "sk-llmgw-"
 # The prefix people see in listings: enough to tell keys apart, far too little to guess the rest.
 DISPLAY_CHARS = len(SECRET_PREFIX) + 6
 
@@ -33,28 +33,10 @@ class KeyRefused(Exception):
     """A key operation refused; the message says what to do instead."""
 
 
-@dataclasses.dataclass(frozen=True)
-class KeyRecord:
-    id: str
-    name: str
-    project_id: str | None  # None for a personal key
-    project: str  # the project's path, or "personal"
-    prefix: str
-    created_at: float
-    expires_at: float | None
-    revoked_at: float | None
-    user_id: str | None = None  # whose key it is, when it is a person's
-
-
-PERSONAL = "personal"
 
 
 def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_secret(secret: str) -> str:
-    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 _DURATION = re.compile(r"^(\d+)\s*([smhdw])$")
@@ -227,85 +209,40 @@ def claim(engine: Engine, token: str) -> tuple[str, KeyRecord] | str:
     return _unseal(row.sealed, token), record
 
 
-@dataclasses.dataclass(frozen=True)
-class Refusal:
-    """Why a key was not accepted, in words for the client."""
-    message: str
-    code: str
-
-
-MISSING = Refusal("No API key was given. Send it as `Authorization: Bearer sk-llmgw-...`; "
-                  "an operator makes one with `llmgw keys create NAME`.", "missing_api_key")
-UNKNOWN = Refusal("This API key is not known here. Check that it was copied whole; "
-                  "an operator can list keys with `llmgw keys list`.", "invalid_api_key")
-
-
-class KeyTable:
-    """Keys by hash, with what each is allowed, as one worker knows them. Replaced whole on
-    refresh, so a lookup never sees a half-built table.
-
-    Besides the keys it holds the rules they are resolved by (limits, tree, prices), so the chat
-    page's people are resolved from the same moment's rules."""
-
-    def __init__(self, records: dict[str, KeyRecord], revision: int, ruleset=None, prices=None,
-                 suspended: frozenset[str] = frozenset()):
-
-        self.by_hash = records
-        self.revision = revision
-        self.rules = ruleset or rules.Rules({}, {}, {})
-        self.prices = prices or rules.Prices({})
-        self.suspended = suspended
-        self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
-        self.people: dict[str, object] = {}
-        self.active_people: frozenset[str] = frozenset()  # who may use the chat page
-
-    @classmethod
-    def load(cls, engine: Engine) -> "KeyTable":
-        from llmgw.people import limits
-        from llmgw.people.orgtree import Tree
-
-        k, u = store.api_keys, store.users
-        with engine.connect() as conn:
-            revision = store.read_revision(conn, "keys")
-            tree = Tree.read(conn)
-            rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
-            ruleset = limits.read_rules(conn)
-            prices = limits.read_prices(conn)
-            states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
-        table = cls({row.hash: _record(row, tree) for row in rows}, revision, ruleset, prices,
-                    frozenset(i for i, state in states.items() if state != "active"))
-        table.active_people = frozenset(i for i, state in states.items() if state == "active")
-        return table
-
-    def person(self, user_id: str):
-        """The access of a signed-in person using the chat page (no key: they spend as themselves)."""
-        found = self.people.get(user_id)
-        if found is None:
-            found = self.people[user_id] = self.rules.access(None, None, user_id)
-        return found
-
-    def authenticate(self, authorization: str | None, now: float) -> KeyRecord | Refusal:
-        if not authorization:
-            return MISSING
-        scheme, _, secret = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
-            return Refusal("The Authorization header must be `Bearer <key>`.", "invalid_api_key")
-        record = self.by_hash.get(hash_secret(secret.strip()))
-        if record is None:
-            return UNKNOWN
-        if record.revoked_at is not None:
-            return Refusal(f"This API key ({record.prefix}...) was revoked. Ask an operator for a new one.",
-                           "revoked_api_key")
-        if record.expires_at is not None and now >= record.expires_at:
-            when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record.expires_at))
-            return Refusal(f"This API key ({record.prefix}...) expired at {when}. Ask an operator for a new one.",
-                           "expired_api_key")
-        if record.user_id in self.suspended:
-            return Refusal(f"This API key ({record.prefix}...) belongs to an account that is suspended or "
-                           "waiting for approval. Ask an operator.", "account_inactive")
-        return record
-
-
 def current_revision(engine: Engine) -> int:
     with engine.connect() as conn:
         return store.read_revision(conn, "keys")
+
+
+def key_set(engine: Engine) -> dict:
+    """Every key with what it is held to, as one `keys` message's fields (llmgw.wire.gateways): the keys,
+    the limits, the tree they are resolved along, the prices and who is active, read at one moment.
+    The controller pushes it to gateways; a gateway without a controller reads it itself."""
+    from llmgw.people.limits import read_prices, read_rules
+    from llmgw.people.orgtree import Tree
+
+    k, u = store.api_keys, store.users
+    with engine.connect() as conn:
+        revision = store.read_revision(conn, "keys")
+        tree = Tree.read(conn)
+        rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
+        ruleset = read_rules(conn)
+        prices = read_prices(conn)
+        states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
+    keys = [{"hash": row.hash, **dataclasses.asdict(_record(row, tree))} for row in rows]
+    return {"revision": revision, "keys": keys,
+            "limits": [[scope, sid, lim.rpm, lim.tpm, lim.budget, lim.period,
+                        list(lim.models) if lim.models is not None else None, lim.band]
+                       for (scope, sid), lim in ruleset.limits.items()],
+            "parents": {project: list(up) for project, up in ruleset.parents.items()}, "team_org": ruleset.team_org,
+            "prices": [[model, price.input, price.output] for model, price in prices.by_model.items()],
+            "suspended": sorted(i for i, state in states.items() if state != "active"),
+            "active": sorted(i for i, state in states.items() if state == "active")}
+
+
+def usable(engine: Engine, secret: str) -> bool:
+    """Whether SECRET is a key that works now: known, not revoked, not expired."""
+    k = store.api_keys
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(k.c.revoked_at, k.c.expires_at).where(k.c.hash == hash_secret(secret))).first()
+    return row is not None and row.revoked_at is None and (row.expires_at is None or row.expires_at > time.time())

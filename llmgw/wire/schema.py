@@ -3,7 +3,7 @@
 A channel (agents, the accountant) describes each message type as
 {field: (type, required)}. A type is a JSON type's name ("str", "int",
 "number", "bool", "object", "array"), checked one level deep, or one of the
-shapes below (`Int`, `Str`, `Nullable`, `Row`, `ListOf`), checked all the way
+shapes below (`Int`, `Str`, `Nullable`, `Row`, `ListOf`, `Obj`), checked all the way
 down with bounds, for channels where a peer's numbers move money.
 """
 
@@ -81,6 +81,23 @@ class ListOf:
             raise ProtocolError(f"{where} must be an array of at most {self.longest} items, not {_shown(value)}")
         for i, item in enumerate(value):
             check(item, self.item, f"{where}[{i}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Obj:
+    """A JSON object with these FIELDS ({name: (type, required)}); fields it does not know are let by,
+    since a newer peer may have added them."""
+    fields: dict
+
+    def check(self, value, where: str) -> None:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where} must be an object, not {_shown(value)}")
+        for name, (of, required) in self.fields.items():
+            if name not in value:
+                if required:
+                    raise ProtocolError(f"{where} without {name}")
+                continue
+            check(value[name], of, f"{where}.{name}")
 
 
 def check(value, of, where: str) -> None:

@@ -1,0 +1,31 @@
+"""Who a request can be from: a key's record, and the hash a secret is known by.
+
+The store (`llmgw.people.keys`) makes and keeps keys; a gateway worker
+(`llmgw.gateway.keytable`) holds them in memory, from the store or as the
+controller pushes them. Both speak of a key with this one record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+SECRET_PREFIX = "sk-llmgw-"
+PERSONAL = "personal"  # a key's project when it belongs to a person rather than a project
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRecord:
+    id: str
+    name: str
+    project_id: str | None  # None for a personal key
+    project: str  # the project's path, or "personal"
+    prefix: str
+    created_at: float
+    expires_at: float | None
+    revoked_at: float | None
+    user_id: str | None = None  # whose key it is, when it is a person's
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()

@@ -1,0 +1,62 @@
+"""The messages between the controller and gateways: routing snapshots and keys pushed out, demand sent back.
+
+The controller's PUB carries two topics. `snapshot` is the whole routing
+view (models, aliases, ready replicas, where demand and the accountant are),
+sent on change and every couple of seconds. `keys` is every API key with the
+limits, tree and prices it is resolved by, sent when the store's key revision
+changes and again every `KEYS_REPEAT` seconds, so revoking a key reaches every
+worker within a second and a missed message heals. Each carries the
+publisher's `epoch` (one per controller start) so a gateway takes a restarted
+controller's first message whatever its counter; the channel is CURVE, so
+only the controller can start an epoch. Gateway workers PUSH `demand` and
+`used` notes back. `docs/protocol.md` describes every message; a test keeps
+that page and `MESSAGES` in step.
+"""
+
+from __future__ import annotations
+
+from llmgw import rules
+from llmgw.wire.schema import Int, ListOf, Nullable, Obj, ProtocolError, Row, Schema, Str
+
+__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "KEYS_REPEAT"]
+
+VERSION = 1
+SNAPSHOT = b"snapshot"  # PUB topics
+KEYS = b"keys"
+KEYS_REPEAT = 10.0  # seconds: keys can be many, so they are repeated less often than snapshots
+
+COUNT = Int(0, 2**53)
+NAME = Str(200)
+PORT = Nullable(Int(1, 65535))
+SECONDS = Nullable("number")
+MODEL = Obj({"name": (NAME, True), "aliases": (ListOf(NAME, 100), False), "description": ("str", False),
+             "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
+             "on_demand": ("bool", False)})
+REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
+               "weight": ("number", False)})
+KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "project_id": (Nullable(NAME), True),
+           "project": ("str", True), "prefix": (Str(40), True), "created_at": ("number", True),
+           "expires_at": (SECONDS, True), "revoked_at": (SECONDS, True), "user_id": (Nullable(NAME), True)})
+LIMIT = Nullable(COUNT)
+LIMITS = Row((Str(20, rules.SCOPES), Str(500), LIMIT, LIMIT, LIMIT, Nullable(Str(8, rules.PERIODS)),
+              Nullable(ListOf(NAME, 10_000)), Nullable(Str(8, rules.BANDS))))
+MANY = 10_000_000
+
+# type -> {field: (type, required)}. Add fields; never remove or retype one.
+MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
+    # controller -> gateways
+    "snapshot": {"epoch": (Str(64), True), "version": (COUNT, True), "models": (ListOf(MODEL, MANY), True),
+                 "replicas": (ListOf(REPLICA, MANY), True), "demand_port": (PORT, False),
+                 "accountant_port": (PORT, False)},
+    "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
+             "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
+             "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
+             "active": (ListOf(NAME, MANY), True)},
+    # gateway workers -> controller
+    "demand": {"model": (NAME, True)},
+    "used": {"model": (NAME, True)},
+}
+
+_SCHEMA = Schema(MESSAGES, VERSION, reads=frozenset({VERSION}))
+encode = _SCHEMA.encode
+decode = _SCHEMA.decode
