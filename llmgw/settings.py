@@ -62,8 +62,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.queue_wait", "float", 30.0,
             "Seconds a request waits for a saturated model before 429 with Retry-After.", minimum=0),
     Setting("gateway.load_wait", "float", 120.0,
-            "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
-            "then 503 with Retry-After.", minimum=0),
+            "Seconds a request waits for a replica of its model: an on-demand model starting or, behind a controller, "
+            "any model whose replicas are starting, moving or being replaced (a stream is kept alive meanwhile), and "
+            "a worker that has not yet heard the controller's catalog; then 503 with Retry-After.", minimum=0),
     Setting("gateway.signup_open", "bool", False,
             "Let people sign up on the pages; each new account waits for an operator's approval."),
     Setting("gateway.public_url", "str", "",

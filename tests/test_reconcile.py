@@ -1,4 +1,9 @@
-"""The cluster keeps the right replicas running: placement, failures, lost nodes, restarts, the gateway following."""
+"""The cluster keeps the right replicas running: placement, failures, lost nodes, restarts, the gateway following.
+
+The tests of replicas in flux (a drain, an agent killed, a controller killed, a node gone silent) run
+on a loaded machine (`busy_machine`) with a client sending all along, which must see no failed
+request, and end with no replica running twice.
+"""
 
 import json
 import signal
@@ -8,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from llmgw.procs import wait_for
-from tests.cluster import Agent, Controller
+from llmgw.procs import free_port, wait_for
+from tests.cluster import Agent, Controller, Traffic, wait_for_no_duplicates
 from tests.conftest import Gateway, make_key, post, write_config
 
 
@@ -23,6 +28,9 @@ def cluster(tmp_path):
     made = []
 
     class Cluster:
+        def __init__(self):
+            self.agents = []
+
         def controller(self, **kw):
             c = Controller(tmp_path, **kw)
             made.append(c)
@@ -32,14 +40,21 @@ def cluster(tmp_path):
         def agent(self, node_id, **kw):
             a = Agent(tmp_path, [f"127.0.0.1:{self.c.agent_port}"], node_id, self.c.issue_key(node_id), **kw)
             made.append(a)
+            self.agents.append(a)
             return a
 
-        def gateway(self):
+        def gateway(self, controller_port=None):
             url = f"sqlite:///{tmp_path}/gateway.db"
             self.key = make_key(url)
-            gw = Gateway(tmp_path, url, workers=2, gateway__controller=f"127.0.0.1:{self.c.gateway_port}")
+            port = controller_port or self.c.gateway_port
+            gw = Gateway(tmp_path, url, workers=2, gateway__controller=f"127.0.0.1:{port}")
             made.append(gw)
             return gw
+
+        def traffic(self, gw, models=("simmy",)):
+            t = Traffic(gw.url, self.key, models)
+            made.append(t)
+            return t
 
     yield Cluster()
     for thing in reversed(made):
@@ -74,36 +89,27 @@ def test_replicas_are_placed_spread_and_served_through_the_gateway(cluster, tmp_
     assert "2        2" in c.ctl("models").stdout.replace("  ", " " * 2)
 
 
-def test_agent_killed_and_restarted_adopts_its_engines_with_no_failed_request(cluster):
+def test_agent_killed_and_restarted_adopts_its_engines_with_no_failed_request(cluster, busy_machine):
     c = cluster.controller(models=[sim_model(low=1, high=1)])
     a = cluster.agent("n1")
     gw = cluster.gateway()
-    wait_for("a ready replica", 20, lambda: len(c.ready("simmy")) == 1)
-    wait_for("the gateway", 10, lambda: post(gw.url + "/v1/chat/completions", CHAT, cluster.key)[0] == 200)
+    wait_for("a ready replica", 30, lambda: len(c.ready("simmy")) == 1)
+    wait_for("the gateway", 20, lambda: post(gw.url + "/v1/chat/completions", CHAT, cluster.key)[0] == 200)
     before = a.engines()
-    failures, sent = [], [0]
-    done = threading.Event()
-
-    def traffic():
-        while not done.is_set():
-            status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, cluster.key)
-            sent[0] += 1
-            if status != 200:
-                failures.append((status, raw[:200]))
-            time.sleep(0.02)
-
-    worker = threading.Thread(target=traffic)
-    worker.start()
+    traffic = cluster.traffic(gw)
+    traffic.more(5)
     a.stop(sig=signal.SIGKILL, engines=False)
-    time.sleep(0.5)
+    traffic.more(5)  # served while no agent runs
     a.start()
-    wait_for("the agent to adopt", 10, lambda: "adopted shard" in a.log())
-    time.sleep(1.5)  # the controller hears of the adopted replica again
-    done.set()
-    worker.join()
+    wait_for("the agent to adopt", 30, lambda: "adopted shard" in a.log())
+    # Registered again, in one message, with the engine it adopted.
+    wait_for("the second registration", 30, lambda: c.log().count("node n1 registered") == 2)
+    assert c.log().rsplit("node n1 registered", 1)[1].split("\n", 1)[0].endswith("1 shards running)")
+    traffic.more(20)
+    assert traffic.stop() == []
     assert a.engines() == before  # the same processes
-    assert failures == [] and sent[0] > 20
     assert [r["shard_id"] for r in c.ready("simmy")] == list(before)
+    wait_for_no_duplicates(c, cluster.agents, {"simmy": 1})
 
 
 def test_controller_restart_rebuilds_from_agents_and_places_nothing_twice(cluster):
@@ -278,46 +284,35 @@ def test_a_model_that_cannot_start_is_503_loading_with_retry_after(cluster, tmp_
         gw.stop()
 
 
-def test_drain_moves_replicas_one_at_a_time_with_no_failed_request(cluster, tmp_path):
+def test_drain_moves_replicas_one_at_a_time_with_no_failed_request(cluster, tmp_path, busy_machine):
     c = cluster.controller()
     cluster.agent("n1")
-    wait_for("n1", 10, lambda: c.state("n1") == "ready")
+    wait_for("n1", 20, lambda: c.state("n1") == "ready")
     for name in ("ma", "mb"):
         (tmp_path / f"{name}.toml").write_text(f'name = "{name}"\nsource = "/dev/null"\n[[profiles]]\nengine = "sim"\n')
         assert c.ctl("model", "add", "-f", str(tmp_path / f"{name}.toml")).returncode == 0
-    wait_for("both on n1", 20, lambda: len(c.ready("ma")) == 1 and len(c.ready("mb")) == 1)
+    wait_for("both on n1", 30, lambda: len(c.ready("ma")) == 1 and len(c.ready("mb")) == 1)
     cluster.agent("n2")
+    wait_for("n2", 20, lambda: c.state("n2") == "ready")
     gw = cluster.gateway()
-    wait_for("the gateway", 10, lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "ma"},
+    wait_for("the gateway", 20, lambda: post(gw.url + "/v1/chat/completions", {**CHAT, "model": "ma"},
                                              cluster.key)[0] == 200)
-    failures, done = [], threading.Event()
-
-    def traffic():
-        while not done.is_set():
-            for model in ("ma", "mb"):
-                status, _, _ = post(gw.url + "/v1/chat/completions", {**CHAT, "model": model}, cluster.key)
-                if status != 200:
-                    failures.append(status)
-            time.sleep(0.02)
-
-    worker = threading.Thread(target=traffic)
-    worker.start()
+    traffic = cluster.traffic(gw, models=("ma", "mb"))
     assert c.ctl("drain", "n1").returncode == 0
     most_starting = 0
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         rows = c.replicas()
         most_starting = max(most_starting, sum(1 for r in rows if r["node"] == "n2" and r["state"] != "ready"))
         if all(r["node"] == "n2" and r["state"] == "ready" for r in rows) and len(rows) == 2:
             break
         time.sleep(0.05)
-    time.sleep(1.0)
-    done.set()
-    worker.join()
+    traffic.more(20)  # served by the new replicas, the old ones stopping
+    assert traffic.stop() == []
     assert sorted(r["model"] for r in c.replicas() if r["node"] == "n2") == ["ma", "mb"]
     assert most_starting <= 1  # one move at a time
-    assert failures == []
     assert c.state("n1") == "draining"
+    wait_for_no_duplicates(c, cluster.agents, {"ma": 1, "mb": 1})
 
 
 def test_a_removed_models_replica_finishes_its_streams_before_it_stops(cluster, tmp_path):
@@ -389,3 +384,23 @@ def test_a_url_source_is_fetched_resumed_after_an_interruption_and_served(cluste
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_gateway_worker_waits_for_the_catalog_rather_than_answer_404(cluster, busy_machine):
+    # The gateway starts before its controller: its workers have heard no catalog yet. A request
+    # then must wait for it, not be told that the model does not exist ("Models: none yet").
+    snapshots = free_port()
+    gw = cluster.gateway(controller_port=snapshots)
+    early = {}
+    asked = threading.Thread(target=lambda: early.update(answer=post(gw.url + "/v1/chat/completions", CHAT,
+                                                                     cluster.key, timeout=150)))
+    asked.start()
+    c = cluster.controller(models=[sim_model(low=1, high=1)], controller__gateway_listen=f"127.0.0.1:{snapshots}")
+    cluster.agent("n1")
+    asked.join(timeout=150)
+    status, _, raw = early["answer"]
+    assert status == 200, raw
+    assert len(c.ready("simmy")) == 1
+    # Once the catalog is known, a name it does not hold is a 404 at once.
+    status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "nope"}, cluster.key)
+    assert status == 404 and "simmy" in json.loads(raw)["error"]["message"]
