@@ -81,8 +81,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         ring = KeyRing(curvekeys.authorised_keys(engine))
         log.info("agents authenticate with CURVE; %d node keys issued", len(ring.keys))
 
+    # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
-                  cordoned=adminapi.cordoned_nodes(engine))
+                  cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(),
+                  expected=set(ring.keys.values()) if ring is not None else None)
     try:
         catalog = Catalog(engine, cfg.models)
     except CatalogError as e:
@@ -117,6 +119,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
 
     def reconcile() -> None:
         now = time.monotonic()
+        if fleet.settling(now):
+            # Just started: a node not yet back may run replicas this controller has not heard of,
+            # and placing them again would run them twice.
+            return
         models = catalog.models()
         actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
         took = round(time.monotonic() - now, 6)
@@ -177,8 +183,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                     continue  # not ours, or garbled: nothing to act on
                 if isinstance(note, dict) and isinstance(note.get("model"), str):
                     demand.note(note["model"], time.monotonic())
-            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port),
-                                            account_server.port))
+            if not fleet.settling(time.monotonic()):
+                # Until then gateways keep the last snapshot they had, with the replicas of nodes
+                # still on their way back, rather than one that lacks them.
+                publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), int(wants_port),
+                                                account_server.port))
     finally:
         scheduler.shutdown(wait=False)
         admin.shutdown()

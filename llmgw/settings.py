@@ -155,9 +155,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Let agents connect without CURVE encryption and keys. Only for a closed test network: "
             "any machine that reaches agent_listen can then claim to be any node."),
     Setting("controller.unreachable_after", "float", 15.0,
-            "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it.", minimum=0.1),
+            "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it. Also how long a "
+            "restarted controller waits for its nodes (those with keys) to register before it places anything or "
+            "publishes a snapshot.", minimum=0.1),
     Setting("controller.lost_after", "float", 60.0,
-            "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere.", minimum=0.1),
+            "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere, and served "
+            "until their replacements are ready.", minimum=0.1),
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",

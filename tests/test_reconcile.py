@@ -99,7 +99,10 @@ def test_agent_killed_and_restarted_adopts_its_engines_with_no_failed_request(cl
     traffic = cluster.traffic(gw)
     traffic.more(5)
     a.stop(sig=signal.SIGKILL, engines=False)
-    traffic.more(5)  # served while no agent runs
+    # A slow restart (a loaded machine, a package upgrade): the node is lost before the agent is back,
+    # and its replica, whose engine still answers, stays served meanwhile.
+    wait_for("n1 lost", 20, lambda: c.state("n1") == "lost")
+    traffic.more(5)
     a.start()
     wait_for("the agent to adopt", 30, lambda: "adopted shard" in a.log())
     # Registered again, in one message, with the engine it adopted.
@@ -404,3 +407,83 @@ def test_a_gateway_worker_waits_for_the_catalog_rather_than_answer_404(cluster, 
     # Once the catalog is known, a name it does not hold is a 404 at once.
     status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "nope"}, cluster.key)
     assert status == 404 and "simmy" in json.loads(raw)["error"]["message"]
+
+
+def _one_replica_on_n1_and_traffic(cluster, **settings):
+    """A controller, n1 serving simmy's one replica, n2 empty, a gateway and a client sending."""
+    c = cluster.controller(models=[sim_model(low=1, high=1)], **settings)
+    n1 = cluster.agent("n1")
+    wait_for("a ready replica on n1", 30, lambda: [r["node"] for r in c.ready("simmy")] == ["n1"])
+    n2 = cluster.agent("n2")
+    wait_for("n2", 20, lambda: c.state("n2") == "ready")
+    gw = cluster.gateway()
+    wait_for("the gateway", 20, lambda: post(gw.url + "/v1/chat/completions", CHAT, cluster.key)[0] == 200)
+    traffic = cluster.traffic(gw)
+    traffic.more(5)
+    return c, n1, n2, c.ready("simmy")[0]["shard_id"], traffic
+
+
+def _placed_on(agent) -> list[str]:
+    """Every shard ever started on AGENT's node (each leaves its log file)."""
+    return sorted(p.stem for p in (agent.folder / "work" / "shards").glob("*.log"))
+
+
+def test_a_restarted_controller_places_nothing_until_a_late_agent_is_back(cluster, busy_machine):
+    # Nodes have 10 s to come back to a restarted controller (controller.unreachable_after).
+    c, n1, n2, original, traffic = _one_replica_on_n1_and_traffic(
+        cluster, controller__unreachable_after=10.0, controller__lost_after=20.0)
+    n1.pause()  # its agent will be late; its engine goes on answering
+    c.stop(sig=signal.SIGKILL)
+    c.start()
+    wait_for("n2 registered with the new controller", 20, lambda: c.state("n2") == "ready")
+    traffic.more(10)  # the gateways still route to n1's replica, which the controller does not know yet
+    assert c.replicas("simmy") == []
+    n1.resume()
+    wait_for("n1's replica known again", 20, lambda: [r["shard_id"] for r in c.ready("simmy")] == [original])
+    traffic.more(20)
+    assert traffic.stop() == []
+    wait_for_no_duplicates(c, cluster.agents, {"simmy": 1})
+    assert [r["shard_id"] for r in c.replicas("simmy")] == [original]
+    assert _placed_on(n2) == []  # nothing was ever started twice
+
+
+def test_a_restarted_controller_keeps_a_late_agents_replica_over_the_one_placed_meanwhile(cluster, busy_machine):
+    c, n1, n2, original, traffic = _one_replica_on_n1_and_traffic(cluster)
+    n1.pause()
+    c.stop(sig=signal.SIGKILL)
+    c.start()
+    # n1 is later than the 1 s a node has to come back: a replica is placed on n2.
+    wait_for("a replica placed on n2", 30, lambda: [r["node"] for r in c.ready("simmy")] == ["n2"])
+    duplicate = c.ready("simmy")[0]["shard_id"]
+    traffic.more(10)
+    n1.resume()
+    # Both now run; the one serving longest stays, the other is stopped, never both.
+    wait_for("the duplicate stopped", 30, lambda: n2.engines() == {})
+    traffic.more(20)
+    assert traffic.stop() == []
+    wait_for_no_duplicates(c, cluster.agents, {"simmy": 1})
+    assert [r["shard_id"] for r in c.replicas("simmy")] == [original]
+    assert _placed_on(n2) == [duplicate]
+
+
+def test_a_silent_nodes_replica_serves_until_its_replacement_is_ready(cluster, busy_machine):
+    c, n1, n2, original, traffic = _one_replica_on_n1_and_traffic(cluster)
+    n1.pause()  # silent past lost_after (2 s), its engine still answering
+    seen_lost_and_served = []
+
+    def replaced():
+        rows = {r["shard_id"]: r for r in c.replicas("simmy")}
+        if c.state("n1") == "lost" and rows.get(original, {}).get("state") == "ready":
+            seen_lost_and_served.append(True)
+        return any(r["node"] == "n2" and r["state"] == "ready" for r in rows.values())
+
+    wait_for("a replacement ready on n2", 30, replaced)
+    wait_for("the lost node's replica retired", 20, lambda: [r["node"] for r in c.replicas("simmy")] == ["n2"])
+    assert seen_lost_and_served  # the old replica stayed in the snapshot while n1 was lost
+    traffic.more(10)
+    n1.resume()  # back: its replaced engine is stopped
+    wait_for("n1's old engine stopped", 30, lambda: n1.engines() == {})
+    traffic.more(10)
+    assert traffic.stop() == []
+    wait_for_no_duplicates(c, cluster.agents, {"simmy": 1})
+    assert c.state("n1") == "ready"
