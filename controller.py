@@ -89,8 +89,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     # Each socket gateways use admits only gateway keys (or anyone, in plaintext mode).
     gateway_keys = None if plaintext else (keypair, curvekeys.GATEWAYS)
 
+    # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
-                  cordoned=adminapi.cordoned_nodes(engine))
+                  cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(),
+                  expected=set(ring.keys.values()) if ring is not None else None)
     try:
         catalog = Catalog(engine, cfg.models)
     except CatalogError as e:
@@ -124,6 +126,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
 
     def reconcile() -> None:
         now = time.monotonic()
+        if fleet.settling(now):
+            # Just started: a node not yet back may run replicas this controller has not heard of,
+            # and placing them again would run them twice.
+            return
         models = catalog.models()
         actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
         took = round(time.monotonic() - now, 6)
@@ -186,8 +192,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
             key_set = key_pusher.take()
             if key_set is not None:
                 publisher.publish_keys(key_set)
-            publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), inbox.port,
-                                            account_server.port))
+            if not fleet.settling(time.monotonic()):
+                # Until then gateways keep the last snapshot they had, with the replicas of nodes
+                # still on their way back, rather than one that lacks them.
+                publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), inbox.port,
+                                                account_server.port))
     finally:
         scheduler.shutdown(wait=False)
         admin.shutdown()

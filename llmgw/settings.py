@@ -67,8 +67,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.queue_wait", "float", 30.0,
             "Seconds a request waits for a saturated model before 429 with Retry-After.", minimum=0),
     Setting("gateway.load_wait", "float", 120.0,
-            "Seconds a request for an on-demand model waits for it to start (a stream is kept alive meanwhile); "
-            "then 503 with Retry-After.", minimum=0),
+            "Seconds a request waits for a replica of its model: an on-demand model starting or, behind a controller, "
+            "any model whose replicas are starting, moving or being replaced (a stream is kept alive meanwhile), and "
+            "a worker that has not yet heard the controller's catalog; then 503 with Retry-After.", minimum=0),
     Setting("gateway.signup_open", "bool", False,
             "Let people sign up on the pages; each new account waits for an operator's approval."),
     Setting("gateway.public_url", "str", "",
@@ -168,9 +169,12 @@ SETTINGS: tuple[Setting, ...] = (
             "any machine that reaches its sockets can then claim to be any node, publish routing snapshots to "
             "gateways, or spend and refund any budget."),
     Setting("controller.unreachable_after", "float", 15.0,
-            "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it.", minimum=0.1),
+            "Seconds without a heartbeat before a node is unreachable: nothing new is placed on it. Also how long a "
+            "restarted controller waits for its nodes (those with keys) to register before it places anything or "
+            "publishes a snapshot.", minimum=0.1),
     Setting("controller.lost_after", "float", 60.0,
-            "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere.", minimum=0.1),
+            "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere, and served "
+            "until their replacements are ready.", minimum=0.1),
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 import urllib.request
 
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status, wait_for
-from tests.conftest import ROOT, stop_process, write_config
+from tests.conftest import ROOT, post, stop_process, write_config
 
 FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agent.heartbeat_interval": 0.2,
         "agent.reconnect_max": 0.5, "controller.reconcile_interval": 0.3, "controller.base_backoff": 1.0}
@@ -95,7 +98,6 @@ class Controller:
             return resp.read().decode()
 
     def stop(self, sig=None):
-        import signal
         return stop_process(self.proc, sig or signal.SIGTERM)
 
 
@@ -141,9 +143,17 @@ class Agent:
     def engines(self) -> dict[str, int]:
         return running_engines(str(self.folder / "work"))
 
+    def pause(self):
+        """Freeze the agent (SIGSTOP): silent to the controller, while its engines go on answering."""
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, sig=None, engines=True):
         """Stop the agent; its engines outlive it unless ENGINES (what a test's clean-up wants)."""
-        import signal
+        if self.proc.poll() is None:
+            self.resume()  # a frozen agent would not hear the SIGTERM
         code = stop_process(self.proc, sig or signal.SIGTERM)
         if engines:
             for pid in self.engines().values():
@@ -152,3 +162,55 @@ class Agent:
                 except OSError:
                     pass
         return code
+
+
+class Traffic:
+    """A client sending one chat request after another through a gateway, keeping every failure.
+
+    Its timeout is longer than a gateway's `load_wait`: a request that waits for a replica is
+    a slow answer, and only an error answer (or none) is a failure.
+    """
+
+    def __init__(self, url: str, key: str, models=("simmy",)):
+        self.url, self.key, self.models = url + "/v1/chat/completions", key, models
+        self.sent = 0
+        self.failures: list = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="traffic", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.is_set():
+            for model in self.models:
+                body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+                try:
+                    status, _, raw = post(self.url, body, self.key, timeout=150)
+                except OSError as e:
+                    status, raw = None, str(e).encode()
+                self.sent += 1
+                if status != 200:
+                    self.failures.append((model, status, raw[:300]))
+            time.sleep(0.02)
+
+    def more(self, count: int, limit: float = 60) -> None:
+        """Wait until COUNT more requests have been answered."""
+        target = self.sent + count
+        wait_for(f"{count} more requests through the gateway", limit, lambda: self.sent >= target)
+
+    def stop(self) -> list:
+        """Stop sending; the failures seen."""
+        self.done.set()
+        self.thread.join(timeout=200)
+        return self.failures
+
+
+def wait_for_no_duplicates(controller: Controller, agents: list[Agent], want: dict[str, int], limit: float = 60):
+    """Wait until each model of WANT has exactly that many replicas, all ready, and the agents run
+    exactly that many engines in all: nothing runs twice, and nothing extra is left running."""
+    def settled():
+        rows = controller.replicas()
+        counts = {m: sum(1 for r in rows if r["model"] == m and r["state"] == "ready") for m in want}
+        return counts == want and len(rows) == sum(want.values()) and \
+            sum(len(a.engines()) for a in agents) == sum(want.values())
+
+    wait_for(f"exactly {want} replicas, one engine each", limit, settled, interval=0.2)

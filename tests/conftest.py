@@ -273,3 +273,13 @@ def _children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             out.add(int(pid))
     return out
+
+
+@pytest.fixture
+def busy_machine():
+    """Two processes spinning for the test's duration, as CI keeps the cores busy: a test of timing
+    across processes must hold when every process waits its turn for a CPU."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for spinner in spinners:
+        stop_process(spinner, signal.SIGKILL)

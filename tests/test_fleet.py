@@ -10,8 +10,25 @@ def test_states_age_with_silence():
     assert state(115.0) == READY
     assert state(115.1) == UNREACHABLE
     assert state(160.1) == LOST
-    assert fleet.heartbeat("n1", {"seq": 1}, b"id1", now=161.0)
-    assert state(161.0) == READY
+    # Back from lost, it must say again what it runs: its replicas may have been replaced meanwhile.
+    assert not fleet.heartbeat("n1", {"seq": 1}, b"id1", now=161.0)
+    fleet.register("n1", {"node_id": "n1"}, b"id1", now=161.5)
+    assert state(161.5) == READY
+    assert fleet.heartbeat("n1", {"seq": 2}, b"id1", now=162.0)
+
+
+def test_a_restarted_controller_settles_once_its_nodes_are_back_or_after_unreachable_after():
+    fleet = Fleet(15, 60, started=100.0, expected={"n1", "n2"})
+    fleet.register("n1", {}, b"i", 101.0)
+    assert fleet.settling(101.0)
+    fleet.register("n2", {}, b"j", 102.0)
+    assert not fleet.settling(102.0)
+    late = Fleet(15, 60, started=100.0, expected={"n1", "gone"})
+    assert late.settling(114.9) and not late.settling(115.0)
+    plaintext = Fleet(15, 60, started=100.0, expected=None)  # any node may come: wait the whole time
+    plaintext.register("n1", {}, b"i", 101.0)
+    assert plaintext.settling(114.9) and not plaintext.settling(115.0)
+    assert not Fleet(15, 60, started=100.0, expected=set()).settling(100.0)
 
 
 def test_a_heartbeat_from_an_unknown_connection_asks_for_registration():

@@ -83,10 +83,47 @@ def test_plan_replaces_replicas_of_a_lost_node_and_stops_removed_models():
     replicas = Replicas()
     replicas.report("a", {"shard_id": "m-1", "state": "ready", "model": "m"}, now=0.0)
     replicas.report("b", {"shard_id": "gone-1", "state": "ready", "model": "gone"}, now=0.0)
-    actions, _ = plan({"m": model()}, [node("a", state="lost"), node("b")], replicas, now=1.0)
+    nodes = [node("a", state="lost"), node("b")]
+    actions, _ = plan({"m": model()}, nodes, replicas, now=1.0)
     kinds = sorted((type(a).__name__, getattr(a, "shard_id", "")) for a in actions)
     assert kinds[0] == ("Start", kinds[0][1]) and ("Stop", "gone-1") in kinds
+    # Its engine may still answer: it stays served until its replacement is ready, then it is retired.
+    assert replicas.items["m-1"].state == "ready"
+    assert plan({"m": model()}, nodes, replicas, now=2.0)[0] == [] and "m-1" in replicas.items
+    replicas.report("b", {"shard_id": kinds[0][1], "state": "ready", "model": "m"}, now=3.0)
+    assert plan({"m": model()}, nodes, replicas, now=4.0)[0] == []
     assert "m-1" not in replicas.items
+    # Its node comes back, still running it: it is stopped, and never served again meanwhile.
+    replicas.registered("a", [{"shard_id": "m-1", "state": "ready", "model": "m", "url": "http://a:1"}], now=5.0)
+    assert replicas.items["m-1"].state == "stopping"
+    actions, _ = plan({"m": model()}, [node("a"), node("b")], replicas, now=6.0)
+    assert [(type(a), a.shard_id) for a in actions] == [(Stop, "m-1")]
+    replicas.report("a", {"shard_id": "m-1", "state": "stopped", "model": "m"}, now=7.0)
+    assert "m-1" not in replicas.items and replicas.retired == {}
+
+
+def test_a_late_agents_replica_and_its_duplicate_keep_the_one_serving_longest():
+    replicas = Replicas()
+    actions, _ = plan({"m": model()}, [node("b")], replicas, now=100.0)  # a's agent is not back yet
+    duplicate = actions[0].shard_id
+    replicas.report("b", {"shard_id": duplicate, "state": "ready", "model": "m", "ready_s": 0.0}, now=101.0)
+    # a's agent registers late, listing the replica it has served for an hour.
+    replicas.registered("a", [{"shard_id": "m-old", "state": "ready", "model": "m", "ready_s": 3600.0}], now=102.0)
+    actions, _ = plan({"m": model()}, [node("a"), node("b")], replicas, now=103.0)
+    assert [(type(a), a.shard_id) for a in actions] == [(Stop, duplicate)]
+    assert replicas.items["m-old"].state == "ready"
+
+
+def test_a_registration_lists_everything_the_node_runs():
+    replicas = Replicas()
+    replicas.report("a", {"shard_id": "died", "state": "ready", "model": "m"}, now=0.0)
+    replicas.report("a", {"shard_id": "kept", "state": "ready", "model": "m"}, now=0.0)
+    plan({"m": model(low=3, high=3)}, [node("a")], replicas, now=1.0)  # one more placed: pending
+    pending = [r.shard_id for r in replicas.items.values() if r.state == "pending"]
+    replicas.registered("a", [{"shard_id": "kept", "state": "ready", "model": "m"}], now=2.0)
+    # The engine that died while the agent was away is forgotten (and will be replaced); the one
+    # just placed is kept: its start may still be on its way.
+    assert sorted(replicas.items) == sorted(["kept", *pending])
 
 
 @pytest.mark.parametrize("table, words", [

@@ -89,9 +89,10 @@ class AgentServer:
             self.fleet.register(node_id, facts, identity, now)
             shards = [s for s in message.get("shards", []) if isinstance(s, dict) and "shard_id" in s and "state" in s]
             if self.replicas is not None:
-                for shard in shards:
-                    # What the node already runs: how a restarted controller learns its replicas.
-                    self._refuse_if(node_id, shard["shard_id"], self.replicas.report(node_id, shard, now))
+                # What the node runs: how a restarted controller learns its replicas, and how a restarted
+                # agent's adopted engines stay in the snapshot without a gap.
+                for shard_id, reason in self.replicas.registered(node_id, shards, now):
+                    self._refuse_if(node_id, shard_id, reason)
             log.info("node %s registered (agent %s, %s, %d shards running)", node_id, message["agent_version"],
                      message.get("address"), len(shards))
             self.send(identity, "registered", node_id=node_id, heartbeat_interval=self.heartbeat_interval)
@@ -99,7 +100,8 @@ class AgentServer:
             if self.fleet.heartbeat(node_id, message, identity, now):
                 self.send(identity, "heartbeat_ack", seq=message["seq"])
             else:
-                self.send(identity, "register_again", reason="this controller does not know the node (it restarted)")
+                self.send(identity, "register_again", reason="this controller does not know the node (it restarted), "
+                                                             "or lost it: say again what runs there")
         elif message["type"] == "shard_status":
             if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
                 self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now))

@@ -4,8 +4,14 @@ A node is `ready` while it heartbeats, `cordoned` when an operator said to
 place nothing new on it, `draining` when its replicas are being moved off, `unreachable` after `unreachable_after` seconds of
 silence (nothing is placed there) and `lost` after `lost_after` (its work is
 replaced elsewhere). States are computed from the clock when asked, never
-stored, so a silent node needs no timer to age. Thread-safe: the agent loop
-writes and the admin API reads.
+stored, so a silent node needs no timer to age. A lost node that speaks again
+must register again, so the controller learns what it still runs.
+
+A controller that has just started knows only the nodes that have registered
+since: it is `settling` until every node it expects (those with issued keys)
+has, and at most `unreachable_after`, the silence after which a node it did
+know would count as unreachable anyway. Thread-safe: the agent loop writes and
+the admin API reads.
 """
 
 from __future__ import annotations
@@ -34,12 +40,25 @@ class Node:
 
 
 class Fleet:
-    def __init__(self, unreachable_after: float, lost_after: float, cordoned: set[str] | None = None):
+    def __init__(self, unreachable_after: float, lost_after: float, cordoned: set[str] | None = None,
+                 started: float = 0.0, expected: set[str] | None = None):
+        """STARTED is when this controller started (monotonic seconds); EXPECTED the nodes that may be
+        running replicas, None when it cannot be known (plaintext: any node may connect)."""
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
         self.nodes: dict[str, Node] = {}
         self.cordoned = set(cordoned or ())
+        self.started = started
+        self.expected = expected
         self.lock = threading.RLock()
+
+    def settling(self, now: float) -> bool:
+        """True while nodes running replicas may still be on their way back to a controller that just
+        started: until every expected node has registered, for at most `unreachable_after`."""
+        if now - self.started >= self.unreachable_after:
+            return False
+        with self.lock:
+            return self.expected is None or not self.expected <= self.nodes.keys()
 
     def state(self, node: Node, now: float) -> str:
         silent = now - node.last_heard
@@ -62,10 +81,11 @@ class Fleet:
             return node
 
     def heartbeat(self, node_id: str, fields: dict, identity: bytes, now: float) -> bool:
-        """Record a heartbeat; False when the node is not known (it must register again)."""
+        """Record a heartbeat; False when the node must register again: it is not known, or was lost
+        (while it was silent, its replicas may have been replaced; its registration says what it runs)."""
         with self.lock:
             node = self.nodes.get(node_id)
-            if node is None or node.identity != identity:
+            if node is None or node.identity != identity or self.state(node, now) == LOST:
                 return False
             node.last_heard = now
             # Heartbeats carry only what changed: absent fields keep their last value.

@@ -1,14 +1,22 @@
 """Keeping the right replicas running: what the catalog asks for, against what the agents report.
 
 The controller keeps no record of replicas of its own: each one is known from
-its agent's reports (a shard status, or the shards listed at registration), so
-a restarted controller rebuilds the same view and places nothing twice. Every
-pass compares each model's live replicas with its scaling and decides what to
-start and what to stop, with reasons; it never stops a serving replica just
-because its profile changed (that replica is shown as running a stale
-profile), and after a replica fails the model waits before the next try:
-10 s, doubling, up to 5 minutes, reset once a replica is ready. The last
-failure's output is kept for the operator.
+its agent's reports (a shard status, or the shards listed at registration,
+which are all a node runs), so a restarted controller rebuilds the same view
+and places nothing twice. Every pass compares each model's live replicas with
+its scaling and decides what to start and what to stop, with reasons; it never
+stops a serving replica just because its profile changed (that replica is
+shown as running a stale profile), and after a replica fails the model waits
+before the next try: 10 s, doubling, up to 5 minutes, reset once a replica is
+ready. The last failure's output is kept for the operator.
+
+Replicas in flux stay served. A lost node's ready replicas are replaced
+elsewhere but stay in the snapshot (their engines may well still answer; a
+gateway's breaker takes out one that does not) until their replacements are
+ready; then they are retired, and stopped if their node comes back. Where two
+replicas stand for one (a late agent's, and the one placed meanwhile), the
+extra one is stopped: the one not yet ready, else the one that became ready
+last, so the replica already serving stays.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ class Replica:
     gpus: tuple[int, ...] = ()
     memory_bytes: int = 0
     fetch: dict | None = None
-    since: float = 0.0
+    since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
 
 
 @dataclasses.dataclass
@@ -72,7 +80,24 @@ class Replicas:
         self.items: dict[str, Replica] = {}
         self.failures: dict[str, Failure] = {}
         self.retry_at: dict[str, float] = {}
+        self.retired: dict[str, str] = {}  # shard id -> node id: replaced while its node was lost
+        self.orders: list[Stop] = []  # stops decided between passes, sent by the next one
         self.lock = threading.RLock()
+
+    def registered(self, node_id: str, shards: list[dict], now: float) -> list[tuple[str, str]]:
+        """Take a node's registration: SHARDS is everything it runs. A replica recorded there and not
+        listed is gone (its engine died while the agent was away), unless it was only just placed:
+        its start_shard may still be on its way. Returns (shard id, reason) for each listed shard
+        that is another node's."""
+        with self.lock:
+            listed = {s["shard_id"] for s in shards}
+            for r in [r for r in self.items.values() if r.node_id == node_id and r.shard_id not in listed]:
+                if r.state != "pending":
+                    del self.items[r.shard_id]
+            for shard_id in [k for k, v in self.retired.items() if v == node_id and k not in listed]:
+                del self.retired[shard_id]
+            refused = [(shard["shard_id"], self.report(node_id, shard, now)) for shard in shards]
+            return [(shard_id, reason) for shard_id, reason in refused if reason is not None]
 
     def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None) -> str | None:
         """Take one shard_status (or a shard listed at registration) from NODE_ID; the reason it was refused,
@@ -81,8 +106,19 @@ class Replicas:
         with self.lock:
             shard_id, state = status["shard_id"], status["state"]
             current = self.items.get(shard_id)
-            if current is not None and current.node_id != node_id:
-                return f"shard {shard_id} is placed on {current.node_id}, not on {node_id}"
+            owner = current.node_id if current is not None else self.retired.get(shard_id, node_id)
+            if owner != node_id:
+                return f"shard {shard_id} is placed on {owner}, not on {node_id}"
+            if shard_id in self.retired:
+                if state in ("failed", "stopped"):
+                    del self.retired[shard_id]
+                    self.items.pop(shard_id, None)
+                elif current is None:
+                    # Its node is back, and another replica has taken its place: stop it, out of the snapshot.
+                    self.items[shard_id] = Replica(shard_id, status.get("model", "?"), node_id, "stopping",
+                                                   url=status.get("url"), since=now)
+                    self.orders.append(Stop(shard_id, node_id, f"it was replaced while {node_id} was lost"))
+                return None
             if state in ("failed", "stopped"):
                 self.items.pop(shard_id, None)
                 if state == "failed" and status.get("model"):
@@ -104,11 +140,19 @@ class Replicas:
             if "gpus" in status:
                 current.gpus = tuple(status["gpus"])
             if state == "ready":
+                if "ready_s" in status:
+                    # The agent's own count, kept across its restarts: what tells the replica that has
+                    # served for an hour from the one placed a minute ago, whichever was heard first.
+                    current.since = now - status["ready_s"]
                 self.retry_at.pop(current.model, None)
                 failure = self.failures.get(current.model)
                 if failure is not None:
                     failure.count = 0
             return None
+
+    def retire(self, replica: Replica) -> None:
+        del self.items[replica.shard_id]
+        self.retired[replica.shard_id] = replica.node_id
 
     def claims(self) -> list[placement.Claim]:
         with self.lock:
@@ -152,15 +196,19 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
     WANTED overrides a model's count within its scaling (demand for an
     on-demand model); otherwise a model wants its minimum.
     """
-    actions: list[Start | Stop] = []
     unplaced: dict[str, dict[str, str]] = {}
-    lost = {n["node_id"] for n in nodes if n["state"] == LOST}
+    reachable = {n["node_id"] for n in nodes if n["state"] != LOST}
     # Planning and recording what was planned happen under one lock: a replica
     # decided here is a claim at once, so the next pass cannot place it twice.
     with replicas.lock:
-        for replica in [r for r in replicas.items.values() if r.node_id in lost]:
-            del replicas.items[replica.shard_id]  # its node is gone: replace it elsewhere
-        current = list(replicas.items.values())
+        actions: list[Start | Stop] = list(replicas.orders)
+        replicas.orders.clear()
+        stranded = [r for r in replicas.items.values() if r.node_id not in reachable]
+        for replica in stranded:
+            if replica.state != "ready" or replica.model not in models:
+                replicas.retire(replica)  # not serving, or not wanted: nothing to keep in the snapshot
+        stranded = [r for r in stranded if r.shard_id in replicas.items]
+        current = [r for r in replicas.items.values() if r.node_id in reachable]
         claims = replicas.claims()
         for replica in current:
             if replica.model not in models and replica.state != "stopping":
@@ -174,6 +222,11 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
             leaving = [r for r in live if r.node_id in draining]
             want = model.min_replicas if wanted is None or name not in wanted else \
                 max(model.min_replicas, min(model.max_replicas, wanted[name]))
+            # A lost node's replicas are counted as gone (so they are replaced) but stay in the
+            # snapshot until enough replacements are ready, the oldest kept longest.
+            replaced = sum(1 for r in staying if r.state == "ready")
+            for r in sorted((r for r in stranded if r.model == name), key=lambda r: r.since)[max(0, want - replaced):]:
+                replicas.retire(r)
             if len(staying) > want or (len(staying) == want and leaving and
                                        all(r.state == "ready" for r in staying)):
                 # Stop the least useful first: those on a draining node, not yet ready, the newest.

@@ -109,6 +109,7 @@ class Proxy:
         self.idle = cfg["timeouts.idle"]
         self.total = cfg["timeouts.total"]
         self.load_wait = cfg["gateway.load_wait"]
+        self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
         self.output_estimate = cfg["limits.output_estimate"]
         self.max_outstanding = cfg["routing.max_outstanding"]
         self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
@@ -135,9 +136,7 @@ class Proxy:
                 raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
             raw = self._read_body(environ)
             req = apirequest.parse(kind, raw, self.prefix_bytes)
-            model = self.rt.router.snapshot.resolve(req.model)
-            if model is None:
-                raise ApiError(404, self._unknown_model(req.model), "model_not_found", "model")
+            model = self._resolve(req.model)
             if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
                 raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
                                     f"{model.max_output}. Ask for {model.max_output} or fewer.",
@@ -254,6 +253,25 @@ class Proxy:
                            "body_too_large")
         return data
 
+    def _resolve(self, name: str) -> ModelSpec:
+        """The model NAME stands for. A worker that has not yet had the controller's catalog waits for
+        it (up to `gateway.load_wait`): 404 is for names the catalog does not hold, not for names this
+        worker has not heard of yet."""
+        deadline = time.monotonic() + self.load_wait
+        snapshot = self.rt.router.snapshot
+        while snapshot.awaiting_catalog and snapshot.resolve(name) is None and time.monotonic() < deadline:
+            gevent.sleep(LOAD_POLL)
+            snapshot = self.rt.router.snapshot
+        model = snapshot.resolve(name)
+        if model is not None:
+            return model
+        if snapshot.awaiting_catalog:
+            raise ApiError(503, f"This gateway has not heard the catalog from its controller "
+                                f"({self.rt.cfg['gateway.controller']}) in {self.load_wait:.0f} s, so it cannot "
+                                f"tell whether {name!r} exists. Retry shortly; an operator should check that the "
+                                "controller runs.", "catalog_unknown", retry_after=5)
+        raise ApiError(404, self._unknown_model(name), "model_not_found", "model")
+
     def _unknown_model(self, name: str) -> str:
         names = [n for n, _ in self.rt.router.snapshot.listed_ids()]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
@@ -275,8 +293,12 @@ class Proxy:
 
     def _forward(self, environ, start_response, path, caller, req, model, t0):
         rt = self.rt
-        if model.on_demand and not rt.router.available(model.name):
-            rt.demand(model.name)
+        # Behind a controller a model without a replica in rotation gets one soon (it is starting,
+        # moving, or being replaced), so the request waits for it; with only configured endpoints
+        # nothing would come, and the 503 is immediate.
+        if (model.on_demand or self.placed) and not rt.router.available(model.name):
+            if model.on_demand:
+                rt.demand(model.name)
             if req.stream:
                 # Headers now, then a comment every few seconds: the client sees a live
                 # stream rather than a silent socket while the model loads.
@@ -403,21 +425,24 @@ class Proxy:
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
 
-        The controller is reminded of the demand every few seconds, in case a
-        message was lost or its first try to start the model failed.
+        For an on-demand model the controller is reminded of the demand every
+        few seconds, in case a message was lost or its first try to start the
+        model failed; any other model's replicas the controller brings back
+        without being asked.
         """
         deadline = time.monotonic() + self.load_wait
         reminded = time.monotonic()
         while not self.rt.router.available(model.name) and time.monotonic() < deadline:
-            if time.monotonic() - reminded >= DEMAND_REMINDER:
+            if model.on_demand and time.monotonic() - reminded >= DEMAND_REMINDER:
                 self.rt.demand(model.name)
                 reminded = time.monotonic()
             yield
             gevent.sleep(LOAD_POLL)
 
     def _still_loading(self, model: ModelSpec) -> ApiError:
-        return ApiError(503, f"{model.name} is loading: it runs on demand and is not ready after "
-                             f"{self.load_wait:.0f} s. Retry in a minute.", "model_loading", retry_after=60)
+        why = "it runs on demand and is not ready" if model.on_demand else "no replica of it is ready"
+        return ApiError(503, f"{model.name} is loading: {why} after {self.load_wait:.0f} s. Retry in a minute.",
+                        "model_loading", retry_after=60)
 
     def _held_stream(self, environ, path, caller, req, model, t0):
         """The stream of a request for a model that is loading: comments while waiting, then the answer."""

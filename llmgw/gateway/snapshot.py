@@ -3,9 +3,10 @@
 A `Snapshot` is the catalog (models, their aliases and limits) and the
 replicas ready to serve each model. It is immutable and carries a version; a
 worker swaps in a newer one whole, so a request in progress keeps the one it
-started with. Today the snapshot is made from static configuration
-(`from_config`); the controller will send the same value, so the request path
-does not change when it does.
+started with. A worker starts from its configuration (`from_config`); behind a
+controller, that first snapshot does not hold the catalog yet, and says so, so
+that a name missing from it is waited for rather than refused (a worker that
+had not yet heard the controller answered 404 "Models: none yet").
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Snapshot:
     demand: str | None = None  # where to say a model is wanted (the controller's demand address), if anywhere
     accountant: str | None = None  # where requests are admitted against limits
     epoch: str | None = None  # the controller start that published it (None: the gateway's own configuration)
+    awaiting_catalog: bool = False  # True until the controller's first snapshot: a name missing may yet exist
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)
@@ -95,4 +97,4 @@ def from_config(cfg: Config, version: int = 1) -> Snapshot:
         for name in ep["models"]:
             models.setdefault(name, ModelSpec(name=name, created=created))
     return Snapshot(version=version, models=models, replicas=replicas,
-                    accountant=cfg.local_accountant)
+                    accountant=cfg.local_accountant, awaiting_catalog=bool(cfg["gateway.controller"]))

@@ -47,6 +47,7 @@ class Shard:
         self.exit_code: int | None = None
         self.fetch: dict | None = None
         self.detail: str | None = None
+        self.ready_at: float | None = None  # wall clock: kept in the state file, so it survives the agent
 
 
 def _alive(pid: int) -> bool:
@@ -96,7 +97,8 @@ class Supervisor:
         fields = dict(node_id=self.node_id, shard_id=shard.shard_id, state=shard.state, model=spec["model"],
                       engine=spec["engine"], port=shard.port, url=f"http://{self.address}:{shard.port}",
                       profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
-                      exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail)
+                      exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail,
+                      ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None)
         if shard.state == "failed":
             fields["last_output"] = tail(shard.log_path, LAST_LINES)
         return {k: v for k, v in fields.items() if v is not None}
@@ -104,6 +106,8 @@ class Supervisor:
     def _set(self, shard: Shard, state: str, detail: str | None = None) -> None:
         shard.state = state
         shard.detail = detail
+        if state == "ready" and shard.ready_at is None:
+            shard.ready_at = time.time()
         self._save(shard)
         self.report(self.status(shard))
         if state in ("failed", "stopped"):
@@ -156,7 +160,7 @@ class Supervisor:
                 pass
             return
         data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
-                "log_path": shard.log_path}
+                "log_path": shard.log_path, "ready_at": shard.ready_at}
         tmp = self._state_path(shard.shard_id) + ".tmp"
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -183,6 +187,7 @@ class Supervisor:
             shard = Shard(data["spec"], data["port"], data["log_path"])
             shard.pid = pid
             shard.state = data["state"] if data["state"] in ("starting", "ready") else "starting"
+            shard.ready_at = data.get("ready_at") if shard.state == "ready" else None
             with self.lock:
                 self.shards[shard.shard_id] = shard
             adopted.append(shard.shard_id)
