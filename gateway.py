@@ -79,9 +79,11 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     metrics_dir = tempfile.mkdtemp(prefix="llmgw-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
+        from llmgw.control import standin
         from llmgw.gateway.server import GatewayServer
+        from llmgw.people import keys
 
-        GatewayServer(cfg).run()
+        GatewayServer(cfg, key_source=keys, standin=standin.run).run()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 

@@ -210,7 +210,7 @@ def time_usage_page(url: str) -> list[float]:
     accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     accounts.session_secret(engine)
     engine.dispose()
-    app = GatewayApp(settings.load(None, {"store.url": url}))
+    app = GatewayApp(settings.load(None, {"store.url": url}), key_source=keys)
     client = app.pages.test_client()
     page = client.get("/login").data
     csrf = re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()

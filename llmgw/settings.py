@@ -249,6 +249,9 @@ class Config:
         # from gateway.key_file by gateway.py; for the master's own accountant, made by the master.
         self.controller_keys = None
         self.local_accountant_keys = None
+        # The controller's latest snapshot and keys as the gateway's master heard them ("snapshot", "keys"):
+        # what a worker forked later starts from.
+        self.last_word: dict[str, dict] = {}
 
     def public_url(self) -> str:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""

@@ -12,7 +12,7 @@ import pytest
 
 from llmgw import settings, store
 from llmgw.apiguard import HostCheck, bearer_matches
-from llmgw.people import accounts
+from llmgw.people import accounts, keys
 from llmgw.procs import free_port, http_status, wait_for
 from tests.cluster import Controller
 from tests.conftest import ROOT, stop_process, write_config
@@ -110,7 +110,7 @@ def test_the_cluster_page_says_when_it_has_no_token(controller, tmp_path):
               "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}"}
     for keys_dir, shown in ((str(tmp_path / "none"), "wants its token"),
                             (controller.values["controller.keys_dir"], "Nothing needs attention.")):
-        app = GatewayApp(settings.load(None, {**common, "controller.keys_dir": keys_dir}))
+        app = GatewayApp(settings.load(None, {**common, "controller.keys_dir": keys_dir}), key_source=keys)
         try:
             client = app.pages.test_client()
             sign_in(client, "root@example.org", PASSWORD)

@@ -11,6 +11,7 @@ import pytest
 
 from llmgw.node import doctor
 from llmgw.node.doctor import FAIL, OK, WARN
+from llmgw.people import keys
 from llmgw.procs import free_port
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, wait_until, write_config
@@ -175,7 +176,7 @@ def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
     accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     app = GatewayApp(settings.load(None, {"store.url": url, "gateway.controller": f"127.0.0.1:{c.gateway_port}",
                                           "gateway.controller_admin": f"127.0.0.1:{c.admin_port}",
-                                          "controller.keys_dir": c.values["controller.keys_dir"]}))
+                                          "controller.keys_dir": c.values["controller.keys_dir"]}), key_source=keys)
     try:
         wait_until("the node to register", 20, lambda: "n1" in c.nodes())
         warnings = c.nodes()["n1"]["facts"]["doctor"]["warnings"]

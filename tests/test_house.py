@@ -38,17 +38,9 @@ MUST_NOT = {
 }
 # Top-level modules that a package may not import although they are top-level.
 NOT_THE_STORE = {"node", "mirror", "engines", "wire"}
-# Crossings that exist today and are on their way out, each with the reason it is still here.
-# A gateway in router-only mode (no controller) still reads keys from the store, and its gunicorn
-# master hosts the accountant and the usage roll-ups itself; both go when keys reach gateways over
-# the wire and the role file hands the master its stand-in accountant.
+# Crossings allowed although they cross a rule, each with its reason.
 KNOWN = {
-    ("llmgw.gateway.worker", "llmgw.people.keys"),
-    ("llmgw.gateway.server", "llmgw.control.accountant"),
-    ("llmgw.gateway.server", "llmgw.control.accountserver"),
-    ("llmgw.gateway.server", "llmgw.people.rollup"),
-    ("llmgw.gateway.server", "llmgw.control.curvekeys"),
-    ("llmgw.top.__main__", "llmgw.cli.main"),
+    ("llmgw.top.__main__", "llmgw.cli.main"),  # `python -m llmgw` is the command line
 }
 
 

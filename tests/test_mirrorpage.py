@@ -24,7 +24,7 @@ from llmgw.gateway.webapp import GatewayApp
 from llmgw.mirror.fetch import Manager
 from llmgw.mirror.server import Allowed, api_app, files_app
 from llmgw.mirror.store import MirrorDir
-from llmgw.people import accounts
+from llmgw.people import accounts, keys
 from llmgw.procs import free_port, http_status, wait_for
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
@@ -101,7 +101,7 @@ def rig(tmp_path):
                                "mirror.hf_endpoint": registry.url,
                                "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
                                "controller.keys_dir": controller.values["controller.keys_dir"]})
-    app = GatewayApp(cfg)
+    app = GatewayApp(cfg, key_source=keys)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
     yield client, manager, controller, base, f"127.0.0.1:{api.server_port}"
@@ -170,7 +170,7 @@ def test_an_unreachable_mirror_is_said_outright(tmp_path):
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
     app = GatewayApp(settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{free_port()}",
-                                          "gateway.controller_admin": f"127.0.0.1:{free_port()}"}))
+                                          "gateway.controller_admin": f"127.0.0.1:{free_port()}"}), key_source=keys)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
     page = client.get("/admin/mirror").data.decode()

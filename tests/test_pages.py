@@ -19,7 +19,7 @@ def site(tmp_path):
     accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "gateway.signup_open": True, "gateway.contact": "ops@example.org",
                                "gateway.trusted_proxies": ["127.0.0.1"]})
-    app = GatewayApp(cfg)
+    app = GatewayApp(cfg, key_source=keys)
     app.pages.testing = True
     yield app.pages, engine, app
     app.runtime.engine.dispose()
@@ -155,7 +155,7 @@ def test_sign_up_closed_says_whom_to_ask(tmp_path):
     url = f"sqlite:///{tmp_path}/closed.db"
     engine = store.open_store(url)
     cfg = settings.load(None, {"store.url": url, "gateway.contact": "ops@example.org"})
-    app = GatewayApp(cfg)
+    app = GatewayApp(cfg, key_source=keys)
     page = app.pages.test_client().get("/signup")
     assert page.status_code == 404 and b"ops@example.org" in page.data
     app.runtime.engine.dispose()
@@ -221,7 +221,7 @@ def test_model_and_project_names_are_shown_inert(tmp_path):
     cfg = settings.load(None, {"store.url": url})
     cfg.models.append({"name": "<img src=x onerror=alert(1)>", "description": "<script>alert(2)</script>"})
     cfg.endpoints.append({"id": "e", "url": "http://127.0.0.1:9", "models": ["<img src=x onerror=alert(1)>"]})
-    app = GatewayApp(cfg)
+    app = GatewayApp(cfg, key_source=keys)
     client = app.pages.test_client()
     for path in ("/",):
         page = client.get(path).data.decode()

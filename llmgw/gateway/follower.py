@@ -39,11 +39,11 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                     epoch=body.get("epoch"))
 
 
-def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys) -> None:
+def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=None) -> None:
     """Run forever: ON_SNAPSHOT(message) and ON_KEYS(message) for each message the controller at ADDRESS
     publishes, checked against its schema. With KEYS, only a publisher holding the controller's secret key
-    is heard."""
-    context = zmq.Context.instance()
+    is heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread."""
+    context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)

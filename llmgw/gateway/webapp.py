@@ -21,8 +21,9 @@ NOT_READY = b"not ready: no replica is in rotation\n"
 
 
 class GatewayApp:
-    def __init__(self, cfg: Config):
-        self.runtime = Runtime(cfg, from_config(cfg), store.open_engine(cfg["store.url"]))
+    def __init__(self, cfg: Config, key_source):
+        """KEY_SOURCE reads keys from the store (llmgw.people.keys, handed in by gateway.py)."""
+        self.runtime = Runtime(cfg, from_config(cfg), store.open_engine(cfg["store.url"]), key_source)
         self.proxy = Proxy(self.runtime)
         self.pages = pages.create_app(self.runtime)
         self.proxies = TrustedProxies(cfg["gateway.trusted_proxies"])

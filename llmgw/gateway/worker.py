@@ -25,7 +25,6 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.snapshot import Snapshot
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
 from llmgw.gateway.usage import UsageRecorder
-from llmgw.people import keys
 from llmgw.settings import Config
 from llmgw.wire import gateways
 from llmgw.wire.curve import dial
@@ -38,15 +37,16 @@ USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any i
 
 
 class Runtime:
-    def __init__(self, cfg: Config, snapshot: Snapshot, engine: Engine):
+    def __init__(self, cfg: Config, snapshot: Snapshot, engine: Engine, key_source):
         self.cfg = cfg
         self.engine = engine
+        self.key_source = key_source
         self.metrics = GatewayMetrics()
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
                              cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target)
         self.pool = Pool(cfg["timeouts.connect"])
         # Read once at start; then pushed by the controller, or (without one) read again when they change.
-        self.keys = KeyTable.from_message(keys.key_set(engine))
+        self.keys = KeyTable.from_message(key_source.key_set(engine))
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
                                cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
@@ -105,13 +105,25 @@ class Runtime:
 
             base, host = self.router.snapshot, self.cfg["gateway.controller"].rpartition(":")[0] or "127.0.0.1"
 
+            def on_snapshot(body: dict) -> None:
+                self.apply(from_controller(body, base, host))
+
             def on_keys(message: dict) -> None:
                 # Repeats of what is held already cost a comparison, not a rebuild.
                 if message["revision"] != self.keys.revision or message["epoch"] != self.keys.epoch:
                     self.apply_keys(KeyTable.from_message(message))
 
+            # A worker that replaces a crashed one starts from what the master heard last, at once.
+            last = self.cfg.last_word
+            if "snapshot" in last:
+                on_snapshot(last["snapshot"])
+            if "keys" in last:
+                on_keys(last["keys"])
+            if last:
+                log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
+                         last.get("snapshot", {}).get("version"), last.get("keys", {}).get("revision"))
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
-                                               lambda body: self.apply(from_controller(body, base, host)), on_keys))
+                                               on_snapshot, on_keys))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
@@ -139,8 +151,8 @@ class Runtime:
             gevent.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     def refresh_keys(self) -> None:
-        if keys.current_revision(self.engine) != self.keys.revision:
-            self.keys = KeyTable.from_message(keys.key_set(self.engine))
+        if self.key_source.current_revision(self.engine) != self.keys.revision:
+            self.keys = KeyTable.from_message(self.key_source.key_set(self.engine))
 
     def watch_replicas(self) -> None:
         states = list(self.router.states.values())

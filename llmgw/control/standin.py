@@ -1,0 +1,43 @@
+"""What a gateway's master runs when no controller is followed: the accountant its workers share, and roll-ups.
+
+Imported only by `gateway.py`, which hands `run` to the gateway's gunicorn
+master; it runs there in threads, before any worker is forked.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from llmgw import store
+from llmgw.control.accountant import Accountant
+from llmgw.control.accountserver import AccountServer
+from llmgw.control.curvekeys import Authenticator, KeyRing
+from llmgw.people.rollup import Roller
+from llmgw.settings import Config
+from llmgw.wire.curve import ClientKeys
+
+log = logging.getLogger("llmgw.standin")
+
+
+def run(cfg: Config) -> None:
+    """Without a controller, the master holds the accountant, so its workers share every limit, and
+    rolls up usage. It runs before any worker is forked; each worker learns the accountant's address
+    from the configuration it inherits."""
+    accountant = Accountant()
+    engine = store.open_engine(cfg["store.url"])
+    accountant.restore(engine)
+    # Nobody else sums usage without a controller; the master's thread does, on its own engine.
+    Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
+    # CURVE with keys made now and known only to this master and the workers it forks: no other process on
+    # the machine can spend, refund or read a pool, loopback or not.
+    server_keys, worker_keys = zmq.curve_keypair(), zmq.curve_keypair()
+    context = zmq.Context()
+    Authenticator(context, {"llmgw-workers": KeyRing({worker_keys[0]: "workers"}, "gateway worker")}).start()
+    server = AccountServer(accountant, cfg["gateway.accountant_listen"], context,
+                           (server_keys, "llmgw-workers")).start()
+    cfg.local_accountant_keys = ClientKeys(server_keys[0], *worker_keys)
+    host = cfg["gateway.accountant_listen"].rpartition(":")[0] or "127.0.0.1"
+    cfg.local_accountant = f"{'127.0.0.1' if host in ('*', '0.0.0.0') else host}:{server.port}"
+    log.info("the accountant for this gateway's limits is on %s", cfg.local_accountant)
