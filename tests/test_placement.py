@@ -1,16 +1,19 @@
 import pytest
 
 from llmgw.control import catalog, placement
+from llmgw.control.fleet import Fleet, NodeView, node_facts
 from llmgw.control.reconciler import Replicas, Start, Stop, plan
 
 GiB = 1024 ** 3
 
 
-def node(node_id, state="ready", engines=("sim", "llamacpp"), gpus=(), memory_gb=64, labels=None):
-    return {"node_id": node_id, "state": state,
-            "facts": {"engines": {e: "1" for e in engines}, "engines_probed": True, "labels": labels or {},
-                      "memory": {"total_bytes": memory_gb * GiB},
-                      "gpus": [{"index": i, "class": c, "health": "ok"} for i, c in enumerate(gpus)]}}
+def node(node_id, state="ready", engines=("sim", "llamacpp"), gpus=(), memory_gb=64, labels=None,
+         engines_probed=True, status=None, **registration):
+    """A node as the fleet describes it, from the registration (and heartbeat STATUS) it would send."""
+    registration = {"engines": {e: "1" for e in engines}, "engines_probed": engines_probed, "labels": labels or {},
+                    "memory": {"total_bytes": memory_gb * GiB},
+                    "gpus": [{"index": i, "class": c, "health": "ok"} for i, c in enumerate(gpus)], **registration}
+    return NodeView(node_id, state, 0.0, 0.0, node_facts(registration, status or {}))
 
 
 def model(name="m", low=1, high=1, **profile):
@@ -19,9 +22,8 @@ def model(name="m", low=1, high=1, **profile):
 
 
 def test_every_refusal_has_a_reason():
-    nodes = [node("down", state="unreachable"), node("old", engines=()), node("cpu"),
+    nodes = [node("down", state="unreachable"), node("old", engines=(), engines_probed=False), node("cpu"),
              node("r2", gpus=["h100-80g"], labels={"rack": "r2"}), node("small", gpus=["l40s-45g"] * 2, memory_gb=8)]
-    nodes[1]["facts"]["engines_probed"] = False
     m = model(gpu_class="h100-80g", gpus=1, node_selector={"rack": "r1"}, min_memory_gb=16)
     decision, reasons = placement.place(m, nodes, [])
     assert decision is None
@@ -151,10 +153,35 @@ def test_fingerprint_follows_what_changes_the_engine():
 def test_a_node_without_disk_for_the_download_is_skipped():
     m = catalog.parse_model({"name": "m", "source": "http://mirror/m.gguf", "size_bytes": 50 * GiB,
                              "profiles": [{"engine": "sim"}]})
-    small, big = node("small"), node("big")
-    small["facts"]["disk"] = {"free_bytes": 20 * GiB}
-    big["facts"]["disk"] = {"free_bytes": 20 * GiB}
-    big["status"] = {"disk": {"free_bytes": 200 * GiB}}  # the latest heartbeat wins over registration
+    small = node("small", disk={"free_bytes": 20 * GiB})
+    # The latest heartbeat wins over registration.
+    big = node("big", disk={"free_bytes": 20 * GiB}, status={"disk": {"free_bytes": 200 * GiB}})
     decision, reasons = placement.place(m, [small, big], [])
     assert decision.node_id == "big"
     assert reasons["small"] == "needs 50.0 GiB of disk for the weights, 20.0 GiB free in its weights directory"
+
+
+def test_a_gpu_that_fails_after_registration_is_no_longer_offered():
+    fleet = Fleet(15, 60)
+    fleet.register("a", {"node_id": "a", "engines": {"sim": "1"}, "engines_probed": True,
+                         "memory": {"total_bytes": 64 * GiB},
+                         "gpus": [{"index": i, "class": "h100-80g", "health": "ok"} for i in (0, 1)]}, b"a", 0.0)
+    two = model(gpu_class="h100-80g", gpus=2)
+    assert placement.place(two, fleet.describe(1.0), [])[0].gpus == (0, 1)
+    # A heartbeat speaks for the cards it names: GPU 0 keeps its health, GPU 1 has failed since.
+    fleet.heartbeat("a", {"seq": 1, "gpus": [{"index": 1, "memory_used_bytes": 0, "health": "failed"}]}, b"a", 5.0)
+    nodes = fleet.describe(5.0)
+    assert [(g.index, g.health, g.gpu_class) for g in nodes[0].facts.gpus] == [(0, "ok", "h100-80g"),
+                                                                              (1, "failed", "h100-80g")]
+    decision, _ = placement.place(model(gpu_class="h100-80g", gpus=1), nodes, [])
+    assert decision.gpus == (0,)
+    decision, reasons = placement.place(two, nodes, [])
+    assert decision is None and reasons == {"a": "needs 2 x h100-80g, 1 free of 2; GPU 1 is unhealthy (failed)"}
+    # Held by a replica, GPU 0 is not free either; a card whose health was never said is not offered.
+    held = [placement.Claim("a", "other", 0, (0,))]
+    assert placement.place(model(gpus=1), nodes, held)[1] == {"a": "needs 1 x any GPU, 0 free of 2; "
+                                                                     "GPU 1 is unhealthy (failed)"}
+    quiet = NodeView("q", "ready", 0.0, 0.0, node_facts({"engines": {"sim": "1"}, "engines_probed": True,
+                                                         "gpus": [{"index": 0, "class": "h100-80g"}]}, {}))
+    assert placement.place(model(gpus=1), [quiet], [])[1] == {"q": "needs 1 x any GPU, 0 free of 1; "
+                                                                   "GPU 0's health is not known"}

@@ -171,7 +171,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.get("/api/v1/nodes/<node_id>/logs")
     def logs(node_id):
-        if node_id not in {n["node_id"] for n in fleet.describe(time.monotonic())}:
+        if node_id not in {n.node_id for n in fleet.describe(time.monotonic())}:
             return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
         lines = request.args.get("lines", "200")
         fields = {"lines": int(lines) if lines.isdigit() else 200}
@@ -187,7 +187,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     @app.get("/api/v1/status")
     def status():
         nodes = fleet.describe(time.monotonic())
-        counts = {state: sum(1 for n in nodes if n["state"] == state) for state in STATES}
+        counts = {state: sum(1 for n in nodes if n.state == state) for state in STATES}
         rows = replica_rows()
         models_ = catalog.models()
         serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
@@ -199,7 +199,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.get("/api/v1/nodes")
     def nodes():
-        return jsonify({"nodes": fleet.describe(time.monotonic())})
+        return jsonify({"nodes": [n.to_dict() for n in fleet.describe(time.monotonic())]})
 
     @app.post("/api/v1/nodes/<node_id>/cordon")
     def cordon(node_id):

@@ -12,6 +12,12 @@ since: it is `settling` until every node it expects (those with issued keys)
 has, and at most `unreachable_after`, the silence after which a node it did
 know would count as unreachable anyway. Thread-safe: the agent loop writes and
 the admin API reads.
+
+What a node said about itself reaches placement, metrics and the admin API as
+typed facts (`NodeFacts`, `Gpu`), built in one place (`node_facts`) from its
+registration and the latest of each heartbeat field since: the latest heartbeat
+wins, so a GPU that fails after registration is seen failed. A figure the node
+never sent is None, never a default.
 """
 
 from __future__ import annotations
@@ -21,6 +27,102 @@ import threading
 
 READY, CORDONED, DRAINING, UNREACHABLE, LOST = "ready", "cordoned", "draining", "unreachable", "lost"
 STATES = (READY, CORDONED, DRAINING, UNREACHABLE, LOST)
+# The one `health` value the agent's discovery writes for a card that works (llmgw/node/discovery.py).
+HEALTHY = "ok"
+# A heartbeat's envelope, not something the node says about itself.
+_ENVELOPE = ("v", "type", "node_id", "seq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """One GPU as its node last reported it; None where the node has not said."""
+    index: int
+    gpu_class: str | None  # `class` on the wire, such as `h100-80g`
+    name: str | None
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    utilization_percent: float | None
+    health: str | None
+
+    @property
+    def healthy(self) -> bool:
+        """Only a card last reported healthy counts as one: an unknown health is not a good one."""
+        return self.health == HEALTHY
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFacts:
+    """What a node has said about itself, the newest word on each; None where it has not said."""
+    registration: dict  # the registration, as the node sent it (the admin API shows it as is)
+    status: dict  # the latest of each heartbeat field, as sent (GPUs merged by index)
+    labels: dict | None
+    engines: dict | None  # engine -> version; None until the node has said which engines it runs
+    gpus: tuple[Gpu, ...] | None  # None when the GPU probe failed or was never run
+    cpu_count: int | None
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    disk_total_bytes: int | None
+    disk_free_bytes: int | None
+    load1: float | None
+    cpu_percent: float | None
+    shard_loads: list[dict] | None  # per engine, as the agent measured it (`load.shards`)
+
+
+def _by_index(gpus: list) -> dict:
+    # A GPU without an index cannot be matched to a card, nor given to an engine: it is left out.
+    return {g["index"]: g for g in gpus if isinstance(g, dict) and "index" in g}
+
+
+def _merge_gpus(before: list, reported: list) -> list:
+    """The latest of each GPU's fields: a heartbeat's `gpus` speak for the cards they name, by index."""
+    merged = _by_index(before)
+    for index, gpu in _by_index(reported).items():
+        merged[index] = {**merged.get(index, {}), **gpu}
+    return [merged[i] for i in sorted(merged)]
+
+
+def _gpu(index: int, g: dict) -> Gpu:
+    return Gpu(index=index, gpu_class=g.get("class"), name=g.get("name"),
+               memory_total_bytes=g.get("memory_total_bytes"), memory_used_bytes=g.get("memory_used_bytes"),
+               utilization_percent=g.get("utilization_percent"), health=g.get("health"))
+
+
+def node_facts(registration: dict, status: dict) -> NodeFacts:
+    """The typed facts of a node from its REGISTRATION's fields and STATUS, the latest of each heartbeat
+    field since (a heartbeat's value wins over the registration's: it is newer)."""
+    memory = {**registration.get("memory", {}), **status.get("memory", {})}
+    disk = {**registration.get("disk", {}), **status.get("disk", {})}
+    load = status.get("load", {})
+    if "engines" in status:
+        engines = status["engines"]
+    else:  # a registration's table is an answer only where the agent says it looked (old agents did not)
+        engines = registration.get("engines") if registration.get("engines_probed") else None
+    gpus = None
+    if registration.get("gpus") is not None:
+        # The registration says which cards there are; heartbeats say how each is doing now.
+        latest = _by_index(status.get("gpus", []))
+        gpus = tuple(_gpu(index, {**reported, **latest.get(index, {})})
+                     for index, reported in sorted(_by_index(registration["gpus"]).items()))
+    return NodeFacts(registration=registration, status=status, labels=registration.get("labels"),
+                     engines=engines, gpus=gpus, cpu_count=registration.get("cpu", {}).get("count"),
+                     memory_total_bytes=memory.get("total_bytes"), memory_available_bytes=memory.get("available_bytes"),
+                     disk_total_bytes=disk.get("total_bytes"), disk_free_bytes=disk.get("free_bytes"),
+                     load1=load.get("load1"), cpu_percent=load.get("cpu_percent"), shard_loads=load.get("shards"))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeView:
+    """One node as `Fleet.describe` shows it at one moment."""
+    node_id: str
+    state: str
+    last_heard_s: float
+    registered_s: float
+    facts: NodeFacts
+
+    def to_dict(self) -> dict:
+        """The admin API's JSON for the node (`llmgw ctl nodes`, the cluster page): the messages as sent."""
+        return {"node_id": self.node_id, "state": self.state, "last_heard_s": self.last_heard_s,
+                "registered_s": self.registered_s, "facts": self.facts.registration, "status": self.facts.status}
 
 
 class FleetError(Exception):
@@ -75,7 +177,8 @@ class Fleet:
             node = Node(node_id, facts, identity, now, now, cordoned=node_id in self.cordoned)
             previous = self.nodes.get(node_id)
             if previous is not None:
-                node.status = previous.status
+                # Its earlier heartbeats are older than this registration (a GPU they called failed may
+                # be back), so they are not kept: the agent sends every field again in its next one.
                 node.draining = previous.draining
             self.nodes[node_id] = node
             return node
@@ -89,7 +192,9 @@ class Fleet:
                 return False
             node.last_heard = now
             # Heartbeats carry only what changed: absent fields keep their last value.
-            node.status.update((k, v) for k, v in fields.items() if k not in ("v", "type", "node_id", "seq"))
+            for key, value in fields.items():
+                if key not in _ENVELOPE:
+                    node.status[key] = _merge_gpus(node.status.get("gpus", []), value) if key == "gpus" else value
             return True
 
     def set_cordon(self, node_id: str, cordoned: bool) -> None:
@@ -121,10 +226,10 @@ class Fleet:
                                  "can be removed. Stop its agent first.")
             del self.nodes[node_id]
 
-    def describe(self, now: float) -> list[dict]:
-        """Every node as the admin API shows it: state, seconds since heard, facts, latest status."""
+    def describe(self, now: float) -> list[NodeView]:
+        """Every node, by id: state, seconds since heard and since registered, and its facts."""
         with self.lock:
             nodes = sorted(self.nodes.values(), key=lambda n: n.node_id)
-            return [{"node_id": n.node_id, "state": self.state(n, now), "last_heard_s": round(now - n.last_heard, 1),
-                     "registered_s": round(now - n.registered_at, 1), "facts": n.facts, "status": dict(n.status)}
+            return [NodeView(n.node_id, self.state(n, now), round(now - n.last_heard, 1),
+                             round(now - n.registered_at, 1), node_facts(n.facts, dict(n.status)))
                     for n in nodes]

@@ -53,20 +53,17 @@ class FleetCollector:
         shard_kv = GaugeMetricFamily("llmgw_shard_kv_cache_usage", "An engine's KV cache use, 0 to 1, where it reports it.",
                                      labels=["node", "shard"])
         for n in nodes:
-            node = n["node_id"]
+            node, facts = n.node_id, n.facts
             for state in STATES:
-                up.add_metric([node, state], 1.0 if n["state"] == state else 0.0)
-            seen.add_metric([node], n["last_heard_s"])
-            facts, status = n["facts"], n["status"]
-            if "count" in facts.get("cpu", {}):
-                cpus.add_metric([node], facts["cpu"]["count"])
-            memory = {**facts.get("memory", {}), **status.get("memory", {})}
-            if "total_bytes" in memory:
-                mem_total.add_metric([node], memory["total_bytes"])
-            if "available_bytes" in memory:
-                mem_avail.add_metric([node], memory["available_bytes"])
-            node_load = status.get("load", {})
-            for shard in node_load.get("shards", []):
+                up.add_metric([node, state], 1.0 if n.state == state else 0.0)
+            seen.add_metric([node], n.last_heard_s)
+            for family, value in ((cpus, facts.cpu_count), (mem_total, facts.memory_total_bytes),
+                                  (mem_avail, facts.memory_available_bytes), (load, facts.load1),
+                                  (cpu_util, facts.cpu_percent), (disk_free, facts.disk_free_bytes),
+                                  (disk_total, facts.disk_total_bytes)):
+                if value is not None:
+                    family.add_metric([node], value)
+            for shard in facts.shard_loads or []:
                 if "cpu_cores" in shard:
                     shard_cpu.add_metric([node, shard["shard_id"]], shard["cpu_cores"])
                 if "memory_rss_bytes" in shard:
@@ -74,26 +71,13 @@ class FleetCollector:
                 for family, field in ((shard_waiting, "waiting"), (shard_running, "running"), (shard_kv, "kv_cache")):
                     if field in shard:
                         family.add_metric([node, shard["shard_id"]], shard[field])
-            if "load1" in node_load:
-                load.add_metric([node], node_load["load1"])
-            if "cpu_percent" in node_load:
-                cpu_util.add_metric([node], node_load["cpu_percent"])
-            disk = {**facts.get("disk", {}), **status.get("disk", {})}
-            if "free_bytes" in disk:
-                disk_free.add_metric([node], disk["free_bytes"])
-            if "total_bytes" in disk:
-                disk_total.add_metric([node], disk["total_bytes"])
-            used = {g["index"]: g for g in status.get("gpus", []) if isinstance(g, dict) and "index" in g}
-            for gpu in facts.get("gpus", []):
-                index = str(gpu.get("index"))
-                current = {**gpu, **used.get(gpu.get("index"), {})}
-                if "memory_total_bytes" in current:
-                    gpu_total.add_metric([node, index], current["memory_total_bytes"])
-                if "memory_used_bytes" in current:
-                    gpu_mem.add_metric([node, index], current["memory_used_bytes"])
-                if "utilization_percent" in current:
-                    gpu_util.add_metric([node, index], current["utilization_percent"])
-                gpu_ok.add_metric([node, index], 1.0 if current.get("health") == "ok" else 0.0)
+            for gpu in facts.gpus or ():
+                index = str(gpu.index)
+                for family, value in ((gpu_total, gpu.memory_total_bytes), (gpu_mem, gpu.memory_used_bytes),
+                                      (gpu_util, gpu.utilization_percent)):
+                    if value is not None:
+                        family.add_metric([node, index], value)
+                gpu_ok.add_metric([node, index], 1.0 if gpu.healthy else 0.0)
         yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
                     gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem, shard_waiting, shard_running, shard_kv)
         yield from self._replica_families()

@@ -5,7 +5,8 @@ placed, and returns a decision or the reasons. A node is a candidate for a
 profile only if it is ready (not cordoned, unreachable or lost), has the
 profile's engine installed and seen to run, carries every label the profile
 selects on, has enough GPUs of the profile's class free (indices not held by
-another replica), and enough memory not already claimed by replicas placed
+another replica, and healthy in the node's latest report: a card that fails
+after registration is not offered), and enough memory not already claimed by replicas placed
 there: a claim counts from the moment of placement, so two models are never
 given the same memory between two heartbeats. Profiles are tried by priority;
 among candidates, the node with the fewest replicas of this model wins (spread),
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from llmgw.control.catalog import Model, Profile
-from llmgw.control.fleet import READY
+from llmgw.control.fleet import READY, NodeView
 
 GiB = 1024 ** 3
 
@@ -49,68 +50,74 @@ def _by_node(claims: list[Claim]) -> dict[str, list[Claim]]:
     return held
 
 
-def _refusal(node: dict, profile: Profile, held: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
+def _unclaimed(node: NodeView, held: list[Claim]) -> int | None:
+    total = node.facts.memory_total_bytes
+    return None if total is None else total - sum(c.memory_bytes for c in held)
+
+
+def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
     """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE, else (reason, ())."""
-    if node["state"] != READY:
-        return f"node is {node['state']}", ()
-    facts = node["facts"]
-    engines = facts.get("engines")
-    if not facts.get("engines_probed") or engines is None:
+    if node.state != READY:
+        return f"node is {node.state}", ()
+    facts = node.facts
+    if facts.engines is None:
         return "the node has not said which engines it runs (an old agent?)", ()
-    if profile.engine not in engines:
-        installed = ", ".join(sorted(engines)) or "none"
+    if profile.engine not in facts.engines:
+        installed = ", ".join(sorted(facts.engines)) or "none"
         return f"engine {profile.engine} is not installed there (installed: {installed})", ()
-    labels = facts.get("labels") or {}
+    labels = facts.labels or {}
     for key, value in profile.node_selector:
         if labels.get(key) != value:
             return f"label {key}={value} wanted, node has {key}={labels.get(key, '(unset)')}", ()
     gpus: tuple[int, ...] = ()
     if profile.gpus:
-        known = facts.get("gpus")
-        if known is None:
+        if facts.gpus is None:
             return "the node's GPUs are not known (its GPU probe failed)", ()
         taken = {i for c in held for i in c.gpus}
-        fitting = [g for g in known if profile.gpu_class in (None, g.get("class"))]
-        free = [g["index"] for g in fitting if g["index"] not in taken and g.get("health", "ok") == "ok"]
+        fitting = [g for g in facts.gpus if profile.gpu_class in (None, g.gpu_class)]
+        free = [g.index for g in fitting if g.index not in taken and g.healthy]
         if len(free) < profile.gpus:
             wanted = f"{profile.gpus} x {profile.gpu_class or 'any GPU'}"
-            return f"needs {wanted}, {len(free)} free of {len(fitting)}", ()
+            # Name the cards left out for their health: the operator's next step is on that card.
+            unwell = "".join(f"; GPU {g.index}'s health is not known" if g.health is None
+                             else f"; GPU {g.index} is unhealthy ({g.health})" for g in fitting if not g.healthy)
+            return f"needs {wanted}, {len(free)} free of {len(fitting)}{unwell}", ()
         gpus = tuple(sorted(free)[:profile.gpus])
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
     if model.size_bytes and model.source.startswith(("http://", "https://")):
-        free = {**facts.get("disk", {}), **node.get("status", {}).get("disk", {})}.get("free_bytes")
+        free = facts.disk_free_bytes
         if free is not None and free < model.size_bytes:
             return (f"needs {model.size_bytes / GiB:.1f} GiB of disk for the weights, "
                     f"{free / GiB:.1f} GiB free in its weights directory"), ()
-    total = facts.get("memory", {}).get("total_bytes")
     need = memory_claim(profile)
     if need:
-        if total is None:
+        unclaimed = _unclaimed(node, held)
+        if unclaimed is None:
             return "the node's memory is not known", ()
-        claimed = sum(c.memory_bytes for c in held)
-        if total - claimed < need:
-            return (f"needs {need / GiB:.1f} GiB of memory, {max(0, total - claimed) / GiB:.1f} GiB unclaimed "
+        if unclaimed < need:
+            total = facts.memory_total_bytes
+            return (f"needs {need / GiB:.1f} GiB of memory, {max(0, unclaimed) / GiB:.1f} GiB unclaimed "
                     f"of {total / GiB:.1f} GiB"), ()
     return None, gpus
 
 
-def place(model: Model, nodes: list[dict], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:
+def place(model: Model, nodes: list[NodeView], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:
     """A node for one more replica of MODEL, or None with every node's reason."""
     reasons: dict[str, str] = {}
     held = _by_node(claims)
     for profile in model.profiles:
         candidates = []
         for node in nodes:
-            mine = held.get(node["node_id"], [])
+            mine = held.get(node.node_id, [])
             reason, gpus = _refusal(node, profile, mine, model)
             if reason is None:
                 here = sum(1 for c in mine if c.model == model.name)
-                total = node["facts"].get("memory", {}).get("total_bytes", 0)
-                claimed = sum(c.memory_bytes for c in mine)
-                candidates.append((here, -(total - claimed), node["node_id"], gpus))
+                unclaimed = _unclaimed(node, mine)
+                # A node whose memory is not known ranks after every node with some unclaimed.
+                candidates.append((here, -unclaimed if unclaimed is not None else 0, node.node_id, gpus))
             else:
-                label = f"{node['node_id']}" if len(model.profiles) == 1 else f"{node['node_id']} ({profile.name})"
+                label = node.node_id if len(model.profiles) == 1 else f"{node.node_id} ({profile.name})"
                 reasons[label] = reason
         if candidates:
             _, _, node_id, gpus = min(candidates)
@@ -120,13 +127,13 @@ def place(model: Model, nodes: list[dict], claims: list[Claim]) -> tuple[Decisio
     return None, reasons
 
 
-def explain(model: Model, nodes: list[dict], claims: list[Claim]) -> list[dict]:
+def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[dict]:
     """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason."""
     rows = []
     held = _by_node(claims)
     for profile in model.profiles:
         for node in nodes:
-            reason, gpus = _refusal(node, profile, held.get(node["node_id"], []), model)
-            rows.append({"node": node["node_id"], "profile": profile.name, "fits": reason is None,
+            reason, gpus = _refusal(node, profile, held.get(node.node_id, []), model)
+            rows.append({"node": node.node_id, "profile": profile.name, "fits": reason is None,
                          "reason": reason or (f"fits (GPUs {', '.join(map(str, gpus))})" if gpus else "fits")})
     return rows

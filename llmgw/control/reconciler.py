@@ -27,7 +27,7 @@ import uuid
 
 from llmgw.control import placement
 from llmgw.control.catalog import Model
-from llmgw.control.fleet import DRAINING, LOST
+from llmgw.control.fleet import DRAINING, LOST, NodeView
 
 LIVE = ("pending", "fetching", "starting", "ready")
 MAX_BACKOFF = 300.0
@@ -189,7 +189,7 @@ class Demand:
             return out
 
 
-def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: float,
+def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, now: float,
          wanted: dict[str, int] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
     """One pass: what to start and stop, and for each model that could not be placed, why, by node.
 
@@ -197,7 +197,7 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
     on-demand model); otherwise a model wants its minimum.
     """
     unplaced: dict[str, dict[str, str]] = {}
-    reachable = {n["node_id"] for n in nodes if n["state"] != LOST}
+    reachable = {n.node_id for n in nodes if n.state != LOST}
     # Planning and recording what was planned happen under one lock: a replica
     # decided here is a claim at once, so the next pass cannot place it twice.
     with replicas.lock:
@@ -214,7 +214,7 @@ def plan(models: dict[str, Model], nodes: list[dict], replicas: Replicas, now: f
             if replica.model not in models and replica.state != "stopping":
                 replica.state = "stopping"
                 actions.append(Stop(replica.shard_id, replica.node_id, f"{replica.model} is no longer in the catalog"))
-        draining = {n["node_id"] for n in nodes if n["state"] == DRAINING}
+        draining = {n.node_id for n in nodes if n.state == DRAINING}
         moving = False  # a drain moves one replica at a time, across every model
         for name, model in sorted(models.items()):
             live = [r for r in current if r.model == name and r.state in LIVE]
