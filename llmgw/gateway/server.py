@@ -16,16 +16,14 @@ import logging
 
 from gunicorn.app.base import BaseApplication
 
+from llmgw import addresses
 from llmgw.settings import Config
 
 log = logging.getLogger("llmgw.server")
 
 
-def bind_address(listen: str) -> str:
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"{listen!r} is not HOST:PORT")
-    return f"{host or '0.0.0.0'}:{port}"
+def bind_address(listen: str, setting: str) -> str:
+    return addresses.join(*addresses.bind(listen, setting))
 
 
 def _when_ready(server) -> None:
@@ -34,7 +32,7 @@ def _when_ready(server) -> None:
     cfg = server.app.llmgw_cfg
     listen = cfg["gateway.metrics_listen"]
     metrics.serve(listen)
-    log.info("metrics on http://%s/metrics", bind_address(listen))
+    log.info("metrics on http://%s/metrics", bind_address(listen, "gateway.metrics_listen"))
     if not cfg["gateway.controller"]:
         _run_accountant(cfg)
 
@@ -65,8 +63,8 @@ def _run_accountant(cfg: Config) -> None:
     server = AccountServer(accountant, cfg["gateway.accountant_listen"], context,
                            (server_keys, "llmgw-workers")).start()
     cfg.local_accountant_keys = ClientKeys(server_keys[0], *worker_keys)
-    host = cfg["gateway.accountant_listen"].rpartition(":")[0] or "127.0.0.1"
-    cfg.local_accountant = f"{'127.0.0.1' if host in ('*', '0.0.0.0') else host}:{server.port}"
+    host = addresses.parse(cfg["gateway.accountant_listen"], "gateway.accountant_listen", free_port=True)[0]
+    cfg.local_accountant = addresses.join(addresses.dial_host(host), server.port)
     log.info("the accountant for this gateway's limits is on %s", cfg.local_accountant)
 
 
@@ -100,7 +98,7 @@ class GatewayServer(BaseApplication):
     def load_config(self) -> None:
         cfg = self.llmgw_cfg
         settings = {
-            "bind": [bind_address(cfg["gateway.listen"])],
+            "bind": [bind_address(cfg["gateway.listen"], "gateway.listen")],
             "workers": cfg["gateway.workers"],
             "worker_class": "gevent",
             "worker_connections": cfg["gateway.worker_connections"],
