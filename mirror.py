@@ -22,7 +22,7 @@ import click
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import settings
+from llmgw import addresses, settings
 from llmgw.apiguard import HostCheck
 from llmgw.gateway.metrics import serve_registry
 from llmgw.mirror.fetch import Manager
@@ -36,15 +36,12 @@ def base_url(cfg: settings.Config) -> str:
     """Where nodes reach the files: `mirror.base_url`, or this machine on `mirror.listen`."""
     if cfg["mirror.base_url"]:
         return cfg["mirror.base_url"].rstrip("/")
-    host, _, port = cfg["mirror.listen"].rpartition(":")
-    if host in ("", "0.0.0.0", "::", "[::]"):
-        host = socket.gethostname()
-    return f"http://{host}:{port}"
+    host, port = addresses.parse(cfg["mirror.listen"], "mirror.listen")
+    return f"http://{addresses.join(socket.gethostname() if host in addresses.WILDCARDS else host, port)}"
 
 
 def _serve(listen: str, app, name: str):
-    host, _, port = listen.rpartition(":")
-    server = make_server(host or "0.0.0.0", int(port), app, threaded=True)
+    server = make_server(*addresses.bind(listen, "the mirror's address"), app, threaded=True)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
     return server
@@ -75,10 +72,7 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
     if not store.readable():
         raise click.ClickException(f"{root} is not a directory this user can read")
     base = base_url(cfg)
-    try:
-        allowed = Allowed(cfg["mirror.api_allow"])
-    except ValueError as e:
-        raise click.ClickException(f"mirror.api_allow: {e}") from None
+    allowed = Allowed(cfg["mirror.api_allow"])  # checked by settings.load
     manager = Manager(store, cfg["mirror.hf_endpoint"])
     collector = MirrorCollector(manager)
     registry = CollectorRegistry()

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.procstat import cpu_seconds  # noqa: E402
-from llmgw import settings, store  # noqa: E402
+from llmgw import addresses, settings, store  # noqa: E402
 from llmgw.apiclient import ApiClient, ApiError  # noqa: E402
 from llmgw.control import adminapi, curvekeys  # noqa: E402
 from llmgw.node.discovery import parse_nvidia_smi  # noqa: E402
@@ -54,7 +54,7 @@ def run_agents(address: str, key_files: list[str], interval: float, silent: str 
         sock.curve_secretkey = keys["secret_key"].encode()
         sock.curve_publickey = keys["public_key"].encode()
         sock.curve_serverkey = keys["controller_public_key"].encode()
-        sock.connect(f"tcp://{address}")
+        sock.connect(addresses.zmq_connect(address, "controller.agent_listen"))
         node = keys["node_id"]
         sock.send(protocol.encode(
             "register", node_id=node, agent_version="bench", address="127.0.0.1", labels={"rack": node[-1]},

@@ -15,7 +15,7 @@ import os
 import urllib.error
 import urllib.request
 
-from llmgw import apiguard, settings
+from llmgw import addresses, apiguard, settings
 
 
 class ApiError(Exception):
@@ -65,12 +65,11 @@ class ApiClient:
                               ) from None
 
 
-def address_url(listen: str) -> str:
-    """An HTTP URL for a `HOST:PORT` listen address (an empty or wildcard host means this machine)."""
+def address_url(listen: str, setting: str) -> str:
+    """An HTTP URL for LISTEN, a URL or the `HOST:PORT` of SETTING (a wildcard host means this machine)."""
     if listen.startswith(("http://", "https://")):
         return listen.rstrip("/")
-    host, _, port = listen.rpartition(":")
-    return f"http://{host if host not in ('', '0.0.0.0', '::', '[::]') else '127.0.0.1'}:{port}"
+    return addresses.url(listen, setting)
 
 
 def admin_client(cfg: settings.Config, address: str, hint: str = "") -> ApiClient:
@@ -86,4 +85,4 @@ def admin_client(cfg: settings.Config, address: str, hint: str = "") -> ApiClien
             note = "" if token else f"{path} is empty"
         except OSError as e:
             note = f"no token was sent: {path} could not be read ({e.strerror})"
-    return ApiClient(address_url(address), "the controller's admin API", hint, token or None, note)
+    return ApiClient(address_url(address, "the controller's admin API address"), "the controller's admin API", hint, token or None, note)

@@ -10,7 +10,7 @@ its token (`TOKEN_FILE`, beside the controller's CURVE keys), which no page
 can know.
 
 Used by the servers (llmgw/control/adminapi.py, llmgw/mirror/server.py) and,
-for the token's file name, by llmgw/apiclient.py. Imports nothing of llmgw's.
+for the token's file name, by llmgw/apiclient.py. Imports llmgw.addresses only.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import hmac
 import ipaddress
 import os
 
+from llmgw import addresses
+
 TOKEN_FILE = "admin.token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def token_path(keys_dir: str) -> str:
@@ -38,7 +39,8 @@ def bearer_matches(authorization: str | None, token: str) -> bool:
 
 
 def _split(address: str) -> tuple[str, int | None]:
-    """(host, port) of `HOST:PORT`, `[V6]:PORT` or a bare host; the host lower-cased and without brackets."""
+    """(host, port) of a `Host` header, `HOST:PORT`, `[V6]:PORT` or a bare host; the host lower-cased and without
+    brackets. Not `addresses.parse`: a header may omit the port, and whatever a client sends must not raise."""
     host, port = address.strip().lower(), None
     if host.startswith("["):
         host, _, rest = host[1:].partition("]")
@@ -74,8 +76,8 @@ class HostCheck:
     """
 
     def __init__(self, listen: str, names: list[str], setting: str):
-        self.host, self.port = _split(listen)
-        self.host = "" if self.host in WILDCARDS else self.host
+        host, self.port = addresses.parse(listen, "the API's listen address")
+        self.host = "" if host in addresses.WILDCARDS else host.lower()
         self.names = {n.strip().lower() for n in names if n.strip()}
         self.setting = setting
 

@@ -10,11 +10,12 @@ means to a component is that component's business.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import os
 import tomllib
-from typing import Any
+from typing import Any, Callable
+
+from llmgw import addresses
 
 
 class ConfigError(Exception):
@@ -29,13 +30,15 @@ class Setting:
     help: str
     secret: bool = False  # may be given as "@/path/to/file"
     minimum: float | None = None
+    check: Callable[[Any, str], None] | None = None  # raises ValueError naming the setting (llmgw.addresses)
 
 
 MiB = 1024 * 1024
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.listen", "str", ":8080",
-            "Address the OpenAI API and the pages listen on (`HOST:PORT`; an empty host means every address)."),
+            "Address the OpenAI API and the pages listen on (`HOST:PORT`; an empty host means every address).",
+            check=addresses.check_listen),
     Setting("gateway.workers", "int", 2,
             "gunicorn worker processes (gevent). Each holds thousands of streams; add workers for CPU, not for connections.",
             minimum=1),
@@ -43,16 +46,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Connections one worker holds at once, open streams included. Clients beyond workers x this wait unanswered.",
             minimum=1),
     Setting("gateway.metrics_listen", "str", "127.0.0.1:9092",
-            "Address of the Prometheus endpoint, which serves nothing else. Loopback by default; open it to your Prometheus on purpose."),
+            "Address of the Prometheus endpoint, which serves nothing else. Loopback by default; open it to your Prometheus on purpose.",
+            check=addresses.check_listen),
     Setting("gateway.graceful_timeout", "int", 30,
             "Seconds a stopping gateway lets in-flight requests and streams finish before it closes them.", minimum=0),
     Setting("gateway.max_body_bytes", "int", 32 * MiB,
             "Largest request body accepted; a larger one is refused with 413 before it is read.", minimum=1),
     Setting("gateway.trusted_proxies", "list", [],
-            "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody."),
+            "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody.",
+            check=addresses.check_list),
     Setting("gateway.controller", "str", "",
             "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
-            "`[[endpoints]]`."),
+            "`[[endpoints]]`.",
+            check=addresses.check_dial),
     Setting("gateway.key_file", "str", "/etc/llmgw/gateway.key",
             "This gateway's CURVE key file, from `llmgw ctl gateway-key issue NAME` on the controller: it opens "
             "the controller's snapshots, demand and accountant sockets to this gateway and to no one else."),
@@ -60,7 +66,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Follow the controller without CURVE (the controller must run with controller.plaintext too)."),
     Setting("gateway.controller_admin", "str", "127.0.0.1:9090",
             "The controller's admin API (`controller.admin_listen`), read by the cluster page when "
-            "`gateway.controller` is set."),
+            "`gateway.controller` is set.",
+            check=addresses.check_dial_or_url),
     Setting("gateway.queue_size", "int", 100,
             "Requests one worker lets wait for a saturated model, best admission band first; beyond, the worst-placed "
             "gets 429.", minimum=0),
@@ -117,7 +124,8 @@ SETTINGS: tuple[Setting, ...] = (
             minimum=0.05),
     Setting("gateway.accountant_listen", "str", "127.0.0.1:0",
             "Without a controller, the gateway's master runs the accountant for its workers here (port 0: any free "
-            "port). With one, the controller's accountant is used."),
+            "port). With one, the controller's accountant is used.",
+            check=addresses.check_listen_free_port),
     Setting("limits.accountant_timeout", "float", 0.5,
             "Seconds a request waits for the accountant. Without an answer, rate limits let it through and a "
             "budget that could refuse it answers 503.", minimum=0.01),
@@ -135,9 +143,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("usage.batch_size", "int", 500,
             "Usage rows written in one statement.", minimum=1),
     Setting("controller.agent_listen", "str", ":7443",
-            "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node."),
+            "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node.",
+            check=addresses.check_listen),
     Setting("controller.admin_listen", "str", "127.0.0.1:9090",
-            "The admin API `llmgw ctl` uses. Keep it on loopback: it can issue node keys."),
+            "The admin API `llmgw ctl` uses. Keep it on loopback: it can issue node keys.",
+            check=addresses.check_listen),
     Setting("controller.admin_names", "list", [],
             "Names besides its own address that the admin API answers to in `Host` (a DNS name, a proxy's "
             "name). Any other name is refused with 421, so a web page cannot reach it by DNS rebinding."),
@@ -146,16 +156,20 @@ SETTINGS: tuple[Setting, ...] = (
             "than the controller's (`@/path` to a copy of its `admin.token`). Empty: read `admin.token` in "
             "`controller.keys_dir`. The controller itself always uses that file.", secret=True),
     Setting("controller.metrics_listen", "str", "127.0.0.1:9091",
-            "Prometheus metrics of the whole fleet (nodes, GPUs, replicas); serves nothing else."),
+            "Prometheus metrics of the whole fleet (nodes, GPUs, replicas); serves nothing else.",
+            check=addresses.check_listen),
     Setting("controller.gateway_listen", "str", "127.0.0.1:7444",
             "Where gateways subscribe to routing snapshots (ZeroMQ PUB). Loopback by default: open it only "
-            "to your gateways' network."),
+            "to your gateways' network.",
+            check=addresses.check_listen),
     Setting("controller.accountant_listen", "str", "127.0.0.1:7446",
             "Where gateway workers ask the accountant to admit and settle requests against limits. Loopback by "
-            "default; open it to the gateways' machines when they run elsewhere."),
+            "default; open it to the gateways' machines when they run elsewhere.",
+            check=addresses.check_listen),
     Setting("controller.demand_listen", "str", "127.0.0.1:7445",
             "Where gateways say which models are wanted (ZeroMQ PULL): on-demand models start and idle ones stop "
-            "by it. Gateways learn this port from the snapshots."),
+            "by it. Gateways learn this port from the snapshots.",
+            check=addresses.check_listen),
     Setting("controller.reconcile_interval", "float", 5.0,
             "Seconds between passes of the reconciler, which starts, stops and replaces replicas.", minimum=0.05),
     Setting("controller.base_backoff", "float", 10.0,
@@ -178,14 +192,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",
-            "Where the mirror serves files, read-only, with Range requests (resume), to nodes."),
+            "Where the mirror serves files, read-only, with Range requests (resume), to nodes.",
+            check=addresses.check_listen),
     Setting("mirror.api_listen", "str", ":8082",
-            "Where the mirror's management API listens (fetch, list, status, remove)."),
+            "Where the mirror's management API listens (fetch, list, status, remove).",
+            check=addresses.check_listen),
     Setting("mirror.metrics_listen", "str", "127.0.0.1:9093",
-            "The mirror's Prometheus endpoint, which serves nothing else. Loopback by default."),
+            "The mirror's Prometheus endpoint, which serves nothing else. Loopback by default.",
+            check=addresses.check_listen),
     Setting("mirror.api_allow", "list", [],
             "Addresses or networks (CIDR) besides this machine that may use the management API. Empty: this "
-            "machine only."),
+            "machine only.",
+            check=addresses.check_list),
     Setting("mirror.api_names", "list", [],
             "Names besides its own address that the management API answers to in `Host` (the name in "
             "`mirror.api` elsewhere). Any other name is refused with 421, against DNS rebinding."),
@@ -196,9 +214,11 @@ SETTINGS: tuple[Setting, ...] = (
             "A Hugging Face compatible registry for `hf:` sources and the mirror page's explorer (an internal "
             "mirror of it works too)."),
     Setting("mirror.api", "str", "127.0.0.1:8082",
-            "The mirror's management API, for `llmgw mirror` and the mirror page. Empty: no mirror."),
+            "The mirror's management API, for `llmgw mirror` and the mirror page. Empty: no mirror.",
+            check=addresses.check_dial_or_url),
     Setting("agent.controllers", "list", [],
-            "Controller addresses (`HOST:PORT`), tried in turn with backoff when one does not answer."),
+            "Controller addresses (`HOST:PORT`), tried in turn with backoff when one does not answer.",
+            check=addresses.check_dial_list),
     Setting("agent.key_file", "str", "/etc/llmgw/node.key",
             "The node's CURVE key file from `llmgw ctl node-key issue NODE`. Secret: keep it mode 0600."),
     Setting("agent.plaintext", "bool", False,
@@ -257,8 +277,7 @@ class Config:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""
         if self.values["gateway.public_url"]:
             return self.values["gateway.public_url"].rstrip("/")
-        host, _, port = self.values["gateway.listen"].rpartition(":")
-        return f"http://{host if host not in ('', '0.0.0.0', '[::]') else '127.0.0.1'}:{port}"
+        return addresses.url(self.values["gateway.listen"], "gateway.listen")
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -302,12 +321,11 @@ def coerce(name: str, value: Any, where: str) -> Any:
         value = _read_secret(name, value, where)
     if setting.minimum is not None and value < setting.minimum:
         raise ConfigError(f"{name} in {where}: {value} is below the smallest allowed, {setting.minimum}")
-    if name == "gateway.trusted_proxies":
-        for item in value:
-            try:
-                ipaddress.ip_network(item, strict=False)
-            except (ValueError, TypeError):
-                raise ConfigError(f"{name} in {where}: {item!r} is not an address or a network (CIDR)") from None
+    if setting.check is not None:
+        try:
+            setting.check(value, name)
+        except ValueError as e:
+            raise ConfigError(f"{e} (in {where})") from None
     if name == "log.level" and value not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"{name} in {where}: {value!r} is not one of debug, info, warning, error")
     return value

@@ -21,7 +21,7 @@ def _mirror(obj) -> ApiClient:
     address = obj.config()["mirror.api"]
     if not address:
         raise click.ClickException("no mirror is configured (mirror.api)")
-    return ApiClient(address_url(address), "the mirror's management API",
+    return ApiClient(address_url(address, "mirror.api"), "the mirror's management API",
                      "Is mirror.py running? Set mirror.api to its management address.")
 
 

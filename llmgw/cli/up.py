@@ -25,7 +25,7 @@ import urllib.request
 
 import click
 
-from llmgw import settings, store
+from llmgw import addresses, settings, store
 from llmgw.apiclient import ApiClient, ApiError, Refused
 from llmgw.cli import starter
 from llmgw.control import adminapi, curvekeys
@@ -85,8 +85,7 @@ class Up:
 
     def loopback(self, name: str) -> str:
         """The setting NAME's address, on 127.0.0.1 when it names no host: up opens nothing by surprise."""
-        host, _, port = self.cfg[name].rpartition(":")
-        return f"{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+        return addresses.dial(self.cfg[name], name)
 
     def starter_url(self) -> str:
         return f"http://{self.loopback('mirror.listen')}/{starter.NAME}/{starter.version()}/{starter.FILE}"
@@ -140,7 +139,7 @@ class Up:
             # Not admin_token: every process here reads the token from keys_dir, the file the controller uses.
             **{s.name: self.cfg[s.name] for s in settings.SETTINGS if s.name.startswith("controller.")
                and s.name not in ("controller.keys_dir", "controller.admin_token")},
-            "agent.controllers": [self.cfg["controller.agent_listen"].replace("0.0.0.0:", "127.0.0.1:")],
+            "agent.controllers": [self.loopback("controller.agent_listen")],
             "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
             "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
             "mirror.dir": os.path.join(self.var, "models"), "mirror.listen": self.loopback("mirror.listen"),
@@ -209,8 +208,7 @@ class Up:
         os.makedirs(self.var, exist_ok=True)
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
-        host, _, port = self.listen.rpartition(":")
-        base = f"http://{host if host not in ('', '0.0.0.0') else '127.0.0.1'}:{port}"
+        base = addresses.url(self.listen, "--listen")
         try:
             engine = store.open_engine(self.cfg["store.url"])
             made = store.migrate(engine)

@@ -25,6 +25,7 @@ import time
 import zmq
 from prometheus_client.core import CounterMetricFamily
 
+from llmgw import addresses
 from llmgw.control.accountant import Accountant, Refused
 from llmgw.control.curvekeys import serve_curve
 from llmgw.wire import accounting
@@ -86,13 +87,8 @@ class AccountServer:
         self.socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             serve_curve(self.socket, *curve)
-        host, _, port = listen.rpartition(":")
-        host = host or "*"
-        if port in ("", "0"):
-            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.socket.bind(f"tcp://{host}:{port}")
-            self.port = int(port)
+        self.socket.bind(addresses.zmq_bind(listen, "the accountant's address", free_port=True))
+        self.port = addresses.bound_port(self.socket.last_endpoint)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="accountant", daemon=True)
         self.dropped = dict.fromkeys(DROPPED, 0)  # fixed keys: a scrape reads it while the thread counts

@@ -17,6 +17,7 @@ import time
 import zmq
 from prometheus_client.core import CounterMetricFamily
 
+from llmgw import addresses
 from llmgw.control.curvekeys import AGENTS, KeyRing, serve_curve
 from llmgw.control.fleet import Fleet
 from llmgw.wire import agent as protocol
@@ -40,8 +41,7 @@ class AgentServer:
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent may reuse its identity
         if ring is not None:
             serve_curve(self.socket, keypair, AGENTS)
-        host, _, port = listen.rpartition(":")
-        self.socket.bind(f"tcp://{host or '*'}:{port}")
+        self.socket.bind(addresses.zmq_bind(listen, "controller.agent_listen"))
 
     def close(self) -> None:
         self.socket.close(0)

@@ -23,6 +23,7 @@ import time
 import zmq
 from prometheus_client.core import CounterMetricFamily
 
+from llmgw import addresses
 from llmgw.control.catalog import Model
 from llmgw.control.curvekeys import serve_curve
 from llmgw.control.reconciler import Replica
@@ -62,8 +63,7 @@ class Publisher:
         self.socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             serve_curve(self.socket, *curve)
-        host, _, port = listen.rpartition(":")
-        self.socket.bind(f"tcp://{host or '*'}:{port}")
+        self.socket.bind(addresses.zmq_bind(listen, "controller.gateway_listen"))
         self.last_body: dict | None = None
         # A new epoch for each controller start: a gateway takes the first snapshot of a new epoch whatever
         # its version (the new controller's clock may be behind), and within an epoch only newer versions.
@@ -99,9 +99,8 @@ class DemandInbox:
         self.socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             serve_curve(self.socket, *curve)
-        host, _, port = listen.rpartition(":")
-        self.socket.bind(f"tcp://{host or '*'}:{port}")
-        self.port = int(port)
+        self.socket.bind(addresses.zmq_bind(listen, "controller.demand_listen"))
+        self.port = addresses.bound_port(self.socket.last_endpoint)
         self.dropped = 0  # notes that could not be read, for llmgw_gateway_messages_dropped_total
 
     def drain(self, note) -> None:

@@ -10,7 +10,7 @@ import logging
 
 import zmq
 
-from llmgw import store
+from llmgw import addresses, store
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.curvekeys import Authenticator, KeyRing
@@ -38,6 +38,6 @@ def run(cfg: Config) -> None:
     server = AccountServer(accountant, cfg["gateway.accountant_listen"], context,
                            (server_keys, "llmgw-workers")).start()
     cfg.local_accountant_keys = ClientKeys(server_keys[0], *worker_keys)
-    host = cfg["gateway.accountant_listen"].rpartition(":")[0] or "127.0.0.1"
-    cfg.local_accountant = f"{'127.0.0.1' if host in ('*', '0.0.0.0') else host}:{server.port}"
+    host = addresses.parse(cfg["gateway.accountant_listen"], "gateway.accountant_listen", free_port=True)[0]
+    cfg.local_accountant = addresses.join(addresses.dial_host(host), server.port)
     log.info("the accountant for this gateway's limits is on %s", cfg.local_accountant)

@@ -13,7 +13,7 @@ May import: the top-level modules except `store`. Never another llmgw
 package: both sides of the cluster use it.
 """
 
-from llmgw import __version__
+from llmgw import __version__, addresses
 from llmgw.engines import llamacpp, sglang, vllm
 
 LOAD_METRICS: dict[str, str] = {**vllm.LOAD_METRICS, **llamacpp.LOAD_METRICS, **sglang.LOAD_METRICS}
@@ -43,6 +43,6 @@ def command(engine: str, source: str, name: str, host: str, port: int, gpus: lis
     if engine == "sglang":
         return sglang.command(source, name, host, port, gpus, max_context, args)
     if engine == "sim":
-        return [sys.executable, "-m", "llmgw", "sim", "--listen", f"{host}:{port}", "--model", name,
+        return [sys.executable, "-m", "llmgw", "sim", "--listen", addresses.join(host, port), "--model", name,
                 "--replica", replica] + list(args)
     raise ValueError(f"unknown engine {engine!r}")

@@ -25,6 +25,7 @@ import gevent
 from gevent.lock import BoundedSemaphore
 from gevent.pywsgi import WSGIServer
 
+from llmgw import addresses
 from llmgw.procs import raise_fd_limit
 
 PREFIX_BYTES = 256
@@ -291,8 +292,7 @@ class _NoDelayServer(WSGIServer):
 def serve(listen: str, options: SimOptions, announce=print) -> None:
     """Serve a simulated engine on LISTEN (`HOST:PORT`; port 0 picks one) until killed."""
     raise_fd_limit()
-    host, _, port = listen.rpartition(":")
-    server = _NoDelayServer((host or "127.0.0.1", int(port)), SimEngine(options), log=None, error_log=None,
+    server = _NoDelayServer(addresses.bind(listen, "--listen", free_port=True), SimEngine(options), log=None, error_log=None,
                             backlog=4096)
     server.init_socket()
     bound_host, bound_port = server.socket.getsockname()[:2]

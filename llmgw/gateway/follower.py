@@ -16,6 +16,7 @@ import logging
 
 import zmq.green as zmq
 
+from llmgw import addresses
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
 from llmgw.wire import gateways
 from llmgw.wire.curve import ClientKeys, dial
@@ -49,7 +50,7 @@ def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=
     dial(sock, keys)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
-    sock.connect(f"tcp://{address}")
+    sock.connect(addresses.zmq_connect(address, "gateway.controller"))
     handlers = {gateways.SNAPSHOT: on_snapshot, gateways.KEYS: on_keys}
     try:
         while True:

@@ -8,21 +8,15 @@ address in `gateway.trusted_proxies`; from anyone else they are removed.
 
 from __future__ import annotations
 
-import ipaddress
+from llmgw.addresses import AddressList
 
 
 class TrustedProxies:
     def __init__(self, entries: list[str]):
-        self.networks = [ipaddress.ip_network(e, strict=False) for e in entries]
+        self.proxies = AddressList(entries, "gateway.trusted_proxies")
 
     def trusts(self, address: str | None) -> bool:
-        if not address or not self.networks:
-            return False
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in net for net in self.networks)
+        return self.proxies.contains(address)
 
     def apply(self, environ: dict) -> None:
         """Rewrite ENVIRON's scheme and host from the headers, or drop the headers."""

@@ -23,6 +23,7 @@ import gevent
 from gevent.event import AsyncResult
 from zmq import NOBLOCK, Again
 
+from llmgw import addresses
 from llmgw.wire import accounting
 from llmgw.wire.accounting import ProtocolError
 from llmgw.wire.curve import ClientKeys, dial
@@ -56,7 +57,7 @@ class Limiter:
         # The accountant knows who admitted a request by this id; a chosen one (random, so nobody can guess
         # it) survives a reconnect, so what was admitted before it can still be settled after.
         self.socket.setsockopt(zmq.ROUTING_ID, b"w" + os.urandom(15))
-        self.socket.connect(f"tcp://{address}")
+        self.socket.connect(addresses.zmq_connect(address, "the accountant's address"))
         self.address = address
         self.reader = gevent.spawn(self._read, self.socket)
 

@@ -15,6 +15,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, multiprocess
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from llmgw import addresses
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -75,7 +77,7 @@ def serve_registry(listen: str, registry: CollectorRegistry) -> None:
     Only `/metrics` answers there; any other path is 404, so nothing else is
     ever exposed on the address opened for Prometheus.
     """
-    host, _, port = listen.rpartition(":")
+    host, port = addresses.bind(listen, "the metrics address")
     exposition = make_wsgi_app(registry)
 
     def only_metrics(environ, start_response):
@@ -84,7 +86,7 @@ def serve_registry(listen: str, registry: CollectorRegistry) -> None:
             return [b"metrics are at /metrics\n"]
         return exposition(environ, start_response)
 
-    server = make_server(host or "0.0.0.0", int(port), only_metrics, ThreadingWSGIServer, handler_class=_QuietHandler)
+    server = make_server(host, port, only_metrics, ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
 
 

@@ -16,16 +16,14 @@ import logging
 
 from gunicorn.app.base import BaseApplication
 
+from llmgw import addresses
 from llmgw.settings import Config
 
 log = logging.getLogger("llmgw.server")
 
 
-def bind_address(listen: str) -> str:
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit():
-        raise ValueError(f"{listen!r} is not HOST:PORT")
-    return f"{host or '0.0.0.0'}:{port}"
+def bind_address(listen: str, setting: str) -> str:
+    return addresses.join(*addresses.bind(listen, setting))
 
 
 def _when_ready(server) -> None:
@@ -34,7 +32,7 @@ def _when_ready(server) -> None:
     cfg = server.app.llmgw_cfg
     listen = cfg["gateway.metrics_listen"]
     metrics.serve(listen)
-    log.info("metrics on http://%s/metrics", bind_address(listen))
+    log.info("metrics on http://%s/metrics", bind_address(listen, "gateway.metrics_listen"))
     if cfg["gateway.controller"]:
         _keep_the_last_word(cfg)
     else:
@@ -97,7 +95,7 @@ class GatewayServer(BaseApplication):
     def load_config(self) -> None:
         cfg = self.llmgw_cfg
         settings = {
-            "bind": [bind_address(cfg["gateway.listen"])],
+            "bind": [bind_address(cfg["gateway.listen"], "gateway.listen")],
             "workers": cfg["gateway.workers"],
             "worker_class": "gevent",
             "worker_connections": cfg["gateway.worker_connections"],

@@ -17,6 +17,7 @@ import gevent
 from sqlalchemy.engine import Engine
 from zmq import NOBLOCK, Again
 
+from llmgw import addresses
 from llmgw.engines import metrics as enginemetrics
 from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.keytable import KeyTable
@@ -77,7 +78,7 @@ class Runtime:
             self.demand_socket.setsockopt(zmq.LINGER, 0)
             self.demand_socket.setsockopt(zmq.SNDHWM, 100)
             dial(self.demand_socket, self.cfg.controller_keys)
-            self.demand_socket.connect(f"tcp://{address}")
+            self.demand_socket.connect(addresses.zmq_connect(address, "the controller's demand address"))
             self.demand_address = address
         try:
             self.demand_socket.send(gateways.encode(kind, model=model), flags=NOBLOCK)
@@ -103,7 +104,7 @@ class Runtime:
         if self.cfg["gateway.controller"]:
             from llmgw.gateway.follower import follow, from_controller
 
-            base, host = self.router.snapshot, self.cfg["gateway.controller"].rpartition(":")[0] or "127.0.0.1"
+            base, host = self.router.snapshot, addresses.dial_host(addresses.parse(self.cfg["gateway.controller"], "gateway.controller")[0])
 
             def on_snapshot(body: dict) -> None:
                 self.apply(from_controller(body, base, host))

@@ -21,7 +21,6 @@ otherwise reach it by DNS rebinding, and fetch or delete models):
 
 from __future__ import annotations
 
-import ipaddress
 import json
 
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
@@ -30,6 +29,7 @@ from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 from werkzeug.wsgi import FileWrapper
 
+from llmgw.addresses import AddressList
 from llmgw.apiguard import HostCheck
 from llmgw.mirror.fetch import Manager
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
@@ -86,21 +86,13 @@ def files_app(store: MirrorDir, base_url: str, collector: "MirrorCollector | Non
 
 
 class Allowed:
-    """This machine, plus the networks it is told."""
+    """This machine (loopback), plus the addresses and networks it is told (`mirror.api_allow`)."""
 
     def __init__(self, allow: list[str]):
-        self.networks = [ipaddress.ip_network(a, strict=False) for a in allow]
+        self.listed = AddressList(["127.0.0.0/8", "::1", *allow], "mirror.api_allow")
 
     def __call__(self, address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        if ip.is_loopback:
-            return True
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-            ip = ip.ipv4_mapped
-        return any(ip in net for net in self.networks)
+        return self.listed.contains(address)
 
 
 API = Map([

@@ -18,6 +18,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from llmgw import addresses
 from llmgw.wire import agent as protocol
 
 log = logging.getLogger("llmgw.controllerlink")
@@ -57,7 +58,7 @@ def check_handshake(context: zmq.Context, address: str, keys: dict | None, timeo
     succeeds (with CURVE: the controller knows this node's key), "refused", or "silent"."""
     sock, monitor = _dealer(context, keys, zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED_HANDSHAKE)
     try:
-        sock.connect(f"tcp://{address}")
+        sock.connect(addresses.zmq_connect(address, "agent.controllers"))
         if not monitor.poll(int(timeout * 1000)):
             return "silent"
         event = recv_monitor_message(monitor)["event"]
@@ -93,7 +94,7 @@ class ControllerLink:
 
     def _connect(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
         sock, monitor = _dealer(self.context, self.keys, FAILED_HANDSHAKE)
-        sock.connect(f"tcp://{address}")
+        sock.connect(addresses.zmq_connect(address, "agent.controllers"))
         return sock, monitor
 
     @staticmethod

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 
+from llmgw import addresses
 from llmgw.node import discovery
 
 FAIL, WARN, OK = "FAIL", "WARN", "OK"
@@ -142,8 +143,8 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
         from llmgw.node.controllerlink import check_handshake
 
         address = controllers[0]
-        host, _, port = address.rpartition(":")
-        facts["route_address"] = discovery.route_address(host or "127.0.0.1", int(port))
+        host, port = addresses.parse(address, "agent.controllers")
+        facts["route_address"] = discovery.route_address(addresses.dial_host(host), port)
         facts["interface"] = interface_of(facts["route_address"], root)
         context = zmq.Context()
         try:

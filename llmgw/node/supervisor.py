@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 
-from llmgw import engines, weights
+from llmgw import addresses, engines, weights
 from llmgw.engines import metrics as enginemetrics
 from llmgw.node import discovery
 from llmgw.procs import free_port
@@ -206,7 +206,7 @@ class Supervisor:
             if existing is not None and existing.state in ALIVE:
                 self.report(self.status(existing))  # the controller may have missed it
                 return
-            port = free_port(self.engine_host if self.engine_host != "0.0.0.0" else "127.0.0.1")
+            port = free_port(addresses.dial_host(self.engine_host))
             log_path = os.path.join(self.work_dir, "shards", f"{spec['shard_id']}.log")
             shard = Shard(spec, port, log_path)
             self.shards[shard.shard_id] = shard

@@ -42,7 +42,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         require_token(form)
 
     def mirror() -> ApiClient:
-        return ApiClient(address_url(cfg["mirror.api"]), "the mirror's management API")
+        return ApiClient(address_url(cfg["mirror.api"], "mirror.api"), "the mirror's management API")
 
     def controller() -> ApiClient:
         return admin_client(cfg, cfg["gateway.controller_admin"])
