@@ -41,7 +41,7 @@ def test_agents_register_with_what_they_found(cluster):
     agent(address, "cpu-c", c.issue_key("cpu-c"))
     agent(address, "nvml-d", c.issue_key("nvml-d"), nvml_capture="nvml-4xa100.json")
     wait_for("four nodes", 10, lambda: len(c.nodes()) == 4)
-    wait_for("every node ready", 5, lambda: all(n["state"] == "ready" for n in c.nodes().values()))
+    wait_for("every node ready", 30, lambda: all(n["state"] == "ready" for n in c.nodes().values()))
     nodes = c.nodes()
     a = nodes["gpu-a"]["facts"]
     assert a["labels"] == {"rack": "r1"} and a["address"] == "127.0.0.1"
@@ -51,7 +51,7 @@ def test_agents_register_with_what_they_found(cluster):
     assert a["engines_probed"] is True and "sim" in a["engines"] and "llamacpp" in a["engines"]
     assert nodes["cpu-c"]["facts"]["gpus"] == []  # probed: none, which is an answer
     # Heartbeats bring the load; GPU figures a driver cannot report stay absent.
-    wait_for("heartbeat status", 5, lambda: "load" in c.nodes()["gpu-a"]["status"])
+    wait_for("heartbeat status", 30, lambda: "load" in c.nodes()["gpu-a"]["status"])
     metrics = c.metrics()
     assert 'llmgw_node_up{node="gpu-a",state="ready"} 1.0' in metrics
     assert 'llmgw_gpu_utilization_percent{gpu="4",node="gpu-a"} 97.0' in metrics
@@ -96,9 +96,9 @@ def test_unreachable_then_lost_then_removed(cluster):
     assert refused.returncode == 1 and "only a lost node" in refused.stderr
     a.stop(sig=9)
     silent_since = time.monotonic()
-    wait_for("n1 unreachable", 3, lambda: c.state("n1") == "unreachable", interval=0.05)
+    wait_for("n1 unreachable", 30, lambda: c.state("n1") == "unreachable", interval=0.05)
     became_unreachable = time.monotonic() - silent_since
-    wait_for("n1 lost", 3, lambda: c.state("n1") == "lost", interval=0.05)
+    wait_for("n1 lost", 30, lambda: c.state("n1") == "lost", interval=0.05)
     became_lost = time.monotonic() - silent_since
     # The last heartbeat was up to one interval (0.2 s) before the kill.
     assert 0.7 <= became_unreachable <= 1.5 and 1.7 <= became_lost <= 2.5

@@ -84,4 +84,4 @@ def test_model_list(real):
 
 def test_the_gateway_reads_llamacpps_own_load_figures(real):
     _, gw = real
-    wait_for("fresh engine figures", 5, lambda: 'llmgw_endpoint_metrics_stale{replica="cpu"} 0.0' in gw.metrics())
+    wait_for("fresh engine figures", 30, lambda: 'llmgw_endpoint_metrics_stale{replica="cpu"} 0.0' in gw.metrics())

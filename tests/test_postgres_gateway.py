@@ -26,5 +26,5 @@ def test_gateway_with_postgresql(pg_url, tmp_path, make_gateway, make_sim):
     CliRunner().invoke(cli, ["--store", pg_url, "keys", "revoke", record.id])
     body = {"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
     # The two-second promise is held in test_gateway; here a loaded machine gets some slack.
-    wait_until("the revocation to reach both workers", 5,
+    wait_until("the revocation to reach both workers", 30,
                lambda: all(post(gw.url + "/v1/chat/completions", body, secret)[0] == 401 for _ in range(6)))

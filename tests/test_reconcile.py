@@ -101,7 +101,7 @@ def test_replicas_are_placed_spread_and_served_through_the_gateway(cluster, tmp_
         body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
         return json.loads(post(gw.url + "/v1/chat/completions", body, cluster.key)[2])["system_fingerprint"]
 
-    wait_for("the gateway to know both", 5, lambda: len({ask(i) for i in range(20)}) == 2)
+    wait_for("the gateway to know both", 30, lambda: len({ask(i) for i in range(20)}) == 2)
     served = {ask(i) for i in range(20)}
     assert served == {f"sim-{r['shard_id']}" for r in c.ready("simmy")}
     table = c.ctl("replicas").stdout
@@ -248,7 +248,7 @@ def test_replicas_get_their_gpus_and_logs_come_back(cluster):
     with open(f"/proc/{pid}/environ", "rb") as f:
         assert b"CUDA_VISIBLE_DEVICES=0" in f.read().split(b"\0")
     # The agent reports what the engine itself says about its load, and its CPU and memory.
-    wait_for("the engine's own figures", 5,
+    wait_for("the engine's own figures", 30,
              lambda: f'llmgw_shard_requests_running{{node="gpu-a",shard="{shard}"}} 0.0' in c.metrics())
     assert f'llmgw_shard_memory_bytes{{node="gpu-a",shard="{shard}"}}' in c.metrics()
     logs = c.ctl("logs", "gpu-a", "--source", shard)

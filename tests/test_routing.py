@@ -49,7 +49,7 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " +
                   str(len(payload)).encode() + b"\r\n\r\n" + payload)
         others.append(s)
-    wait_until("the busy engine to be busy", 3, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
+    wait_until("the busy engine to be busy", 30, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
     time.sleep(0.6)  # a few reads of /metrics by every worker
     served = collections.Counter(fingerprint(post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key)[2])
                                  for i in range(30))

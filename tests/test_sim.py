@@ -12,7 +12,7 @@ def test_excess_requests_wait_and_are_reported_waiting(make_sim):
     body = {"model": "sim", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]}
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futures = [pool.submit(post, sim.url + "/v1/chat/completions", body) for _ in range(3)]
-        wait_until("two requests waiting", 2, lambda: sim.metrics()["vllm:num_requests_waiting"] == 2)
+        wait_until("two requests waiting", 30, lambda: sim.metrics()["vllm:num_requests_waiting"] == 2)
         assert sim.metrics()["vllm:num_requests_running"] == 1
         assert all(f.result()[0] == 200 for f in futures)
     assert sim.metrics()["llmgw_sim_running_peak"] == 1
