@@ -1,8 +1,10 @@
 """One usage row per request, buffered in memory and written in batches off the request path.
 
-A request appends a tuple to a deque (no lock, no I/O). A flusher writes what
-has gathered every `flush_interval` in one INSERT of up to `batch_size` rows,
-on gevent's thread pool so that a slow database holds no greenlet. A batch that
+A request appends a tuple to a deque (no lock, no I/O). A flusher greenlet
+writes what has gathered every `flush_interval` in one INSERT of up to
+`batch_size` rows. With PostgreSQL the driver yields to other greenlets while
+it waits (llmgw/gateway/greendb.py); with SQLite a batch holds the worker for
+the milliseconds its write takes, which is why rows are batched. A batch that
 fails to write stays at the front of the buffer and is tried again; a stopping
 worker writes everything left before it exits, so a graceful stop loses no row.
 """
