@@ -33,6 +33,7 @@ from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
+from llmgw.control.loop import ReconcileReport
 from llmgw.control.publisher import KEYS_CHECK, DemandInbox, KeyPusher, Publisher, snapshot_body
 from llmgw.control.reconciler import Demand, Replicas, Start, plan, start_message
 from llmgw.gateway.metrics import serve_registry
@@ -120,8 +121,9 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         server.waiting.pop(request_id, None)
         return waiter["reply"]
 
+    report = ReconcileReport()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
-    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node,
+    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, ask_node,
                               adminapi.Access.from_config(cfg), gateway_ring=gateway_ring)
 
     def reconcile() -> None:
@@ -132,11 +134,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
             return
         models = catalog.models()
         actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
-        took = round(time.monotonic() - now, 6)
-        app.config["reconcile_seconds"] = took
-        app.config["reconcile_seconds_max"] = max(took, app.config.get("reconcile_seconds_max", 0.0))
-        app.config["unplaced"].clear()
-        app.config["unplaced"].update(unplaced)
+        report.record_pass(round(time.monotonic() - now, 6), unplaced)
         for action in actions:
             if isinstance(action, Start):
                 profile = action.decision.profile
@@ -158,7 +156,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                       next_run_time=datetime.datetime.now())
     scheduler.start()
     # A catalog change is acted on at once rather than at the next tick.
-    app.config["kick"] = lambda: scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now())
+    report.on_kick(lambda: scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now()))
 
     host, _, port = cfg["controller.admin_listen"].rpartition(":")
     admin = make_server(host or "127.0.0.1", int(port), app, threaded=True)
