@@ -2,30 +2,27 @@
 
     python controller.py [--config FILE] [--agent-listen :7443] [--admin-listen 127.0.0.1:9090]
 
-Wiring only: configuration, the store, the CURVE keys, the agents' ROUTER, the
-admin API and fleet metrics, and the loop that serves agents until SIGTERM.
-What a node is and how its state ages is in llmgw/fleet.py; the wire is in
-llmgw/agentserver.py.
+Wiring only: options, configuration, the store, the CURVE keys, the agents'
+ROUTER, the gateways' sockets, the admin API and fleet metrics are built here
+and handed to the loop (llmgw/control/loop.py), which serves until SIGTERM sets
+a flag and then closes them. What a node is and how its state ages is in
+llmgw/control/fleet.py; the wire is in llmgw/control/agentserver.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import queue
 import signal
 import sys
 import threading
 import time
-import uuid
 
 import click
 import zmq
-from apscheduler.schedulers.background import BackgroundScheduler
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import settings, store
+from llmgw import addresses, settings, store
 from llmgw.control import adminapi, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
@@ -33,15 +30,13 @@ from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
-from llmgw.control.publisher import KEYS_CHECK, DemandInbox, KeyPusher, Publisher, snapshot_body
-from llmgw.control.reconciler import Demand, Replicas, Start, plan, start_message
+from llmgw.control.loop import ControlLoop, Outbox, ReconcileReport
+from llmgw.control.publisher import DemandInbox, KeyPusher, Publisher
+from llmgw.control.reconciler import Demand, Replicas
 from llmgw.gateway.metrics import serve_registry
 from llmgw.people.rollup import Roller
 
 log = logging.getLogger("llmgw.controller")
-
-STOP_GRACE = 2.0  # seconds between taking a replica out of the snapshot and stopping its engine
-
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
@@ -108,60 +103,14 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     demand = Demand()
     inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
     key_pusher = KeyPusher(engine)
-    # Other threads never touch a ZeroMQ socket: they queue what to send, and the loop sends it.
-    outbox: queue.SimpleQueue = queue.SimpleQueue()
-
-    def ask_node(node_id: str, kind: str, fields: dict, timeout: float):
-        request_id = uuid.uuid4().hex
-        waiter = {"event": threading.Event(), "reply": None, "node": node_id}
-        server.waiting[request_id] = waiter
-        outbox.put((node_id, kind, {"request_id": request_id, **fields}))
-        waiter["event"].wait(timeout)
-        server.waiting.pop(request_id, None)
-        return waiter["reply"]
-
+    outbox = Outbox(server)
+    report = ReconcileReport()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
-    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, ask_node,
+    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, outbox.ask_node,
                               adminapi.Access.from_config(cfg), gateway_ring=gateway_ring)
 
-    def reconcile() -> None:
-        now = time.monotonic()
-        if fleet.settling(now):
-            # Just started: a node not yet back may run replicas this controller has not heard of,
-            # and placing them again would run them twice.
-            return
-        models = catalog.models()
-        actions, unplaced = plan(models, fleet.describe(now), replicas, now, wanted=demand.wanted(models, now))
-        took = round(time.monotonic() - now, 6)
-        app.config["reconcile_seconds"] = took
-        app.config["reconcile_seconds_max"] = max(took, app.config.get("reconcile_seconds_max", 0.0))
-        app.config["unplaced"].clear()
-        app.config["unplaced"].update(unplaced)
-        for action in actions:
-            if isinstance(action, Start):
-                profile = action.decision.profile
-                log.info("starting %s on %s (%s, profile %s)", action.shard_id, action.decision.node_id,
-                         profile.engine, profile.name)
-                outbox.put((action.decision.node_id, "start_shard", start_message(models[action.model], action)))
-            else:
-                log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
-                # The replica leaves the gateways' snapshot now; the engine is drained a little later (it
-                # stops once idle), so a request routed to it a moment ago still finds it answering.
-                message = (action.node_id, "drain_shard", {"request_id": uuid.uuid4().hex,
-                                                           "shard_id": action.shard_id})
-                threading.Timer(STOP_GRACE, outbox.put, args=(message,)).start()
-
-    scheduler = BackgroundScheduler()
-    scheduler.add_job(reconcile, "interval", id="reconcile", seconds=cfg["controller.reconcile_interval"],
-                      max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
-    scheduler.add_job(key_pusher.check, "interval", id="keys", seconds=KEYS_CHECK, max_instances=1, coalesce=True,
-                      next_run_time=datetime.datetime.now())
-    scheduler.start()
-    # A catalog change is acted on at once rather than at the next tick.
-    app.config["kick"] = lambda: scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now())
-
-    host, _, port = cfg["controller.admin_listen"].rpartition(":")
-    admin = make_server(host or "127.0.0.1", int(port), app, threaded=True)
+    admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
+                        threaded=True)
     threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
@@ -173,43 +122,19 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],
              cfg["controller.admin_listen"], cfg["controller.metrics_listen"])
 
+    loop = ControlLoop(context=context, engine=engine, auth=auth, fleet=fleet, catalog=catalog, replicas=replicas,
+                       demand=demand, server=server, outbox=outbox, inbox=inbox, key_pusher=key_pusher,
+                       publisher=publisher, account_server=account_server, roller=roller, admin=admin,
+                       report=report, reconcile_interval=cfg["controller.reconcile_interval"])
+
     # Handlers only set a flag: the loop notices within one poll.
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
     try:
-        while not stopping.is_set():
-            server.poll(100)
-            while True:
-                try:
-                    node_id, kind, fields = outbox.get_nowait()
-                except queue.Empty:
-                    break
-                node = fleet.nodes.get(node_id)
-                if node is not None:
-                    server.send(node.identity, kind, **fields)
-            inbox.drain(lambda model: demand.note(model, time.monotonic()))
-            key_set = key_pusher.take()
-            if key_set is not None:
-                publisher.publish_keys(key_set)
-            if not fleet.settling(time.monotonic()):
-                # Until then gateways keep the last snapshot they had, with the replicas of nodes
-                # still on their way back, rather than one that lacks them.
-                publisher.publish(snapshot_body(catalog.models(), replicas.snapshot(), inbox.port,
-                                                account_server.port))
+        loop.run(stopping)
     finally:
-        scheduler.shutdown(wait=False)
-        admin.shutdown()
-        publisher.close()
-        account_server.stop()
-        roller.stop()
-        inbox.close()
-        server.close()
-        if auth is not None:
-            auth.stop()
-        context.term()
-        engine.dispose()
-        log.info("controller stopped")
+        loop.close()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from llmgw.control import curvekeys, placement
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.curvekeys import KeyRing
 from llmgw.control.fleet import STATES, Fleet, FleetError
+from llmgw.control.loop import ReconcileReport
 from llmgw.control.reconciler import Replicas
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -61,15 +62,11 @@ class Access:
 
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
-               plaintext: bool, catalog: Catalog, replicas: Replicas, ask_node, access: Access,
-               gateway_ring: KeyRing | None = None) -> Flask:
-    """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None)."""
+               plaintext: bool, catalog: Catalog, replicas: Replicas, report: ReconcileReport, ask_node,
+               access: Access, gateway_ring: KeyRing | None = None) -> Flask:
+    """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None).
+    REPORT is what the controller's reconcile passes found, and how to ask for one now."""
     app = Flask("llmgw.admin")
-    unplaced: dict = {}
-    app.config["unplaced"] = unplaced  # the controller's reconciler keeps it current
-
-    def kick() -> None:
-        app.config.get("kick", lambda: None)()
 
     def error(status: int, message: str):
         return jsonify({"error": message}), status
@@ -127,7 +124,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
                         "ready": sum(1 for r in mine if r["state"] == "ready"), "replicas": len(mine),
                         "last_failure": failure and {"node": failure.node_id, "detail": failure.detail,
                                                      "last_output": failure.last_output, "count": failure.count},
-                        "unplaced": unplaced.get(m.name)})
+                        "unplaced": report.unplaced_for(m.name)})
         return jsonify({"models": out})
 
     @app.post("/api/v1/models")
@@ -141,20 +138,20 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             if size is not None and "size_bytes" not in table:
                 table["size_bytes"] = size  # placement skips nodes without the disk for it
         catalog.add(table)
-        kick()
+        report.kick()
         return jsonify({"name": model.name, "added": True})
 
     @app.delete("/api/v1/models/<name>")
     def remove_model(name):
         catalog.remove(name)
-        kick()
+        report.kick()
         return jsonify({"name": name, "removed": True})
 
     @app.post("/api/v1/models/<name>/scale")
     def scale(name):
         body = request.get_json(silent=True) or {}
         model = catalog.scale(name, body.get("min"), body.get("max"))
-        kick()
+        report.kick()
         return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
 
     @app.get("/api/v1/models/<name>/placement")
@@ -190,12 +187,12 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         counts = {state: sum(1 for n in nodes if n.state == state) for state in STATES}
         rows = replica_rows()
         models_ = catalog.models()
+        took, took_max = report.timings()
         serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
         return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts, "models": len(models_),
                         "models_serving": serving, "replicas": len(rows),
                         "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
-                        "reconcile_seconds": app.config.get("reconcile_seconds"),
-                        "reconcile_seconds_max": app.config.get("reconcile_seconds_max")})
+                        "reconcile_seconds": took, "reconcile_seconds_max": took_max})
 
     @app.get("/api/v1/nodes")
     def nodes():

@@ -1,0 +1,191 @@
+"""The controller's loop: one thread owns the agents' ROUTER and the gateways' sockets.
+
+controller.py builds the parts (store, keys, fleet, catalog, sockets, admin
+API) and hands them to a ControlLoop, which serves until a flag is set and
+then closes them in order. Other threads never touch a ZeroMQ socket: the
+admin API and the reconcile passes queue what they want sent in the Outbox,
+and the loop sends it. What the reconcile passes (in APScheduler's thread) tell
+the admin API (in threads of its own) is a ReconcileReport, under a lock.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from apscheduler.schedulers.background import BackgroundScheduler
+
+from llmgw.control.agentserver import AgentServer
+from llmgw.control.fleet import Fleet
+from llmgw.control.publisher import KEYS_CHECK, snapshot_body
+from llmgw.control.reconciler import Start, plan, start_message
+
+log = logging.getLogger("llmgw.controller")
+
+STOP_GRACE = 2.0  # seconds between taking a replica out of the snapshot and stopping its engine
+
+
+class ReconcileReport:
+    """How long reconcile passes take, the models the last pass could not place and why, and a way to ask
+    for a pass now. Made by the controller, written by its reconcile passes, read by the admin API."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._seconds: float | None = None
+        self._seconds_max: float | None = None
+        self._unplaced: dict[str, dict[str, str]] = {}
+        self._kick: Callable[[], None] = lambda: None  # until the scheduler runs, the first pass is due anyway
+
+    def record_pass(self, seconds: float, unplaced: dict[str, dict[str, str]]) -> None:
+        """A pass took SECONDS and could not place UNPLACED (model -> node -> why not)."""
+        with self._lock:
+            self._seconds = seconds
+            self._seconds_max = max(seconds, self._seconds_max or 0.0)
+            self._unplaced = dict(unplaced)
+
+    def timings(self) -> tuple[float | None, float | None]:
+        """The last pass's seconds and the longest pass's, or None before the first."""
+        with self._lock:
+            return self._seconds, self._seconds_max
+
+    def unplaced_for(self, model: str) -> dict[str, str] | None:
+        """Why the last pass could not place MODEL, node by node; None where it wanted none it could not place."""
+        with self._lock:
+            return self._unplaced.get(model)
+
+    def on_kick(self, action: Callable[[], None]) -> None:
+        """What kick does: the controller sets it once its scheduler runs."""
+        self._kick = action
+
+    def kick(self) -> None:
+        """Ask for a reconcile pass now: a catalog change is acted on at once rather than at the next tick."""
+        self._kick()
+
+
+class Outbox:
+    """What other threads want sent to nodes: they never touch a ZeroMQ socket, they queue what to send,
+    and the loop sends it."""
+
+    def __init__(self, server: AgentServer):
+        self.server = server
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def put(self, message: tuple[str, str, dict]) -> None:
+        """Queue MESSAGE, (node_id, kind, fields), for the loop to send."""
+        self.queue.put(message)
+
+    def ask_node(self, node_id: str, kind: str, fields: dict, timeout: float):
+        """Send a request to a node and wait up to TIMEOUT seconds for its reply; None if none came."""
+        request_id = uuid.uuid4().hex
+        waiter = {"event": threading.Event(), "reply": None, "node": node_id}
+        self.server.waiting[request_id] = waiter
+        self.put((node_id, kind, {"request_id": request_id, **fields}))
+        waiter["event"].wait(timeout)
+        self.server.waiting.pop(request_id, None)
+        return waiter["reply"]
+
+    def send(self, fleet: Fleet) -> None:
+        """Send what was queued, to the nodes FLEET knows (a message for a node no longer known is dropped)."""
+        while True:
+            try:
+                node_id, kind, fields = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            node = fleet.nodes.get(node_id)
+            if node is not None:
+                self.server.send(node.identity, kind, **fields)
+
+
+class ControlLoop:
+    """The controller's main thread: serves agents, sends what other threads queued, gathers the gateways'
+    demand, pushes keys and publishes routing snapshots, while APScheduler runs the reconcile passes and the
+    key check beside it. Built from the parts controller.py made; close() stops them all."""
+
+    def __init__(self, *, context, engine, auth, fleet: Fleet, catalog, replicas, demand, server: AgentServer,
+                 outbox: Outbox, inbox, key_pusher, publisher, account_server, roller, admin,
+                 report: ReconcileReport, reconcile_interval: float):
+        self.context = context
+        self.engine = engine
+        self.auth = auth
+        self.fleet = fleet
+        self.catalog = catalog
+        self.replicas = replicas
+        self.demand = demand
+        self.server = server
+        self.outbox = outbox
+        self.inbox = inbox
+        self.key_pusher = key_pusher
+        self.publisher = publisher
+        self.account_server = account_server
+        self.roller = roller
+        self.admin = admin
+        self.report = report
+        self.reconcile_interval = reconcile_interval
+        self.scheduler = BackgroundScheduler()
+
+    def reconcile(self) -> None:
+        now = time.monotonic()
+        if self.fleet.settling(now):
+            # Just started: a node not yet back may run replicas this controller has not heard of,
+            # and placing them again would run them twice.
+            return
+        models = self.catalog.models()
+        actions, unplaced = plan(models, self.fleet.describe(now), self.replicas, now,
+                                 wanted=self.demand.wanted(models, now))
+        self.report.record_pass(round(time.monotonic() - now, 6), unplaced)
+        for action in actions:
+            if isinstance(action, Start):
+                profile = action.decision.profile
+                log.info("starting %s on %s (%s, profile %s)", action.shard_id, action.decision.node_id,
+                         profile.engine, profile.name)
+                self.outbox.put((action.decision.node_id, "start_shard", start_message(models[action.model], action)))
+            else:
+                log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
+                # The replica leaves the gateways' snapshot now; the engine is drained a little later (it
+                # stops once idle), so a request routed to it a moment ago still finds it answering.
+                message = (action.node_id, "drain_shard", {"request_id": uuid.uuid4().hex,
+                                                           "shard_id": action.shard_id})
+                threading.Timer(STOP_GRACE, self.outbox.put, args=(message,)).start()
+
+    def run(self, stopping: threading.Event) -> None:
+        """Serve until STOPPING is set; the loop notices within one poll."""
+        self.scheduler.add_job(self.reconcile, "interval", id="reconcile", seconds=self.reconcile_interval,
+                               max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
+        self.scheduler.add_job(self.key_pusher.check, "interval", id="keys", seconds=KEYS_CHECK, max_instances=1,
+                               coalesce=True, next_run_time=datetime.datetime.now())
+        self.scheduler.start()
+        # A catalog change is acted on at once rather than at the next tick.
+        self.report.on_kick(lambda: self.scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now()))
+        while not stopping.is_set():
+            self.server.poll(100)
+            self.outbox.send(self.fleet)
+            self.inbox.drain(lambda model: self.demand.note(model, time.monotonic()))
+            key_set = self.key_pusher.take()
+            if key_set is not None:
+                self.publisher.publish_keys(key_set)
+            if not self.fleet.settling(time.monotonic()):
+                # Until then gateways keep the last snapshot they had, with the replicas of nodes
+                # still on their way back, rather than one that lacks them.
+                self.publisher.publish(snapshot_body(self.catalog.models(), self.replicas.snapshot(),
+                                                     self.inbox.port, self.account_server.port))
+
+    def close(self) -> None:
+        """Stop every part, whether run() returned or failed."""
+        if self.scheduler.running:  # run() may have failed before starting it
+            self.scheduler.shutdown(wait=False)
+        self.admin.shutdown()
+        self.publisher.close()
+        self.account_server.stop()
+        self.roller.stop()
+        self.inbox.close()
+        self.server.close()
+        if self.auth is not None:
+            self.auth.stop()
+        self.context.term()
+        self.engine.dispose()
+        log.info("controller stopped")

@@ -1,0 +1,69 @@
+"""What the agent tells the controller about its node: the register message's facts, and heartbeats.
+
+A heartbeat carries only what changed since the last one sent, so a quiet node
+sends little; a registration (to another controller, or the same one again)
+forgets what was sent, so the next heartbeat is whole.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from llmgw import __version__, engines, settings
+from llmgw.node import discovery, doctor
+from llmgw.node.supervisor import Supervisor
+
+
+class Reporter:
+    """Makes the register and heartbeat messages' fields; a heartbeat carries only what changed."""
+
+    def __init__(self, node_id: str, cfg: settings.Config, supervisor: Supervisor, address: str | None):
+        """ADDRESS: where this machine reaches its first controller from (None: not known)."""
+        self.node_id = node_id
+        self.address = address
+        self.cfg = cfg
+        self.supervisor = supervisor
+        self.cpu = discovery.CpuSampler()
+        self.cpu.percent()
+        self.sent: dict = {}
+        self.has_gpus = False
+
+    def register(self) -> dict:
+        facts = dict(node_id=self.node_id, agent_version=__version__, hostname=socket.gethostname(),
+                     address=self.address, labels=self.cfg["agent.labels"],
+                     cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
+                     disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
+        facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
+        facts.update(engines=engines.installed(), engines_probed=True, shards=self.supervisor.describe())
+        facts["doctor"] = self.checkup(facts)
+        self.has_gpus = bool(facts.get("gpus"))
+        self.sent = {}
+        return facts
+
+    def checkup(self, facts: dict) -> dict:
+        """The doctor's warnings and failures, from what was just found (the connection to the controller
+        is what is being made, so it is not checked here)."""
+        gpu = {k: facts[k] for k in ("gpus", "gpus_probed", "gpu_probe_error") if k in facts}
+        found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], known={
+            "cpu": facts["cpu"], "memory": facts["memory"], "disk": facts["disk"], "gpu": gpu,
+            "engines": facts["engines"]})
+        findings = [f for f in doctor.evaluate(found) if f.area != "agent"]
+        return doctor.summary(findings)
+
+    def heartbeat(self) -> dict:
+        current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),
+                   "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent()),
+                            "shards": self.supervisor.loads()}}
+        if self.has_gpus:
+            # GPU memory in use catches a process outside llmgw taking a card.
+            keep = ("index", "memory_used_bytes", "utilization_percent", "health")
+            gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
+            if gpus is not None:
+                current["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
+        changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
+        self.sent.update(changed)
+        return changed
+
+
+def _present(**fields) -> dict:
+    return {k: v for k, v in fields.items() if v is not None}
