@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, settings, store
-from llmgw.control import adminapi, curvekeys
+from llmgw.control import adminapi, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.agentserver import AgentServer
@@ -76,13 +76,13 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     else:
         keypair = curvekeys.controller_keypair(cfg["controller.keys_dir"])
         public = keypair[0]
-        ring = curvekeys.KeyRing(curvekeys.authorised_keys(engine), "node")
-        gateway_ring = curvekeys.KeyRing(curvekeys.gateway_keys(engine), "gateway")
-        auth = curvekeys.Authenticator(context, {curvekeys.AGENTS: ring, curvekeys.GATEWAYS: gateway_ring}).start()
+        ring = authenticator.KeyRing(curvekeys.authorised_keys(engine), "node")
+        gateway_ring = authenticator.KeyRing(curvekeys.gateway_keys(engine), "gateway")
+        auth = authenticator.Authenticator(context, {authenticator.AGENTS: ring, authenticator.GATEWAYS: gateway_ring}).start()
         log.info("agents and gateways authenticate with CURVE; %d node keys and %d gateway keys issued",
                  len(ring.keys), len(gateway_ring.keys))
     # Each socket gateways use admits only gateway keys (or anyone, in plaintext mode).
-    gateway_keys = None if plaintext else (keypair, curvekeys.GATEWAYS)
+    gateway_keys = None if plaintext else (keypair, authenticator.GATEWAYS)
 
     # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],

@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 from bench.procstat import cpu_seconds  # noqa: E402
 from llmgw import addresses, settings, store  # noqa: E402
 from llmgw.apiclient import ApiClient, ApiError  # noqa: E402
-from llmgw.control import adminapi, curvekeys  # noqa: E402
+from llmgw.control import curvekeys  # noqa: E402
 from llmgw.node.discovery import parse_nvidia_smi  # noqa: E402
 from llmgw.procs import free_port, raise_fd_limit, wait_for  # noqa: E402
 from llmgw.wire import agent as protocol  # noqa: E402
@@ -93,6 +93,9 @@ def silent_flag() -> str:
 
 
 def main() -> int:
+    # Here, not at the top: the agents this file also runs need neither Flask nor the admin API.
+    from llmgw.control.adminapi import ensure_token
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=500)
     parser.add_argument("--replicas", type=int, default=100)
@@ -130,7 +133,7 @@ def main() -> int:
     engine.dispose()
     procs = []
     admin = ApiClient(f"http://{ports['admin_listen']}", "the controller's admin API",
-                      token=adminapi.ensure_token(values["controller.keys_dir"]))
+                      token=ensure_token(values["controller.keys_dir"]))
 
     def api(path, body=None, method="GET"):
         return admin.call(method, path, body)

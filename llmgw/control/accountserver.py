@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from llmgw import addresses
 from llmgw.control.accountant import Accountant, Refused
-from llmgw.control.curvekeys import serve_curve
+from llmgw.control.authenticator import serve_curve
 from llmgw.wire import accounting
 from llmgw.wire.accounting import ProtocolError
 

@@ -21,8 +21,8 @@ from sqlalchemy.engine import Engine
 
 from llmgw import __version__, apiguard, settings, store
 from llmgw.control import curvekeys, placement
+from llmgw.control.authenticator import KeyRing
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
-from llmgw.control.curvekeys import KeyRing
 from llmgw.control.fleet import STATES, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
 from llmgw.control.reconciler import Replicas

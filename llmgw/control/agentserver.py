@@ -18,7 +18,7 @@ import zmq
 from prometheus_client.core import CounterMetricFamily
 
 from llmgw import addresses
-from llmgw.control.curvekeys import AGENTS, KeyRing, serve_curve
+from llmgw.control.authenticator import AGENTS, KeyRing, serve_curve
 from llmgw.control.fleet import Fleet
 from llmgw.wire import agent as protocol
 

@@ -7,33 +7,20 @@ only ever speak as itself and a gateway key opens only the gateways' sockets.
 The key file an operator copies to the machine holds the name, its key pair
 and the controller's public key (which the peer needs to encrypt to the right
 server).
-
-`Authenticator` is the ZAP handler for every socket the controller binds: each
-socket names a domain (agents, gateways), and a domain admits only the keys
-of its ring. Without a ZAP handler CURVE admits every key, so each socket
-enforces its domain: with no handler answering, connections fail closed.
+Who is admitted where is llmgw/control/authenticator.py.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 import tomllib
 
 import sqlalchemy as sa
 import zmq
 from sqlalchemy.engine import Engine
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from llmgw import store
-
-log = logging.getLogger("llmgw.curvekeys")
-
-AGENTS = "llmgw"  # the agents' ZAP domain (its name predates the gateways')
-GATEWAYS = "llmgw-gateways"
 
 
 class KeyFileError(Exception):
@@ -136,58 +123,3 @@ def gateway_keys(engine: Engine) -> dict[bytes, str]:
     with engine.connect() as conn:
         rows = conn.execute(sa.select(store.gateway_keys.c.public_key, store.gateway_keys.c.name)).all()
     return {public.encode(): name for public, name in rows}
-
-
-class KeyRing:
-    """Issued keys (z85 public key -> holder's name); replaced whole when a key is issued."""
-
-    def __init__(self, keys: dict[bytes, str], kind: str = "node"):
-        self.keys = dict(keys)
-        self.kind = kind
-        self.lock = threading.Lock()
-
-    def replace(self, keys: dict[bytes, str]) -> None:
-        with self.lock:
-            self.keys = dict(keys)
-
-    def node_for(self, z85_key: bytes) -> str | None:
-        return self.keys.get(z85_key)
-
-    # The credentials-provider interface of pyzmq's authenticator.
-    def callback(self, domain: str, z85_key: bytes) -> bool:
-        allowed = z85_key in self.keys
-        if not allowed:
-            log.warning("refused a connection with a key no %s was issued (%s...)", self.kind, z85_key[:8].decode())
-        return allowed
-
-
-class Authenticator(ThreadAuthenticator):
-    """The ZAP handler: each domain admits its ring's keys, and a message carries its holder's name as User-Id."""
-
-    def __init__(self, context: zmq.Context, rings: dict[str, KeyRing]):
-        super().__init__(context)
-        self.rings = rings
-
-    def start(self) -> "Authenticator":
-        super().start()
-        for domain, ring in self.rings.items():
-            self.configure_curve_callback(domain=domain, credentials_provider=ring)
-        return self
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        key = z85.encode(client_public_key)
-        for ring in self.rings.values():
-            name = ring.node_for(key)
-            if name is not None:
-                return name
-        return ""
-
-
-def serve_curve(sock: zmq.Socket, keypair: tuple[bytes, bytes], domain: str) -> None:
-    """Make SOCK a CURVE server in DOMAIN; call before bind."""
-    public, secret = keypair
-    sock.curve_secretkey = secret
-    sock.curve_publickey = public
-    sock.zap_domain = domain.encode()
-    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    sock.curve_server = True  # must come before bind

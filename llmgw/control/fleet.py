@@ -87,9 +87,19 @@ def _gpu(index: int, g: dict) -> Gpu:
                utilization_percent=g.get("utilization_percent"), health=g.get("health"))
 
 
-def node_facts(registration: dict, status: dict) -> NodeFacts:
+def node_gpus(registration: dict, status: dict) -> tuple[Gpu, ...] | None:
+    """The node's cards: the registration says which there are, heartbeats how each is doing now."""
+    if registration.get("gpus") is None:
+        return None
+    latest = _by_index(status.get("gpus", []))
+    return tuple(_gpu(index, {**reported, **latest.get(index, {})})
+                 for index, reported in sorted(_by_index(registration["gpus"]).items()))
+
+
+def node_facts(registration: dict, status: dict, gpus=None) -> NodeFacts:
     """The typed facts of a node from its REGISTRATION's fields and STATUS, the latest of each heartbeat
-    field since (a heartbeat's value wins over the registration's: it is newer)."""
+    field since (a heartbeat's value wins over the registration's: it is newer). GPUS, when given, are
+    `node_gpus` of the same, made earlier."""
     memory = {**registration.get("memory", {}), **status.get("memory", {})}
     disk = {**registration.get("disk", {}), **status.get("disk", {})}
     load = status.get("load", {})
@@ -97,12 +107,8 @@ def node_facts(registration: dict, status: dict) -> NodeFacts:
         engines = status["engines"]
     else:  # a registration's table is an answer only where the agent says it looked (old agents did not)
         engines = registration.get("engines") if registration.get("engines_probed") else None
-    gpus = None
-    if registration.get("gpus") is not None:
-        # The registration says which cards there are; heartbeats say how each is doing now.
-        latest = _by_index(status.get("gpus", []))
-        gpus = tuple(_gpu(index, {**reported, **latest.get(index, {})})
-                     for index, reported in sorted(_by_index(registration["gpus"]).items()))
+    if gpus is None:
+        gpus = node_gpus(registration, status)
     return NodeFacts(registration=registration, status=status, labels=registration.get("labels"),
                      engines=engines, gpus=gpus, cpu_count=registration.get("cpu", {}).get("count"),
                      memory_total_bytes=memory.get("total_bytes"), memory_available_bytes=memory.get("available_bytes"),
@@ -139,6 +145,12 @@ class Node:
     status: dict = dataclasses.field(default_factory=dict)  # the latest of each heartbeat field
     cordoned: bool = False
     draining: bool = False
+    # The typed facts, made from FACTS and STATUS when a pass first needs them after either changed,
+    # and the cards apart, since every heartbeat changes the load and few change a card: rebuilding
+    # them for every node at every reconcile pass made a pass ten times slower.
+    typed: NodeFacts | None = None
+    gpus: tuple[Gpu, ...] | None = None
+    gpus_known: bool = False
 
 
 class Fleet:
@@ -195,6 +207,8 @@ class Fleet:
             for key, value in fields.items():
                 if key not in _ENVELOPE:
                     node.status[key] = _merge_gpus(node.status.get("gpus", []), value) if key == "gpus" else value
+                    node.typed = None
+                    node.gpus_known = node.gpus_known and key != "gpus"
             return True
 
     def set_cordon(self, node_id: str, cordoned: bool) -> None:
@@ -230,6 +244,10 @@ class Fleet:
         """Every node, by id: state, seconds since heard and since registered, and its facts."""
         with self.lock:
             nodes = sorted(self.nodes.values(), key=lambda n: n.node_id)
+            for n in nodes:
+                if n.typed is None:
+                    if not n.gpus_known:
+                        n.gpus, n.gpus_known = node_gpus(n.facts, n.status), True
+                    n.typed = node_facts(n.facts, dict(n.status), n.gpus)
             return [NodeView(n.node_id, self.state(n, now), round(now - n.last_heard, 1),
-                             round(now - n.registered_at, 1), node_facts(n.facts, dict(n.status)))
-                    for n in nodes]
+                             round(now - n.registered_at, 1), n.typed) for n in nodes]

@@ -22,7 +22,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 
 from llmgw.control.agentserver import AgentServer
 from llmgw.control.fleet import Fleet
-from llmgw.control.publisher import KEYS_CHECK, snapshot_body
+from llmgw.control.publisher import snapshot_body
 from llmgw.control.reconciler import Start, plan, start_message
 
 log = logging.getLogger("llmgw.controller")
@@ -156,8 +156,7 @@ class ControlLoop:
         """Serve until STOPPING is set; the loop notices within one poll."""
         self.scheduler.add_job(self.reconcile, "interval", id="reconcile", seconds=self.reconcile_interval,
                                max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
-        self.scheduler.add_job(self.key_pusher.check, "interval", id="keys", seconds=KEYS_CHECK, max_instances=1,
-                               coalesce=True, next_run_time=datetime.datetime.now())
+        self.key_pusher.start()
         self.scheduler.start()
         # A catalog change is acted on at once rather than at the next tick.
         self.report.on_kick(lambda: self.scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now()))
@@ -183,6 +182,7 @@ class ControlLoop:
         self.account_server.stop()
         self.roller.stop()
         self.inbox.close()
+        self.key_pusher.close()
         self.server.close()
         if self.auth is not None:
             self.auth.stop()

@@ -13,7 +13,7 @@ import zmq
 from llmgw import addresses, store
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
-from llmgw.control.curvekeys import Authenticator, KeyRing
+from llmgw.control.authenticator import Authenticator, KeyRing
 from llmgw.people.rollup import Roller
 from llmgw.settings import Config
 from llmgw.wire.curve import ClientKeys
