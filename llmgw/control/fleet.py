@@ -31,6 +31,8 @@ STATES = (READY, CORDONED, DRAINING, UNREACHABLE, LOST)
 HEALTHY = "ok"
 # A heartbeat's envelope, not something the node says about itself.
 _ENVELOPE = ("v", "type", "node_id", "seq")
+# The heartbeat fields that change a node's typed facts; the rest are read from its status when asked.
+_TYPED = ("gpus", "engines")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,20 +54,51 @@ class Gpu:
 
 @dataclasses.dataclass(frozen=True)
 class NodeFacts:
-    """What a node has said about itself, the newest word on each; None where it has not said."""
+    """What a node has said about itself, the newest word on each; None where it has not said.
+
+    The figures every heartbeat changes (memory, disk, load) are read from the node's latest status
+    when asked, so a heartbeat that changes only those needs no new NodeFacts: rebuilding them for
+    every node at every reconcile pass made a pass several times slower."""
     registration: dict  # the registration, as the node sent it (the admin API shows it as is)
-    status: dict  # the latest of each heartbeat field, as sent (GPUs merged by index)
+    status: dict  # the latest of each heartbeat field, as sent (GPUs merged by index); the node's own
     labels: dict | None
     engines: dict | None  # engine -> version; None until the node has said which engines it runs
     gpus: tuple[Gpu, ...] | None  # None when the GPU probe failed or was never run
     cpu_count: int | None
-    memory_total_bytes: int | None
-    memory_available_bytes: int | None
-    disk_total_bytes: int | None
-    disk_free_bytes: int | None
-    load1: float | None
-    cpu_percent: float | None
-    shard_loads: list[dict] | None  # per engine, as the agent measured it (`load.shards`)
+
+    def _latest(self, field: str, key: str):
+        """FIELD's KEY from the latest heartbeat that said it, else from the registration."""
+        value = self.status.get(field, {}).get(key)
+        return self.registration.get(field, {}).get(key) if value is None else value
+
+    @property
+    def memory_total_bytes(self) -> int | None:
+        return self._latest("memory", "total_bytes")
+
+    @property
+    def memory_available_bytes(self) -> int | None:
+        return self._latest("memory", "available_bytes")
+
+    @property
+    def disk_total_bytes(self) -> int | None:
+        return self._latest("disk", "total_bytes")
+
+    @property
+    def disk_free_bytes(self) -> int | None:
+        return self._latest("disk", "free_bytes")
+
+    @property
+    def load1(self) -> float | None:
+        return self.status.get("load", {}).get("load1")
+
+    @property
+    def cpu_percent(self) -> float | None:
+        return self.status.get("load", {}).get("cpu_percent")
+
+    @property
+    def shard_loads(self) -> list[dict] | None:
+        """Per engine, as the agent measured it (`load.shards`)."""
+        return self.status.get("load", {}).get("shards")
 
 
 def _by_index(gpus: list) -> dict:
@@ -96,24 +129,16 @@ def node_gpus(registration: dict, status: dict) -> tuple[Gpu, ...] | None:
                  for index, reported in sorted(_by_index(registration["gpus"]).items()))
 
 
-def node_facts(registration: dict, status: dict, gpus=None) -> NodeFacts:
+def node_facts(registration: dict, status: dict) -> NodeFacts:
     """The typed facts of a node from its REGISTRATION's fields and STATUS, the latest of each heartbeat
-    field since (a heartbeat's value wins over the registration's: it is newer). GPUS, when given, are
-    `node_gpus` of the same, made earlier."""
-    memory = {**registration.get("memory", {}), **status.get("memory", {})}
-    disk = {**registration.get("disk", {}), **status.get("disk", {})}
-    load = status.get("load", {})
+    field since (a heartbeat's value wins over the registration's: it is newer)."""
     if "engines" in status:
         engines = status["engines"]
     else:  # a registration's table is an answer only where the agent says it looked (old agents did not)
         engines = registration.get("engines") if registration.get("engines_probed") else None
-    if gpus is None:
-        gpus = node_gpus(registration, status)
+    gpus = node_gpus(registration, status)
     return NodeFacts(registration=registration, status=status, labels=registration.get("labels"),
-                     engines=engines, gpus=gpus, cpu_count=registration.get("cpu", {}).get("count"),
-                     memory_total_bytes=memory.get("total_bytes"), memory_available_bytes=memory.get("available_bytes"),
-                     disk_total_bytes=disk.get("total_bytes"), disk_free_bytes=disk.get("free_bytes"),
-                     load1=load.get("load1"), cpu_percent=load.get("cpu_percent"), shard_loads=load.get("shards"))
+                     engines=engines, gpus=gpus, cpu_count=registration.get("cpu", {}).get("count"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +153,9 @@ class NodeView:
     def to_dict(self) -> dict:
         """The admin API's JSON for the node (`llmgw ctl nodes`, the cluster page): the messages as sent."""
         return {"node_id": self.node_id, "state": self.state, "last_heard_s": self.last_heard_s,
-                "registered_s": self.registered_s, "facts": self.facts.registration, "status": self.facts.status}
+                "registered_s": self.registered_s, "facts": self.facts.registration,
+                # A copy: the node's status changes under a later heartbeat, and this may be written out then.
+                "status": dict(self.facts.status)}
 
 
 class FleetError(Exception):
@@ -145,12 +172,9 @@ class Node:
     status: dict = dataclasses.field(default_factory=dict)  # the latest of each heartbeat field
     cordoned: bool = False
     draining: bool = False
-    # The typed facts, made from FACTS and STATUS when a pass first needs them after either changed,
-    # and the cards apart, since every heartbeat changes the load and few change a card: rebuilding
-    # them for every node at every reconcile pass made a pass ten times slower.
+    # The typed facts, made when a pass first needs them after the registration, the cards or the
+    # engines changed; the figures every heartbeat changes are read from STATUS as they are.
     typed: NodeFacts | None = None
-    gpus: tuple[Gpu, ...] | None = None
-    gpus_known: bool = False
 
 
 class Fleet:
@@ -207,8 +231,8 @@ class Fleet:
             for key, value in fields.items():
                 if key not in _ENVELOPE:
                     node.status[key] = _merge_gpus(node.status.get("gpus", []), value) if key == "gpus" else value
-                    node.typed = None
-                    node.gpus_known = node.gpus_known and key != "gpus"
+                    if key in _TYPED:
+                        node.typed = None
             return True
 
     def set_cordon(self, node_id: str, cordoned: bool) -> None:
@@ -246,8 +270,6 @@ class Fleet:
             nodes = sorted(self.nodes.values(), key=lambda n: n.node_id)
             for n in nodes:
                 if n.typed is None:
-                    if not n.gpus_known:
-                        n.gpus, n.gpus_known = node_gpus(n.facts, n.status), True
-                    n.typed = node_facts(n.facts, dict(n.status), n.gpus)
+                    n.typed = node_facts(n.facts, n.status)
             return [NodeView(n.node_id, self.state(n, now), round(now - n.last_heard, 1),
                              round(now - n.registered_at, 1), n.typed) for n in nodes]
