@@ -37,8 +37,9 @@ def models_of(gateway, key) -> set[str]:
         return {m["id"] for m in json.loads(resp.read())["data"]}
 
 
-def forge(port: int, seconds: float) -> None:
-    """Bind the controller's snapshot port and publish a forged snapshot for SECONDS."""
+def forge(port: int, seconds: float, garbage: bool = False) -> None:
+    """Bind the controller's snapshot port and publish a forged snapshot for SECONDS (with GARBAGE, a
+    snapshot no schema accepts as well)."""
     context = zmq.Context()
     sock = context.socket(zmq.PUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -51,6 +52,8 @@ def forge(port: int, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             sock.send_multipart([gateways.SNAPSHOT, forged])
+            if garbage:
+                sock.send_multipart([gateways.SNAPSHOT, b'{"type": "snapshot", "v": 1, "version": "x"}'])
             time.sleep(0.1)
     finally:
         sock.close(0)
@@ -67,10 +70,13 @@ def test_a_forged_snapshot_is_never_believed(tmp_path, make_gateway, plaintext):
     try:
         wait_until("the gateway to follow the controller", 30, lambda: "honest" in models_of(gw, key))
         c.stop(signal.SIGKILL)
-        forge(c.gateway_port, 4.0)
+        forge(c.gateway_port, 4.0, garbage=plaintext)
         # The forger is heard only where the channel is open: that is what the old code did everywhere.
         assert ("forged" in models_of(gw, key)) is plaintext
         if plaintext:
+            # What no schema accepts is dropped, logged and counted, never acted on.
+            assert "llmgw_controller_messages_dropped_total 0.0" not in gw.metrics()
+            assert "llmgw_controller_messages_dropped_total" in gw.metrics()
             return
         # The real controller comes back with a new epoch and a clock that may be behind: believed at once.
         c.start()

@@ -40,10 +40,11 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                     epoch=body.get("epoch"))
 
 
-def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=None) -> None:
+def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=None, dropped=None) -> None:
     """Run forever: ON_SNAPSHOT(message) and ON_KEYS(message) for each message the controller at ADDRESS
     publishes, checked against its schema. With KEYS, only a publisher holding the controller's secret key
-    is heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread."""
+    is heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread.
+    DROPPED, a counter, counts what cannot be read."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -59,10 +60,14 @@ def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=
             if handler is None:
                 log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
                             frames[0][:20])
+                if dropped is not None:
+                    dropped.inc()
                 continue
             try:
                 handler(gateways.decode(frames[1]))
             except gateways.ProtocolError as e:
                 log.warning("ignored a message from the controller that cannot be read: %s", e)
+                if dropped is not None:
+                    dropped.inc()
     finally:
         sock.close(0)

@@ -124,7 +124,7 @@ class Runtime:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
                          last.get("snapshot", {}).get("version"), last.get("keys", {}).get("revision"))
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
-                                               on_snapshot, on_keys))
+                                               on_snapshot, on_keys, None, self.metrics.controller_dropped))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
