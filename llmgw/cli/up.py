@@ -208,6 +208,9 @@ class Up:
         os.makedirs(self.var, exist_ok=True)
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+        # Ctrl-C stops everything even when this was started with SIGINT ignored (a shell's background job
+        # is): Python then installs no handler of its own, and `llmgw up` once sat through every Ctrl-C.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         base = addresses.url(self.listen, "--listen")
         try:
             engine = store.open_engine(self.cfg["store.url"])
