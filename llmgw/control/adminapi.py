@@ -221,31 +221,26 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         fleet.remove(node_id, time.monotonic())
         return jsonify({"node_id": node_id, "removed": True})
 
+    def issue(kind: str, field: str, example: str, key_ring: KeyRing | None, issue_key, issued, key_file):
+        """Issue a key for the name in the body's FIELD and let the ring admit it at once."""
+        name = (request.get_json(silent=True) or {}).get(field)
+        if not isinstance(name, str) or not NODE_ID.match(name):
+            return error(400, f"{field} must be a name of letters, digits, '.', '_' or '-', such as {example}")
+        if key_ring is None:
+            return error(409, f"this controller runs with controller.plaintext: {kind}s use no keys")
+        public, secret = issue_key(engine, name)
+        key_ring.replace(issued(engine))
+        return jsonify({field: name, "key_file": key_file(name, public, secret, controller_public)})
+
     @app.post("/api/v1/node-keys")
     def issue_key():
-        body = request.get_json(silent=True) or {}
-        node_id = body.get("node_id")
-        if not isinstance(node_id, str) or not NODE_ID.match(node_id):
-            return error(400, "node_id must be a name of letters, digits, '.', '_' or '-', such as gpu-01")
-        if ring is None:
-            return error(409, "this controller runs with controller.plaintext: agents use no keys")
-        public, secret = curvekeys.issue_node_key(engine, node_id)
-        ring.replace(curvekeys.authorised_keys(engine))
-        return jsonify({"node_id": node_id, "key_file": curvekeys.node_key_file(node_id, public, secret,
-                                                                                 controller_public)})
+        return issue("agent", "node_id", "gpu-01", ring, curvekeys.issue_node_key, curvekeys.authorised_keys,
+                     curvekeys.node_key_file)
 
     @app.post("/api/v1/gateway-keys")
     def issue_gateway_key():
-        body = request.get_json(silent=True) or {}
-        name = body.get("name")
-        if not isinstance(name, str) or not NODE_ID.match(name):
-            return error(400, "name must be letters, digits, '.', '_' or '-', such as gw-01")
-        if gateway_ring is None:
-            return error(409, "this controller runs with controller.plaintext: gateways use no keys")
-        public, secret = curvekeys.issue_gateway_key(engine, name)
-        gateway_ring.replace(curvekeys.gateway_keys(engine))
-        return jsonify({"name": name, "key_file": curvekeys.gateway_key_file(name, public, secret,
-                                                                             controller_public)})
+        return issue("gateway", "name", "gw-01", gateway_ring, curvekeys.issue_gateway_key, curvekeys.gateway_keys,
+                     curvekeys.gateway_key_file)
 
     return app
 

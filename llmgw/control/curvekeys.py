@@ -59,67 +59,60 @@ def gateway_key_file(name: str, public: bytes, secret: bytes, controller_public:
             f'controller_public_key = "{controller_public.decode()}"\n')
 
 
-def read_gateway_key_file(path: str) -> dict[str, str]:
+def _read_key_file(path: str, holder: str, name_field: str, issue: str, where: str) -> dict[str, str]:
+    """A key file of HOLDER ("node", "gateway") whose name is NAME_FIELD; refusals end with ISSUE, the command
+    that makes one, and WHERE, what to do with it here."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as e:
-        raise KeyFileError(f"cannot read the gateway key file {path}: {e.strerror}. On the controller, run "
-                           "`llmgw ctl gateway-key issue NAME > gateway.key`, copy it here and set "
-                           "gateway.key_file (or set gateway.plaintext on a closed test network)") from None
+        raise KeyFileError(f"cannot read the {holder} key file {path}: {e.strerror}. On the controller, run "
+                           f"`{issue} > {holder}.key`, {where}") from None
     except tomllib.TOMLDecodeError as e:
-        raise KeyFileError(f"{path} is not a gateway key file: {e}") from None
-    missing = [k for k in ("gateway", "public_key", "secret_key", "controller_public_key") if not data.get(k)]
+        raise KeyFileError(f"{path} is not a {holder} key file: {e}") from None
+    missing = [k for k in (name_field, "public_key", "secret_key", "controller_public_key") if not data.get(k)]
     if missing:
-        raise KeyFileError(f"{path} lacks {', '.join(missing)}; issue a new one with "
-                           "`llmgw ctl gateway-key issue NAME`")
+        raise KeyFileError(f"{path} lacks {', '.join(missing)}; issue a new one with `{issue}`")
     return data
+
+
+def read_gateway_key_file(path: str) -> dict[str, str]:
+    return _read_key_file(path, "gateway", "gateway", "llmgw ctl gateway-key issue NAME",
+                          "copy it here and set gateway.key_file (or set gateway.plaintext on a closed test network)")
 
 
 def read_node_key_file(path: str) -> dict[str, str]:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise KeyFileError(f"cannot read the node key file {path}: {e.strerror}. On the controller, run "
-                           "`llmgw ctl node-key issue NODE > node.key` and copy it here "
-                           "(or set agent.plaintext on a closed test network)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise KeyFileError(f"{path} is not a node key file: {e}") from None
-    missing = [k for k in ("node_id", "public_key", "secret_key", "controller_public_key") if not data.get(k)]
-    if missing:
-        raise KeyFileError(f"{path} lacks {', '.join(missing)}; issue a new one with `llmgw ctl node-key issue NODE`")
-    return data
+    return _read_key_file(path, "node", "node_id", "llmgw ctl node-key issue NODE",
+                          "copy it here (or set agent.plaintext on a closed test network)")
+
+
+def _issue(engine: Engine, table: sa.Table, column: str, name: str) -> tuple[bytes, bytes]:
+    """A new key pair for NAME in TABLE, replacing any earlier one (which stops working)."""
+    public, secret = zmq.curve_keypair()
+    with engine.begin() as conn:
+        conn.execute(table.delete().where(table.c[column] == name))
+        conn.execute(table.insert().values({column: name, "public_key": public.decode(), "created_at": time.time()}))
+    return public, secret
+
+
+def _issued(engine: Engine, table: sa.Table, column: str) -> dict[bytes, str]:
+    """z85 public key -> holder's name, for every key issued in TABLE."""
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(table.c.public_key, table.c[column])).all()
+    return {public.encode(): name for public, name in rows}
 
 
 def issue_node_key(engine: Engine, node_id: str) -> tuple[bytes, bytes]:
-    """A new key pair for NODE_ID, replacing any earlier one (which stops working)."""
-    public, secret = zmq.curve_keypair()
-    with engine.begin() as conn:
-        conn.execute(store.node_keys.delete().where(store.node_keys.c.node_id == node_id))
-        conn.execute(store.node_keys.insert().values(node_id=node_id, public_key=public.decode(),
-                                                     created_at=time.time()))
-    return public, secret
+    return _issue(engine, store.node_keys, "node_id", node_id)
 
 
 def authorised_keys(engine: Engine) -> dict[bytes, str]:
-    """z85 public key -> node id, for every issued key."""
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(store.node_keys.c.public_key, store.node_keys.c.node_id)).all()
-    return {public.encode(): node_id for public, node_id in rows}
+    return _issued(engine, store.node_keys, "node_id")
 
 
 def issue_gateway_key(engine: Engine, name: str) -> tuple[bytes, bytes]:
-    """A new key pair for the gateway NAME, replacing any earlier one (which stops working)."""
-    public, secret = zmq.curve_keypair()
-    with engine.begin() as conn:
-        conn.execute(store.gateway_keys.delete().where(store.gateway_keys.c.name == name))
-        conn.execute(store.gateway_keys.insert().values(name=name, public_key=public.decode(), created_at=time.time()))
-    return public, secret
+    return _issue(engine, store.gateway_keys, "name", name)
 
 
 def gateway_keys(engine: Engine) -> dict[bytes, str]:
-    """z85 public key -> gateway name, for every issued gateway key."""
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(store.gateway_keys.c.public_key, store.gateway_keys.c.name)).all()
-    return {public.encode(): name for public, name in rows}
+    return _issued(engine, store.gateway_keys, "name")
