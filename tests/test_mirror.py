@@ -19,7 +19,7 @@ from werkzeug.serving import make_server
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 
-from llmgw import gguf, weights
+from llmgw import gguf, settings, weights
 from llmgw.cli import starter
 from llmgw.cli.main import main
 from llmgw.mirror.fetch import Manager, SourceRefused
@@ -367,6 +367,8 @@ def test_local_sources_come_only_from_the_listed_directories(tmp_path, secret):
                    str(listed / "set-00001-of-00002.gguf")):
         with pytest.raises(SourceRefused, match="is not inside a directory the mirror may copy from"):
             manager.fetch(source, "x", "v1")
+    with pytest.raises(settings.ConfigError, match="must be absolute paths"):
+        settings.load(None, {"mirror.local_sources": "models,/srv/models"})
     # Nothing outside is even looked at: a file that is not there is refused the same way.
     with pytest.raises(SourceRefused, match="mirror.local_sources: " + re.escape(str(listed))):
         manager.fetch("/nonexistent/x.gguf", "x", "v1")
@@ -472,6 +474,11 @@ def test_credentials_in_a_source_never_show(tmp_path, caplog):
                 assert wait_done(manager, model, "v1")["state"] == "failed"
             with urllib.request.urlopen(f"{api}/api/v1/models") as resp:
                 listing = resp.read().decode()
+            config = write_config(tmp_path / "cli.toml", {"mirror.api": api})
+            said = CliRunner().invoke(main, ["--config", config, "mirror", "fetch", "--no-wait", "--model", "c",
+                                             "--version", "v1", "https://user:hunter2@127.0.0.1:1/c.bin"]).output
+            assert "fetching https://user:***@127.0.0.1:1/c.bin into c/v1" in said
+            wait_done(manager, "c", "v1")
         failed = {f["model"]: f for f in json.loads(listing)["failed"]}
         assert failed["a"]["source"] == "https://user:***@127.0.0.1:1/x.bin"
         assert failed["b"]["source"] == f"http://***@127.0.0.1:{port}:99/x.bin?sig=***"
@@ -479,7 +486,7 @@ def test_credentials_in_a_source_never_show(tmp_path, caplog):
         # The mirror's own lines (the source server here is the test's, and logs what it was asked).
         logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("llmgw"))
         assert "fetching a/v1 from https://user:***@127.0.0.1:1/x.bin failed" in logged
-        for text in (listing, on_disk, logged):
+        for text in (listing, on_disk, logged, said):
             assert not any(s in text for s in secrets), text
     finally:
         release.set()

