@@ -393,7 +393,7 @@ def test_a_local_file_swapped_after_its_check_is_not_copied(tmp_path, secret):
 
     with pytest.raises(SourceRefused, match="changed since it was checked"):
         _copy(job.url, job.identity, str(tmp_path / "target"), lambda done, total: None)
-    assert not os.path.exists(tmp_path / "target")
+    assert not os.path.exists(tmp_path / "target") and not os.path.exists(tmp_path / "target.part")
 
 
 def mirror_api(manager, tmp_path):

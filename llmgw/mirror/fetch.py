@@ -35,7 +35,6 @@ import logging
 import os
 import posixpath
 import re
-import shutil
 import threading
 import time
 import urllib.error
@@ -352,17 +351,18 @@ def _package_file(spec: str) -> str:
 def _copy(path: str, identity: tuple[int, int], target: str, progress) -> None:
     """Copy PATH, which must still be the file that was checked: a directory on the way may have been swapped
     for a symlink since."""
-    with open(path, "rb") as src, open(target + ".part", "wb") as out:
-        if _identity(os.fstat(src.fileno())) != identity:
+    with open(path, "rb") as src:
+        st = os.fstat(src.fileno())
+        if _identity(st) != identity:
             raise SourceRefused(f"{path} changed since it was checked; fetch it again")
-        total = os.fstat(src.fileno()).st_size
         done = 0
-        while True:
-            chunk = src.read(1 << 20)
-            if not chunk:
-                break
-            out.write(chunk)
-            done += len(chunk)
-            progress(done, total)
-    os.replace(target + ".part", target)
-    shutil.copystat(path, target, follow_symlinks=True)
+        with open(target + ".part", "wb") as out:
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                out.write(chunk)
+                done += len(chunk)
+                progress(done, st.st_size)
+        os.replace(target + ".part", target)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
