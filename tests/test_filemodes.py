@@ -141,6 +141,17 @@ def loose_gateway(tmp_path):
     return "gateway.py", config, f"chmod 700 {folder}"
 
 
+def loose_gateway_key(tmp_path):
+    key = tmp_path / "gateway.key"
+    key.write_text(curvekeys.gateway_key_file("gw", b"p" * 40, b"s" * 40, b"c" * 40))
+    key.chmod(0o644)
+    config = write_config(tmp_path / "gateway.toml", {
+        "store.url": f"sqlite:///{tmp_path}/gateway.db", "gateway.listen": f"127.0.0.1:{free_port()}",
+        "gateway.metrics_listen": f"127.0.0.1:{free_port()}", "gateway.workers": 1,
+        "gateway.controller": f"127.0.0.1:{free_port()}", "gateway.key_file": str(key)})
+    return "gateway.py", config, f"chmod 600 {key}"
+
+
 def loose_agent(tmp_path):
     key = tmp_path / "node.key"
     key.write_text(curvekeys.node_key_file("n1", b"p" * 40, b"s" * 40, b"c" * 40))
@@ -160,7 +171,8 @@ def loose_mirror(tmp_path):
     return "mirror.py", config, f"chmod 600 {config}"
 
 
-@pytest.mark.parametrize("loose", [loose_controller, loose_controller_keys, loose_gateway, loose_agent, loose_mirror])
+@pytest.mark.parametrize("loose", [loose_controller, loose_controller_keys, loose_gateway, loose_gateway_key, loose_agent,
+                                   loose_mirror])
 def test_each_role_refuses_to_start_on_files_others_can_read(tmp_path, loose, umask_022):
     script, config, fix = loose(tmp_path)
     run = start(tmp_path, script, config)
