@@ -25,7 +25,7 @@ import urllib.request
 
 import click
 
-from llmgw import addresses, settings, store
+from llmgw import addresses, filemodes, settings, store
 from llmgw.apiclient import ApiClient, ApiError, Refused
 from llmgw.cli import starter
 from llmgw.control import adminapi, curvekeys
@@ -154,9 +154,8 @@ class Up:
                          "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
                          "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
         path = os.path.join(self.var, "up.toml")
-        with open(path, "w") as f:
-            f.write("# Written by `llmgw up` on every start; edit the file you pass with --config instead.\n")
-            f.write(settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
+        curvekeys.write_private(path, "# Written by `llmgw up` on every start; edit the file you pass with --config "
+                                      "instead.\n" + settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
         return path
 
     def spawn(self, name: str, script: str, config: str) -> subprocess.Popen:
@@ -205,7 +204,7 @@ class Up:
                 pass
 
     def run(self) -> None:
-        os.makedirs(self.var, exist_ok=True)
+        filemodes.make_private_dir(self.var)
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
         # Ctrl-C stops everything even when this was started with SIGINT ignored (a shell's background job
@@ -220,6 +219,8 @@ class Up:
             admin_password = self.ensure_admin(engine)
             config = self.write_config(engine)
             engine.dispose()
+            filemodes.check_roles(settings.load(config), "controller", "gateway", "agent", "mirror")
+            filemodes.refuse_loose({os.path.join(self.var, "starter-key"): filemodes.OTHERS})
             mirror = self.spawn("mirror", "mirror.py", config)
             wait_for("the mirror (see var/mirror.log)", START_LIMIT,
                      lambda: http_status(f"http://{self.loopback('mirror.api_listen')}/api/v1/health") == 200,
@@ -251,7 +252,7 @@ class Up:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
-        except (TimeoutError, RuntimeError) as e:
+        except (TimeoutError, RuntimeError, settings.ConfigError) as e:
             raise click.ClickException(str(e)) from None
         finally:
             if self.children:
