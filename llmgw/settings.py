@@ -258,8 +258,12 @@ _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), 
 class Config:
     """Validated settings plus the `[[endpoints]]` and `[[models]]` arrays."""
 
-    def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str):
+    def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str,
+                 written: dict[str, Any] | None = None):
         self.values = values
+        # What the file and the flags set, as they wrote it (a secret given as `@/path` kept as its path), so
+        # a configuration made from this one (`llmgw up`'s) keeps what was chosen and never a secret's content.
+        self.written = written or {}
         self.endpoints = endpoints
         self.models = models
         self.source = source
@@ -393,21 +397,31 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
     values = {s.name: s.default for s in SETTINGS}
+    written: dict[str, Any] = {}
     for table, content in data.items():
         if not isinstance(content, dict):
             raise ConfigError(f"{table} in {where}: expected a table such as [{table}]")
         for key, value in content.items():
             name = f"{table}.{key}"
             values[name] = coerce(name, value, where)
+            written[name] = _as_written(name, value, values[name])
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = coerce(name, value, f"flag for {name}")
+            written[name] = _as_written(name, value, values[name])
     if isinstance(file_endpoints, dict) or isinstance(file_models, dict):
         raise ConfigError(f"{where}: write endpoints and models as arrays of tables, [[endpoints]] and [[models]]")
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
     models = [_check_table("models", i, m, MODEL_KEYS, ("name",), where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
-    return Config(values, eps, models, where)
+    return Config(values, eps, models, where, written)
+
+
+def _as_written(name: str, given: Any, value: Any) -> Any:
+    """VALUE, or the `@/path` it was read from when GIVEN names a secret's file."""
+    if BY_NAME[name].secret and isinstance(given, str) and given.startswith("@"):
+        return given
+    return value
 
 
 def normalise_store_url(url: str) -> str:

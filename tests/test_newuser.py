@@ -4,15 +4,20 @@ and the configuration it writes, and the pages' rough edges."""
 import json
 import os
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from llmgw import store
+from llmgw import settings, store
 from llmgw.cli.main import main
-from llmgw.people import keys
+from llmgw.people import accounts, keys, limits, orgtree
+from tests.conftest import write_config
+from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
+
+PASSWORD = "a long enough password"
 
 
 def every_command(group: click.Group, path=()):
@@ -37,7 +42,8 @@ def test_a_command_with_no_configuration_and_no_store_says_where_it_looked(tmp_p
     assert os.listdir(tmp_path) == []  # no empty store made here
 
 
-def test_revoking_a_revoked_key_says_so(store_url):
+def test_revoking_a_revoked_key_says_so(tmp_path):
+    store_url = f"sqlite:///{tmp_path}/keys.db"
     engine = store.open_store(store_url)
     record, _ = keys.create_key(engine, "ci")
     engine.dispose()
@@ -95,3 +101,174 @@ def test_mirror_status_prints_a_table(fake_mirror, monkeypatch):
     assert "a.gguf  fetching  1.0 KiB of 2.0 KiB" in result.output
     scripted = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "1", "--json"])
     assert json.loads(scripted.output)["state"] == "fetching"
+
+
+def made_up(tmp_path, monkeypatch, given: dict):
+    """`llmgw up`'s var/up.toml for a configuration with GIVEN, made as `up` makes it, starting nothing."""
+    from llmgw.cli.up import Up
+
+    monkeypatch.chdir(tmp_path)
+    config = write_config(tmp_path / "given.toml", given) if given else None
+    cfg = settings.load(config)
+    up = Up(cfg, config, None, None)
+    os.makedirs(up.var)
+    engine = store.open_store(cfg["store.url"])
+    try:
+        path = up.write_config(engine)
+    finally:
+        engine.dispose()
+    return path
+
+
+def test_up_listens_on_loopback_unless_told_otherwise(tmp_path, monkeypatch):
+    from llmgw.cli.up import LISTENS
+
+    path = made_up(tmp_path, monkeypatch, {})
+    written = settings.load(path)
+    assert written["gateway.listen"] == "127.0.0.1:8080"
+    assert "controller.agent_listen" in LISTENS and "mirror.metrics_listen" in LISTENS
+    for name in LISTENS:
+        assert written[name].startswith("127.0.0.1:"), (name, written[name])
+    assert written["agent.engine_host"] == "127.0.0.1"
+
+
+def test_up_passes_the_given_configuration_on(tmp_path, monkeypatch):
+    ports = {"controller.agent_listen": "127.0.0.1:17443", "mirror.listen": ":18081",
+             "gateway.metrics_listen": "127.0.0.1:19092"}
+    path = made_up(tmp_path, monkeypatch, {"gateway.signup_open": True, "gateway.contact": "ops@example.org",
+                                           "gateway.listen": "127.0.0.1:18080", "gateway.workers": 3,
+                                           "timeouts.idle": 7.0, **ports})
+    written = settings.load(path)
+    assert written["gateway.signup_open"] is True and written["gateway.contact"] == "ops@example.org"
+    assert written["gateway.listen"] == "127.0.0.1:18080" and written["gateway.workers"] == 3
+    assert written["timeouts.idle"] == 7.0
+    for name, address in ports.items():
+        assert written[name] == address, name  # every port is settable, and a chosen host is kept
+    assert written["agent.controllers"] == ["127.0.0.1:17443"]
+    assert written["mirror.base_url"] == "http://127.0.0.1:18081"
+
+
+def test_up_toml_is_private_and_keeps_a_secret_as_its_file(tmp_path, monkeypatch):
+    secret = tmp_path / "store-url"
+    secret.write_text(f"sqlite:///{tmp_path}/hidden-name.db\n")
+    path = made_up(tmp_path, monkeypatch, {"store.url": f"@{secret}"})
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    text = Path(path).read_text()
+    assert f'url = "@{secret}"' in text and "hidden-name" not in text
+    assert settings.load(path)["store.url"] == f"sqlite:///{tmp_path}/hidden-name.db"
+
+
+class FakeGateway(BaseHTTPRequestHandler):
+    """A gateway whose workers have not heard of the starter model's replica for the first few questions."""
+    answers: list = []
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def fake_gateway():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeGateway)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+LOADING = (503, {"error": {"message": "smollm2-135m-instruct has no replica running.", "code": "no_replica_ready"}})
+PARIS = (200, {"choices": [{"message": {"content": " Paris is the capital of France. "}}]})
+
+
+def test_the_start_up_check_waits_while_the_starter_model_loads(fake_gateway, monkeypatch, tmp_path):
+    from llmgw.cli.up import Up
+
+    monkeypatch.setattr(FakeGateway, "answers", [LOADING, LOADING, LOADING, PARIS])
+    up = Up(settings.load(None), None, None, None)
+    assert up.ask(fake_gateway, "sk-llmgw-x") == "Paris is the capital of France."
+
+
+def test_the_start_up_check_says_what_is_wrong_in_a_sentence(fake_gateway, monkeypatch):
+    from llmgw.cli import up as upmod
+
+    up = upmod.Up(settings.load(None), None, None, None)
+    monkeypatch.setattr(FakeGateway, "answers", [
+        (401, {"error": {"message": "The API key is not known here.", "code": "invalid_api_key"}})])
+    with pytest.raises(click.ClickException) as refused:
+        up.ask(fake_gateway, "sk-llmgw-x")
+    assert refused.value.message == ("the gateway refused the start-up check's question to smollm2-135m-instruct "
+                                     "with 401: The API key is not known here. See var/gateway.log.")
+    monkeypatch.setattr(FakeGateway, "answers", [LOADING])
+    monkeypatch.setattr(upmod, "SERVE_LIMIT", 1.0)
+    with pytest.raises(click.ClickException) as gave_up:
+        up.ask(fake_gateway, "sk-llmgw-x")
+    assert "gave up waiting for the gateway to answer with smollm2-135m-instruct" in gave_up.value.message
+    assert "its last answer: 503, smollm2-135m-instruct has no replica running." in gave_up.value.message
+
+
+def test_the_start_up_check_waits_for_the_starter_model_not_any_model(monkeypatch):
+    from llmgw.cli.up import Up
+
+    up = Up(settings.load(None), None, None, None)
+    models = [{"name": "added-at-run-time", "ready": 1}, {"name": "smollm2-135m-instruct", "ready": 0}]
+    monkeypatch.setattr(up, "admin", lambda path: {"models": models})
+    assert not up.starter_ready()
+    models[1]["ready"] = 1
+    assert up.starter_ready()
+
+
+@pytest.fixture
+def admin_client(site):  # noqa: F811
+    pages, engine, app = site
+    accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    client = pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    return client, engine, app
+
+
+def post_form(client, path, **fields):
+    page = client.get(path).data
+    return client.post(path, data={"csrf_token": token(page), **fields})
+
+
+def test_the_quota_form_shows_current_values_defaults_to_month_and_clears(admin_client):
+    client, engine, _ = admin_client
+    acme = orgtree.add(engine, "org", "Acme")
+    edit = f"/admin/quotas?edit=org:{acme.id}"
+    post_form(client, edit, scope="org", id=acme.id, rpm="10", tpm="", budget="1500", models="m1, m2")
+    with engine.connect() as conn:
+        assert limits.read_all(conn)[("org", acme.id)].period == "month"  # as `llmgw limits set` does
+    page = client.get(edit).data.decode()
+    assert 'name="rpm" inputmode="numeric" value="10"' in page
+    assert 'name="budget" inputmode="decimal" value="1500"' in page  # no thousands separator to trip on
+    assert '<option value="month" selected>' in page and 'name="models" value="m1, m2"' in page
+    saved = post_form(client, edit, scope="org", id=acme.id, rpm="10", budget="1500", period="month",
+                      models="m1, m2")
+    assert saved.status_code == 302
+    with engine.connect() as conn:
+        assert limits.read_all(conn)[("org", acme.id)].budget == 1_500_000_000
+    post_form(client, edit, scope="org", id=acme.id, rpm="", tpm="", budget="", period="month", models="", band="")
+    with engine.connect() as conn:
+        assert ("org", acme.id) not in limits.read_all(conn)  # every field emptied: nothing set here
+
+
+def test_the_quota_form_shows_what_an_empty_field_leaves_in_force(admin_client):
+    client, engine, _ = admin_client
+    acme = orgtree.add(engine, "org", "Acme")
+    orgtree.add(engine, "team", "ml", "Acme")
+    project = orgtree.add(engine, "project", "p", "Acme/ml")
+    limits.set_limits(engine, "org", acme.id, "test", rpm=10)
+    page = client.get(f"/admin/quotas?edit=project:{project.id}").data.decode()
+    assert 'name="rpm" inputmode="numeric" value="" placeholder="empty: 10 from Acme"' in page
+    assert '<option value="month" selected>' in page  # a new budget's period, as the CLI's

@@ -239,12 +239,17 @@ main.add_command(mirror)
 
 
 @main.command()
-@click.option("--listen", default="127.0.0.1:8080", show_default=True,
-              help="Where the gateway listens. Loopback for a first try; use :8080 to open it to others.")
-@click.option("--workers", type=int, default=2, show_default=True, help="Gateway worker processes.")
+@click.option("--listen", metavar="HOST:PORT",
+              help="Where the gateway listens: gateway.listen from --config, else 127.0.0.1:8080. Use :8080 to "
+                   "open it to others.")
+@click.option("--workers", type=int, help="Gateway worker processes: gateway.workers from --config, else 2.")
 @click.pass_obj
 def up(obj: Context, listen, workers):
-    """Serve the starter model on this machine: llama.cpp, a gateway in front, and a key to call it."""
+    """Serve the starter model on this machine: llama.cpp, a gateway in front, and a key to call it.
+
+    Every process listens on 127.0.0.1 unless the configuration given with --config names an address
+    for it (gateway.metrics_listen, controller.agent_listen, mirror.listen, ...); the rest of that
+    configuration reaches the processes too. var/up.toml is what they read."""
     from llmgw.cli.up import Up
 
     Up(obj.config(), obj.config_path, listen, workers).run()

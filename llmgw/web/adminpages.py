@@ -162,7 +162,9 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                 flash("Limits saved. Gateways apply them within a few seconds.", "done")
         except (rules.LimitError, ValueError) as e:
             flash(sentence(e), "problem")
-            return redirect(request.referrer or "/admin/quotas")
+            # Back to the form it came from (never to wherever the Referer points), to correct it there.
+            scope, scope_id = f.get("scope", ""), f.get("id", "")
+            return redirect(f"/admin/quotas?edit={scope}:{scope_id}" if scope in rules.SCOPES else "/admin/quotas")
         return redirect("/admin/quotas")
 
     # --- usage ---------------------------------------------------------------------------------
@@ -250,7 +252,8 @@ def _limit_changes(f) -> dict:
         changes[name] = int(text) if text else None
     budget = f.get("budget", "").strip()
     changes["budget"] = rules.parse_money(budget) if budget else None
-    changes["period"] = f.get("period") or None
+    # A period without a budget would keep the scope's limits row alive with nothing in it to limit.
+    changes["period"] = (f.get("period") or None) if budget else None
     models = [m.strip() for m in f.get("models", "").split(",") if m.strip()]
     changes["models"] = models or None
     changes["band"] = f.get("band") or None
@@ -312,13 +315,31 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
         scope, _, sid = edit.partition(":")
         if scope in rules.SCOPES:
             editing = {"scope": scope, "id": sid, "name": describe(scope, sid),
-                       "own": ruleset.limits.get((scope, sid), rules.Limits())}
+                       "values": _form_values(ruleset.limits.get((scope, sid), rules.Limits())),
+                       "inherited": _inherited(rules.effective(ruleset, scope, sid, names))}
     changes = [{"at": r.at, "who": r.who, "what": describe(r.scope, r.scope_id) if r.scope != "price" else
                 f"price of {r.scope_id}", "field": r.field, "old": _shown(r.field, r.old), "new": _shown(r.field, r.new)}
                for r in log_rows]
     return {"rows": table, "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
             "priced": prices.anything_priced(), "money": rules.show_money, "periods": rules.PERIODS,
             "bands": rules.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
+
+
+def _form_values(own: rules.Limits) -> dict[str, str]:
+    """The edit form's fields: the scope's own limits, written so that saving the form unchanged keeps them
+    (a budget of 1,500 shown with its comma was refused when saved again). The period proposed is a
+    month, as `llmgw limits set` assumes."""
+    return {"rpm": "" if own.rpm is None else str(own.rpm), "tpm": "" if own.tpm is None else str(own.tpm),
+            "budget": "" if own.budget is None else rules.show_money(own.budget).replace(",", ""),
+            "period": own.period or "month", "models": ", ".join(own.models or ()), "band": own.band or ""}
+
+
+def _inherited(cells: dict[str, rules.Cell]) -> dict[str, str]:
+    """For each field set above this scope and not here: what binds when the field is left empty, and where
+    it is set, as the field's placeholder."""
+    shown = {"budget": rules.show_money, "models": ", ".join}
+    return {name: f"{shown.get(name, str)(cell.value)} from {cell.source}" for name, cell in cells.items()
+            if cell.own is None and cell.value is not None}
 
 
 def _shown(field: str, value: str | None) -> str:
