@@ -272,3 +272,94 @@ def test_the_quota_form_shows_what_an_empty_field_leaves_in_force(admin_client):
     page = client.get(f"/admin/quotas?edit=project:{project.id}").data.decode()
     assert 'name="rpm" inputmode="numeric" value="" placeholder="empty: 10 from Acme"' in page
     assert '<option value="month" selected>' in page  # a new budget's period, as the CLI's
+
+
+class FakeAdminApi:
+    """The controller's admin API as the cluster page reads it: one node, two models, one replica."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def call(self, method, path, body=None, timeout=None):
+        return {
+            "/api/v1/nodes": {"nodes": [{"node_id": "gpu-a", "state": "ready", "last_heard_s": 1.0, "facts": {},
+                                         "status": {}}]},
+            "/api/v1/models": {"models": [
+                {"name": "full", "ready": 1, "replicas": 1, "scaling": {"min": 1, "max": 1}, "last_failure": None,
+                 "unplaced": {"gpu-b": "needs 80 GiB of GPU memory, has 24"}},
+                {"name": "wants-more", "ready": 1, "replicas": 1, "scaling": {"min": 1, "max": 3},
+                 "last_failure": None, "unplaced": {"gpu-b": "needs 80 GiB of GPU memory, has 24",
+                                                    "gpu-c": "cordoned"}}]},
+            "/api/v1/replicas": {"replicas": [{"shard_id": "full-1", "model": "full", "node": "gpu-a",
+                                               "state": "ready", "age_s": 12.0}]},
+        }[path]
+
+
+@pytest.fixture
+def cluster_client(tmp_path, monkeypatch):
+    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.web import adminpages
+
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    cfg = settings.load(None, {"store.url": url}, endpoints=["r1=http://127.0.0.1:9=full"])
+    app = GatewayApp(cfg, key_source=keys)
+    cfg.values["gateway.controller"] = "127.0.0.1:7444"  # the page asks the (fake) admin API
+    monkeypatch.setattr(adminpages, "admin_client", FakeAdminApi)
+    client = app.pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    yield client
+    app.runtime.engine.dispose()
+    engine.dispose()
+
+
+def test_the_cluster_page_names_nodes_and_explains_its_figures(cluster_client):
+    page = cluster_client.get("/admin").data.decode()
+    assert "<td>full-1</td><td>full</td><td>gpu-a</td>" in page  # the Node column is filled
+    assert "{" not in page.split("<h2>Models</h2>")[1].split("</table>")[0]  # no Python dict
+    full = page.split("<td>full</td>")[1].split("</tr>")[0]
+    assert "At its maximum (1)." in full and "80 GiB" not in full
+    more = page.split("<td>wants-more</td>")[1].split("</tr>")[0]
+    assert "gpu-b: needs 80 GiB of GPU memory, has 24; gpu-c: cordoned" in more
+    routes = cluster_client.get("/admin?partial=1").data.decode().split("<h2>What this gateway routes to</h2>")[1]
+    assert "?" not in routes and "0.0" not in routes
+    assert routes.count('title="Not known: the engine has not been asked yet') == 2  # waiting and KV cache
+    assert "<dt>Waiting in engine</dt><dd>Requests the engine has accepted but not yet started" in routes
+    assert "<dt>KV cache in use</dt>" in routes
+
+
+def test_error_pages_use_the_site_layout_and_v1_keeps_json(site):  # noqa: F811
+    from werkzeug.test import Client
+
+    pages, engine, gateway = site
+    pages.testing = False  # a failing view is answered with a 500 page, as in service, not raised
+
+    @pages.get("/fails")
+    def fails():
+        raise RuntimeError("a bug")
+
+    accounts.create_user(engine, "plain@example.org", PASSWORD, state=accounts.ACTIVE)
+    client = Client(gateway)  # the whole gateway: it gives each request its id
+    missing = client.get("/no/such/page")
+    assert missing.status_code == 404 and '<link rel="stylesheet"' in missing.data.decode()
+    assert "<h1>No such page</h1>" in missing.data.decode()
+    failed = client.get("/fails")
+    assert failed.status_code == 500 and "<h1>Something went wrong</h1>" in failed.data.decode()
+    assert "a bug" not in failed.data.decode() and "Request id" in failed.data.decode()
+    sign_in(client, "plain@example.org", PASSWORD)
+    refused = client.get("/admin/quotas")
+    assert refused.status_code == 403 and '<link rel="stylesheet"' in refused.data.decode()
+    api = client.get("/v1")
+    assert api.status_code == 404 and api.json["error"]["code"] == "not_found"
+    expired = client.post("/logout", data={})
+    assert expired.status_code == 400 and "The form expired" in expired.data.decode()
+
+
+def test_every_page_has_an_icon(site):  # noqa: F811
+    pages, _, _ = site
+    client = pages.test_client()
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.mimetype == "image/svg+xml" and b"<svg" in icon.data
+    icon.close()
+    assert 'rel="icon"' in client.get("/").data.decode()

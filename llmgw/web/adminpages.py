@@ -31,6 +31,14 @@ log = logging.getLogger("llmgw.adminpages")
 
 SPANS = {"24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "90d": 90 * 86400}
 METRICS = {"requests": 0, "tokens": 1, "spend": 2}
+# What the gateway's own columns on the cluster page mean; shown under the table, where a phone shows no tooltips.
+LEGEND = {
+    "outstanding": "Requests this gateway worker has sent to the replica and not yet had answered.",
+    "waiting": "Requests the engine has accepted but not yet started, as its own metrics say: above 0, it is full.",
+    "kv": "How full the engine's KV cache is (the memory holding the text of requests it serves); near 100%, "
+          "new requests wait.",
+    "unknown": "Not known: the engine has not been asked yet, or does not publish this figure.",
+}
 LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
                 ("band", "Band"))
 
@@ -367,6 +375,23 @@ def _usage_view(engine, args, project_ids: set[str] | None, choices: tuple[str, 
             "spans": list(SPANS), "metrics": list(METRICS), "money": rules.show_money}
 
 
+def _held_back(model: dict) -> str:
+    """Why the controller could not place or start MODEL, in words: each node's reason, else the last failure.
+    Empty when nothing held it back."""
+    unplaced = model.get("unplaced") or {}
+    if unplaced:
+        return "; ".join(f"{node}: {reason}" for node, reason in sorted(unplaced.items()))
+    return (model.get("last_failure") or {}).get("detail") or ""
+
+
+def _why_not_more(model: dict) -> str:
+    """The Models table's answer to why MODEL has no more replicas; a model at its maximum needs no reason
+    beyond that, whatever the placer said about the nodes it did not use."""
+    if model["replicas"] >= model["scaling"]["max"]:
+        return f"At its maximum ({model['scaling']['max']})."
+    return _held_back(model)
+
+
 def _cluster_view(runtime: Runtime, cfg) -> dict:
     """Nodes, models and replicas from the controller's admin API, with this gateway's own view of each
     replica (its breaker, its load). Without a controller, only what the gateway routes to."""
@@ -394,13 +419,15 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
             problems.append(f"Node {node['node_id']}: {finding['message']} (→ {finding['fix']})" if finding.get("fix")
                             else f"Node {node['node_id']}: {finding['message']}")
     for model in view["models"]:
+        model["why_not_more"] = _why_not_more(model)
         if model["scaling"]["min"] > 0 and not model["ready"]:
-            detail = model.get("unplaced") or (model.get("last_failure") or {}).get("detail") or "no replica is ready"
-            problems.append(f"Model {model['name']} is not serving: {detail}.")
+            detail = _held_back(model) or "no replica is ready"
+            problems.append(f"Model {model['name']} is not serving: {detail.rstrip('.')}.")
     for replica in gateway_side:
         if not replica["in_rotation"]:
             problems.append(f"Replica {replica['id']} is out of rotation: its last requests failed.")
     view["problems"] = problems
     view["checked_at"] = time.strftime("%H:%M:%S UTC", time.gmtime())
+    view["legend"] = LEGEND
     return view
 
