@@ -4,8 +4,8 @@ and the configuration it writes, and the pages' rough edges."""
 import json
 import os
 import threading
-from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import click
 import pytest
@@ -60,7 +60,7 @@ class FakeMirror(BaseHTTPRequestHandler):
 
     def do_GET(self):
         body = json.dumps(self.answer).encode()
-        self.send_response(200)
+        self.send_response(404 if self.answer["state"] == "absent" else 200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -101,6 +101,9 @@ def test_mirror_status_prints_a_table(fake_mirror, monkeypatch):
     assert "a.gguf  fetching  1.0 KiB of 2.0 KiB" in result.output
     scripted = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "1", "--json"])
     assert json.loads(scripted.output)["state"] == "fetching"
+    monkeypatch.setattr(FakeMirror, "answer", {"model": "smollm2", "version": "2", "state": "absent"})
+    absent = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "2"])
+    assert absent.exit_code == 1 and "smollm2/2 is not in the mirror; `llmgw mirror list` shows what is" in absent.output
 
 
 def made_up(tmp_path, monkeypatch, given: dict):

@@ -13,7 +13,7 @@ import time
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, address_url, admin_client
+from llmgw.apiclient import ApiClient, ApiError, Refused, address_url, admin_client
 from llmgw.cli.tables import human_bytes, print_table
 
 
@@ -112,6 +112,11 @@ def mirror_status(obj, model, version, as_json):
     """One version: present (with its files), fetching (with bytes), failed (with why), or absent."""
     try:
         found = _mirror(obj).call("GET", f"/api/v1/models/{model}/{version}")
+    except Refused as e:
+        if e.status != 404:
+            _fail(e)
+        raise click.ClickException(f"{model}/{version} is not in the mirror; `llmgw mirror list` shows what is") \
+            from None
     except ApiError as e:
         _fail(e)
     if as_json:
