@@ -355,6 +355,9 @@ def test_error_pages_use_the_site_layout_and_v1_keeps_json(site):  # noqa: F811
     assert refused.status_code == 403 and '<link rel="stylesheet"' in refused.data.decode()
     api = client.get("/v1")
     assert api.status_code == 404 and api.json["error"]["code"] == "not_found"
+    wrong_method = client.put("/login")
+    assert wrong_method.status_code == 405 and "GET" in wrong_method.headers["Allow"]
+    assert "<h1>Not like that</h1>" in wrong_method.data.decode()
     expired = client.post("/logout", data={})
     assert expired.status_code == 400 and "The form expired" in expired.data.decode()
 

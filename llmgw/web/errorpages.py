@@ -8,7 +8,7 @@ A 500 names no cause: Flask has logged the exception with the request id the pag
 
 from __future__ import annotations
 
-from flask import Flask, Response, render_template, request, send_from_directory
+from flask import Flask, Response, make_response, render_template, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from llmgw.gateway import errors, requestid
@@ -36,12 +36,16 @@ def install(app: Flask) -> None:
         return send_from_directory(app.static_folder, "favicon.svg", mimetype="image/svg+xml", max_age=86400)
 
 
-def _answer(e: HTTPException):
+def _answer(e: HTTPException) -> Response:
     status = e.code if e.code in PAGES else 500
     title, text = PAGES[status]
     described = e.description if e.description != type(e).description else None
     if request.path == "/v1" or request.path.startswith("/v1/"):
         error = errors.ApiError(status, described or text, CODES[status])
-        return Response(error.body(), status, mimetype="application/json")
-    return render_template("message.html", title=title, text=described or text,
-                           request_id=requestid.current.get() if status == 500 else None), status
+        answer = Response(error.body(), status, mimetype="application/json")
+    else:
+        answer = make_response(render_template("message.html", title=title, text=described or text,
+                                               request_id=requestid.current.get() if status == 500 else None), status)
+    if getattr(e, "valid_methods", None):  # a 405 says what the page does take
+        answer.headers["Allow"] = ", ".join(e.valid_methods)
+    return answer
