@@ -273,8 +273,12 @@ class Config:
     """Validated settings plus the `[[endpoints]]` and `[[models]]` arrays."""
 
     def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str,
-                 path: str | None = None, secret_files: tuple[str, ...] = (), holds_secret: bool = False):
+                 path: str | None = None, secret_files: tuple[str, ...] = (), holds_secret: bool = False,
+                 written: dict[str, Any] | None = None):
         self.values = values
+        # What the file and the flags set, as they wrote it (a secret given as `@/path` kept as its path), so
+        # a configuration made from this one (`llmgw up`'s) keeps what was chosen and never a secret's content.
+        self.written = written or {}
         self.endpoints = endpoints
         self.models = models
         self.source = source
@@ -429,7 +433,8 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
     values = {s.name: s.default for s in SETTINGS}
-    given = {}
+    given: dict[str, Any] = {}
+    written: dict[str, Any] = {}
     for table, content in data.items():
         if not isinstance(content, dict):
             raise ConfigError(f"{table} in {where}: expected a table such as [{table}]")
@@ -437,18 +442,27 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
             name = f"{table}.{key}"
             values[name] = coerce(name, value, where)
             given[name] = value
+            written[name] = _as_written(name, value, values[name])
     holds_secret = any(_is_written_secret(name, value) for name, value in given.items())
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = coerce(name, value, f"flag for {name}")
             given[name] = value
+            written[name] = _as_written(name, value, values[name])
     secret_files = tuple(p for name, value in given.items() if (p := secret_file(name, value)))
     if isinstance(file_endpoints, dict) or isinstance(file_models, dict):
         raise ConfigError(f"{where}: write endpoints and models as arrays of tables, [[endpoints]] and [[models]]")
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
     models = [_check_table("models", i, m, MODEL_KEYS, ("name",), where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
-    return Config(values, eps, models, where, path, secret_files, holds_secret)
+    return Config(values, eps, models, where, path, secret_files, holds_secret, written)
+
+
+def _as_written(name: str, given: Any, value: Any) -> Any:
+    """VALUE, or the `@/path` it was read from when GIVEN names a secret's file."""
+    if BY_NAME[name].secret and isinstance(given, str) and given.startswith("@"):
+        return given
+    return value
 
 
 def normalise_store_url(url: str) -> str:
