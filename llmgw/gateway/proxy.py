@@ -261,7 +261,6 @@ class Proxy:
             raise ApiError(429, f"Rate limit: {answer.get('message')}. Retry after {retry} s.",
                            "rate_limit_exceeded" if limit == "rpm" else "tokens_limit_exceeded", retry_after=retry)
         caller.reservation = answer.get("r")
-        caller.estimate = estimate
 
     def _accountant(self) -> str | None:
         """The accountant's address; a worker that follows a controller waits briefly for its first snapshot."""
@@ -608,18 +607,16 @@ class Proxy:
         if ttft is not None:
             m.ttft.labels(label).observe(ttft)
         prompt, completion = tokens or (None, None)
-        if tokens:
-            if prompt is not None:
-                m.tokens.labels(label, "in").inc(prompt)
-            if completion is not None:
-                m.tokens.labels(label, "out").inc(completion)
+        if prompt is not None:
+            m.tokens.labels(label, "in").inc(prompt)
+        if completion is not None:
+            m.tokens.labels(label, "out").inc(completion)
         if caller is None:
             return
         cost = caller.price.cost(prompt or 0, completion or 0) if caller.price is not None else 0
         if caller.reservation is not None:
-            # Unknown usage (an error, a client gone before the usage event) settles at the estimate
-            # for a served request and at nothing for one no engine answered.
-            used = (prompt or 0) + (completion or 0) if tokens else (caller.estimate if replica else 0)
+            # What was billed: a request no engine answered settles at nothing.
+            used = (prompt or 0) + (completion or 0)
             self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost)
             caller.reservation = None
         self.rt.usage.record((
