@@ -45,6 +45,7 @@ class Replica:
     gpus: tuple[int, ...] = ()
     memory_bytes: int = 0
     fetch: dict | None = None
+    api_key: str | None = None  # what its engine wants in `Authorization: Bearer`; told to gateways only
     since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
 
 
@@ -134,7 +135,7 @@ class Replicas:
                 self.items[shard_id] = current
             if current.state != "stopping":
                 current.state = state
-            for field in ("profile_fp", "engine", "url", "fetch"):
+            for field in ("profile_fp", "engine", "url", "fetch", "api_key"):
                 if field in status:
                     setattr(current, field, status[field])
             if "gpus" in status:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import random
@@ -47,6 +48,7 @@ class SimOptions:
     die_after: int = 0  # 0: never; N: exit partway through the Nth request
     stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
     embedding_dims: int = 16
+    api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
 
 
 class SimEngine:
@@ -72,6 +74,8 @@ class SimEngine:
         method = environ["REQUEST_METHOD"]
         if path == "/health":
             return self._send(start_response, "200 OK", b"", "text/plain")
+        if not self._authorised(environ):
+            return self._json(start_response, "401 Unauthorized", _error("Invalid API Key", 401))
         if path == "/metrics":
             return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
         if path == "/v1/models":
@@ -99,6 +103,12 @@ class SimEngine:
         if kind == "embeddings":
             return self._json(start_response, "200 OK", self._embeddings(body))
         return self._generate(start_response, kind, body, number)
+
+    def _authorised(self, environ) -> bool:
+        if self.o.api_key is None:
+            return True
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        return hmac.compare_digest(given, b"Bearer " + self.o.api_key.encode())
 
     @staticmethod
     def _send(start_response, status, data: bytes, ctype: str):
