@@ -151,6 +151,18 @@ class Replicas:
                     failure.count = 0
             return None
 
+    def forget_node(self, node_id: str) -> list[str]:
+        """Drop every replica of NODE_ID at once, out of the snapshot (its key was revoked: no prompt goes
+        to a node the controller no longer trusts); the next pass places them elsewhere. Returns their ids."""
+        with self.lock:
+            gone = sorted(shard_id for shard_id, r in self.items.items() if r.node_id == node_id)
+            for shard_id in gone:
+                del self.items[shard_id]
+            for shard_id in [k for k, v in self.retired.items() if v == node_id]:
+                del self.retired[shard_id]
+            self.orders = [order for order in self.orders if order.node_id != node_id]
+            return gone
+
     def retire(self, replica: Replica) -> None:
         del self.items[replica.shard_id]
         self.retired[replica.shard_id] = replica.node_id
