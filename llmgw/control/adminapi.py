@@ -25,7 +25,7 @@ from llmgw.control.authenticator import KeyRing
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
-from llmgw.control.reconciler import LIVE, Replicas
+from llmgw.control.reconciler import Replicas
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
@@ -238,8 +238,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def stop_replicas(node_id: str) -> tuple[list[str], list[str]]:
         """Tell NODE_ID to stop each of its replicas while it still may be told anything: (those it said it
         stops, those it did not answer for). A node that does not answer is not asked again."""
-        mine = sorted(r.shard_id for r in replicas.snapshot() if r.node_id == node_id and
-                      (r.state in LIVE or r.state == "stopping"))
+        mine = sorted(r.shard_id for r in replicas.snapshot() if r.node_id == node_id)
         reachable = any(n.node_id == node_id and n.state not in (UNREACHABLE, LOST)
                         for n in fleet.describe(time.monotonic()))
         stopped: list[str] = []
