@@ -220,15 +220,17 @@ def usage(obj: Context, by, since, as_json):
 @click.option("--stall-after-tokens", type=int, default=-1, show_default=True,
               help="Stop sending after K tokens of a stream, keeping the connection open (-1: never).")
 @click.option("--loading", is_flag=True, help="Answer 503 \"Loading model\" to everything, as llama.cpp does while it loads.")
+@click.option("--api-key", envvar="LLMGW_SIM_API_KEY", help="Answer only requests with Authorization: Bearer KEY "
+              "(/health excepted), as a replica started by an agent does [$LLMGW_SIM_API_KEY].")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens, loading):
+        fail_rate, die_after, stall_after_tokens, loading, api_key):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
     options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
-                         stall_after_tokens=stall_after_tokens, loading=loading)
+                         stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

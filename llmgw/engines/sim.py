@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import random
@@ -52,6 +53,7 @@ class SimOptions:
     stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
     embedding_dims: int = 16
     loading: bool = False  # answer 503 "Loading model" to everything, /health included, as llama.cpp does
+    api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
 
 
 class SimEngine:
@@ -81,6 +83,8 @@ class SimEngine:
             if self._failing():
                 return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
             return self._send(start_response, "200 OK", b"", "text/plain")
+        if not self._authorised(environ):
+            return self._json(start_response, "401 Unauthorized", _error("Invalid API Key", 401))
         if path == "/metrics":
             return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
         if path == "/v1/models":
@@ -114,6 +118,12 @@ class SimEngine:
 
     def _failing(self) -> bool:
         return bool(self.o.fail_rate) and self.rng.random() < self.o.fail_rate
+
+    def _authorised(self, environ) -> bool:
+        if self.o.api_key is None:
+            return True
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        return hmac.compare_digest(given, b"Bearer " + self.o.api_key.encode())
 
     @staticmethod
     def _send(start_response, status, data: bytes, ctype: str):

@@ -115,7 +115,7 @@ class Router:
 
     def __init__(self, snapshot: Snapshot, breaker_failures: int, breaker_cooldown: float, stale_after: float,
                  affinity_factor: float, make_target=None, seed: int | None = None):
-        self.make_target = make_target or (lambda url: None)
+        self.make_target = make_target or (lambda url, api_key: None)
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
         self.stale_after = stale_after
@@ -130,9 +130,9 @@ class Router:
         states = {}
         for rid, spec in snapshot.replicas.items():
             state = self.states.get(rid)
-            if state is None or state.spec.url != spec.url:
+            if state is None or (state.spec.url, state.spec.api_key) != (spec.url, spec.api_key):
                 state = ReplicaState(spec, Breaker(self.breaker_failures, self.breaker_cooldown),
-                                     self.make_target(spec.url))
+                                     self.make_target(spec.url, spec.api_key))
             else:
                 state.spec = spec
             states[rid] = state
