@@ -14,6 +14,14 @@ def parse(kind, body, prefix=2048):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
+def user(content, **fields):
+    return {"model": "m", "messages": [{"role": "user", "content": content, **fields}]}
+
+
+def tool(**function):
+    return {**CHAT, "tools": [{"type": "function", "function": function}]}
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", b"{not json", None),
     ("chat", b"\xff\xfe", None),
@@ -22,8 +30,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     ("chat", {"model": 7, "messages": []}, "model"),
     ("chat", {"model": "m"}, "messages"),
     ("chat", {"model": "m", "messages": "hi"}, "messages"),
-    ("chat", {"model": "m", "messages": [{"content": "x"}]}, "messages"),
-    ("chat", {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("chat", {"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ("chat", {**CHAT, "stream": "yes"}, "stream"),
     ("chat", {**CHAT, "stream_options": []}, "stream_options"),
     ("chat", {**CHAT, "max_tokens": "10"}, "max_tokens"),
@@ -35,12 +43,103 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     ("completions", {"model": "m", "prompt": []}, "prompt"),
     ("embeddings", {"model": "m", "input": 3}, "input"),
     ("embeddings", {"model": "m", "input": "x", "stream": True}, "stream"),
+    # Each of these made llama.cpp answer 500 (tried against the xllamacpp server with SmolLM2), which
+    # the gateway took for a sick replica.
+    ("chat", {**CHAT, "tools": "x"}, "tools"),
+    ("chat", {**CHAT, "tools": ["x"]}, "tools[0]"),
+    ("chat", {**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ("chat", {**CHAT, "tools": [{"type": "x", "function": {"name": "f"}}]}, "tools[0].type"),
+    ("chat", tool(), "tools[0].function.name"),
+    ("chat", tool(name=3), "tools[0].function.name"),
+    ("chat", tool(name="f", parameters="x"), "tools[0].function.parameters"),
+    ("chat", user([{"type": "text"}]), "messages[0].content[0].text"),
+    ("chat", user([{"type": "text", "text": 3}]), "messages[0].content[0].text"),
+    ("chat", user([{"type": "image_url"}]), "messages[0].content[0].image_url"),
+    ("chat", user([{"type": "image_url", "image_url": {"url": 5}}]), "messages[0].content[0].image_url.url"),
+    ("chat", user([{"type": "input_audio", "input_audio": {"data": "AA"}}]),
+     "messages[0].content[0].input_audio.format"),
+    ("chat", user([{"type": "video", "video": "a"}]), "messages[0].content[0].type"),
+    ("chat", user(["a"]), "messages[0].content[0]"),
+    ("chat", user("a", name={}), "messages[0].name"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": "x"}]},
+     "messages[1].tool_calls"),
+    ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ("chat", {"model": "m", "messages": [{"role": "tool", "tool_call_id": 3, "content": "r"}]},
+     "messages[0].tool_call_id"),
+    ("chat", {"model": "m", "messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+    ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}, 7]}, "messages[1]"),
+    # What the engines refuse themselves, or quietly misread (llama.cpp takes a stop of 3 as no stop).
+    ("chat", {**CHAT, "tool_choice": "x"}, "tool_choice"),
+    ("chat", {**CHAT, "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name"),
+    ("chat", {**CHAT, "stop": 3}, "stop"),
+    ("chat", {**CHAT, "stop": ["a", 3]}, "stop[1]"),
+    ("chat", {**CHAT, "n": 0}, "n"),
+    ("chat", {**CHAT, "top_p": "x"}, "top_p"),
+    ("chat", {**CHAT, "logprobs": "x"}, "logprobs"),
+    ("chat", {**CHAT, "top_logprobs": 1000}, "top_logprobs"),
+    ("chat", {**CHAT, "seed": 1.5}, "seed"),
+    ("chat", {**CHAT, "logit_bias": {"1": "x"}}, "logit_bias.1"),
+    ("chat", {**CHAT, "response_format": "x"}, "response_format"),
+    ("chat", {**CHAT, "parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ("chat", {**CHAT, "user": {}}, "user"),
+    ("chat", {**CHAT, "n_predict": -1}, "n_predict"),
+    ("completions", {"model": "m", "prompt": [{}]}, "prompt[0]"),
+    ("completions", {"model": "m", "prompt": [1.5]}, "prompt[0]"),
+    ("completions", {"model": "m", "prompt": [[1, "a"]]}, "prompt[0][1]"),
+    ("completions", {"model": "m", "prompt": "a", "echo": "x"}, "echo"),
+    ("completions", {"model": "m", "prompt": "a", "suffix": 3}, "suffix"),
+    ("embeddings", {"model": "m", "input": [{}]}, "input[0]"),
+    ("embeddings", {"model": "m", "input": "a", "encoding_format": "x"}, "encoding_format"),
+    ("embeddings", {"model": "m", "input": "a", "dimensions": "x"}, "dimensions"),
 ])
 def test_bad_bodies_get_a_400_naming_the_field(kind, body, param):
     with pytest.raises(ApiError) as e:
         parse(kind, body)
     assert e.value.status == 400 and e.value.param == param
     assert e.value.message.endswith(".") and len(e.value.message) > 20
+    assert e.value.payload()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("kind, body", [
+    ("chat", user([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+                   {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}], name="bob")),
+    ("chat", {"model": "m", "messages": [
+        {"role": "developer", "content": "d"}, {"role": "user", "content": None},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "r"}],
+        "tools": [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}, "stop": ["\n"], "n": 1, "seed": 3,
+        "logprobs": True, "top_logprobs": 2, "logit_bias": {"5": -100}, "response_format": {"type": "json_object"},
+        "temperature": 0, "top_p": 1, "user": "u", "max_tokens": None, "tool_calls_unknown_field": {"x": [1]}}),
+    ("chat", {**CHAT, "tool_choice": "required", "stop": "x", "parallel_tool_calls": False}),
+    ("completions", {"model": "m", "prompt": [1, 2, 3], "echo": True, "logprobs": 2, "suffix": "s"}),
+    ("completions", {"model": "m", "prompt": [[1, 2], "text", 3]}),
+    ("embeddings", {"model": "m", "input": [[1, 2], [3]], "encoding_format": "base64", "dimensions": 64}),
+])
+def test_good_bodies_pass(kind, body):
+    assert parse(kind, body).model == "m"
+
+
+@pytest.mark.parametrize("model, fault", [
+    ("m" * 8 * 1024 * 1024, "8,388,608 characters"),
+    ("m" * 257, "257 characters"),
+    ("a\nb", "control characters"),
+    ("a\x00b", "control characters"),
+    (["m"], "required"),
+    ("", "required"),
+])
+def test_absurd_model_names_are_refused_at_the_door(model, fault):
+    # The whole name went into the usage row: 8 MiB a row, and a batch PostgreSQL refused whole.
+    with pytest.raises(ApiError) as e:
+        parse("chat", {**CHAT, "model": model})
+    assert e.value.status == 400 and e.value.param == "model" and fault in e.value.message
+    assert len(e.value.message) < 200
+
+
+def test_a_model_name_of_256_characters_is_a_name():
+    assert parse("chat", {**CHAT, "model": "m" * 256}).model == "m" * 256
 
 
 def test_body_goes_through_untouched_when_nothing_changes():
