@@ -1,8 +1,9 @@
 import json
+import tracemalloc
 
 import pytest
 
-from llmgw.gateway import apirequest
+from llmgw.gateway import apirequest, jsonbound
 from llmgw.gateway.errors import ApiError
 
 
@@ -181,3 +182,140 @@ def test_usage_found_without_parsing_the_whole_answer():
     assert apirequest.usage_of(b'{"choices":[]}') is None
     assert apirequest.usage_of(b'{"usage": null}') is None
     assert apirequest.usage_of(b'{"content":"say \\"usage\\": 1"}') is None
+
+
+def sent(req, served="m"):
+    return json.loads(req.upstream_body(served))
+
+
+@pytest.mark.parametrize("fields", [
+    {}, {"max_tokens": None}, {"max_completion_tokens": None}, {"max_completion_tokens": None, "max_tokens": None},
+    {"n_predict": None}, {"stream": True}, {"stream": True, "stream_options": {"include_usage": True}},
+])
+def test_a_request_naming_no_limit_asks_for_the_models_max_output(fields):
+    # With max_output = 64, a request without max_tokens got 976 tokens: the engine's default is its context.
+    req = parse("chat", {**CHAT, **fields})
+    req.bound_output("m", 64)
+    assert req.max_tokens == 64
+    body = sent(req)
+    assert body["max_tokens"] == 64
+    assert all(body.get(f) is None for f in ("max_completion_tokens", "n_predict"))
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"max_completion_tokens": None, "max_tokens": 300}, "max_tokens"),  # got 300 tokens of a 64 limit
+    ({"max_tokens": 300}, "max_tokens"),
+    ({"max_completion_tokens": 65}, "max_completion_tokens"),
+    ({"max_tokens": 10, "max_completion_tokens": 300}, "max_completion_tokens"),
+    ({"max_tokens": 10, "n_predict": 300}, "n_predict"),  # llama.cpp reads n_predict first
+])
+def test_asking_for_more_than_max_output_is_refused_naming_the_field(fields, field):
+    req = parse("chat", {**CHAT, **fields})
+    with pytest.raises(ApiError) as e:
+        req.bound_output("small", 64)
+    assert e.value.status == 400 and e.value.param == field
+    assert e.value.message.startswith(f"{field} is ") and "small allows at most 64" in e.value.message
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 64}, {"max_completion_tokens": 10, "max_tokens": 20},
+                                    {"n_predict": 5}, {"max_completion_tokens": 64, "max_tokens": None}])
+def test_a_request_within_max_output_goes_as_it_came(fields):
+    req = parse("chat", {**CHAT, **fields})
+    req.bound_output("m", 64)
+    assert req.upstream_body("m") is req.raw
+    assert req.max_tokens == max(v for v in fields.values() if v is not None)
+
+
+def test_no_max_output_and_embeddings_leave_the_limit_to_the_engine():
+    req = parse("chat", CHAT)
+    req.bound_output("m", None)
+    assert req.max_tokens is None and req.upstream_body("m") is req.raw
+    emb = parse("embeddings", {"model": "m", "input": "x"})
+    emb.bound_output("m", 64)
+    assert emb.upstream_body("m") is emb.raw
+    completion = parse("completions", {"model": "m", "prompt": "x"})
+    completion.bound_output("m", 64)
+    assert sent(completion)["max_tokens"] == 64
+
+
+def test_added_fields_keep_the_clients_bytes_after_them():
+    raw = b' {"model": "m", "stream": true, "messages": [{"role": "user", "content": "caf\xc3\xa9 \\u00e9"}], "x": 1.10}'
+    req = apirequest.parse("chat", raw, 0)
+    req.bound_output("m", 64)
+    body = req.upstream_body("m")
+    assert body.endswith(raw[2:])  # 1.10 stays 1.10, the escape stays an escape
+    assert json.loads(body) == {**json.loads(raw), "stream_options": {"include_usage": True}, "max_tokens": 64}
+
+
+LIMIT = 32 * 1024 * 1024  # gateway.max_body_bytes' default
+SHAPES = {  # the worst a JSON value can cost in Python for its bytes, and what fits in a prompt
+    "tiny objects": b'{"role":"u"}', "empty objects": b"{}", "empty lists": b"[]", "tiny strings": b'"ab"',
+    "small ints": b"0", "token ids": b"12345", "floats": b"1.5", "nulls": b"null",
+}
+
+
+def body_of(unit: bytes, size: int) -> bytes:
+    head, tail = b'{"model":"m","messages":[', b"]}"
+    count = (size - len(head) - len(tail)) // (len(unit) + 1)
+    return head + (unit + b",") * (count - 1) + unit + tail
+
+
+def growth(raw: bytes) -> tuple[int, ApiError | None]:
+    """The most memory parsing RAW took beyond RAW itself, and the refusal if there was one."""
+    tracemalloc.start()
+    try:
+        apirequest.parse("chat", raw, 2048)
+        refusal = None
+    except ApiError as e:
+        refusal = e
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak, refusal
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 4 * 1024 * 1024, LIMIT - 1024])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_body_under_the_limit_grows_the_worker_past_three_times_its_size(shape, size):
+    # 30 MB of {"role":"u"} took a worker from 66 MB to 551 MB, and four at once to 2 GB.
+    raw = body_of(SHAPES[shape], size)
+    peak, refusal = growth(raw)
+    assert peak <= max(3 * len(raw), jsonbound.ALLOWANCE), (peak / len(raw), refusal)
+    if refusal is not None and refusal.status == 413:
+        assert "MiB to read" in refusal.message and "Send fewer" in refusal.message
+
+
+@pytest.mark.parametrize("text", ["a" * (LIMIT - 100), "a, [b]: {c}; " * ((LIMIT - 100) // 13), "a" * (4 << 20) + "😀"])
+def test_a_long_prompt_is_read_within_the_bound(text):
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}, ensure_ascii=False).encode()
+    peak, refusal = growth(raw)
+    assert peak <= max(3 * len(raw), jsonbound.ALLOWANCE)
+    if text.isascii():
+        assert refusal is None  # commas and brackets inside a string are not structure
+
+
+def test_an_embeddings_batch_of_300000_token_ids_is_read():
+    raw = json.dumps({"model": "m", "input": [[10000 + i % 5000 for i in range(1000)]] * 300}).encode()
+    assert len(apirequest.parse("embeddings", raw, 0).body["input"]) == 300
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000,
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":' + b'{"a":' * 65 + b"1" + b"}" * 65 + b"}",
+    # Brackets in strings must not hide real nesting, nor pass for it.
+    b'{"model":"m","messages":[],"x":' + b'["]",' * 100 + b'"["' + b"]" * 100 + b"}",
+])
+def test_deep_nesting_is_a_400_not_a_500(raw):
+    with pytest.raises(ApiError) as e:
+        apirequest.parse("chat", raw, 0)
+    assert e.value.status == 400 and "levels deep" in e.value.message
+
+
+def test_nesting_64_deep_and_brackets_in_strings_are_fine():
+    schema = {"type": "string"}
+    for _ in range(60):
+        schema = {"items": schema}
+    body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+            "stop": ["[[[[", "{" * 100, "]]"]}
+    assert parse("chat", body).body["stop"][1] == "{" * 100

@@ -94,6 +94,8 @@ def _content(content, param: str) -> None:
         return
     need(content, (list,), "a string or a list of parts", param)
     for j, part in enumerate(content):
+        if part.__class__ is dict and part.get("type") == "text" and part.get("text").__class__ is str:
+            continue  # the common part, accepted without building its path
         where = f"{param}[{j}]"
         need(part, (dict,), "an object with a type", where)
         check = PARTS.get(part.get("type"))
@@ -132,6 +134,10 @@ def _messages(messages, param: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of {role, content} objects.", param)
     for i, message in enumerate(messages):
+        # Most messages are a role and a string; those are accepted without building a path for each.
+        if message.__class__ is dict and len(message) == 2 and message.get("role") in ROLES \
+                and message.get("content").__class__ is str:
+            continue
         _message(message, f"{param}[{i}]")
 
 
