@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 import tracemalloc
 
 import pytest
@@ -319,3 +322,38 @@ def test_nesting_64_deep_and_brackets_in_strings_are_fine():
     body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
             "stop": ["[[[[", "{" * 100, "]]"]}
     assert parse("chat", body).body["stop"][1] == "{" * 100
+
+
+RSS_PROBE = """
+import json, sys
+from llmgw.gateway import apirequest
+from llmgw.gateway.errors import ApiError
+from tests.test_apirequest import SHAPES, body_of, LIMIT
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+shape = sys.argv[1]
+raw = (body_of(SHAPES[shape], LIMIT - 1024) if shape in SHAPES
+       else json.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * (LIMIT - 100)}]}).encode())
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS")
+try:
+    apirequest.parse("chat", raw, 2048)
+except ApiError:
+    pass
+print((status("VmHWM") - before) / len(raw))
+"""
+
+
+@pytest.mark.parametrize("shape", ["tiny objects", "small ints", "a long prompt"])
+def test_a_worker_grows_by_at_most_three_times_the_body(shape):
+    # The issue's measure: resident memory, not only what Python's allocator counts.
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("this kernel cannot reset a process's peak memory")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, shape], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**os.environ, "PYTHONPATH": root}, check=True)
+    assert float(out.stdout) <= 3, out.stdout
