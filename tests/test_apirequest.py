@@ -71,7 +71,17 @@ def tool(**function):
      "messages[0].tool_calls[0].function"),
     ("chat", {"model": "m", "messages": [{"role": "tool", "tool_call_id": 3, "content": "r"}]},
      "messages[0].tool_call_id"),
+    ("chat", user("a", name=None), "messages[0].name"),
+    ("chat", user("a", tool_call_id=None), "messages[0].tool_call_id"),
+    ("chat", user("a", reasoning_content=3), "messages[0].reasoning_content"),
+    ("chat", tool(name="f", description=None), "tools[0].function.description"),
+    ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": 3, "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
+    ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": None, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].id"),
     ("chat", {"model": "m", "messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+    ("chat", {"model": "m", "messages": [{"role": ["user"], "content": "a"}]}, "messages[0].role"),
+    ("chat", user([{"type": ["text"], "text": "a"}]), "messages[0].content[0].type"),
     ("chat", {"model": "m", "messages": [{"role": "user", "content": "a"}, 7]}, "messages[1]"),
     # What the engines refuse themselves, or quietly misread (llama.cpp takes a stop of 3 as no stop).
     ("chat", {**CHAT, "tool_choice": "x"}, "tool_choice"),

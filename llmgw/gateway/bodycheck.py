@@ -16,7 +16,8 @@ import re
 
 from llmgw.gateway.errors import ApiError
 
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# A tuple, not a set: `in` compares, where a set would hash, and a role that is a list cannot be hashed.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # A model's name is stored with every usage row: a name of megabytes made rows of megabytes.
 MAX_MODEL_NAME = 256
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -40,7 +41,8 @@ def _string(value, param: str) -> None:
 
 
 def _optional_string(obj: dict, name: str, param: str) -> None:
-    if obj.get(name) is not None:
+    # Present means a string: llama.cpp answers 500 to a null name, tool_call_id or description.
+    if name in obj:
         _string(obj[name], f"{param}.{name}")
 
 
@@ -98,9 +100,10 @@ def _content(content, param: str) -> None:
             continue  # the common part, accepted without building its path
         where = f"{param}[{j}]"
         need(part, (dict,), "an object with a type", where)
-        check = PARTS.get(part.get("type"))
+        kind = part.get("type")
+        check = PARTS.get(kind) if isinstance(kind, str) else None
         if check is None:
-            raise bad(f"{where}.type is {part.get('type')!r}; a content part's type is one of "
+            raise bad(f"{where}.type is {str(kind)[:40]!r}; a content part's type is one of "
                       f"{', '.join(PARTS)}.", f"{where}.type")
         check(part, where)
 
@@ -108,6 +111,8 @@ def _content(content, param: str) -> None:
 def _tool_call(call, param: str) -> None:
     need(call, (dict,), "an object", param)
     _optional_string(call, "id", param)
+    if call.get("type", "function") != "function":
+        raise bad(f'{param}.type must be "function".', f"{param}.type")
     function = call.get("function")
     need(function, (dict,), "an object with a name and arguments", f"{param}.function")
     _string(function.get("name"), f"{param}.function.name")
@@ -119,10 +124,10 @@ def _message(message, param: str) -> None:
     role = message.get("role")
     if role not in ROLES:
         need(role, (str,), "a string", f"{param}.role")
-        raise bad(f"{param}.role is {role[:40]!r}; a role is one of {', '.join(sorted(ROLES))}.", f"{param}.role")
+        raise bad(f"{param}.role is {role[:40]!r}; a role is one of {', '.join(ROLES)}.", f"{param}.role")
     _content(message.get("content"), f"{param}.content")
-    _optional_string(message, "name", param)
-    _optional_string(message, "tool_call_id", param)
+    for name in ("name", "tool_call_id", "reasoning_content"):
+        _optional_string(message, name, param)
     calls = message.get("tool_calls")
     if calls is not None:
         need(calls, (list,), "a list of tool calls", f"{param}.tool_calls")
