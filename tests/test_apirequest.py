@@ -79,6 +79,8 @@ def tool(**function):
         {"id": "1", "type": 3, "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
     ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [
         {"id": None, "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].id"),
+    ("chat", {"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+        {"id": "1", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].type"),
     ("chat", {"model": "m", "messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
     ("chat", {"model": "m", "messages": [{"role": ["user"], "content": "a"}]}, "messages[0].role"),
     ("chat", user([{"type": ["text"], "text": "a"}]), "messages[0].content[0].type"),

@@ -111,7 +111,7 @@ def _content(content, param: str) -> None:
 def _tool_call(call, param: str) -> None:
     need(call, (dict,), "an object", param)
     _optional_string(call, "id", param)
-    if call.get("type", "function") != "function":
+    if call.get("type") != "function":  # llama.cpp: "Missing tool call type", a 500
         raise bad(f'{param}.type must be "function".', f"{param}.type")
     function = call.get("function")
     need(function, (dict,), "an object with a name and arguments", f"{param}.function")
