@@ -30,6 +30,7 @@ def tool(**function):
     ("chat", b"{not json", None),
     ("chat", b"\xff\xfe", None),
     ("chat", [1, 2], None),
+    ("chat", b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', None),
     ("chat", {"messages": []}, "model"),
     ("chat", {"model": 7, "messages": []}, "model"),
     ("chat", {"model": "m"}, "messages"),

@@ -55,16 +55,21 @@ def loads(raw: bytes):
                    "encoded as UTF-8 with Content-Type: application/json.") from None
     # One emoji makes every character of its string four bytes wide in memory, and json.loads
     # would have decoded the same text.
-    if structure + _text_cost(sys.getsizeof(text)) > allowed:
-        raise _too_costly(len(raw), structure + _text_cost(sys.getsizeof(text)), allowed,
-                          "text whose characters take up to four bytes each once read")
+    cost = structure + _text_cost(sys.getsizeof(text))
+    if cost > allowed:
+        raise _too_costly(len(raw), cost, allowed, "text whose characters take up to four bytes each once read")
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except ValueError as e:
         raise _bad(f"The request body is not valid JSON ({e}). Send a JSON object with "
                    "Content-Type: application/json.") from None
     except RecursionError:  # _structure_cost should have refused it; never a 500 for a body
         raise _depth_error() from None
+
+
+def _not_json(name: str):
+    # Python reads NaN and Infinity; JSON has no such thing, and engines refuse them.
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _structure_cost(raw: bytes, allowed: int) -> int:
