@@ -18,6 +18,8 @@ from llmgw.gateway.errors import ApiError
 
 # A tuple, not a set: `in` compares, where a set would hash, and a role that is a list cannot be hashed.
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# What a message may carry besides its content: strings when present (llama.cpp answers 500 to a null).
+MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content")
 # A model's name is stored with every usage row: a name of megabytes made rows of megabytes.
 MAX_MODEL_NAME = 256
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -67,7 +69,6 @@ def check_model(model) -> None:
                   "model")
 
 
-# --- chat messages ---------------------------------------------------------------------------
 
 def _text_part(part: dict, param: str) -> None:
     _string(part.get("text"), f"{param}.text")
@@ -125,8 +126,10 @@ def _message(message, param: str) -> None:
     if role not in ROLES:
         need(role, (str,), "a string", f"{param}.role")
         raise bad(f"{param}.role is {role[:40]!r}; a role is one of {', '.join(ROLES)}.", f"{param}.role")
-    _content(message.get("content"), f"{param}.content")
-    for name in ("name", "tool_call_id", "reasoning_content"):
+    content = message.get("content")
+    if content.__class__ is not str:
+        _content(content, f"{param}.content")
+    for name in MESSAGE_STRINGS:
         _optional_string(message, name, param)
     calls = message.get("tool_calls")
     if calls is not None:
@@ -146,7 +149,6 @@ def _messages(messages, param: str) -> None:
         _message(message, f"{param}[{i}]")
 
 
-# --- tools and other structured fields -------------------------------------------------------
 
 def _tools(tools, param: str) -> None:
     need(tools, (list,), 'a list of {"type": "function", "function": {...}} objects', param)

@@ -84,13 +84,15 @@ def _structure_cost(raw: bytes, allowed: int) -> int:
     text = _text_cost(len(raw))  # the text as ASCII; wider text is counted once decoded
     containers, values = _counts(raw)
     cost = _cost(containers, values)
-    if cost + text <= allowed and containers <= MAX_DEPTH:
-        return cost
-    # Every string is a value: when they alone are too many, say so before
-    # emptying them (which would itself allocate per string).
-    strings = (raw.count(b'"') - raw.count(b'\\"')) // 2
-    if _cost(0, strings) + text > allowed:
-        raise _too_costly(len(raw), _cost(0, strings) + text, allowed, f"{strings:,} strings at least")
+    if cost + text <= allowed:
+        if containers <= MAX_DEPTH:
+            return cost
+    else:
+        # Every string is a value: when they alone are too many, say so before emptying
+        # them, which allocates for each (and costs less than parsing them, when they are fewer).
+        strings = (raw.count(b'"') - raw.count(b'\\"')) // 2
+        if _cost(0, strings) + text > allowed:
+            raise _too_costly(len(raw), _cost(0, strings) + text, allowed, f"{strings:,} strings at least")
     skeleton = _without_strings(raw)
     containers, values = _counts(skeleton)
     cost = _cost(containers, values)
