@@ -111,7 +111,7 @@ def _without_strings(raw: bytes) -> bytes:
     string, and what lies between every other pair of quotes is structure.
     Each step is one C loop; a regex did the same at four times json.loads' cost.
     """
-    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
     return b"".join(plain.split(b'"')[::2])
 
 
