@@ -17,7 +17,7 @@ import tempfile
 
 import click
 
-from llmgw import settings, store
+from llmgw import filemodes, settings, store
 from llmgw.control import curvekeys
 from llmgw.people import accounts
 from llmgw.procs import raise_fd_limit
@@ -39,6 +39,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         cfg = settings.load(config_path, {"gateway.listen": listen, "gateway.workers": workers,
                                           "gateway.metrics_listen": metrics_listen, "store.url": store_url},
                             endpoints)
+        filemodes.check_roles(cfg, "gateway")
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")

@@ -32,7 +32,7 @@ class ReplicaState:
     """What one worker knows about one replica."""
 
     __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at",
-                 "outstanding_at_metrics", "seed")
+                 "outstanding_at_metrics", "seed", "checked_at")
 
     def __init__(self, spec: ReplicaSpec, breaker: Breaker, target=None):
         self.spec = spec
@@ -45,6 +45,7 @@ class ReplicaState:
         self.metrics_at: float | None = None
         self.outstanding_at_metrics = 0  # ours among the engine's figures when it reported them
         self.seed = hashlib.blake2b(spec.id.encode(), digest_size=8).digest()
+        self.checked_at: float | None = None  # the last health check an engine error prompted
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.metrics_at is not None and now - self.metrics_at <= stale_after
@@ -61,6 +62,13 @@ class ReplicaState:
             # decisions between whole requests.
             load += max(0.0, (self.kv_cache or 0.0) - 0.5) * 2
         return load + 1.0
+
+    def check_due(self, now: float, every: float) -> bool:
+        """Whether an engine error should prompt a health check now (one every EVERY seconds at most)."""
+        if self.checked_at is not None and now - self.checked_at < every:
+            return False
+        self.checked_at = now
+        return True
 
     def record_metrics(self, figures: dict[str, float], now: float) -> None:
         """Take the engine's own load figures (absent ones stay unknown)."""

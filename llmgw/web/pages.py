@@ -22,7 +22,7 @@ from llmgw import rules
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, forms, mirrorpage
+from llmgw.web import adminpages, budgets, chatpage, errorpages, forms, mirrorpage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -244,9 +244,5 @@ def create_app(runtime: Runtime) -> Flask:
     chatpage.install(app, runtime, csrf_secret, form)
     adminpages.install(app, runtime, form, sentence)
     mirrorpage.install(app, runtime, form, sentence)
-
-    @app.errorhandler(400)
-    def bad_request(e):
-        return render_template("message.html", title="That did not work", text=e.description), 400
-
+    errorpages.install(app)
     return app
