@@ -85,3 +85,16 @@ def test_model_list(real):
 def test_the_gateway_reads_llamacpps_own_load_figures(real):
     _, gw = real
     wait_for("fresh engine figures", 30, lambda: 'llmgw_endpoint_metrics_stale{replica="cpu"} 0.0' in gw.metrics())
+
+
+def test_a_request_naming_no_limit_is_held_to_max_output(real):
+    # max_output is 512 here. Without max_tokens, llama.cpp generated until its context was full
+    # (976 tokens of a model allowed 64); a null max_completion_tokens hid a max_tokens of 300.
+    client, _ = real
+    count = [{"role": "user", "content": "Count from 1 to 3000, one number a line, and nothing else."}]
+    reply = client.chat.completions.create(model=starter.NAME, messages=count, temperature=0,
+                                           extra_body={"max_completion_tokens": None})
+    assert 0 < reply.usage.completion_tokens <= 512
+    with pytest.raises(openai.BadRequestError, match="max_tokens is 600, but smollm2-135m-instruct allows at most 512"):
+        client.chat.completions.create(model=starter.NAME, messages=count, max_tokens=600,
+                                       extra_body={"max_completion_tokens": None})

@@ -174,10 +174,7 @@ class Proxy:
             try:
                 req = apirequest.parse(kind, raw, self.prefix_bytes)
                 model = self._resolve(req.model)
-                if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
-                    raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
-                                        f"{model.max_output}. Ask for {model.max_output} or fewer.",
-                                   "max_tokens_too_large", "max_tokens")
+                req.bound_output(model.name, model.max_output)
             except ApiError:
                 # A refused request still counts against the key's rate: requests for a model that does not
                 # exist were answered before admission, so no rate limit held them.
