@@ -7,7 +7,7 @@ arrive from this machine, carrying that name in `Host`. `HostCheck` answers
 only to the addresses an API listens on and the names an operator lists, so
 such a request is refused whatever else it carries. The admin API also wants
 its token (`TOKEN_FILE`, beside the controller's CURVE keys), which no page
-can know.
+can know. `json_body` reads what either is sent, bounded in size and depth.
 
 Used by the servers (llmgw/control/adminapi.py, llmgw/mirror/server.py) and,
 for the token's file name, by llmgw/apiclient.py. Imports llmgw.addresses only.
@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import json
 import os
 
 from llmgw import addresses
 
 TOKEN_FILE = "admin.token"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+# A model's table or a fetch order is a few kilobytes; nothing sent here needs more.
+MAX_BODY = 1 << 20
 
 
 def token_path(keys_dir: str) -> str:
@@ -36,6 +39,17 @@ def bearer_matches(authorization: str | None, token: str) -> bool:
     scheme, _, given = (authorization or "").partition(" ")
     # compare_digest takes str only when it is ASCII; a header is whatever the client sent.
     return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def json_body(request):
+    """A management request's body, parsed: None when it is missing, larger than MAX_BODY, not JSON, or
+    nested past what the parser can follow (Flask's get_json answered that with a 500)."""
+    if (request.content_length or 0) > MAX_BODY:
+        return None
+    try:
+        return json.loads(request.stream.read(MAX_BODY + 1))
+    except (ValueError, RecursionError):
+        return None
 
 
 def _split(address: str) -> tuple[str, int | None]:

@@ -130,7 +130,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.post("/api/v1/models")
     def add_model():
-        table = request.get_json(silent=True)
+        table = apiguard.json_body(request)
         if not isinstance(table, dict):
             return error(400, "send the model as a JSON object (llmgw ctl model add -f model.toml does)")
         model = parse_model(table, origin="runtime")
@@ -150,7 +150,9 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.post("/api/v1/models/<name>/scale")
     def scale(name):
-        body = request.get_json(silent=True) or {}
+        body = apiguard.json_body(request) or {}
+        if not isinstance(body, dict):
+            return error(400, 'send {"min": N, "max": N} (llmgw ctl model scale does)')
         model = catalog.scale(name, body.get("min"), body.get("max"))
         report.kick()
         return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
@@ -265,7 +267,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     def issue(kind: str, field: str, example: str, key_ring: KeyRing | None, issue_key, issued, key_file):
         """Issue a key for the name in the body's FIELD and let the ring admit it at once."""
-        name = (request.get_json(silent=True) or {}).get(field)
+        body = apiguard.json_body(request)
+        name = body.get(field) if isinstance(body, dict) else None
         if not isinstance(name, str) or not NODE_ID.match(name):
             return error(400, f"{field} must be a name of letters, digits, '.', '_' or '-', such as {example}")
         if key_ring is None:

@@ -149,7 +149,7 @@ def _handle(manager: Manager, base_url: str, endpoint: str, args: dict, request:
     if endpoint == "remove":
         manager.remove(args["model"], args["version"])
         return _json({"removed": f"{args['model']}/{args['version']}"})
-    body = request.get_json(silent=True)
+    body = apiguard.json_body(request)
     if not isinstance(body, dict) or not all(isinstance(body.get(k), str) for k in ("source", "model", "version")):
         raise MirrorError('send {"source": ..., "model": ..., "version": ...}')
     view = manager.fetch(body["source"], body["model"], body["version"], anyway=bool(body.get("anyway")))
