@@ -19,7 +19,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.control import curvekeys
-from llmgw.people import accounts
+from llmgw.people import sessions
 from llmgw.procs import raise_fd_limit
 from llmgw.wire.curve import ClientKeys
 
@@ -46,11 +46,15 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     try:
         engine = store.open_engine(cfg["store.url"])
         applied = store.migrate(engine)
-        accounts.session_secret(engine)
         engine.dispose()
     except Exception as e:
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "
                                    "Check store.url, and that the database is running.") from None
+    try:
+        # Made here, before any worker is forked, so a start that cannot use it fails once, saying why.
+        sessions.ensure_secret(sessions.secret_path(cfg["store.url"], cfg["gateway.session_key_file"]))
+    except (sessions.SecretFileError, OSError) as e:
+        raise click.ClickException(str(e)) from None
     if applied:
         log.info("store %s: applied migrations %s", store.describe(cfg["store.url"]), applied)
     limit = raise_fd_limit()

@@ -16,7 +16,6 @@ from llmgw.principals import KeyRecord
 def site(tmp_path):
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
-    accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "gateway.signup_open": True, "gateway.contact": "ops@example.org",
                                "gateway.trusted_proxies": ["127.0.0.1"]})
     app = GatewayApp(cfg, key_source=keys)

@@ -1,0 +1,181 @@
+"""Signed-in sessions of the pages, the throttle on sign-in, and the secret that signs session cookies.
+
+A session is a row in the store: the cookie carries a random token and the
+store only its hash. A page request counts as signed in only while its row
+exists, is younger than `gateway.session_lifetime` and was seen within
+`gateway.session_idle`; ending a session deletes the row, so a cookie copied
+before sign-out is worth nothing after it. Pages and the chat endpoint read
+the row; `/v1` requests never do (they carry keys, not sessions).
+
+Failed sign-ins are rows too, so the throttle holds across every worker and
+every gateway that shares the store: an attempt is written before its
+password is checked, which also counts the attempts still being checked.
+
+The cookie-signing secret is a file (mode 0600) beside the store, never in
+it: a store readable by others once let any local user forge an
+administrator's cookie.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import secrets
+import stat
+import tempfile
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from llmgw import store
+from llmgw.principals import hash_secret
+
+# A session's last sight is written at most this often: a write on every page would cost more than an idle
+# timeout measured to the minute is worth.
+TOUCH_EVERY = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lifetimes:
+    idle: float  # seconds a session lasts unused
+    absolute: float  # seconds a session lasts at most
+
+
+def start(engine: Engine, user_id: str, lifetimes: Lifetimes, now: float | None = None) -> str:
+    """A new session for USER_ID: the token for its cookie. Sessions past their lifetimes are cleared out."""
+    now = time.time() if now is None else now
+    token = secrets.token_urlsafe(32)
+    s = store.sessions
+    with engine.begin() as conn:
+        conn.execute(s.delete().where(sa.or_(s.c.seen_at < now - lifetimes.idle,
+                                             s.c.created_at < now - lifetimes.absolute)))
+        conn.execute(s.insert().values(id=hash_secret(token), user_id=user_id, created_at=now, seen_at=now))
+    return token
+
+
+def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes, now: float | None = None) -> bool:
+    """Whether TOKEN is a live session of USER_ID; a live one is marked seen, an expired one deleted."""
+    if not token:
+        return False
+    now = time.time() if now is None else now
+    s = store.sessions
+    key = hash_secret(token)
+    with engine.connect() as conn:
+        row = conn.execute(sa.select(s.c.user_id, s.c.created_at, s.c.seen_at).where(s.c.id == key)).first()
+    if row is None or row.user_id != user_id:
+        return False
+    if now - row.seen_at >= lifetimes.idle or now - row.created_at >= lifetimes.absolute:
+        end(engine, token)
+        return False
+    if now - row.seen_at >= TOUCH_EVERY:
+        with engine.begin() as conn:
+            conn.execute(s.update().where(s.c.id == key).values(seen_at=now))
+    return True
+
+
+def end(engine: Engine, token: str | None) -> None:
+    """End the session TOKEN (sign-out); nothing to do when there is none."""
+    if token:
+        with engine.begin() as conn:
+            conn.execute(store.sessions.delete().where(store.sessions.c.id == hash_secret(token)))
+
+
+def end_all(conn: Connection, user_id: str) -> int:
+    """End every session of USER_ID, inside the caller's transaction; how many there were."""
+    return conn.execute(store.sessions.delete().where(store.sessions.c.user_id == user_id)).rowcount
+
+
+def count(engine: Engine) -> dict[str, int]:
+    """How many sessions each person has (expired ones not yet cleared out included)."""
+    s = store.sessions
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.select(s.c.user_id, sa.func.count()).group_by(s.c.user_id)).all())
+
+
+# --- the sign-in throttle ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Throttle:
+    per_account: int  # failures allowed per account within the window
+    per_address: int  # failures allowed per client address within the window
+    window: float  # seconds
+
+
+def attempt(engine: Engine, email: str, address: str, throttle: Throttle, now: float | None = None) -> int | str:
+    """Note a sign-in attempt before its password is checked: its id, to `succeeded` with; or, past the
+    throttle, why not, in words for the sign-in page (the password is then not checked at all)."""
+    now = time.time() if now is None else now
+    email, address = email.strip().lower()[:320], address[:64]
+    f = store.sign_in_failures
+    since = now - throttle.window
+    with engine.begin() as conn:
+        conn.execute(f.delete().where(f.c.at < since))
+        for column, value, allowed, what in ((f.c.email, email, throttle.per_account, "for this account"),
+                                             (f.c.address, address, throttle.per_address, "from your address")):
+            count_, oldest = conn.execute(sa.select(sa.func.count(), sa.func.min(f.c.at)).where(column == value)).one()
+            if count_ >= allowed:
+                minutes = max(1, math.ceil((oldest + throttle.window - now) / 60))
+                return f"Too many failed sign-ins {what}. Try again in {minutes} minute{'s' if minutes > 1 else ''}."
+        return conn.execute(f.insert().values(at=now, email=email, address=address)).inserted_primary_key[0]
+
+
+def succeeded(engine: Engine, attempt_id: int, email: str) -> None:
+    """A right password: the attempt was no failure, and the account's earlier failures are forgiven."""
+    f = store.sign_in_failures
+    with engine.begin() as conn:
+        conn.execute(f.delete().where(sa.or_(f.c.id == attempt_id, f.c.email == email.strip().lower()[:320])))
+
+
+# --- the secret that signs session cookies ------------------------------------------------------------
+
+class SecretFileError(Exception):
+    """The session secret's file cannot be used; the message says the command that fixes it."""
+
+
+def secret_path(store_url: str, configured: str) -> str:
+    """Where the session secret lives: CONFIGURED, or `session.key` beside a SQLite store, or in `var/`."""
+    if configured:
+        return configured
+    if store_url.startswith("sqlite:///") and store_url != "sqlite:///:memory:":
+        return os.path.join(os.path.dirname(os.path.abspath(store_url[len("sqlite:///"):])), "session.key")
+    return os.path.join("var", "session.key")
+
+
+def ensure_secret(path: str) -> str:
+    """The secret in PATH, made (mode 0600) when missing. Refused when others may read it.
+
+    Made whole in a temporary file and linked into place, so two workers starting together cannot both
+    make one, and nobody ever reads half of one."""
+    try:
+        return _read_secret(path)
+    except FileNotFoundError:
+        pass
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=folder, prefix=".session.key.")  # mkstemp makes it 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(48) + "\n")
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass  # another process made it first: theirs is the one
+    finally:
+        os.unlink(temporary)
+    return _read_secret(path)
+
+
+def _read_secret(path: str) -> str:
+    mode = os.stat(path).st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretFileError(f"{path} (the key that signs session cookies) may be read by others (mode "
+                              f"{stat.S_IMODE(mode):04o}): anyone who reads it can sign in as anyone. Run: "
+                              f"chmod 600 {path}")
+    with open(path, encoding="ascii") as f:
+        value = f.read().strip()
+    if len(value) < 32:
+        raise SecretFileError(f"{path} holds no usable session key; remove it and start again to make a new one "
+                              "(everyone signs in again)")
+    return value
