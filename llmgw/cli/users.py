@@ -139,3 +139,15 @@ _action("reinstate", "reinstated", accounts.reinstate)
 _action("promote", "made an administrator:", accounts.promote)
 _action("demote", "no longer an administrator:", lambda engine, who: accounts.promote(engine, who, admin=False))
 _action("remove", "removed (and revoked the keys of)", accounts.remove)
+
+
+@users.command("end-sessions")
+@click.argument("who")
+@click.pass_obj
+def users_end_sessions(obj, who):
+    """Sign WHO (an id or an email) out everywhere: every session of theirs ends at once."""
+    try:
+        user, ended = accounts.end_sessions(obj.engine(), who)
+    except accounts.AccountError as e:
+        _fail(e)
+    click.echo(f"ended {ended} session(s) of {user.email}", err=True)
