@@ -99,7 +99,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Failed sign-ins one client address may have within `gateway.sign_in_window`, whatever accounts "
             "it tries (behind `gateway.trusted_proxies`, the address they forward).", minimum=1),
     Setting("gateway.sign_in_window", "float", 900.0,
-            "Seconds over which failed sign-ins are counted, in the store, across every worker and gateway.",
+            "Seconds over which failed sign-ins are counted. Each gateway worker counts its own (a failure written "
+            "to the store would stall the worker), so W workers allow W times the failures.",
             minimum=1),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
             "Database URL (SQLAlchemy form). `sqlite:///PATH` (relative to the working directory) or `postgresql://USER@HOST/DB`.",

@@ -250,19 +250,6 @@ sessions = sa.Table(
     sa.Index("sessions_user", "user_id"),
 )
 
-# Failed sign-ins (and those under way), counted per account and per address to
-# throttle password guessing across every worker and gateway sharing the store.
-sign_in_failures = sa.Table(
-    "sign_in_failures", metadata,
-    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
-    sa.Column("at", sa.Float, nullable=False),
-    sa.Column("email", sa.String(320), nullable=False),
-    sa.Column("address", sa.String(64), nullable=False),
-    sa.Index("sign_in_failures_at", "at"),
-    sa.Index("sign_in_failures_email", "email"),
-    sa.Index("sign_in_failures_address", "address"),
-)
-
 # Where keys go when nobody says: the project default/default/default.
 DEFAULT_PROJECT = "default"
 DEFAULT_PATH = "default/default/default"
@@ -360,10 +347,10 @@ def _tree(conn: Connection) -> None:
 
 
 def _sessions(conn: Connection) -> None:
-    """Session records and the sign-in throttle; the session secret leaves the store. It was readable by
+    """Session records; the session secret leaves the store. It was readable by
     anyone who could read the store, and so were forged administrators' cookies; every session signed
     with it ends here, and people sign in again."""
-    metadata.create_all(conn, tables=[sessions, sign_in_failures])
+    metadata.create_all(conn, tables=[sessions])
     conn.execute(secrets_table.delete().where(secrets_table.c.name == "session"))
 
 
@@ -380,7 +367,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (7, "keys made by a person", _add_key_owner),
     (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
     (9, "gateway keys", _create([gateway_keys])),
-    (10, "sessions, sign-in failures; the session secret leaves the store", _sessions),
+    (10, "sessions; the session secret leaves the store", _sessions),
 ]
 
 

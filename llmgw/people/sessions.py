@@ -1,4 +1,4 @@
-"""Signed-in sessions of the pages, the throttle on sign-in, and the secret that signs session cookies.
+"""Signed-in sessions of the pages, and the secret that signs their cookies.
 
 A session is a row in the store: the cookie carries a random token and the
 store only its hash. A page request counts as signed in only while its row
@@ -6,10 +6,6 @@ exists, is younger than `gateway.session_lifetime` and was seen within
 `gateway.session_idle`; ending a session deletes the row, so a cookie copied
 before sign-out is worth nothing after it. Pages and the chat endpoint read
 the row; `/v1` requests never do (they carry keys, not sessions).
-
-Failed sign-ins are rows too, so the throttle holds across every worker and
-every gateway that shares the store: an attempt is written before its
-password is checked, which also counts the attempts still being checked.
 
 The cookie-signing secret is a file (mode 0600) beside the store, never in
 it: a store readable by others once let any local user forge an
@@ -19,7 +15,6 @@ administrator's cookie.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import secrets
 import stat
@@ -92,40 +87,6 @@ def count(engine: Engine) -> dict[str, int]:
     s = store.sessions
     with engine.connect() as conn:
         return dict(conn.execute(sa.select(s.c.user_id, sa.func.count()).group_by(s.c.user_id)).all())
-
-
-# --- the sign-in throttle ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Throttle:
-    per_account: int  # failures allowed per account within the window
-    per_address: int  # failures allowed per client address within the window
-    window: float  # seconds
-
-
-def attempt(engine: Engine, email: str, address: str, throttle: Throttle, now: float | None = None) -> int | str:
-    """Note a sign-in attempt before its password is checked: its id, to `succeeded` with; or, past the
-    throttle, why not, in words for the sign-in page (the password is then not checked at all)."""
-    now = time.time() if now is None else now
-    email, address = email.strip().lower()[:320], address[:64]
-    f = store.sign_in_failures
-    since = now - throttle.window
-    with engine.begin() as conn:
-        conn.execute(f.delete().where(f.c.at < since))
-        for column, value, allowed, what in ((f.c.email, email, throttle.per_account, "for this account"),
-                                             (f.c.address, address, throttle.per_address, "from your address")):
-            count_, oldest = conn.execute(sa.select(sa.func.count(), sa.func.min(f.c.at)).where(column == value)).one()
-            if count_ >= allowed:
-                minutes = max(1, math.ceil((oldest + throttle.window - now) / 60))
-                return f"Too many failed sign-ins {what}. Try again in {minutes} minute{'s' if minutes > 1 else ''}."
-        return conn.execute(f.insert().values(at=now, email=email, address=address)).inserted_primary_key[0]
-
-
-def succeeded(engine: Engine, attempt_id: int, email: str) -> None:
-    """A right password: the attempt was no failure, and the account's earlier failures are forgiven."""
-    f = store.sign_in_failures
-    with engine.begin() as conn:
-        conn.execute(f.delete().where(sa.or_(f.c.id == attempt_id, f.c.email == email.strip().lower()[:320])))
 
 
 # --- the secret that signs session cookies ------------------------------------------------------------

@@ -10,9 +10,9 @@ before it (fixed by someone else) is worth nothing after.
 A signed cookie alone no longer counts: each names a session record in the
 store (llmgw/people/sessions.py), checked on every page request, so signing
 out, changing a password, suspension and an administrator end sessions for
-good. Sign-in is throttled per account and per address, and every password
-hash runs in gevent's thread pool, off the worker's event loop: 120 sign-ins
-once stalled `/health` for 0.63 s.
+good. Sign-in is throttled per account and per address
+(llmgw/web/throttle.py), and every password hash runs in a thread pool, off
+the worker's event loop: 120 sign-ins once stalled `/health` for 0.63 s.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import os
 import time
 
 import flask_login
-import gevent
 from flask import Flask, abort, redirect, render_template, request, session
 from flask.sessions import SecureCookieSessionInterface
+from gevent.threadpool import ThreadPool
 from markupsafe import Markup
 
 from llmgw import rules
@@ -31,7 +31,7 @@ from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, sessions, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, forms, mirrorpage, safety
+from llmgw.web import adminpages, budgets, chatpage, forms, mirrorpage, safety, throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -51,9 +51,10 @@ class Person(flask_login.UserMixin):
         return self.user.id
 
 
-def offload(function, *args):
-    """Run FUNCTION in gevent's thread pool (scrypt lets go of the GIL), so the loop serves meanwhile."""
-    return gevent.get_hub().threadpool.apply(function, args)
+# Threads that hash passwords at once. scrypt lets go of the GIL, but each hash is 16 MiB and tens of ms of
+# CPU: with gevent's ten default threads a burst of sign-ins took the CPU from the worker's event loop
+# (/health stalled 1.3 s on a busy two-core machine); with two it stayed under 0.1 s, the rest queueing.
+HASHING_THREADS = 2
 
 
 def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
@@ -61,10 +62,16 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     cfg = runtime.cfg
     app = Flask("llmgw", template_folder=os.path.join(ROOT, "templates"),
                 static_folder=os.path.join(ROOT, "static"))
+    hashing = ThreadPool(HASHING_THREADS)
+
+    def offload(function, *args):
+        """Run FUNCTION (a password hash) in the hashing threads; this greenlet waits, the loop serves."""
+        return hashing.apply(function, args)
+
     secret = sessions.ensure_secret(sessions.secret_path(cfg["store.url"], cfg["gateway.session_key_file"]))
     lifetimes = sessions.Lifetimes(cfg["gateway.session_idle"], cfg["gateway.session_lifetime"])
-    throttle = sessions.Throttle(cfg["gateway.sign_in_failures_per_account"],
-                                 cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"])
+    guard = throttle.Throttle(throttle.Limits(cfg["gateway.sign_in_failures_per_account"],
+                                              cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"]))
     app.config.update(SECRET_KEY=secret, SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax",
                       SESSION_COOKIE_NAME="llmgw_session")
     app.session_interface = _Sessions()
@@ -147,12 +154,13 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
 
     def signed_in(email: str, password: str) -> accounts.User | str:
         """The person EMAIL and PASSWORD sign in, or why not; every attempt counts against the throttle."""
-        attempt = sessions.attempt(engine, email, proxies.client(request.environ), throttle)
-        if isinstance(attempt, str):
-            return attempt
+        address = proxies.client(request.environ)
+        refused = guard.begin(email, address, time.monotonic())
+        if refused:
+            return refused
         result = accounts.authenticate(engine, email, password, offload)
         if not isinstance(result, str):
-            sessions.succeeded(engine, attempt, email)
+            guard.succeeded(email, address, time.monotonic())
         return result
 
     @app.route("/signup", methods=["GET", "POST"])
