@@ -172,7 +172,7 @@ def _keep_an_administrator(conn, user: User) -> None:
     others = conn.execute(sa.select(sa.func.count()).where(sa.and_(
         u.c.is_admin.is_(True), u.c.state == ACTIVE, u.c.id != user.id))).scalar_one()
     if not others:
-        raise AccountError(f"{user.email} is the last active administrator; nobody could administer after this. "
+        raise AccountError(f"nobody could administer after this: {user.email} is the last active administrator. "
                            "Make someone else an administrator first (llmgw users promote EMAIL)")
 
 

@@ -26,7 +26,8 @@ import dataclasses
 import math
 
 # Past this many accounts and addresses held, stale ones are swept out: one attacker cycling through
-# made-up addresses must not grow a worker without bound.
+# made-up addresses must not grow a worker without bound. The next sweep waits until the table doubles,
+# so a table full of live entries is not swept on every attempt.
 SWEEP_AT = 10_000
 
 
@@ -41,12 +42,14 @@ class Throttle:
     def __init__(self, limits: Limits):
         self.limits = limits
         self.failures: dict[tuple[str, str], collections.deque] = {}  # ("account"|"address", value) -> times
+        self.sweep_at = SWEEP_AT
 
     def begin(self, email: str, address: str, now: float) -> str | None:
         """Count an attempt as a failure until it `succeeded`; or, past a limit, why not, in words for the
         sign-in page (and the attempt is not counted: nothing was tried)."""
-        if len(self.failures) > SWEEP_AT:
+        if len(self.failures) > self.sweep_at:
             self._sweep(now)
+            self.sweep_at = max(SWEEP_AT, 2 * len(self.failures))
         account, place = ("account", email.strip().lower()), ("address", address)
         for key, allowed, what in ((account, self.limits.per_account, "for this account"),
                                    (place, self.limits.per_address, "from your address")):
