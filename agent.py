@@ -23,7 +23,7 @@ import threading
 import click
 import zmq
 
-from llmgw import addresses, settings
+from llmgw import addresses, filemodes, settings
 from llmgw.control import curvekeys
 from llmgw.node import discovery
 from llmgw.node.commands import commands
@@ -45,6 +45,7 @@ def main(config_path, controllers, node_id, key_file):
     try:
         cfg = settings.load(config_path, {"agent.controllers": list(controllers) or None,
                                           "agent.node_id": node_id, "agent.key_file": key_file})
+        filemodes.check_roles(cfg, "agent")
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(),

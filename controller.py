@@ -22,7 +22,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import addresses, settings, store
+from llmgw import addresses, filemodes, settings, store
 from llmgw.control import adminapi, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
@@ -53,6 +53,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                                           "controller.admin_listen": admin_listen,
                                           "controller.metrics_listen": metrics_listen,
                                           "controller.gateway_listen": gateway_listen, "store.url": store_url})
+        filemodes.check_roles(cfg, "controller")
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(),

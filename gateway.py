@@ -17,7 +17,7 @@ import tempfile
 
 import click
 
-from llmgw import settings, store
+from llmgw import filemodes, settings, store
 from llmgw.control import curvekeys
 from llmgw.people import sessions
 from llmgw.procs import raise_fd_limit
@@ -39,7 +39,10 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         cfg = settings.load(config_path, {"gateway.listen": listen, "gateway.workers": workers,
                                           "gateway.metrics_listen": metrics_listen, "store.url": store_url},
                             endpoints)
-    except settings.ConfigError as e:
+        filemodes.check_roles(cfg, "gateway")
+        # Made here, before any worker is forked, so a start that cannot use it fails once, saying why.
+        sessions.ensure_secret(sessions.secret_path(cfg))
+    except (settings.ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("llmgw.gateway")
@@ -50,11 +53,6 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     except Exception as e:
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "
                                    "Check store.url, and that the database is running.") from None
-    try:
-        # Made here, before any worker is forked, so a start that cannot use it fails once, saying why.
-        sessions.ensure_secret(sessions.secret_path(cfg["store.url"], cfg["gateway.session_key_file"]))
-    except (sessions.SecretFileError, OSError) as e:
-        raise click.ClickException(str(e)) from None
     if applied:
         log.info("store %s: applied migrations %s", store.describe(cfg["store.url"]), applied)
     limit = raise_fd_limit()

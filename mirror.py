@@ -22,7 +22,7 @@ import click
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import addresses, settings
+from llmgw import addresses, filemodes, settings
 from llmgw.apiguard import HostCheck
 from llmgw.gateway.metrics import serve_registry
 from llmgw.mirror.fetch import Manager
@@ -61,6 +61,7 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
         cfg = settings.load(config_path, {"mirror.dir": directory, "mirror.listen": listen,
                                           "mirror.api_listen": api_listen, "mirror.base_url": base_url_flag,
                                           "mirror.metrics_listen": metrics_listen})
+        filemodes.check_roles(cfg, "mirror")
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(),
@@ -73,7 +74,7 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
         raise click.ClickException(f"{root} is not a directory this user can read")
     base = base_url(cfg)
     allowed = Allowed(cfg["mirror.api_allow"])  # checked by settings.load
-    manager = Manager(store, cfg["mirror.hf_endpoint"])
+    manager = Manager(store, cfg["mirror.hf_endpoint"], local_sources=cfg["mirror.local_sources"])
     collector = MirrorCollector(manager)
     registry = CollectorRegistry()
     registry.register(collector)

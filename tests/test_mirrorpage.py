@@ -85,7 +85,8 @@ def rig(tmp_path):
     files_port = free_port()
     base = f"http://127.0.0.1:{files_port}"
     mirror_dir = MirrorDir(str(tmp_path / "models"))
-    manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY)
+    (tmp_path / "sources").mkdir()
+    manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY, local_sources=[str(tmp_path / "sources")])
     files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     api_port = free_port()
@@ -120,8 +121,8 @@ def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
     client, manager, controller, base, _ = rig
     page = client.get("/admin/mirror").data.decode()
     assert "Nothing is held yet" in page and f"Nodes fetch from {base}" in page
-    (tmp_path / "tiny.gguf").write_bytes(gguf_bytes("llama", 3000))
-    post(client, "/admin/mirror/fetch", source=str(tmp_path / "tiny.gguf"), model="tiny", version="v1")
+    (tmp_path / "sources" / "tiny.gguf").write_bytes(gguf_bytes("llama", 3000))
+    post(client, "/admin/mirror/fetch", source=str(tmp_path / "sources" / "tiny.gguf"), model="tiny", version="v1")
     wait_for("the fetch", 10, lambda: manager.status("tiny", "v1")["state"] == "present")
     page = client.get("/admin/mirror").data.decode()
     assert "tiny/v1" in page and "Serve this" in page
@@ -164,18 +165,39 @@ def test_the_registry_is_explored_and_its_cards_are_inert(rig):
     assert client.get("/admin/mirror/repo?id=../../etc").status_code == 404
 
 
-def test_an_unreachable_mirror_is_said_outright(tmp_path):
+def test_an_unreachable_mirror_or_registry_is_said_in_a_sentence(tmp_path):
     url = f"sqlite:///{tmp_path}/p.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
-    app = GatewayApp(settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{free_port()}",
+    mirror_api = f"127.0.0.1:{free_port()}"
+    app = GatewayApp(settings.load(None, {"store.url": url, "mirror.api": mirror_api,
+                                          "mirror.hf_endpoint": f"http://127.0.0.1:{free_port()}",
                                           "gateway.controller_admin": f"127.0.0.1:{free_port()}"}), key_source=keys)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
     page = client.get("/admin/mirror").data.decode()
-    assert "the mirror&#39;s management API does not answer" in page and "Nothing is held yet" not in page
+    assert f'<p class="problem" role="alert">The mirror at {mirror_api} cannot be reached. Check that mirror.py ' \
+           "is running" in page
+    assert "Nothing is held yet" not in page and "urlopen" not in page and "Errno" not in page
+    post(client, "/admin/mirror/fetch", source="hf:a/b/c.gguf", model="m", version="v1")
+    assert f"The mirror at {mirror_api} cannot be reached" in client.get("/admin/mirror").data.decode()
+    for path in ("/admin/mirror/registry", "/admin/mirror/registry?q=tiny", "/admin/mirror/repo?id=acme/tiny"):
+        page = client.get(path).data.decode()
+        assert '<p class="problem" role="alert">The registry at http://127.0.0.1:' in page, path
+        assert "cannot be reached from this gateway. Check that this machine reaches it" in page
+        assert "urlopen" not in page and "Errno" not in page
     app.runtime.engine.dispose()
     engine.dispose()
+
+
+def test_a_serve_link_with_a_size_that_is_not_bytes_is_a_400(rig):
+    client = rig[0]
+    ok = client.get("/admin/mirror/serve?model=m&source=http://m/x.gguf&size=2000000000")
+    assert ok.status_code == 200 and 'name="memory" value="3"' in ok.data.decode()  # 2 GB and room for the context
+    for size in ("abc", "-5", "1e9", str(1 << 60), "9" * 5000):
+        answer = client.get(f"/admin/mirror/serve?model=m&source=http://m/x.gguf&size={size}")
+        assert answer.status_code == 400, size
+        assert "not a number of bytes" in answer.data.decode()
 
 
 def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
@@ -273,8 +295,8 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
 
     client, manager, controller, base, api = rig
     for model in ("kept", "spare"):
-        (tmp_path / f"{model}.gguf").write_bytes(gguf_bytes("llama"))
-        manager.fetch(str(tmp_path / f"{model}.gguf"), model, "v1")
+        (tmp_path / "sources" / f"{model}.gguf").write_bytes(gguf_bytes("llama"))
+        manager.fetch(str(tmp_path / "sources" / f"{model}.gguf"), model, "v1")
         wait_for(model, 10, lambda m=model: manager.status(m, "v1")["state"] == "present")
     post(client, "/admin/mirror/serve", name="kept", source=f"{base}/kept/v1/kept.gguf", engine="llamacpp",
          memory="1", max_context="2048", mode="stopped")

@@ -82,16 +82,24 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
                                 cwd=tmp_path, capture_output=True, text=True)
         assert "smollm2-135m-instruct" in listed.stdout and "present" in listed.stdout
         assert any(name.endswith(".gguf") for name in os.listdir(tmp_path / "var" / "weights"))
+        # A model added at run time, ready long before llama.cpp on the next start: the start-up check once
+        # asked the starter model as soon as any model was ready, got 503, and stopped with a traceback.
+        (tmp_path / "quick.toml").write_text('name = "quick"\nsource = "/nothing"\n'
+                                             'scaling = {min = 1, max = 1}\nprofiles = [{engine = "sim"}]\n')
+        added = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "ctl", "model", "add",
+                                "-f", "quick.toml", "--no-source-check"], cwd=tmp_path, capture_output=True, text=True)
+        assert added.returncode == 0, added.stderr
     finally:
         stop_up(proc, tmp_path)
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
     time.sleep(1)
     assert running_engines(str(tmp_path / "var" / "agent")) == {}  # the engine stopped too
 
-    # Again: the store and the key are reused.
+    # Again: the store and the key are reused, and the model added at run time does not trip the check.
     proc, out, err = run_up(tmp_path, port, config)
     try:
         assert "kept  key" in err and key in out and "kept  administrator" in err and "kept  smollm2" in err
+        assert "Traceback" not in err and "Paris" in err
         status, _, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions",
                             {"model": "smollm2-135m-instruct", "max_tokens": 5,
                              "messages": [{"role": "user", "content": "Hi"}]}, key)

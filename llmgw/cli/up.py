@@ -21,11 +21,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import click
 
-from llmgw import addresses, settings, store
+from llmgw import addresses, filemodes, settings, store
 from llmgw.apiclient import ApiClient, ApiError, Refused
 from llmgw.cli import starter
 from llmgw.control import adminapi, curvekeys
@@ -40,18 +41,30 @@ NODE = "local"
 GATEWAY = "local"
 START_LIMIT = 60.0
 SERVE_LIMIT = 300.0
+ASK_TIMEOUT = 60.0  # one answer of 40 tokens from the starter model takes about a second on a CPU
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_WORKERS = 2
+# Every address the processes started here listen on, but the gateway's (--listen) and the accountant a
+# gateway runs only when it has no controller.
+LISTENS = tuple(s.name for s in settings.SETTINGS
+                if s.name.endswith("listen") and s.name not in ("gateway.listen", "gateway.accountant_listen"))
 
 
 def say(line: str) -> None:
     click.echo(line, err=True)
 
 
+class NotYet(Exception):
+    """The gateway cannot answer the starter model's question yet; the message says why."""
+
+
 class Up:
-    def __init__(self, cfg: settings.Config, config_path: str | None, listen: str, workers: int):
+    def __init__(self, cfg: settings.Config, config_path: str | None, listen: str | None, workers: int | None):
+        """LISTEN and WORKERS are the flags: None takes the configuration's, else loopback and two workers."""
         self.cfg = cfg
         self.config_path = config_path
-        self.listen = listen
-        self.workers = workers
+        self.listen = listen or cfg.written.get("gateway.listen", DEFAULT_LISTEN)
+        self.workers = workers or cfg.written.get("gateway.workers", DEFAULT_WORKERS)
         self.var = os.path.abspath("var")
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.admin_api: ApiClient | None = None  # made with the token, by write_config
@@ -83,16 +96,25 @@ class Up:
             say(f"done  administrator {ADMIN} made")
             return password
 
-    def loopback(self, name: str) -> str:
-        """The setting NAME's address, on 127.0.0.1 when it names no host: up opens nothing by surprise."""
-        return addresses.dial(self.cfg[name], name)
+    def listen_at(self, name: str) -> str:
+        """Where the setting NAME's server listens: as the configuration says, and where it says nothing, on
+        the default port of 127.0.0.1. Up opens nothing by surprise: the controller's port for agents once
+        listened on every address, as its default `:7443` does in a real cluster."""
+        if name in self.cfg.written:
+            return self.cfg[name]
+        _, port = addresses.parse(self.cfg[name], name)
+        return addresses.join("127.0.0.1", port)
+
+    def dial(self, name: str) -> str:
+        """The address a process here dials to reach the setting NAME's server."""
+        return addresses.dial(self.listen_at(name), name)
 
     def starter_url(self) -> str:
-        return f"http://{self.loopback('mirror.listen')}/{starter.NAME}/{starter.version()}/{starter.FILE}"
+        return f"http://{self.dial('mirror.listen')}/{starter.NAME}/{starter.version()}/{starter.FILE}"
 
     def import_starter(self) -> None:
         """Put the starter model into the mirror (once), so the node fetches it like any model."""
-        mirror = ApiClient(f"http://{self.loopback('mirror.api_listen')}", "the mirror")
+        mirror = ApiClient(f"http://{self.dial('mirror.api_listen')}", "the mirror")
         path = f"/api/v1/models/{starter.NAME}/{starter.version()}"
         try:
             state = mirror.call("GET", path)["state"]
@@ -120,7 +142,7 @@ class Up:
         keys_dir = os.path.join(self.var, "keys")
         controller_public, _ = curvekeys.controller_keypair(keys_dir)
         # Made now rather than by the controller's first start, so that waiting for the controller can use it.
-        self.admin_api = ApiClient(f"http://{self.loopback('controller.admin_listen')}", "the controller's admin API",
+        self.admin_api = ApiClient(f"http://{self.dial('controller.admin_listen')}", "the controller's admin API",
                                    token=adminapi.ensure_token(keys_dir))
         public, secret = curvekeys.issue_node_key(engine, NODE)
         key_file = os.path.join(self.var, "node.key")
@@ -130,33 +152,32 @@ class Up:
         curvekeys.write_private(gateway_key_file, curvekeys.gateway_key_file(GATEWAY, gateway_public, gateway_secret,
                                                                              controller_public))
         values = {
-            "store.url": self.cfg["store.url"], "log.level": self.cfg["log.level"],
+            # Whatever the given configuration chose (gateway.signup_open, timeouts, ...) reaches the process
+            # it is for; a secret given as @/path stays a path, so this file never holds a secret's content.
+            **self.cfg.written,
+            **{name: self.listen_at(name) for name in LISTENS},
+            "store.url": self.cfg.written.get("store.url", self.cfg["store.url"]),
             "gateway.key_file": gateway_key_file,
             "gateway.listen": self.listen, "gateway.workers": self.workers,
-            "gateway.metrics_listen": self.cfg["gateway.metrics_listen"],
-            "gateway.controller": self.cfg["controller.gateway_listen"],
+            "gateway.controller": self.dial("controller.gateway_listen"),
             "controller.keys_dir": keys_dir,
-            # Not admin_token: every process here reads the token from keys_dir, the file the controller uses.
-            **{s.name: self.cfg[s.name] for s in settings.SETTINGS if s.name.startswith("controller.")
-               and s.name not in ("controller.keys_dir", "controller.admin_token")},
-            "agent.controllers": [self.loopback("controller.agent_listen")],
+            "agent.controllers": [self.dial("controller.agent_listen")],
             "agent.key_file": key_file, "agent.node_id": NODE, "agent.engine_host": "127.0.0.1",
             "agent.weights_dir": os.path.join(self.var, "weights"), "agent.work_dir": os.path.join(self.var, "agent"),
-            "mirror.dir": os.path.join(self.var, "models"), "mirror.listen": self.loopback("mirror.listen"),
-            "mirror.api_listen": self.loopback("mirror.api_listen"), "mirror.api": self.loopback("mirror.api_listen"),
-            "mirror.base_url": f"http://{self.loopback('mirror.listen')}",
-            "mirror.metrics_listen": self.cfg["mirror.metrics_listen"],
-            "gateway.controller_admin": self.loopback("controller.admin_listen"),
+            "mirror.dir": os.path.join(self.var, "models"), "mirror.api": self.dial("mirror.api_listen"),
+            "mirror.base_url": f"http://{self.dial('mirror.listen')}",
+            "gateway.controller_admin": self.dial("controller.admin_listen"),
         }
-        if values["agent.controllers"][0].startswith(":"):
-            values["agent.controllers"] = ["127.0.0.1" + values["agent.controllers"][0]]
+        # Every process here reads the admin API's token from keys_dir, the file the controller uses.
+        values.pop("controller.admin_token", None)
         starter_model = {"name": starter.NAME, "source": self.starter_url(), "max_context": starter.CONTEXT,
                          "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
                          "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
         path = os.path.join(self.var, "up.toml")
-        with open(path, "w") as f:
-            f.write("# Written by `llmgw up` on every start; edit the file you pass with --config instead.\n")
-            f.write(settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
+        # 0600: it names the store, which may be a database URL with its password in it.
+        curvekeys.write_private(path, "# Written by `llmgw up` on every start; edit the file you pass with "
+                                      "--config instead.\n"
+                                + settings.to_toml(values, models=[starter_model] + list(self.cfg.models)))
         return path
 
     def spawn(self, name: str, script: str, config: str) -> subprocess.Popen:
@@ -171,19 +192,34 @@ class Up:
     def admin(self, path: str) -> dict:
         return self.admin_api.call("GET", path, timeout=5)
 
-    def serving(self) -> bool:
+    def starter_ready(self) -> bool:
+        """Whether the controller has a ready replica of the starter model. Not "any model": once a model
+        was added at run time, a faster one was ready first and the check asked the starter too early."""
         try:
-            return self.admin("/api/v1/status")["models_serving"] >= 1
+            models = self.admin("/api/v1/models")["models"]
         except ApiError:
             return False
+        return any(m["name"] == starter.NAME and m["ready"] >= 1 for m in models)
 
-    def ask(self, base: str, secret: str) -> str:
-        body = json.dumps({"model": starter.NAME, "max_tokens": 40, "temperature": 0, "messages": [
-            {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}).encode()
-        req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
-            "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())["choices"][0]["message"]["content"].strip()
+    def ask(self, base: str, secret: str, alive=lambda: True) -> str:
+        """The starter model's answer to a plain question, asked through the gateway until it can answer:
+        its workers learn of the replica a moment after the controller does, and answer 503 until then."""
+        answers, why = [], ["the gateway did not answer"]
+
+        def answered() -> bool:
+            try:
+                answers.append(ask_once(base, secret))
+                return True
+            except NotYet as e:
+                why[0] = str(e)
+                return False
+
+        try:
+            wait_for(f"the gateway to answer with {starter.NAME} (see var/gateway.log)", SERVE_LIMIT, answered,
+                     alive=alive, interval=0.5)
+        except TimeoutError as e:
+            raise click.ClickException(f"{e}; its last answer: {why[0]}") from None
+        return answers[0]
 
     def stop(self) -> None:
         for _, proc in reversed(self.children):
@@ -205,7 +241,7 @@ class Up:
                 pass
 
     def run(self) -> None:
-        os.makedirs(self.var, exist_ok=True)
+        filemodes.make_private_dir(self.var)
         stopping = []
         signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
         # Ctrl-C stops everything even when this was started with SIGINT ignored (a shell's background job
@@ -220,27 +256,28 @@ class Up:
             admin_password = self.ensure_admin(engine)
             config = self.write_config(engine)
             engine.dispose()
+            filemodes.check_roles(settings.load(config), "controller", "gateway", "agent", "mirror")
+            filemodes.refuse_loose({os.path.join(self.var, "starter-key"): filemodes.OTHERS})
             mirror = self.spawn("mirror", "mirror.py", config)
             wait_for("the mirror (see var/mirror.log)", START_LIMIT,
-                     lambda: http_status(f"http://{self.loopback('mirror.api_listen')}/api/v1/health") == 200,
+                     lambda: http_status(f"http://{self.dial('mirror.api_listen')}/api/v1/health") == 200,
                      alive=lambda: mirror.poll() is None)
             self.import_starter()
             controller = self.spawn("controller", "controller.py", config)
             wait_for("the controller (see var/controller.log)", START_LIMIT, lambda: self._answers(),
                      alive=lambda: controller.poll() is None)
-            say(f"done  controller up; admin API on {self.cfg['controller.admin_listen']} (llmgw ctl)")
+            say(f"done  controller up; admin API on {self.listen_at('controller.admin_listen')} (llmgw ctl)")
             agent = self.spawn("agent", "agent.py", config)
             wait_for("this machine to register as a node (see var/agent.log)", START_LIMIT,
                      lambda: self.admin("/api/v1/status")["nodes"]["ready"] >= 1, alive=lambda: agent.poll() is None)
             say(f"done  node {NODE} registered")
             gateway = self.spawn("gateway", "gateway.py", config)
             say(f"...   placing {starter.NAME} and starting llama.cpp (llmgw ctl replicas shows it)")
-            wait_for(f"{starter.NAME} to be served (see var/agent/shards/*.log)", SERVE_LIMIT, self.serving,
+            wait_for(f"{starter.NAME} to be served (see var/agent/shards/*.log)", SERVE_LIMIT, self.starter_ready,
                      alive=lambda: controller.poll() is None and agent.poll() is None, interval=0.25)
-            wait_for("the gateway to be ready (see var/gateway.log)", START_LIMIT,
-                     lambda: http_status(base + "/ready") == 200, alive=lambda: gateway.poll() is None)
+            say(f"done  {starter.NAME} ready on node {NODE}")
+            answer = self.ask(base, secret, alive=lambda: gateway.poll() is None)
             say(f"done  gateway ready on {base}")
-            answer = self.ask(base, secret)
             say(f"done  asked {starter.NAME} the capital of France; it said: {answer}")
             self.explain(base, secret, admin_password)
             while not stopping:
@@ -251,7 +288,7 @@ class Up:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             pass
-        except (TimeoutError, RuntimeError) as e:
+        except (TimeoutError, RuntimeError, ApiError, settings.ConfigError) as e:
             raise click.ClickException(str(e)) from None
         finally:
             if self.children:
@@ -290,9 +327,38 @@ or with the openai client (.venv/bin/python):
   print(reply.choices[0].message.content)
 
 The cluster: .venv/bin/llmgw --config var/up.toml ctl nodes | models | replicas
-Metrics: http://{self.cfg['gateway.metrics_listen']}/metrics (gateway), \
-http://{self.cfg['controller.metrics_listen']}/metrics (fleet), \
-http://{self.cfg['mirror.metrics_listen']}/metrics (mirror)
+Metrics: http://{self.dial('gateway.metrics_listen')}/metrics (gateway), \
+http://{self.dial('controller.metrics_listen')}/metrics (fleet), \
+http://{self.dial('mirror.metrics_listen')}/metrics (mirror)
 Logs: var/controller.log, var/agent.log, var/gateway.log, var/agent/shards/*.log
 Ctrl-C stops the gateway, the agent, the controller and the engine.
 """)
+
+
+def ask_once(base: str, secret: str) -> str:
+    """The starter model's answer to one plain question. Raises NotYet while the gateway cannot answer
+    (not listening yet, 503), and a ClickException saying what is wrong when it refuses otherwise."""
+    body = json.dumps({"model": starter.NAME, "max_tokens": 40, "temperature": 0, "messages": [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}]}).encode()
+    req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={
+        "Authorization": f"Bearer {secret}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=ASK_TIMEOUT) as resp:
+            return json.loads(resp.read())["choices"][0]["message"]["content"].strip()
+    except urllib.error.HTTPError as e:
+        with e:
+            said = _error_message(e.read())
+        if e.code == 503:
+            raise NotYet(f"503, {said}") from None
+        raise click.ClickException(f"the gateway refused the start-up check's question to {starter.NAME} with "
+                                   f"{e.code}: {said} See var/gateway.log.") from None
+    except (OSError, ValueError) as e:  # refused, reset, timed out; a body that is not the JSON expected
+        raise NotYet(f"no answer ({e})") from None
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body[:200].decode(errors="replace").strip() or "(no message)"

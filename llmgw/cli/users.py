@@ -61,8 +61,10 @@ def users_create(obj, email, admin, password):
     click.echo(f"created {user.email} ({user.id}){', an administrator' if admin else ''}", err=True)
 
 
-def _action(name: str, verb: str, run):
-    @users.command(name)
+def _action(name: str, verb: str, run, help: str):
+    # The help is given to click, not set as __doc__ afterwards: click reads the docstring when the
+    # decorator runs, and six commands once showed no help at all.
+    @users.command(name, help=f"{help}\n\nWHO is the account's id or email.")
     @click.argument("who")
     @click.pass_obj
     def command(obj, who):
@@ -72,7 +74,6 @@ def _action(name: str, verb: str, run):
             _fail(e)
         click.echo(f"{verb} {user.email}", err=True)
 
-    command.__doc__ = f"{verb.capitalize()} the account WHO (an id or an email)."
     return command
 
 
@@ -133,12 +134,18 @@ def users_leave(obj, who, org, team, project):
     click.echo(f"left {membership.path}; {revoked} key(s) revoked", err=True)
 
 
-_action("reject", "rejected (and deleted) the sign-up of", accounts.reject)
-_action("suspend", "suspended", accounts.suspend)
-_action("reinstate", "reinstated", accounts.reinstate)
-_action("promote", "made an administrator:", accounts.promote)
-_action("demote", "no longer an administrator:", lambda engine, who: accounts.promote(engine, who, admin=False))
-_action("remove", "removed (and revoked the keys of)", accounts.remove)
+_action("reject", "rejected (and deleted) the sign-up of", accounts.reject,
+        "Turn down the sign-up WHO; the account is deleted.")
+_action("suspend", "suspended", accounts.suspend,
+        "Suspend WHO: no sign-in and no keys until reinstated.")
+_action("reinstate", "reinstated", accounts.reinstate,
+        "Reinstate the suspended WHO: sign-in and keys work again.")
+_action("promote", "made an administrator:", accounts.promote,
+        "Make WHO an administrator of the whole cluster.")
+_action("demote", "no longer an administrator:", lambda engine, who: accounts.promote(engine, who, admin=False),
+        "Make WHO no longer an administrator; the account stays.")
+_action("remove", "removed (and revoked the keys of)", accounts.remove,
+        "Delete the account WHO and revoke every key it holds.")
 
 
 @users.command("end-sessions")

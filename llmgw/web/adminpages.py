@@ -32,6 +32,14 @@ log = logging.getLogger("llmgw.adminpages")
 
 SPANS = {"24h": 86400, "7d": 7 * 86400, "30d": 30 * 86400, "90d": 90 * 86400}
 METRICS = {"requests": 0, "tokens": 1, "spend": 2}
+# What the gateway's own columns on the cluster page mean; shown under the table, where a phone shows no tooltips.
+LEGEND = {
+    "outstanding": "Requests this gateway worker has sent to the replica and not yet had answered.",
+    "waiting": "Requests the engine has accepted but not yet started, as its own metrics say: above 0, it is full.",
+    "kv": "How full the engine's KV cache is (the memory holding the text of requests it serves); near 100%, "
+          "new requests wait.",
+    "unknown": "Not known: the engine has not been asked yet, or does not publish this figure.",
+}
 LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
                 ("band", "Band"))
 
@@ -166,7 +174,9 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                 flash("Limits saved. Gateways apply them within a few seconds.", "done")
         except (rules.LimitError, ValueError) as e:
             flash(sentence(e), "problem")
-            return redirect(safety.back("/admin/quotas"))
+            # Back to the form it came from (never to wherever the Referer points), to correct it there.
+            scope, scope_id = f.get("scope", ""), f.get("id", "")
+            return redirect(f"/admin/quotas?edit={scope}:{scope_id}" if scope in rules.SCOPES else "/admin/quotas")
         return redirect("/admin/quotas")
 
     # --- usage ---------------------------------------------------------------------------------
@@ -265,7 +275,8 @@ def _limit_changes(f) -> dict:
         changes[name] = int(text) if text else None
     budget = f.get("budget", "").strip()
     changes["budget"] = rules.parse_money(budget) if budget else None
-    changes["period"] = f.get("period") or None
+    # A period without a budget would keep the scope's limits row alive with nothing in it to limit.
+    changes["period"] = (f.get("period") or None) if budget else None
     models = [m.strip() for m in f.get("models", "").split(",") if m.strip()]
     changes["models"] = models or None
     changes["band"] = f.get("band") or None
@@ -327,13 +338,31 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
         scope, _, sid = edit.partition(":")
         if scope in rules.SCOPES:
             editing = {"scope": scope, "id": sid, "name": describe(scope, sid),
-                       "own": ruleset.limits.get((scope, sid), rules.Limits())}
+                       "values": _form_values(ruleset.limits.get((scope, sid), rules.Limits())),
+                       "inherited": _inherited(rules.effective(ruleset, scope, sid, names))}
     changes = [{"at": r.at, "who": r.who, "what": describe(r.scope, r.scope_id) if r.scope != "price" else
                 f"price of {r.scope_id}", "field": r.field, "old": _shown(r.field, r.old), "new": _shown(r.field, r.new)}
                for r in log_rows]
     return {"rows": table, "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
             "priced": prices.anything_priced(), "money": rules.show_money, "periods": rules.PERIODS,
             "bands": rules.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
+
+
+def _form_values(own: rules.Limits) -> dict[str, str]:
+    """The edit form's fields: the scope's own limits, written so that saving the form unchanged keeps them
+    (a budget of 1,500 shown with its comma was refused when saved again). The period proposed is a
+    month, as `llmgw limits set` assumes."""
+    return {"rpm": "" if own.rpm is None else str(own.rpm), "tpm": "" if own.tpm is None else str(own.tpm),
+            "budget": "" if own.budget is None else rules.show_money(own.budget).replace(",", ""),
+            "period": own.period or "month", "models": ", ".join(own.models or ()), "band": own.band or ""}
+
+
+def _inherited(cells: dict[str, rules.Cell]) -> dict[str, str]:
+    """For each field set above this scope and not here: what binds when the field is left empty, and where
+    it is set, as the field's placeholder."""
+    shown = {"budget": rules.show_money, "models": ", ".join}
+    return {name: f"{shown.get(name, str)(cell.value)} from {cell.source}" for name, cell in cells.items()
+            if cell.own is None and cell.value is not None}
 
 
 def _shown(field: str, value: str | None) -> str:
@@ -359,6 +388,23 @@ def _usage_view(engine, args, project_ids: set[str] | None, choices: tuple[str, 
     chart = svgchart.stacked_bars(found.buckets, groups, found.step, f"{metric} by {by}, last {span}")
     return {"report": found, "by": by, "since": span, "metric": metric, "chart": chart, "choices": choices,
             "spans": list(SPANS), "metrics": list(METRICS), "money": rules.show_money}
+
+
+def _held_back(model: dict) -> str:
+    """Why the controller could not place or start MODEL, in words: each node's reason, else the last failure.
+    Empty when nothing held it back."""
+    unplaced = model.get("unplaced") or {}
+    if unplaced:
+        return "; ".join(f"{node}: {reason}" for node, reason in sorted(unplaced.items()))
+    return (model.get("last_failure") or {}).get("detail") or ""
+
+
+def _why_not_more(model: dict) -> str:
+    """The Models table's answer to why MODEL has no more replicas; a model at its maximum needs no reason
+    beyond that, whatever the placer said about the nodes it did not use."""
+    if model["replicas"] >= model["scaling"]["max"]:
+        return f"At its maximum ({model['scaling']['max']})."
+    return _held_back(model)
 
 
 def _cluster_view(runtime: Runtime, cfg) -> dict:
@@ -388,13 +434,15 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
             problems.append(f"Node {node['node_id']}: {finding['message']} (→ {finding['fix']})" if finding.get("fix")
                             else f"Node {node['node_id']}: {finding['message']}")
     for model in view["models"]:
+        model["why_not_more"] = _why_not_more(model)
         if model["scaling"]["min"] > 0 and not model["ready"]:
-            detail = model.get("unplaced") or (model.get("last_failure") or {}).get("detail") or "no replica is ready"
-            problems.append(f"Model {model['name']} is not serving: {detail}.")
+            detail = _held_back(model) or "no replica is ready"
+            problems.append(f"Model {model['name']} is not serving: {detail.rstrip('.')}.")
     for replica in gateway_side:
         if not replica["in_rotation"]:
             problems.append(f"Replica {replica['id']} is out of rotation: its last requests failed.")
     view["problems"] = problems
     view["checked_at"] = time.strftime("%H:%M:%S UTC", time.gmtime())
+    view["legend"] = LEGEND
     return view
 

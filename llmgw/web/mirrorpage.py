@@ -12,19 +12,21 @@ the engine (llama.cpp for GGUF, vLLM otherwise), memory estimated from the
 size, and a run mode: always on (min 1), on demand (min 0, max 1) or
 stopped (max 0). Registry listings come from a Hugging Face compatible API
 (`mirror.hf_endpoint`); model cards are rendered like chat answers (raw HTML
-dropped, images not loaded, only safe links).
+dropped, images not loaded, only safe links). A mirror or registry that does
+not answer is said in a sentence with what to check, never as urllib's error.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import urllib.error
 import urllib.parse
 import urllib.request
 
 from flask import Flask, abort, flash, redirect, render_template, request
 
-from llmgw.apiclient import ApiClient, ApiError, address_url, admin_client
+from llmgw.apiclient import ApiClient, ApiError, Unreachable, address_url, admin_client
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
@@ -33,6 +35,7 @@ from llmgw.web.chatpage import render_markdown
 RUN_MODES = {"always": {"min": 1, "max": 1}, "on_demand": {"min": 0, "max": 1}, "stopped": {"min": 0, "max": 0}}
 REGISTRY_SORTS = {"trending": "trendingScore", "downloads": "downloads", "new": "createdAt"}
 REGISTRY_TIMEOUT = 10
+LARGEST_FILE = 1 << 50  # a PiB: "serve this" estimates memory from a size, which must be a number of bytes
 
 
 def install(app: Flask, runtime: Runtime, form, sentence) -> None:
@@ -44,12 +47,23 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
     def mirror() -> ApiClient:
         return ApiClient(address_url(cfg["mirror.api"], "mirror.api"), "the mirror's management API")
 
+    def mirror_problem(e: ApiError) -> str:
+        """What the page says when the mirror cannot be used: the mirror's own sentence when it refused."""
+        if isinstance(e, Unreachable):
+            return (f"The mirror at {cfg['mirror.api']} cannot be reached. Check that mirror.py is running on "
+                    "that machine and listening there (its mirror.api_listen), and that mirror.api on this "
+                    "gateway names that address.")
+        return sentence(e)
+
     def controller() -> ApiClient:
         return admin_client(cfg, cfg["gateway.controller_admin"])
 
     def catalog() -> tuple[list[dict] | None, str | None]:
         try:
             return controller().call("GET", "/api/v1/models", timeout=3)["models"], None
+        except Unreachable:
+            return None, (f"the controller's admin API at {cfg['gateway.controller_admin']} cannot be reached: check "
+                          "that the controller runs and that gateway.controller_admin names its admin_listen")
         except ApiError as e:
             return None, str(e)
 
@@ -63,7 +77,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         try:
             found = mirror().call("GET", "/api/v1/models", timeout=3)
         except ApiError as e:
-            found, problem = None, str(e)
+            found, problem = None, mirror_problem(e)
         models, catalog_problem = catalog()
         rows = []
         if found is not None:
@@ -82,13 +96,14 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         checked()
         f = request.form
         try:
-            mirror().call("POST", "/api/v1/models", {"source": f.get("source", "").strip(),
-                                                     "model": f.get("model", "").strip(),
-                                                     "version": f.get("version", "").strip(),
-                                                     "anyway": bool(f.get("anyway"))})
-            flash(f"Fetching {f.get('source')} into {f.get('model')}/{f.get('version')}.", "done")
+            started = mirror().call("POST", "/api/v1/models", {"source": f.get("source", "").strip(),
+                                                               "model": f.get("model", "").strip(),
+                                                               "version": f.get("version", "").strip(),
+                                                               "anyway": bool(f.get("anyway"))})
+            # The source as the mirror shows it: a password in it must not travel in the session cookie.
+            flash(f"Fetching {started['source']} into {started['model']}/{started['version']}.", "done")
         except ApiError as e:
-            flash(sentence(e), "problem")
+            flash(mirror_problem(e), "problem")
         return redirect("/admin/mirror")
 
     @app.post("/admin/mirror/remove")
@@ -100,14 +115,14 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
             mirror().call("DELETE", f"/api/v1/models/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}")
             flash(f"Removed {model}/{version}.", "done")
         except ApiError as e:
-            flash(sentence(e), "problem")
+            flash(mirror_problem(e), "problem")
         return redirect("/admin/mirror")
 
     @app.route("/admin/mirror/serve", methods=["GET", "POST"])
     @admin_only
     def mirror_serve():
         if request.method == "GET":
-            size = int(request.args.get("size") or 0)
+            size = _size(request.args.get("size"))
             source = request.args.get("source", "")
             gguf = source.endswith(".gguf") or "gguf" in source.lower()
             suggested = {"name": request.args.get("model", ""), "source": source,
@@ -171,15 +186,33 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                                files=files, action=form(forms.ActionForm))
 
 
+def _size(text: str | None) -> int:
+    """The `size` a "serve this" link carries, in bytes; 400 for anything else (it was a 500)."""
+    try:
+        size = int(text or 0)
+    except ValueError:
+        size = -1
+    if not 0 <= size < LARGEST_FILE:
+        abort(400, "The size in this link is not a number of bytes; open Serve this from the mirror page again.")
+    return size
+
+
 def _registry(cfg, path: str, raw: bool = False):
     """(answer, problem) from the registry: JSON, or text when RAW."""
-    url = cfg["mirror.hf_endpoint"].rstrip("/") + path
+    endpoint = cfg["mirror.hf_endpoint"]
     try:
-        with urllib.request.urlopen(url, timeout=REGISTRY_TIMEOUT) as resp:
+        with urllib.request.urlopen(endpoint.rstrip("/") + path, timeout=REGISTRY_TIMEOUT) as resp:
             body = resp.read(4 << 20)
         return (body.decode("utf-8", "replace") if raw else json.loads(body)), None
-    except (OSError, ValueError) as e:
-        return None, f"the registry at {cfg['mirror.hf_endpoint']} did not answer ({e})"
+    except urllib.error.HTTPError as e:
+        e.close()
+        return None, f"The registry at {endpoint} answered {e.code} {e.reason}."
+    except OSError:
+        return None, (f"The registry at {endpoint} cannot be reached from this gateway. Check that this machine "
+                      "reaches it (its DNS, a proxy, a firewall), or set mirror.hf_endpoint to a registry it can "
+                      "reach, such as an internal mirror of it.")
+    except ValueError:
+        return None, f"The registry at {endpoint} answered something that is not its API; check mirror.hf_endpoint."
 
 
 def _strip_front_matter(text: str) -> str:

@@ -31,7 +31,7 @@ from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, sessions, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, forms, mirrorpage, safety, throttle
+from llmgw.web import adminpages, budgets, chatpage, errorpages, forms, mirrorpage, safety, throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -68,7 +68,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         """Run FUNCTION (a password hash) in the hashing threads; this greenlet waits, the loop serves."""
         return hashing.apply(function, args)
 
-    secret = sessions.ensure_secret(sessions.secret_path(cfg["store.url"], cfg["gateway.session_key_file"]))
+    secret = sessions.ensure_secret(sessions.secret_path(cfg))
     lifetimes = sessions.Lifetimes(cfg["gateway.session_idle"], cfg["gateway.session_lifetime"])
     guard = throttle.Throttle(throttle.Limits(cfg["gateway.sign_in_failures_per_account"],
                                               cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"]))
@@ -292,9 +292,5 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     chatpage.install(app, runtime, csrf_secret, form)
     adminpages.install(app, runtime, form, sentence)
     mirrorpage.install(app, runtime, form, sentence)
-
-    @app.errorhandler(400)
-    def bad_request(e):
-        return render_template("message.html", title="That did not work", text=e.description), 400
-
+    errorpages.install(app)
     return app
