@@ -186,6 +186,7 @@ def test_a_secret_others_may_read_stops_the_gateway_with_the_command_that_fixes_
     result = CliRunner().invoke(gateway.main, ["--store", f"sqlite:///{tmp_path}/g.db"])
     assert result.exit_code != 0 and f"chmod 600 {path}" in result.output, result.output
     url = f"sqlite:///{tmp_path}/g.db"
+    store.open_store(url).dispose()
     with pytest.raises(settings.ConfigError, match="chmod 600"):
         GatewayApp(settings.load(None, {"store.url": url}), key_source=keys)
 
