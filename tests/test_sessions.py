@@ -148,6 +148,13 @@ def test_the_chat_endpoint_refuses_an_ended_session(site):  # noqa: F811
     page = client.get("/account").data
     client.post("/logout", data={"csrf_token": token(page)})
     assert status() == 401
+    # Suspended: the chat stops at once, on the worker that has not yet heard of it too.
+    sign_in(client, "c@example.org", PASSWORD)
+    cookie = client.get_cookie("llmgw_session").value
+    csrf = re.search(r'<meta name="csrf-token" content="([^"]+)"', client.get("/chat").data.decode()).group(1)
+    assert status() != 401
+    accounts.suspend(engine, "c@example.org")
+    assert status() == 401
 
 
 # --- the session secret --------------------------------------------------------------------------

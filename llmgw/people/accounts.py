@@ -15,8 +15,8 @@ person's sessions. The last active administrator cannot be demoted,
 suspended or removed: nobody would be left to administer.
 
 Hashing a password takes tens of milliseconds of CPU; callers on an event
-loop pass `offload` to run it elsewhere (the pages hand it to gevent's
-thread pool), so a burst of sign-ins never stalls the loop.
+loop pass `offload` to run it elsewhere (the pages hand it to threads of
+their own), so a burst of sign-ins never stalls the loop.
 """
 
 from __future__ import annotations
