@@ -37,9 +37,9 @@ class Lifetimes:
     absolute: float  # seconds a session lasts at most
 
 
-def start(engine: Engine, user_id: str, lifetimes: Lifetimes, now: float | None = None) -> str:
+def start(engine: Engine, user_id: str, lifetimes: Lifetimes) -> str:
     """A new session for USER_ID: the token for its cookie. Sessions past their lifetimes are cleared out."""
-    now = time.time() if now is None else now
+    now = time.time()
     token = secrets.token_urlsafe(32)
     s = store.sessions
     with engine.begin() as conn:
@@ -49,11 +49,11 @@ def start(engine: Engine, user_id: str, lifetimes: Lifetimes, now: float | None 
     return token
 
 
-def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes, now: float | None = None) -> bool:
+def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes) -> bool:
     """Whether TOKEN is a live session of USER_ID; a live one is marked seen, an expired one deleted."""
     if not token:
         return False
-    now = time.time() if now is None else now
+    now = time.time()
     s = store.sessions
     key = hash_secret(token)
     with engine.connect() as conn:
