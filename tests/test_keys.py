@@ -193,7 +193,8 @@ def test_a_suspended_persons_key_stops_on_every_worker_of_every_gateway_within_a
             change(engine, "bob@example.org")
             changed_at = time.monotonic()
             wait_until(f"{change.__name__} on every worker", 10,
-                       lambda: all(status_of(g, secret) == status for g in gws for _ in range(8)), interval=0.02)
+                       lambda want=status: all(status_of(g, secret) == want for g in gws for _ in range(8)),
+                       interval=0.02)
             took = time.monotonic() - changed_at
             print(f"{change.__name__} reached every worker of 2 gateways in {took:.3f} s")
             # The aim is 1 s, as for a revoked key; a busy 2-core machine may stretch it, never past 2 s.
