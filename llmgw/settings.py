@@ -261,8 +261,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Labels placement can select on, such as `{rack = \"r12\", gpu = \"h100\"}`."),
     Setting("agent.work_dir", "str", "/var/lib/llmgw-agent",
             "Where the agent keeps each engine's log and state file, which let a restarted agent adopt its engines."),
-    Setting("agent.engine_host", "str", "0.0.0.0",
-            "Address engines listen on. Gateways reach them at the node's address on the route to the controller."),
+    Setting("agent.engine_host", "str", "",
+            "Address engines listen on. Empty: the node's address on its route to the controller, which is where "
+            "gateways reach them (loopback when the controller is on this machine). Whatever it is, each engine "
+            "answers only requests with its replica's key, which only gateways are told."),
     Setting("agent.weights_dir", "str", "/var/lib/llmgw-weights",
             "Where the node keeps model weights it fetched (created at start, so its disk is reported)."),
     Setting("agent.nvidia_smi", "str", "",

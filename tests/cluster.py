@@ -108,7 +108,7 @@ class Agent:
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
         values = {"agent.controllers": controllers, "agent.weights_dir": str(folder / "weights"),
-                  "agent.work_dir": str(folder / "work"), "agent.engine_host": "127.0.0.1",
+                  "agent.work_dir": str(folder / "work"),
                   "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST}
         if key_text is not None:
             (folder / "node.key").write_text(key_text)

@@ -9,6 +9,7 @@ import zmq
 
 from llmgw.control import curvekeys
 from llmgw.procs import free_port, wait_for
+from llmgw.wire import agent as protocol
 from tests.cluster import Agent, Controller
 
 
@@ -160,3 +161,90 @@ def test_ctl_json_for_scripts(cluster):
     lines = c.ctl("nodes", "--json").stdout.splitlines()
     assert json.loads(lines[0])["node_id"] == "n1"
     assert json.loads(c.ctl("status", "--json").stdout)["nodes"]["ready"] == 1
+
+
+def session(c, key_text: str):
+    """A node's session as the wire sees it: a bare DEALER with the keys of KEY_TEXT, registered with C."""
+    fields = dict(re.findall(r'^(\w+) = "(.*)"$', key_text, re.M))
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_secretkey = fields["secret_key"].encode()
+    sock.curve_publickey = fields["public_key"].encode()
+    sock.curve_serverkey = fields["controller_public_key"].encode()
+    sock.connect(f"tcp://127.0.0.1:{c.agent_port}")
+    assert answer(sock, "register", node_id=fields["node_id"], agent_version="t")["type"] == "registered"
+    return context, sock
+
+
+def answer(sock, kind: str, **fields) -> dict:
+    sock.send(protocol.encode(kind, **fields))
+    assert sock.poll(10_000), f"no answer to {kind}"
+    return protocol.decode(sock.recv())
+
+
+def refused_revoked(c) -> float:
+    found = re.search(r'^llmgw_agent_messages_refused_total\{why="revoked"\} (\S+)$', c.metrics(), re.M)
+    return float(found.group(1))
+
+
+def test_revoking_a_node_key_ends_its_session_at_once_and_for_good(cluster):
+    controller, agent = cluster
+    c = controller()
+    context, sock = session(c, c.issue_key("wire"))
+    a = agent([f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    wait_for("n1 ready", 10, lambda: c.state("n1") == "ready" and "wire" in c.nodes())
+    try:
+        run = c.ctl("node-key", "revoke", "wire")
+        revoked_at = time.monotonic()
+        assert run.returncode == 0 and "session is refused" in run.stderr
+        reply = answer(sock, "heartbeat", node_id="wire", seq=1)
+        took = time.monotonic() - revoked_at
+        print(f"the revoked session's next message was refused {took * 1000:.1f} ms after the revocation")
+        assert reply["type"] == "refused" and "revoked" in reply["reason"] and took < 1.0
+        assert answer(sock, "register", node_id="wire", agent_version="t")["type"] == "refused"
+        assert refused_revoked(c) == 2.0 and "wire" not in c.nodes()
+    finally:
+        sock.close(0)
+        context.term()
+    # A real agent: told why, then refused at the handshake when it tries again, and never back.
+    assert c.ctl("node-key", "revoke", "n1").returncode == 0
+    wait_for("the agent told its key was revoked", 5, lambda: "key was revoked" in a.log())
+    wait_for("its new handshake refused", 15, lambda: "refused this node's key" in a.log())
+    assert "n1" not in c.nodes()
+    again = c.ctl("node-key", "revoke", "n1")
+    assert again.returncode == 1 and "no key is issued to 'n1'" in again.stderr
+
+
+def test_issuing_a_node_key_again_ends_the_old_keys_session(cluster):
+    controller, _ = cluster
+    c = controller()
+    context, old = session(c, c.issue_key("n1"))
+    try:
+        new_key = c.issue_key("n1")
+        assert answer(old, "heartbeat", node_id="n1", seq=1)["type"] == "refused"
+        new_context, new = session(c, new_key)
+        new.close(0)
+        new_context.term()
+    finally:
+        old.close(0)
+        context.term()
+
+
+SIM = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
+       "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5"]}]}
+
+
+def test_a_connected_node_is_removed_by_force_with_its_replicas_stopped(cluster):
+    controller, agent = cluster
+    c = controller(models=[SIM])
+    a = agent([f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    wait_for("a replica on n1", 60, lambda: c.ready("simmy") and len(a.engines()) == 1, interval=0.2)
+    refused = c.ctl("node", "remove", "n1")
+    assert refused.returncode == 1 and "node remove --force n1" in refused.stderr
+    run = c.ctl("node", "remove", "--force", "n1")
+    assert run.returncode == 0 and "1 replicas stopped" in run.stderr and "warning" not in run.stderr
+    assert "n1" not in c.nodes() and c.replicas() == []
+    wait_for("its engine stopped", 30, lambda: a.engines() == {})
+    wait_for("its agent refused at the handshake", 15, lambda: "refused this node's key" in a.log())
+    assert "n1" not in c.nodes() and c.replicas() == []

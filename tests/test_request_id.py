@@ -134,8 +134,8 @@ def test_a_stream_broken_off_ends_with_an_event_naming_the_id_only(env):
     rid = headers["x-request-id"]
     events = [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert status == 200 and b"tok1" in events[1]
-    error = json.loads(events[-1])["error"]
-    assert error["code"] == "upstream_timeout"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "upstream_timeout" and events[-1] == b"[DONE]"
     assert_nothing_internal(env, error["message"], "replica-stalling-9", port, rid)
     line = log_line_with(env, rid)
     assert "broke off" in line and "replica-stalling-9" in line and f"127.0.0.1:{port}" in line

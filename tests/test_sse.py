@@ -46,3 +46,19 @@ def test_an_event_without_an_end_is_not_held_forever():
     assert relay.feed(blob) == blob
     relay.feed(b"data: tail")
     assert relay.rest() == b"data: tail"
+
+
+def test_the_deltas_passed_on_are_counted_and_done_is_noted():
+    relay = EventRelay(keep_usage=False)
+    relay.feed(TOKEN + TOKEN[:7])
+    assert relay.deltas == 1 and not relay.done
+    relay.feed(TOKEN[7:] + TOKEN + FINAL)
+    assert relay.deltas == 3 and relay.usage == USAGE  # the usage-only event is no delta
+    relay.feed(DONE)
+    assert relay.deltas == 3 and relay.done
+
+
+def test_a_kept_usage_event_is_no_delta_either():
+    relay = EventRelay(keep_usage=True)
+    relay.feed(TOKEN + FINAL + DONE)
+    assert relay.deltas == 1 and relay.done

@@ -19,6 +19,7 @@ import pytest
 import zmq
 
 from llmgw.control.agentserver import AgentServer
+from llmgw.control.authenticator import KeyRing
 from llmgw.control.fleet import Fleet
 from llmgw.control.reconciler import Replicas
 from llmgw.procs import free_port
@@ -120,19 +121,31 @@ def test_keys_open_only_their_own_sockets(tmp_path):
         c.stop()
 
 
+def key_of(node: str) -> str:
+    """A stand-in for NODE's z85 public key, as the ZAP handler labels its messages (User-Id)."""
+    return f"key-of-{node}"
+
+
+def curve_server(fleet, replicas, nodes=("victim", "rogue")):
+    """An agent server whose ring holds a key for each of NODES; its `handle` is called as `poll` would."""
+    context = zmq.Context()
+    ring = KeyRing({key_of(n).encode(): n for n in nodes})
+    return context, ring, AgentServer(context, f"127.0.0.1:{free_port()}", fleet, ring, zmq.curve_keypair(),
+                                      replicas=replicas)
+
+
 def test_a_node_speaks_only_for_its_own_shards():
     fleet, replicas = Fleet(15, 60), Replicas()
-    context = zmq.Context()
-    server = AgentServer(context, f"127.0.0.1:{free_port()}", fleet, None, None, replicas=replicas)
+    context, _, server = curve_server(fleet, replicas)
     try:
         for node in ("victim", "rogue"):
-            server.handle(node.encode(), node, protocol.encode("register", node_id=node, agent_version="t"))
-        server.handle(b"victim", "victim", protocol.encode(
+            server.handle(node.encode(), key_of(node), protocol.encode("register", node_id=node, agent_version="t"))
+        server.handle(b"victim", key_of("victim"), protocol.encode(
             "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"))
         # A node holding a valid key claims the victim's shard, with its own address.
-        server.handle(b"rogue", "rogue", protocol.encode(
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
             "shard_status", node_id="rogue", shard_id="m-1", state="ready", model="m", url="http://10.6.6.6:8000"))
-        server.handle(b"rogue", "rogue", protocol.encode(
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
             "shard_status", node_id="rogue", shard_id="m-1", state="stopped", model="m"))
         (replica,) = replicas.snapshot()
         assert (replica.node_id, replica.url, replica.state) == ("victim", "http://10.0.0.1:8000", "ready")
@@ -140,9 +153,9 @@ def test_a_node_speaks_only_for_its_own_shards():
         # An ack for a request sent to the victim is not the rogue's to give.
         waiter = {"event": __import__("threading").Event(), "reply": None, "node": "victim"}
         server.waiting["r1"] = waiter
-        server.handle(b"rogue", "rogue", protocol.encode("ack", node_id="rogue", request_id="r1", ok=True))
+        server.handle(b"rogue", key_of("rogue"), protocol.encode("ack", node_id="rogue", request_id="r1", ok=True))
         assert not waiter["event"].is_set() and server.refused["not_its_own"] == 3
-        server.handle(b"victim", "victim", protocol.encode("ack", node_id="victim", request_id="r1", ok=True))
+        server.handle(b"victim", key_of("victim"), protocol.encode("ack", node_id="victim", request_id="r1", ok=True))
         assert waiter["event"].is_set()
         metrics = "".join(f"{s.name}{s.labels} {s.value}\n" for fam in server.collect() for s in fam.samples)
         assert "llmgw_agent_messages_refused_total{'why': 'not_its_own'} 3" in metrics
@@ -207,3 +220,30 @@ def test_a_gateway_key_is_issued_only_for_a_proper_name_and_opens_only_with_the_
         refused.value.close()
     finally:
         c.stop()
+
+
+def test_a_session_whose_key_was_revoked_or_replaced_is_refused_and_counted():
+    # A CURVE session stays authenticated once open: the old code went on obeying it after its key was
+    # issued again, since it looked only at the name the key had been issued to.
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context, ring, server = curve_server(fleet, replicas, nodes=("victim",))
+    try:
+        server.handle(b"old", key_of("victim"), protocol.encode("register", node_id="victim", agent_version="t"))
+        server.handle(b"old", key_of("victim"), protocol.encode(
+            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"))
+        assert [r.shard_id for r in replicas.snapshot()] == ["m-1"]
+        ring.replace({b"key-issued-again": "victim"})
+        server.forget_revoked()  # what the loop's next poll does
+        # Forgotten with its replicas: none of its prompts go to a session nobody vouches for now.
+        assert "victim" not in fleet.nodes and replicas.snapshot() == []
+        server.handle(b"old", key_of("victim"), protocol.encode("heartbeat", node_id="victim", seq=1))
+        server.handle(b"old", key_of("victim"), protocol.encode("register", node_id="victim", agent_version="t"))
+        assert server.refused == {"revoked": 2} and "victim" not in fleet.nodes
+        metrics = "".join(f"{s.name}{s.labels} {s.value}\n" for fam in server.collect() for s in fam.samples)
+        assert "llmgw_agent_messages_refused_total{'why': 'revoked'} 2" in metrics
+        # The node's new key opens a session of its own.
+        server.handle(b"new", "key-issued-again", protocol.encode("register", node_id="victim", agent_version="t"))
+        assert "victim" in fleet.nodes
+    finally:
+        server.close()
+        context.term()

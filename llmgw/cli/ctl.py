@@ -117,16 +117,27 @@ def drain(obj, node):
 
 @ctl.group("node")
 def node_group():
-    """Nodes: remove a lost one."""
+    """Nodes: remove one."""
 
 
 @node_group.command("remove")
 @click.argument("node")
+@click.option("--force", is_flag=True, help="Remove it even while it is connected: stop its replicas, revoke its "
+                                           "key and end its session now.")
 @click.pass_obj
-def node_remove(obj, node):
-    """Forget NODE, which must be lost (silent for controller.lost_after)."""
-    obj.admin.call("DELETE", f"/api/v1/nodes/{node}")
-    click.echo(f"removed {node}", err=True)
+def node_remove(obj, node, force):
+    """Forget NODE, which must be lost (silent for controller.lost_after), unless --force."""
+    if not force:
+        obj.admin.call("DELETE", f"/api/v1/nodes/{node}")
+        click.echo(f"removed {node}", err=True)
+        return
+    result = obj.admin.call("DELETE", f"/api/v1/nodes/{node}?force=1")
+    click.echo(f"removed {node}: its key is revoked and its session ended; {len(result['stopped'])} replicas "
+               "stopped there, the rest of the fleet takes their place.", err=True)
+    if result["unconfirmed"]:
+        click.echo(f"warning: {node} did not confirm stopping {', '.join(result['unconfirmed'])}; their engines "
+                   "may still run there, unrouted. On that machine, stop the agent and its engines.", err=True)
+    click.echo(f"To add it back: `llmgw ctl node-key issue {node}` and install the key there.", err=True)
 
 
 @ctl.group("node-key")
@@ -144,7 +155,19 @@ def node_key_issue(obj, node):
     if sys.stdout.isatty():
         click.echo("", err=True)
     click.echo(f"issued a key for {node}. Install it on the node as agent.key_file (default /etc/llmgw/node.key), "
-               "mode 0600. Any earlier key of this node no longer works.", err=True)
+               "mode 0600, and restart its agent. Any earlier key of this node no longer works, and a session "
+               "it holds is ended now.", err=True)
+
+
+@node_key.command("revoke")
+@click.argument("node")
+@click.pass_obj
+def node_key_revoke(obj, node):
+    """Withdraw NODE's key: its session ends now, it cannot connect again, and its replicas are replaced elsewhere."""
+    obj.admin.call("DELETE", f"/api/v1/node-keys/{node}")
+    click.echo(f"revoked {node}'s key: its session is refused from now on and its replicas leave the gateways' "
+               f"snapshot. Its engines are not told to stop: `llmgw ctl node remove --force {node}` stops them "
+               "first, where the node still answers.", err=True)
 
 
 @ctl.group("gateway-key")

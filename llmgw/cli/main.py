@@ -213,20 +213,24 @@ def usage(obj: Context, by, since, as_json):
               help="With --max-concurrency: requests allowed to wait; beyond, 429. -1 for no limit.")
 @click.option("--default-tokens", type=int, default=16, show_default=True, help="Answer length without max_tokens.")
 @click.option("--no-prefix-cache", is_flag=True, help="Every prompt pays its full time to first token.")
-@click.option("--fail-rate", type=float, default=0.0, show_default=True, help="Fraction of requests answered 500.")
+@click.option("--fail-rate", type=float, default=0.0, show_default=True,
+              help="Fraction of requests (and health checks) answered 500, as by a sick engine.")
 @click.option("--die-after", type=int, default=0, show_default=True,
               help="Exit partway through the Nth request (0: never).")
 @click.option("--stall-after-tokens", type=int, default=-1, show_default=True,
               help="Stop sending after K tokens of a stream, keeping the connection open (-1: never).")
+@click.option("--loading", is_flag=True, help="Answer 503 \"Loading model\" to everything, as llama.cpp does while it loads.")
+@click.option("--api-key", envvar="LLMGW_SIM_API_KEY", help="Answer only requests with Authorization: Bearer KEY "
+              "(/health excepted), as a replica started by an agent does [$LLMGW_SIM_API_KEY].")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens):
+        fail_rate, die_after, stall_after_tokens, loading, api_key):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
     options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
-                         stall_after_tokens=stall_after_tokens)
+                         stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

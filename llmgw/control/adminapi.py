@@ -23,11 +23,12 @@ from llmgw import __version__, apiguard, settings, store
 from llmgw.control import curvekeys, placement
 from llmgw.control.authenticator import KeyRing
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
-from llmgw.control.fleet import STATES, Fleet, FleetError
+from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
 from llmgw.control.reconciler import Replicas
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
 
 
 def ensure_token(keys_dir: str) -> str:
@@ -218,8 +219,49 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.delete("/api/v1/nodes/<node_id>")
     def remove(node_id):
-        fleet.remove(node_id, time.monotonic())
-        return jsonify({"node_id": node_id, "removed": True})
+        if request.args.get("force") != "1":
+            fleet.remove(node_id, time.monotonic())
+            return jsonify({"node_id": node_id, "removed": True})
+        if ring is None:
+            # With no key to revoke, a node still connected would register again at its next heartbeat.
+            return error(409, f"this controller runs with controller.plaintext: {node_id} has no key to revoke, "
+                              f"so it would register again at once. Stop its agent, then `llmgw ctl node remove "
+                              f"{node_id}` once it is lost.")
+        if node_id not in ring.keys.values():
+            return error(404, f"no node {node_id!r} holds a key; `llmgw ctl nodes` lists the nodes")
+        fleet.hold(node_id)
+        stopped, unconfirmed = stop_replicas(node_id)
+        revoke(node_id)
+        return jsonify({"node_id": node_id, "removed": True, "key_revoked": True, "stopped": stopped,
+                        "unconfirmed": unconfirmed})
+
+    def stop_replicas(node_id: str) -> tuple[list[str], list[str]]:
+        """Tell NODE_ID to stop each of its replicas while it still may be told anything: (those it said it
+        stops, those it did not answer for). A node that does not answer is not asked again."""
+        mine = sorted(r.shard_id for r in replicas.snapshot() if r.node_id == node_id)
+        reachable = any(n.node_id == node_id and n.state not in (UNREACHABLE, LOST)
+                        for n in fleet.describe(time.monotonic()))
+        stopped: list[str] = []
+        for shard_id in mine if reachable else ():
+            if ask_node(node_id, "stop_shard", {"shard_id": shard_id}, STOP_WAIT) is None:
+                break
+            stopped.append(shard_id)
+        return stopped, [s for s in mine if s not in stopped]
+
+    def revoke(node_id: str) -> bool:
+        """Withdraw NODE_ID's key from the store and the ring; the agent server then refuses its session and
+        forgets it (llmgw/control/agentserver.py). False when it held none."""
+        revoked = curvekeys.revoke_node_key(engine, node_id)
+        ring.replace(curvekeys.authorised_keys(engine))
+        return revoked
+
+    @app.delete("/api/v1/node-keys/<node_id>")
+    def revoke_key(node_id):
+        if ring is None:
+            return error(409, "this controller runs with controller.plaintext: agents use no keys")
+        if not revoke(node_id):
+            return error(404, f"no key is issued to {node_id!r}; `llmgw ctl nodes` lists the nodes")
+        return jsonify({"node_id": node_id, "revoked": True})
 
     def issue(kind: str, field: str, example: str, key_ring: KeyRing | None, issue_key, issued, key_file):
         """Issue a key for the name in the body's FIELD and let the ring admit it at once."""

@@ -2,11 +2,19 @@
 
 Agents dial in (DEALER); everything travels on that one connection in both
 directions. With CURVE, the ZAP handler admits only keys issued by `llmgw ctl
-node-key issue`, and labels each message with the node id the key was issued
-to; a node claiming another id is refused and told why. A key nobody issued
-fails the handshake, which the agent sees on its socket monitor. Without a ZAP
-handler CURVE admits every key, so the domain is enforced: with no handler
-answering, connections fail closed.
+node-key issue`, and labels each message with the key its session was opened
+with; each message is held to the node that key is issued to now, and a node
+claiming another id is refused and told why. A key nobody issued fails the
+handshake, which the agent sees on its socket monitor. Without a ZAP handler
+CURVE admits every key, so the domain is enforced: with no handler answering,
+connections fail closed.
+
+A session stays authenticated once open: revoking or replacing a node's key
+once left its agent connected and obeyed. So the key is looked up for every
+message, and a message on a session whose key is no longer issued is refused
+and counted; and when keys leave the ring, their nodes and replicas are
+forgotten here, on the thread that handles their messages, so that none
+handled a moment earlier can bring them back.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ class AgentServer:
         self.replicas = replicas
         self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply", "node"}, for replies someone waits on
         self.ring = ring
+        self.keys_seen = ring.keys if ring is not None else None  # the ring as of the last look for revocations
         self.heartbeat_interval = heartbeat_interval
         self.refused: dict[str, int] = {}  # why -> messages dropped or refused, for llmgw_agent_messages_refused_total
         self.socket = context.socket(zmq.ROUTER)
@@ -54,6 +63,7 @@ class AgentServer:
 
     def poll(self, timeout_ms: int) -> None:
         """Handle whatever arrives within TIMEOUT_MS."""
+        self.forget_revoked()
         if not self.socket.poll(timeout_ms):
             return
         while True:
@@ -64,10 +74,31 @@ class AgentServer:
             if len(frames) != 2:
                 continue
             identity = frames[0].bytes
-            authenticated = frames[1].get("User-Id") if self.ring is not None else None
-            self.handle(identity, authenticated, frames[1].bytes)
+            key = frames[1].get("User-Id") if self.ring is not None else None
+            self.handle(identity, key, frames[1].bytes)
 
-    def handle(self, identity: bytes, authenticated: str | None, payload: bytes) -> None:
+    def forget_revoked(self) -> None:
+        """Forget the nodes whose keys left the ring since the last look (revoked, or replaced by a new
+        one), with their replicas: their sessions are refused from now on."""
+        if self.ring is None or self.ring.keys is self.keys_seen:
+            return
+        keys, self.keys_seen = self.keys_seen, self.ring.keys
+        for node_id in sorted({name for key, name in keys.items() if key not in self.keys_seen}):
+            known = self.fleet.forget(node_id)
+            gone = self.replicas.forget_node(node_id) if self.replicas is not None else []
+            if known or gone:
+                log.warning("node %s: its key was revoked or replaced; its session is refused, and it is "
+                            "forgotten with its replicas (%s)", node_id, ", ".join(gone) or "none")
+
+    def handle(self, identity: bytes, key: str | None, payload: bytes) -> None:
+        """Act on one message; KEY is the z85 public key its session was opened with (None: plaintext)."""
+        authenticated = self.ring.node_for(key.encode()) if key is not None else None
+        if key is not None and authenticated is None:
+            self._count("revoked")
+            self.send(identity, "refused", reason="this node's key was revoked or replaced. On the controller, "
+                                                  "`llmgw ctl node-key issue NODE` makes a new one; install it "
+                                                  "as agent.key_file and restart the agent.")
+            return
         try:
             message = protocol.decode(payload)
         except protocol.ProtocolError as e:
@@ -130,8 +161,8 @@ class AgentServer:
     def collect(self):
         """prometheus-client's collector interface: what agents said that was dropped or refused, by why."""
         family = CounterMetricFamily("llmgw_agent_messages_refused", "Messages from agents dropped (malformed) or "
-                                     "refused (about another node's shard or request, or as another node).",
-                                     labels=["why"])
-        for why in ("malformed", "other_node", "not_its_own"):
+                                     "refused (about another node's shard or request, as another node, or on a "
+                                     "session whose key was revoked).", labels=["why"])
+        for why in ("malformed", "other_node", "not_its_own", "revoked"):
             family.add_metric([why], self.refused.get(why, 0))
         yield family

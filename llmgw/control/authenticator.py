@@ -25,7 +25,8 @@ GATEWAYS = "llmgw-gateways"
 
 
 class KeyRing:
-    """Issued keys (z85 public key -> holder's name); replaced whole when a key is issued."""
+    """Issued keys (z85 public key -> holder's name); replaced whole when a key is issued or revoked, so a
+    reader on another thread sees one set or the other, never half of each."""
 
     def __init__(self, keys: dict[bytes, str], kind: str = "node"):
         self.keys = dict(keys)
@@ -48,7 +49,9 @@ class KeyRing:
 
 
 class Authenticator(ThreadAuthenticator):
-    """The ZAP handler: each domain admits its ring's keys, and a message carries its holder's name as User-Id."""
+    """The ZAP handler: each domain admits its ring's keys, and every message carries the key its session
+    was opened with as User-Id (z85). The key, not its holder's name: a session stays open after its key is
+    revoked or replaced, and only the key tells its messages from those of the holder's new session."""
 
     def __init__(self, context: zmq.Context, rings: dict[str, KeyRing]):
         super().__init__(context)
@@ -61,12 +64,7 @@ class Authenticator(ThreadAuthenticator):
         return self
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        key = z85.encode(client_public_key)
-        for ring in self.rings.values():
-            name = ring.node_for(key)
-            if name is not None:
-                return name
-        return ""
+        return z85.encode(client_public_key).decode()
 
 
 def serve_curve(sock: zmq.Socket, keypair: tuple[bytes, bytes], domain: str) -> None:

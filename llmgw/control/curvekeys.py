@@ -111,6 +111,14 @@ def authorised_keys(engine: Engine) -> dict[bytes, str]:
     return _issued(engine, store.node_keys, "node_id")
 
 
+def revoke_node_key(engine: Engine, node_id: str) -> bool:
+    """Withdraw NODE_ID's key, so it is refused from now on; False when it had none. Deleting the row is
+    the whole revocation: a key is admitted only while issued, and the controller's ring is rebuilt from
+    this table (the agent server then ends the session the key holds open)."""
+    with engine.begin() as conn:
+        return conn.execute(store.node_keys.delete().where(store.node_keys.c.node_id == node_id)).rowcount > 0
+
+
 def issue_gateway_key(engine: Engine, name: str) -> tuple[bytes, bytes]:
     return _issue(engine, store.gateway_keys, "name", name)
 

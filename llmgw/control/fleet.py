@@ -261,8 +261,25 @@ class Fleet:
             state = self.state(node, now)
             if state != LOST:
                 raise FleetError(f"{node_id} is {state}; only a lost node (silent for {self.lost_after:.0f} s) "
-                                 "can be removed. Stop its agent first.")
+                                 f"can be removed. Stop its agent first, or `llmgw ctl node remove --force "
+                                 f"{node_id}` to stop its replicas and revoke its key now.")
             del self.nodes[node_id]
+
+    def hold(self, node_id: str) -> None:
+        """Place nothing new on NODE_ID while it is being removed. Only its entry is cordoned, not the
+        remembered cordons: a node added again later starts uncordoned."""
+        with self.lock:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                node.cordoned = True
+
+    def forget(self, node_id: str) -> bool:
+        """Drop NODE_ID whatever its state (its key was revoked: it is no longer expected either); False
+        when it was not known."""
+        with self.lock:
+            if self.expected is not None:
+                self.expected.discard(node_id)
+            return self.nodes.pop(node_id, None) is not None
 
     def describe(self, now: float) -> list[NodeView]:
         """Every node, by id: state, seconds since heard and since registered, and its facts."""

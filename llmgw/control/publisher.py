@@ -51,9 +51,17 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
                    for m in sorted(models.values(), key=lambda m: m.name)],
         "demand_port": demand_port,
         "accountant_port": accountant_port,
-        "replicas": [{"id": r.shard_id, "url": r.url, "models": [r.model],
-                      "weight": weights.get((r.model, r.profile_fp), 1.0)} for r in ready],
+        "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0)) for r in ready],
     }
+
+
+def _replica(replica: Replica, weight: float) -> dict:
+    """A ready replica as gateways see it: with its engine's key when it has one (an absent key is left
+    out, not sent as null)."""
+    row = {"id": replica.shard_id, "url": replica.url, "models": [replica.model], "weight": weight}
+    if replica.api_key is not None:
+        row["api_key"] = replica.api_key
+    return row
 
 
 class Publisher:

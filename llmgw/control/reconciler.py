@@ -45,6 +45,7 @@ class Replica:
     gpus: tuple[int, ...] = ()
     memory_bytes: int = 0
     fetch: dict | None = None
+    api_key: str | None = None  # what its engine wants in `Authorization: Bearer`; told to gateways only
     since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
 
 
@@ -134,7 +135,7 @@ class Replicas:
                 self.items[shard_id] = current
             if current.state != "stopping":
                 current.state = state
-            for field in ("profile_fp", "engine", "url", "fetch"):
+            for field in ("profile_fp", "engine", "url", "fetch", "api_key"):
                 if field in status:
                     setattr(current, field, status[field])
             if "gpus" in status:
@@ -149,6 +150,18 @@ class Replicas:
                 if failure is not None:
                     failure.count = 0
             return None
+
+    def forget_node(self, node_id: str) -> list[str]:
+        """Drop every replica of NODE_ID at once, out of the snapshot (its key was revoked: no prompt goes
+        to a node the controller no longer trusts); the next pass places them elsewhere. Returns their ids."""
+        with self.lock:
+            gone = sorted(shard_id for shard_id, r in self.items.items() if r.node_id == node_id)
+            for shard_id in gone:
+                del self.items[shard_id]
+            for shard_id in [k for k, v in self.retired.items() if v == node_id]:
+                del self.retired[shard_id]
+            self.orders = [order for order in self.orders if order.node_id != node_id]
+            return gone
 
     def retire(self, replica: Replica) -> None:
         del self.items[replica.shard_id]

@@ -31,9 +31,23 @@ def installed() -> dict[str, str]:
 
 
 
+# Where each engine reads its API key from the environment, rather than its command line: any local user
+# of the node reads a command line (`ps`, /proc/PID/cmdline), and llmgw writes it into the engine's log,
+# which `llmgw ctl logs` shows; an environment is readable by the engine's own user only. SGLang reads
+# its key only from `--api-key`, so `command` puts it there.
+KEY_ENVIRONMENT = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM_API_KEY", "sim": "LLMGW_SIM_API_KEY"}
+
+
+def key_environment(engine: str, api_key: str) -> dict[str, str]:
+    """The environment variables that give ENGINE its API KEY (none for an engine that takes it as a flag)."""
+    variable = KEY_ENVIRONMENT.get(engine)
+    return {variable: api_key} if variable else {}
+
+
 def command(engine: str, source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
-            args: list[str], replica: str) -> list[str]:
-    """The command line that serves SOURCE as NAME on HOST:PORT with ENGINE."""
+            args: list[str], replica: str, api_key: str | None = None) -> list[str]:
+    """The command line that serves SOURCE as NAME on HOST:PORT with ENGINE. API_KEY goes on it only for
+    an engine that reads it nowhere else (see `key_environment`)."""
     import sys
 
     if engine == "llamacpp":
@@ -41,7 +55,7 @@ def command(engine: str, source: str, name: str, host: str, port: int, gpus: lis
     if engine == "vllm":
         return vllm.command(source, name, host, port, gpus, max_context, args)
     if engine == "sglang":
-        return sglang.command(source, name, host, port, gpus, max_context, args)
+        return sglang.command(source, name, host, port, gpus, max_context, args, api_key)
     if engine == "sim":
         return [sys.executable, "-m", "llmgw", "sim", "--listen", addresses.join(host, port), "--model", name,
                 "--replica", replica] + list(args)

@@ -23,10 +23,13 @@ LOAD_METRICS = {
 
 
 def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
-            args: list[str]) -> list[str]:
-    """SGLang's server as its documentation gives it, with metrics on (routing reads them)."""
+            args: list[str], api_key: str | None = None) -> list[str]:
+    """SGLang's server as its documentation gives it, with metrics on (routing reads them). With API_KEY,
+    it answers only requests that carry it: SGLang reads its key from this flag only."""
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", source, "--served-model-name", name,
             "--host", host, "--port", str(port), "--enable-metrics"]
+    if api_key:
+        argv += ["--api-key", api_key]
     if len(gpus) > 1:
         argv += ["--tp", str(len(gpus))]
     if max_context:

@@ -5,9 +5,13 @@ It answers the four OpenAI routes the way vLLM does (streams end with
 time to first token and a token rate you choose, a bounded number of requests
 running at once (the rest wait, and are reported waiting), a prefix cache (a
 prompt whose start it saw recently skips most of its time to first token), and
-faults on demand: fail a fraction of requests, die partway through the Nth,
-stall mid-stream. It generates no text worth reading and is never the default
-engine.
+faults on demand: fail a fraction of requests (its health check too, as a
+sick engine's does), die partway through the Nth, stall mid-stream, or stay
+loading. Like llama.cpp it answers 500 to some malformed requests (tools that
+are not a list, a message name that is not a string, a text part without
+text) and reports usage for the first prompt only when `/v1/completions` is
+given a list of them. It generates no text worth reading and is never the
+default engine.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import hmac
 import json
 import os
 import random
@@ -47,6 +52,8 @@ class SimOptions:
     die_after: int = 0  # 0: never; N: exit partway through the Nth request
     stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
     embedding_dims: int = 16
+    loading: bool = False  # answer 503 "Loading model" to everything, /health included, as llama.cpp does
+    api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
 
 
 class SimEngine:
@@ -70,8 +77,14 @@ class SimEngine:
     def __call__(self, environ, start_response):
         path = environ.get("PATH_INFO", "")
         method = environ["REQUEST_METHOD"]
+        if self.o.loading:
+            return self._json(start_response, "503 Service Unavailable", _error("Loading model", 503))
         if path == "/health":
+            if self._failing():
+                return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
             return self._send(start_response, "200 OK", b"", "text/plain")
+        if not self._authorised(environ):
+            return self._json(start_response, "401 Unauthorized", _error("Invalid API Key", 401))
         if path == "/metrics":
             return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
         if path == "/v1/models":
@@ -90,8 +103,11 @@ class SimEngine:
                               _error(f"The model `{body.get('model')}` does not exist.", 404))
         self.requests += 1
         number = self.requests
-        if self.o.fail_rate and self.rng.random() < self.o.fail_rate:
+        if self._failing():
             return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
+        choked = _choke(body)
+        if choked:
+            return self._json(start_response, "500 Internal Server Error", _error(choked, 500))
         kind = kinds[path]
         if self.slots is not None and 0 <= self.o.max_queue <= self.waiting and self.slots.locked():
             start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "2")])
@@ -99,6 +115,15 @@ class SimEngine:
         if kind == "embeddings":
             return self._json(start_response, "200 OK", self._embeddings(body))
         return self._generate(start_response, kind, body, number)
+
+    def _failing(self) -> bool:
+        return bool(self.o.fail_rate) and self.rng.random() < self.o.fail_rate
+
+    def _authorised(self, environ) -> bool:
+        if self.o.api_key is None:
+            return True
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        return hmac.compare_digest(given, b"Bearer " + self.o.api_key.encode())
 
     @staticmethod
     def _send(start_response, status, data: bytes, ctype: str):
@@ -110,12 +135,16 @@ class SimEngine:
 
     # --- generation ---------------------------------------------------------------
 
-    def _prompt(self, kind: str, body: dict) -> str:
+    @staticmethod
+    def _prompts(kind: str, body: dict) -> list[str]:
+        """The prompts of a request: one for a chat, one per item of a completions prompt list."""
         if kind == "chat":
-            return "\n".join(m.get("content") if isinstance(m.get("content"), str) else ""
-                             for m in body.get("messages") or [] if isinstance(m, dict))
+            return ["\n".join(m.get("content") if isinstance(m.get("content"), str) else ""
+                               for m in body.get("messages") or [] if isinstance(m, dict))]
         prompt = body.get("prompt", "")
-        return prompt if isinstance(prompt, str) else json.dumps(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            return prompt
+        return [prompt if isinstance(prompt, str) else json.dumps(prompt)]
 
     def _ttft(self, prompt: str) -> tuple[float, bool]:
         ttft = self.o.ttft_ms / 1000
@@ -135,8 +164,11 @@ class SimEngine:
         return ttft, hit
 
     def _generate(self, start_response, kind: str, body: dict, number: int):
-        prompt = self._prompt(kind, body)
+        prompts = self._prompts(kind, body)
+        prompt = prompts[0]
+        # Like llama.cpp, usage speaks of the first prompt only; the engine's own counters know them all.
         prompt_tokens = max(1, len(prompt.split()))
+        all_prompt_tokens = sum(max(1, len(p.split())) for p in prompts)
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.o.default_tokens
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -166,15 +198,15 @@ class SimEngine:
             if self.o.tokens_per_s > 0:
                 gevent.sleep(1 / self.o.tokens_per_s)
 
-        def chunk(i: int | None, finish: str | None = None) -> bytes:
+        def chunk(i: int | None, finish: str | None = None, index: int = 0) -> bytes:
             text = f"tok{i} " if i is not None else None
             if kind == "chat":
                 delta = {"content": text} if text is not None else {}
                 if i == 0:
                     delta["role"] = "assistant"
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "finish_reason": finish}
             return _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj, "created": created,
                            "model": self.o.model, "system_fingerprint": fingerprint, "choices": [choice]})
 
@@ -185,28 +217,28 @@ class SimEngine:
                 gevent.sleep(ttft)
                 for _ in range(n_tokens - 1):
                     token_delay()
-                self.prompt_tokens += prompt_tokens
-                self.generation_tokens += n_tokens
+                self.prompt_tokens += all_prompt_tokens
+                self.generation_tokens += n_tokens * len(prompts)
             finally:
                 leave()
             text = "".join(f"tok{i} " for i in range(n_tokens))
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                      if kind == "chat" else {"index": 0, "text": text, "finish_reason": "length"})
+            choices = ([{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]
+                       if kind == "chat" else
+                       [{"index": j, "text": text, "finish_reason": "length"} for j in range(len(prompts))])
             if self.o.die_after and number >= self.o.die_after:
                 os._exit(3)
             return self._json(start_response, "200 OK", {
                 "id": ident, "object": obj, "created": created, "model": self.o.model,
-                "system_fingerprint": fingerprint, "choices": [choice], "usage": usage})
+                "system_fingerprint": fingerprint, "choices": choices, "usage": usage})
 
         start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
 
         def events():
             admit()
-            sent = 0
             try:
                 ttft, _ = self._ttft(prompt)
                 gevent.sleep(ttft)
-                self.prompt_tokens += prompt_tokens
+                self.prompt_tokens += all_prompt_tokens
                 for i in range(n_tokens):
                     if i:
                         token_delay()
@@ -214,10 +246,11 @@ class SimEngine:
                         gevent.sleep(3600)
                     if self.o.die_after and number >= self.o.die_after and i >= n_tokens // 2:
                         os._exit(3)
-                    yield chunk(i)
-                    sent += 1
-                    self.generation_tokens += 1
-                yield chunk(None, "length")
+                    for j in range(len(prompts)):
+                        yield chunk(i, index=j)
+                        self.generation_tokens += 1
+                for j in range(len(prompts)):
+                    yield chunk(None, "length", index=j)
                 if include_usage:
                     yield _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj,
                                   "created": created, "model": self.o.model, "system_fingerprint": fingerprint,
@@ -274,8 +307,30 @@ def _event(obj: dict) -> bytes:
 
 
 def _error(message: str, code: int) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error" if code < 500 else "server_error",
-                      "param": None, "code": code}}
+    kind = "invalid_request_error" if code < 500 else "unavailable_error" if code == 503 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _choke(body: dict) -> str | None:
+    """What llama.cpp answers 500 for in BODY (its JSON library's words, echoing the request), or None.
+
+    These are the request's fault, yet llama.cpp says 500: the inputs a fuzz
+    of the real engine found (tools that are not a list, a message name that
+    is an object, a text part without text).
+    """
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return f"[json.exception.type_error.302] type must be array, but is {type(tools).__name__}: {tools!r}"
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        if "name" in message and not isinstance(message["name"], str):
+            return f"[json.exception.type_error.302] type must be string, but is object: {message['name']!r}"
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "text"
+                                             and not isinstance(p.get("text"), str) for p in content):
+            return "[json.exception.out_of_range.403] key 'text' not found"
+    return None
 
 
 class _NoDelayServer(WSGIServer):

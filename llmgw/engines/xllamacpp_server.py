@@ -3,13 +3,16 @@
     python -m llmgw.engines.xllamacpp_server --model FILE.gguf --alias NAME --port 8001
 
 The flags are `llama-server`'s names for the same settings, so the engine
-module builds one command line for either. The server runs on llama.cpp's own
+module builds one command line for either; like `llama-server`, it takes its
+API key from `LLAMA_API_KEY` in the environment (then it answers only requests
+that carry the key, `/health` excepted). The server runs on llama.cpp's own
 threads; this process only waits for a signal to stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     params.endpoint_metrics = True
     params.embedding = True
     params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    if os.environ.get("LLAMA_API_KEY"):
+        params.api_keys = [os.environ["LLAMA_API_KEY"]]
     server = xllamacpp.Server(params)
     print(f"llama.cpp (xllamacpp) serving {args.alias} on {server.listening_address}", flush=True)
 

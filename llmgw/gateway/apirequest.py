@@ -1,39 +1,32 @@
-"""Reading an OpenAI request body: check what routing and metering depend on, forward the rest.
+"""Reading an OpenAI request body: check what engines choke on and what the gateway acts on, forward the rest.
 
-The gateway is not the engine's validator: fields it does not use pass
-through untouched, and the engine answers for them. What it does check is what
-it acts on (the model, streaming, usage, limits on tokens and temperature) and
-the body's shape, so that a wrong type earns a clear 400 here rather than a
-confusing error, or a crash, further on. The body is re-encoded only when the
-gateway must change it (an alias resolved to the engine's name, usage asked for
-in a stream); otherwise the client's bytes are sent on as they came.
+The body is parsed at a bounded cost (llmgw/gateway/jsonbound.py) and its
+fields checked for the shapes engines parse (llmgw/gateway/bodycheck.py), so
+that a wrong type earns a clear 400 here rather than a 500 from the engine.
+Fields the gateway does not know pass through untouched. The body is changed
+only when the gateway must (an alias resolved to the engine's name, usage
+asked for in a stream, the model's output limit where the request named
+none); otherwise the client's bytes are sent on as they came.
 """
 
 from __future__ import annotations
 
 import json
 
+from llmgw.gateway import bodycheck, jsonbound
 from llmgw.gateway.errors import ApiError
 
 KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request", param)
-
-
-def _check(body: dict, name: str, types: tuple, what: str) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if isinstance(value, bool) and bool not in types:
-        raise _bad(f"{name} must be {what}, not a boolean.", name)
-    if not isinstance(value, types):
-        raise _bad(f"{name} must be {what}, not {type(value).__name__}.", name)
+# The fields that limit an answer's length. Engines disagree on which wins when
+# several are set (llama.cpp: n_predict, then max_completion_tokens, then
+# max_tokens; vLLM: max_completion_tokens, then max_tokens), so each is held to
+# the model's limit, and a null one counts as absent, as the engines take it.
+OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
 class ParsedRequest:
-    __slots__ = ("kind", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens", "prompt_text")
+    __slots__ = ("kind", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens", "added_limit",
+                 "prompt_text")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -43,8 +36,28 @@ class ParsedRequest:
         self.stream: bool = bool(body.get("stream"))
         options = body.get("stream_options") or {}
         self.client_wants_usage: bool = bool(options.get("include_usage"))
-        self.max_tokens: int | None = body.get("max_completion_tokens", body.get("max_tokens"))
+        # The most this request may generate, whichever field an engine reads.
+        self.max_tokens: int | None = max((v for f in OUTPUT_LIMITS if (v := body.get(f)) is not None), default=None)
+        self.added_limit: int | None = None  # max_tokens the gateway adds, where the request named no limit
         self.prompt_text: bytes = b""
+
+    def bound_output(self, model_name: str, max_output: int | None) -> None:
+        """Hold the request to its model's MAX_OUTPUT: refuse asking for more, and ask for
+        MAX_OUTPUT where the request names no limit (an engine's own default is its whole context).
+
+        A larger ask is refused rather than cut, as the Go gateway does: a client
+        that asked for 300 tokens and silently got 64 would read a truncated
+        answer as a complete one.
+        """
+        if not max_output or self.kind == "embeddings":
+            return
+        for field in OUTPUT_LIMITS:
+            asked = self.body.get(field)
+            if asked is not None and asked > max_output:
+                raise ApiError(400, f"{field} is {asked}, but {model_name} allows at most {max_output}. "
+                                    f"Ask for {max_output} or fewer.", "max_tokens_too_large", field)
+        if self.max_tokens is None:
+            self.max_tokens = self.added_limit = max_output
 
     def upstream_body(self, served_name: str) -> bytes:
         """The bytes to send the engine: the client's own unless something must change.
@@ -60,9 +73,23 @@ class ParsedRequest:
             options = dict(self.body.get("stream_options") or {})
             options["include_usage"] = True
             changes["stream_options"] = options
+        if self.added_limit is not None:
+            changes["max_tokens"] = self.added_limit
         if not changes:
             return self.raw
+        if not any(name in self.body for name in changes):
+            return _prepend(self.raw, changes)
         return json.dumps({**self.body, **changes}, ensure_ascii=False).encode()
+
+
+def _prepend(raw: bytes, fields: dict) -> bytes:
+    """RAW, a JSON object without any of FIELDS, with them added as its first members.
+
+    One copy of the bytes instead of encoding the whole body again: the
+    common changes (usage for a stream, a model's output limit) add a field.
+    """
+    start = raw.index(b"{") + 1
+    return b"".join((raw[:start], json.dumps(fields, ensure_ascii=False)[1:-1].encode(), b",", raw[start:]))
 
 
 def _affinity_text(messages: list) -> bytes:
@@ -75,60 +102,22 @@ def _affinity_text(messages: list) -> bytes:
     """
     content = messages[0].get("content")
     if isinstance(content, list):
-        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        content = "".join(p["text"] for p in content if p["type"] == "text")  # bodycheck made each part whole
     return content.encode("utf-8", "surrogatepass") if isinstance(content, str) else b""
 
 
 def parse(kind: str, raw: bytes, prefix_bytes: int) -> ParsedRequest:
-    """Check RAW as a request of KIND; raises ApiError(400) with the field at fault."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(f"The request body is not valid JSON ({e}). Send a JSON object with Content-Type: application/json.") from None
+    """Check RAW as a request of KIND; raises ApiError (400, or 413 for a body too costly to parse) naming the field at fault."""
+    body = jsonbound.loads(raw)
     if not isinstance(body, dict):
-        raise _bad(f"The request body must be a JSON object, not a JSON {type(body).__name__}.")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise _bad("model is required: the name of a model, as `GET /v1/models` lists them.", "model")
-    _check(body, "stream", (bool,), "true or false")
-    _check(body, "stream_options", (dict,), "an object")
-    if isinstance(body.get("stream_options"), dict):
-        _check(body["stream_options"], "include_usage", (bool,), "true or false")
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        _check(body, name, (int,), "a whole number")
-        if body.get(name) is not None and body[name] < 1:
-            raise _bad(f"{name} must be at least 1.", name)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _check(body, name, (int, float), "a number")
-    temperature = body.get("temperature")
-    if temperature is not None and not 0 <= temperature <= 2:
-        raise _bad(f"temperature must be between 0 and 2, not {temperature}.", "temperature")
-
+        raise bodycheck.bad(f"The request body must be a JSON object, not {bodycheck.JSON_NAMES[type(body)]}.")
+    bodycheck.check(kind, body)
     parsed = ParsedRequest(kind, body, raw)
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages must be a non-empty list of {role, content} objects.", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise _bad(f"messages[{i}] must be an object with a string role.", "messages")
-            content = message.get("content")
-            if content is not None and not isinstance(content, (str, list)):
-                raise _bad(f"messages[{i}].content must be a string or a list of parts.", "messages")
-        if prefix_bytes:
-            parsed.prompt_text = _affinity_text(messages)[:prefix_bytes]
-    elif kind == "completions":
-        prompt = body.get("prompt")
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
-            raise _bad("prompt must be a string or a non-empty list.", "prompt")
-        if prefix_bytes and isinstance(prompt, str):
-            parsed.prompt_text = prompt[:prefix_bytes].encode("utf-8", "surrogatepass")
-    else:
-        value = body.get("input")
-        if not isinstance(value, (str, list)) or (isinstance(value, list) and not value):
-            raise _bad("input must be a string or a non-empty list.", "input")
-        if body.get("stream"):
-            raise _bad("Embeddings cannot be streamed; leave stream out.", "stream")
+    if prefix_bytes:
+        if kind == "chat":
+            parsed.prompt_text = _affinity_text(body["messages"])[:prefix_bytes]
+        elif kind == "completions" and isinstance(body["prompt"], str):
+            parsed.prompt_text = body["prompt"][:prefix_bytes].encode("utf-8", "surrogatepass")
     return parsed
 
 

@@ -32,7 +32,7 @@ class ReplicaState:
     """What one worker knows about one replica."""
 
     __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at",
-                 "outstanding_at_metrics", "seed")
+                 "outstanding_at_metrics", "seed", "checked_at")
 
     def __init__(self, spec: ReplicaSpec, breaker: Breaker, target=None):
         self.spec = spec
@@ -45,6 +45,7 @@ class ReplicaState:
         self.metrics_at: float | None = None
         self.outstanding_at_metrics = 0  # ours among the engine's figures when it reported them
         self.seed = hashlib.blake2b(spec.id.encode(), digest_size=8).digest()
+        self.checked_at: float | None = None  # the last health check an engine error prompted
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.metrics_at is not None and now - self.metrics_at <= stale_after
@@ -61,6 +62,13 @@ class ReplicaState:
             # decisions between whole requests.
             load += max(0.0, (self.kv_cache or 0.0) - 0.5) * 2
         return load + 1.0
+
+    def check_due(self, now: float, every: float) -> bool:
+        """Whether an engine error should prompt a health check now (one every EVERY seconds at most)."""
+        if self.checked_at is not None and now - self.checked_at < every:
+            return False
+        self.checked_at = now
+        return True
 
     def record_metrics(self, figures: dict[str, float], now: float) -> None:
         """Take the engine's own load figures (absent ones stay unknown)."""
@@ -107,7 +115,7 @@ class Router:
 
     def __init__(self, snapshot: Snapshot, breaker_failures: int, breaker_cooldown: float, stale_after: float,
                  affinity_factor: float, make_target=None, seed: int | None = None):
-        self.make_target = make_target or (lambda url: None)
+        self.make_target = make_target or (lambda url, api_key: None)
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
         self.stale_after = stale_after
@@ -122,9 +130,9 @@ class Router:
         states = {}
         for rid, spec in snapshot.replicas.items():
             state = self.states.get(rid)
-            if state is None or state.spec.url != spec.url:
+            if state is None or (state.spec.url, state.spec.api_key) != (spec.url, spec.api_key):
                 state = ReplicaState(spec, Breaker(self.breaker_failures, self.breaker_cooldown),
-                                     self.make_target(spec.url))
+                                     self.make_target(spec.url, spec.api_key))
             else:
                 state.spec = spec
             states[rid] = state

@@ -22,7 +22,7 @@ def duration(seconds: int) -> str:
 class Caller:
     """Who a request is from and what it may spend: a key, or a signed-in person on the chat page."""
 
-    __slots__ = ("key_id", "project_id", "user_id", "access", "wire", "price", "reservation", "estimate", "status")
+    __slots__ = ("key_id", "project_id", "user_id", "access", "wire", "price", "reservation", "status")
 
     def __init__(self, key_id: str, project_id: str | None, user_id: str | None, access: Access):
         self.key_id = key_id
@@ -32,7 +32,6 @@ class Caller:
         self.wire = access.wire
         self.price: Price | None = None
         self.reservation: int | None = None
-        self.estimate = 0
         self.status: dict = {}
 
     def limit_headers(self) -> list[tuple[str, str]]:

@@ -33,7 +33,7 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
-                                        weight=float(r.get("weight", 1.0)))
+                                        weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"))
     demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
     accountant = f"{host}:{body['accountant_port']}" if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,

@@ -5,11 +5,26 @@ database or waits on anything but the client and the engine. It is a plain
 WSGI callable rather than a Flask view: on this path Flask's dispatch costs
 a few tenths of a millisecond a request, which is most of the budget.
 
-Retries: an attempt that fails before anything has been sent to the client
-(no connection, a timeout before the answer starts, a 5xx) is tried again on
-another replica, up to `routing.attempts`. Once a stream has started, an
-engine that fails ends it with an error event: the client has seen tokens,
-and a second replica would start the answer again.
+Whose fault, and what follows. What says the replica is unwell (no
+connection, a timeout, a connection cut mid-answer, a 502, 503 or 504: the
+engine, or something in front of it, cannot serve now) counts against its
+breaker and, before anything has reached the client, is tried again on
+another replica, up to `routing.attempts`. What the engine answers to the
+request itself is never retried and never counted against the replica: a 4xx
+is the engine refusing the request, and a 500 is, as often as not, the
+request too (llama.cpp answers 500 to tools that are not a list, a message
+name that is an object, a text part without text). Counting those let one
+key's bad requests open every replica's breaker and take a model offline for
+everyone, each bad request striking three replicas on its retries. A 500 is
+passed on as a 502 and prompts a health check of the replica instead: a
+failed check is a strike, so an engine that fails every request because it is
+sick still leaves rotation, found by a probe no client's request can fail.
+What is lost: a replica whose health check passes while it fails every
+request stays in rotation (its 502s show in the metrics and the log).
+
+Once a stream has started, an engine that fails ends it with an error event
+and `[DONE]`: the client has seen tokens, and a second replica would start
+the answer again.
 """
 
 from __future__ import annotations
@@ -17,19 +32,20 @@ from __future__ import annotations
 import http
 import json
 import logging
+import re
 import socket
 import time
 
 import gevent
 from gevent.socket import wait_read
 
-from llmgw.gateway import admission, apirequest, balancer
+from llmgw.gateway import admission, apirequest, balancer, metering
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
-from llmgw.gateway.sse import EventRelay
+from llmgw.gateway.sse import DONE, EventRelay
 from llmgw.gateway.upstream import Response, UpstreamError
 from llmgw.gateway.worker import Runtime
 
@@ -40,6 +56,10 @@ SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cach
 LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
 KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
 DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
+HEALTH_CHECK_EVERY = 2.0  # seconds: engine errors on a replica prompt at most one health check this often
+UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now
+# An engine's error type, passed on as the code when it looks like one (it names a kind, never the request).
+ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
 
 
 def _status_line(status: int) -> str:
@@ -58,7 +78,7 @@ FAILURES = {
     "total": "the answer took longer than timeouts.total allows",
     "connect": "it could not be reached",
     "closed": "it closed the connection before the answer was complete",
-    "status": "it answered with a server error",
+    "status": "it is unavailable",
     "protocol": "its answer could not be read",
 }
 
@@ -73,6 +93,22 @@ def _upstream_error(model: str, e: UpstreamError) -> ApiError:
                              "model may be overloaded or the timeouts.* settings too short.", "upstream_timeout")
     return ApiError(502, f"The engine for {model} failed: {what}. Try again; if it persists, an operator can "
                          "find the cause in the gateway's log under the request id.", "upstream_error")
+
+
+def _engine_code(detail: bytes) -> str | None:
+    """The error type in an engine's error body, when it is a plain identifier."""
+    try:
+        error = json.loads(detail).get("error")
+    except (ValueError, AttributeError):
+        return None
+    kind = error.get("type") if isinstance(error, dict) else None
+    return kind if isinstance(kind, str) and ENGINE_CODE.fullmatch(kind) else None
+
+
+def _answer_tokens(req, data: bytes) -> tuple[int | None, int | None] | None:
+    """(prompt, completion) billed for a whole answer DATA (see llmgw/gateway/metering.py)."""
+    usage = apirequest.usage_of(data)
+    return metering.trusted(req, usage) or metering.billed(req, usage, metering.answer_floor(data))
 
 
 def _retry_after(value: str | None) -> int:
@@ -135,12 +171,18 @@ class Proxy:
             if method != "POST":
                 raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
             raw = self._read_body(environ)
-            req = apirequest.parse(kind, raw, self.prefix_bytes)
-            model = self._resolve(req.model)
-            if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
-                raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
-                                    f"{model.max_output}. Ask for {model.max_output} or fewer.",
-                               "max_tokens_too_large", "max_tokens")
+            try:
+                req = apirequest.parse(kind, raw, self.prefix_bytes)
+                model = self._resolve(req.model)
+                if model.max_output and req.max_tokens and req.max_tokens > model.max_output:
+                    raise ApiError(400, f"max_tokens is {req.max_tokens}, but {model.name} allows at most "
+                                        f"{model.max_output}. Ask for {model.max_output} or fewer.",
+                                   "max_tokens_too_large", "max_tokens")
+            except ApiError:
+                # A refused request still counts against the key's rate: requests for a model that does not
+                # exist were answered before admission, so no rate limit held them.
+                self._count(caller)
+                raise
             self._admit(caller, req, model)
             return self._forward(environ, start_response, path, caller, req, model, t0)
         except ApiError as e:
@@ -183,20 +225,27 @@ class Proxy:
         caller.price = self.rt.keys.prices.of(model.name)
         if not access.levels:
             return
-        priced = not caller.price.zero()
         # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
         # output is what the request may generate at most: an estimate on the high side, so that the
         # budgets' reserve covers what requests in flight can still spend.
         prompt = len(req.raw) // 4
         output = req.max_tokens or model.max_output or self.output_estimate
-        estimate = prompt + output
+        self._reserve(caller, not caller.price.zero(), prompt + output, caller.price.cost(prompt, output),
+                      model.name)
+
+    def _count(self, caller: Caller) -> None:
+        """Count a request refused before admission against CALLER's rates; raises ApiError(429) past one."""
+        if caller.access.levels:
+            self._reserve(caller, False, 0, 0, None)
+
+    def _reserve(self, caller: Caller, priced: bool, estimate: int, cost: int, model: str | None) -> None:
+        """Ask the accountant for ESTIMATE tokens and COST for CALLER; raises ApiError when refused."""
         try:
-            answer = self.rt.limiter.admit(self._accountant(), caller.wire, priced, estimate,
-                                           caller.price.cost(prompt, output))
+            answer = self.rt.limiter.admit(self._accountant(), caller.wire, priced, estimate, cost)
         except Unavailable:
-            if priced and any(lv.budget is not None for lv in access.levels):
+            if priced and any(lv.budget is not None for lv in caller.access.levels):
                 log.warning("refused a request of key %s for %s: a budget limits it and the accountant did not "
-                            "answer within limits.accountant_timeout", caller.key_id, model.name)
+                            "answer within limits.accountant_timeout", caller.key_id, model)
                 raise ApiError(503, "Limits cannot be checked right now (the accountant does not answer), and a "
                                     "budget applies to this key. Try again shortly.", "limits_unavailable",
                                retry_after=5) from None
@@ -212,7 +261,6 @@ class Proxy:
             raise ApiError(429, f"Rate limit: {answer.get('message')}. Retry after {retry} s.",
                            "rate_limit_exceeded" if limit == "rpm" else "tokens_limit_exceeded", retry_after=retry)
         caller.reservation = answer.get("r")
-        caller.estimate = estimate
 
     def _accountant(self) -> str | None:
         """The accountant's address; a worker that follows a controller waits briefly for its first snapshot."""
@@ -266,10 +314,10 @@ class Proxy:
         if model is not None:
             return model
         if snapshot.awaiting_catalog:
-            raise ApiError(503, f"This gateway has not heard the catalog from its controller "
-                                f"({self.rt.cfg['gateway.controller']}) in {self.load_wait:.0f} s, so it cannot "
-                                f"tell whether {name!r} exists. Retry shortly; an operator should check that the "
-                                "controller runs.", "catalog_unknown", retry_after=5)
+            raise ApiError(503, f"This gateway has not heard the catalog from its controller in "
+                                f"{self.load_wait:.0f} s, so it cannot tell whether {name!r} exists. Retry "
+                                "shortly; an operator should check that the controller runs.", "catalog_unknown",
+                           retry_after=5)
         raise ApiError(404, self._unknown_model(name), "model_not_found", "model")
 
     def _unknown_model(self, name: str) -> str:
@@ -318,11 +366,11 @@ class Proxy:
         if data is None:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
             return self._relay(environ, resp, replica, caller, req, model, t0)
-        usage = apirequest.usage_of(data) if resp.status == 200 else None
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
-        self._account(t0, caller, req, model, replica.spec.id, resp.status, usage, None, in_flight=True)
+        self._account(t0, caller, req, model, replica.spec.id, resp.status, _answer_tokens(req, data), None,
+                      in_flight=True)
         return [data]
 
     def _connect_in_turn(self, path, req, model, t0, caller):
@@ -383,14 +431,14 @@ class Proxy:
                     resp.release()
                     raise UpstreamError("busy", "it is at capacity (429)",
                                         retry_after=_retry_after(resp.headers.get("retry-after")))
-                if resp.status >= 500:
+                if resp.status in UNAVAILABLE:
                     detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
                     resp.release()
                     raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
                 # A whole answer is read here, inside the attempt: if the
                 # engine fails halfway, nothing has reached the client yet and
                 # another replica can still be tried.
-                data = None if req.stream and resp.status == 200 else resp.read(self.idle)
+                data = None if req.stream and resp.status < 400 else resp.read(self.idle)
             except UpstreamError as e:
                 engine_time += time.perf_counter() - sent
                 replica.outstanding -= 1
@@ -398,12 +446,17 @@ class Proxy:
                 log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
                         "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
                         model.name, e)
-                if e.phase != "busy" and replica.breaker.failure(time.monotonic()):
-                    log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
-                                replica.spec.id, replica.breaker.failures, e)
+                if e.phase != "busy":
+                    self._strike(replica, e)
                 failure = e
+                if e.phase == "total":
+                    break  # the request's time is spent: another replica could only fail it again
                 continue
             engine_time += time.perf_counter() - sent
+            if resp.status >= 400:
+                resp.release()
+                replica.outstanding -= 1
+                raise self._engine_refusal(model.name, replica, resp.status, data)
             replica.breaker.success()
             overhead = (time.perf_counter() - t0 - engine_time) * 1000
             rt.metrics.overhead.observe(overhead / 1000)
@@ -421,6 +474,37 @@ class Proxy:
             raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
         raise _upstream_error(model.name, failure)
+
+    def _strike(self, replica, e: UpstreamError) -> None:
+        if replica.breaker.failure(time.monotonic()):
+            log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
+                        replica.spec.id, replica.breaker.failures, e)
+
+    def _engine_refusal(self, model: str, replica, status: int, detail: bytes) -> ApiError:
+        """The client's error for an engine's answer to the request itself (a 4xx, or a 500 and kin).
+
+        Neither is retried nor counted against the replica (see the top of this module). The engine's
+        own words often quote the request, and name the replica; they go to the log, not to the client.
+        """
+        log.warning("replica %s (%s) of %s answered %d to a request: %s", replica.spec.id, replica.spec.url, model,
+                    status, detail[:300].decode("utf-8", "replace"))
+        if status < 500:
+            return ApiError(status, f"The engine for {model} refused this request (HTTP {status}). Check it "
+                                    "against the API reference; the engine's own words, which may quote the "
+                                    "request, are in the gateway's log under the request id.",
+                            _engine_code(detail) or "engine_refused")
+        if replica.check_due(time.monotonic(), HEALTH_CHECK_EVERY):
+            gevent.spawn(self._check_health, replica)
+        return ApiError(502, f"The engine for {model} failed on this request (HTTP {status}); it was not tried "
+                             "on another replica, as an error a request causes recurs on every one. Check the "
+                             "request's fields (tools, message names, content parts); if it is well formed, try "
+                             "again, and an operator can find the engine's answer in the gateway's log under the "
+                             "request id.", "engine_error")
+
+    def _check_health(self, replica) -> None:
+        """Ask REPLICA whether it is well, after it failed a request: a failed check is a strike."""
+        if self.rt._get(replica, "/health") is None:
+            self._strike(replica, UpstreamError("status", "its health check failed after an engine error"))
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
@@ -451,20 +535,13 @@ class Proxy:
             if time.monotonic() - said >= KEEPALIVE:
                 yield f": {model.name} is loading\n\n".encode()
                 said = time.monotonic()
-        if not self.rt.router.available(model.name):
-            e = self._still_loading(model)
-            self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
-            yield e.sse_event()
-            return
         try:
-            resp, replica, data, _ = self._connect_in_turn(path, req, model, t0, caller)
+            if not self.rt.router.available(model.name):
+                raise self._still_loading(model)
+            resp, replica, _, _ = self._connect_in_turn(path, req, model, t0, caller)
         except ApiError as e:
             self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
-            yield e.sse_event()
-            return
-        if data is not None:  # the engine refused the request (4xx): pass its error on as an event
-            yield b"data: " + data + b"\n\n"
-            self._account(t0, caller, req, model, replica.spec.id, resp.status, None, None, in_flight=True)
+            yield e.sse_event() + DONE
             return
         yield from self._relay(environ, resp, replica, caller, req, model, t0)
 
@@ -485,16 +562,21 @@ class Proxy:
             if tail:
                 yield tail
         except UpstreamError as e:
-            if resp.closed_by_other:
+            if relay.done:
+                pass  # the client had the whole answer, [DONE] included; what the engine does after is moot
+            elif resp.closed_by_other:
                 status = 499
             else:
                 status = 504 if e.phase in ("idle", "total") else 502
-                replica.breaker.failure(time.monotonic())
+                # A stream cut by the gateway's own limit on the whole request says nothing of the replica.
+                if e.phase != "total":
+                    self._strike(replica, e)
                 log.warning("stream from replica %s (%s) of %s broke off: %s", replica.spec.id, replica.spec.url,
                             model.name, e)
-                yield _upstream_error(model.name, e).sse_event()
+                yield _upstream_error(model.name, e).sse_event() + DONE
         except GeneratorExit:
-            status = 499  # the client left while we were writing to it
+            if not relay.done:
+                status = 499  # the client left while we were writing to it, before the answer was whole
             raise
         finally:
             if watcher is not None:
@@ -504,12 +586,16 @@ class Proxy:
             else:
                 resp.abort()
             replica.outstanding -= 1
-            self._account(t0, caller, req, model, replica.spec.id, status, relay.usage, ttft, in_flight=True)
+            tokens = metering.trusted(req, relay.usage) or metering.billed(req, relay.usage, relay.deltas)
+            self._account(t0, caller, req, model, replica.spec.id, status, tokens, ttft, in_flight=True)
 
     # --- accounting ----------------------------------------------------------------------
 
-    def _account(self, t0, caller, req, model, replica, status, usage, ttft, in_flight=False):
-        """Metrics for every request; for every one with a caller, its settlement and usage row."""
+    def _account(self, t0, caller, req, model, replica, status, tokens, ttft, in_flight=False):
+        """Metrics for every request; for every one with a caller, its settlement and usage row.
+
+        TOKENS: (prompt, completion) billed, either None where not known; None where nothing was served.
+        """
         elapsed = time.perf_counter() - t0
         m = self.rt.metrics
         label = model.name if model is not None else "unknown"
@@ -520,22 +606,17 @@ class Proxy:
             self.queue.release(label)
         if ttft is not None:
             m.ttft.labels(label).observe(ttft)
-        prompt = completion = None
-        if usage:
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            prompt = prompt if isinstance(prompt, int) else None
-            completion = completion if isinstance(completion, int) else None
-            if prompt is not None:
-                m.tokens.labels(label, "in").inc(prompt)
-            if completion is not None:
-                m.tokens.labels(label, "out").inc(completion)
+        prompt, completion = tokens or (None, None)
+        if prompt is not None:
+            m.tokens.labels(label, "in").inc(prompt)
+        if completion is not None:
+            m.tokens.labels(label, "out").inc(completion)
         if caller is None:
             return
         cost = caller.price.cost(prompt or 0, completion or 0) if caller.price is not None else 0
         if caller.reservation is not None:
-            # Unknown usage (an error, a client gone before the usage event) settles at the estimate
-            # for a served request and at nothing for one no engine answered.
-            used = (prompt or 0) + (completion or 0) if usage else (caller.estimate if replica else 0)
+            # What was billed: a request no engine answered settles at nothing.
+            used = (prompt or 0) + (completion or 0)
             self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, used, cost)
             caller.reservation = None
         self.rt.usage.record((

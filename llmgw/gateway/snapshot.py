@@ -36,6 +36,7 @@ class ReplicaSpec:
     url: str
     models: tuple[str, ...]
     weight: float = 1.0
+    api_key: str | None = None  # sent to its engine as `Authorization: Bearer`; None: the engine wants none
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,10 @@ of complete events is sent on at once, in one write; nothing waits for more
 than the rest of its own event. The one event the gateway looks inside is the
 one carrying `usage`: it is read for metering, and dropped when the client
 did not ask for usage (the gateway asked the engine for it on everyone's
-behalf).
+behalf). The relay also counts the deltas it passes on (the events with
+choices), which is what a stream cut before its usage event is billed for
+(see llmgw/gateway/metering.py), and notes when `[DONE]` has gone out: a
+client that leaves after it had the whole answer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 # An engine that never ends an event must not make the gateway hold its
 # output without bound: past this, what is held is sent as it is.
 MAX_PENDING = 1 << 20
+DONE = b"data: [DONE]\n\n"
 
 
 def usage_in_event(event: bytes) -> tuple[dict | None, bool]:
@@ -34,14 +38,17 @@ def usage_in_event(event: bytes) -> tuple[dict | None, bool]:
 
 
 class EventRelay:
-    """Feed engine bytes in, get client bytes out; `usage` holds the last usage seen."""
+    """Feed engine bytes in, get client bytes out; `usage` holds the last usage seen, `deltas` the
+    events with choices passed on, `done` whether `[DONE]` has."""
 
-    __slots__ = ("pending", "keep_usage", "usage")
+    __slots__ = ("pending", "keep_usage", "usage", "deltas", "done")
 
     def __init__(self, keep_usage: bool):
         self.pending = b""
         self.keep_usage = keep_usage
         self.usage: dict | None = None
+        self.deltas = 0
+        self.done = False
 
     def feed(self, data: bytes) -> bytes:
         pending = self.pending + data if self.pending else data
@@ -53,20 +60,29 @@ class EventRelay:
             self.pending = pending
             return b""
         out, self.pending = pending[:end + 2], pending[end + 2:]
+        events = out.count(b"\n\n")
         if b'"usage"' in out:
-            out = self._meter(out)
+            out, usage_only = self._meter(out)
+            events -= usage_only
+        if out.endswith(DONE):
+            events -= 1
+            self.done = True
+        self.deltas += events
         return out
 
-    def _meter(self, block: bytes) -> bytes:
+    def _meter(self, block: bytes) -> tuple[bytes, int]:
+        """BLOCK less the usage-only events the client did not ask for, and how many usage-only events it had."""
         kept = []
+        usage_only_events = 0
         for event in block.split(b"\n\n")[:-1]:
             usage, usage_only = usage_in_event(event)
             if usage is not None:
                 self.usage = usage
+                usage_only_events += usage_only
                 if usage_only and not self.keep_usage:
                     continue
             kept.append(event + b"\n\n")
-        return b"".join(kept)
+        return b"".join(kept), usage_only_events
 
     def rest(self) -> bytes:
         """What is left when the engine ends the stream without a final blank line."""

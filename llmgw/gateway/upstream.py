@@ -43,9 +43,9 @@ class UpstreamError(Exception):
 class Target:
     """Where an engine listens, parsed once per replica rather than per request."""
 
-    __slots__ = ("host", "port", "tls", "base_path", "host_header", "key")
+    __slots__ = ("host", "port", "tls", "base_path", "host_header", "key", "auth")
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, api_key: str | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"{url!r} is not an http:// or https:// URL")
@@ -55,6 +55,8 @@ class Target:
         self.base_path = parts.path.rstrip("/")
         self.host_header = parts.netloc.encode("idna")
         self.key = (self.host, self.port, self.tls)
+        # The replica's key, sent on every request and probe: engines answer nobody without it.
+        self.auth = b"Authorization: Bearer " + api_key.encode() + b"\r\n" if api_key else b""
 
 
 class Connection:
@@ -234,7 +236,7 @@ class Pool:
         deadline = deadline if deadline is not None else float("inf")
         head = b"".join((method.encode(), b" ", target.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
                          target.host_header, b"\r\nContent-Type: ", content_type,
-                         b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", headers, b"\r\n"))
+                         b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", target.auth, headers, b"\r\n"))
         conns = self.idle.get(target.key)
         while True:
             conn = conns.pop() if conns else self._connect(target, deadline)

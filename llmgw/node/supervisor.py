@@ -8,6 +8,15 @@ processes; requests in flight go on). A shard moves through fetching,
 starting, ready, and ends stopped or failed; every transition is reported, a
 failed one with the last lines the engine printed. Starting is idempotent by
 shard id: the controller may send the same command twice.
+
+Each engine listens only where gateways reach it (`agent.engine_host`, by
+default the node's own address on its route to the controller) and answers
+only requests that carry its replica's key: a secret made here when the shard
+starts, kept in its state file (mode 0600) so an adopted engine keeps it, and
+told to the controller in the shard's status over the CURVE channel, which
+gives it to gateways only. Before, engines listened on every address with no
+key, and anyone who reached the node used them past every key, limit and
+budget.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import threading
@@ -36,11 +46,12 @@ ALIVE = ("fetching", "starting", "ready")
 
 
 class Shard:
-    def __init__(self, spec: dict, port: int, log_path: str):
+    def __init__(self, spec: dict, port: int, log_path: str, api_key: str | None):
         self.spec = spec
         self.shard_id = spec["shard_id"]
         self.port = port
         self.log_path = log_path
+        self.api_key = api_key  # None only for an engine adopted from an agent that made no keys
         self.state = "fetching"
         self.pid: int | None = None
         self.proc: subprocess.Popen | None = None
@@ -78,12 +89,15 @@ def tail(path: str, lines: int) -> list[str]:
 
 class Supervisor:
     def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report):
-        """REPORT(fields) is called (from any thread) with each shard_status to send."""
+        """REPORT(fields) is called (from any thread) with each shard_status to send. Engines listen on
+        ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty."""
         self.node_id = node_id
         self.work_dir = work_dir
         self.weights_dir = weights_dir
-        self.engine_host = engine_host
-        self.address = address
+        self.engine_host = engine_host or address
+        # Gateways dial the address the engine listens on; a wildcard listens on ADDRESS too.
+        self.url_host = address if self.engine_host in addresses.WILDCARDS else self.engine_host
+        self.probe_host = addresses.dial_host(self.engine_host)
         self.report = report
         self.shards: dict[str, Shard] = {}
         self.lock = threading.RLock()
@@ -95,7 +109,8 @@ class Supervisor:
     def status(self, shard: Shard) -> dict:
         spec = shard.spec
         fields = dict(node_id=self.node_id, shard_id=shard.shard_id, state=shard.state, model=spec["model"],
-                      engine=spec["engine"], port=shard.port, url=f"http://{self.address}:{shard.port}",
+                      engine=spec["engine"], port=shard.port,
+                      url=f"http://{addresses.join(self.url_host, shard.port)}", api_key=shard.api_key,
                       profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
                       exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail,
                       ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None)
@@ -136,12 +151,23 @@ class Supervisor:
             self.cpu_samples[shard.shard_id] = (cpu, now)
             if shard.state == "ready":
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=1) as resp:
-                        entry.update(enginemetrics.parse_load(resp.read().decode("utf-8", "replace")))
+                    entry.update(self._load(shard, timeout=1))
                 except OSError:
                     pass  # not known this time: left out
             out.append(entry)
         return out
+
+    def _get(self, shard: Shard, path: str, timeout: float):
+        """GET PATH from SHARD's engine, with its key (llama.cpp wants it for everything but /health)."""
+        headers = {"Authorization": f"Bearer {shard.api_key}"} if shard.api_key else {}
+        request = urllib.request.Request(f"http://{addresses.join(self.probe_host, shard.port)}{path}",
+                                         headers=headers)
+        return urllib.request.urlopen(request, timeout=timeout)
+
+    def _load(self, shard: Shard, timeout: float) -> dict[str, float]:
+        """The figures SHARD's engine reports on /metrics; raises OSError when it does not answer."""
+        with self._get(shard, "/metrics", timeout) as resp:
+            return enginemetrics.parse_load(resp.read().decode("utf-8", "replace"))
 
     def describe(self) -> list[dict]:
         with self.lock:
@@ -160,9 +186,10 @@ class Supervisor:
                 pass
             return
         data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
-                "log_path": shard.log_path, "ready_at": shard.ready_at}
+                "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key}
         tmp = self._state_path(shard.shard_id) + ".tmp"
-        with open(tmp, "w") as f:
+        # Mode 0600 from the start: it holds the engine's key.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
         os.replace(tmp, self._state_path(shard.shard_id))
 
@@ -184,7 +211,7 @@ class Supervisor:
             if not pid or not _alive(pid):
                 os.remove(path)
                 continue
-            shard = Shard(data["spec"], data["port"], data["log_path"])
+            shard = Shard(data["spec"], data["port"], data["log_path"], data.get("api_key"))
             shard.pid = pid
             shard.state = data["state"] if data["state"] in ("starting", "ready") else "starting"
             shard.ready_at = data.get("ready_at") if shard.state == "ready" else None
@@ -206,9 +233,9 @@ class Supervisor:
             if existing is not None and existing.state in ALIVE:
                 self.report(self.status(existing))  # the controller may have missed it
                 return
-            port = free_port(addresses.dial_host(self.engine_host))
+            port = free_port(self.probe_host)
             log_path = os.path.join(self.work_dir, "shards", f"{spec['shard_id']}.log")
-            shard = Shard(spec, port, log_path)
+            shard = Shard(spec, port, log_path, secrets.token_urlsafe(32))
             self.shards[shard.shard_id] = shard
         threading.Thread(target=self._run, args=(shard,), name=f"shard-{shard.shard_id}", daemon=True).start()
 
@@ -227,13 +254,16 @@ class Supervisor:
             return
         argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
                                spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
-                               replica=shard.shard_id)
+                               replica=shard.shard_id, api_key=shard.api_key)
         env = dict(os.environ)
         env.update(spec.get("env") or {})
+        env.update(engines.key_environment(spec["engine"], shard.api_key))
         if spec.get("gpus") is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec["gpus"])
         with open(shard.log_path, "ab") as out:
-            out.write(f"--- llmgw: starting {' '.join(argv)}\n".encode())
+            # The log is shown to operators (`llmgw ctl logs`): never the key, where the command carries it.
+            shown = " ".join(argv).replace(shard.api_key, "<replica key>")
+            out.write(f"--- llmgw: starting {shown}\n".encode())
             out.flush()
             try:
                 # A session of its own: the engine outlives the agent, and is stopped as a group.
@@ -248,7 +278,6 @@ class Supervisor:
 
     def _wait_ready(self, shard: Shard) -> None:
         deadline = time.monotonic() + START_LIMIT
-        url = f"http://127.0.0.1:{shard.port}/health"
         while time.monotonic() < deadline:
             if shard.state != "starting":
                 return
@@ -256,7 +285,7 @@ class Supervisor:
                 self._set(shard, "failed", f"the engine exited with status {shard.exit_code} while starting")
                 return
             try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
+                with self._get(shard, "/health", timeout=2) as resp:
                     if resp.status == 200:
                         self._set(shard, "ready")
                         return
@@ -301,8 +330,7 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self._running(shard):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{shard.port}/metrics", timeout=2) as resp:
-                    load = enginemetrics.parse_load(resp.read().decode("utf-8", "replace"))
+                load = self._load(shard, timeout=2)
             except OSError:
                 break  # no metrics to wait on: stop now
             if not load or (load.get("running", 0) + load.get("waiting", 0)) == 0:

@@ -40,7 +40,7 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
         "engine": ("str", False), "port": ("int", False), "url": ("str", False), "profile_fp": ("str", False),
         "gpus": ("array", False), "pid": ("int", False), "exit_code": ("int", False),
         "last_output": ("array", False), "fetch": ("object", False), "detail": ("str", False),
-        "ready_s": ("number", False),
+        "ready_s": ("number", False), "api_key": ("str", False),
     },
     "ack": {"node_id": ("str", True), "request_id": ("str", True), "ok": ("bool", True), "error": ("str", False)},
     "logs_reply": {"node_id": ("str", True), "request_id": ("str", True), "lines": ("array", False),

@@ -33,7 +33,7 @@ MODEL = Obj({"name": (NAME, True), "aliases": (ListOf(NAME, 100), False), "descr
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
              "on_demand": ("bool", False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
-               "weight": ("number", False)})
+               "weight": ("number", False), "api_key": (Str(200), False)})
 KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "project_id": (Nullable(NAME), True),
            "project": ("str", True), "prefix": (Str(40), True), "created_at": ("number", True),
            "expires_at": (SECONDS, True), "revoked_at": (SECONDS, True), "user_id": (Nullable(NAME), True)})

@@ -1,0 +1,253 @@
+"""Whose fault a failure is, and what each request is billed: through a real gateway in front of simulated engines.
+
+One key's bad requests must change nothing for anyone else; a sick replica
+must still leave rotation; every prompt and every delivered token is billed;
+every request counts against its key's rate.
+"""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+from llmgw import store
+from llmgw.people import keys, limits
+from llmgw.procs import http_status
+from tests.conftest import make_key, post, wait_until
+from tests.test_faults import stream_events
+
+CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
+# Inputs that make llama.cpp answer 500 (found by a fuzz of the real engine); the sim answers them alike.
+CHOKERS = [{**CHAT, "tools": "x"},
+           {**CHAT, "messages": [{"role": "user", "content": "hi", "name": {"a": 1}}]},
+           {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]}]
+
+
+def ep(rid, url):
+    return {"id": rid, "url": url, "models": ["sim"]}
+
+
+def breaker_open(gw, rid) -> bool:
+    return f'llmgw_endpoint_breaker_open{{replica="{rid}"}} 1.0' in gw.metrics()
+
+
+def rows(url):
+    engine = store.open_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(store.usage.select()).all()
+    finally:
+        engine.dispose()
+
+
+def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_client(tmp_path, make_gateway, make_sim):
+    sims = [make_sim(replica=f"replica-{n}", ttft_ms=1, tokens_per_s=0) for n in "ab"]
+    url = f"sqlite:///{tmp_path}/blame.db"
+    bad_key, good_key = make_key(url, "bad"), make_key(url, "good")
+    # The default breaker (five failures in a row open it for ten seconds) and three attempts a request.
+    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims], workers=2)
+    good_statuses = []
+    flooding = threading.Event()
+    flooding.set()
+
+    def good_client():
+        while flooding.is_set():
+            good_statuses.append(post(gw.url + "/v1/chat/completions", CHAT, good_key)[0])
+
+    good = threading.Thread(target=good_client)
+    good.start()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: post(gw.url + "/v1/chat/completions", CHOKERS[i % 3], bad_key),
+                                range(1000)))
+    ready_during = http_status(gw.url + "/ready")
+    flooding.clear()
+    good.join()
+    assert good_statuses and set(good_statuses) == {200}, sorted(set(good_statuses))
+    assert ready_during == 200
+    # Each bad request reached one engine once: none was retried on another replica.
+    seen = sum(s.metrics()["llmgw_sim_requests_total"] for s in sims)
+    assert seen <= 1000 + len(good_statuses)
+    for status, _, raw in answers:
+        error = json.loads(raw)["error"]
+        assert status in (400, 502), status
+        # The engine's words (which quote the request), its address and the replica stay in the log.
+        message = error["message"]
+        assert "request id" in message and "json.exception" not in message and "type must be" not in message
+        assert "127.0.0.1" not in message and "replica-" not in message
+    time.sleep(1.5)  # a round of the workers' watchers, which set the breaker gauges
+    assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
+    assert post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] == 200
+
+
+def test_a_sick_replica_still_leaves_rotation_through_its_health_check(tmp_path, make_gateway, make_sim):
+    # A sick engine fails every request and its health check (as vLLM's does once its engine died).
+    good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
+    sick = make_sim(replica="sick", ttft_ms=1, tokens_per_s=0, fail_rate=1.0)
+    url = f"sqlite:///{tmp_path}/sick.db"
+    key = make_key(url)
+    gw = make_gateway(store_url=url, endpoints=[ep("sick", sick.url), ep("good", good.url)], workers=1,
+                      breaker__failures=2, breaker__cooldown=60.0, routing__affinity_prefix_bytes=0)
+    failed = []
+
+    def sick_is_out():
+        status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+        if status != 200:
+            failed.append(json.loads(raw)["error"]["code"])
+        return breaker_open(gw, "sick")
+
+    wait_until("the sick replica's breaker to open", 60, sick_is_out, interval=0.2)
+    # Its failures went to the client as they came (not retried elsewhere), each one an engine error.
+    assert set(failed) <= {"engine_error"} and sick.metrics()["llmgw_sim_requests_total"] == len(failed)
+    assert [post(gw.url + "/v1/chat/completions", CHAT, key)[0] for _ in range(20)] == [200] * 20
+    assert http_status(gw.url + "/ready") == 200
+
+
+def test_an_unavailable_replica_is_tried_elsewhere_and_struck(tmp_path, make_gateway, make_sim):
+    good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
+    loading = make_sim(replica="loading", loading=True)  # 503 "Loading model", as llama.cpp answers while it loads
+    url = f"sqlite:///{tmp_path}/loading.db"
+    key = make_key(url)
+    gw = make_gateway(store_url=url, endpoints=[ep("loading", loading.url), ep("good", good.url)], workers=1,
+                      breaker__failures=2, breaker__cooldown=60.0, routing__affinity_prefix_bytes=0)
+    assert [post(gw.url + "/v1/chat/completions", CHAT, key)[0] for _ in range(20)] == [200] * 20
+    assert 'llmgw_upstream_retries_total{reason="status"}' in gw.metrics()
+    wait_until("the breaker gauge", 30, lambda: breaker_open(gw, "loading"))
+
+
+def priced_gateway(tmp_path, make_gateway, sim, **settings):
+    url = f"sqlite:///{tmp_path}/billed.db"
+    engine = store.open_store(url)
+    try:
+        limits.set_price(engine, "sim", "1", "2", "test")
+        _, secret = keys.create_key(engine, "billed")
+    finally:
+        engine.dispose()
+    return make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1, **settings), secret, url
+
+
+def test_every_prompt_of_a_list_is_billed(tmp_path, make_gateway, make_sim):
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
+    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    status, _, raw = post(gw.url + "/v1/completions", {"model": "sim", "prompt": ["tell me a story"] * 300,
+                                                        "max_tokens": 16}, key)
+    answer = json.loads(raw)
+    # The engine served 300 choices and spoke of the first prompt only (3 prompt, 16 completion tokens).
+    assert status == 200 and len(answer["choices"]) == 300 and answer["usage"]["completion_tokens"] == 16
+    wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
+    row = rows(url)[0]
+    assert row.prompt_tokens >= 300 and row.completion_tokens >= 300 * 10
+    assert row.cost_micros >= row.prompt_tokens + 2 * row.completion_tokens - 1
+
+
+def test_a_stream_the_client_cut_bills_what_was_delivered(tmp_path, make_gateway, make_sim):
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=100)
+    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    payload = json.dumps({**CHAT, "max_tokens": 2000, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    received = b""
+    while received.count(b"data: ") < 190:
+        received += sock.recv(65536)
+    sock.close()
+    wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
+    row = rows(url)[0]
+    delivered = received.count(b'"content": "tok')
+    assert row.status == 499 and delivered >= 190
+    assert delivered <= row.completion_tokens < 2000 and row.prompt_tokens >= 1 and row.cost_micros > 0
+
+
+def test_requests_for_unknown_models_count_against_the_rate(tmp_path, make_gateway, make_sim):
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
+    url = f"sqlite:///{tmp_path}/rated.db"
+    engine = store.open_store(url)
+    try:
+        record, secret = keys.create_key(engine, "rated")
+        limits.set_limits(engine, "key", record.id, "test", rpm=3)
+    finally:
+        engine.dispose()
+    gw = make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1)
+    unknown = {**CHAT, "model": "no-such-model"}
+    assert [post(gw.url + "/v1/chat/completions", unknown, secret)[0] for _ in range(3)] == [404] * 3
+    status, headers, raw = post(gw.url + "/v1/chat/completions", unknown, secret)
+    assert status == 429 and json.loads(raw)["error"]["code"] == "rate_limit_exceeded"
+    assert post(gw.url + "/v1/chat/completions", CHAT, secret)[0] == 429
+
+
+class LingeringEngine:
+    """An engine that sends its whole stream, `[DONE]` included, then holds the connection a while
+    before ending the body, as an engine busy tidying up does."""
+
+    EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn):
+        try:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            if not head.startswith(b"POST"):
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for event in (self.EVENT, b"data: [DONE]\n\n"):
+                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            time.sleep(3)
+            conn.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway):
+    engine = LingeringEngine()
+    url = f"sqlite:///{tmp_path}/done.db"
+    key = make_key(url)
+    try:
+        gw = make_gateway(store_url=url, endpoints=[ep("s", engine.url)], workers=1)
+        payload = json.dumps({**CHAT, "stream": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                     b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        received = b""
+        while b"[DONE]" not in received:
+            received += sock.recv(65536)
+        sock.close()
+        wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
+        assert rows(url)[0].status == 200
+    finally:
+        engine.close()
+
+
+def test_an_engine_killed_mid_stream_ends_it_with_an_error_and_done(tmp_path, make_gateway, make_sim):
+    dying = make_sim(replica="dying", ttft_ms=1, tokens_per_s=50, die_after=1)
+    url = f"sqlite:///{tmp_path}/dying.db"
+    key = make_key(url)
+    gw = make_gateway(store_url=url, endpoints=[ep("dying", dying.url)], workers=1)
+    _, events = stream_events(gw.url, key, {**CHAT, "max_tokens": 10})
+    error = json.loads(events[-2])["error"]
+    assert events[-1] == b"[DONE]" and error["code"] == "upstream_error" and "request id" in error["message"]
+    assert "127.0.0.1" not in error["message"] and "dying" not in error["message"]
+    wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
+    row = rows(url)[0]
+    assert row.status == 502 and row.completion_tokens >= 1  # what was delivered before it died
+
