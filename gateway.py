@@ -19,7 +19,7 @@ import click
 
 from llmgw import filemodes, settings, store
 from llmgw.control import curvekeys
-from llmgw.people import accounts
+from llmgw.people import sessions
 from llmgw.procs import raise_fd_limit
 from llmgw.wire.curve import ClientKeys
 
@@ -40,14 +40,15 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
                                           "gateway.metrics_listen": metrics_listen, "store.url": store_url},
                             endpoints)
         filemodes.check_roles(cfg, "gateway")
-    except settings.ConfigError as e:
+        # Made here, before any worker is forked, so a start that cannot use it fails once, saying why.
+        sessions.ensure_secret(sessions.secret_path(cfg))
+    except (settings.ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("llmgw.gateway")
     try:
         engine = store.open_engine(cfg["store.url"])
         applied = store.migrate(engine)
-        accounts.session_secret(engine)
         engine.dispose()
     except Exception as e:
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "

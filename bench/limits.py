@@ -208,7 +208,6 @@ def time_usage_page(url: str) -> list[float]:
 
     engine = store.open_engine(url)
     accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
-    accounts.session_secret(engine)
     engine.dispose()
     app = GatewayApp(settings.load(None, {"store.url": url}), key_source=keys)
     client = app.pages.test_client()

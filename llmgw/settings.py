@@ -93,6 +93,24 @@ SETTINGS: tuple[Setting, ...] = (
             "Empty: `gateway.listen`."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
+    Setting("gateway.session_idle", "float", 8 * 3600.0,
+            "Seconds a signed-in session of the pages lasts unused; then its person signs in again.", minimum=60),
+    Setting("gateway.session_lifetime", "float", 7 * 86400.0,
+            "Seconds a signed-in session lasts at most, however much it is used.", minimum=60),
+    Setting("gateway.session_key_file", "str", "",
+            "The file holding the key that signs session cookies (made at first start, mode 0600; the gateway "
+            "refuses to start while others may read it). Empty: `session.key` beside a SQLite store, or "
+            "`var/session.key`. Gateways sharing one PostgreSQL store behind one name need copies of one file."),
+    Setting("gateway.sign_in_failures_per_account", "int", 5,
+            "Failed sign-ins one account may have within `gateway.sign_in_window`; past them, its sign-in is "
+            "refused, right password or not, until the oldest failure leaves the window.", minimum=1),
+    Setting("gateway.sign_in_failures_per_address", "int", 20,
+            "Failed sign-ins one client address may have within `gateway.sign_in_window`, whatever accounts "
+            "it tries (behind `gateway.trusted_proxies`, the address they forward).", minimum=1),
+    Setting("gateway.sign_in_window", "float", 900.0,
+            "Seconds over which failed sign-ins are counted. Each gateway worker counts its own (a failure written "
+            "to the store would stall the worker), so W workers allow W times the failures.",
+            minimum=1),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
             "Database URL (SQLAlchemy form). `sqlite:///PATH` (relative to the working directory) or `postgresql://USER@HOST/DB`.",
             secret=True),

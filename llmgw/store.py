@@ -231,11 +231,25 @@ users = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
-# Values the system makes for itself once and keeps, such as the key that signs session cookies.
+# Values the system makes for itself once and keeps. (The key that signs session cookies was one
+# until migration 10; it lives in a 0600 file now, see llmgw/people/sessions.py.)
 secrets_table = sa.Table(
     "secrets", metadata,
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("value", sa.Text, nullable=False),
+)
+
+# A signed-in session of the pages. The cookie holds a random token; only its
+# hash is kept here, so reading the store gives no one a session. Ending a
+# session (sign-out, a password change, suspension, an administrator) deletes
+# its row, and the cookie is worth nothing from then on.
+sessions = sa.Table(
+    "sessions", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),  # SHA-256 of the cookie's token
+    sa.Column("user_id", sa.String(32), sa.ForeignKey("users.id"), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("seen_at", sa.Float, nullable=False),
+    sa.Index("sessions_user", "user_id"),
 )
 
 # Where keys go when nobody says: the project default/default/default.
@@ -334,6 +348,14 @@ def _tree(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN cost_micros BIGINT")
 
 
+def _sessions(conn: Connection) -> None:
+    """Session records; the session secret leaves the store. It was readable by
+    anyone who could read the store, and so were forged administrators' cookies; every session signed
+    with it ends here, and people sign in again."""
+    metadata.create_all(conn, tables=[sessions])
+    conn.execute(secrets_table.delete().where(secrets_table.c.name == "session"))
+
+
 # Append only. A released step never changes: databases out there have run it.
 # (Steps 1 and 2 were reshaped for the tree before any release, which is why
 # step 8 must also bring databases made by their first form up to date.)
@@ -347,6 +369,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (7, "keys made by a person", _add_key_owner),
     (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
     (9, "gateway keys", _create([gateway_keys])),
+    (10, "sessions; the session secret leaves the store", _sessions),
 ]
 
 

@@ -97,7 +97,6 @@ def rig(tmp_path):
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
-    accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{api.server_port}",
                                "mirror.hf_endpoint": registry.url,
                                "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",

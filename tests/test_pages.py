@@ -16,7 +16,6 @@ from llmgw.principals import KeyRecord
 def site(tmp_path):
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
-    accounts.session_secret(engine)
     cfg = settings.load(None, {"store.url": url, "gateway.signup_open": True, "gateway.contact": "ops@example.org",
                                "gateway.trusted_proxies": ["127.0.0.1"]})
     app = GatewayApp(cfg, key_source=keys)
@@ -339,3 +338,80 @@ def test_the_account_shows_each_budgets_spend_from_the_accountant(site):
     finally:
         app.runtime.limiter.close()
         server.stop()
+
+
+def test_pages_forbid_framing_and_foreign_script_and_keep_no_copy_of_a_secret(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "k@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    for path in ("/", "/login", "/signup"):
+        headers = client.get(path).headers
+        assert headers["X-Frame-Options"] == "DENY", path
+        policy = headers["Content-Security-Policy"]
+        assert "frame-ancestors 'none'" in policy and "script-src 'self';" in policy, path
+        assert "unsafe-inline" not in policy.split("script-src")[1].split(";")[0]
+    sign_in(client, "k@example.org", "a long enough password")
+    page = client.get("/account")
+    assert "no-store" not in page.headers.get("Cache-Control", "")
+    made = client.post("/account/keys", data={"name": "k", "expires": "30d", "csrf_token": token(page.data)})
+    assert b"shown only this once" in made.data and made.headers["Cache-Control"] == "no-store"
+    record, secret = keys.create_key(engine, "claimed", user_id=accounts.find(engine, "k@example.org").id)
+    link = keys.make_claim(engine, record.id, secret)
+    page = client.get(f"/claim/{link}").data
+    shown = client.post(f"/claim/{link}", data={"csrf_token": token(page)})
+    assert secret.encode() in shown.data and shown.headers["Cache-Control"] == "no-store"
+
+
+def test_no_template_carries_inline_script():
+    # The policy runs only the site's script files: an inline script or handler would silently not run.
+    import pathlib
+
+    for path in (pathlib.Path(__file__).parent.parent / "templates").glob("*.html"):
+        text = path.read_text()
+        assert not re.search(r"<script(?![^>]*\bsrc=)[^>]*>", text), path.name
+        assert not re.search(r"\son[a-z]+\s*=", text), path.name
+        assert "javascript:" not in text, path.name
+
+
+@pytest.mark.parametrize("target, honoured", [("/account/password", True), ("/chat?x=1", True), ("//evil.example", False),
+                                              ("http://evil.example/", False), ("/\\evil.example", False),
+                                              ("/\t/evil.example", False), ("https:evil.example", False)])
+def test_sign_in_returns_to_next_only_on_this_site(site, target, honoured):
+    from urllib.parse import quote
+
+    pages, engine, _ = site
+    accounts.create_user(engine, "n@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    path = "/login?next=" + quote(target, safe="")
+    page = client.get(path).data
+    done = client.post(path, data={"email": "n@example.org", "password": "a long enough password",
+                                   "csrf_token": token(page)})
+    assert done.headers["Location"] == (target if honoured else "/account")
+
+
+def test_a_page_that_needs_signing_in_comes_back_after_it(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "m@example.org", "a long enough password", state=accounts.ACTIVE)
+    client = pages.test_client()
+    to_login = client.get("/account/password").headers["Location"]
+    page = client.get(to_login).data
+    done = client.post(to_login, data={"email": "m@example.org", "password": "a long enough password",
+                                       "csrf_token": token(page)})
+    assert done.headers["Location"] == "/account/password"
+
+
+def test_admin_forms_redirect_only_to_this_site_and_a_search_with_line_breaks_is_refused(site):
+    pages, engine, _ = site
+    accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    client = pages.test_client()
+    sign_in(client, "root@example.org", "a long enough password")
+    page = client.get("/admin/quotas").data
+    bad = {"csrf_token": token(page), "scope": "cluster", "rpm": "many"}
+    away = client.post("/admin/quotas", data=bad, headers={"Referer": "http://evil.example/phish"})
+    assert away.status_code == 302 and away.headers["Location"] == "/admin/quotas?edit=cluster:"
+    assert client.get("/admin/people?q=a%0d%0aSet-Cookie:%20x=1").status_code == 400
+    page = client.get("/admin/people").data
+    refused = client.post("/admin/people", data={"csrf_token": token(page), "do": "nothing", "q": "a\r\nSet-Cookie: x=1"})
+    assert refused.status_code == 400 and b"line breaks" in refused.data
+    done = client.post("/admin/people", data={"csrf_token": token(page), "do": "nothing", "q": "a&b c"})
+    assert done.headers["Location"] == "/admin/people?q=a%26b+c"

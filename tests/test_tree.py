@@ -187,7 +187,7 @@ def test_a_version_7_store_is_brought_up_to_date(kind, tmp_path, request):
     engine = store.open_engine(url)
     with engine.begin() as conn:
         _version_7(conn)
-    assert store.migrate(engine) == [8, 9]
+    assert store.migrate(engine) == [version for version, _, _ in store.MIGRATIONS if version > 7]
     tree = orgtree.Tree.load(engine)
     assert sorted(n.path for n in tree.of_kind("project")) == ["default/default/default", "default/default/research"]
     (key,) = keys.list_keys(engine)

@@ -146,3 +146,15 @@ _action("demote", "no longer an administrator:", lambda engine, who: accounts.pr
         "Make WHO no longer an administrator; the account stays.")
 _action("remove", "removed (and revoked the keys of)", accounts.remove,
         "Delete the account WHO and revoke every key it holds.")
+
+
+@users.command("end-sessions")
+@click.argument("who")
+@click.pass_obj
+def users_end_sessions(obj, who):
+    """Sign WHO (an id or an email) out everywhere: every session of theirs ends at once."""
+    try:
+        user, ended = accounts.end_sessions(obj.engine(), who)
+    except accounts.AccountError as e:
+        _fail(e)
+    click.echo(f"ended {ended} session(s) of {user.email}", err=True)

@@ -135,8 +135,9 @@ class DemandInbox:
 
 
 class KeyPusher:
-    """When gateways need the keys again: at once when the store's key revision changes (revoking a key
-    takes effect everywhere within `KEYS_CHECK` seconds and a message), and every `KEYS_REPEAT` seconds so a
+    """When gateways need the keys again: at once when the store's key revision changes (revoking a key, or
+    any change to a person, such as suspending them, takes effect everywhere within `KEYS_CHECK` seconds and
+    a message), and every `KEYS_REPEAT` seconds so a
     gateway that missed one heals. It looks in a thread of its own (the store's answer may be slow, and
     four looks a second through the scheduler cost more than the looks); the loop that owns the socket
     `take`s what is ready."""

@@ -32,3 +32,12 @@ class TrustedProxies:
                 environ["wsgi.url_scheme"] = proto
         if host:
             environ["HTTP_HOST"] = host.split(",")[0].strip()
+
+    def client(self, environ: dict) -> str:
+        """The client's address: the peer's, or behind trusted proxies the nearest one in
+        `X-Forwarded-For` that is not a trusted proxy (entries further left are the client's word)."""
+        address = environ.get("REMOTE_ADDR") or ""
+        hops = [h.strip() for h in environ.get("HTTP_X_FORWARDED_FOR", "").split(",") if h.strip()]
+        while self.trusts(address) and hops:
+            address = hops.pop()
+        return address

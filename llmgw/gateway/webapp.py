@@ -25,8 +25,8 @@ class GatewayApp:
         """KEY_SOURCE reads keys from the store (llmgw.people.keys, handed in by gateway.py)."""
         self.runtime = Runtime(cfg, from_config(cfg), store.open_engine(cfg["store.url"]), key_source)
         self.proxy = Proxy(self.runtime)
-        self.pages = pages.create_app(self.runtime)
         self.proxies = TrustedProxies(cfg["gateway.trusted_proxies"])
+        self.pages = pages.create_app(self.runtime, self.proxies)
 
     def start(self) -> "GatewayApp":
         self.runtime.start()

@@ -6,6 +6,17 @@ remove it; rejecting a sign-up removes it. Passwords are kept as scrypt hashes
 (memory-hard, in the standard library), each with its own salt; a wrong
 password and an unknown address get the same answer, so sign-in cannot be used
 to find out who has an account.
+
+Every change to a person moves the store's key revision, as a change to a
+key does: gateways hold who is active beside the keys, and reload both when
+the revision moves (a suspended person's key once kept working until some
+unrelated key changed). Suspension, removal and a new password end the
+person's sessions. The last active administrator cannot be demoted,
+suspended or removed: nobody would be left to administer.
+
+Hashing a password takes tens of milliseconds of CPU; callers on an event
+loop pass `offload` to run it elsewhere (the pages hand it to threads of
+their own), so a burst of sign-ins never stalls the loop.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from sqlalchemy.engine import Engine
 
 from llmgw import store
 from llmgw.ids import new_id
+from llmgw.people import sessions
 
 PENDING, ACTIVE, SUSPENDED = "pending", "active", "suspended"
 # scrypt with N=2^14, r=8: about 16 MiB and a few tens of milliseconds per check.
@@ -42,6 +54,11 @@ class User:
     state: str
     is_admin: bool
     created_at: float
+
+
+def inline(function, *args):
+    """Run FUNCTION here and now: the `offload` of callers that are not on an event loop."""
+    return function(*args)
 
 
 def hash_password(password: str) -> str:
@@ -77,16 +94,19 @@ def check_new_password(password: str) -> None:
         raise AccountError(f"a password needs at least {MIN_PASSWORD} characters")
 
 
-def create_user(engine: Engine, email: str, password: str, state: str = PENDING, is_admin: bool = False) -> User:
+def create_user(engine: Engine, email: str, password: str, state: str = PENDING, is_admin: bool = False,
+                offload=inline) -> User:
     email = email.strip().lower()
     if not EMAIL.match(email):
         raise AccountError(f"{email!r} is not an email address")
     check_new_password(password)
     user = User(new_id(), email, state, is_admin, time.time())
+    password_hash = offload(hash_password, password)
     try:
         with engine.begin() as conn:
-            conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=hash_password(password),
+            conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=password_hash,
                                                      state=state, is_admin=is_admin, created_at=user.created_at))
+            store.bump_revision(conn, "keys")
     except sa.exc.IntegrityError:
         raise AccountError(f"{email} already has an account") from None
     return user
@@ -116,14 +136,14 @@ def list_users(engine: Engine, state: str | None = None) -> list[User]:
         return [_row(r) for r in conn.execute(query)]
 
 
-def authenticate(engine: Engine, email: str, password: str) -> User | str:
+def authenticate(engine: Engine, email: str, password: str, offload=inline) -> User | str:
     """The user, or why not, in words for the sign-in page."""
     with engine.connect() as conn:
         row = conn.execute(store.users.select().where(store.users.c.email == email.strip().lower())).first()
     if row is None:
-        check_password(password, _DUMMY_HASH)
+        offload(check_password, password, _DUMMY_HASH)
         return "Wrong email or password."
-    if not check_password(password, row.password_hash):
+    if not offload(check_password, password, row.password_hash):
         return "Wrong email or password."
     if row.state == PENDING:
         return "Your account waits for an operator's approval."
@@ -132,11 +152,28 @@ def authenticate(engine: Engine, email: str, password: str) -> User | str:
     return _row(row)
 
 
-def _update(engine: Engine, which: str, **values) -> User:
+def _update(engine: Engine, which: str, end_sessions: bool = False, **values) -> User:
+    """Change WHICH's row; with END_SESSIONS, end every session of theirs in the same transaction."""
     user = find(engine, which)
     with engine.begin() as conn:
+        if user.is_admin and user.state == ACTIVE and (values.get("state", ACTIVE) != ACTIVE
+                                                       or not values.get("is_admin", True)):
+            _keep_an_administrator(conn, user)
         conn.execute(store.users.update().where(store.users.c.id == user.id).values(**values))
+        if end_sessions:
+            sessions.end_all(conn, user.id)
+        store.bump_revision(conn, "keys")
     return dataclasses.replace(user, **{k: v for k, v in values.items() if k in ("state", "is_admin")})
+
+
+def _keep_an_administrator(conn, user: User) -> None:
+    """Refuse to take USER, an active administrator, out of administering when nobody else could."""
+    u = store.users
+    others = conn.execute(sa.select(sa.func.count()).where(sa.and_(
+        u.c.is_admin.is_(True), u.c.state == ACTIVE, u.c.id != user.id))).scalar_one()
+    if not others:
+        raise AccountError(f"nobody could administer after this: {user.email} is the last active administrator. "
+                           "Make someone else an administrator first (llmgw users promote EMAIL)")
 
 
 def approve(engine: Engine, which: str) -> User:
@@ -147,7 +184,7 @@ def approve(engine: Engine, which: str) -> User:
 
 
 def suspend(engine: Engine, which: str) -> User:
-    return _update(engine, which, state=SUSPENDED)
+    return _update(engine, which, end_sessions=True, state=SUSPENDED)
 
 
 def reinstate(engine: Engine, which: str) -> User:
@@ -161,13 +198,21 @@ def promote(engine: Engine, which: str, admin: bool = True) -> User:
     return _update(engine, which, is_admin=admin)
 
 
-def change_password(engine: Engine, user_id: str, current: str, new: str) -> None:
+def change_password(engine: Engine, user_id: str, current: str, new: str, offload=inline) -> None:
+    """Set a new password and end every session of the person (one may have been someone else's)."""
     with engine.connect() as conn:
         row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
-    if row is None or not check_password(current, row.password_hash):
+    if row is None or not offload(check_password, current, row.password_hash):
         raise AccountError("the current password is wrong")
     check_new_password(new)
-    _update(engine, user_id, password_hash=hash_password(new))
+    _update(engine, user_id, end_sessions=True, password_hash=offload(hash_password, new))
+
+
+def end_sessions(engine: Engine, which: str) -> tuple[User, int]:
+    """End every session of WHICH (an administrator's doing); the account and how many ended."""
+    user = find(engine, which)
+    with engine.begin() as conn:
+        return user, sessions.end_all(conn, user.id)
 
 
 def remove(engine: Engine, which: str) -> User:
@@ -175,6 +220,9 @@ def remove(engine: Engine, which: str) -> User:
     user = find(engine, which)
     now = time.time()
     with engine.begin() as conn:
+        if user.is_admin and user.state == ACTIVE:
+            _keep_an_administrator(conn, user)
+        sessions.end_all(conn, user.id)
         conn.execute(store.api_keys.update().where(sa.and_(store.api_keys.c.user_id == user.id,
                                                             store.api_keys.c.revoked_at.is_(None)))
                      .values(revoked_at=now))
@@ -193,14 +241,3 @@ def reject(engine: Engine, which: str) -> User:
         raise AccountError(f"{user.email} is {user.state}, not waiting for approval; suspend or remove it instead")
     return remove(engine, user.id)
 
-
-def session_secret(engine: Engine) -> str:
-    """The key that signs session cookies: made once (by the gateway's master, before its workers
-    start, so they never race to make it), kept in the store, the same for every worker."""
-    with engine.begin() as conn:
-        row = conn.execute(sa.select(store.secrets_table.c.value).where(store.secrets_table.c.name == "session")).first()
-        if row:
-            return row[0]
-        value = secrets.token_urlsafe(48)
-        conn.execute(store.secrets_table.insert().values(name="session", value=value))
-        return value

@@ -210,6 +210,7 @@ def claim(engine: Engine, token: str) -> tuple[str, KeyRecord] | str:
 
 
 def current_revision(engine: Engine) -> int:
+    """The store's key revision: it moves with every change to a key, a limit, the tree or a person."""
     with engine.connect() as conn:
         return store.read_revision(conn, "keys")
 

@@ -17,6 +17,7 @@ import functools
 import json
 import logging
 import time
+from urllib.parse import urlencode
 
 import flask_login
 from flask import Flask, abort, flash, redirect, render_template, request
@@ -24,8 +25,8 @@ from flask import Flask, abort, flash, redirect, render_template, request
 from llmgw import rules
 from llmgw.apiclient import ApiError, admin_client
 from llmgw.gateway.worker import Runtime
-from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
-from llmgw.web import budgets, forms, svgchart
+from llmgw.people import accounts, keys, limits, memberships, orgtree, sessions, usagereport
+from llmgw.web import budgets, forms, safety, svgchart
 
 log = logging.getLogger("llmgw.adminpages")
 
@@ -97,10 +98,11 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         for k in all_keys:
             if k.revoked_at is None:
                 by_project.setdefault(k.project_id, []).append(k)
-        q = request.args.get("q", "").strip().lower()
+        q = search_text(request.args.get("q", ""))
         shown = [u for u in everyone if q in u.email] if q else everyone
         return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
                                pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
+                               signed_in_count=sessions.count(engine),
                                action=form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
                                + tree.of_kind("project"))
 
@@ -110,6 +112,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         checked()
         f = request.form
         do = f.get("do", "")
+        q = search_text(f.get("q", ""))
         try:
             message = _people_action(engine, do, f)
         except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused) as e:
@@ -119,7 +122,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         else:
             flash(message, "done")
             log.info("%s: %s", me().email, message)
-        return redirect("/admin/people" + (f"?q={f['q']}" if f.get("q") else ""))
+        return redirect("/admin/people" + (f"?{urlencode({'q': q})}" if q else ""))
 
     @app.post("/admin/people/key")
     @admin_only
@@ -141,6 +144,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         if f.get("claim"):
             link = request.host_url.rstrip("/") + "/claim/" + keys.make_claim(engine, record.id, secret)
             secret = None
+        safety.no_store()
         return render_template("admin_key.html", record=record, secret=secret, link=link)
 
     # --- quotas --------------------------------------------------------------------------------
@@ -207,7 +211,18 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         return render_template("org.html", org=chosen, orgs=allowed, parts=table, people=people_here, **view)
 
 
+def search_text(text: str) -> str:
+    """A search as typed; one with line breaks or other control characters is refused (it once went into a
+    redirect's Location header and answered 500)."""
+    if safety.has_control_characters(text):
+        abort(400, "A search cannot contain line breaks or other control characters.")
+    return text.strip().lower()
+
+
 def _people_action(engine, do: str, f) -> str:
+    if do == "end-sessions":
+        user, ended = accounts.end_sessions(engine, f["user"])
+        return f"Ended {ended} session{'' if ended == 1 else 's'} of {user.email}; they sign in again."
     if do in ("approve", "reject", "suspend", "reinstate", "promote", "demote", "remove"):
         who = f["user"]
         if do == "approve":

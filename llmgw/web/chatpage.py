@@ -8,9 +8,11 @@ the server, with raw HTML dropped, images not loaded and only http, https and
 mailto links kept, so a model cannot put script or a tracking pixel into the
 page.
 
-Who is asking is read from the signed session cookie and the CSRF header
-alone; whether that person is still active comes from the worker's key table,
-so a chat request queries no database either.
+Who is asking is read from the signed session cookie and its session record
+in the store (one read by primary key: a session ended at sign-out or by an
+administrator stops chatting at once), and the CSRF header; whether that
+person is still active comes from the worker's key table. `/v1` requests,
+which carry keys, never read the store.
 """
 
 from __future__ import annotations
@@ -93,9 +95,8 @@ def caller_for(app: Flask, runtime: Runtime, csrf_secret: bytes, environ):
     from llmgw.gateway.caller import Caller
 
     with app.request_context(environ):
-        from flask import session
-
-        user_id = session.get("_user_id")
+        person = flask_login.current_user
+        user_id = person.get_id() if person.is_authenticated else None
         table = runtime.keys
         if not user_id or user_id not in table.active_people:
             raise ApiError(401, "Sign in again to chat (your session ended).", "not_signed_in")

@@ -28,7 +28,7 @@ from flask import Flask, abort, flash, redirect, render_template, request
 
 from llmgw.apiclient import ApiClient, ApiError, Unreachable, address_url, admin_client
 from llmgw.gateway.worker import Runtime
-from llmgw.web import forms
+from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
 from llmgw.web.chatpage import render_markdown
 
@@ -141,13 +141,13 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                                    "min_memory_gb": float(f.get("memory") or 0)}]}
         except (KeyError, ValueError):
             flash("Give the model a name, a source, and numbers for memory and context.", "problem")
-            return redirect(request.referrer or "/admin/mirror")
+            return redirect(safety.back("/admin/mirror"))
         try:
             controller().call("POST", "/api/v1/models", table)
             flash(f"{table['name']} is in the catalog ({f.get('mode', 'on_demand').replace('_', ' ')}).", "done")
         except ApiError as e:
             flash(sentence(e), "problem")
-            return redirect(request.referrer or "/admin/mirror")
+            return redirect(safety.back("/admin/mirror"))
         return redirect("/admin/mirror")
 
     @app.get("/admin/mirror/registry")
