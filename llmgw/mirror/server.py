@@ -32,6 +32,7 @@ from werkzeug.wrappers import Request, Response
 from werkzeug.wsgi import FileWrapper
 
 from llmgw.addresses import AddressList
+from llmgw import apiguard
 from llmgw.apiguard import HostCheck
 from llmgw.mirror.fetch import Manager, SourceRefused
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
