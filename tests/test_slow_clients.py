@@ -16,7 +16,6 @@ import statistics
 import time
 
 import pytest
-
 from conftest import make_key
 
 LOGIN_SLOW_BODY = (b"POST /login HTTP/1.1\r\nHost: gw\r\nContent-Type: application/x-www-form-urlencoded\r\n"
