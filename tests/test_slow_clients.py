@@ -85,12 +85,18 @@ def closed(sock: socket.socket, timeout: float = 30) -> bool:
     return True
 
 
+PROBE_TIMEOUT = 5.0
+
+
 def health_ms(gw) -> float:
+    """Milliseconds /health takes on a new connection from 127.0.0.1; PROBE_TIMEOUT's when it is not answered."""
     t0 = time.perf_counter()
     sock = connect(gw)
     try:
         sock.sendall(HEALTH)
-        status, _, _ = read_response(sock, timeout=10)
+        status, _, _ = read_response(sock, timeout=PROBE_TIMEOUT)
+    except TimeoutError:
+        return PROBE_TIMEOUT * 1000
     finally:
         sock.close()
     assert status == 200
@@ -217,7 +223,7 @@ def test_idle_connections_make_room_for_their_address_and_busy_ones_do_not(keyed
     status, _, body = read_response(refused)
     assert status == 429 and b"gateway.max_connections_per_address" in body
     assert closed(refused, 10)
-    assert health_ms(gw) < 5000  # another address is served
+    assert health_ms(gw) < PROBE_TIMEOUT * 1000  # another address is served
 
 
 def test_a_trusted_proxy_is_not_bounded(keyed_gateway):
@@ -245,7 +251,8 @@ def test_5000_slow_connections_from_one_address_leave_health_answering(make_gate
     """One worker with the default settings (4,096 connections, timeouts of 20 s): 5,000 connections from
     127.0.0.2, silent, stopped mid-head, or stopped mid-body, each of the kinds in turn. The worker keeps
     at most 2,048 of them (half its connections) and refuses the rest, so /health from 127.0.0.1 is
-    answered: ten probes while they are held, median under 100 ms, none over 5 s.
+    answered: ten probes while they are held, each on a new connection with a deadline of 5 s, median under
+    100 ms and none missing its deadline.
 
     Before the bound, 4,096 of them filled the worker and /health was never answered."""
     _raise_fd_limit(ATTACKERS + 1024)
@@ -268,11 +275,8 @@ def test_5000_slow_connections_from_one_address_leave_health_answering(make_gate
             socks.append(sock)
         opened = time.monotonic() - t0
 
-        # Wait until the worker has taken each in: held, or refused and closed.
-        ended = set()
-        deadline = time.monotonic() + 60
-        while len(ended) < ATTACKERS - 2048 and time.monotonic() < deadline:
-            for key, _ in sel.select(timeout=0.5):
+        def collect(timeout: float) -> None:
+            for key, _ in sel.select(timeout=timeout):
                 try:
                     more = key.fileobj.recv(65536)
                 except (ConnectionResetError, BlockingIOError):
@@ -280,17 +284,23 @@ def test_5000_slow_connections_from_one_address_leave_health_answering(make_gate
                 if not more:
                     sel.unregister(key.fileobj)
                     ended.add(key.fileobj)
-        assert len(ended) >= ATTACKERS - 2048, f"{len(ended)} of {ATTACKERS} were refused"
+
+        # Wait until the worker has taken each in: held, or refused and closed.
+        ended: set[socket.socket] = set()
+        deadline = time.monotonic() + 30
+        while len(ended) < ATTACKERS - 2048 and time.monotonic() < deadline:
+            collect(0.5)
         taken_in = time.monotonic() - t0
 
         probes = [health_ms(gw) for _ in range(10)]
+        collect(0)
         held = ATTACKERS - len(ended)
-        print(f"opened {ATTACKERS} in {opened:.2f} s, all taken in after {taken_in:.2f} s, {held} held; "
+        print(f"opened {ATTACKERS} in {opened:.2f} s, taken in after {taken_in:.2f} s, {held} held; "
               f"/health ms: {sorted(round(p, 1) for p in probes)}")
-        assert time.monotonic() - t0 < 20, "the probes ran after the held connections could have timed out"
-        assert held == 2048
         assert statistics.median(probes) < 100
-        assert max(probes) < 5000
+        assert max(probes) < PROBE_TIMEOUT * 1000
+        # Held while the probes ran (they time out after 20 s), and no more than the bound.
+        assert held == 2048, f"{held} of {ATTACKERS} held after the probes"
     finally:
         sel.close()
         for sock in socks:
