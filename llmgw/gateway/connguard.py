@@ -200,7 +200,6 @@ class Connection:
         self.registry = registry
         self.limits = limits
         self.counted = True
-        self.evicted = False
         # What gunicorn calls while answering, bound here rather than found through __getattr__.
         self.sendall = sock.sendall
         self.send = sock.send
@@ -285,7 +284,6 @@ class Connection:
 
     def evict(self) -> None:
         """Close this idle connection to make room: its reader sees the end of the stream."""
-        self.evicted = True
         self.registry.release(self)
         with contextlib.suppress(OSError, AttributeError):
             # The system socket's shutdown under gevent's: gevent's own would raise EBADF in the greenlet
