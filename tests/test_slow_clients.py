@@ -35,7 +35,8 @@ OPENED: list[socket.socket] = []
 
 
 @pytest.fixture(autouse=True)
-def close_sockets():
+def close_sockets(make_gateway):
+    """Closes the test's sockets before its gateways stop."""
     yield
     while OPENED:
         OPENED.pop().close()
@@ -202,6 +203,18 @@ def test_an_idle_kept_alive_connection_waits_longer_than_a_head(keyed_gateway):
         sock.recv(1)
     sock.sendall(HEALTH)
     assert read_response(sock)[0] == 200
+
+
+def test_a_stopping_gateway_closes_idle_connections_at_once(keyed_gateway):
+    """An idle kept-alive connection does not hold a stopping worker to its graceful timeout (10 s here)."""
+    gw, _ = keyed_gateway()
+    sock = connect(gw)
+    sock.sendall(HEALTH)
+    assert read_response(sock)[0] == 200
+    t0 = time.monotonic()
+    assert gw.stop() == 0
+    assert time.monotonic() - t0 < 6
+    assert closed(sock, 1)
 
 
 def test_idle_connections_make_room_for_their_address_and_busy_ones_do_not(keyed_gateway):

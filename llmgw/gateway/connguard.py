@@ -20,7 +20,8 @@ connections in one worker. A new connection beyond it first closes the
 address's longest-idle kept-alive connection, so idle connections never hold
 a client's slots against its own new ones; only when none is idle is it
 refused (429, then closed). Likewise, a worker whose connections are all taken
-closes its longest-idle one to keep room. Addresses in
+closes its longest-idle one to keep room, and a stopping worker closes every
+idle one at once rather than wait for it to its graceful timeout. Addresses in
 `gateway.trusted_proxies` are not bounded: every client behind a proxy shares
 its address.
 
@@ -165,6 +166,11 @@ class Registry:
         key = conn.key
         if key is not None:
             self.idle_by_key.setdefault(key, {})[conn] = None
+
+    def close_idle(self) -> None:
+        """Close every idle connection (the worker is stopping: they would hold it to its graceful timeout)."""
+        while self.idle:
+            next(iter(self.idle)).evict()
 
     def busy(self, conn: Connection) -> None:
         if conn not in self.idle:
@@ -339,6 +345,12 @@ class GuardedWorker(GeventWorker):
         send_quietly(client, timeout_response(429, b"", message))
         with contextlib.suppress(OSError):
             client.close()
+
+    def notify(self):
+        super().notify()
+        if not self.alive:
+            # Stopping: gunicorn closes a connection after the request it is serving; close the idle ones now.
+            self.registry.close_idle()
 
     def timeout_ctx(self):
         # Every wait for a request is bounded by the connection's recv (idle, then head).
