@@ -61,6 +61,21 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a stopping gateway lets in-flight requests and streams finish before it closes them.", minimum=0),
     Setting("gateway.max_body_bytes", "int", 32 * MiB,
             "Largest request body accepted; a larger one is refused with 413 before it is read.", minimum=1),
+    Setting("gateway.header_timeout", "float", 20.0,
+            "Seconds a client has to send a request's line and headers, from connecting (its first request) or from "
+            "the request's first byte (later ones); then 408, or a plain close for a connection that sent nothing.",
+            minimum=0.1),
+    Setting("gateway.body_timeout", "float", 20.0,
+            "Seconds a request body may take to arrive, plus one for every `gateway.body_min_rate` bytes that "
+            "arrive; a body slower than that is answered 408 and its connection closed.", minimum=0.1),
+    Setting("gateway.body_min_rate", "int", 500,
+            "Bytes a second a request body must keep up, on average, once `gateway.body_timeout` has passed. "
+            "0: the body must arrive whole within `gateway.body_timeout`.", minimum=0),
+    Setting("gateway.max_connections_per_address", "int", 2048,
+            "Connections one client address (an IPv6 /64) may hold open in one worker, and never more than half of "
+            "`gateway.worker_connections`. Beyond it the address's longest-idle connection is closed, or, with none "
+            "idle, the new one is refused with 429. Addresses in `gateway.trusted_proxies` are not bounded. "
+            "0: no bound.", minimum=0),
     Setting("gateway.trusted_proxies", "list", [],
             "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody.",
             check=addresses.check_list),

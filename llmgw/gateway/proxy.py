@@ -276,23 +276,30 @@ class Proxy:
                                           for name in allowlist)
 
     def _read_body(self, environ) -> bytes:
+        # Imported here so that everything this helper needs stays inside it (already loaded: a dict lookup).
+        from llmgw.gateway.connguard import BodyTimeout
+
         stream = environ["wsgi.input"]
         length = environ.get("CONTENT_LENGTH")
-        if length:
-            try:
-                size = int(length)
-            except ValueError:
-                raise ApiError(400, "Content-Length is not a number.", "invalid_request") from None
-            if size > self.max_body:
-                raise ApiError(413, f"The body is {size} bytes; this gateway accepts at most {self.max_body} "
-                                    "(gateway.max_body_bytes). Send less, or ask an operator to raise the limit.",
-                               "body_too_large")
-            data = stream.read(size)
-            if len(data) < size:
-                raise ApiError(400, "The body ended before Content-Length bytes arrived.", "invalid_request")
-            return data
-        # A chunked body has no length up front: read one byte past the limit to know.
-        data = stream.read(self.max_body + 1)
+        try:
+            if length:
+                try:
+                    size = int(length)
+                except ValueError:
+                    raise ApiError(400, "Content-Length is not a number.", "invalid_request") from None
+                if size > self.max_body:
+                    raise ApiError(413, f"The body is {size} bytes; this gateway accepts at most {self.max_body} "
+                                        "(gateway.max_body_bytes). Send less, or ask an operator to raise the limit.",
+                                   "body_too_large")
+                data = stream.read(size)
+                if len(data) < size:
+                    raise ApiError(400, "The body ended before Content-Length bytes arrived.", "invalid_request")
+                return data
+            # A chunked body has no length up front: read one byte past the limit to know.
+            data = stream.read(self.max_body + 1)
+        except BodyTimeout as e:
+            # Too slow (gateway.body_timeout, gateway.body_min_rate); the worker closes the connection after this.
+            raise ApiError(408, e.description, "request_timeout") from None
         if len(data) > self.max_body:
             raise ApiError(413, f"The body is larger than {self.max_body} bytes (gateway.max_body_bytes).",
                            "body_too_large")

@@ -7,7 +7,9 @@ app is built inside each worker, after gevent has patched it: with
 serves the summed Prometheus metrics and tells prometheus-client when a
 worker dies; a stopping worker writes its buffered usage before it exits.
 Each worker tags the log lines written while it serves a request with that
-request's id.
+request's id. The worker class is gunicorn's gevent worker with every read
+from a client bounded in time and connections counted per address
+(llmgw/gateway/connguard.py).
 """
 
 from __future__ import annotations
@@ -97,11 +99,14 @@ class GatewayServer(BaseApplication):
         settings = {
             "bind": [bind_address(cfg["gateway.listen"], "gateway.listen")],
             "workers": cfg["gateway.workers"],
-            "worker_class": "gevent",
+            # gunicorn's gevent worker, with bounded reads and connections per address.
+            "worker_class": "llmgw.gateway.connguard.GuardedWorker",
             "worker_connections": cfg["gateway.worker_connections"],
             "graceful_timeout": cfg["gateway.graceful_timeout"],
             # Clients such as the openai library keep connections open between
-            # requests; gunicorn's 2 s default would close them under them.
+            # requests; gunicorn's 2 s default would close them under them. An
+            # idle connection is closed after this, or sooner when its address
+            # or its worker needs the room (llmgw/gateway/connguard.py).
             "keepalive": 75,
             "backlog": 4096,
             # gunicorn 27 otherwise opens one control socket per user, shared
