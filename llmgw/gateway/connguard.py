@@ -38,7 +38,9 @@ import logging
 import socket
 import time
 
+from gunicorn.http import errors as http_errors
 from gunicorn.http.body import ChunkedReader, LengthReader
+from gunicorn.http.errors import ParseException
 from gunicorn.workers.base_async import AsyncWorker
 from gunicorn.workers.ggevent import GeventWorker
 from werkzeug.exceptions import RequestTimeout
@@ -52,6 +54,12 @@ HEAD, BODY, IDLE = "head", "body", "idle"
 HEAD_KEPT = 256  # bytes of a request head kept to tell, on a timeout, whether it was for /v1
 WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 WRITE_TIMEOUT = 1.0  # seconds to hand a refusal or a 408 to a client that may not read it
+# gunicorn's parse errors that are the client's, with the status each gets (400 for the rest).
+CLIENT_ERRORS = ((http_errors.LimitRequestLine, 414), (http_errors.LimitRequestHeaders, 431),
+                 (http_errors.ExpectationFailed, 417), (http_errors.ForbiddenProxyRequest, 403))
+# What gunicorn raises for the app's own mistakes (a bad response header, its configuration): a 500, as it says.
+SERVERS_FAULT = (http_errors.InvalidResponseHeader, http_errors.InvalidResponseHeaderName,
+                 http_errors.ConfigurationProblem)
 
 
 class HeadTimeout(Exception):
@@ -297,12 +305,12 @@ class Connection:
             self.sock._sock.shutdown(socket.SHUT_RDWR)
 
 
-def timeout_response(status: int, head: bytes, message: str) -> bytes:
-    """A whole HTTP response for a request that never reached the app: OpenAI's error object when HEAD
-    names a /v1 path, plain text otherwise."""
+def early_response(status: int, head: bytes, message: str, code: str) -> bytes:
+    """A whole HTTP response for a request that never reached the app: OpenAI's error object (CODE) when
+    HEAD names a /v1 path, plain text otherwise."""
     parts = head.split(b" ", 2)
     if len(parts) > 1 and parts[1].startswith(b"/v1/"):
-        error = ApiError(status, message, "request_timeout" if status == 408 else "too_many_connections")
+        error = ApiError(status, message, code)
         body, kind = error.body(), "application/json"
     else:
         body, kind = message.encode() + b"\n", "text/plain; charset=utf-8"
@@ -342,7 +350,7 @@ class GuardedWorker(GeventWorker):
     def _refuse(self, client) -> None:
         message = (f"Too many connections from your address (at most {self.limits.per_address} at once, "
                    "gateway.max_connections_per_address). Reuse the ones you have.")
-        send_quietly(client, timeout_response(429, b"", message))
+        send_quietly(client, early_response(429, b"", message, "too_many_connections"))
         with contextlib.suppress(OSError):
             client.close()
 
@@ -368,13 +376,22 @@ class GuardedWorker(GeventWorker):
             log.debug("408 to %s: %s", addr, exc)
             message = (f"The request's head did not arrive whole within {self.limits.header:g} s "
                        "(gateway.header_timeout). Send the request line and headers at once.")
-            send_quietly(client.sock, timeout_response(408, exc.head, message))
+            send_quietly(client.sock, early_response(408, exc.head, message, "request_timeout"))
             return
         if isinstance(exc, BodyTimeout):
             # Raised outside the app (it never read the body, or let the exception out).
             log.debug("408 to %s: %s", addr, exc.description)
             if not client.answered:
                 head = f"{req.method} {req.path} ".encode() if req is not None else b""
-                send_quietly(client.sock, timeout_response(408, head, exc.description))
+                send_quietly(client.sock, early_response(408, head, exc.description, "request_timeout"))
+            return
+        if isinstance(exc, ParseException) and not isinstance(exc, SERVERS_FAULT):
+            # Not HTTP as gunicorn reads it. gunicorn would answer an HTML page, and 501 to a transfer coding
+            # it does not know; a client that sent /v1 gets OpenAI's error object, and every such request a 4xx.
+            status = next((code for kind, code in CLIENT_ERRORS if isinstance(exc, kind)), 400)
+            log.debug("%s to %s: %s", status, addr, exc)
+            if not client.answered:
+                send_quietly(client.sock, early_response(status, client.head, f"The request is not HTTP this "
+                                                                              f"gateway reads: {exc}.", "invalid_request"))
             return
         super().handle_error(req, client, addr, exc)

@@ -16,7 +16,8 @@ from llmgw.gateway import requestid
 REASONS = {
     400: "400 Bad Request", 401: "401 Unauthorized", 403: "403 Forbidden", 404: "404 Not Found",
     405: "405 Method Not Allowed", 408: "408 Request Timeout", 411: "411 Length Required",
-    413: "413 Content Too Large", 415: "415 Unsupported Media Type", 429: "429 Too Many Requests",
+    413: "413 Content Too Large", 414: "414 URI Too Long", 415: "415 Unsupported Media Type",
+    417: "417 Expectation Failed", 429: "429 Too Many Requests", 431: "431 Request Header Fields Too Large",
     499: "499 Client Closed Request", 500: "500 Internal Server Error", 502: "502 Bad Gateway",
     503: "503 Service Unavailable", 504: "504 Gateway Timeout",
 }

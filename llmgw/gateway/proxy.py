@@ -38,9 +38,11 @@ import time
 
 import gevent
 from gevent.socket import wait_read
+from gunicorn.http.errors import ParseException
 
 from llmgw.gateway import admission, apirequest, balancer, metering
 from llmgw.gateway.caller import Caller, duration
+from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
@@ -276,9 +278,6 @@ class Proxy:
                                           for name in allowlist)
 
     def _read_body(self, environ) -> bytes:
-        # Imported here so that everything this helper needs stays inside it (already loaded: a dict lookup).
-        from llmgw.gateway.connguard import BodyTimeout
-
         stream = environ["wsgi.input"]
         length = environ.get("CONTENT_LENGTH")
         try:
@@ -300,6 +299,8 @@ class Proxy:
         except BodyTimeout as e:
             # Too slow (gateway.body_timeout, gateway.body_min_rate); the worker closes the connection after this.
             raise ApiError(408, e.description, "request_timeout") from None
+        except ParseException as e:  # gunicorn's, for a chunked body that breaks its framing
+            raise ApiError(400, f"The chunked request body is malformed ({e}).", "invalid_request") from None
         if len(data) > self.max_body:
             raise ApiError(413, f"The body is larger than {self.max_body} bytes (gateway.max_body_bytes).",
                            "body_too_large")
