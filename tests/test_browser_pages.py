@@ -110,8 +110,10 @@ def test_chat_with_the_real_model_renders_keeps_and_stops(cluster):
     # Stop: the browser drops the stream, the gateway closes the engine's request, the engine stops.
     page.fill("#prompt", "Write a long story about a dragon who learns to bake bread. Use at least 300 words.")
     page.press("#prompt", "Enter")
-    page.wait_for_function("document.querySelectorAll('.msg.assistant').length == 2 && "
-                           "document.querySelectorAll('.msg.assistant')[1].innerText.length > 40", timeout=60_000)
+    # Polled from here: wait_for_function evaluates its string in the page, which the pages' CSP forbids.
+    answers = page.locator(".msg.assistant")
+    wait_for("the second answer to stream", 60, lambda: answers.count() == 2 and len(answers.nth(1).inner_text()) > 40,
+             interval=0.2)
     page.click("#stop")
     stats = page.wait_for_selector(".msg.assistant:nth-of-type(4) .stats", timeout=10_000)
     assert "stopped" in stats.inner_text()

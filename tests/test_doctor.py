@@ -127,7 +127,7 @@ def test_the_controller_answers_and_accepts_the_key_or_not(tmp_path):
         assert f"OK   agent   the controller at 127.0.0.1:{c.agent_port} accepts this node's key" in run.stdout
         assert "this node reaches" in run.stdout and "via lo" in run.stdout
         # A key the controller never issued (another controller's) is refused.
-        (tmp_path / "other").mkdir()
+        (tmp_path / "other").mkdir(mode=0o700)  # a store directory others can read is refused
         other = Controller(tmp_path / "other")
         try:
             (tmp_path / "stranger.key").write_text(other.issue_key("n1"))
