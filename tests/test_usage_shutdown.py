@@ -106,10 +106,12 @@ def test_rows_the_store_will_not_take_at_a_stop_are_spooled_and_written_by_the_n
     # The store can no longer take usage rows (as a full disk or a read-only file would have it; as root,
     # file modes stop nothing, so the table goes away instead).
     move_usage_table(store_url, "usage", "usage_away")
-    assert gw.stop(signal.SIGTERM) == 0
+    try:
+        assert gw.stop(signal.SIGTERM) == 0
+    finally:
+        move_usage_table(store_url, "usage_away", "usage")  # a table left behind would break the next wipe
     assert len(spooled_rows(spool)) == REQUESTS
     assert "they are in" in gw.log()
-    move_usage_table(store_url, "usage_away", "usage")
     serve(make_gateway, make_sim, store_url, spool)
     wait_until("the spooled rows in the store", 30, lambda: count_usage(store_url) == REQUESTS)
     assert os.listdir(spool) == []
