@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from llmgw import store
 from llmgw.cli.main import main
 from llmgw.gateway.metrics import GatewayMetrics
-from llmgw.gateway.usage import UsageRecorder
+from llmgw.gateway.usage import FIELDS, UsageRecorder
 from llmgw.people import keys, orgtree, rollup, usagereport
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15 08:00 UTC
@@ -178,3 +178,18 @@ def test_rows_neither_store_nor_spool_takes_are_logged_with_their_content(tmp_pa
     assert recorder.metrics.usage_dropped._value.get() == 1
     assert any('"key_id": "lost"' in r.getMessage() for r in caplog.records)
     engine.dispose()
+
+
+def test_a_spool_line_that_holds_no_row_is_logged_and_the_others_written(engine, tmp_path, caplog):
+    spool = tmp_path / "spool"
+    stopping = UsageRecorder(engine, batch_size=10, spool_dir=str(spool))
+    stopping.record(usage_row(key_id="kept"))
+    path, _ = stopping.spool()
+    shaped_wrong = {**dict(zip(FIELDS, usage_row(key_id="wrong"))), "status": {"code": 200}}
+    with open(path, "a") as f:
+        f.write("not json\n" + json.dumps(shaped_wrong) + "\n")
+    starting = UsageRecorder(engine, batch_size=10, metrics=GatewayMetrics(), spool_dir=str(spool))
+    starting.flush()
+    assert [r.key_id for r in stored(engine, "key_id")] == ["kept"] and os.listdir(spool) == []
+    assert starting.metrics.usage_dropped._value.get() == 2
+    assert any("unreadable in the spool: not json" in r.getMessage() for r in caplog.records)

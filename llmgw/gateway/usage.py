@@ -106,12 +106,11 @@ class UsageRecorder:
         return len(self.rows)
 
     def flush(self) -> int:
-        """Write every spool file still waiting and everything buffered now; returns the buffered rows written.
+        """Write everything buffered now, then any spool file still waiting; returns the buffered rows written.
         Safe from any thread; a flush cut short (its greenlet killed, a deadline) loses no row."""
         written = 0
         with self.write_lock:
             try:
-                self._write_spooled()
                 while self.rows:
                     # Rows leave the buffer only once their transaction has committed.
                     batch = list(itertools.islice(self.rows, self.batch_size))
@@ -119,10 +118,12 @@ class UsageRecorder:
                     for _ in batch:
                         self.rows.popleft()
                     written += len(batch)
+                self._write_spooled()
             except Exception:
                 if self.metrics:
                     self.metrics.usage_failures.inc()
-                log.exception("writing usage rows failed; %d stay buffered and will be retried", len(self.rows))
+                log.exception("writing usage rows failed; %d buffered rows and %d spool files wait for the next try",
+                              len(self.rows), len(self.spooled))
         if self.metrics:
             self.metrics.usage_pending.set(len(self.rows))
         return written
@@ -200,25 +201,35 @@ class UsageRecorder:
                 lines = f.readlines()
         except FileNotFoundError:
             return None
-        rows = [row for row in map(self._parse, lines) if row is not None]
+        rows = [_parse(line) for line in lines]
+        readable = [row for row in rows if row is not None]
         try:
             with self.engine.begin() as conn:
                 # First, so that a sibling writing the same file waits here, then finds it done.
-                conn.execute(store.usage_spools.insert().values(name=os.path.basename(path), rows=len(rows),
+                conn.execute(store.usage_spools.insert().values(name=os.path.basename(path), rows=len(readable),
                                                                 written_at=time.time()))
-                refused = [r for start in range(0, len(rows), self.batch_size)
-                           for r in insert_rows(conn, rows[start:start + self.batch_size])]
+                refused = [r for start in range(0, len(readable), self.batch_size)
+                           for r in insert_rows(conn, readable[start:start + self.batch_size])]
         except sa.exc.IntegrityError:
             return None
         self._drop_refused(refused)
-        return len(rows) - len(refused)
+        for line, row in zip(lines, rows):
+            if row is None:
+                self._drop_line(line)
+        return len(readable) - len(refused)
 
-    def _parse(self, line: str) -> tuple | None:
-        try:
-            values = json.loads(line)
-            return tuple(values[name] for name in FIELDS)
-        except (ValueError, KeyError, TypeError) as e:
-            if self.metrics:
-                self.metrics.usage_dropped.inc()
-            log.error("usage row dropped, unreadable in the spool (%s): %s", e, line[:2000].strip())
-            return None
+    def _drop_line(self, line: str) -> None:
+        if self.metrics:
+            self.metrics.usage_dropped.inc()
+        log.error("usage row dropped, unreadable in the spool: %s", line[:2000].strip())
+
+
+def _parse(line: str) -> tuple | None:
+    """The row a spool file's LINE holds, or None for a line this code never writes (a file edited by hand).
+    Only plain values: a list or an object would make PostgreSQL refuse the whole file, at every try."""
+    try:
+        values = json.loads(line)
+        row = tuple(values[name] for name in FIELDS)
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None if any(isinstance(value, (list, dict)) for value in row) else row
