@@ -132,7 +132,7 @@ def test_a_hung_store_holds_up_no_stop_and_loses_no_row(pg_url, tmp_path, make_g
         assert gw.stop(signal.SIGTERM, timeout=60) == 0
         took = time.monotonic() - started
         # Each worker: up to 1 s to notice, 2 s to stop its greenlets, CLOSE_WRITE_LIMIT to try the store.
-        assert took < 3 + worker.CLOSE_WRITE_LIMIT + 5, f"the stop took {took:.1f} s"
+        assert took < 3 + worker.CLOSE_WRITE_LIMIT + 8, f"the stop took {took:.1f} s"
         assert len(spooled_rows(spool)) == REQUESTS
         relay.flow()
         serve(make_gateway, make_sim, url, spool)
