@@ -73,10 +73,10 @@ class Relay:
             sink.close()
 
 
-def serve(make_gateway, make_sim, url: str, spool) -> object:
+def serve(make_gateway, make_sim, url: str, spool, flush_interval=60.0) -> object:
     sim = make_sim(replica="s")
     return make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}],
-                        usage__flush_interval=60.0, usage__spool_dir=str(spool))
+                        usage__flush_interval=flush_interval, usage__spool_dir=str(spool))
 
 
 def send(gw, key: str) -> None:
@@ -125,9 +125,12 @@ def test_a_hung_store_holds_up_no_stop_and_loses_no_row(pg_url, tmp_path, make_g
         url = store_url_for(direct.set(port=relay.port).render_as_string(hide_password=False))
         spool = tmp_path / "spool"
         key = make_key(url)
-        gw = serve(make_gateway, make_sim, url, spool)
+        gw = serve(make_gateway, make_sim, url, spool, flush_interval=0.2)
         send(gw, key)
+        wait_until("the first rows in the store", 30, lambda: count_usage(store_url_for(pg_url)) == REQUESTS)
+        # Hung now: each worker's flusher is stuck in a write when the stop comes.
         relay.hang()
+        send(gw, key)
         started = time.monotonic()
         assert gw.stop(signal.SIGTERM, timeout=60) == 0
         took = time.monotonic() - started
@@ -136,7 +139,7 @@ def test_a_hung_store_holds_up_no_stop_and_loses_no_row(pg_url, tmp_path, make_g
         assert len(spooled_rows(spool)) == REQUESTS
         relay.flow()
         serve(make_gateway, make_sim, url, spool)
-        wait_until("the spooled rows in the store", 30, lambda: count_usage(url) == REQUESTS)
+        wait_until("the spooled rows in the store", 30, lambda: count_usage(store_url_for(pg_url)) == 2 * REQUESTS)
         assert os.listdir(spool) == []
     finally:
         relay.close()
