@@ -131,6 +131,22 @@ def test_a_row_the_store_refuses_is_dropped_logged_and_counted_and_the_rest_writ
     assert recorder.flush() == 1  # never tried again
 
 
+def test_rows_wait_while_the_store_cannot_take_them_and_none_is_dropped(engine):
+    metrics = GatewayMetrics()
+    recorder = UsageRecorder(engine, batch_size=2, metrics=metrics)
+    for i in range(3):
+        recorder.record(usage_row(key_id=f"k{i}"))
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE usage RENAME TO usage_away"))  # what a failed store looks like to a write
+    try:
+        assert recorder.flush() == 0 and recorder.flush() == 0
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE usage_away RENAME TO usage"))
+    assert recorder.pending() == 3 and metrics.usage_dropped._value.get() == 0
+    assert recorder.flush() == 3 and [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2"]
+
+
 def test_spooled_rows_are_written_by_the_next_start_once(engine, tmp_path):
     spool = tmp_path / "spool"
     stopping = UsageRecorder(engine, batch_size=4, spool_dir=str(spool))
