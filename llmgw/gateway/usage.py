@@ -36,7 +36,7 @@ import uuid
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
+from llmgw import filemodes, store
 
 log = logging.getLogger("llmgw.usage")
 
@@ -162,7 +162,7 @@ class UsageRecorder:
     def _write_spool_file(self, rows: list[tuple]) -> str:
         if not self.spool_dir:
             raise OSError("usage.spool_dir is not set")
-        os.makedirs(self.spool_dir, mode=0o700, exist_ok=True)
+        filemodes.make_private_dir(self.spool_dir)
         # A unique name: it is what marks the file written (store.usage_spools).
         name = f"usage-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex}.jsonl"
         path = os.path.join(self.spool_dir, name)
@@ -170,7 +170,7 @@ class UsageRecorder:
         # replaces workers while others stop) must never read, and remove, a half-written file.
         partial = os.path.join(self.spool_dir, "." + name)
         try:
-            with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            with open(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, filemodes.FILE_MODE), "w") as f:
                 f.writelines(json.dumps(dict(zip(FIELDS, row))) + "\n" for row in rows)
                 f.flush()
                 os.fsync(f.fileno())
