@@ -184,6 +184,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between writes of buffered usage rows to the store.", minimum=0.01),
     Setting("usage.batch_size", "int", 500,
             "Usage rows written in one statement.", minimum=1),
+    Setting("usage.spool_dir", "str", "var/usage-spool",
+            "Where a stopping gateway worker leaves the usage rows the store would not take (files of mode 0600, "
+            "in a directory of mode 0700); the next start writes them into the store, once, and removes them."),
     Setting("controller.agent_listen", "str", ":7443",
             "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node.",
             check=addresses.check_listen),

@@ -164,6 +164,17 @@ usage = sa.Table(
 )
 
 
+# Spool files (usage rows a stopping gateway could not write) that a later
+# start has written. A file's rows and its name here are written in one
+# transaction, so a crash before the file is removed cannot write them twice.
+usage_spools = sa.Table(
+    "usage_spools", metadata,
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("rows", sa.Integer, nullable=False),
+    sa.Column("written_at", sa.Float, nullable=False),
+)
+
+
 def _rollup(name: str, bucket: str) -> sa.Table:
     # Reports read these, never the raw rows: a page over ten million
     # requests sums a few thousand roll-up rows. "" stands for "none" in the
@@ -370,6 +381,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
     (9, "gateway keys", _create([gateway_keys])),
     (10, "sessions; the session secret leaves the store", _sessions),
+    (11, "usage spool files written", _create([usage_spools])),
 ]
 
 

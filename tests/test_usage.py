@@ -1,13 +1,15 @@
 """Usage roll-ups and reports, on SQLite and PostgreSQL."""
 
 import json
+import os
 
 import sqlalchemy as sa
 from click.testing import CliRunner
 
 from llmgw import store
 from llmgw.cli.main import main
-from llmgw.gateway.usage import UsageRecorder
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.usage import FIELDS, UsageRecorder
 from llmgw.people import keys, orgtree, rollup, usagereport
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15 08:00 UTC
@@ -90,3 +92,120 @@ def test_llmgw_usage_prints_a_table_and_json(store_url):
     assert line["org"] == "Acme" and line["completion_tokens"] == 4
     result = runner.invoke(main, ["--store", store_url, "usage", "--since", "soon"])
     assert result.exit_code == 2 and "not a duration" in result.output
+
+
+# --- writing rows: one row never blocks the others, and none is lost at a stop --------------------
+
+def usage_row(key_id="k", model="m", endpoint="chat"):
+    return (NOW, key_id, None, model, model, "r", endpoint, False, 200, 1, 1, 1.0, None, None, None)
+
+
+def stored(engine, *columns):
+    with engine.connect() as conn:
+        return conn.execute(sa.select(*[store.usage.c[c] for c in columns]).order_by(store.usage.c.id)).all()
+
+
+def test_a_long_model_name_is_stored_cut_and_holds_up_no_other_row(engine):
+    # On PostgreSQL a name over 200 characters failed its batch, and every batch after it, for good;
+    # SQLite stored all 100,000 characters.
+    recorder = UsageRecorder(engine, batch_size=5)
+    for i in range(13):
+        recorder.record(usage_row(key_id=f"k{i}", model="m" * 100_000 if i == 2 else "m"))
+    assert recorder.flush() == 13 and recorder.pending() == 0
+    rows = stored(engine, "key_id", "model_asked", "model_served")
+    assert [r.key_id for r in rows] == [f"k{i}" for i in range(13)]
+    assert rows[2].model_asked == "m" * 200 and rows[2].model_served == "m" * 200
+
+
+def test_a_row_the_store_refuses_is_dropped_logged_and_counted_and_the_rest_written(engine, caplog):
+    metrics = GatewayMetrics()
+    recorder = UsageRecorder(engine, batch_size=500, metrics=metrics)
+    for i in range(6):
+        recorder.record(usage_row(key_id=f"k{i}", endpoint=None if i == 3 else "chat"))  # endpoint is NOT NULL
+    assert recorder.flush() == 6 and recorder.pending() == 0
+    assert [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2", "k4", "k5"]
+    assert metrics.usage_dropped._value.get() == 1
+    dropped = [r.getMessage() for r in caplog.records if "usage row dropped" in r.getMessage()]
+    assert len(dropped) == 1 and '"key_id": "k3"' in dropped[0] and "the store refused it" in dropped[0]
+    recorder.record(usage_row(key_id="k6"))
+    assert recorder.flush() == 1  # never tried again
+
+
+def test_rows_wait_while_the_store_cannot_take_them_and_none_is_dropped(engine):
+    metrics = GatewayMetrics()
+    recorder = UsageRecorder(engine, batch_size=2, metrics=metrics)
+    for i in range(3):
+        recorder.record(usage_row(key_id=f"k{i}"))
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE usage RENAME TO usage_away"))  # what a failed store looks like to a write
+    try:
+        assert recorder.flush() == 0 and recorder.flush() == 0
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE usage_away RENAME TO usage"))
+    assert recorder.pending() == 3 and metrics.usage_dropped._value.get() == 0
+    assert recorder.flush() == 3 and [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2"]
+
+
+def test_spooled_rows_are_written_by_the_next_start_once(engine, tmp_path):
+    spool = tmp_path / "spool"
+    stopping = UsageRecorder(engine, batch_size=4, spool_dir=str(spool))
+    for i in range(10):
+        stopping.record(usage_row(key_id=f"k{i}"))
+    path, count = stopping.spool()
+    assert count == 10 and stopping.pending() == 0
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(spool).st_mode & 0o777 == 0o700
+    with open(path, "rb") as f:
+        kept = f.read()
+    # Two workers start together and both find the file: it is written once.
+    first, second = (UsageRecorder(engine, batch_size=4, spool_dir=str(spool)) for _ in range(2))
+    assert first.flush() == 0 and second.flush() == 0
+    assert os.listdir(spool) == []
+    # A start that stopped after writing the rows but before removing the file: not written again.
+    with open(path, "wb") as f:
+        f.write(kept)
+    UsageRecorder(engine, batch_size=4, spool_dir=str(spool)).flush()
+    assert os.listdir(spool) == []
+    assert sorted(r.key_id for r in stored(engine, "key_id")) == sorted(f"k{i}" for i in range(10))
+
+
+def test_spooled_rows_wait_while_the_store_cannot_be_written(tmp_path):
+    spool = tmp_path / "spool"
+    engine = store.open_engine(f"sqlite:///{tmp_path}/unmigrated.db")  # no usage table: writes fail
+    stopping = UsageRecorder(engine, batch_size=10, spool_dir=str(spool))
+    stopping.record(usage_row())
+    assert stopping.flush() == 0 and stopping.spool()[1] == 1
+    starting = UsageRecorder(engine, batch_size=10, spool_dir=str(spool))
+    starting.record(usage_row(key_id="new"))
+    assert starting.flush() == 0 and len(os.listdir(spool)) == 1 and starting.pending() == 1
+    store.migrate(engine)
+    assert starting.flush() == 1 and os.listdir(spool) == []
+    assert sorted(r.key_id for r in stored(engine, "key_id")) == ["k", "new"]
+    engine.dispose()
+
+
+def test_rows_neither_store_nor_spool_takes_are_logged_with_their_content(tmp_path, caplog):
+    engine = store.open_engine(f"sqlite:///{tmp_path}/unmigrated.db")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    recorder = UsageRecorder(engine, batch_size=10, metrics=GatewayMetrics(), spool_dir=str(blocked / "spool"))
+    recorder.record(usage_row(key_id="lost"))
+    assert recorder.spool() == (None, 1)
+    assert recorder.metrics.usage_dropped._value.get() == 1
+    assert any('"key_id": "lost"' in r.getMessage() for r in caplog.records)
+    engine.dispose()
+
+
+def test_a_spool_line_that_holds_no_row_is_logged_and_the_others_written(engine, tmp_path, caplog):
+    spool = tmp_path / "spool"
+    stopping = UsageRecorder(engine, batch_size=10, spool_dir=str(spool))
+    stopping.record(usage_row(key_id="kept"))
+    path, _ = stopping.spool()
+    shaped_wrong = {**dict(zip(FIELDS, usage_row(key_id="wrong"))), "status": {"code": 200}}
+    with open(path, "a") as f:
+        f.write("not json\n" + json.dumps(shaped_wrong) + "\n")
+    starting = UsageRecorder(engine, batch_size=10, metrics=GatewayMetrics(), spool_dir=str(spool))
+    starting.flush()
+    assert [r.key_id for r in stored(engine, "key_id")] == ["kept"] and os.listdir(spool) == []
+    assert starting.metrics.usage_dropped._value.get() == 2
+    assert any("unreadable in the spool: not json" in r.getMessage() for r in caplog.records)

@@ -57,6 +57,9 @@ class GatewayMetrics:
                                    multiprocess_mode="livesum", registry=None)
         self.usage_failures = Counter("llmgw_usage_write_failures", "Failed writes of usage batches (rows are kept and retried).",
                                       registry=None)
+        self.usage_dropped = Counter("llmgw_usage_rows_dropped", "Usage rows given up on, each logged with its "
+                                     "content: refused by the store for what they hold, or left at exit when "
+                                     "neither the store nor the spool could be written.", registry=None)
         self.controller_dropped = Counter("llmgw_controller_messages_dropped", "Messages from the controller that "
                                           "could not be read (malformed, or of a protocol version this gateway does "
                                           "not know), and so were not acted on.", registry=None)

@@ -23,6 +23,12 @@ from llmgw.settings import Config
 
 log = logging.getLogger("llmgw.server")
 
+# Seconds the master waits beyond gateway.graceful_timeout before it kills a stopping worker. The worker lets
+# requests drain for the graceful timeout itself (noticing the signal up to 1 s late, then taking 1 s to close
+# what remains), then stops its greenlets (2 s) and writes or spools its usage (worker.CLOSE_WRITE_LIMIT, 5 s).
+# With one timeout for both, a worker whose streams ran to the limit was killed holding its usage rows.
+USAGE_CLOSE_MARGIN = 10
+
 
 def bind_address(listen: str, setting: str) -> str:
     return addresses.join(*addresses.bind(listen, setting))
@@ -71,6 +77,8 @@ def _post_worker_init(worker) -> None:
     from llmgw.gateway import requestid
 
     requestid.install_log_filter()
+    # The worker drains for the graceful timeout alone; the master's is longer by USAGE_CLOSE_MARGIN.
+    worker.cfg.set("graceful_timeout", worker.app.llmgw_cfg["gateway.graceful_timeout"])
     if worker.app.llmgw_cfg["store.url"].startswith("postgresql"):
         from llmgw.gateway.greendb import make_psycopg2_green
 
@@ -102,7 +110,7 @@ class GatewayServer(BaseApplication):
             # gunicorn's gevent worker, with bounded reads and connections per address.
             "worker_class": "llmgw.gateway.connguard.GuardedWorker",
             "worker_connections": cfg["gateway.worker_connections"],
-            "graceful_timeout": cfg["gateway.graceful_timeout"],
+            "graceful_timeout": cfg["gateway.graceful_timeout"] + USAGE_CLOSE_MARGIN,
             # Clients such as the openai library keep connections open between
             # requests; gunicorn's 2 s default would close them under them. An
             # idle connection is closed after this, or sooner when its address

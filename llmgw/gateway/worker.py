@@ -33,6 +33,10 @@ from llmgw.wire.curve import dial
 log = logging.getLogger("llmgw.worker")
 
 PROBE_TIMEOUT = 2.0
+# Seconds a stopping worker tries to write its buffered usage before it spools the rest: a store that is down
+# or hung must not hold up the stop, nor run into the master's kill (see USAGE_CLOSE_MARGIN in server.py).
+# It bounds PostgreSQL's waits (cooperative); SQLite's are bounded by its busy timeout (store.py).
+CLOSE_WRITE_LIMIT = 5.0
 DEMAND_EVERY = 1.0  # seconds: a model wanted by many requests is said once
 USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any idle timeout
 
@@ -48,7 +52,7 @@ class Runtime:
         self.pool = Pool(cfg["timeouts.connect"])
         # Read once at start; then pushed by the controller, or (without one) read again when they change.
         self.keys = KeyTable.from_message(key_source.key_set(engine))
-        self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics)
+        self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics, cfg["usage.spool_dir"])
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
                                cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
         self.greenlets: list[gevent.Greenlet] = []
@@ -130,16 +134,26 @@ class Runtime:
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
 
     def close(self) -> None:
-        """Stop the background work and write every buffered usage row."""
+        """Stop the background work and write every buffered usage row, or spool what the store will not take."""
         gevent.killall(self.greenlets, block=True, timeout=2)
         self.greenlets = []
         if self.demand_socket is not None:
             self.demand_socket.close(0)
         self.limiter.close()
-        written = self.usage.flush()
+        self.save_usage()
+        self.pool.close()
+
+    def save_usage(self) -> None:
+        """Write the buffered usage rows within CLOSE_WRITE_LIMIT; spool what is left then for the next start."""
+        written = 0
+        with gevent.Timeout(CLOSE_WRITE_LIMIT, False):
+            written = self.usage.flush()
         if written:
             log.info("wrote %d buffered usage rows before stopping", written)
-        self.pool.close()
+        path, spooled = self.usage.spool()
+        if path:
+            log.warning("the store did not take %d usage rows before stopping; they are in %s, and the next start "
+                        "writes them into the store", spooled, path)
 
     @staticmethod
     def _every(interval: float, job) -> None:
