@@ -72,7 +72,8 @@ def main(config_path, controllers, node_id, key_file):
     address = route or "127.0.0.1"
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
-                            address, report=lambda fields: outbox.put(("shard_status", fields)))
+                            address, report=lambda fields: outbox.put(("shard_status", fields)),
+                            local_sources=cfg["agent.local_sources"])
     adopted = supervisor.adopt()
     if adopted:
         log.info("adopted %d engines left running: %s", len(adopted), ", ".join(adopted))

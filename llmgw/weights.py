@@ -5,7 +5,13 @@ a name made from the URL (so two replicas of one model share one download).
 Bytes go to `NAME.part`; an interrupted download resumes from where it
 stopped with a Range request; the file appears under its final name only when
 complete. Progress reports bytes done and, when the server says, the total:
-no invented percentage. A path is used where it is.
+no invented percentage.
+
+A path is used where it is, but only inside the node's weights directory or a
+directory `agent.local_sources` lists (symlinks and `..` resolved first): an
+administrator's catalog entry `source = "/etc/shadow"` had llama.cpp open the
+file and print its first bytes into the shard's log. The mirror bounds its
+local sources with the same function (`inside_listed`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,37 @@ class FetchError(Exception):
     """A download that failed; the message says what the server or the disk said."""
 
 
+class LocalRefused(FetchError):
+    """A local source outside the directories this node may read weights from."""
+
+
 def is_url(source: str) -> bool:
     return source.startswith(("http://", "https://"))
+
+
+def inside_listed(path: str, folders: list[str]) -> str | None:
+    """PATH's real path when it lies inside one of FOLDERS (each resolved too: a listed directory that is a
+    symlink is the place it points to), else None. Nothing is opened, so a refusal says nothing of what
+    lies outside."""
+    real = os.path.realpath(path)
+    for folder in folders:
+        folder = os.path.realpath(folder)
+        if os.path.commonpath([real, folder]) == folder:
+            return real
+    return None
+
+
+def local_file(source: str, weights_dir: str, local_sources: list[str]) -> str:
+    """The real path of the local SOURCE (a path or `file://` URL) an engine may be given: inside WEIGHTS_DIR
+    or one of LOCAL_SOURCES. Raises LocalRefused naming the setting to change."""
+    path = source[len("file://"):] if source.startswith("file://") else source
+    real = inside_listed(path, [weights_dir, *local_sources]) if os.path.isabs(path) else None
+    if real is None:
+        listed = ", ".join([weights_dir, *local_sources])
+        raise LocalRefused(f"{source} is not inside a directory this node reads weights from ({listed}); add "
+                           "its directory to agent.local_sources in this node's configuration, or serve the "
+                           "file from the mirror and use its http(s) URL as the source")
+    return real
 
 
 def local_name(source: str, weights_dir: str) -> str:
@@ -42,12 +77,12 @@ def local_name(source: str, weights_dir: str) -> str:
 SHA_HEADER = "X-Llmgw-Sha256"  # the mirror says what a file's bytes hash to
 
 
-def fetch(source: str, weights_dir: str, progress=lambda done, total: None) -> str:
+def fetch(source: str, weights_dir: str, progress=lambda done, total: None, local_sources: list[str] = ()) -> str:
     """The local path of SOURCE, downloading it first when it is a URL. A mirror version's URL (ending
     in "/") is a set of files, fetched whole: the path is then its directory, or its first GGUF shard
-    (llama.cpp finds the other shards beside it)."""
+    (llama.cpp finds the other shards beside it). A path must be inside WEIGHTS_DIR or LOCAL_SOURCES."""
     if not is_url(source):
-        return source
+        return local_file(source, weights_dir, local_sources)
     if source.endswith("/"):
         return _fetch_set(source, weights_dir, progress)
     target = local_name(source, weights_dir)
@@ -98,14 +133,16 @@ def _fetch_set(source: str, weights_dir: str, progress) -> str:
     return os.path.join(folder, ggufs[0]) if ggufs else folder
 
 
-def download(source: str, target: str, progress=lambda done, total: None) -> str | None:
-    """Download SOURCE to TARGET through `TARGET.part`, resuming a part left by an earlier try.
-    Returns the sha256 the server vouched for (`X-Llmgw-Sha256`), if it did."""
+def download(source: str, target: str, progress=lambda done, total: None,
+             urlopen=urllib.request.urlopen) -> str | None:
+    """Download SOURCE to TARGET through `TARGET.part`, resuming a part left by an earlier try, with URLOPEN
+    (the mirror's checks where it may connect). Returns the sha256 the server vouched for
+    (`X-Llmgw-Sha256`), if it did."""
     partial = target + ".part"
     done = os.path.getsize(partial) if os.path.exists(partial) else 0
     req = urllib.request.Request(source, headers={"Range": f"bytes={done}-"} if done else {})
     try:
-        resp = urllib.request.urlopen(req, timeout=60)
+        resp = urlopen(req, timeout=60)
     except urllib.error.HTTPError as e:
         vouched = e.headers.get(SHA_HEADER)
         e.close()

@@ -103,13 +103,14 @@ class Controller:
 
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
-                 nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False):
+                 nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False, **settings):
         self.node_id = node_id
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
         values = {"agent.controllers": controllers, "agent.weights_dir": str(folder / "weights"),
                   "agent.work_dir": str(folder / "work"),
-                  "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST}
+                  "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST,
+                  **{k.replace("__", "."): v for k, v in settings.items()}}
         if key_text is not None:
             (folder / "node.key").write_text(key_text)
             (folder / "node.key").chmod(0o600)

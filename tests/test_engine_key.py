@@ -23,8 +23,10 @@ from tests.cluster import Agent, Controller
 from tests.conftest import Gateway, make_key, post
 
 ENGINES = {
-    "sim": {"source": "/dev/null", "args": ["--ttft-ms", "5", "--tokens-per-s", "0"]},
-    "llamacpp": {"source": starter.model_path(), "args": ["--ctx-size", "512", "--threads", "1", "--parallel", "1"]},
+    "sim": {"source": "/dev/null", "args": ["--ttft-ms", "5", "--tokens-per-s", "0"], "local_sources": []},
+    "llamacpp": {"source": starter.model_path(), "args": ["--ctx-size", "512", "--threads", "1", "--parallel", "1"],
+                 # The node reads a local source only from a directory it lists: here, the wheel's.
+                 "local_sources": [os.path.dirname(starter.model_path() or "/")]},
 }
 
 
@@ -69,7 +71,8 @@ def test_an_engine_answers_only_its_replicas_key_which_the_gateway_holds(tmp_pat
     c = Controller(tmp_path, store_url=store_url, models=[model])
     made.append(c)
     # agent.engine_host is left at its default: the node's address on its route to the controller.
-    agent = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+    agent = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"),
+                  agent__local_sources=profile["local_sources"])
     made.append(agent)
     gw = Gateway(tmp_path, store_url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}",
                  gateway__key_file=c.gateway_key_file())

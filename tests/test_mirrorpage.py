@@ -86,7 +86,8 @@ def rig(tmp_path):
     base = f"http://127.0.0.1:{files_port}"
     mirror_dir = MirrorDir(str(tmp_path / "models"))
     (tmp_path / "sources").mkdir()
-    manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY, local_sources=[str(tmp_path / "sources")])
+    manager = Manager(mirror_dir, hf_endpoint=registry.url, library=LIBRARY, local_sources=[str(tmp_path / "sources")],
+                      fetch_allow=["127.0.0.0/8"])  # the registry here is on loopback
     files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     api_port = free_port()
@@ -206,7 +207,8 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
     files_port, api_port = free_port(), free_port()
     mirror_config = write_config(tmp_path / "mirror.toml", {
         "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files_port}",
-        "mirror.api_listen": f"127.0.0.1:{api_port}", "mirror.metrics_listen": f"127.0.0.1:{free_port()}"})
+        "mirror.api_listen": f"127.0.0.1:{api_port}", "mirror.metrics_listen": f"127.0.0.1:{free_port()}",
+        "mirror.fetch_allow": ["127.0.0.0/8"]})  # the model's server here is on loopback
     with open(tmp_path / "mirror.log", "wb") as log:
         mirror = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", mirror_config],
                                   stdout=log, stderr=subprocess.STDOUT)

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from llmgw import weights
+from llmgw.procs import wait_for
 
 BLOB = os.urandom(300_000)
 
@@ -60,8 +61,21 @@ def test_interrupted_download_resumes(server, tmp_path):
     assert weights.fetch(server, str(tmp_path)) == final
 
 
-def test_a_path_is_used_where_it_is(tmp_path):
-    assert weights.fetch("/models/local.gguf", str(tmp_path)) == "/models/local.gguf"
+def test_a_path_is_used_where_it_is_inside_the_listed_directories(tmp_path):
+    listed, weights_dir = tmp_path / "models", tmp_path / "weights"
+    listed.mkdir()
+    weights_dir.mkdir()
+    (listed / "m.gguf").write_bytes(b"GGUF")
+    (weights_dir / "w.gguf").write_bytes(b"GGUF")
+    (listed / "out.gguf").symlink_to("/etc/shadow")
+    assert weights.fetch(str(listed / "m.gguf"), str(weights_dir), local_sources=[str(listed)]) == str(listed / "m.gguf")
+    assert weights.fetch(f"file://{listed}/m.gguf", str(weights_dir), local_sources=[str(listed)]) == str(listed / "m.gguf")
+    assert weights.fetch(str(weights_dir / "w.gguf"), str(weights_dir)) == str(weights_dir / "w.gguf")  # always
+    for source in ("/etc/shadow", f"file:///etc/shadow", str(listed / "out.gguf"), f"{listed}/../../../etc/shadow",
+                   "relative/m.gguf", "../../etc/shadow", str(listed / "m.gguf")):
+        local_sources = [] if source == str(listed / "m.gguf") else [str(listed)]  # nothing listed: nothing
+        with pytest.raises(weights.LocalRefused, match="add its directory to agent.local_sources"):
+            weights.fetch(source, str(weights_dir), local_sources=local_sources)
 
 
 def test_a_missing_file_says_what_the_server_said(server, tmp_path):
@@ -79,3 +93,27 @@ def test_the_agent_removes_only_what_it_fetched(tmp_path):
     open(fetched, "wb").close()
     assert supervisor.remove_weights("http://mirror/m.gguf") is None
     assert not os.path.exists(fetched)
+
+
+def test_a_node_never_hands_an_engine_a_file_outside_its_directories(tmp_path, caplog):
+    """An administrator's catalog entry `source = "/etc/shadow"` once had llama.cpp open the file and print
+    its first bytes into the shard's log (`invalid magic characters: 'root'`)."""
+    from llmgw.node.supervisor import Supervisor
+
+    reports = []
+    listed = tmp_path / "models"
+    listed.mkdir()
+    (listed / "escape.gguf").symlink_to("/etc/shadow")
+    supervisor = Supervisor("n", str(tmp_path / "work"), str(tmp_path / "w"), "127.0.0.1", "127.0.0.1",
+                            reports.append, local_sources=[str(listed)])
+    for i, source in enumerate(("/etc/shadow", f"file:///etc/shadow", str(listed / "escape.gguf"),
+                                f"{listed}/../../../../etc/shadow", "../../../etc/shadow")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="llmgw.supervisor"):
+            supervisor.start({"shard_id": f"s{i}", "model": "probe", "engine": "llamacpp", "source": source})
+            wait_for(f"shard s{i} to fail", 10, lambda: any(r["shard_id"] == f"s{i}" and r["state"] == "failed"
+                                                              for r in reports))
+        (failed,) = [r for r in reports if r["shard_id"] == f"s{i}" and r["state"] == "failed"]
+        assert "add its directory to agent.local_sources" in failed["detail"] and "pid" not in failed, failed
+        assert not os.path.exists(tmp_path / "work" / "shards" / f"s{i}.log")  # no engine ever started
+        assert any("refused shard" in r.getMessage() for r in caplog.records)

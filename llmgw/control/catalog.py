@@ -152,16 +152,23 @@ def read_model_file(path: str) -> dict:
 def check_source(source: str, timeout: float = 10.0) -> int | None:
     """Refuse early a source that is not there, rather than failing later on every node.
 
-    A URL must answer a HEAD request; a path must exist here when it is
-    absolute and this machine can see it (a path only the nodes see cannot be
-    checked, and `--no-source-check` skips the check). Returns the download's
-    size when the server says it.
+    A URL must answer a HEAD request; a path must be absolute and exist here
+    (a path only the nodes see cannot be checked, and `--no-source-check`
+    skips the check). Returns the download's size when the server says it.
+
+    Which paths a node may read is the node's to say (`agent.local_sources`),
+    so a path accepted here can still be refused there: the replica fails with
+    the reason, and no engine ever opens the file.
     """
+    is_url = source.startswith(("http://", "https://"))
+    if not is_url and not os.path.isabs(source):
+        raise CatalogError(f"the source {source} is neither an http(s) URL nor an absolute path; give the mirror's "
+                           "URL for it, or a path inside a directory the nodes list in agent.local_sources")
     if source.split("?", 1)[0].endswith(".gguf"):
         why = gguf.refusal(source)
         if why:
             raise CatalogError(f"the source {source} cannot be served: {why}")
-    if source.startswith(("http://", "https://")):
+    if is_url:
         req = urllib.request.Request(source, method="HEAD")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:

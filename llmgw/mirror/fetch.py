@@ -1,7 +1,8 @@
 """Fetching sources into the mirror: one download per file, joined when asked twice, remembered when failed.
 
 Sources:
-- `https://host/path/file.gguf` (or http): downloaded with resume.
+- `https://host/path/file.gguf` (or http): downloaded with resume, from a
+  public address or a network `mirror.fetch_allow` lists (llmgw/mirror/egress.py).
 - `hf:org/repo/path/file.gguf[@revision]`: a Hugging Face compatible registry
   (`mirror.hf_endpoint`), pinned to the commit the revision (default `main`)
   names when the fetch starts, so the version never changes under anyone.
@@ -37,13 +38,12 @@ import posixpath
 import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 
 from llmgw import gguf
+from llmgw.mirror.egress import Egress, Refused
 from llmgw.mirror.store import ARRIVING, MirrorDir, MirrorError, check_name
-from llmgw.weights import FetchError, download, sha256_of
+from llmgw.weights import FetchError, download, inside_listed, sha256_of
 
 log = logging.getLogger("llmgw.mirror")
 
@@ -115,12 +115,12 @@ def _redact_text(text: str, urls: list[str]) -> str:
 
 class Manager:
     def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None,
-                 local_sources: list[str] = ()):
+                 local_sources: list[str] = (), fetch_allow: list[str] = ()):
         self.store = store
         self.hf_endpoint = hf_endpoint.rstrip("/")
         self.library = library  # for tests: the bytes to look architectures up in
-        # Resolved once: a listed directory that is itself a symlink is the place it points to.
-        self.local_sources = [os.path.realpath(d) for d in local_sources]
+        self.local_sources = local_sources
+        self.egress = Egress(fetch_allow)
         self.jobs: dict[tuple[str, str], VersionJob] = {}
         self.lock = threading.Lock()
 
@@ -192,11 +192,19 @@ class Manager:
         for one in _with_shards(sources):
             name = check_name("a file name", file_name(one))
             if one.startswith(("http://", "https://")):
+                self._check_destination(one)
                 files.append(FileJob(name, one))
                 continue
             path = _package_file(one[4:]) if one.startswith("pkg:") else self._listed_file(one)
             files.append(FileJob(name, path, _identity(os.stat(path))))
         return files
+
+    def _check_destination(self, url: str) -> None:
+        """Refuse now a URL the download would be refused (llmgw/mirror/egress.py), so the caller hears 400."""
+        try:
+            self.egress.check(url)
+        except Refused as e:
+            raise SourceRefused(f"{redact(url)}: {e}") from None
 
     def _listed_file(self, source: str) -> str:
         """The real path of a local SOURCE (a path or a `file://` URL) inside a `mirror.local_sources` directory.
@@ -205,8 +213,8 @@ class Manager:
         if not os.path.isabs(path):
             raise SourceRefused(f"{source!r} is not a source: give an http(s) URL, hf:org/repo/file, "
                                 "pkg:package/file or an absolute path")
-        real = os.path.realpath(path)
-        if not any(_inside(real, folder) for folder in self.local_sources):
+        real = inside_listed(path, self.local_sources)
+        if real is None:
             listed = ", ".join(self.local_sources) or "none"
             raise SourceRefused(f"{path} is not inside a directory the mirror may copy from (mirror.local_sources: "
                                 f"{listed}); add its directory to mirror.local_sources on the mirror, or serve the "
@@ -225,7 +233,7 @@ class Manager:
         if not re.fullmatch(r"[0-9a-f]{40}", revision):
             api = f"{self.hf_endpoint}/api/models/{org}/{repo}/revision/{urllib.parse.quote(revision)}"
             try:
-                with urllib.request.urlopen(api, timeout=30) as resp:
+                with self.egress.open(api, timeout=30) as resp:
                     revision = json.load(resp)["sha"]
             except (OSError, ValueError, KeyError) as e:
                 raise MirrorError(f"cannot pin {org}/{repo}@{revision} at {self.hf_endpoint}: {e}") from None
@@ -237,7 +245,7 @@ class Manager:
         if "mmproj" in first.name or "imatrix" in first.name:
             raise MirrorError(f"{first.name} is not a model (a projector or an importance matrix); "
                               "fetch it anyway if a model needs it")
-        why = gguf.refusal(first.url, self.library)
+        why = gguf.refusal(first.url, self.library, urlopen=self.egress.open)
         if why:
             raise MirrorError(f"{first.name}: {why}; fetch it anyway to keep it regardless")
 
@@ -258,7 +266,7 @@ class Manager:
                 if f.identity is not None:
                     _copy(f.url, f.identity, target, progress)
                 else:
-                    vouched = download(f.url, target, progress)
+                    vouched = download(f.url, target, progress, urlopen=self.egress.open)
                     if vouched and sha256_of(target) != vouched:
                         os.remove(target)
                         raise FetchError(f"{f.name} arrived corrupt (its sha256 differs from what {f.url} vouched)")
@@ -320,10 +328,6 @@ def _with_shards(urls: list[str]) -> list[str]:
     return [f"{prefix}{match.group('stem')}-{i:05d}-of-{total:05d}{match.group('ext')}" for i in range(1, total + 1)]
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
-
-
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
@@ -342,7 +346,7 @@ def _package_file(spec: str) -> str:
         for shipped in dist.files or []:
             if str(shipped) == wanted:
                 path = os.path.realpath(dist.locate_file(shipped))
-                if _inside(path, root) and os.path.isfile(path):
+                if inside_listed(path, [root]) and os.path.isfile(path):
                     return path
     raise SourceRefused(f"pkg:{spec}: no installed Python package {package!r} ships that file "
                         "(write pkg:package/path/in/it, a file its wheel installed)")

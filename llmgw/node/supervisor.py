@@ -88,12 +88,15 @@ def tail(path: str, lines: int) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report):
+    def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report,
+                 local_sources: list[str] = ()):
         """REPORT(fields) is called (from any thread) with each shard_status to send. Engines listen on
-        ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty."""
+        ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty. An engine is given a
+        local source only inside WEIGHTS_DIR or LOCAL_SOURCES (`agent.local_sources`)."""
         self.node_id = node_id
         self.work_dir = work_dir
         self.weights_dir = weights_dir
+        self.local_sources = local_sources
         self.engine_host = engine_host or address
         # Gateways dial the address the engine listens on; a wildcard listens on ADDRESS too.
         self.url_host = address if self.engine_host in addresses.WILDCARDS else self.engine_host
@@ -248,7 +251,11 @@ class Supervisor:
                 shard.fetch = {"source": spec["source"], "bytes_done": done, **({"bytes_total": total} if total else {})}
                 self.report(self.status(shard))
 
-            path = weights.fetch(spec["source"], self.weights_dir, progress)
+            path = self._weights(spec, progress)
+        except weights.LocalRefused as e:
+            log.warning("refused shard %s (%s): %s", shard.shard_id, spec["model"], e)  # someone may be probing
+            self._set(shard, "failed", str(e))
+            return
         except weights.FetchError as e:
             self._set(shard, "failed", str(e))
             return
@@ -275,6 +282,14 @@ class Supervisor:
         shard.pid = shard.proc.pid
         self._set(shard, "starting")
         self._wait_ready(shard)
+
+    def _weights(self, spec: dict, progress) -> str:
+        """The path SPEC's engine is given: a URL's download, or a local path inside the weights directory or
+        `agent.local_sources`. The simulator is given no weights, so its local source is only a name, with
+        nothing to bound (tests and benchmarks call it /dev/null)."""
+        if spec["engine"] == "sim" and not weights.is_url(spec["source"]):
+            return spec["source"]
+        return weights.fetch(spec["source"], self.weights_dir, progress, self.local_sources)
 
     def _wait_ready(self, shard: Shard) -> None:
         deadline = time.monotonic() + START_LIMIT
