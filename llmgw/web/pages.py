@@ -178,17 +178,20 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
                                    text=f"Accounts are made by the operators here. Ask {contact}."), 404
         f, problem = posted(forms.SignUpForm)
         if request.method == "POST" and problem is None:
-            problem = sign_up_refused()
-        if request.method == "POST" and problem is None:
-            try:
-                accounts.create_user(engine, f.email.data, f.password.data, offload=offload)
-            except accounts.AccountError as e:
-                problem = sentence(e)
-            else:
+            problem = sign_up_refused() or new_account(f.email.data, f.password.data)
+            if problem is None:
                 return render_template("message.html", title="Thank you",
                                        text="Your account waits for an operator's approval. "
                                             "You can sign in once it is approved.")
         return render_template("signup.html", form=f, problem=problem), 400 if problem else 200
+
+    def new_account(email: str, password: str) -> str | None:
+        """None once EMAIL has an account waiting for approval, else why not."""
+        try:
+            accounts.create_user(engine, email, password, offload=offload)
+        except accounts.AccountError as e:
+            return sentence(e)
+        return None
 
     def sign_up_refused() -> str | None:
         """Why this sign-up is not taken, if it is not: too many waiting for approval, or too many from this
