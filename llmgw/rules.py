@@ -99,17 +99,17 @@ def parse_count(name: str, text: str | int) -> int:
     return int(digits)
 
 
-def parse_money(text: str | float | int, what: str = "an amount") -> int:
+def parse_money(text: str | float | int, what: str = "") -> int:
     """Whole units as written by a person ("50", "0.25") in micro-units, from 0 to LARGEST_AMOUNT units;
-    WHAT names the amount in the message."""
+    WHAT ("the budget") names the amount in the message."""
     try:
         value = Decimal(str(text).strip())
     except InvalidOperation:
         value = Decimal("NaN")
     # is_finite() first: comparing a NaN raises InvalidOperation.
     if not value.is_finite() or not 0 <= value <= LARGEST_AMOUNT:
-        raise LimitError(f"{what} is a number of whole units from 0 to {LARGEST_AMOUNT:,}, such as 50 or 0.25, "
-                         f"not {_echo(text)}")
+        raise LimitError(f"{what} {_echo(text)} is not an amount; write a number of whole units from 0 to "
+                         f"{LARGEST_AMOUNT:,}, such as 50 or 0.25".lstrip())
     return int(value * MICROS)
 
 

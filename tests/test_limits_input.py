@@ -12,7 +12,8 @@ from llmgw.people import limits
 @pytest.mark.parametrize("text", ["1e400", "nan", "NaN", "sNaN", "inf", "-Infinity", "-1", "1e999999999",
                                   "1000000000.000001", "ten", "", "1" * 5000])
 def test_an_amount_that_is_not_a_sane_sum_is_refused(text):
-    with pytest.raises(rules.LimitError, match="the budget is a number of whole units from 0 to 1,000,000,000"):
+    said = r"the budget '.*' is not an amount; write a number of whole units from 0 to 1,000,000,000"
+    with pytest.raises(rules.LimitError, match=said):
         rules.parse_money(text, "the budget")
 
 
@@ -38,15 +39,15 @@ def test_the_cli_says_what_is_wrong_and_the_largest_values_fit_the_store(store_u
     def limits_set(*args):
         return runner.invoke(main, ["--store", store_url, "limits", "set", "--scope", "cluster", *args])
 
-    for args, said in ((["--budget", "1e400"], "--budget is a number of whole units from 0 to 1,000,000,000"),
-                       (["--budget", "nan"], "--budget is a number of whole units"),
+    for args, said in ((["--budget", "1e400"], "--budget '1e400' is not an amount; write a number of whole units"),
+                       (["--budget", "nan"], "--budget 'nan' is not an amount"),
                        (["--rpm", "99999999999999999999"], "--rpm is a whole number from 0 to 2,147,483,647"),
                        (["--tpm", "9223372036854775808"], "--tpm is a whole number from 0 to 2,147,483,647")):
         result = limits_set(*args)
         assert result.exit_code == 1 and said in result.output and "Traceback" not in result.output, result.output
         assert not isinstance(result.exception, (OverflowError, ArithmeticError)), args
     priced = runner.invoke(main, ["--store", store_url, "prices", "set", "m", "--input", "nan", "--output", "1"])
-    assert priced.exit_code == 1 and "the input price is a number of whole units" in priced.output
+    assert priced.exit_code == 1 and "the input price 'nan' is not an amount" in priced.output
     # The bounds are what both stores hold (rpm and tpm are 32-bit on PostgreSQL).
     result = limits_set("--rpm", "2147483647", "--tpm", "2147483647", "--budget", "1000000000")
     assert result.exit_code == 0, result.output

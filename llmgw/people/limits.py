@@ -13,9 +13,8 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
-from llmgw.rules import (BANDS, FIELDS, LARGEST_AMOUNT, LARGEST_COUNT, MICROS, PERIODS, SCOPES, LimitError, Limits,
-                         Price, Prices, Rules, parse_money)
+from llmgw import rules, store
+from llmgw.rules import BANDS, FIELDS, PERIODS, SCOPES, LimitError, Limits, Price, Prices, Rules, parse_money
 
 # What the store's columns hold: a longer model name or scope id was refused by PostgreSQL (a 500).
 LONGEST_MODEL = store.prices.c.model.type.length
@@ -64,7 +63,7 @@ def validate(changes: dict) -> dict:
         if value is None:
             out[name] = None
         elif name in ("rpm", "tpm", "budget"):
-            largest = LARGEST_AMOUNT * MICROS if name == "budget" else LARGEST_COUNT
+            largest = rules.LARGEST_AMOUNT * rules.MICROS if name == "budget" else rules.LARGEST_COUNT
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= largest:
                 raise LimitError(f"{name} is a whole number from 0 to {largest:,}, not {value!r}")
             out[name] = value
