@@ -75,14 +75,41 @@ class Access:
     wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
 
 
-def parse_money(text: str | float | int) -> int:
-    """Whole units as written by a person ("50", "0.25") in micro-units."""
+# The largest count a limit may be: rpm and tpm are INTEGER columns, 32 bits on PostgreSQL. A larger
+# number once reached the store and answered 500 (OverflowError); clearing the limit means "no limit".
+LARGEST_COUNT = 2**31 - 1
+# The largest amount of money, in whole units, a budget or price may be: far past any real one, and in
+# micro-units (10^15) it leaves the store's 64-bit columns room to sum many. `1e400` once answered 500.
+LARGEST_AMOUNT = 10**9
+
+
+def _echo(text) -> str:
+    """TEXT as a message quotes it: short, since messages travel in the session cookie's flash."""
+    text = str(text)
+    return repr(text if len(text) <= 20 else text[:20] + "…")
+
+
+def parse_count(name: str, text: str | int) -> int:
+    """A limit's whole number as written by a person ("60"), from 0 to LARGEST_COUNT."""
+    digits = str(text).strip()
+    # Length first: int() of thousands of digits is refused by Python itself, and is slow before that.
+    if not (digits.isascii() and digits.isdigit()) or len(digits.lstrip("0")) > len(str(LARGEST_COUNT)) \
+            or int(digits) > LARGEST_COUNT:
+        raise LimitError(f"{name} is a whole number from 0 to {LARGEST_COUNT:,}, not {_echo(text)}")
+    return int(digits)
+
+
+def parse_money(text: str | float | int, what: str = "") -> int:
+    """Whole units as written by a person ("50", "0.25") in micro-units, from 0 to LARGEST_AMOUNT units;
+    WHAT ("the budget") names the amount in the message."""
     try:
         value = Decimal(str(text).strip())
     except InvalidOperation:
-        raise LimitError(f"{text!r} is not an amount; write a number of whole units such as 50 or 0.25") from None
-    if value < 0 or not value.is_finite():
-        raise LimitError(f"an amount cannot be {text!r}")
+        value = Decimal("NaN")
+    # is_finite() first: comparing a NaN raises InvalidOperation.
+    if not value.is_finite() or not 0 <= value <= LARGEST_AMOUNT:
+        raise LimitError(f"{what} {_echo(text)} is not an amount; write a number of whole units from 0 to "
+                         f"{LARGEST_AMOUNT:,}, such as 50 or 0.25".lstrip())
     return int(value * MICROS)
 
 

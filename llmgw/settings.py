@@ -117,15 +117,23 @@ SETTINGS: tuple[Setting, ...] = (
             "refuses to start while others may read it). Empty: `session.key` beside a SQLite store, or "
             "`var/session.key`. Gateways sharing one PostgreSQL store behind one name need copies of one file."),
     Setting("gateway.sign_in_failures_per_account", "int", 5,
-            "Failed sign-ins one account may have within `gateway.sign_in_window`; past them, its sign-in is "
-            "refused, right password or not, until the oldest failure leaves the window.", minimum=1),
+            "Wrong passwords one account may be given from one client address within `gateway.sign_in_window`, "
+            "at sign-in or to change its password; past them, its password is refused from that address, right "
+            "or not, until the oldest failure leaves the window. Counted per address, so nobody can lock "
+            "another out.", minimum=1),
     Setting("gateway.sign_in_failures_per_address", "int", 20,
-            "Failed sign-ins one client address may have within `gateway.sign_in_window`, whatever accounts "
-            "it tries (behind `gateway.trusted_proxies`, the address they forward).", minimum=1),
+            "Wrong passwords one client address (for IPv6, its /64) may give within `gateway.sign_in_window`, "
+            "whatever accounts it tries (behind `gateway.trusted_proxies`, the address they forward).", minimum=1),
     Setting("gateway.sign_in_window", "float", 900.0,
-            "Seconds over which failed sign-ins are counted. Each gateway worker counts its own (a failure written "
+            "Seconds over which wrong passwords and sign-ups are counted. Each gateway worker counts its own (a failure written "
             "to the store would stall the worker), so W workers allow W times the failures.",
             minimum=1),
+    Setting("gateway.sign_ups_per_address", "int", 5,
+            "Sign-ups one client address may make within `gateway.sign_in_window` (with `gateway.signup_open`).",
+            minimum=1),
+    Setting("gateway.sign_ups_pending", "int", 50,
+            "Accounts that may wait for approval at once; past them, sign-up is paused and says to ask "
+            "`gateway.contact`.", minimum=1),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
             "Database URL (SQLAlchemy form). `sqlite:///PATH` (relative to the working directory) or `postgresql://USER@HOST/DB`.",
             secret=True),

@@ -4,6 +4,7 @@ CSRF, escaping, and who may see what."""
 import re
 
 import pytest
+from markupsafe import escape
 
 from llmgw.people import accounts, keys, limits, memberships, orgtree, usagereport
 from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
@@ -188,3 +189,49 @@ def test_an_operator_makes_a_key_in_a_project_shown_once_or_as_a_claim_link(admi
     other = client.application.test_client()
     page = other.get(claim_path).data
     assert b"sk-llmgw-" in other.post(claim_path, data={"csrf_token": token(page)}).data
+
+
+def test_hostile_quota_values_are_refused_in_a_sentence_never_a_500(admin):
+    client, engine, _ = admin
+    project = orgtree.add(engine, "project", "p", "default/default")
+
+    def refused(expected: str, **fields):
+        answer = act(client, "/admin/quotas", **fields)
+        assert answer.status_code == 302, fields
+        location = answer.headers["Location"]
+        assert location.startswith("/admin/quotas") and not re.search(r"[\r\n ]", location), location
+        assert str(escape(expected)) in flashed(client, "/admin/quotas"), fields
+        return location
+
+    # An id with a line break goes back to its form quoted: it once broke the Location header.
+    location = refused("Rpm is a whole number", scope="key", id="x\r\nSet-Cookie:a=b", rpm="abc")
+    assert location == "/admin/quotas?edit=key:x%0D%0ASet-Cookie:a%3Db"
+    for name, value in (("rpm", "99999999999999999999"), ("tpm", "9223372036854775808"), ("rpm", "2147483648"),
+                        ("tpm", "1" * 5000), ("rpm", "²"), ("rpm", "-1")):
+        refused(f"{name.capitalize()} is a whole number from 0 to 2,147,483,647", scope="project", id=project.id,
+                **{name: value})
+    for value in ("1e400", "nan", "-Infinity", "1e999999999", "-1", "1000000000.5", "ten"):
+        refused(f"The budget {value[:20]!r} is not an amount; write a number of whole units from 0 to 1,000,000,000",
+                scope="project", id=project.id, budget=value)
+    for name, value in (("input", "nan"), ("input", "1e999"), ("output", "1e400"), ("output", "9223372036854775808")):
+        refused(f"The {name} price {value!r} is not an amount", do="price", model="m", **{name: value})
+    refused("A price is for a model named in 1 to 200 characters", do="price", model="m" * 201, input="1")
+    refused("No key has an id that long: ids are at most 32 characters", scope="key", id="k" * 33, rpm="1")
+    with engine.connect() as conn:
+        assert limits.read_all(conn) == {} and limits.read_prices(conn).by_model == {}
+    # The largest values are kept, and shown again as they were written.
+    act(client, "/admin/quotas", scope="project", id=project.id, rpm="2147483647", budget="1000000000")
+    with engine.connect() as conn:
+        kept = limits.read_all(conn)[("project", project.id)]
+    assert (kept.rpm, kept.budget) == (2147483647, 10**15)
+    assert 'value="1000000000"' in flashed(client, f"/admin/quotas?edit=project:{project.id}")
+
+
+def test_a_key_lifetime_past_a_century_is_refused_in_a_sentence(admin):
+    client, engine, _ = admin
+    page = client.get("/admin/people").data
+    answer = client.post("/admin/people/key", data={"csrf_token": token(page), "project": "default/default/default",
+                                                   "name": "forever", "expires": "9" * 400 + "w"})
+    assert answer.status_code == 302 and answer.headers["Location"] == "/admin/people"
+    assert "is not a duration of up to a century" in flashed(client)
+    assert keys.list_keys(engine) == []

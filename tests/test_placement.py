@@ -136,6 +136,10 @@ def test_a_registration_lists_everything_the_node_runs():
     ({"name": "m", "source": "/x", "scaling": {"min": 3, "max": 1}, "profiles": [{"engine": "sim"}]}, "0 <= min <= max"),
     ({"name": "m", "source": "/x", "scaling": {"idle_timeout": "soon"}, "profiles": [{"engine": "sim"}]}, "30d"),
     ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "colour": 1}]}, "unknown key 'colour'"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "min_memory_gb": float("nan")}]},
+     "min_memory_gb is a number, 0 or more, not nan"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "min_memory_gb": float("inf")}]}, "not inf"),
+    ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "weight": -1}]}, "weight is a number, 0 or more"),
 ])
 def test_bad_models_are_refused_naming_the_field(table, words):
     with pytest.raises(catalog.CatalogError, match=words):

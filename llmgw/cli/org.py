@@ -168,9 +168,9 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
     try:
         for name, value in (("rpm", rpm), ("tpm", tpm)):
             if value is not None:
-                changes[name] = None if value == "none" else _whole(name, value)
+                changes[name] = None if value == "none" else rules.parse_count(f"--{name}", value)
         if budget is not None:
-            changes["budget"] = None if budget == "none" else rules.parse_money(budget)
+            changes["budget"] = None if budget == "none" else rules.parse_money(budget, "--budget")
         if period is not None:
             changes["period"] = period
         if models is not None:
@@ -187,13 +187,6 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
         if after.budget is not None and not limits.read_prices(conn).anything_priced():
             click.echo("note: no model has a price, so every request costs nothing and this budget never binds; "
                        "set one with `llmgw prices set MODEL --input N --output N`", err=True)
-
-
-def _whole(name: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a whole number", param_hint=f"--{name}") from None
 
 
 def describe(lim: rules.Limits) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import time
 import tomllib
@@ -120,6 +121,11 @@ def parse_model(table: dict, origin: str = "config") -> Model:
             raise CatalogError(f"{label}: engine must be one of {', '.join(ENGINES)}, not {engine!r}")
         if raw.get("gpus", 0) < 0:
             raise CatalogError(f"{label}: gpus cannot be negative")
+        # NaN or Infinity (the serve form's memory field takes any float) once reached the placer, whose
+        # int() of it raised there.
+        for key in ("min_memory_gb", "weight"):
+            if key in raw and not (math.isfinite(raw[key]) and raw[key] >= 0):
+                raise CatalogError(f"{label}: {key} is a number, 0 or more, not {raw[key]!r}")
         profiles.append(Profile(
             name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
             gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),

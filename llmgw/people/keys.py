@@ -39,16 +39,22 @@ def new_secret() -> str:
     return SECRET_PREFIX + secrets.token_urlsafe(32)
 
 
-_DURATION = re.compile(r"^(\d+)\s*([smhdw])$")
+# At most twelve digits: Python's int() refuses thousands, and no duration needs more.
+_DURATION = re.compile(r"^(\d{1,12})\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+# A century: a key that lasts longer is one that never expires, and a far larger one overflowed the
+# arithmetic of times (a 500 on the people page).
+LONGEST_DURATION = 36500 * 86400
 
 
 def parse_duration(text: str) -> float:
-    """`30d`, `12h`, `90m`, `2w`, `45s` in seconds."""
+    """`30d`, `12h`, `90m`, `2w`, `45s` in seconds, up to a century."""
     match = _DURATION.match(text.strip())
-    if not match or int(match.group(1)) == 0:
-        raise ValueError(f"{text!r} is not a duration; write a whole number and a unit, such as 30d, 12h or 90m")
-    return int(match.group(1)) * _UNITS[match.group(2)]
+    seconds = int(match.group(1)) * _UNITS[match.group(2)] if match else 0
+    if not 0 < seconds <= LONGEST_DURATION:
+        raise ValueError(f"{text[:20]!r} is not a duration of up to a century; write a whole number and a unit, "
+                         "such as 30d, 12h or 90m")
+    return seconds
 
 
 def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PATH, expires_in: float | None = None,

@@ -13,8 +13,12 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
+from llmgw import rules, store
 from llmgw.rules import BANDS, FIELDS, PERIODS, SCOPES, LimitError, Limits, Price, Prices, Rules, parse_money
+
+# What the store's columns hold: a longer model name or scope id was refused by PostgreSQL (a 500).
+LONGEST_MODEL = store.prices.c.model.type.length
+LONGEST_SCOPE_ID = store.limits.c.scope_id.type.length
 
 # --- prices ----------------------------------------------------------------------------------
 
@@ -23,7 +27,9 @@ def read_prices(conn: Connection) -> Prices:
 
 
 def set_price(engine: Engine, model: str, input_units: str, output_units: str, who: str) -> Price:
-    price = Price(parse_money(input_units), parse_money(output_units))
+    if not model or len(model) > LONGEST_MODEL:
+        raise LimitError(f"a price is for a model named in 1 to {LONGEST_MODEL} characters, or * for every model")
+    price = Price(parse_money(input_units, "the input price"), parse_money(output_units, "the output price"))
     p = store.prices
     with engine.begin() as conn:
         old = conn.execute(p.select().where(p.c.model == model)).first()
@@ -57,8 +63,9 @@ def validate(changes: dict) -> dict:
         if value is None:
             out[name] = None
         elif name in ("rpm", "tpm", "budget"):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise LimitError(f"{name} is a whole number, 0 or more, not {value!r}")
+            largest = rules.LARGEST_AMOUNT * rules.MICROS if name == "budget" else rules.LARGEST_COUNT
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= largest:
+                raise LimitError(f"{name} is a whole number from 0 to {largest:,}, not {value!r}")
             out[name] = value
         elif name == "period":
             if value not in PERIODS:
@@ -78,6 +85,8 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
     """Change some fields of SCOPE/SCOPE_ID's limits (None clears one); every change is logged."""
     if scope not in SCOPES:
         raise LimitError(f"a scope is one of {', '.join(SCOPES)}, not {scope!r}")
+    if len(scope_id) > LONGEST_SCOPE_ID:
+        raise LimitError(f"no {scope} has an id that long: ids are at most {LONGEST_SCOPE_ID} characters")
     changes = validate(changes)
     t = store.limits
     where = sa.and_(t.c.scope == scope, t.c.scope_id == scope_id)

@@ -174,9 +174,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                 flash("Limits saved. Gateways apply them within a few seconds.", "done")
         except (rules.LimitError, ValueError) as e:
             flash(sentence(e), "problem")
-            # Back to the form it came from (never to wherever the Referer points), to correct it there.
-            scope, scope_id = f.get("scope", ""), f.get("id", "")
-            return redirect(f"/admin/quotas?edit={scope}:{scope_id}" if scope in rules.SCOPES else "/admin/quotas")
+            return redirect(_quota_form(f.get("scope", ""), f.get("id", "")))
         return redirect("/admin/quotas")
 
     # --- usage ---------------------------------------------------------------------------------
@@ -266,15 +264,21 @@ def _people_action(engine, do: str, f) -> str:
     raise orgtree.TreeError("that is not an action this page knows")
 
 
+def _quota_form(scope: str, scope_id: str) -> str:
+    """The quotas page with SCOPE/SCOPE_ID's form open, to correct what was refused there (never wherever the
+    Referer points). The id is quoted: posted with a line break, it once broke the Location header (a 500)."""
+    if scope not in rules.SCOPES:
+        return "/admin/quotas"
+    return "/admin/quotas?" + urlencode({"edit": f"{scope}:{scope_id}"}, safe=":")
+
+
 def _limit_changes(f) -> dict:
     changes: dict = {}
     for name in ("rpm", "tpm"):
         text = f.get(name, "").strip()
-        if text and not text.isdigit():
-            raise rules.LimitError(f"{name} is a whole number, or empty for none")
-        changes[name] = int(text) if text else None
+        changes[name] = rules.parse_count(name, text) if text else None
     budget = f.get("budget", "").strip()
-    changes["budget"] = rules.parse_money(budget) if budget else None
+    changes["budget"] = rules.parse_money(budget, "the budget") if budget else None
     # A period without a budget would keep the scope's limits row alive with nothing in it to limit.
     changes["period"] = (f.get("period") or None) if budget else None
     models = [m.strip() for m in f.get("models", "").split(",") if m.strip()]

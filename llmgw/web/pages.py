@@ -10,9 +10,10 @@ before it (fixed by someone else) is worth nothing after.
 A signed cookie alone no longer counts: each names a session record in the
 store (llmgw/people/sessions.py), checked on every page request, so signing
 out, changing a password, suspension and an administrator end sessions for
-good. Sign-in is throttled per account and per address
-(llmgw/web/throttle.py), and every password hash runs in a thread pool, off
-the worker's event loop: 120 sign-ins once stalled `/health` for 0.63 s.
+good. Sign-in and the current password of a password change are throttled
+per account and per address, sign-up per address (llmgw/web/throttle.py),
+and every password hash runs in a thread pool, off the worker's event loop:
+120 sign-ins once stalled `/health` for 0.63 s.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     secret = sessions.ensure_secret(sessions.secret_path(cfg))
     lifetimes = sessions.Lifetimes(cfg["gateway.session_idle"], cfg["gateway.session_lifetime"])
     guard = throttle.Throttle(throttle.Limits(cfg["gateway.sign_in_failures_per_account"],
-                                              cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"]))
+                                              cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"],
+                                              cfg["gateway.sign_ups_per_address"]))
     app.config.update(SECRET_KEY=secret, SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax",
                       SESSION_COOKIE_NAME="llmgw_session")
     app.session_interface = _Sessions()
@@ -153,12 +155,17 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         return render_template("login.html", form=f, problem=problem), 400 if problem else 200
 
     def signed_in(email: str, password: str) -> accounts.User | str:
-        """The person EMAIL and PASSWORD sign in, or why not; every attempt counts against the throttle."""
+        """The person EMAIL and PASSWORD sign in, or why not."""
+        return throttled(email, lambda: accounts.authenticate(engine, email, password, offload))
+
+    def throttled(email: str, check):
+        """CHECK of EMAIL's password (what it answers, or a str saying why not) under the throttle: every
+        attempt counts, and past the limits the password is not checked at all."""
         address = proxies.client(request.environ)
         refused = guard.begin(email, address, time.monotonic())
         if refused:
             return refused
-        result = accounts.authenticate(engine, email, password, offload)
+        result = check()
         if not isinstance(result, str):
             guard.succeeded(email, address, time.monotonic())
         return result
@@ -171,15 +178,30 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
                                    text=f"Accounts are made by the operators here. Ask {contact}."), 404
         f, problem = posted(forms.SignUpForm)
         if request.method == "POST" and problem is None:
-            try:
-                accounts.create_user(engine, f.email.data, f.password.data, offload=offload)
-            except accounts.AccountError as e:
-                problem = sentence(e)
-            else:
+            problem = sign_up_refused() or new_account(f.email.data, f.password.data)
+            if problem is None:
                 return render_template("message.html", title="Thank you",
                                        text="Your account waits for an operator's approval. "
                                             "You can sign in once it is approved.")
         return render_template("signup.html", form=f, problem=problem), 400 if problem else 200
+
+    def new_account(email: str, password: str) -> str | None:
+        """None once EMAIL has an account waiting for approval, else why not."""
+        try:
+            accounts.create_user(engine, email, password, offload=offload)
+        except accounts.AccountError as e:
+            return sentence(e)
+        return None
+
+    def sign_up_refused() -> str | None:
+        """Why this sign-up is not taken, if it is not: too many waiting for approval, or too many from this
+        address. Each sign-up hashes a password and leaves an account for an operator to look at; forty at
+        once from one address once made forty in 3.3 s."""
+        waiting = len(accounts.list_users(engine, accounts.PENDING))
+        if waiting >= cfg["gateway.sign_ups_pending"]:
+            return (f"Sign-up is paused: {waiting} accounts already wait for approval. Ask "
+                    f"{cfg['gateway.contact'] or 'an operator'} for an account.")
+        return guard.sign_up(proxies.client(request.environ), time.monotonic())
 
     @app.post("/logout")
     def sign_out():
@@ -261,11 +283,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         f, problem = posted(forms.PasswordForm)
         if request.method == "POST" and problem is None:
             me = flask_login.current_user.user
-            try:
-                accounts.change_password(engine, me.id, f.current.data, f.password.data, offload)
-            except accounts.AccountError as e:
-                problem = sentence(e)
-            else:
+            problem = throttled(me.email, lambda: change_password(me, f.current.data, f.password.data))
+            if problem is None:
                 # Every session of theirs ended with the change (one may have been a thief's); this browser
                 # gets a new one, with a new CSRF token for the forms after it.
                 begin_session(me)
@@ -273,6 +292,14 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
                                        text=Markup('Your password is changed. <a href="/account">Back to '
                                                    'your account</a>.'))
         return render_template("password.html", form=f, problem=problem), 400 if problem else 200
+
+    def change_password(me: accounts.User, current: str, new: str) -> str | None:
+        """None once ME's password is NEW, else why not."""
+        try:
+            accounts.change_password(engine, me.id, current, new, offload)
+        except accounts.AccountError as e:
+            return sentence(e)
+        return None
 
     @app.route("/claim/<token>", methods=["GET", "POST"])
     def claim(token):
