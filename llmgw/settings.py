@@ -579,7 +579,8 @@ def reference_markdown() -> str:
         "| `aliases` | list | Other names clients may ask for; each is listed by `/v1/models`. |",
         "| `description` | str | What the model is for, shown by `/v1/models` and the landing page. |",
         "| `max_context` | int | Context length in tokens, where known; given to the engine. |",
-        "| `max_output` | int | Most tokens one answer may ask for: a larger `max_tokens`, `max_completion_tokens` or `n_predict` is refused with 400, and a request that names none asks for this many. |",
+        "| `max_output` | int | Most tokens one answer may ask for: a larger `max_tokens`, `max_completion_tokens` "
+        "or `n_predict` is refused with 400, and a request that names none asks for this many. |",
         "| `source` | str | A path on the nodes (used in place) or an http(s) URL (fetched once per node). |",
         "| `scaling` | table | `min` and `max` replicas (default 1 and 1; `min = 0` runs it on demand), "
         "`idle_timeout` (such as `\"30m\"`) after which an on-demand model stops; 15 minutes by default. |",

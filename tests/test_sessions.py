@@ -222,7 +222,7 @@ def test_an_upgrade_takes_the_old_secret_out_of_the_store(tmp_path):
         store.MIGRATIONS = kept
     with engine.begin() as conn:
         conn.execute(store.secrets_table.insert().values(name="session", value="x" * 64))
-    assert store.migrate(engine) == [10]
+    assert store.migrate(engine)[0] == 10  # and every later one
     with engine.connect() as conn:
         assert conn.execute(store.secrets_table.select()).all() == []
     engine.dispose()

@@ -71,7 +71,7 @@ def test_a_path_is_used_where_it_is_inside_the_listed_directories(tmp_path):
     assert weights.fetch(str(listed / "m.gguf"), str(weights_dir), local_sources=[str(listed)]) == str(listed / "m.gguf")
     assert weights.fetch(f"file://{listed}/m.gguf", str(weights_dir), local_sources=[str(listed)]) == str(listed / "m.gguf")
     assert weights.fetch(str(weights_dir / "w.gguf"), str(weights_dir)) == str(weights_dir / "w.gguf")  # always
-    for source in ("/etc/shadow", f"file:///etc/shadow", str(listed / "out.gguf"), f"{listed}/../../../etc/shadow",
+    for source in ("/etc/shadow", "file:///etc/shadow", str(listed / "out.gguf"), f"{listed}/../../../etc/shadow",
                    "relative/m.gguf", "../../etc/shadow", str(listed / "m.gguf")):
         local_sources = [] if source == str(listed / "m.gguf") else [str(listed)]  # nothing listed: nothing
         with pytest.raises(weights.LocalRefused, match="add its directory to agent.local_sources"):
@@ -106,13 +106,13 @@ def test_a_node_never_hands_an_engine_a_file_outside_its_directories(tmp_path, c
     (listed / "escape.gguf").symlink_to("/etc/shadow")
     supervisor = Supervisor("n", str(tmp_path / "work"), str(tmp_path / "w"), "127.0.0.1", "127.0.0.1",
                             reports.append, local_sources=[str(listed)])
-    for i, source in enumerate(("/etc/shadow", f"file:///etc/shadow", str(listed / "escape.gguf"),
+    for i, source in enumerate(("/etc/shadow", "file:///etc/shadow", str(listed / "escape.gguf"),
                                 f"{listed}/../../../../etc/shadow", "../../../etc/shadow")):
         caplog.clear()
         with caplog.at_level("WARNING", logger="llmgw.supervisor"):
             supervisor.start({"shard_id": f"s{i}", "model": "probe", "engine": "llamacpp", "source": source})
-            wait_for(f"shard s{i} to fail", 10, lambda: any(r["shard_id"] == f"s{i}" and r["state"] == "failed"
-                                                              for r in reports))
+            wait_for(f"shard s{i} to fail", 10, lambda shard=f"s{i}": any(
+                r["shard_id"] == shard and r["state"] == "failed" for r in reports))
         (failed,) = [r for r in reports if r["shard_id"] == f"s{i}" and r["state"] == "failed"]
         assert "add its directory to agent.local_sources" in failed["detail"] and "pid" not in failed, failed
         assert not os.path.exists(tmp_path / "work" / "shards" / f"s{i}.log")  # no engine ever started

@@ -31,8 +31,8 @@ from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 from werkzeug.wsgi import FileWrapper
 
-from llmgw.addresses import AddressList
 from llmgw import apiguard
+from llmgw.addresses import AddressList
 from llmgw.apiguard import HostCheck
 from llmgw.mirror.fetch import Manager, SourceRefused
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
