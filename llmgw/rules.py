@@ -188,7 +188,9 @@ class Rules:
         found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in self.scopes_of(
             key_id, project_id, user_id)]
         found.append(("cluster", "", None, self.limits.get(("cluster", ""))))
-        own = found[0][2]  # the principal's own counter: its key, or for the chat page its person
+        # The defaults' own pool: the person behind the key when there is one (anyone may make keys for
+        # themselves, and three keys once tripled a default of 2 a minute), else the key.
+        own = next((c for scope, _sid, c, _lim in found if scope == "user"), found[0][2])
         for scope, _sid, count, lim in found:
             if lim is None:
                 continue

@@ -215,6 +215,17 @@ def test_cluster_defaults_apply_only_where_nothing_else_limits(engine):
     assert levels[1][1:3] == [None, 200_000]
 
 
+def test_a_persons_keys_share_the_cluster_defaults(engine):
+    _, people = tree_with_people(engine)
+    limits.set_limits(engine, "cluster", "", "test", rpm=2)
+    mine = [keys.create_key(engine, f"k{i}", None, user_id=people["ayse"].id)[0] for i in range(3)]
+    service, _ = keys.create_key(engine, "service")  # no person behind it: its own pool
+    a = Accountant()
+    admitted = [isinstance(a.admit(wire(access_of(engine, key)), False, 1), Reservation) for key in mine * 2]
+    assert admitted.count(True) == 2  # not 2 for each of three keys
+    assert isinstance(a.admit(wire(access_of(engine, service)), False, 1), Reservation)
+
+
 def test_allowlists_intersect_and_the_nearest_band_wins(engine):
     project, _ = tree_with_people(engine)
     team = orgtree.Tree.load(engine).find("team", "Acme/ml")

@@ -81,7 +81,9 @@ def system(tmp_path_factory):
         mirror = Mirror(tmp)
         parts.append(mirror)
         # The pages reach the mirror's and the controller's APIs, so their forms are attacked too.
+        # Short read deadlines, so a case that leaves a body unfinished gets its 408 well within the client's wait.
         gateway = Gateway(tmp, url, endpoints=endpoints, models=models, workers=1, gateway__signup_open=True,
+                          gateway__header_timeout=5, gateway__body_timeout=5,
                           mirror__api=f"127.0.0.1:{mirror.api}",
                           gateway__controller_admin=f"127.0.0.1:{controller.admin_port}",
                           controller__keys_dir=controller.values["controller.keys_dir"])
