@@ -80,6 +80,30 @@ def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_clie
     assert post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] == 200
 
 
+def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another_client(tmp_path, make_gateway,
+                                                                                      make_sim):
+    # A long answer, not streamed, starts only when it ends: 400 tokens at 50 a second outlast
+    # timeouts.first_byte = 1. Six of them opened the replica's breaker, each retried on every replica.
+    sims = [make_sim(replica=f"replica-{n}", ttft_ms=1, tokens_per_s=50) for n in "ab"]
+    url = f"sqlite:///{tmp_path}/slow.db"
+    slow_key, good_key = make_key(url, "slow"), make_key(url, "good")
+    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims], workers=1,
+                      timeouts__first_byte=1.0)
+    slow = {**CHAT, "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write"}]}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: post(gw.url + "/v1/chat/completions", slow, slow_key), range(12)))
+    assert [status for status, _, _ in answers] == [504] * 12
+    assert {json.loads(raw)["error"]["code"] for _, _, raw in answers} == {"upstream_timeout"}
+    # Each reached one engine once: none was retried on the other replica.
+    assert sum(s.metrics()["llmgw_sim_requests_total"] for s in sims) == 12
+    assert http_status(gw.url + "/ready") == 200
+    assert [post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] for _ in range(10)] == [200] * 10
+    time.sleep(1.5)  # a round of the worker's watcher, which sets the breaker gauges
+    assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
+    assert "llmgw_upstream_retries_total{" not in gw.metrics()
+
+
 def test_a_sick_replica_still_leaves_rotation_through_its_health_check(tmp_path, make_gateway, make_sim):
     # A sick engine fails every request and its health check (as vLLM's does once its engine died).
     good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
