@@ -67,6 +67,7 @@ LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
 KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
 DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
 HEALTH_CHECK_EVERY = 2.0  # seconds: engine errors on a replica prompt at most one health check this often
+TOKENIZE_TIMEOUT = 10.0  # seconds for an engine to count a request's tokens (llama.cpp: under a millisecond a prompt)
 UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now
 # Timeouts the request's own length can cause: checked against the replica's health, never struck or retried.
 REQUEST_TIMEOUTS = ("first_byte", "total")
@@ -115,12 +116,6 @@ def _engine_code(detail: bytes) -> str | None:
         return None
     kind = error.get("type") if isinstance(error, dict) else None
     return kind if isinstance(kind, str) and ENGINE_CODE.fullmatch(kind) else None
-
-
-def _answer_tokens(req, data: bytes) -> tuple[int | None, int | None] | None:
-    """(prompt, completion) billed for a whole answer DATA (see llmgw/gateway/metering.py)."""
-    usage = apirequest.usage_of(data)
-    return metering.trusted(req, usage) or metering.billed(req, usage, metering.answer_floor(data))
 
 
 def _retry_after(value: str | None) -> int:
@@ -235,10 +230,12 @@ class Proxy:
         if not access.levels:
             return
         # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
-        # output is what the request may generate at most: an estimate on the high side, so that the
-        # budgets' reserve covers what requests in flight can still spend.
+        # output is what the request may generate at most, for every prompt and choice: an estimate on the
+        # high side, so that the budgets' reserve covers what requests in flight can still spend.
         prompt = len(req.raw) // 4
         output = req.max_tokens or model.max_output or self.output_estimate
+        if req.kind != "embeddings":
+            output *= metering.answers(req)
         self._reserve(caller, not caller.price.zero(), prompt + output, caller.price.cost(prompt, output),
                       model.name)
 
@@ -384,8 +381,8 @@ class Proxy:
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
-        self._account(t0, caller, req, model, replica.spec.id, resp.status, _answer_tokens(req, data), None,
-                      in_flight=True)
+        tokens = self._answer_tokens(req, replica, data)
+        self._account(t0, caller, req, model, replica.spec.id, resp.status, tokens, None, in_flight=True)
         return [data]
 
     def _connect_in_turn(self, path, req, model, t0, caller):
@@ -532,6 +529,53 @@ class Proxy:
         if self.rt._get(replica, "/health") is None:
             self._strike(replica, UpstreamError("status", "its health check failed after a failed request"))
 
+    # --- metering (see llmgw/gateway/metering.py) ---------------------------------------
+
+    def _answer_tokens(self, req, replica, data: bytes) -> tuple[int | None, int | None]:
+        """(prompt, completion) billed for a whole answer DATA from REPLICA."""
+        usage = apirequest.usage_of(data)
+        tokens = metering.trusted(req, usage)
+        if tokens is not None:
+            return tokens
+        if req.kind == "embeddings":  # one usage covers every input; the answer is megabytes of numbers
+            return metering.billed(req, usage, 0)
+        texts = metering.answer_texts(data)
+        prompts, answers = metering.to_tokenize(req, texts)
+        counted = self._tokens(replica, answers, False) if answers else None
+        served = max(metering.answer_floor(texts), counted or 0)
+        prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts))
+        return metering.billed(req, usage, served, prompt)
+
+    def _prompt_tokens(self, replica, prompts: list[str]) -> int:
+        """Tokens in PROMPTS as REPLICA processes them, each with its special tokens (a BOS); 0 when it
+        cannot say. The tokenizer adds those to the first item of a list only, so they are asked apart."""
+        if not prompts:
+            return 0
+        text = self._tokens(replica, prompts, False)
+        special = self._tokens(replica, "", True)
+        return text + special * len(prompts) if text is not None and special is not None else 0
+
+    def _tokens(self, replica, content, add_special: bool) -> int | None:
+        """How many tokens REPLICA's tokenizer makes of CONTENT, a text or a list of them counted one after
+        another (llama.cpp's `POST /tokenize`); None when it cannot say (an engine without one)."""
+        body = json.dumps({"content": content, "add_special": add_special}, ensure_ascii=False).encode()
+        try:
+            resp = self.rt.pool.request(replica.target, "POST", "/tokenize", body, TOKENIZE_TIMEOUT,
+                                        time.monotonic() + TOKENIZE_TIMEOUT)
+        except UpstreamError:
+            return None
+        try:
+            data = resp.read(TOKENIZE_TIMEOUT)
+        except UpstreamError:
+            resp.abort()
+            return None
+        resp.release()
+        try:
+            tokens = json.loads(data).get("tokens") if resp.status == 200 else None
+        except (ValueError, AttributeError):
+            return None
+        return len(tokens) if isinstance(tokens, list) else None
+
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
 
@@ -610,7 +654,8 @@ class Proxy:
             else:
                 resp.abort()
             replica.outstanding -= 1
-            tokens = metering.trusted(req, relay.usage) or metering.billed(req, relay.usage, relay.deltas)
+            tokens = (metering.trusted(req, relay.usage, relay.reports)
+                      or metering.billed(req, relay.usage, relay.deltas))
             self._account(t0, caller, req, model, replica.spec.id, status, tokens, ttft, in_flight=True)
 
     # --- accounting ----------------------------------------------------------------------
