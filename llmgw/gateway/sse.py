@@ -6,10 +6,12 @@ than the rest of its own event. The one event the gateway looks inside is the
 one carrying `usage`: it is read for metering, and dropped when the client
 did not ask for usage (the gateway asked the engine for it on everyone's
 behalf). llama.cpp sends one such event per prompt and per choice, each
-speaking for its own; the relay sums them and counts them. The relay also counts the deltas it passes on (the events with
-choices), which is what a stream cut before its usage event is billed for
-(see llmgw/gateway/metering.py), and notes when `[DONE]` has gone out: a
-client that leaves after it had the whole answer.
+speaking for its own task, so the relay sums them and counts them; keeping
+the last alone billed n=3 choices of 15 tokens as 15. The relay also counts
+the deltas it passes on (the events with choices), which is what a stream cut
+before its usage events is billed for (see llmgw/gateway/metering.py), and
+notes when `[DONE]` has gone out: a client that leaves after it had the whole
+answer.
 """
 
 from __future__ import annotations
