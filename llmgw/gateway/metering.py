@@ -90,13 +90,13 @@ def prompt_floor(req) -> int:
     return sum(text_floor(p) for p in _inputs(req))
 
 
-def answer_texts(data: bytes) -> list:
-    """The text of each choice of a whole (not streamed) answer; None for a choice without one."""
+def answer_choices(data: bytes) -> list[dict]:
+    """The choices of a whole (not streamed) answer."""
     try:
         found = json.loads(data).get("choices")
     except (ValueError, AttributeError):
         return []
-    return [_choice_text(c) if isinstance(c, dict) else None for c in found] if isinstance(found, list) else []
+    return [c for c in found if isinstance(c, dict)] if isinstance(found, list) else []
 
 
 def _choice_text(choice: dict) -> str | None:
@@ -105,16 +105,34 @@ def _choice_text(choice: dict) -> str | None:
     return text if isinstance(text, str) else None
 
 
-def answer_floor(texts: list) -> int:
-    """Completion tokens at least in a whole answer's TEXTS (`answer_texts`): every choice counted."""
-    return sum(text_floor(t) if t is not None else 1 for t in texts)
+def answer_floor(choices: list[dict], usage: dict | None) -> int:
+    """Completion tokens at least in a whole answer's CHOICES (`answer_choices`), every one counted.
+
+    A choice that stopped for "length" generated as many as the first did when that one stopped so
+    too, and the engine's USAGE speaks for the first. That counts what its text cannot show: tokens
+    that render as nothing (an end-of-text token forced under `ignore_eos`). It errs high only for a
+    list of prompts where a longer one filled the context before its limit.
+    """
+    first = _int((usage or {}).get("completion_tokens")) if choices and _stopped(choices[0]) else None
+    total = 0
+    for choice in choices:
+        text = _choice_text(choice)
+        floor = text_floor(text) if text is not None else 1
+        total += max(floor, first) if first and _stopped(choice) else floor
+    return total
 
 
-def to_tokenize(req, texts: list) -> tuple[list[str], list[str]]:
+def _stopped(choice: dict) -> bool:
+    """Whether CHOICE stopped at its length limit."""
+    return choice.get("finish_reason") == "length"
+
+
+def to_tokenize(req, choices: list[dict]) -> tuple[list[str], list[str]]:
     """What to ask the engine's tokenizer for a whole answer whose usage is partial: the text prompts
-    when there are several, the answers' TEXTS when there are several (nothing when either is one)."""
+    when there are several, the texts of the CHOICES when there are several (nothing when either is one)."""
     prompts = [p for p in _inputs(req) if isinstance(p, str)] if prompt_count(req) > 1 else []
-    return prompts, ([t for t in texts if t is not None] if len(texts) > 1 else [])
+    texts = [t for c in choices if (t := _choice_text(c)) is not None] if len(choices) > 1 else []
+    return prompts, texts
 
 
 def counted_prompts(req, tokenized: int) -> int:

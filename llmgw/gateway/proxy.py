@@ -539,10 +539,10 @@ class Proxy:
             return tokens
         if req.kind == "embeddings":  # one usage covers every input; the answer is megabytes of numbers
             return metering.billed(req, usage, 0)
-        texts = metering.answer_texts(data)
-        prompts, answers = metering.to_tokenize(req, texts)
+        choices = metering.answer_choices(data)
+        prompts, answers = metering.to_tokenize(req, choices)
         counted = self._tokens(replica, answers, False) if answers else None
-        served = max(metering.answer_floor(texts), counted or 0)
+        served = max(metering.answer_floor(choices, usage), counted or 0)
         prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts))
         return metering.billed(req, usage, served, prompt)
 
