@@ -22,8 +22,9 @@ refusing lists of prompts, which clients batch with for good reason.
 
 The floor, used where the tokenizer cannot be asked (an engine without
 `/tokenize`, a cut stream), is counted without one: every prompt and every
-answer is at least one token, a streamed delta carries at least one, and text
-runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four).
+answer is at least one token, a streamed delta carries at least one, text
+runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four), and
+a choice that stopped at its limit as the first did generated as many.
 Erring low keeps an engine's exact count the one billed wherever it is whole.
 """
 
