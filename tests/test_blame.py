@@ -80,6 +80,30 @@ def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_clie
     assert post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] == 200
 
 
+def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another_client(tmp_path, make_gateway,
+                                                                                      make_sim):
+    # A long answer, not streamed, starts only when it ends: 400 tokens at 50 a second outlast
+    # timeouts.first_byte = 1. Six of them opened the replica's breaker, each retried on every replica.
+    sims = [make_sim(replica=f"replica-{n}", ttft_ms=1, tokens_per_s=50) for n in "ab"]
+    url = f"sqlite:///{tmp_path}/slow.db"
+    slow_key, good_key = make_key(url, "slow"), make_key(url, "good")
+    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims], workers=1,
+                      timeouts__first_byte=1.0)
+    slow = {**CHAT, "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Write"}]}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: post(gw.url + "/v1/chat/completions", slow, slow_key), range(12)))
+    assert [status for status, _, _ in answers] == [504] * 12
+    assert {json.loads(raw)["error"]["code"] for _, _, raw in answers} == {"upstream_timeout"}
+    # Each reached one engine once: none was retried on the other replica.
+    assert sum(s.metrics()["llmgw_sim_requests_total"] for s in sims) == 12
+    assert http_status(gw.url + "/ready") == 200
+    assert [post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] for _ in range(10)] == [200] * 10
+    time.sleep(1.5)  # a round of the worker's watcher, which sets the breaker gauges
+    assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
+    assert "llmgw_upstream_retries_total{" not in gw.metrics()
+
+
 def test_a_sick_replica_still_leaves_rotation_through_its_health_check(tmp_path, make_gateway, make_sim):
     # A sick engine fails every request and its health check (as vLLM's does once its engine died).
     good = make_sim(replica="good", ttft_ms=1, tokens_per_s=0)
@@ -251,3 +275,57 @@ def test_an_engine_killed_mid_stream_ends_it_with_an_error_and_done(tmp_path, ma
     row = rows(url)[0]
     assert row.status == 502 and row.completion_tokens >= 1  # what was delivered before it died
 
+
+
+def streamed(url, body, key) -> list[bytes]:
+    """The `data:` payloads of a stream, read whole."""
+    status, _, raw = post(url, {**body, "stream": True}, key)
+    assert status == 200
+    return [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_every_choice_is_billed(tmp_path, make_gateway, make_sim):
+    # llama.cpp's whole answer to n=4 reports the first choice's 30 tokens (billed 30, not 120); its
+    # stream reports each choice apart (n=3 of 15 tokens was billed 15 of 45: only the last report was kept).
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
+    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    write = {"model": "sim", "messages": [{"role": "user", "content": "Write"}], "n": 4, "max_tokens": 30}
+    status, _, raw = post(gw.url + "/v1/chat/completions", write, key)
+    assert status == 200 and len(json.loads(raw)["choices"]) == 4
+    assert streamed(gw.url + "/v1/completions", {"model": "sim", "prompt": "Write", "n": 3, "max_tokens": 15},
+                    key)[-1] == b"[DONE]"
+    wait_until("the usage rows", 30, lambda: len(rows(url)) == 2)
+    assert sorted((r.stream, r.prompt_tokens, r.completion_tokens) for r in rows(url)) == [(False, 1, 120),
+                                                                                           (True, 1, 45)]
+
+
+def test_prompts_dense_in_tokens_are_billed_exactly(tmp_path, make_gateway, make_sim):
+    # Digits run at a token each with its space: six bytes a token assumed, twenty copies of a 599-token
+    # prompt were billed 2,000. The sim makes a token of each word: 300 here.
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
+    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    digits = " ".join(str(j % 10) for j in range(300))
+    status, _, raw = post(gw.url + "/v1/completions", {"model": "sim", "prompt": [digits] * 20, "max_tokens": 1}, key)
+    assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == 300  # the first prompt's alone
+    assert streamed(gw.url + "/v1/completions", {"model": "sim", "prompt": [digits] * 5, "max_tokens": 1},
+                    key)[-1] == b"[DONE]"
+    wait_until("the usage rows", 30, lambda: len(rows(url)) == 2)
+    assert sorted((r.stream, r.prompt_tokens, r.completion_tokens) for r in rows(url)) == [(False, 6000, 20),
+                                                                                           (True, 1500, 5)]
+
+
+def test_the_reservation_counts_every_choice(tmp_path, make_gateway, make_sim):
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
+    url = f"sqlite:///{tmp_path}/reserved.db"
+    engine = store.open_store(url)
+    try:
+        record, secret = keys.create_key(engine, "reserved")
+        limits.set_limits(engine, "key", record.id, "test", tpm=1000)
+    finally:
+        engine.dispose()
+    gw = make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1)
+    assert post(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 100}, secret)[0] == 200
+    # Twenty answers of up to 100 tokens may spend 2,000 tokens: more than what is left of a minute's 1,000
+    # (an empty window takes any one request, so one came first).
+    status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "n": 20, "max_tokens": 100}, secret)
+    assert status == 429 and json.loads(raw)["error"]["code"] == "tokens_limit_exceeded"

@@ -25,8 +25,41 @@ def test_a_list_of_prompts_is_billed_for_every_prompt_and_every_choice():
     assert metering.prompt_count(req) == 300 and metering.trusted(req, USAGE) is None
     answer = json.dumps({"choices": [{"index": i, "text": "tok0 tok1 tok2 tok3 tok4 tok5 "} for i in range(300)],
                          "usage": USAGE}).encode()
-    prompt, completion = metering.billed(req, USAGE, metering.answer_floor(answer))
+    choices = metering.answer_choices(answer)
+    prompt, completion = metering.billed(req, USAGE, metering.answer_floor(choices, USAGE))
     assert prompt >= 300 * 3 and completion >= 300 * 5
+    # What the engine's tokenizer is asked, and what its count of the prompts comes to.
+    assert metering.to_tokenize(req, choices) == (["say something long"] * 300, ["tok0 tok1 tok2 tok3 tok4 tok5 "] * 300)
+    assert metering.billed(req, USAGE, 1800, metering.counted_prompts(req, 1500)) == (1500, 1800)
+
+
+def test_several_choices_are_billed_each():
+    # llama.cpp's whole answer to n=4 reports the first choice's 30 tokens.
+    req = parse("chat", {"model": "m", "n": 4, "max_tokens": 30, "messages": [{"role": "user", "content": "Write"}]})
+    assert metering.answers(req) == 4 and metering.trusted(req, USAGE) is None
+    answer = json.dumps({"choices": [{"index": i, "message": {"content": "x" * 60}} for i in range(4)]}).encode()
+    choices = metering.answer_choices(answer)
+    assert metering.to_tokenize(req, choices) == ([], ["x" * 60] * 4) and metering.counted_prompts(req, 0) == 0
+    assert metering.billed(req, USAGE, 120) == (4, 120)
+    # A stream's reports, one per choice, summed: each repeats the prompt, billed once.
+    assert metering.trusted(req, {"prompt_tokens": 4 * 31, "completion_tokens": 120}, reports=4) == (31, 120)
+    assert metering.trusted(req, {"prompt_tokens": 3 * 31, "completion_tokens": 90}, reports=3) is None
+
+
+def test_choices_that_stopped_at_their_limit_count_what_the_first_did():
+    # Tokens that render as nothing (an end-of-text token forced under ignore_eos) leave no text to count.
+    empty = [{"index": i, "message": {"content": ""}, "finish_reason": "length"} for i in range(4)]
+    assert metering.answer_floor(empty, {"completion_tokens": 30}) == 120
+    # A choice that ended of itself counts its text; so do all when the first did not reach its limit.
+    mixed = [{**empty[0]}, {"index": 1, "message": {"content": "x" * 12}, "finish_reason": "stop"}]
+    assert metering.answer_floor(mixed, {"completion_tokens": 30}) == 30 + 3
+    assert metering.answer_floor(mixed[::-1], {"completion_tokens": 30}) == 3 + 1
+
+
+def test_a_prompt_of_token_ids_in_a_list_counts_itself():
+    req = parse("completions", {"model": "m", "prompt": [[1, 2, 3, 4], "some text"]})
+    assert metering.to_tokenize(req, []) == (["some text"], [])
+    assert metering.counted_prompts(req, 2) == 6
 
 
 def test_the_engines_figures_win_where_they_are_larger():
@@ -46,4 +79,4 @@ def test_embeddings_bill_every_input_and_no_completion():
 
 
 def test_an_answer_that_is_not_json_floors_at_nothing():
-    assert metering.answer_floor(b"<html>") == 0
+    assert metering.answer_choices(b"<html>") == [] and metering.answer_floor([], None) == 0

@@ -62,3 +62,11 @@ def test_a_kept_usage_event_is_no_delta_either():
     relay = EventRelay(keep_usage=True)
     relay.feed(TOKEN + FINAL + DONE)
     assert relay.deltas == 1 and relay.done
+
+
+def test_usage_reports_are_summed_and_counted():
+    # llama.cpp streams one report per prompt and choice; a completion's rides on its last choice event.
+    last = event({"choices": [{"index": 1, "text": "", "finish_reason": "length"}], "usage": USAGE})
+    relay = EventRelay(keep_usage=False)
+    relay.feed(FINAL + last + DONE)
+    assert relay.reports == 2 and relay.usage["prompt_tokens"] == 10 and relay.usage["completion_tokens"] == 4

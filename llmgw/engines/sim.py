@@ -9,9 +9,10 @@ faults on demand: fail a fraction of requests (its health check too, as a
 sick engine's does), die partway through the Nth, stall mid-stream, or stay
 loading. Like llama.cpp it answers 500 to some malformed requests (tools that
 are not a list, a message name that is not a string, a text part without
-text) and reports usage for the first prompt only when `/v1/completions` is
-given a list of them. It generates no text worth reading and is never the
-default engine.
+text), runs one task per prompt and per choice (`n`), reports a whole
+answer's usage for the first task only and a stream's once per task, and
+counts tokens on `POST /tokenize` (a word a token). It generates no text
+worth reading and is never the default engine.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class SimEngine:
             return self._json(start_response, "401 Unauthorized", _error("Invalid API Key", 401))
         if path == "/metrics":
             return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
+        if path == "/tokenize":
+            return self._tokenize(start_response, environ)
         if path == "/v1/models":
             body = {"object": "list", "data": [{"id": self.o.model, "object": "model", "owned_by": "sim"}]}
             return self._json(start_response, "200 OK", body)
@@ -133,6 +136,18 @@ class SimEngine:
     def _json(self, start_response, status, obj):
         return self._send(start_response, status, json.dumps(obj).encode(), "application/json")
 
+    def _tokenize(self, start_response, environ):
+        """llama.cpp's `POST /tokenize`: CONTENT, a text or a list of texts and token ids, as one run of
+        tokens; the sim adds no special tokens."""
+        try:
+            content = json.loads(environ["wsgi.input"].read())["content"]
+        except (ValueError, KeyError, TypeError):
+            return self._json(start_response, "400 Bad Request", _error("content is required", 400))
+        tokens = []
+        for item in content if isinstance(content, list) else [content]:
+            tokens += [item] if isinstance(item, int) else [_word_id(w) for w in str(item).split()]
+        return self._json(start_response, "200 OK", {"tokens": tokens})
+
     # --- generation ---------------------------------------------------------------
 
     @staticmethod
@@ -166,8 +181,10 @@ class SimEngine:
     def _generate(self, start_response, kind: str, body: dict, number: int):
         prompts = self._prompts(kind, body)
         prompt = prompts[0]
-        # Like llama.cpp, usage speaks of the first prompt only; the engine's own counters know them all.
-        prompt_tokens = max(1, len(prompt.split()))
+        # Like llama.cpp: a task per prompt and choice, prompt by prompt, each reporting its own usage; a
+        # whole answer's usage is the first task's. The engine's own counters know them all.
+        tasks = [max(1, len(p.split())) for p in prompts for _ in range(body.get("n") or 1)]
+        prompt_tokens = tasks[0]
         all_prompt_tokens = sum(max(1, len(p.split())) for p in prompts)
         n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.o.default_tokens
         stream = bool(body.get("stream"))
@@ -175,8 +192,10 @@ class SimEngine:
         ident = f"sim-{os.urandom(6).hex()}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                 "total_tokens": prompt_tokens + n_tokens}
+        def usage(prompt_tokens: int) -> dict:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                    "total_tokens": prompt_tokens + n_tokens}
+
         fingerprint = f"sim-{self.o.replica}"
 
         def admit():
@@ -198,7 +217,7 @@ class SimEngine:
             if self.o.tokens_per_s > 0:
                 gevent.sleep(1 / self.o.tokens_per_s)
 
-        def chunk(i: int | None, finish: str | None = None, index: int = 0) -> bytes:
+        def chunk(i: int | None, finish: str | None = None, index: int = 0, **extra) -> bytes:
             text = f"tok{i} " if i is not None else None
             if kind == "chat":
                 delta = {"content": text} if text is not None else {}
@@ -208,7 +227,18 @@ class SimEngine:
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish}
             return _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj, "created": created,
-                           "model": self.o.model, "system_fingerprint": fingerprint, "choices": [choice]})
+                           "model": self.o.model, "system_fingerprint": fingerprint,
+                           "choices": [choice], **extra})
+
+        def final(index: int) -> bytes:
+            """Task INDEX's last event(s): as llama.cpp, a completion's usage rides on it, a chat's follows."""
+            if not include_usage:
+                return chunk(None, "length", index=index)
+            if kind == "chat":
+                return chunk(None, "length", index=index) + _event({
+                    "id": ident, "object": obj + ".chunk", "created": created, "model": self.o.model,
+                    "system_fingerprint": fingerprint, "choices": [], "usage": usage(tasks[index])})
+            return chunk(None, "length", index=index, usage=usage(tasks[index]))
 
         if not stream:
             admit()
@@ -218,18 +248,18 @@ class SimEngine:
                 for _ in range(n_tokens - 1):
                     token_delay()
                 self.prompt_tokens += all_prompt_tokens
-                self.generation_tokens += n_tokens * len(prompts)
+                self.generation_tokens += n_tokens * len(tasks)
             finally:
                 leave()
             text = "".join(f"tok{i} " for i in range(n_tokens))
-            choices = ([{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}]
-                       if kind == "chat" else
-                       [{"index": j, "text": text, "finish_reason": "length"} for j in range(len(prompts))])
+            choices = [{"index": j, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                       if kind == "chat" else {"index": j, "text": text, "finish_reason": "length"}
+                       for j in range(len(tasks))]
             if self.o.die_after and number >= self.o.die_after:
                 os._exit(3)
             return self._json(start_response, "200 OK", {
                 "id": ident, "object": obj, "created": created, "model": self.o.model,
-                "system_fingerprint": fingerprint, "choices": choices, "usage": usage})
+                "system_fingerprint": fingerprint, "choices": choices, "usage": usage(prompt_tokens)})
 
         start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
 
@@ -246,15 +276,11 @@ class SimEngine:
                         gevent.sleep(3600)
                     if self.o.die_after and number >= self.o.die_after and i >= n_tokens // 2:
                         os._exit(3)
-                    for j in range(len(prompts)):
+                    for j in range(len(tasks)):
                         yield chunk(i, index=j)
                         self.generation_tokens += 1
-                for j in range(len(prompts)):
-                    yield chunk(None, "length", index=j)
-                if include_usage:
-                    yield _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj,
-                                  "created": created, "model": self.o.model, "system_fingerprint": fingerprint,
-                                  "choices": [], "usage": usage})
+                for j in range(len(tasks)):
+                    yield final(j)
                 yield b"data: [DONE]\n\n"
             except GeneratorExit:
                 self.cancelled += 1
@@ -300,6 +326,10 @@ class SimEngine:
             "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _word_id(word: str) -> int:
+    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=3).digest(), "big")
 
 
 def _event(obj: dict) -> bytes:

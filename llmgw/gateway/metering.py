@@ -1,18 +1,31 @@
 """How many tokens a request is billed: the engine's count where it covers the request, else what was served.
 
 An engine's `usage` is exact when it speaks for the whole request, and the
-gateway takes it as it is. It does not always: llama.cpp reports usage for the
-first prompt only when `/v1/completions` is given a list of them (300 prompts
-were billed as 4 prompt and 16 completion tokens), and a stream cut short (the
-client left, the engine died, a timeout) ends before its usage event (190
-tokens read, nothing billed). Then the gateway counts what it served itself,
-as a floor, and bills the larger of that and whatever the engine said:
-OpenAI bills every prompt and every generated token.
+gateway takes it as it is. It does not always. llama.cpp runs one task per
+prompt and per choice (`n`), and a whole answer's `usage` is the first task's
+alone: 300 prompts were billed as 4 prompt and 16 completion tokens, four
+choices of 30 tokens as 30. A stream carries one usage report per task
+instead, which summed are exact (`trusted`'s REPORTS). A stream cut short
+(the client left, the engine died, a timeout) ends before its reports (190
+tokens read, nothing billed).
 
-The floor is counted without a tokenizer: every prompt and every answer is
-at least one token, a streamed delta carries at least one, and text runs to
-at most `BYTES_PER_TOKEN` bytes a token (English averages four). Erring low
-keeps an engine's exact count the one billed wherever it is whole.
+Where the usage is partial, the gateway counts what it served and bills the
+larger of that and whatever the engine said: OpenAI bills every prompt and
+every generated token. For a whole answer with several prompts or choices it
+asks the replica's tokenizer (`POST /tokenize`, llama.cpp's) for the prompts'
+and the answers' tokens: the floor below assumes six bytes a token, and text
+dense in tokens (digits, one token each with its space) runs at two, so
+twenty prompts of 599 tokens were billed 2,000 for 11,980 processed. Asking
+costs a local round trip on the rare request that needs it, and none on the
+common one (one prompt, one choice), which is why it is done rather than
+refusing lists of prompts, which clients batch with for good reason.
+
+The floor, used where the tokenizer cannot be asked (an engine without
+`/tokenize`, a cut stream), is counted without one: every prompt and every
+answer is at least one token, a streamed delta carries at least one, text
+runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four), and
+a choice that stopped at its limit as the first did generated as many.
+Erring low keeps an engine's exact count the one billed wherever it is whole.
 """
 
 from __future__ import annotations
@@ -50,6 +63,17 @@ def prompt_count(req) -> int:
     return 1 if req.kind == "chat" else len(_inputs(req))
 
 
+def choices(req) -> int:
+    """Answers asked for each prompt (`n`); an embedding has one."""
+    n = req.body.get("n") if req.kind != "embeddings" else None
+    return n if _int(n) and n > 1 else 1
+
+
+def answers(req) -> int:
+    """Answers the request may generate: one per prompt and choice."""
+    return prompt_count(req) * choices(req)
+
+
 def _chat_floor(messages) -> int:
     total = 0
     for message in messages if isinstance(messages, list) else ():
@@ -67,34 +91,75 @@ def prompt_floor(req) -> int:
     return sum(text_floor(p) for p in _inputs(req))
 
 
-def answer_floor(data: bytes) -> int:
-    """Completion tokens at least in a whole (not streamed) answer: every choice counted."""
+def answer_choices(data: bytes) -> list[dict]:
+    """The choices of a whole (not streamed) answer."""
     try:
-        choices = json.loads(data).get("choices")
+        found = json.loads(data).get("choices")
     except (ValueError, AttributeError):
-        return 0
+        return []
+    return [c for c in found if isinstance(c, dict)] if isinstance(found, list) else []
+
+
+def _choice_text(choice: dict) -> str | None:
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return text if isinstance(text, str) else None
+
+
+def answer_floor(choices: list[dict], usage: dict | None) -> int:
+    """Completion tokens at least in a whole answer's CHOICES (`answer_choices`), every one counted.
+
+    A choice that stopped for "length" generated as many as the first did when that one stopped so
+    too, and the engine's USAGE speaks for the first. That counts what its text cannot show: tokens
+    that render as nothing (an end-of-text token forced under `ignore_eos`). It errs high only for a
+    list of prompts where a longer one filled the context before its limit.
+    """
+    first = _int((usage or {}).get("completion_tokens")) if choices and _stopped(choices[0]) else None
     total = 0
-    for choice in choices if isinstance(choices, list) else ():
-        if not isinstance(choice, dict):
-            continue
-        message = choice.get("message")
-        text = message.get("content") if isinstance(message, dict) else choice.get("text")
-        total += text_floor(text) if isinstance(text, str) else 1
+    for choice in choices:
+        text = _choice_text(choice)
+        floor = text_floor(text) if text is not None else 1
+        total += max(floor, first) if first and _stopped(choice) else floor
     return total
 
 
-def trusted(req, usage: dict | None) -> tuple[int | None, int | None] | None:
-    """The engine's (prompt, completion) when its USAGE speaks for the whole request; else None."""
-    if not usage or prompt_count(req) != 1:
+def _stopped(choice: dict) -> bool:
+    """Whether CHOICE stopped at its length limit."""
+    return choice.get("finish_reason") == "length"
+
+
+def to_tokenize(req, choices: list[dict]) -> tuple[list[str], list[str]]:
+    """What to ask the engine's tokenizer for a whole answer whose usage is partial: the text prompts
+    when there are several, the texts of the CHOICES when there are several (nothing when either is one)."""
+    prompts = [p for p in _inputs(req) if isinstance(p, str)] if prompt_count(req) > 1 else []
+    texts = [t for c in choices if (t := _choice_text(c)) is not None] if len(choices) > 1 else []
+    return prompts, texts
+
+
+def counted_prompts(req, tokenized: int) -> int:
+    """Prompt tokens of REQ's several prompts given TOKENIZED, the tokenizer's count of its text prompts
+    (`to_tokenize`): a prompt of token ids counts itself. 0 for one prompt, which the usage speaks for."""
+    if prompt_count(req) == 1:
+        return 0
+    return tokenized + sum(len(p) for p in _inputs(req) if isinstance(p, list))
+
+
+def trusted(req, usage: dict | None, reports: int = 1) -> tuple[int | None, int | None] | None:
+    """The engine's (prompt, completion) when its USAGE speaks for the whole request; else None.
+
+    REPORTS: how many usage reports USAGE sums. One per answer (prompt and choice) is the whole
+    request; each choice reports its prompt again, which is billed once, as OpenAI does."""
+    if not usage or reports != answers(req):
         return None
-    return _int(usage.get("prompt_tokens")), _int(usage.get("completion_tokens"))
+    prompt = _int(usage.get("prompt_tokens"))
+    return (prompt // choices(req) if prompt is not None else None), _int(usage.get("completion_tokens"))
 
 
-def billed(req, usage: dict | None, served: int) -> tuple[int, int | None]:
-    """(prompt, completion) to bill when the engine's USAGE is missing or partial: the larger of
-    what it said and what was served (SERVED: completion tokens counted by the gateway)."""
+def billed(req, usage: dict | None, served: int, prompt: int = 0) -> tuple[int, int | None]:
+    """(prompt, completion) to bill when the engine's USAGE is missing or partial: the larger of what
+    it said and what was served (SERVED: completion tokens, PROMPT: prompt tokens counted by the gateway)."""
     usage = usage or {}
-    prompt = max(_int(usage.get("prompt_tokens")) or 0, prompt_floor(req))
+    prompt = max(_int(usage.get("prompt_tokens")) or 0, prompt_floor(req), prompt)
     if req.kind == "embeddings":
         return prompt, None
     return prompt, max(_int(usage.get("completion_tokens")) or 0, served)

@@ -6,10 +6,16 @@ WSGI callable rather than a Flask view: on this path Flask's dispatch costs
 a few tenths of a millisecond a request, which is most of the budget.
 
 Whose fault, and what follows. What says the replica is unwell (no
-connection, a timeout, a connection cut mid-answer, a 502, 503 or 504: the
-engine, or something in front of it, cannot serve now) counts against its
-breaker and, before anything has reached the client, is tried again on
-another replica, up to `routing.attempts`. What the engine answers to the
+connection, a connect timeout, silence mid-answer, a connection cut
+mid-answer, a 502, 503 or 504: the engine, or something in front of it,
+cannot serve now) counts against its breaker and, before anything has reached
+the client, is tried again on another replica, up to `routing.attempts`.
+A request that runs past `timeouts.first_byte` or `timeouts.total` is not such
+evidence: a long answer (`max_tokens` 400 with `ignore_eos`, not streamed)
+starts only when it ends, and six of them opened a breaker that every other
+client was being served through, each retried on three replicas. Such a
+timeout is neither retried nor counted; it prompts a health check of the
+replica, as a 500 does (below). What the engine answers to the
 request itself is never retried and never counted against the replica: a 4xx
 is the engine refusing the request, and a 500 is, as often as not, the
 request too (llama.cpp answers 500 to tools that are not a list, a message
@@ -19,8 +25,10 @@ everyone, each bad request striking three replicas on its retries. A 500 is
 passed on as a 502 and prompts a health check of the replica instead: a
 failed check is a strike, so an engine that fails every request because it is
 sick still leaves rotation, found by a probe no client's request can fail.
-What is lost: a replica whose health check passes while it fails every
-request stays in rotation (its 502s show in the metrics and the log).
+What is lost: a replica whose health check passes while it fails or hangs
+every request stays in rotation (its 502s and 504s show in the metrics and the
+log), and a hung one whose check fails leaves only after `breaker.failures`
+checks, at most one every HEALTH_CHECK_EVERY seconds.
 
 Once a stream has started, an engine that fails ends it with an error event
 and `[DONE]`: the client has seen tokens, and a second replica would start
@@ -59,7 +67,10 @@ LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
 KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
 DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
 HEALTH_CHECK_EVERY = 2.0  # seconds: engine errors on a replica prompt at most one health check this often
+TOKENIZE_TIMEOUT = 10.0  # seconds for an engine to count a request's tokens (llama.cpp: under a millisecond a prompt)
 UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now
+# Timeouts the request's own length can cause: checked against the replica's health, never struck or retried.
+REQUEST_TIMEOUTS = ("first_byte", "total")
 # An engine's error type, passed on as the code when it looks like one (it names a kind, never the request).
 ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
 
@@ -105,12 +116,6 @@ def _engine_code(detail: bytes) -> str | None:
         return None
     kind = error.get("type") if isinstance(error, dict) else None
     return kind if isinstance(kind, str) and ENGINE_CODE.fullmatch(kind) else None
-
-
-def _answer_tokens(req, data: bytes) -> tuple[int | None, int | None] | None:
-    """(prompt, completion) billed for a whole answer DATA (see llmgw/gateway/metering.py)."""
-    usage = apirequest.usage_of(data)
-    return metering.trusted(req, usage) or metering.billed(req, usage, metering.answer_floor(data))
 
 
 def _retry_after(value: str | None) -> int:
@@ -225,10 +230,12 @@ class Proxy:
         if not access.levels:
             return
         # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
-        # output is what the request may generate at most: an estimate on the high side, so that the
-        # budgets' reserve covers what requests in flight can still spend.
+        # output is what the request may generate at most, for every prompt and choice: an estimate on the
+        # high side, so that the budgets' reserve covers what requests in flight can still spend.
         prompt = len(req.raw) // 4
         output = req.max_tokens or model.max_output or self.output_estimate
+        if req.kind != "embeddings":
+            output *= metering.answers(req)
         self._reserve(caller, not caller.price.zero(), prompt + output, caller.price.cost(prompt, output),
                       model.name)
 
@@ -374,8 +381,8 @@ class Proxy:
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
-        self._account(t0, caller, req, model, replica.spec.id, resp.status, _answer_tokens(req, data), None,
-                      in_flight=True)
+        tokens = self._answer_tokens(req, replica, data)
+        self._account(t0, caller, req, model, replica.spec.id, resp.status, tokens, None, in_flight=True)
         return [data]
 
     def _connect_in_turn(self, path, req, model, t0, caller):
@@ -451,11 +458,12 @@ class Proxy:
                 log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
                         "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
                         model.name, e)
-                if e.phase != "busy":
-                    self._strike(replica, e)
                 failure = e
-                if e.phase == "total":
-                    break  # the request's time is spent: another replica could only fail it again
+                if e.phase == "busy":
+                    continue
+                self._blame(replica, e)
+                if e.phase in REQUEST_TIMEOUTS:
+                    break  # this request would run as long on any replica
                 continue
             engine_time += time.perf_counter() - sent
             if resp.status >= 400:
@@ -480,6 +488,17 @@ class Proxy:
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
         raise _upstream_error(model.name, failure)
 
+    def _blame(self, replica, e: UpstreamError) -> None:
+        """Count E against REPLICA, or, for a timeout the request itself may cause, check its health."""
+        if e.phase in REQUEST_TIMEOUTS:
+            self._check_soon(replica)
+        else:
+            self._strike(replica, e)
+
+    def _check_soon(self, replica) -> None:
+        if replica.check_due(time.monotonic(), HEALTH_CHECK_EVERY):
+            gevent.spawn(self._check_health, replica)
+
     def _strike(self, replica, e: UpstreamError) -> None:
         if replica.breaker.failure(time.monotonic()):
             log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
@@ -498,8 +517,7 @@ class Proxy:
                                     "against the API reference; the engine's own words, which may quote the "
                                     "request, are in the gateway's log under the request id.",
                             _engine_code(detail) or "engine_refused")
-        if replica.check_due(time.monotonic(), HEALTH_CHECK_EVERY):
-            gevent.spawn(self._check_health, replica)
+        self._check_soon(replica)
         return ApiError(502, f"The engine for {model} failed on this request (HTTP {status}); it was not tried "
                              "on another replica, as an error a request causes recurs on every one. Check the "
                              "request's fields (tools, message names, content parts); if it is well formed, try "
@@ -507,9 +525,56 @@ class Proxy:
                              "request id.", "engine_error")
 
     def _check_health(self, replica) -> None:
-        """Ask REPLICA whether it is well, after it failed a request: a failed check is a strike."""
+        """Ask REPLICA whether it is well, after it failed or timed out a request: a failed check is a strike."""
         if self.rt._get(replica, "/health") is None:
-            self._strike(replica, UpstreamError("status", "its health check failed after an engine error"))
+            self._strike(replica, UpstreamError("status", "its health check failed after a failed request"))
+
+    # --- metering (see llmgw/gateway/metering.py) ---------------------------------------
+
+    def _answer_tokens(self, req, replica, data: bytes) -> tuple[int | None, int | None]:
+        """(prompt, completion) billed for a whole answer DATA from REPLICA."""
+        usage = apirequest.usage_of(data)
+        tokens = metering.trusted(req, usage)
+        if tokens is not None:
+            return tokens
+        if req.kind == "embeddings":  # one usage covers every input; the answer is megabytes of numbers
+            return metering.billed(req, usage, 0)
+        choices = metering.answer_choices(data)
+        prompts, answers = metering.to_tokenize(req, choices)
+        counted = self._tokens(replica, answers, False) if answers else None
+        served = max(metering.answer_floor(choices, usage), counted or 0)
+        prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts))
+        return metering.billed(req, usage, served, prompt)
+
+    def _prompt_tokens(self, replica, prompts: list[str]) -> int:
+        """Tokens in PROMPTS as REPLICA processes them, each with its special tokens (a BOS); 0 when it
+        cannot say. The tokenizer adds those to the first item of a list only, so they are asked apart."""
+        if not prompts:
+            return 0
+        text = self._tokens(replica, prompts, False)
+        special = self._tokens(replica, "", True)
+        return text + special * len(prompts) if text is not None and special is not None else 0
+
+    def _tokens(self, replica, content, add_special: bool) -> int | None:
+        """How many tokens REPLICA's tokenizer makes of CONTENT, a text or a list of them counted one after
+        another (llama.cpp's `POST /tokenize`); None when it cannot say (an engine without one)."""
+        body = json.dumps({"content": content, "add_special": add_special}, ensure_ascii=False).encode()
+        try:
+            resp = self.rt.pool.request(replica.target, "POST", "/tokenize", body, TOKENIZE_TIMEOUT,
+                                        time.monotonic() + TOKENIZE_TIMEOUT)
+        except UpstreamError:
+            return None
+        try:
+            data = resp.read(TOKENIZE_TIMEOUT)
+        except UpstreamError:
+            resp.abort()
+            return None
+        resp.release()
+        try:
+            tokens = json.loads(data).get("tokens") if resp.status == 200 else None
+        except (ValueError, AttributeError):
+            return None
+        return len(tokens) if isinstance(tokens, list) else None
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
@@ -573,9 +638,7 @@ class Proxy:
                 status = 499
             else:
                 status = 504 if e.phase in ("idle", "total") else 502
-                # A stream cut by the gateway's own limit on the whole request says nothing of the replica.
-                if e.phase != "total":
-                    self._strike(replica, e)
+                self._blame(replica, e)
                 log.warning("stream from replica %s (%s) of %s broke off: %s", replica.spec.id, replica.spec.url,
                             model.name, e)
                 yield _upstream_error(model.name, e).sse_event() + DONE
@@ -591,7 +654,8 @@ class Proxy:
             else:
                 resp.abort()
             replica.outstanding -= 1
-            tokens = metering.trusted(req, relay.usage) or metering.billed(req, relay.usage, relay.deltas)
+            tokens = (metering.trusted(req, relay.usage, relay.reports)
+                      or metering.billed(req, relay.usage, relay.deltas))
             self._account(t0, caller, req, model, replica.spec.id, status, tokens, ttft, in_flight=True)
 
     # --- accounting ----------------------------------------------------------------------

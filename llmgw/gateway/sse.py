@@ -5,10 +5,13 @@ of complete events is sent on at once, in one write; nothing waits for more
 than the rest of its own event. The one event the gateway looks inside is the
 one carrying `usage`: it is read for metering, and dropped when the client
 did not ask for usage (the gateway asked the engine for it on everyone's
-behalf). The relay also counts the deltas it passes on (the events with
-choices), which is what a stream cut before its usage event is billed for
-(see llmgw/gateway/metering.py), and notes when `[DONE]` has gone out: a
-client that leaves after it had the whole answer.
+behalf). llama.cpp sends one such event per prompt and per choice, each
+speaking for its own task, so the relay sums them and counts them; keeping
+the last alone billed n=3 choices of 15 tokens as 15. The relay also counts
+the deltas it passes on (the events with choices), which is what a stream cut
+before its usage events is billed for (see llmgw/gateway/metering.py), and
+notes when `[DONE]` has gone out: a client that leaves after it had the whole
+answer.
 """
 
 from __future__ import annotations
@@ -37,16 +40,30 @@ def usage_in_event(event: bytes) -> tuple[dict | None, bool]:
     return None, False
 
 
-class EventRelay:
-    """Feed engine bytes in, get client bytes out; `usage` holds the last usage seen, `deltas` the
-    events with choices passed on, `done` whether `[DONE]` has."""
+SUMMED = ("prompt_tokens", "completion_tokens")
 
-    __slots__ = ("pending", "keep_usage", "usage", "deltas", "done")
+
+def _sum(a: dict, b: dict) -> dict:
+    """Usage A and B together, as far as both count alike."""
+    both = dict(a)
+    for key in SUMMED:
+        x, y = a.get(key), b.get(key)
+        if type(x) is int and type(y) is int:
+            both[key] = x + y
+    return both
+
+
+class EventRelay:
+    """Feed engine bytes in, get client bytes out; `usage` holds the usage seen, summed over its
+    `reports`, `deltas` the events with choices passed on, `done` whether `[DONE]` has."""
+
+    __slots__ = ("pending", "keep_usage", "usage", "reports", "deltas", "done")
 
     def __init__(self, keep_usage: bool):
         self.pending = b""
         self.keep_usage = keep_usage
         self.usage: dict | None = None
+        self.reports = 0
         self.deltas = 0
         self.done = False
 
@@ -77,7 +94,8 @@ class EventRelay:
         for event in block.split(b"\n\n")[:-1]:
             usage, usage_only = usage_in_event(event)
             if usage is not None:
-                self.usage = usage
+                self.usage = usage if self.usage is None else _sum(self.usage, usage)
+                self.reports += 1
                 usage_only_events += usage_only
                 if usage_only and not self.keep_usage:
                     continue

