@@ -92,6 +92,10 @@ def tool(**function):
     ("chat", {**CHAT, "stop": 3}, "stop"),
     ("chat", {**CHAT, "stop": ["a", 3]}, "stop[1]"),
     ("chat", {**CHAT, "n": 0}, "n"),
+    ("chat", {**CHAT, "n": 129}, "n"),  # OpenAI's most; the engine runs a task for every answer
+    ("chat", {**CHAT, "n": 2**64}, "n"),  # once held the engine for good
+    ("chat", {**CHAT, "max_tokens": 2**31}, "max_tokens"),
+    ("completions", {"model": "m", "prompt": "a", "best_of": 21}, "best_of"),
     ("chat", {**CHAT, "top_p": "x"}, "top_p"),
     ("chat", {**CHAT, "logprobs": "x"}, "logprobs"),
     ("chat", {**CHAT, "top_logprobs": 1000}, "top_logprobs"),

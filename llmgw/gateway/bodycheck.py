@@ -222,7 +222,10 @@ def _encoding_format(value, param: str) -> None:
         raise bad(f'{param} is {value[:40]!r}; use "float" or "base64".', param)
 
 
-COUNT = _scalar((int,), "a whole number", least=1)
+# A count an engine keeps in a 32-bit int; and how many answers one request may ask for, as OpenAI allows
+# (n up to 128, best_of up to 20): the engine runs a task for each, and n = 2**64 once held one for good.
+COUNT = _scalar((int,), "a whole number", 1, 2**31 - 1)
+CHOICES = _scalar((int,), "a whole number", 1, 128)
 NUMBER = _scalar((int, float), "a number")
 BOOLEAN = _scalar((bool,), "true or false")
 STRING = _string
@@ -230,7 +233,7 @@ STRING = _string
 # Every OpenAI field that any of the three routes takes, checked when present and not null.
 COMMON = {
     "stream": BOOLEAN, "stream_options": _stream_options, "user": STRING,
-    "max_tokens": COUNT, "max_completion_tokens": COUNT, "n_predict": COUNT, "n": COUNT,
+    "max_tokens": COUNT, "max_completion_tokens": COUNT, "n_predict": COUNT, "n": CHOICES,
     "temperature": _scalar((int, float), "a number", 0, 2), "top_p": NUMBER,
     "presence_penalty": NUMBER, "frequency_penalty": NUMBER, "seed": _scalar((int,), "a whole number"),
     "stop": _stop, "logit_bias": _logit_bias,
@@ -240,7 +243,7 @@ FIELDS = {
              "parallel_tool_calls": BOOLEAN, "logprobs": BOOLEAN,
              "top_logprobs": _scalar((int,), "a whole number", 0, 20), "response_format": _response_format},
     "completions": {**COMMON, "prompt": _tokens_or_texts, "suffix": STRING, "echo": BOOLEAN,
-                    "best_of": COUNT, "logprobs": _scalar((int,), "a whole number", 0)},
+                    "best_of": _scalar((int,), "a whole number", 1, 20), "logprobs": _scalar((int,), "a whole number", 0, 20)},
     "embeddings": {"input": _tokens_or_texts, "encoding_format": _encoding_format, "dimensions": COUNT,
                    "user": STRING},
 }
