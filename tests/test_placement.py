@@ -140,6 +140,10 @@ def test_a_registration_lists_everything_the_node_runs():
      "min_memory_gb is a number, 0 or more, not nan"),
     ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "min_memory_gb": float("inf")}]}, "not inf"),
     ({"name": "m", "source": "/x", "profiles": [{"engine": "sim", "weight": -1}]}, "weight is a number, 0 or more"),
+    ({"name": "m", "source": "/x", "max_output": "abc", "profiles": [{"engine": "sim"}]}, "max_output is a number"),
+    ({"name": "m", "source": "/x", "max_context": 0, "profiles": [{"engine": "sim"}]}, "max_context is a number"),
+    ({"name": "m", "source": "/x", "max_output": 2**64, "profiles": [{"engine": "sim"}]}, "from 1 to 2147483647"),
+    ({"name": "m", "source": "/x", "max_output": True, "profiles": [{"engine": "sim"}]}, "max_output is a number"),
 ])
 def test_bad_models_are_refused_naming_the_field(table, words):
     with pytest.raises(catalog.CatalogError, match=words):

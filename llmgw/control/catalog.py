@@ -136,6 +136,13 @@ def parse_model(table: dict, origin: str = "config") -> Model:
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
         raise CatalogError(f"{where}: aliases must be a list of names")
+    # Checked here because they travel in every snapshot: one model's max_output of "abc" made every
+    # gateway refuse every snapshot that followed.
+    for key in ("max_context", "max_output"):
+        value = table.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31):
+            raise CatalogError(f"{where}: {key} is a number of tokens, a whole number from 1 to {2**31 - 1}, "
+                               f"not {str(value)[:40]!r}")
     return Model(name=name, source=source, profiles=tuple(sorted(profiles, key=lambda p: -p.priority)),
                  aliases=tuple(aliases), description=str(table.get("description", "")),
                  max_context=table.get("max_context"), max_output=table.get("max_output"),
