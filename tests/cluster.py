@@ -22,6 +22,19 @@ FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agen
 class Controller:
     def __init__(self, tmp, store_url=None, agent_port=None, models=(), **settings):
         self.tmp = tmp
+        for attempt in range(3):
+            self._choose_ports(store_url, agent_port, models, settings)
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                # free_port() hands out a port that is free now; on a busy machine another process may bind
+                # it before the controller does. Only then is it worth another try with new ports.
+                if attempt == 2 or "Address already in use" not in self.log():
+                    raise
+
+    def _choose_ports(self, store_url, agent_port, models, settings):
+        tmp = self.tmp
         self.agent_port = agent_port or free_port()
         self.admin_port = free_port()
         self.metrics_port = free_port()
@@ -36,7 +49,6 @@ class Controller:
                        "controller.keys_dir": f"{tmp}/controller-keys", **FAST,
                        **{k.replace("__", "."): v for k, v in settings.items()}}
         self.config = write_config(tmp / "controller.toml", self.values, models=models)
-        self.start()
 
     def start(self):
         self.log_path = self.tmp / f"controller-{self.admin_port}.log"
