@@ -89,6 +89,19 @@ def test_model_list_shows_each_alias(env):
     assert ids["fast"].model_extra["root"] == "sim"
 
 
+def test_one_model_by_its_id_or_alias(env):
+    model = env.client.models.retrieve("fast")
+    assert model.id == "fast" and model.model_extra["root"] == "sim" and model.model_extra["max_context"] is None
+    assert env.client.models.retrieve("sim").model_extra["description"] == "the simulated engine"
+    with pytest.raises(openai.NotFoundError) as e:
+        env.client.models.retrieve("gpt-9")
+    assert e.value.body["code"] == "model_not_found" and "sim-alias" in e.value.body["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", env.gw.port, timeout=5)
+    conn.request("GET", "/v1/models/sim")
+    assert conn.getresponse().status == 401  # a key is needed, as for the list
+    conn.close()
+
+
 def test_an_alias_is_served_by_its_model(env):
     reply = env.client.chat.completions.create(model="fast", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     assert reply.model == "sim"

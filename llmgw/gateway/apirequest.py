@@ -16,7 +16,8 @@ import json
 from llmgw.gateway import bodycheck, jsonbound
 from llmgw.gateway.errors import ApiError
 
-KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+# The engine's path for each kind of request.
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 # The fields that limit an answer's length. Engines disagree on which wins when
 # several are set (llama.cpp: n_predict, then max_completion_tokens, then
 # max_tokens; vLLM: max_completion_tokens, then max_tokens), so each is held to
@@ -25,11 +26,13 @@ OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 
 class ParsedRequest:
-    __slots__ = ("kind", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens", "added_limit",
-                 "prompt_text")
+    __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
+                 "added_limit", "prompt_text")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
+        self.api = kind  # the API the client spoke, as usage rows record it (a dialect's name where it translated)
+        self.dialect = None  # the client's API (llmgw/gateway/dialect.py), set by the proxy
         self.body = body
         self.raw = raw
         self.model: str = body["model"]

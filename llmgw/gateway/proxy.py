@@ -48,10 +48,11 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import admission, apirequest, balancer, metering
+from llmgw.gateway import admission, apirequest, balancer, metering, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
-from llmgw.gateway.errors import ApiError
+from llmgw.gateway.dialect import OPENAI
+from llmgw.gateway.errors import REASONS, ApiError
 from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
@@ -68,6 +69,7 @@ KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at 
 DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
 HEALTH_CHECK_EVERY = 2.0  # seconds: engine errors on a replica prompt at most one health check this often
 TOKENIZE_TIMEOUT = 10.0  # seconds for an engine to count a request's tokens (llama.cpp: under a millisecond a prompt)
+MODEL_PATH = routes.MODELS + "/"  # `GET /v1/models/ID`
 UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now
 # Timeouts the request's own length can cause: checked against the replica's health, never struck or retried.
 REQUEST_TIMEOUTS = ("first_byte", "total")
@@ -163,23 +165,26 @@ class Proxy:
         path = environ.get("PATH_INFO", "")
         req = None
         model: ModelSpec | None = None
+        kind, dialect = routes.ROUTES.get(path) or (None, OPENAI)
         try:
-            kind = apirequest.KINDS.get(path)
-            if kind is None and path != "/v1/models":
-                raise ApiError(404, f"There is no API at {path}. This gateway serves /v1/chat/completions, "
-                                    "/v1/completions, /v1/embeddings and /v1/models.", "unknown_url")
+            if kind is None and path != routes.MODELS and not path.startswith(MODEL_PATH):
+                raise ApiError(404, f"There is no API at {path}. This gateway serves {routes.SERVED}.",
+                               "unknown_url")
             if caller is None:
-                caller = self._authenticate(environ)
+                caller = self._authenticate(dialect.credential(environ))
             method = environ["REQUEST_METHOD"]
             if kind is None:
                 if method != "GET":
-                    raise ApiError(405, "Use GET for /v1/models.", "method_not_allowed")
-                return self._models(start_response, t0)
+                    raise ApiError(405, f"Use GET for {path}.", "method_not_allowed")
+                if path == routes.MODELS:
+                    return self._models(start_response, t0)
+                return self._model(path[len(MODEL_PATH):], start_response, t0)
             if method != "POST":
                 raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
             raw = self._read_body(environ)
             try:
-                req = apirequest.parse(kind, raw, self.prefix_bytes)
+                req = dialect.parse(kind, raw, self.prefix_bytes)
+                req.dialect = dialect
                 model = self._resolve(req.model)
                 req.bound_output(model.name, model.max_output)
             except ApiError:
@@ -188,10 +193,9 @@ class Proxy:
                 self._count(caller)
                 raise
             self._admit(caller, req, model)
-            return self._forward(environ, start_response, path, caller, req, model, t0)
+            return self._forward(environ, start_response, caller, req, model, t0)
         except ApiError as e:
-            body = e.body()
-            headers = e.headers(body)
+            body, headers = dialect.error(e)
             headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
             if caller is not None:
                 headers += caller.limit_headers()
@@ -202,17 +206,16 @@ class Proxy:
             # A bug must cost one request, never the worker, and the client
             # still gets an error it can parse.
             log.exception("unexpected failure answering %s", path)
-            e = ApiError(500, "The gateway failed to handle this request. It has been logged; try again.",
-                         "internal_error")
-            body = e.body()
-            start_response(e.status_line, e.headers(body))
+            body, headers = dialect.error(ApiError(500, "The gateway failed to handle this request. It has been "
+                                                        "logged; try again.", "internal_error"))
+            start_response(REASONS[500], headers)
             return [body]
 
     # --- admission -----------------------------------------------------------------
 
-    def _authenticate(self, environ) -> Caller:
+    def _authenticate(self, credential: str | None) -> Caller:
         table = self.rt.keys
-        result = table.authenticate(environ.get("HTTP_AUTHORIZATION"), time.time())
+        result = table.authenticate(credential, time.time())
         if isinstance(result, Refusal):
             raise ApiError(401, result.message, result.code)
         return Caller(result.id, result.project_id, result.user_id, table.access[result.id])
@@ -340,18 +343,31 @@ class Proxy:
 
     def _models(self, start_response, t0):
         snapshot = self.rt.router.snapshot
-        data = [{"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw",
-                 "root": spec.name, "description": spec.description or None,
-                 "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
-                for name, spec in snapshot.listed_ids()]
-        body = json.dumps({"object": "list", "data": data}).encode()
+        data = [self._model_object(name, spec) for name, spec in snapshot.listed_ids()]
+        return self._json(start_response, {"object": "list", "data": data}, t0)
+
+    def _model(self, name: str, start_response, t0):
+        """`GET /v1/models/NAME`: one entry of the list, an alias its own."""
+        spec = dict(self.rt.router.snapshot.listed_ids()).get(name)
+        if spec is None:
+            raise ApiError(404, self._unknown_model(name), "model_not_found", "model")
+        return self._json(start_response, self._model_object(name, spec), t0)
+
+    def _model_object(self, name: str, spec: ModelSpec) -> dict:
+        return {"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw", "root": spec.name,
+                "description": spec.description or None, "max_context": spec.max_context,
+                "ready": bool(self.rt.router.available(spec.name))}
+
+    @staticmethod
+    def _json(start_response, value, t0):
+        body = json.dumps(value).encode()
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                                   (OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}")])
         return [body]
 
     # --- forwarding --------------------------------------------------------------------
 
-    def _forward(self, environ, start_response, path, caller, req, model, t0):
+    def _forward(self, environ, start_response, caller, req, model, t0):
         rt = self.rt
         # Behind a controller a model without a replica in rotation gets one soon (it is starting,
         # moving, or being replaced), so the request waits for it; with only configured endpoints
@@ -364,28 +380,29 @@ class Proxy:
                 # stream rather than a silent socket while the model loads.
                 start_response("200 OK", SSE_HEADERS + caller.limit_headers())
                 rt.metrics.in_flight.labels(model.name).inc()
-                return self._held_stream(environ, path, caller, req, model, t0)
+                return self._held_stream(environ, caller, req, model, t0)
             for _ in self._until_ready(model):
                 pass
             if not rt.router.available(model.name):
                 raise self._still_loading(model)
         rt.metrics.in_flight.labels(model.name).inc()
         try:
-            resp, replica, data, overhead = self._connect_in_turn(path, req, model, t0, caller)
+            resp, replica, data, overhead = self._connect_in_turn(req, model, t0, caller)
         except ApiError:
             rt.metrics.in_flight.labels(model.name).dec()
             raise
         if data is None:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
             return self._relay(environ, resp, replica, caller, req, model, t0)
+        tokens = self._answer_tokens(req, replica, data)
+        data = req.dialect.answer(req, data)
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
-        tokens = self._answer_tokens(req, replica, data)
         self._account(t0, caller, req, model, replica.spec.id, resp.status, tokens, None, in_flight=True)
         return [data]
 
-    def _connect_in_turn(self, path, req, model, t0, caller):
+    def _connect_in_turn(self, req, model, t0, caller):
         """`_connect`, but a request for a saturated model waits its turn in the admission queue
         rather than being refused at once (see llmgw/admission.py)."""
         deadline = time.monotonic() + self.queue.wait
@@ -394,7 +411,7 @@ class Proxy:
             if self.max_outstanding:
                 self._turn(model, band, lambda: self._has_room(model))
             try:
-                return self._connect(path, req, model, t0)
+                return self._connect(req, model, t0)
             except ApiError as e:
                 if e.code != "engine_at_capacity" or time.monotonic() >= deadline:
                     raise
@@ -412,13 +429,14 @@ class Proxy:
             raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
                                 "Retry shortly.", "model_saturated", retry_after=2) from None
 
-    def _connect(self, path, req, model, t0):
+    def _connect(self, req, model, t0):
         """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms).
 
         Raises ApiError when every attempt failed or no replica is in rotation.
         """
         rt = self.rt
         router = rt.router
+        path = apirequest.PATHS[req.kind]
         body = req.upstream_body(model.name)
         affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
         deadline = time.monotonic() + self.total
@@ -598,7 +616,7 @@ class Proxy:
         return ApiError(503, f"{model.name} is loading: {why} after {self.load_wait:.0f} s. Retry in a minute.",
                         "model_loading", retry_after=60)
 
-    def _held_stream(self, environ, path, caller, req, model, t0):
+    def _held_stream(self, environ, caller, req, model, t0):
         """The stream of a request for a model that is loading: comments while waiting, then the answer."""
         said = 0.0
         for _ in self._until_ready(model):
@@ -608,27 +626,32 @@ class Proxy:
         try:
             if not self.rt.router.available(model.name):
                 raise self._still_loading(model)
-            resp, replica, _, _ = self._connect_in_turn(path, req, model, t0, caller)
+            resp, replica, _, _ = self._connect_in_turn(req, model, t0, caller)
         except ApiError as e:
             self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
-            yield e.sse_event() + DONE
+            yield req.dialect.stream_error(e)
             return
         yield from self._relay(environ, resp, replica, caller, req, model, t0)
 
     def _relay(self, environ, resp: Response, replica, caller, req, model, t0):
         """The generator that streams RESP to the client, accounting for it at the end."""
         relay = EventRelay(req.client_wants_usage)
+        translator = req.dialect.stream(req)
         sock = environ.get("gunicorn.socket")
         watcher = gevent.spawn(_watch_client, sock, resp) if sock is not None else None
         status, ttft = 200, None
         try:
             for piece in resp.iter_body(self.idle):
                 out = relay.feed(piece)
+                if out and translator is not None:
+                    out = translator.feed(out)
                 if out:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     yield out
             tail = relay.rest()
+            if translator is not None:
+                tail = translator.feed(tail) + translator.end()
             if tail:
                 yield tail
         except UpstreamError as e:
@@ -641,7 +664,8 @@ class Proxy:
                 self._blame(replica, e)
                 log.warning("stream from replica %s (%s) of %s broke off: %s", replica.spec.id, replica.spec.url,
                             model.name, e)
-                yield _upstream_error(model.name, e).sse_event() + DONE
+                error = _upstream_error(model.name, e)
+                yield translator.fail(error) if translator is not None else error.sse_event() + DONE
         except GeneratorExit:
             if not relay.done:
                 status = 499  # the client left while we were writing to it, before the answer was whole
@@ -690,6 +714,6 @@ class Proxy:
             caller.reservation = None
         self.rt.usage.record((
             time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,
-            replica, req.kind if req else "models", bool(req and req.stream), status, prompt, completion,
+            replica, req.api if req else "models", bool(req and req.stream), status, prompt, completion,
             elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost))
 

@@ -1,0 +1,14 @@
+"""Which API each `/v1` path speaks: the kind of request it is and its dialect (llmgw/gateway/dialect.py)."""
+
+from __future__ import annotations
+
+from llmgw.gateway.dialect import OPENAI, Dialect
+
+ROUTES: dict[str, tuple[str, Dialect]] = {
+    "/v1/chat/completions": ("chat", OPENAI),
+    "/v1/completions": ("completions", OPENAI),
+    "/v1/embeddings": ("embeddings", OPENAI),
+}
+MODELS = "/v1/models"
+# What a 404 for an unknown path lists.
+SERVED = ", ".join([*ROUTES, MODELS])
