@@ -246,6 +246,30 @@ def test_a_request_within_max_output_goes_as_it_came(fields):
     assert req.max_tokens == max(v for v in fields.values() if v is not None)
 
 
+@pytest.mark.parametrize("fields, cut", [
+    ({"max_tokens": 32000}, {"max_tokens": 64}),
+    ({"max_tokens": 10, "max_completion_tokens": 300}, {"max_tokens": 10, "max_completion_tokens": 64}),
+    ({"max_tokens": 20}, None),
+])
+def test_a_dialect_that_cuts_its_limit_asks_for_no_more_than_max_output(fields, cut):
+    # Anthropic's max_tokens is required, and Claude Code fills it with its own ceiling whatever the model.
+    req = parse("chat", {**CHAT, **fields})
+    req.clamp_output = True
+    req.bound_output("m", 64)
+    if cut is None:
+        assert req.upstream_body("m") is req.raw and req.max_tokens == 20
+    else:
+        assert req.max_tokens == 64 and {f: sent(req).get(f) for f in cut} == cut
+
+
+def test_a_dialect_names_its_own_field_in_the_refusal():
+    req = parse("chat", {**CHAT, "max_tokens": 300})
+    req.output_field = "max_output_tokens"
+    with pytest.raises(ApiError) as e:
+        req.bound_output("m", 64)
+    assert e.value.param == "max_output_tokens" and e.value.message.startswith("max_output_tokens is 300")
+
+
 def test_no_max_output_and_embeddings_leave_the_limit_to_the_engine():
     req = parse("chat", CHAT)
     req.bound_output("m", None)

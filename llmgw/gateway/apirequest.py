@@ -27,7 +27,7 @@ OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 class ParsedRequest:
     __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
-                 "added_limit", "prompt_text")
+                 "added_limit", "prompt_text", "output_field", "clamp_output")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -43,6 +43,10 @@ class ParsedRequest:
         self.max_tokens: int | None = max((v for f in OUTPUT_LIMITS if (v := body.get(f)) is not None), default=None)
         self.added_limit: int | None = None  # max_tokens the gateway adds, where the request named no limit
         self.prompt_text: bytes = b""
+        # Set by a dialect: the field its client named the output limit in (errors name it), and whether a
+        # limit above the model's is cut to it rather than refused (see bound_output).
+        self.output_field: str | None = None
+        self.clamp_output = False
 
     def bound_output(self, model_name: str, max_output: int | None) -> None:
         """Hold the request to its model's MAX_OUTPUT: refuse asking for more, and ask for
@@ -50,16 +54,19 @@ class ParsedRequest:
 
         A larger ask is refused rather than cut, as the Go gateway does: a client
         that asked for 300 tokens and silently got 64 would read a truncated
-        answer as a complete one.
+        answer as a complete one. A dialect whose API requires a limit (Anthropic's
+        `max_tokens`), which clients fill with their own ceiling rather than what
+        they need, has it cut instead: its answer says it stopped at the limit.
         """
         if not max_output or self.kind == "embeddings":
             return
         for field in OUTPUT_LIMITS:
             asked = self.body.get(field)
-            if asked is not None and asked > max_output:
-                raise ApiError(400, f"{field} is {asked}, but {model_name} allows at most {max_output}. "
-                                    f"Ask for {max_output} or fewer.", "max_tokens_too_large", field)
-        if self.max_tokens is None:
+            if asked is not None and asked > max_output and not self.clamp_output:
+                shown = self.output_field or field
+                raise ApiError(400, f"{shown} is {asked}, but {model_name} allows at most {max_output}. "
+                                    f"Ask for {max_output} or fewer.", "max_tokens_too_large", shown)
+        if self.max_tokens is None or self.max_tokens > max_output:
             self.max_tokens = self.added_limit = max_output
 
     def upstream_body(self, served_name: str) -> bytes:
@@ -77,7 +84,11 @@ class ParsedRequest:
             options["include_usage"] = True
             changes["stream_options"] = options
         if self.added_limit is not None:
-            changes["max_tokens"] = self.added_limit
+            # The limit where none was named, and in place of each named one above it (cut, see bound_output).
+            named = {field: asked for field in OUTPUT_LIMITS if (asked := self.body.get(field)) is not None}
+            if not named:
+                changes["max_tokens"] = self.added_limit
+            changes.update((field, self.added_limit) for field, asked in named.items() if asked > self.added_limit)
         if not changes:
             return self.raw
         if not any(name in self.body for name in changes):
