@@ -262,3 +262,17 @@ def test_a_request_for_a_full_engine_waits_its_turn(tmp_path, make_gateway, make
     status, _, _ = post(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 1}, key)
     assert status == 200 and time.monotonic() - started > 0.3  # it waited for the hog, then was served
     hog.join()
+
+
+def test_a_request_an_engine_dies_of_is_not_sent_to_the_next(tmp_path, make_gateway, make_sim):
+    # A query of death: sent on after the engine died holding it, one request took down every replica it was
+    # retried on (routing.attempts of them).
+    sims = [make_sim(replica=f"d{i}", ttft_ms=1, tokens_per_s=0, die_after=1) for i in range(3)]
+    gw, key, url = setup(tmp_path, make_gateway, [ep(f"d{i}", s.url) for i, s in enumerate(sims)],
+                         routing__attempts=3)
+    status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
+    error = json.loads(raw)["error"]
+    assert status == 502 and error["code"] == "engine_died" and "not sent to another replica" in error["message"]
+    assert sum(s.proc.poll() is None for s in sims) == 2
+    assert 'llmgw_engine_deaths_on_request_total{model="sim"} 1.0' in gw.metrics()
+    wait_until("the usage row", 30, lambda: count_usage(url, status=502) == 1)

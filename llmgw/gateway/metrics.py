@@ -39,6 +39,9 @@ class GatewayMetrics:
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=None)
         self.retries = Counter("llmgw_upstream_retries", "Attempts retried on another replica, by reason.",
                                ["reason"], registry=None)
+        self.engine_deaths = Counter("llmgw_engine_deaths_on_request", "Requests an engine died while answering "
+                                     "(not sent to another replica: the request may be what kills engines).",
+                                     ["model"], registry=None)
         self.breaker_open = Gauge("llmgw_endpoint_breaker_open", "1 while the replica's circuit breaker is open.",
                                   ["replica"], multiprocess_mode="livemax", registry=None)
         self.metrics_stale = Gauge("llmgw_endpoint_metrics_stale",

@@ -30,6 +30,10 @@ every request stays in rotation (its 502s and 504s show in the metrics and the
 log), and a hung one whose check fails leaves only after `breaker.failures`
 checks, at most one every HEALTH_CHECK_EVERY seconds.
 
+An engine that hangs up on a request and then fails its health check died
+holding it, perhaps of it: that request is not sent to another replica (one
+request once took down every replica it was retried on).
+
 Once a stream has started, an engine that fails ends it with an error event
 and `[DONE]`: the client has seen tokens, and a second replica would start
 the answer again.
@@ -482,6 +486,8 @@ class Proxy:
                 self._blame(replica, e)
                 if e.phase in REQUEST_TIMEOUTS:
                     break  # this request would run as long on any replica
+                if e.phase == "closed" and self.rt._get(replica, "/health") is None:
+                    raise self._fatal_request(model.name, replica) from None
                 continue
             engine_time += time.perf_counter() - sent
             if resp.status >= 400:
@@ -541,6 +547,22 @@ class Proxy:
                              "request's fields (tools, message names, content parts); if it is well formed, try "
                              "again, and an operator can find the engine's answer in the gateway's log under the "
                              "request id.", "engine_error")
+
+    def _fatal_request(self, model: str, replica) -> ApiError:
+        """The error for a request whose engine hung up on it and then failed its health check.
+
+        The engine died while it held this request, and may have died of it (a
+        query of death): sent on, the same request took down every replica it
+        was retried on, up to `routing.attempts` of them. Not sending it again
+        costs a client whose engine died of something else one retry of its own.
+        """
+        log.warning("replica %s (%s) of %s died while it held a request; the request was not sent to another "
+                    "replica, in case it is what killed the engine", replica.spec.id, replica.spec.url, model)
+        self.rt.metrics.engine_deaths.labels(model).inc()
+        return ApiError(502, f"The engine for {model} stopped while answering this request. It was not sent to "
+                             "another replica, in case the request itself made the engine fail; if you retry it "
+                             "and this happens again, an operator can find the engine's log under the request id.",
+                        "engine_died")
 
     def _check_health(self, replica) -> None:
         """Ask REPLICA whether it is well, after it failed or timed out a request: a failed check is a strike."""

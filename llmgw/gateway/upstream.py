@@ -238,8 +238,16 @@ class Pool:
                          target.host_header, b"\r\nContent-Type: ", content_type,
                          b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n", target.auth, headers, b"\r\n"))
         conns = self.idle.get(target.key)
+        stale: UpstreamError | None = None
         while True:
-            conn = conns.pop() if conns else self._connect(target, deadline)
+            try:
+                conn = conns.pop() if conns else self._connect(target, deadline)
+            except UpstreamError:
+                # The engine hung up on the request and now takes no connection: it
+                # died holding it, which is what the caller must hear.
+                if stale is not None:
+                    raise stale from None
+                raise
             try:
                 return self._exchange(conn, target, method, head, body, first_byte, deadline)
             except UpstreamError as e:
@@ -248,6 +256,7 @@ class Pool:
                 # with nothing received: that is not the engine failing, so the
                 # request goes again on a fresh connection.
                 if conn.reused and e.nothing_received:
+                    stale = e
                     conns = self.idle.get(target.key)
                     continue
                 raise
