@@ -447,3 +447,33 @@ def test_the_last_administrator_cannot_be_demoted_suspended_or_removed(site):  #
     assert not accounts.promote(engine, "root@example.org", admin=False).is_admin
     with pytest.raises(accounts.AccountError, match="last active administrator"):
         accounts.suspend(engine, "second@example.org")
+
+
+def test_two_administrators_stepping_down_at_once_leave_one(engine):
+    # Each saw the other still administering and both went: nobody was left. Every change to a person
+    # now takes the keys' revision row first, so two such changes run one after the other.
+    for round_ in range(10):
+        names = [f"a{round_}@example.org", f"b{round_}@example.org"]
+        for name in names:
+            accounts.create_user(engine, name, PASSWORD, state=accounts.ACTIVE, is_admin=True)
+        for user in accounts.list_users(engine):
+            if user.email not in names and user.is_admin:
+                accounts.promote(engine, user.email, admin=False)
+        barrier = threading.Barrier(2)
+        outcomes = []
+
+        def step_down(name, barrier=barrier, outcomes=outcomes):
+            barrier.wait()
+            try:
+                accounts.promote(engine, name, admin=False)
+                outcomes.append("done")
+            except accounts.AccountError:
+                outcomes.append("refused")
+
+        threads = [threading.Thread(target=step_down, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["done", "refused"], round_
+        assert sum(u.is_admin and u.state == accounts.ACTIVE for u in accounts.list_users(engine)) == 1

@@ -156,14 +156,21 @@ def _update(engine: Engine, which: str, end_sessions: bool = False, **values) ->
     """Change WHICH's row; with END_SESSIONS, end every session of theirs in the same transaction."""
     user = find(engine, which)
     with engine.begin() as conn:
+        _one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE and (values.get("state", ACTIVE) != ACTIVE
                                                        or not values.get("is_admin", True)):
             _keep_an_administrator(conn, user)
         conn.execute(store.users.update().where(store.users.c.id == user.id).values(**values))
         if end_sessions:
             sessions.end_all(conn, user.id)
-        store.bump_revision(conn, "keys")
     return dataclasses.replace(user, **{k: v for k, v in values.items() if k in ("state", "is_admin")})
+
+
+def _one_at_a_time(conn) -> None:
+    """Begin a change to a person by bumping the keys' revision (every such change must: workers reload
+    people when it moves), first: the row's write lock makes changes to people run one after another.
+    Two administrators stepping down at once each saw the other still there, and both went."""
+    store.bump_revision(conn, "keys")
 
 
 def _keep_an_administrator(conn, user: User) -> None:
@@ -220,6 +227,7 @@ def remove(engine: Engine, which: str) -> User:
     user = find(engine, which)
     now = time.time()
     with engine.begin() as conn:
+        _one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE:
             _keep_an_administrator(conn, user)
         sessions.end_all(conn, user.id)
@@ -230,7 +238,6 @@ def remove(engine: Engine, which: str) -> User:
         conn.execute(store.limits.delete().where(sa.and_(store.limits.c.scope == "user",
                                                          store.limits.c.scope_id == user.id)))
         conn.execute(store.users.delete().where(store.users.c.id == user.id))
-        store.bump_revision(conn, "keys")
     return user
 
 
