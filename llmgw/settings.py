@@ -104,8 +104,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.signup_open", "bool", False,
             "Let people sign up on the pages; each new account waits for an operator's approval."),
     Setting("gateway.public_url", "str", "",
-            "The address people reach the gateway at (`https://llm.example.com`), used in links the CLI prints. "
-            "Empty: `gateway.listen`."),
+            "The address people reach the gateway at (`https://llm.example.com`), used in links the CLI prints, in "
+            "the account page's editor settings and in the `/setup/<tool>` scripts. Empty: `gateway.listen` for the "
+            "CLI, and the address a page or script was fetched from for those."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("gateway.session_idle", "float", 8 * 3600.0,

@@ -227,7 +227,7 @@ class Proxy:
     def _admit(self, caller: Caller, req, model: ModelSpec) -> None:
         """Hold the request to its allowlist and to every pool that limits it; raises ApiError when refused."""
         access = caller.access
-        if access.models is not None and not self._allowed(access.models, model.name):
+        if access.models is not None and not self.rt.router.snapshot.allows(access.models, model.name):
             self.rt.metrics.limited.labels("model").inc()
             shown = ", ".join(sorted(access.models)) or "none"
             raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
@@ -284,12 +284,6 @@ class Proxy:
                 gevent.sleep(0.02)
                 address = self.rt.router.snapshot.accountant
         return address
-
-    def _allowed(self, allowlist: frozenset[str], served: str) -> bool:
-        # An alias on the list allows its model, and the model's name allows every alias.
-        snapshot = self.rt.router.snapshot
-        return served in allowlist or any((m := snapshot.resolve(name)) is not None and m.name == served
-                                          for name in allowlist)
 
     def _read_body(self, environ) -> bytes:
         stream = environ["wsgi.input"]

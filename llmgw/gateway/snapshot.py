@@ -74,6 +74,12 @@ class Snapshot:
     def replicas_for(self, model: str) -> tuple[str, ...]:
         return self.serving.get(model, ())
 
+    def allows(self, allowlist: frozenset[str], served: str) -> bool:
+        """Whether ALLOWLIST (a key's or person's model list) lets them use the served model SERVED:
+        an alias on the list allows its model, and the model's name allows every alias."""
+        return served in allowlist or any((m := self.resolve(name)) is not None and m.name == served
+                                          for name in allowlist)
+
     def listed_ids(self) -> list[tuple[str, ModelSpec]]:
         """Every name a client may ask for, each alias its own entry, as `/v1/models` lists them."""
         out = []

@@ -32,7 +32,7 @@ from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, sessions, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, errorpages, forms, mirrorpage, safety, throttle
+from llmgw.web import adminpages, budgets, chatpage, editors, errorpages, forms, mirrorpage, safety, throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -240,7 +240,9 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
                                last_used=usagereport.last_used(engine, ids), use=use, days=days,
                                day_names=[time.strftime("%Y-%m-%d", time.gmtime(b)) for b in use.buckets],
                                peak=max(days, default=0), money=rules.show_money, priced=priced,
-                               budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree)), status
+                               budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree),
+                               editors=editors.section(runtime, editors.usable_models(runtime, me.id, own),
+                                                       request.args.get("model"))), status
 
     @app.get("/account")
     @flask_login.login_required
@@ -317,6 +319,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         return render_template("claim.html", secret=secret, record=record, base_url=request.host_url.rstrip("/") + "/v1")
 
     chatpage.install(app, runtime, csrf_secret, form)
+    editors.install(app, runtime)
     adminpages.install(app, runtime, form, sentence)
     mirrorpage.install(app, runtime, form, sentence)
     errorpages.install(app)

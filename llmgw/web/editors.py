@@ -1,0 +1,118 @@
+"""Connecting a coding tool: the account page's "Connect your editor" section, and `GET /setup/<tool>?model=M`.
+
+`/setup/<tool>` answers a POSIX sh script for `curl -fsSL URL/setup/TOOL?model=M | sh`. It needs no
+sign-in (curl has no session) and holds no secret: the tools read the key from an environment variable.
+What it writes comes from llmgw/web/editorconfig.py, the same text the account page shows. The script is
+run as whoever fetched it, so every value in it is checked first (the model must be one the catalog
+lists, the gateway's address a plain URL) and shell-quoted where it is put: a `model=` of `$(rm -rf ~)`
+is refused, and would be inert if it were not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from urllib.parse import quote
+
+from flask import Flask, Response, abort, render_template, request
+
+from llmgw.gateway.worker import Runtime
+from llmgw.web import editorconfig
+
+TOOLS = {"codex": "Codex", "claude": "Claude Code", "continue": "Continue", "cline": "Cline"}
+# A gateway address a script may name: scheme, host (a name, IPv4 or [IPv6]), port, path. Nothing that a
+# shell, TOML, JSON or YAML would read specially, even where it stands unquoted in a comment.
+PLAIN_URL = re.compile(r"https?://[A-Za-z0-9.\-]+(:\d+)?|https?://\[[0-9A-Fa-f:.]+\](:\d+)?")
+PLAIN_PATH = re.compile(r"(/[A-Za-z0-9._~\-]+)*")
+
+
+def gateway_url(runtime: Runtime) -> str:
+    """Where people reach the gateway: `gateway.public_url`, else the address this request came to."""
+    return runtime.cfg["gateway.public_url"].rstrip("/") or request.host_url.rstrip("/")
+
+
+def plain(url: str) -> bool:
+    """Whether URL is a plain `scheme://host[:port][/path]`, with nothing any of the files would read specially."""
+    head, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    return bool(PLAIN_URL.fullmatch(head + sep + host) and PLAIN_PATH.fullmatch(slash + path))
+
+
+def usable_models(runtime: Runtime, user_id: str, key_records) -> list[str]:
+    """The names (models and aliases, as /v1/models lists them) the person may use: with keys, what any of
+    their keys (KEY_RECORDS, live ones) may use; without, what they may use as themselves (the chat page)."""
+    table = runtime.keys
+    snapshot = runtime.router.snapshot
+    now = time.time()
+    live = [k for k in key_records if k.revoked_at is None and (k.expires_at is None or k.expires_at > now)]
+    lists = ([table.rules.access(k.id, k.project_id, user_id).models for k in live]
+             or [table.person(user_id).models])
+    listed = snapshot.listed_ids()
+    if any(allowlist is None for allowlist in lists):
+        return [name for name, _ in listed]
+    return [name for name, spec in listed if any(snapshot.allows(allowlist, spec.name) for allowlist in lists)]
+
+
+def section(runtime: Runtime, models: list[str], chosen: str | None) -> dict:
+    """What the account page's "Connect your editor" section shows for the model CHOSEN (else the first)."""
+    url = gateway_url(runtime)
+    if not models:
+        return {"url": url, "models": [], "variable": editorconfig.KEY_VARIABLE}
+    model = chosen if chosen in models else models[0]
+    codex = editorconfig.codex(url, model)
+    return {"url": url, "models": models, "model": model, "variable": editorconfig.KEY_VARIABLE,
+            "provider": editorconfig.PROVIDER, "codex": codex,
+            "claude": _json(editorconfig.claude(url, model, model)),
+            "continue_block": editorconfig.continue_block(url, model),
+            "cline": editorconfig.cline(url, model),
+            "setup": {tool: f"{url}/setup/{tool}?model={_query(model)}" for tool in TOOLS}}
+
+
+def _json(value) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False)
+
+
+def _query(value: str) -> str:
+    return quote(value, safe="")
+
+
+def install(app: Flask, runtime: Runtime) -> None:
+    """Add `/setup/<tool>` to the pages' app."""
+
+    @app.template_filter("sh")
+    def sh(value: str) -> str:
+        return shlex.quote(value)
+
+    @app.get("/setup/<tool>")
+    def setup(tool):
+        if tool not in TOOLS:
+            abort(404, f"There is no setup script for {tool!r}. There are: {', '.join(TOOLS)}.")
+        url = gateway_url(runtime)
+        if not plain(url):
+            return _refuse(500, f"This gateway's address ({url!r}) is not one a setup script can name safely. "
+                                "An operator should set gateway.public_url to a plain https:// address.")
+        listed = [name for name, _ in runtime.router.snapshot.listed_ids()]
+        model = request.args.get("model", "")
+        small = request.args.get("small", model)
+        for given in (model, small):
+            if given not in listed:
+                shown = ", ".join(listed) or "none yet"
+                what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
+                return _refuse(400, f"{what} Name one with ?model=NAME. Models here: {shown}. Your account page "
+                                    f"({url}/account) shows the ones your keys may use.")
+        values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
+                  "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
+                  "codex": editorconfig.codex(url, model), "patch": _json(editorconfig.claude(url, model, small)),
+                  "block": editorconfig.continue_block(url, model), "begin": editorconfig.BEGIN,
+                  "end": editorconfig.END, "fields": editorconfig.cline(url, model)}
+        script = render_template(f"setup/{tool}.sh", **values)
+        return Response(script, mimetype="text/plain", headers={"Cache-Control": "no-store"})
+
+
+def _refuse(status: int, text: str) -> Response:
+    """A refusal the way `curl -fsSL ... | sh` shows it: plain text (curl -f prints the status; without
+    -f, sh runs the answer, so every line is a comment and the last exits)."""
+    body = "".join(f"# {line}\n" for line in text.splitlines()) + f"echo {shlex.quote(text)} >&2\nexit 1\n"
+    return Response(body, status, mimetype="text/plain")
