@@ -41,7 +41,8 @@ from llmgw import filemodes, store
 log = logging.getLogger("llmgw.usage")
 
 FIELDS = ("at", "key_id", "project_id", "model_asked", "model_served", "replica", "endpoint", "stream",
-          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms", "user_id", "cost_micros")
+          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms", "user_id", "cost_micros",
+          "guard_verdict", "guard_category")
 
 # The widths of the text columns, read from the schema so the two never differ.
 WIDTHS = {name: store.usage.c[name].type.length for name in FIELDS
