@@ -181,3 +181,38 @@ def test_the_judge_reads_llama_guard_3s_prompt():
     assert guard.named(("S1", "S10")) == "S1 Violent Crimes, S10 Hate"
     with pytest.raises(guard.Unavailable):
         guard.parse_verdict("I think it is fine")
+
+
+def test_a_judge_and_a_models_guard_travel_from_the_catalog_to_gateways():
+    from llmgw.control import catalog, publisher
+    from llmgw.gateway.follower import from_controller
+    from llmgw.gateway.snapshot import Snapshot
+    from llmgw.wire import gateways
+
+    profiles = [{"engine": "sim"}]
+    judge = catalog.parse_model({"name": "j", "source": "/m", "role": "guard", "profiles": profiles})
+    target = catalog.parse_model({"name": "t", "source": "/m", "guard": {"model": "j", "fail": "open"},
+                                  "profiles": profiles})
+    body = publisher.snapshot_body({"j": judge, "t": target}, [])
+    message = gateways.decode(gateways.encode("snapshot", epoch="e", version=1, **body))
+    snapshot = from_controller(message, Snapshot(version=0, models={}, replicas={}))
+    assert snapshot.models["j"].role == "guard" and [m.name for m in snapshot.offered()] == ["t"]
+    assert dict(snapshot.models["t"].guard) == {"model": "j", "fail": "open"}
+    for wrong, says in (({"role": "judge"}, "the only role is"), ({"guard": {"check": "sometimes"}}, "not one of"),
+                        ({"guard": {"judge": "j"}}, "guard.judge is not known")):
+        with pytest.raises(catalog.CatalogError, match=says):
+            catalog.parse_model({"name": "x", "source": "/m", "profiles": profiles, **wrong})
+
+
+@pytest.mark.parametrize("toml,says", [
+    ('[guard]\nfail = "sometimes"\n', "guard.fail: 'sometimes' is not one of closed, open"),
+    ('[[models]]\nname = "m"\nguard = {check = "all"}\n', "model m .*guard.check: 'all' is not one of prompts"),
+    ('[[models]]\nname = "m"\nrole = "judge"\n', "model m .*the only role is \"guard\""),
+])
+def test_a_wrong_guard_in_the_configuration_is_refused_saying_what(tmp_path, toml, says):
+    from llmgw import settings
+
+    path = tmp_path / "llmgw.toml"
+    path.write_text(toml)
+    with pytest.raises(settings.ConfigError, match=says):
+        settings.load(str(path))
