@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: run test docs bench clean
+.PHONY: run test clients docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,18 @@ $(CHROMIUM):
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
 	else echo "The page tests need Chromium: sudo apt-get install chromium" >&2; exit 1; fi
 
-test: $(STAMP) $(CHROMIUM)
+# The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
+# installed into the checkout, not globally; npm ci runs again only when the lock changes.
+CLIENTS := tests/clients
+CLIENTS_STAMP := $(CLIENTS)/node_modules/.installed
+
+$(CLIENTS_STAMP): $(CLIENTS)/package.json $(CLIENTS)/package-lock.json
+	cd $(CLIENTS) && npm ci --no-audit --no-fund --loglevel=error
+	touch $(CLIENTS_STAMP)
+
+clients: $(CLIENTS_STAMP)
+
+test: $(STAMP) $(CHROMIUM) $(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest
 
@@ -40,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/mirror.py
 
 clean:
-	rm -rf $(VENV) var
+	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -103,11 +103,10 @@ class Sim:
     def __init__(self, model="sim", replica="sim", port=0, **options):
         argv = [sys.executable, "-m", "llmgw", "sim", "--listen", f"127.0.0.1:{port}", "--model", model,
                 "--replica", replica]
-        # A tuple is one option's several values (tool_call=(NAME, ARGUMENTS)); a list, an option repeated.
-        for name, values in options.items():
+        for name, value in options.items():
             flag = "--" + name.replace("_", "-")
-            for value in values if isinstance(values, list) else [values]:
-                argv += [flag] if value is True else [flag, *map(str, value if isinstance(value, tuple) else [value])]
+            # A tuple is one option's several values: tool_call=(NAME, ARGUMENTS).
+            argv += [flag] if value is True else [flag, *map(str, value if isinstance(value, tuple) else [value])]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()
         match = re.search(r"on (http://\S+)", line)
