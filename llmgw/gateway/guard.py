@@ -256,6 +256,9 @@ class Guard:
             raise Unavailable("is not a model of the catalog with role = \"guard\"")
         replica = rt.router.pick(judge, time.monotonic(), None, set())
         if replica is None:
+            if spec.on_demand:  # nobody else asks for a judge: the guard says it is wanted
+                rt.demand(judge)
+                raise Unavailable("runs on demand and is starting")
             raise Unavailable("has no replica in rotation")
         body = json.dumps({"model": judge, "prompt": prompt, "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0,
                            "stream": False}).encode()
@@ -276,6 +279,7 @@ class Guard:
         if resp.status != 200:
             raise Unavailable(f"answered HTTP {resp.status} on replica {replica.spec.id}")
         replica.breaker.success()
+        rt.used(judge)  # an on-demand judge stays up while it judges
         try:
             answer = json.loads(data)
             text = answer["choices"][0]["text"]
