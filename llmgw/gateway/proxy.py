@@ -37,6 +37,11 @@ request once took down every replica it was retried on).
 Once a stream has started, an engine that fails ends it with an error event
 and `[DONE]`: the client has seen tokens, and a second replica would start
 the answer again.
+
+Guardrails (llmgw/gateway/guard.py) hook in at four places: a judge asked for
+is refused after resolving, a prompt is judged after admission, a whole answer
+before the dialect turns it, and a stream's answer is held in `_relay` until
+judged.
 """
 
 from __future__ import annotations
