@@ -44,6 +44,35 @@ def _absolute_paths(value: list[str], name: str) -> None:
         raise ValueError(f"{name}: {', '.join(map(repr, relative))} must be absolute paths (/srv/models)")
 
 
+# Guardrails (llmgw/gateway/guard.py): what a judge reads, and what passes when it cannot judge.
+GUARD_CHECKS = ("prompts", "answers", "both", "none")
+GUARD_FAILS = ("closed", "open")
+GUARD_KEYS = {"model": str, "check": GUARD_CHECKS, "fail": GUARD_FAILS}
+ROLES = ("guard",)  # a model's `role`: a guard judge is never offered to clients
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if value not in choices:
+            raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+    return check
+
+
+def check_guard_override(table: Any, where: str) -> None:
+    """Raise ValueError unless TABLE is a model's `guard` override: {model, check, fail}, each optional."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: guard is a table such as {{check = \"prompts\"}}")
+    for key, value in table.items():
+        allowed = GUARD_KEYS.get(key)
+        if allowed is None:
+            raise ValueError(f"{where}: guard.{key} is not known; a model's guard may set {', '.join(GUARD_KEYS)}")
+        if allowed is str:
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: guard.model is the name of a judge model, not {value!r}")
+        else:
+            _one_of(allowed)(value, f"{where}: guard.{key}")
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.listen", "str", ":8080",
             "Address the OpenAI API and the pages listen on (`HOST:PORT`; an empty host means every address).",
@@ -243,6 +272,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller.lost_after", "float", 60.0,
             "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere, and served "
             "until their replacements are ready.", minimum=0.1),
+    Setting("guard.model", "str", "",
+            "The judge that checks every model's traffic: a catalog model with `role = \"guard\"` that speaks Llama "
+            "Guard 3's format. Empty: no guardrails, unless a model's own `guard` names a judge. See "
+            "docs/guardrails.md."),
+    Setting("guard.check", "str", "both",
+            "What the judge reads: `prompts` (refused with 400 before any engine sees them), `answers` (held until "
+            "judged, streams included), `both`, or `none`. A model's `guard.check` overrides it.",
+            check=_one_of(GUARD_CHECKS)),
+    Setting("guard.fail", "str", "closed",
+            "What happens when the judge cannot judge (no replica ready, a timeout, an answer it cannot read): "
+            "`closed` refuses the request with 503; `open` lets it pass unjudged, counted in "
+            "`llmgw_guard_unavailable_total` and logged. A model's `guard.fail` overrides it.",
+            check=_one_of(GUARD_FAILS)),
+    Setting("guard.timeout", "float", 10.0,
+            "Seconds the judge has to give one verdict, connecting included; then it counts as unable to judge "
+            "(see `guard.fail`).", minimum=0.1),
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",
@@ -319,7 +364,7 @@ BY_NAME = {s.name: s for s in SETTINGS}
 
 ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
-              "max_context": "int", "max_output": "int",
+              "max_context": "int", "max_output": "int", "role": "str", "guard": "dict",
               # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
               "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
 
@@ -445,6 +490,19 @@ def _check_table(kind: str, index: int, table: Any, keys: dict[str, str], requir
     return dict(table)
 
 
+def _check_model(index: int, table: Any, where: str) -> dict:
+    """A `[[models]]` table, its role and guard override checked too."""
+    model = _check_table("models", index, table, MODEL_KEYS, ("name",), where)
+    try:
+        if model.get("role", "") not in ("", *ROLES):
+            raise ValueError(f"role is {model['role']!r}; the only role is \"guard\" (a judge of other models)")
+        if "guard" in model:
+            check_guard_override(model["guard"], "its guard")
+    except ValueError as e:
+        raise ConfigError(f"model {model['name']} in {where}: {e}") from None
+    return model
+
+
 def parse_endpoint_flag(text: str) -> dict:
     """`id=URL=model[,model]` from `--endpoint` as an `[[endpoints]]` table."""
     parts = text.split("=", 2)
@@ -511,7 +569,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     if isinstance(file_endpoints, dict) or isinstance(file_models, dict):
         raise ConfigError(f"{where}: write endpoints and models as arrays of tables, [[endpoints]] and [[models]]")
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
-    models = [_check_table("models", i, m, MODEL_KEYS, ("name",), where) for i, m in enumerate(file_models)]
+    models = [_check_model(i, m, where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
     return Config(values, eps, models, where, path, secret_files, holds_secret, written)
 
@@ -582,6 +640,10 @@ def reference_markdown() -> str:
         "| `max_context` | int | Context length in tokens, where known; given to the engine. |",
         "| `max_output` | int | Most tokens one answer may ask for: a larger `max_tokens`, `max_completion_tokens` "
         "or `n_predict` is refused with 400, and a request that names none asks for this many. |",
+        "| `role` | str | `\"guard\"`: a judge in Llama Guard 3's format, never offered to clients nor served "
+        "to them; other models name it in `guard.model`. |",
+        "| `guard` | table | This model's own guardrails, over `[guard]`: `model` (its judge), `check` "
+        "(`prompts`, `answers`, `both`, `none`), `fail` (`closed`, `open`). |",
         "| `source` | str | A path on the nodes (used in place) or an http(s) URL (fetched once per node). |",
         "| `scaling` | table | `min` and `max` replicas (default 1 and 1; `min = 0` runs it on demand), "
         "`idle_timeout` (such as `\"30m\"`) after which an on-demand model stops; 15 minutes by default. |",

@@ -159,6 +159,10 @@ usage = sa.Table(
     sa.Column("ttft_ms", sa.Float),
     sa.Column("user_id", sa.String(32)),  # whose spending it was: the key's person, or who chatted
     sa.Column("cost_micros", sa.BigInteger),
+    # The guard's verdict (safe, unjudged, prompt_unsafe, answer_unsafe; null: not judged) and the categories
+    # an unsafe one named, such as "S1,S10" (llmgw/gateway/guard.py).
+    sa.Column("guard_verdict", sa.String(20)),
+    sa.Column("guard_category", sa.String(100)),
     sa.Index("usage_at", "at"),
     sa.Index("usage_key_at", "key_id", "at"),
 )
@@ -359,6 +363,15 @@ def _tree(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN cost_micros BIGINT")
 
 
+def _guard_verdicts(conn: Connection) -> None:
+    # A store made at version 3 or later by this code already has them (usage is created from the table above).
+    have = _columns(conn, "usage")
+    if "guard_verdict" not in have:
+        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN guard_verdict VARCHAR(20)")
+    if "guard_category" not in have:
+        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN guard_category VARCHAR(100)")
+
+
 def _sessions(conn: Connection) -> None:
     """Session records; the session secret leaves the store. It was readable by
     anyone who could read the store, and so were forged administrators' cookies; every session signed
@@ -382,6 +395,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (9, "gateway keys", _create([gateway_keys])),
     (10, "sessions; the session secret leaves the store", _sessions),
     (11, "usage spool files written", _create([usage_spools])),
+    (12, "the guard's verdict on usage rows", _guard_verdicts),
 ]
 
 

@@ -25,7 +25,7 @@ import urllib.request
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from llmgw import gguf, store
+from llmgw import gguf, settings, store
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 
@@ -62,6 +62,8 @@ class Model:
     idle_timeout: float | None = None  # seconds; None: never stopped for being idle
     origin: str = "config"  # or "runtime"
     size_bytes: int | None = None  # the download's size, where known: nodes without the disk are skipped
+    role: str = ""  # "guard": a judge of other models' traffic, never offered to clients
+    guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) of model, check, fail
 
     def fingerprint(self, profile: Profile) -> str:
         """What a running engine was started from; a change means its replicas run a stale profile."""
@@ -143,12 +145,21 @@ def parse_model(table: dict, origin: str = "config") -> Model:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31):
             raise CatalogError(f"{where}: {key} is a number of tokens, a whole number from 1 to {2**31 - 1}, "
                                f"not {str(value)[:40]!r}")
+    role = table.get("role", "")
+    if role not in ("", *settings.ROLES):
+        raise CatalogError(f"{where}: role is {str(role)[:40]!r}; the only role is \"guard\" (a judge of other models)")
+    guard = table.get("guard", {})
+    try:
+        settings.check_guard_override(guard, where)
+    except ValueError as e:
+        raise CatalogError(str(e)) from None
     return Model(name=name, source=source, profiles=tuple(sorted(profiles, key=lambda p: -p.priority)),
                  aliases=tuple(aliases), description=str(table.get("description", "")),
                  max_context=table.get("max_context"), max_output=table.get("max_output"),
                  min_replicas=low, max_replicas=high,
                  idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin,
-                 size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None)
+                 size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None,
+                 role=role, guard=tuple(sorted(guard.items())))
 
 
 def read_model_file(path: str) -> dict:

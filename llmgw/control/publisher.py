@@ -46,13 +46,22 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
         for profile in model.profiles:
             weights[(name, model.fingerprint(profile))] = profile.weight
     return {
-        "models": [{"name": m.name, "aliases": list(m.aliases), "description": m.description,
-                    "max_context": m.max_context, "max_output": m.max_output, "on_demand": m.min_replicas == 0}
-                   for m in sorted(models.values(), key=lambda m: m.name)],
+        "models": [_model(m) for m in sorted(models.values(), key=lambda m: m.name)],
         "demand_port": demand_port,
         "accountant_port": accountant_port,
         "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0)) for r in ready],
     }
+
+
+def _model(m: Model) -> dict:
+    """A model as gateways see it; a role and a guard override only where set (absent: none)."""
+    row = {"name": m.name, "aliases": list(m.aliases), "description": m.description, "max_context": m.max_context,
+           "max_output": m.max_output, "on_demand": m.min_replicas == 0}
+    if m.role:
+        row["role"] = m.role
+    if m.guard:
+        row["guard"] = dict(m.guard)
+    return row
 
 
 def _replica(replica: Replica, weight: float) -> dict:

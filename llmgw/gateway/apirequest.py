@@ -27,7 +27,7 @@ OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 class ParsedRequest:
     __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
-                 "added_limit", "prompt_text", "output_field", "clamp_output")
+                 "added_limit", "prompt_text", "output_field", "clamp_output", "guard")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -47,6 +47,7 @@ class ParsedRequest:
         # limit above the model's is cut to it rather than refused (see bound_output).
         self.output_field: str | None = None
         self.clamp_output = False
+        self.guard: tuple[str, str | None] | None = None  # the guard's (verdict, categories), llmgw/gateway/guard.py
 
     def bound_output(self, model_name: str, max_output: int | None) -> None:
         """Hold the request to its model's MAX_OUTPUT: refuse asking for more, and ask for

@@ -42,6 +42,16 @@ class GatewayMetrics:
         self.engine_deaths = Counter("llmgw_engine_deaths_on_request", "Requests an engine died while answering "
                                      "(not sent to another replica: the request may be what kills engines).",
                                      ["model"], registry=None)
+        self.guard_verdicts = Counter("llmgw_guard_verdicts", "Verdicts of guard judges, by judge, what was checked "
+                                      "(prompt, answer), verdict (safe, unsafe) and category (S1...; one count per "
+                                      "category an unsafe verdict names).", ["judge", "checked", "verdict", "category"],
+                                      registry=None)
+        self.guard_unavailable = Counter("llmgw_guard_unavailable", "Checks a guard judge could not make (no replica, "
+                                         "a failure, a timeout, an unreadable verdict), by judge and guard.fail: with "
+                                         "open the request passed unjudged, with closed it was refused with 503.",
+                                         ["judge", "fail"], registry=None)
+        self.guard_duration = Histogram("llmgw_guard_judge_seconds", "Time a guard judge took to give one verdict.",
+                                        ["judge"], buckets=LATENCY_BUCKETS, registry=None)
         self.breaker_open = Gauge("llmgw_endpoint_breaker_open", "1 while the replica's circuit breaker is open.",
                                   ["replica"], multiprocess_mode="livemax", registry=None)
         self.metrics_stale = Gauge("llmgw_endpoint_metrics_stale",

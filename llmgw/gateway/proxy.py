@@ -37,6 +37,11 @@ request once took down every replica it was retried on).
 Once a stream has started, an engine that fails ends it with an error event
 and `[DONE]`: the client has seen tokens, and a second replica would start
 the answer again.
+
+Guardrails (llmgw/gateway/guard.py) hook in at four places: a judge asked for
+is refused after resolving, a prompt is judged after admission, a whole answer
+before the dialect turns it, and a stream's answer is held in `_relay` until
+judged.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import admission, apirequest, balancer, metering, routes
+from llmgw.gateway import admission, apirequest, balancer, guard, metering, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI
@@ -162,6 +167,7 @@ class Proxy:
         self.output_estimate = cfg["limits.output_estimate"]
         self.max_outstanding = cfg["routing.max_outstanding"]
         self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
+        self.guard = guard.Guard(runtime)
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
         """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
@@ -190,6 +196,7 @@ class Proxy:
                 req = dialect.parse(kind, raw, self.prefix_bytes)
                 req.dialect = dialect
                 model = self._resolve(req.model)
+                self.guard.servable(model)
                 req.bound_output(model.name, model.max_output)
             except ApiError:
                 # A refused request still counts against the key's rate: requests for a model that does not
@@ -197,15 +204,11 @@ class Proxy:
                 self._count(caller)
                 raise
             self._admit(caller, req, model)
+            self.guard.check_prompt(req, model)
             return self._forward(environ, start_response, caller, req, model, t0)
         except ApiError as e:
-            body, headers = dialect.error(e)
-            headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
-            if caller is not None:
-                headers += caller.limit_headers()
             self._account(t0, caller, req, model, None, e.status, None, None)
-            start_response(e.status_line, headers)
-            return [body]
+            return self._refuse(start_response, dialect, caller, e, t0)
         except Exception:
             # A bug must cost one request, never the worker, and the client
             # still gets an error it can parse.
@@ -214,6 +217,16 @@ class Proxy:
                                                         "logged; try again.", "internal_error"))
             start_response(REASONS[500], headers)
             return [body]
+
+    @staticmethod
+    def _refuse(start_response, dialect, caller: Caller | None, e: ApiError, t0):
+        """Answer with E, in the caller's API shape."""
+        body, headers = dialect.error(e)
+        headers.append((OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}"))
+        if caller is not None:
+            headers += caller.limit_headers()
+        start_response(e.status_line, headers)
+        return [body]
 
     # --- admission -----------------------------------------------------------------
 
@@ -393,6 +406,12 @@ class Proxy:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
             return self._relay(environ, resp, replica, caller, req, model, t0)
         tokens = self._answer_tokens(req, replica, data)
+        if resp.status < 300:
+            try:
+                self.guard.check_answer(req, model, data)
+            except ApiError as e:  # withheld: the engine's work is billed, as for any answer it gave
+                self._account(t0, caller, req, model, replica.spec.id, e.status, tokens, None, in_flight=True)
+                return self._refuse(start_response, req.dialect, caller, e, t0)
         data = req.dialect.answer(req, data)
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
@@ -652,6 +671,7 @@ class Proxy:
     def _relay(self, environ, resp: Response, replica, caller, req, model, t0):
         """The generator that streams RESP to the client, accounting for it at the end."""
         relay = EventRelay(req.client_wants_usage)
+        held = self.guard.hold(req, model)  # the answer, kept back until judged; None: not judged
         translator = req.dialect.stream(req)
         sock = environ.get("gunicorn.socket")
         watcher = gevent.spawn(_watch_client, sock, resp) if sock is not None else None
@@ -659,6 +679,10 @@ class Proxy:
         try:
             for piece in resp.iter_body(self.idle):
                 out = relay.feed(piece)
+                if held is not None:
+                    if keepalive := held.keep(out):
+                        yield keepalive
+                    continue
                 if out and translator is not None:
                     out = translator.feed(out)
                 if out:
@@ -666,10 +690,17 @@ class Proxy:
                         ttft = time.perf_counter() - t0
                     yield out
             tail = relay.rest()
+            if held is not None:
+                tail = held.release(tail)  # raises ApiError where the judge refuses it, or cannot judge it
             if translator is not None:
                 tail = translator.feed(tail) + translator.end()
             if tail:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
                 yield tail
+        except ApiError as e:  # a held answer the guard withheld: nothing of it has gone out
+            status = e.status
+            yield req.dialect.stream_error(e)
         except UpstreamError as e:
             if relay.done:
                 pass  # the client had the whole answer, [DONE] included; what the engine does after is moot
@@ -731,5 +762,5 @@ class Proxy:
         self.rt.usage.record((
             time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,
             replica, req.api if req else "models", bool(req and req.stream), status, prompt, completion,
-            elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost))
+            elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost, *guard.row(req)))
 

@@ -26,6 +26,8 @@ class ModelSpec:
     max_output: int | None = None
     created: int = 0
     on_demand: bool = False  # runs only while wanted: a request for it waits while it starts
+    role: str = ""  # "guard": a judge (llmgw/gateway/guard.py), never listed for clients nor served to them
+    guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,16 +76,22 @@ class Snapshot:
     def replicas_for(self, model: str) -> tuple[str, ...]:
         return self.serving.get(model, ())
 
+<<<<<<< HEAD
     def allows(self, allowlist: frozenset[str], served: str) -> bool:
         """Whether ALLOWLIST (a key's or person's model list) lets them use the served model SERVED:
         an alias on the list allows its model, and the model's name allows every alias."""
         return served in allowlist or any((m := self.resolve(name)) is not None and m.name == served
                                           for name in allowlist)
+=======
+    def offered(self) -> list[ModelSpec]:
+        """The models clients may use, by name: every one but the guard judges."""
+        return sorted((m for m in self.models.values() if m.role != "guard"), key=lambda m: m.name)
+>>>>>>> guard
 
     def listed_ids(self) -> list[tuple[str, ModelSpec]]:
         """Every name a client may ask for, each alias its own entry, as `/v1/models` lists them."""
         out = []
-        for model in sorted(self.models.values(), key=lambda m: m.name):
+        for model in self.offered():
             out.append((model.name, model))
             out.extend((alias, model) for alias in model.aliases if self.names.get(alias) == model.name)
         return out
@@ -96,7 +104,8 @@ def from_config(cfg: Config, version: int = 1) -> Snapshot:
     for table in cfg.models:
         models[table["name"]] = ModelSpec(
             name=table["name"], aliases=tuple(table.get("aliases", ())), description=table.get("description", ""),
-            max_context=table.get("max_context"), max_output=table.get("max_output"), created=created)
+            max_context=table.get("max_context"), max_output=table.get("max_output"), created=created,
+            role=table.get("role", ""), guard=tuple(sorted(table.get("guard", {}).items())))
     replicas = {}
     for ep in cfg.endpoints:
         replicas[ep["id"]] = ReplicaSpec(id=ep["id"], url=ep["url"].rstrip("/"), models=tuple(ep["models"]),

@@ -41,11 +41,15 @@ from llmgw import filemodes, store
 log = logging.getLogger("llmgw.usage")
 
 FIELDS = ("at", "key_id", "project_id", "model_asked", "model_served", "replica", "endpoint", "stream",
-          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms", "user_id", "cost_micros")
+          "status", "prompt_tokens", "completion_tokens", "latency_ms", "ttft_ms", "user_id", "cost_micros",
+          "guard_verdict", "guard_category")
 
 # The widths of the text columns, read from the schema so the two never differ.
 WIDTHS = {name: store.usage.c[name].type.length for name in FIELDS
           if isinstance(store.usage.c[name].type, sa.String) and store.usage.c[name].type.length}
+
+# Fields added since spool files were first written: a spool file an older gateway left lacks them (null).
+ADDED = frozenset({"guard_verdict", "guard_category"})
 
 SPOOL_PATTERN = "usage-*.jsonl"
 
@@ -229,7 +233,7 @@ def _parse(line: str) -> tuple | None:
     Only plain values: a list or an object would make PostgreSQL refuse the whole file, at every try."""
     try:
         values = json.loads(line)
-        row = tuple(values[name] for name in FIELDS)
+        row = tuple(values.get(name) if name in ADDED else values[name] for name in FIELDS)
     except (ValueError, KeyError, TypeError):
         return None
     return None if any(isinstance(value, (list, dict)) for value in row) else row

@@ -80,7 +80,7 @@ def _models(runtime: Runtime) -> list[dict]:
     router = runtime.router
     return [{"name": spec.name, "ready": bool(router.available(spec.name)), "on_demand": spec.on_demand,
              "max_output": spec.max_output, "description": spec.description}
-            for spec in sorted(router.snapshot.models.values(), key=lambda m: m.name)]
+            for spec in router.snapshot.offered()]
 
 
 def _csrf_ok(secret: bytes, token: str, environ) -> bool:

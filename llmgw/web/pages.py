@@ -137,8 +137,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     @app.get("/")
     def landing():
         snapshot = runtime.router.snapshot
-        models = [(spec, bool(runtime.router.available(spec.name)))
-                  for spec in sorted(snapshot.models.values(), key=lambda m: m.name)]
+        models = [(spec, bool(runtime.router.available(spec.name))) for spec in snapshot.offered()]
         base_url = request.host_url.rstrip("/") + "/v1"
         return render_template("landing.html", models=models, base_url=base_url, contact=cfg["gateway.contact"])
 

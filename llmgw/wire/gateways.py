@@ -31,7 +31,8 @@ PORT = Nullable(Int(1, 65535))
 SECONDS = Nullable("number")
 MODEL = Obj({"name": (NAME, True), "aliases": (ListOf(NAME, 100), False), "description": ("str", False),
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
-             "on_demand": ("bool", False)})
+             "on_demand": ("bool", False), "role": (Str(20), False),
+             "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
                "weight": ("number", False), "api_key": (Str(200), False)})
 KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "project_id": (Nullable(NAME), True),
