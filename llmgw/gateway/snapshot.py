@@ -76,17 +76,15 @@ class Snapshot:
     def replicas_for(self, model: str) -> tuple[str, ...]:
         return self.serving.get(model, ())
 
-<<<<<<< HEAD
     def allows(self, allowlist: frozenset[str], served: str) -> bool:
         """Whether ALLOWLIST (a key's or person's model list) lets them use the served model SERVED:
         an alias on the list allows its model, and the model's name allows every alias."""
         return served in allowlist or any((m := self.resolve(name)) is not None and m.name == served
                                           for name in allowlist)
-=======
+
     def offered(self) -> list[ModelSpec]:
         """The models clients may use, by name: every one but the guard judges."""
         return sorted((m for m in self.models.values() if m.role != "guard"), key=lambda m: m.name)
->>>>>>> guard
 
     def listed_ids(self) -> list[tuple[str, ModelSpec]]:
         """Every name a client may ask for, each alias its own entry, as `/v1/models` lists them."""
