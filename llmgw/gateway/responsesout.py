@@ -199,6 +199,13 @@ class EventStream(StreamTranslator):
         self.seq += 1
         return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(fields, ensure_ascii=False).encode())
 
+    def _delta(self, kind: bytes, item: _Item, text: str, fields: bytes = b"") -> bytes:
+        """A delta event, the one sent per token: formatted directly, at a third of json.dumps' cost."""
+        seq = self.seq
+        self.seq += 1
+        return b'event: %s\ndata: {"type":"%s","sequence_number":%d,"item_id":"%s","output_index":%d%s,"delta":%s}\n\n' % (
+            kind, kind, seq, item.id.encode(), item.index, fields, json.dumps(text, ensure_ascii=False).encode())
+
     def _response_event(self, kind: str, status: str, output: list, used=None, error=None) -> bytes:
         body = response(self.req, self.rid, self.created, status, output, used, self.finish, error)
         data = b'{"type":"%s","sequence_number":%d,"response":%s}' % (kind.encode(), self.seq, body)
@@ -294,11 +301,9 @@ class EventStream(StreamTranslator):
                    + self._event("response.content_part.added", {"item_id": item.id, "output_index": item.index,
                                                                  "content_index": 0, "part": part}))
         item.parts.append(text)
-        fields = {"item_id": item.id, "output_index": item.index, "content_index": 0, "delta": text}
         if kind == "message":
-            fields["logprobs"] = []
-            return out + self._event("response.output_text.delta", fields)
-        return out + self._event("response.reasoning_text.delta", fields)
+            return out + self._delta(b"response.output_text.delta", item, text, b',"content_index":0,"logprobs":[]')
+        return out + self._delta(b"response.reasoning_text.delta", item, text, b',"content_index":0')
 
     def _call(self, call: dict) -> bytes:
         index = call.get("index", 0)
@@ -314,8 +319,7 @@ class EventStream(StreamTranslator):
         if item.announced or not item.name:
             # Only a function's arguments stream: a free-form tool's input is read from them whole, at the end.
             if item.announced and fragment and call_kind(self.req, item.name)[0] == "function":
-                return self._event("response.function_call_arguments.delta",
-                                   {"item_id": item.id, "output_index": item.index, "delta": fragment})
+                return self._delta(b"response.function_call_arguments.delta", item, fragment)
             return b""
         return self._announce(item)
 
@@ -330,8 +334,7 @@ class EventStream(StreamTranslator):
             shown = call_item(self.req, item.id, item.call_id, item.name, "", "in_progress")
         out = self._event("response.output_item.added", {"output_index": item.index, "item": shown})
         if kind == "function" and arguments:
-            out += self._event("response.function_call_arguments.delta",
-                               {"item_id": item.id, "output_index": item.index, "delta": arguments})
+            out += self._delta(b"response.function_call_arguments.delta", item, arguments)
         return out
 
     def _item(self, item: _Item, status: str) -> dict:
