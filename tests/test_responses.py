@@ -3,6 +3,7 @@ with the official openai SDK; and the translation both ways, as pure functions, 
 
 import json
 import os
+import subprocess
 import time
 
 import openai
@@ -23,6 +24,7 @@ APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit fil
                "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}}
 CODEX_REQUESTS = os.path.join(os.path.dirname(__file__), "fixtures", "clients", "codex-requests.json")
 CODEX_COMMAND = "echo hello-from-tool > out.txt; cat out.txt"
+CODEX = os.path.join(os.path.dirname(__file__), "clients", "node_modules", ".bin", "codex")
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def env(tmp_path_factory):
         "dying": Sim(model="dying", replica="d", ttft_ms=1, tokens_per_s=50, die_after=1),
     }
     endpoints = [{"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items()]
+    # Codex offers its free-form apply_patch only to models it knows, such as gpt-5.5.
     models = [{"name": "sim", "aliases": ["fast"], "max_output": 1000},
-              {"name": "codex", "aliases": ["test-model", "gpt-5.5"]}]
+              {"name": "codex", "aliases": ["test-model"]}, {"name": "patcher", "aliases": ["gpt-5.5"]}]
     try:
         gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2)
     except Exception:
@@ -297,12 +300,46 @@ def test_every_captured_codex_request_is_answered(env):
                 # The engine saw the tool's output, and answered with text.
                 assert final["output"][0]["type"] == "message"
                 assert final["output"][0]["content"][0]["text"].startswith("The tool said: " + last["output"][:40])
+            elif body["model"] == "gpt-5.5":
+                (call,) = final["output"]
+                assert call["type"] == "custom_tool_call" and call["name"] == "apply_patch" and call["input"] == PATCH
             else:
                 (call,) = final["output"]
                 assert call["type"] == "function_call" and call["name"] == "exec_command"
                 assert json.loads(call["arguments"]) == {"cmd": CODEX_COMMAND}
             replayed += 1
     assert replayed >= 4
+
+
+def codex(env, tmp_path, model: str, prompt: str) -> subprocess.CompletedProcess:
+    """Codex CLI (pinned in tests/clients) run once against the gateway, in its own home, retries off."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    provider = (f'model_providers.llmgw={{name="llmgw", base_url="{env.url}/v1", wire_api="responses", '
+                'env_key="LLMGW_API_KEY", request_max_retries=0, stream_max_retries=0}')
+    run = subprocess.run([CODEX, "exec", "--skip-git-repo-check", "--ephemeral", "-s", "danger-full-access",
+                          "-m", model, "-c", "model_provider=llmgw", "-c", provider, "-c", "approval_policy=never",
+                          "-c", "analytics.enabled=false", prompt],
+                         cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                         env={"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home),
+                              "LLMGW_API_KEY": env.key})
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+@pytest.mark.skipif(not os.path.exists(CODEX), reason="Codex CLI not installed (make clients)")
+def test_codex_cli_runs_a_shell_tool_loop(env, tmp_path):
+    run = codex(env, tmp_path, "test-model", "Create out.txt")
+    assert (tmp_path / "out.txt").read_text() == "hello-from-tool\n"
+    assert "The tool said: " in run.stdout and "hello-from-tool" in run.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(CODEX), reason="Codex CLI not installed (make clients)")
+def test_codex_cli_applies_a_free_form_patch(env, tmp_path):
+    # The model's apply_patch input reaches Codex raw (a custom_tool_call), and Codex applies it.
+    run = codex(env, tmp_path, "gpt-5.5", "Add a.txt")
+    assert (tmp_path / "a.txt").read_text() == "hello\n"
+    assert "The tool said: " in run.stdout
 
 
 # --- the translation, as pure functions -------------------------------------------------------
