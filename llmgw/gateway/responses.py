@@ -178,8 +178,8 @@ def _input(value, messages: list) -> None:
 
 def _message(item: dict, where: str, messages: list, calls: set) -> None:
     role = item.get("role")
+    need(role, (str,), "a string", f"{where}.role")
     if role not in ROLES:
-        need(role, (str,), "a string", f"{where}.role")
         raise bad(f"{where}.role is {role[:40]!r}; a message's role is one of {', '.join(ROLES)}.", f"{where}.role")
     messages.append({"role": ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
 

@@ -42,12 +42,12 @@ def usage(chat_usage) -> dict | None:
     engine reports none: the API's schema requires them, and clients read them without checking."""
     if not isinstance(chat_usage, dict):
         return None
-    prompt, completion = chat_usage.get("prompt_tokens") or 0, chat_usage.get("completion_tokens") or 0
-    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    prompt, completion = _count(chat_usage.get("prompt_tokens")), _count(chat_usage.get("completion_tokens"))
+    cached = _count(_dict(chat_usage.get("prompt_tokens_details")).get("cached_tokens"))
+    reasoning = _count(_dict(chat_usage.get("completion_tokens_details")).get("reasoning_tokens"))
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": chat_usage.get("total_tokens") or prompt + completion}
+            "total_tokens": prompt + completion}
 
 
 def response(req, rid: str, created: int, status: str, output: list, used: dict | None,
@@ -124,6 +124,24 @@ def _shell_action(arguments: str) -> dict:
     return action
 
 
+# An engine's answer is read with these where a wrong type would otherwise raise: it comes from a
+# program the gateway does not control, and its mistakes must cost at most its own answer.
+def _list(value) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _string(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def failure(e: ApiError) -> dict:
     """E as a response's `error`: OpenAI's codes are few, and the message (with the request id) says the rest."""
     return {"code": "rate_limit_exceeded" if e.status == 429 else "server_error",
@@ -137,7 +155,8 @@ def answer(req, data: bytes) -> bytes:
         chat = json.loads(data)
         choice = chat["choices"][0]
         message, finish = choice["message"], choice.get("finish_reason")
-    except (ValueError, KeyError, IndexError, TypeError):
+        assert isinstance(message, dict)
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError):
         log.warning("an engine's chat answer could not be read as one: %s", data[:300].decode("utf-8", "replace"))
         error = failure(ApiError(502, "The engine's answer could not be read. Try again; an operator can find it "
                                       "in the gateway's log under the request id.", "upstream_error"))
@@ -151,11 +170,12 @@ def answer(req, data: bytes) -> bytes:
     text = message.get("content")
     if isinstance(text, str) and text:
         output.append(message_item(new_id("msg_"), text, item_status))
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") or {}
-        name = function.get("name") or ""
-        output.append(call_item(req, new_id(CALL_PREFIXES[call_kind(req, name)[0]]), call.get("id") or new_id("call_"),
-                                name, function.get("arguments") or "", item_status))
+    for call in _list(message.get("tool_calls")):
+        function = _dict(call.get("function")) if isinstance(call, dict) else {}
+        name = _string(function.get("name"))
+        call_id = _string(call.get("id")) or new_id("call_")
+        output.append(call_item(req, new_id(CALL_PREFIXES[call_kind(req, name)[0]]), call_id, name,
+                                _string(function.get("arguments")), item_status))
     return response(req, rid, created, status, output, usage(chat.get("usage")), finish)
 
 
@@ -259,20 +279,20 @@ class EventStream(StreamTranslator):
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         out = []
-        for choice in chunk.get("choices") or ():
+        for choice in _list(chunk.get("choices")):
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue  # the Responses API has one answer; a request made here asks for one
-            delta = choice.get("delta") or {}
+            delta = _dict(choice.get("delta"))
             reasoning = delta.get("reasoning_content") or delta.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 out.append(self._text("reasoning", reasoning))
             content = delta.get("content")
             if isinstance(content, str) and content:
                 out.append(self._text("message", content))
-            for call in delta.get("tool_calls") or ():
+            for call in _list(delta.get("tool_calls")):
                 if isinstance(call, dict):
                     out.append(self._call(call))
-            if choice.get("finish_reason"):
+            if isinstance(choice.get("finish_reason"), str):
                 self.finish = choice["finish_reason"]
         return b"".join(out)
 
@@ -307,10 +327,11 @@ class EventStream(StreamTranslator):
 
     def _call(self, call: dict) -> bytes:
         index = call.get("index", 0)
-        function = call.get("function") or {}
+        index = index if isinstance(index, int) else 0
+        function = _dict(call.get("function"))
         item = self.calls.get(index)
         if item is None:
-            item = self.calls[index] = self._open("call", call_id=call.get("id") or new_id("call_"))
+            item = self.calls[index] = self._open("call", call_id=_string(call.get("id")) or new_id("call_"))
         if not item.name and isinstance(function.get("name"), str):
             item.name = function["name"]
         fragment = function.get("arguments")
