@@ -46,6 +46,7 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
+	$(BIN)/python bench/dialects.py
 	$(BIN)/python bench/controlplane.py
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py

@@ -1,6 +1,6 @@
 """Load for the benchmarks and the concurrency test: many greenlets, keep-alive connections, timings.
 
-    python bench/loadgen.py --url http://127.0.0.1:8080 --key sk-... --model sim \
+    python bench/loadgen.py --url http://127.0.0.1:8080 --key sk-... --model sim [--api chat] \
         [--stream] [--concurrency 1] [--requests N | --duration S] [--max-tokens 16]
 
 Prints one JSON object: requests sent, answered, failed (with a sample of the
@@ -25,6 +25,16 @@ from gevent.pool import Pool as GreenletPool  # noqa: E402
 from llmgw.gateway.upstream import Pool, Target, UpstreamError  # noqa: E402
 from llmgw.procs import raise_fd_limit  # noqa: E402
 
+# The client APIs it speaks: the path, the body of one request, and what ends a whole stream.
+APIS = {
+    "chat": ("/v1/chat/completions", lambda model, limit, stream: {
+        "model": model, "max_tokens": limit, "stream": stream, "messages": [{"role": "user", "content": "benchmark"}]},
+        (b"[DONE]",)),
+    "responses": ("/v1/responses", lambda model, limit, stream: {
+        "model": model, "max_output_tokens": limit, "stream": stream, "input": "benchmark"},
+        (b"event: response.completed", b"event: response.incomplete")),
+}
+
 
 def percentile(values, p):
     if not values:
@@ -38,7 +48,8 @@ def main(argv=None):
     parser.add_argument("--url", required=True)
     parser.add_argument("--key", default="")
     parser.add_argument("--model", default="sim")
-    parser.add_argument("--path", default="/v1/chat/completions")
+    parser.add_argument("--api", choices=sorted(APIS), default="chat")
+    parser.add_argument("--path", help="instead of the API's own (an engine's, or a gateway's)")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--requests", type=int, default=0, help="stop after this many (0: use --duration)")
@@ -48,8 +59,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     raise_fd_limit()
 
-    body = json.dumps({"model": args.model, "max_tokens": args.max_tokens, "stream": args.stream,
-                       "messages": [{"role": "user", "content": "benchmark"}]}).encode()
+    path, make_body, ends = APIS[args.api]
+    path = args.path or path
+    body = json.dumps(make_body(args.model, args.max_tokens, args.stream)).encode()
     headers = f"Authorization: Bearer {args.key}\r\n".encode() if args.key else b""
     target = Target(args.url)
     pool = Pool(connect_timeout=10, max_idle=args.concurrency + 16)
@@ -60,14 +72,14 @@ def main(argv=None):
     def one():
         started = time.perf_counter()
         try:
-            resp = pool.request(target, "POST", args.path, body, first_byte=args.timeout, headers=headers,
+            resp = pool.request(target, "POST", path, body, first_byte=args.timeout, headers=headers,
                                 deadline=time.monotonic() + args.timeout)
             first = None
             done = not args.stream
             for piece in resp.iter_body(idle=args.timeout):
                 if first is None:
                     first = time.perf_counter() - started
-                if args.stream and b"[DONE]" in piece:
+                if args.stream and any(end in piece for end in ends):
                     done = True
             resp.release()
             if resp.status != 200 or not done:

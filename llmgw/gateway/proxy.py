@@ -664,7 +664,7 @@ class Proxy:
             resp, replica, _, _ = self._connect_in_turn(req, model, t0, caller)
         except ApiError as e:
             self._account(t0, caller, req, model, None, e.status, None, None, in_flight=True)
-            yield req.dialect.stream_error(e)
+            yield req.dialect.stream_error(req, e)
             return
         yield from self._relay(environ, resp, replica, caller, req, model, t0)
 

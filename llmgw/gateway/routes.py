@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from llmgw.gateway.dialect import OPENAI, Dialect
+from llmgw.gateway.responses import RESPONSES
 
 ROUTES: dict[str, tuple[str, Dialect]] = {
     "/v1/chat/completions": ("chat", OPENAI),
     "/v1/completions": ("completions", OPENAI),
     "/v1/embeddings": ("embeddings", OPENAI),
+    "/v1/responses": ("chat", RESPONSES),
 }
 MODELS = "/v1/models"
 # What a 404 for an unknown path lists.
