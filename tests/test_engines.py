@@ -25,13 +25,14 @@ def test_llama_server_binary():
                             binary="/opt/llama.cpp/llama-server") == [
         "/opt/llama.cpp/llama-server", "--model", "/w/m.gguf", "--alias", "m", "--host", "0.0.0.0", "--port", "8002",
         "--ctx-size", "4096", "--threads", "8", "--parallel", "4", "--metrics", "--embeddings", "--pooling", "mean",
-        "--no-webui"]
+        "--jinja", "--no-webui"]
 
 
 def test_llamacpp_from_the_wheel_when_no_binary(monkeypatch):
     monkeypatch.setattr(llamacpp, "find_binary", lambda: None)
     argv = llamacpp.command("/w/m.gguf", 8002, "m", threads=2)
     assert argv[:3] == [sys.executable, "-m", "llmgw.engines.xllamacpp_server"] and "--alias" in argv
+    assert "--jinja" in argv  # tool calls, as with the binary
 
 
 def test_sim_and_extra_args():

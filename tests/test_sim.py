@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import time
 
 from tests.conftest import post, wait_until
@@ -38,3 +40,75 @@ def test_failures_on_demand_and_unknown_models(make_sim):
     assert status == 500
     status, _, raw = post(sim.url + "/v1/chat/completions", {"model": "other", "messages": []})
     assert status == 404 and "does not exist" in json.loads(raw)["error"]["message"]
+
+
+BASH = ("Bash", '{"command": "echo hi"}')
+OFFERED = [{"type": "function", "function": {"name": "Bash", "description": "Run a command",
+                                              "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "user", "content": "say hi"}]
+
+
+def chat(sim, stream=False, **body):
+    """A chat's whole answer, or a stream's events (JSON objects, without `[DONE]`)."""
+    status, _, raw = post(sim.url + "/v1/chat/completions", {"model": "sim", "stream": stream, **body})
+    assert status == 200, raw
+    if not stream:
+        return json.loads(raw)
+    events = [line[6:] for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_scripted_reply_is_every_answer_streamed_a_word_a_token(make_sim):
+    sim = make_sim(ttft_ms=1, tokens_per_s=0, reply="unsafe\nS1")
+    whole = chat(sim, messages=ASK)
+    assert whole["choices"][0]["message"]["content"] == "unsafe\nS1"
+    assert whole["choices"][0]["finish_reason"] == "stop" and whole["usage"]["completion_tokens"] == 2
+    events = chat(sim, stream=True, messages=ASK, stream_options={"include_usage": True})
+    deltas = [e["choices"][0]["delta"].get("content") for e in events if e["choices"]]
+    assert deltas[:2] == ["unsafe", "\nS1"] and events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["usage"]["completion_tokens"] == 2
+    # Cut short like any engine's answer; completions give the same text.
+    cut = chat(sim, messages=ASK, max_tokens=1)["choices"][0]
+    assert (cut["message"]["content"], cut["finish_reason"]) == ("unsafe", "length")
+    status, _, raw = post(sim.url + "/v1/completions", {"model": "sim", "prompt": "x"})
+    assert json.loads(raw)["choices"][0]["text"] == "unsafe\nS1"
+
+
+def test_a_scripted_tool_call_then_its_result(make_sim):
+    sim = make_sim(ttft_ms=1, tokens_per_s=0, tool_call=BASH)
+    whole = chat(sim, messages=ASK, tools=OFFERED)["choices"][0]
+    call = whole["message"]["tool_calls"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] is None
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "Bash", "arguments": BASH[1]}
+
+    # Streamed as OpenAI and vLLM stream calls: the first delta names it, the arguments come in pieces.
+    events = chat(sim, stream=True, messages=ASK, tools=OFFERED)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    first = deltas[0]["tool_calls"][0]
+    assert deltas[0]["role"] == "assistant" and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"] == {"name": "Bash", "arguments": ""} and first["index"] == 0
+    fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[1:] if "tool_calls" in d]
+    assert len(fragments) > 2 and "".join(fragments) == BASH[1]
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + ["tool_calls"]
+
+    # The result goes back; the answer quotes it, whole and streamed.
+    back = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": call["id"], "content": "hi\n"}]
+    answer = chat(sim, messages=back, tools=OFFERED)["choices"][0]
+    assert (answer["message"]["content"], answer["finish_reason"]) == ("The tool said: hi\n", "stop")
+    events = chat(sim, stream=True, messages=back, tools=OFFERED)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == "The tool said: hi\n"
+
+    # A chat that offers no such tool, or forbids calls, is answered as without a script.
+    other = [{"type": "function", "function": {"name": "shell", "parameters": {}}}]
+    for body in ({"tools": other}, {"tools": OFFERED, "tool_choice": "none"}, {}):
+        answer = chat(sim, messages=ASK, max_tokens=2, **body)["choices"][0]
+        assert (answer["message"]["content"], answer["finish_reason"]) == ("tok0 tok1 ", "length")
+
+
+def test_a_tool_call_whose_arguments_are_no_json_object_is_refused_at_start():
+    run = subprocess.run([sys.executable, "-m", "llmgw", "sim", "--tool-call", "Bash", "echo hi"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "the arguments of Bash are not a JSON object" in run.stderr

@@ -222,15 +222,28 @@ def usage(obj: Context, by, since, as_json):
 @click.option("--loading", is_flag=True, help="Answer 503 \"Loading model\" to everything, as llama.cpp does while it loads.")
 @click.option("--api-key", envvar="LLMGW_SIM_API_KEY", help="Answer only requests with Authorization: Bearer KEY "
               "(/health excepted), as a replica started by an agent does [$LLMGW_SIM_API_KEY].")
+@click.option("--reply", help="The text of every answer, streamed a word a token, instead of tok0 tok1 ...")
+@click.option("--tool-call", "tool_calls", type=(str, str), multiple=True, metavar="NAME ARGUMENTS",
+              help="Answer a chat that offers tool NAME, and has no tool result yet, with a call of it with "
+              "ARGUMENTS (a JSON object); a chat ending in a tool result with \"The tool said: \" and the result. "
+              "Repeat it for several tools: the first one offered is called.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens, loading, api_key):
+        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
+    for name, arguments in tool_calls:
+        try:
+            assert isinstance(json.loads(arguments), dict)
+        except (ValueError, AssertionError):
+            raise click.BadParameter(f"the arguments of {name} are not a JSON object: {arguments!r}; "
+                                     "write them as one, such as '{\"command\": \"echo hi\"}'",
+                                     param_hint="--tool-call") from None
     options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
-                         stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None)
+                         stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
+                         reply=reply, tool_calls=tuple(tool_calls))
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

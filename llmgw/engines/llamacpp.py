@@ -50,20 +50,25 @@ def probe() -> str | None:
 
 def command(model_path: str, port: int, name: str, ctx_size: int = 4096, threads: int | None = None,
             parallel: int = 4, host: str = "127.0.0.1", binary: str | None = None) -> list[str]:
-    """The command that serves MODEL_PATH as NAME on HOST:PORT, with `/metrics` and embeddings on.
+    """The command that serves MODEL_PATH as NAME on HOST:PORT, with `/metrics`, embeddings and tool calls on.
 
     Embeddings use mean pooling: llama.cpp refuses OpenAI-style embeddings
-    from a chat model with its default pooling ("none").
+    from a chat model with its default pooling ("none"). Tool calls need the
+    model's own Jinja chat template (`--jinja`): without it, a build whose
+    default is off answers a chat with `tools` 500 ("tools param requires
+    --jinja flag"), and the gateway translates other APIs' tools into such
+    chats. A profile's `--no-jinja`, coming later, turns it off again, for a
+    model whose template llama.cpp cannot read.
     """
     threads = threads or max(1, os.cpu_count() or 1)
     binary = binary if binary is not None else find_binary()
     if binary:
         return [binary, "--model", model_path, "--alias", name, "--host", host, "--port", str(port),
                 "--ctx-size", str(ctx_size), "--threads", str(threads), "--parallel", str(parallel),
-                "--metrics", "--embeddings", "--pooling", "mean", "--no-webui"]
+                "--metrics", "--embeddings", "--pooling", "mean", "--jinja", "--no-webui"]
     if not have_wheel():
         raise RuntimeError("no llama.cpp server here: install llama.cpp's `llama-server`, "
                            "or the wheel with `pip install xllamacpp`")
     return [sys.executable, "-m", "llmgw.engines.xllamacpp_server", "--model", model_path, "--alias", name,
             "--host", host, "--port", str(port), "--ctx-size", str(ctx_size), "--threads", str(threads),
-            "--parallel", str(parallel)]
+            "--parallel", str(parallel), "--jinja"]

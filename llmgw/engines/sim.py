@@ -12,7 +12,14 @@ are not a list, a message name that is not a string, a text part without
 text), runs one task per prompt and per choice (`n`), reports a whole
 answer's usage for the first task only and a stream's once per task, and
 counts tokens on `POST /tokenize` (a word a token). It generates no text
-worth reading and is never the default engine.
+worth reading unless scripted, and is never the default engine.
+
+Scripts, for tests of what passes through a gateway: `reply` is the text
+every answer gives (a guard judge's `safe`); `tool_calls` are (NAME,
+ARGUMENTS) pairs: a chat that offers a tool so named, and holds no tool
+result yet, is answered with a call of it, streamed as vLLM and OpenAI stream
+calls; a chat whose last message is a tool result is answered `The tool said:
+` and that result, so a test sees the output went back to the model.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import hmac
 import json
 import os
 import random
+import re
 import socket
 import time
 
@@ -37,6 +45,9 @@ from llmgw.procs import raise_fd_limit
 PREFIX_BYTES = 256
 PREFIX_CACHE_ENTRIES = 4096
 CACHED_TTFT_FRACTION = 0.1
+# Characters of a tool call's arguments per streamed delta: several deltas for any real call, as an
+# engine sends one per token or so, so a client that keeps only the last fragment is caught.
+ARGUMENT_FRAGMENT = 6
 
 
 @dataclasses.dataclass
@@ -55,6 +66,8 @@ class SimOptions:
     embedding_dims: int = 16
     loading: bool = False  # answer 503 "Loading model" to everything, /health included, as llama.cpp does
     api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
+    reply: str | None = None  # the text of every answer (a word and its spaces a token), instead of tok0 tok1...
+    tool_calls: tuple[tuple[str, str], ...] = ()  # (NAME, JSON ARGUMENTS): called when offered, see the top
 
 
 class SimEngine:
@@ -186,7 +199,9 @@ class SimEngine:
         tasks = [max(1, len(p.split())) for p in prompts for _ in range(body.get("n") or 1)]
         prompt_tokens = tasks[0]
         all_prompt_tokens = sum(max(1, len(p.split())) for p in prompts)
-        n_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or self.o.default_tokens
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        pieces, finish = self._answer(kind, body, limit)
+        n_tokens = len(pieces)
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         ident = f"sim-{os.urandom(6).hex()}"
@@ -218,14 +233,22 @@ class SimEngine:
                 gevent.sleep(1 / self.o.tokens_per_s)
 
         def chunk(i: int | None, finish: str | None = None, index: int = 0, **extra) -> bytes:
-            text = f"tok{i} " if i is not None else None
+            piece = pieces[i] if i is not None else None
             if kind == "chat":
-                delta = {"content": text} if text is not None else {}
+                if piece is None:
+                    delta = {}
+                elif isinstance(piece, dict):
+                    delta = {"tool_calls": [piece]}
+                else:
+                    delta = {"content": piece}
                 if i == 0:
                     delta["role"] = "assistant"
+                    # OpenAI's first delta of a call says there is no text; its fragments follow.
+                    if isinstance(piece, dict):
+                        delta["content"] = None
                 choice = {"index": index, "delta": delta, "finish_reason": finish}
             else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish}
+                choice = {"index": index, "text": piece or "", "finish_reason": finish}
             return _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj, "created": created,
                            "model": self.o.model, "system_fingerprint": fingerprint,
                            "choices": [choice], **extra})
@@ -233,12 +256,12 @@ class SimEngine:
         def final(index: int) -> bytes:
             """Task INDEX's last event(s): as llama.cpp, a completion's usage rides on it, a chat's follows."""
             if not include_usage:
-                return chunk(None, "length", index=index)
+                return chunk(None, finish, index=index)
             if kind == "chat":
-                return chunk(None, "length", index=index) + _event({
+                return chunk(None, finish, index=index) + _event({
                     "id": ident, "object": obj + ".chunk", "created": created, "model": self.o.model,
                     "system_fingerprint": fingerprint, "choices": [], "usage": usage(tasks[index])})
-            return chunk(None, "length", index=index, usage=usage(tasks[index]))
+            return chunk(None, finish, index=index, usage=usage(tasks[index]))
 
         if not stream:
             admit()
@@ -251,9 +274,12 @@ class SimEngine:
                 self.generation_tokens += n_tokens * len(tasks)
             finally:
                 leave()
-            text = "".join(f"tok{i} " for i in range(n_tokens))
-            choices = [{"index": j, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                       if kind == "chat" else {"index": j, "text": text, "finish_reason": "length"}
+            if pieces and isinstance(pieces[0], dict):
+                message = {"role": "assistant", "content": None, "tool_calls": [_whole_call(pieces)]}
+            else:
+                message = {"role": "assistant", "content": "".join(pieces)}
+            choices = [{"index": j, "message": message, "finish_reason": finish}
+                       if kind == "chat" else {"index": j, "text": message["content"], "finish_reason": finish}
                        for j in range(len(tasks))]
             if self.o.die_after and number >= self.o.die_after:
                 os._exit(3)
@@ -289,6 +315,26 @@ class SimEngine:
                 leave()
 
         return events()
+
+    def _answer(self, kind: str, body: dict, limit: int | None) -> tuple[list, str]:
+        """What to answer BODY with, one piece a token (texts, or a tool call's deltas), and why it ends.
+
+        Unscripted: LIMIT tokens `tok0 tok1 ...` (`default_tokens` without
+        one), ending `length`. A scripted text stops at LIMIT too, as an
+        engine's would; a tool call is never cut, so a test always gets a call
+        it can run.
+        """
+        messages = [m for m in body.get("messages") or [] if isinstance(m, dict)] if kind == "chat" else []
+        if self.o.tool_calls and messages and messages[-1].get("role") == "tool":
+            return _cut(_pieces("The tool said: " + _text(messages[-1].get("content"))), limit)
+        if self.o.tool_calls and not any(m.get("role") == "tool" for m in messages):
+            offered = _offered(body)
+            for name, arguments in self.o.tool_calls:
+                if name in offered:
+                    return _call_pieces(name, arguments), "tool_calls"
+        if self.o.reply is not None:
+            return _cut(_pieces(self.o.reply), limit)
+        return [f"tok{i} " for i in range(limit or self.o.default_tokens)], "length"
 
     def _embeddings(self, body: dict) -> dict:
         value = body.get("input")
@@ -326,6 +372,51 @@ class SimEngine:
             "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _pieces(text: str) -> list[str]:
+    """TEXT as tokens: each word with the spaces before it, the last with those after it too."""
+    pieces = re.findall(r"\s*\S+", text)
+    tail = text[len("".join(pieces)):]
+    if tail or not pieces:
+        pieces[-1:] = [(pieces[-1] if pieces else "") + tail]
+    return pieces
+
+
+def _cut(pieces: list[str], limit: int | None) -> tuple[list[str], str]:
+    if limit and len(pieces) > limit:
+        return pieces[:limit], "length"
+    return pieces, "stop"
+
+
+def _text(content) -> str:
+    """A message's text: itself, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else json.dumps(content)
+
+
+def _offered(body: dict) -> set[str]:
+    """The names of the functions BODY lets the model call (none under `tool_choice: "none"`)."""
+    if body.get("tool_choice") == "none":
+        return set()
+    return {t["function"]["name"] for t in body.get("tools") or []
+            if isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)}
+
+
+def _call_pieces(name: str, arguments: str) -> list[dict]:
+    """A call of NAME as stream deltas: the first names it with empty arguments, the rest carry them."""
+    first = {"index": 0, "id": "call_" + os.urandom(12).hex(), "type": "function",
+             "function": {"name": name, "arguments": ""}}
+    return [first] + [{"index": 0, "function": {"arguments": arguments[i:i + ARGUMENT_FRAGMENT]}}
+                      for i in range(0, len(arguments), ARGUMENT_FRAGMENT)]
+
+
+def _whole_call(pieces: list[dict]) -> dict:
+    first = pieces[0]
+    arguments = "".join(p["function"]["arguments"] for p in pieces)
+    return {"id": first["id"], "type": "function", "function": {"name": first["function"]["name"],
+                                                                "arguments": arguments}}
 
 
 def _word_id(word: str) -> int:

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx-size", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=4)
+    # The model's own chat template, which parses tool calls; the last of --jinja and --no-jinja wins.
+    parser.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
     import xllamacpp
@@ -43,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     params.endpoint_metrics = True
     params.embedding = True
     params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
+    params.use_jinja = args.jinja
     if os.environ.get("LLAMA_API_KEY"):
         params.api_keys = [os.environ["LLAMA_API_KEY"]]
     server = xllamacpp.Server(params)
