@@ -120,13 +120,24 @@ def _affinity_text(messages: list) -> bytes:
     return content.encode("utf-8", "surrogatepass") if isinstance(content, str) else b""
 
 
-def parse(kind: str, raw: bytes, prefix_bytes: int) -> ParsedRequest:
-    """Check RAW as a request of KIND; raises ApiError (400, or 413 for a body too costly to parse) naming the field at fault."""
+def read_object(raw: bytes) -> dict:
+    """RAW parsed at a bounded cost as a JSON object; raises ApiError (400, or 413 for a body too costly to parse)."""
     body = jsonbound.loads(raw)
     if not isinstance(body, dict):
         raise bodycheck.bad(f"The request body must be a JSON object, not {bodycheck.JSON_NAMES[type(body)]}.")
+    return body
+
+
+def parse(kind: str, raw: bytes, prefix_bytes: int) -> ParsedRequest:
+    """Check RAW as a request of KIND; raises ApiError (400, or 413 for a body too costly to parse) naming the field at fault."""
+    return checked(kind, read_object(raw), raw, prefix_bytes)
+
+
+def checked(kind: str, body: dict, raw: bytes, prefix_bytes: int, make=ParsedRequest) -> ParsedRequest:
+    """BODY (RAW parsed) checked as a request of KIND, as a MAKE: ParsedRequest, or a dialect's subclass
+    of it that carries what its answer needs (the dialect built BODY from its own request)."""
     bodycheck.check(kind, body)
-    parsed = ParsedRequest(kind, body, raw)
+    parsed = make(kind, body, raw)
     if prefix_bytes:
         if kind == "chat":
             parsed.prompt_text = _affinity_text(body["messages"])[:prefix_bytes]
