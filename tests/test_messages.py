@@ -10,6 +10,9 @@ import anthropic
 import pytest
 
 from llmgw import store
+from llmgw.gateway.errors import ApiError
+from llmgw.gateway.messages import MESSAGES, to_chat
+from llmgw.gateway.sse import DONE
 from tests.conftest import Gateway, Sim, count_usage, make_key, post, wait_until
 
 REPLY = "Hello from the sim."
@@ -310,3 +313,104 @@ def test_claude_codes_own_requests_are_answered(env, recorded):
         assert blocks == ["text"] and stop in ("end_turn", "max_tokens")
     else:
         assert blocks == ["tool_use"] and stop == "tool_use"
+
+
+# --- the translation alone, on engine streams the sim does not make -----------------------------------------
+
+
+def chunk(delta: dict | None = None, finish: str | None = None, **extra) -> bytes:
+    choices = [{"index": 0, "delta": delta or {}, "finish_reason": finish, **extra}]
+    return b"data: " + json.dumps({"choices": choices}).encode() + b"\n\n"
+
+
+def translated(*pieces: bytes, stop_sequences=None) -> list[tuple[str, dict]]:
+    body = {"model": "m", "max_tokens": 10, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    if stop_sequences:
+        body["stop_sequences"] = stop_sequences
+    req = MESSAGES.parse("chat", json.dumps(body).encode(), 0)
+    stream = MESSAGES.stream(req)
+    out = b"".join(stream.feed(p) for p in pieces) + stream.end()
+    return [(block.split("\n")[0][7:], json.loads(block.split("\n")[1][6:]))
+            for block in out.decode().split("\n\n") if block]
+
+
+def call(index: int, name=None, arguments="", id=None) -> dict:
+    function = {"arguments": arguments, **({"name": name} if name else {})}
+    return {"tool_calls": [{"index": index, **({"id": id, "type": "function"} if id else {}), "function": function}]}
+
+
+def test_text_after_a_call_is_held_for_a_block_of_its_own():
+    events = translated(chunk({"role": "assistant", "content": "Let me look."}),
+                        chunk(call(0, "Read", "", "c0")), chunk({"content": " (thinking aloud)"}),
+                        chunk(call(0, arguments='{"path": ')), chunk(call(0, arguments='"a"}')),
+                        chunk(call(1, "Bash", '{"command": "ls"}', "c1")), chunk(finish="tool_calls"),
+                        b'data: {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 9}}\n\n' + DONE)
+    assert_well_formed(events)
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["type"], b.get("name")) for b in starts] == [("text", None), ("tool_use", "Read"),
+                                                           ("tool_use", "Bash"), ("text", None)]
+    deltas = {}
+    for name, data in events:
+        if name == "content_block_delta":
+            piece = data["delta"].get("partial_json", data["delta"].get("text"))
+            deltas[data["index"]] = deltas.get(data["index"], "") + piece
+    assert deltas == {0: "Let me look.", 1: '{"path": "a"}', 2: '{"command": "ls"}', 3: " (thinking aloud)"}
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+    assert events[-2][1]["usage"]["input_tokens"] == 7 and events[-2][1]["usage"]["output_tokens"] == 9
+
+
+def test_a_call_whose_name_comes_late_keeps_its_arguments():
+    events = translated(chunk(call(0, id="c0", arguments='{"a":')), chunk(call(0, "Edit", " 1}")),
+                        chunk(finish="tool_calls"))
+    assert_well_formed(events)
+    start = next(d for n, d in events if n == "content_block_start")["content_block"]
+    assert (start["id"], start["name"]) == ("c0", "Edit")
+    assert "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta") == '{"a": 1}'
+
+
+def test_a_stop_sequence_vllm_names_is_reported():
+    events = translated(chunk({"content": "one two"}), chunk(finish="stop", stop_reason="END"),
+                        stop_sequences=["END"])
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    empty = translated(chunk(finish="length"))
+    assert_well_formed(empty)
+    assert empty[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+def test_the_request_is_read_into_a_chat():
+    chat = to_chat({
+        "model": "m", "max_tokens": 5, "top_k": 20, "stop_sequences": ["x"], "metadata": {"user_id": "u"},
+        "thinking": {"type": "adaptive"}, "service_tier": "auto", "mcp_servers": [], "container": "c",
+        "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True},
+        "tools": [BASH, {"type": "web_search_20250305", "name": "web_search"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "see"}, {"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},
+                                              {"type": "tool_use", "id": "t1", "name": "Bash", "input": {"a": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+                                          "content": "boom"}, {"type": "text", "text": "and?"}]}]}, True)
+    assert chat["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "see"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "Bash", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "Error: boom"},
+        {"role": "user", "content": "and?"}]
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Bash"]  # the server tool is left out
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "Bash"}}
+    assert (chat["parallel_tool_calls"], chat["top_k"], chat["stop"]) == (False, 20, ["x"])
+    assert not {"metadata", "thinking", "service_tier", "mcp_servers", "container"} & set(chat)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]}, "tools[0].input_schema"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}}, "tool_choice.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+])
+def test_a_bad_request_names_the_field(body, field):
+    with pytest.raises(ApiError) as e:
+        to_chat({"model": "m", "max_tokens": 5, **body}, True)
+    assert e.value.status == 400 and e.value.param == field
