@@ -1,6 +1,7 @@
 """What the gateway adds to a request, measured beside the engine called directly in the same run.
 
     python bench/gateway.py [--quick] [--out bench/results/gateway.json]
+    python bench/gateway.py --messages [--quick]    # Anthropic's Messages API beside chat completions
 
 The gateway runs with one worker pinned to CPU 0; the simulated engine (no
 delay: it answers as fast as it can write) and the load generator share CPU 1,
@@ -139,11 +140,74 @@ def measure_held_streams(tmp: str, count: int) -> dict:
         rig.stop()
 
 
+def claude_code_shaped(turns: int = 20) -> dict:
+    """A Messages request shaped like Claude Code's (tests/fixtures/clients): a 15 KB system prompt in
+    blocks, 12 tools with schemas, and TURNS rounds of a tool call and its result."""
+    words = "the quick brown fox jumps over the lazy dog and reads the file again ".split()
+    text = lambda n, k=0: " ".join(words[(i + k) % len(words)] for i in range(n))  # noqa: E731
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": text(30, i)}
+                                               for i in range(6)}, "required": ["p0"]}
+    tools = [{"name": f"Tool{i}", "description": text(150, i), "input_schema": schema} for i in range(12)]
+    messages = [{"role": "user", "content": [{"type": "text", "text": text(60)}, {"type": "text", "text": "Go."}]}]
+    for t in range(turns):
+        messages.append({"role": "assistant", "content": [
+            {"type": "text", "text": text(20, t)},
+            {"type": "tool_use", "id": f"toolu_{t}", "name": "Tool1", "input": {"p0": text(12, t)}}]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": text(120, t)}]})
+    return {"system": [{"type": "text", "text": text(2500)}], "tools": tools, "messages": messages}
+
+
+def measure_messages(rig: Rig, tmp: str, n: int) -> dict:
+    """What Anthropic's Messages API adds beside chat completions, in the same run on the same rig: a
+    one-word request sent to both (the body is valid in both APIs), and a Claude Code-shaped one sent as
+    Messages and, translated once here, as the chat it becomes; plain and as 16-token streams."""
+    from llmgw.gateway.messages import to_chat
+
+    shaped = claude_code_shaped()
+    files = {}
+    for name, body in (("messages", shaped), ("chat", to_chat({**shaped, "model": "sim", "max_tokens": 16}, True))):
+        files[name] = os.path.join(tmp, f"claude-code-{name}.json")
+        with open(files[name], "w") as f:
+            json.dump(body, f)
+    results = {"claude_code_body_bytes": os.path.getsize(files["messages"])}
+    for size in ("small", "claude_code"):
+        for stream in (False, True):
+            row = {}
+            for api, path in (("chat", "/v1/chat/completions"), ("messages", "/v1/messages")):
+                kw = dict(requests=n, concurrency=1, max_tokens=16, stream=stream, path=path)
+                if size == "claude_code":
+                    kw["body"] = files[api]
+                rig.load(rig.url, rig.key, **{**kw, "requests": 50})  # warm
+                before = rig.gateway_cpu()
+                row[api] = rig.load(rig.url, rig.key, **kw)
+                row[api]["gateway_cpu_ms_per_request"] = round((rig.gateway_cpu() - before) * 1000 / row[api]["ok"], 3)
+            results[f"{size}_{'stream' if stream else 'plain'}"] = row
+    return results
+
+
+def report_messages(m: dict) -> str:
+    lines = [f"Messages beside chat completions through the gateway (Claude Code-shaped body: "
+             f"{m['claude_code_body_bytes']:,} bytes as Messages)", "",
+             "| request | chat p50 (ms) | messages p50 (ms) | added p50 (ms) | chat CPU (ms) | messages CPU (ms) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, row in m.items():
+        if not isinstance(row, dict):
+            continue
+        c, g = row["chat"], row["messages"]
+        lines.append(f"| {name.replace('_', ' ')} | {c['p50_ms']} | {g['p50_ms']} | "
+                     f"{round(g['p50_ms'] - c['p50_ms'], 3)} | {c['gateway_cpu_ms_per_request']} | "
+                     f"{g['gateway_cpu_ms_per_request']} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests, for a smoke run")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gateway.json"))
     parser.add_argument("--held-streams", type=int, default=2000)
+    parser.add_argument("--messages", action="store_true",
+                        help="measure only what Anthropic's Messages API adds beside chat completions")
     args = parser.parse_args()
     raise_fd_limit()
     n = 300 if args.quick else 2000
@@ -153,6 +217,17 @@ def main() -> int:
                            "processor": platform.processor() or platform.machine()},
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rig = Rig(tmp)
+    if args.messages:
+        try:
+            results["messages"] = measure_messages(rig, tmp, n // 2)
+        finally:
+            rig.stop()
+        out = args.out.replace("gateway.json", "gateway-messages.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(report_messages(results["messages"]))
+        return 0
     try:
         results["plain"] = measure_latency(rig, n, stream=False)
         results["stream"] = measure_latency(rig, n // 2, stream=True)

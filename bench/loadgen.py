@@ -1,7 +1,7 @@
 """Load for the benchmarks and the concurrency test: many greenlets, keep-alive connections, timings.
 
     python bench/loadgen.py --url http://127.0.0.1:8080 --key sk-... --model sim \
-        [--stream] [--concurrency 1] [--requests N | --duration S] [--max-tokens 16]
+        [--stream] [--concurrency 1] [--requests N | --duration S] [--max-tokens 16] [--path P --body FILE]
 
 Prints one JSON object: requests sent, answered, failed (with a sample of the
 errors), latency and time to first byte percentiles in milliseconds, and
@@ -45,11 +45,17 @@ def main(argv=None):
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--body", help="a JSON file with the request to send (its model, max_tokens and stream "
+                        "are set from the options), instead of a one-word chat")
     args = parser.parse_args(argv)
     raise_fd_limit()
 
-    body = json.dumps({"model": args.model, "max_tokens": args.max_tokens, "stream": args.stream,
-                       "messages": [{"role": "user", "content": "benchmark"}]}).encode()
+    request = {"messages": [{"role": "user", "content": "benchmark"}]}
+    if args.body:
+        with open(args.body) as f:
+            request = json.load(f)
+    body = json.dumps({**request, "model": args.model, "max_tokens": args.max_tokens,
+                       "stream": args.stream}).encode()
     headers = f"Authorization: Bearer {args.key}\r\n".encode() if args.key else b""
     target = Target(args.url)
     pool = Pool(connect_timeout=10, max_idle=args.concurrency + 16)
@@ -67,7 +73,8 @@ def main(argv=None):
             for piece in resp.iter_body(idle=args.timeout):
                 if first is None:
                     first = time.perf_counter() - started
-                if args.stream and b"[DONE]" in piece:
+                # A chat stream ends with [DONE], a Messages stream with message_stop.
+                if args.stream and (b"[DONE]" in piece or b"event: message_stop" in piece):
                     done = True
             resp.release()
             if resp.status != 200 or not done:
