@@ -203,6 +203,7 @@ def test_errors_in_anthropics_shape(env):
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="local", max_tokens=10, messages=[{"role": "user", "content": "x"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "authentication_error"
+    assert e.value.response.headers["x-should-retry"] == "false"  # Claude Code would try ten times
     bad.close()
     with pytest.raises(anthropic.NotFoundError) as e:
         env.client.messages.create(model="claude-opus-9", max_tokens=10, messages=[{"role": "user", "content": "x"}])
@@ -224,6 +225,7 @@ def test_a_full_engine_is_a_429_with_retry_after(env):
             env.client.messages.create(model="busy", max_tokens=5, messages=[{"role": "user", "content": "y"}])
         held.close()
     assert e.value.body["error"]["type"] == "rate_limit_error" and e.value.response.headers["Retry-After"]
+    assert "x-should-retry" not in e.value.response.headers
 
 
 def test_a_limit_above_the_models_is_cut_and_says_so(env):

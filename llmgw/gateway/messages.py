@@ -9,7 +9,9 @@ container, mcp_servers, context_management, output_config, and whatever
 beta field a client adds) are accepted and ignored, as are the
 `anthropic-version` and `anthropic-beta` headers: a client that names a
 newer beta must not be refused for it (Claude Code retries a 400 dropping
-one beta at a time, six requests, before it gives up).
+one beta at a time, six requests, before it gives up). A refusal that the
+same request would meet again carries `x-should-retry: false`, which the
+SDKs and Claude Code obey; without it Claude Code retries a 401 ten times.
 
 `max_tokens` is required, as Anthropic requires it, and a value above the
 model's limit is cut to it rather than refused: Claude Code sends its own
@@ -51,6 +53,8 @@ log = logging.getLogger("llmgw.messages")
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                502: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+# The refusals a client may meet again with the same request: a timeout, a conflict, a limit.
+RETRIED = (408, 409, 429)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "content_filter": "refusal"}
 ROLES = ("user", "assistant", "system")
@@ -511,7 +515,11 @@ class Messages(Dialect):
 
     def error(self, e: ApiError) -> tuple[bytes, list[tuple[str, str]]]:
         body = error_body(e)
-        return body, e.headers(body)
+        headers = e.headers(body)
+        if e.status < 500 and e.status not in RETRIED:
+            # Claude Code retries 401s, like 429s and 500s, ten times over three minutes unless told not to.
+            headers.append(("x-should-retry", "false"))
+        return body, headers
 
     def answer(self, req: MessagesRequest, data: bytes) -> bytes:
         return answer(req, data)
