@@ -416,3 +416,28 @@ def test_a_bad_request_names_the_field(body, field):
     with pytest.raises(ApiError) as e:
         to_chat({"model": "m", "max_tokens": 5, **body}, True)
     assert e.value.status == 400 and e.value.param == field
+
+
+def test_a_real_model_counts_and_answers(tmp_path, starter_engine):
+    """llama.cpp serving SmolLM2: count_tokens renders the chat with the model's template, to the token the
+    engine then reads."""
+    from llmgw.cli import starter
+
+    url = f"sqlite:///{tmp_path}/real.db"
+    key = make_key(url)
+    gw = Gateway(tmp_path, url, endpoints=[{"id": "cpu", "url": starter_engine, "models": [starter.NAME]}],
+                 models=[{"name": starter.NAME, "aliases": ["claude-haiku-4-5"], "max_output": 64}], workers=1)
+    client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=60)
+    try:
+        ask = dict(model="claude-haiku-4-5", system="You answer in one sentence.",
+                   messages=[{"role": "user", "content": "What is the capital of France?"}])
+        counted = client.messages.count_tokens(**ask).input_tokens
+        message = client.messages.create(max_tokens=32000, extra_body={"temperature": 0}, **ask)
+        assert "Paris" in message.content[0].text
+        assert counted == message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0)
+        with client.messages.stream(max_tokens=32000, extra_body={"temperature": 0}, **ask) as stream:
+            assert "Paris" in "".join(stream.text_stream)
+            assert stream.get_final_message().stop_reason in ("end_turn", "max_tokens")
+    finally:
+        client.close()
+        gw.stop()
