@@ -33,6 +33,9 @@ APIS = {
     "responses": ("/v1/responses", lambda model, limit, stream: {
         "model": model, "max_output_tokens": limit, "stream": stream, "input": "benchmark"},
         (b"event: response.completed", b"event: response.incomplete")),
+    "messages": ("/v1/messages", lambda model, limit, stream: {
+        "model": model, "max_tokens": limit, "stream": stream, "messages": [{"role": "user", "content": "benchmark"}]},
+        (b"event: message_stop",)),
 }
 
 

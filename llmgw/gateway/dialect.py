@@ -46,6 +46,10 @@ class Dialect:
         """What turns the engine's events into this API's; None where they go out as they are."""
         return None
 
+    def tokens(self, req: apirequest.ParsedRequest, count: int) -> bytes:
+        """The answer to REQ, a route of kind "tokens": how many tokens its prompt is (COUNT)."""
+        raise NotImplementedError
+
     def stream_error(self, req: apirequest.ParsedRequest, e: ApiError) -> bytes:
         """The events that end REQ's stream with E before the engine sent any (it was held while its model
         loaded); REQ is there for an API whose error events describe the request (the Responses API's)."""

@@ -57,7 +57,7 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import admission, apirequest, balancer, guard, metering, routes
+from llmgw.gateway import admission, apirequest, balancer, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI
@@ -203,6 +203,8 @@ class Proxy:
                 # exist were answered before admission, so no rate limit held them.
                 self._count(caller)
                 raise
+            if kind == "tokens":
+                return self._count_tokens(start_response, caller, req, model, t0)
             self._admit(caller, req, model)
             self.guard.check_prompt(req, model)
             return self._forward(environ, start_response, caller, req, model, t0)
@@ -239,12 +241,8 @@ class Proxy:
 
     def _admit(self, caller: Caller, req, model: ModelSpec) -> None:
         """Hold the request to its allowlist and to every pool that limits it; raises ApiError when refused."""
+        self._check_allowlist(caller, model)
         access = caller.access
-        if access.models is not None and not self.rt.router.snapshot.allows(access.models, model.name):
-            self.rt.metrics.limited.labels("model").inc()
-            shown = ", ".join(sorted(access.models)) or "none"
-            raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
-                                "if you need another model.", "model_not_allowed", "model")
         # Every request is priced (its usage row records the cost), limited or not.
         caller.price = self.rt.keys.prices.of(model.name)
         if not access.levels:
@@ -258,6 +256,14 @@ class Proxy:
             output *= metering.answers(req)
         self._reserve(caller, not caller.price.zero(), prompt + output, caller.price.cost(prompt, output),
                       model.name)
+
+    def _check_allowlist(self, caller: Caller, model: ModelSpec) -> None:
+        access = caller.access
+        if access.models is not None and not self.rt.router.snapshot.allows(access.models, model.name):
+            self.rt.metrics.limited.labels("model").inc()
+            shown = ", ".join(sorted(access.models)) or "none"
+            raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
+                                "if you need another model.", "model_not_allowed", "model")
 
     def _count(self, caller: Caller) -> None:
         """Count a request refused before admission against CALLER's rates; raises ApiError(429) past one."""
@@ -611,9 +617,16 @@ class Proxy:
     def _tokens(self, replica, content, add_special: bool) -> int | None:
         """How many tokens REPLICA's tokenizer makes of CONTENT, a text or a list of them counted one after
         another (llama.cpp's `POST /tokenize`); None when it cannot say (an engine without one)."""
-        body = json.dumps({"content": content, "add_special": add_special}, ensure_ascii=False).encode()
+        answer = self._engine_json(replica, "/tokenize", {"content": content, "add_special": add_special})
+        tokens = answer.get("tokens") if answer is not None else None
+        return len(tokens) if isinstance(tokens, list) else None
+
+    def _engine_json(self, replica, path: str, value: dict) -> dict | None:
+        """REPLICA's answer to VALUE posted to PATH, a helper route (tokenizer, template) answered at once;
+        None unless it is a 200 with a JSON object."""
+        body = json.dumps(value, ensure_ascii=False).encode()
         try:
-            resp = self.rt.pool.request(replica.target, "POST", "/tokenize", body, TOKENIZE_TIMEOUT,
+            resp = self.rt.pool.request(replica.target, "POST", path, body, TOKENIZE_TIMEOUT,
                                         time.monotonic() + TOKENIZE_TIMEOUT)
         except UpstreamError:
             return None
@@ -624,10 +637,33 @@ class Proxy:
             return None
         resp.release()
         try:
-            tokens = json.loads(data).get("tokens") if resp.status == 200 else None
-        except (ValueError, AttributeError):
+            answer = json.loads(data) if resp.status == 200 else None
+        except ValueError:
             return None
-        return len(tokens) if isinstance(tokens, list) else None
+        return answer if isinstance(answer, dict) else None
+
+    def _count_tokens(self, start_response, caller, req, model, t0):
+        """Answer REQ, of kind "tokens": how many tokens its prompt is (llmgw/gateway/promptcount.py).
+
+        It generates nothing, so it takes no turn in the admission queue and reserves no tokens; it
+        counts against the key's request rate like any request. A replica of the model counts, where
+        one is in rotation and its engine can; otherwise the answer is an estimate.
+        """
+        self._check_allowlist(caller, model)
+        self._count(caller)
+        replica = self.rt.router.pick(model.name, time.monotonic(), None, set())
+        counted = None
+        if replica is not None:
+            counted = promptcount.count(lambda path, value: self._engine_json(replica, path, value), req.body,
+                                        model.name)
+        if counted is None:
+            counted = promptcount.estimate(req.raw)
+        body = req.dialect.tokens(req, counted)
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                                  (OVERHEAD_HEADER, f"{(time.perf_counter() - t0) * 1000:.2f}")]
+                       + caller.limit_headers())
+        self._account(t0, caller, req, model, replica.spec.id if replica else None, 200, None, None)
+        return [body]
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.

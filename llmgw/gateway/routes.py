@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmgw.gateway.dialect import OPENAI, Dialect
+from llmgw.gateway.messages import MESSAGES
 from llmgw.gateway.responses import RESPONSES
 
 ROUTES: dict[str, tuple[str, Dialect]] = {
@@ -10,6 +11,9 @@ ROUTES: dict[str, tuple[str, Dialect]] = {
     "/v1/completions": ("completions", OPENAI),
     "/v1/embeddings": ("embeddings", OPENAI),
     "/v1/responses": ("chat", RESPONSES),
+    # Anthropic's Messages API, which Claude Code speaks; "tokens" counts a prompt and generates nothing.
+    "/v1/messages": ("chat", MESSAGES),
+    "/v1/messages/count_tokens": ("tokens", MESSAGES),
 }
 MODELS = "/v1/models"
 # What a 404 for an unknown path lists.
