@@ -736,7 +736,7 @@ class Proxy:
                 yield tail
         except ApiError as e:  # a held answer the guard withheld: nothing of it has gone out
             status = e.status
-            yield req.dialect.stream_error(e)
+            yield req.dialect.stream_error(req, e)
         except UpstreamError as e:
             if relay.done:
                 pass  # the client had the whole answer, [DONE] included; what the engine does after is moot
