@@ -11,11 +11,11 @@ model's own `guard` table picks the case it stands for:
 | closed | judge-dead (nothing listens) | both | closed |
 | open | judge-dead | both | open |
 
-`APIS` holds the client APIs the cases run on; the Responses and Messages
-APIs join it as a pair (how to ask, how to read the text and the error) when
-their modules are in.
+`APIS` holds the client APIs the cases run on, each with its own client
+library: how to ask, and how its refusals read.
 """
 
+import anthropic
 import openai
 import pytest
 import sqlalchemy as sa
@@ -60,21 +60,85 @@ def env(tmp_path_factory):
         sim.stop()
 
 
+class Refused(Exception):
+    """A refusal as any API's client saw it: the status (None for an error event mid-stream), the message,
+    and the code where the API has one."""
+
+    def __init__(self, status, message: str, code=None, param=None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
 class Chat:
     """Chat completions, through the openai library."""
 
+    endpoint = "chat"
+
     @staticmethod
     def ask(env, model: str, stream: bool, text: str = "How do I bake bread?") -> str:
-        """The answer's text; raises openai.APIError when refused (before or during the stream)."""
+        """The answer's text; raises Refused when refused (before or during the stream)."""
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
-        if not stream:
-            reply = env.client.chat.completions.create(model=model, messages=messages, max_tokens=20)
-            return reply.choices[0].message.content
-        chunks = env.client.chat.completions.create(model=model, messages=messages, max_tokens=20, stream=True)
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        try:
+            if not stream:
+                reply = env.client.chat.completions.create(model=model, messages=messages, max_tokens=20)
+                return reply.choices[0].message.content
+            chunks = env.client.chat.completions.create(model=model, messages=messages, max_tokens=20,
+                                                        stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        except openai.APIStatusError as e:
+            raise Refused(e.status_code, e.body["message"], e.body["code"], e.body["param"]) from None
+        except openai.APIError as e:
+            raise Refused(None, e.message, (e.body or {}).get("code")) from None
 
 
-APIS = {"chat": Chat}
+class Responses:
+    """The Responses API, through the openai library."""
+
+    endpoint = "responses"
+
+    @staticmethod
+    def ask(env, model: str, stream: bool, text: str = "How do I bake bread?") -> str:
+        args = dict(model=model, instructions="Be brief.", input=text, max_output_tokens=20)
+        try:
+            if not stream:
+                return env.client.responses.create(**args).output_text
+            out = []
+            for event in env.client.responses.create(**args, stream=True):
+                if event.type == "response.output_text.delta":
+                    out.append(event.delta)
+                elif event.type == "response.failed":
+                    raise Refused(None, event.response.error.message, event.response.error.code)
+            return "".join(out)
+        except openai.APIStatusError as e:
+            raise Refused(e.status_code, e.body["message"], e.body["code"], e.body["param"]) from None
+
+
+class Messages:
+    """Anthropic's Messages API, through the anthropic library."""
+
+    endpoint = "messages"
+
+    @staticmethod
+    def ask(env, model: str, stream: bool, text: str = "How do I bake bread?") -> str:
+        client = anthropic.Anthropic(base_url=env.url, api_key=env.key, max_retries=0)
+        args = dict(model=model, system="Be brief.", messages=[{"role": "user", "content": text}], max_tokens=20)
+        try:
+            if not stream:
+                return "".join(b.text for b in client.messages.create(**args).content if b.type == "text")
+            out = []
+            for event in client.messages.create(**args, stream=True):
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    out.append(event.delta.text)
+            return "".join(out)
+        except anthropic.APIStatusError as e:
+            raise Refused(e.status_code, e.body["error"]["message"]) from None
+        except anthropic.APIError as e:
+            raise Refused(None, e.message) from None
+        finally:
+            client.close()
+
+
+APIS = {"chat": Chat, "responses": Responses, "messages": Messages}
 CASES = [(api, stream) for api in APIS for stream in (False, True)]
 
 
@@ -83,7 +147,8 @@ def rows(env, model: str) -> list[tuple]:
     try:
         with engine.connect() as conn:
             return conn.execute(sa.select(store.usage.c.status, store.usage.c.guard_verdict,
-                                          store.usage.c.guard_category, store.usage.c.stream)
+                                          store.usage.c.guard_category, store.usage.c.stream,
+                                          store.usage.c.endpoint)
                                 .where(store.usage.c.model_served == model)).all()
     finally:
         engine.dispose()
@@ -96,25 +161,26 @@ def wait_for_row(env, model: str, want: tuple) -> None:
 @pytest.mark.parametrize("api,stream", CASES)
 def test_a_safe_request_passes_and_its_row_says_safe(env, api, stream):
     assert APIS[api].ask(env, "plain", stream) == ANSWER
-    wait_for_row(env, "plain", (200, "safe", None, stream))
+    wait_for_row(env, "plain", (200, "safe", None, stream, APIS[api].endpoint))
 
 
 @pytest.mark.parametrize("api,stream", CASES)
 def test_an_unsafe_prompt_is_refused_with_400_naming_the_category(env, api, stream):
-    with pytest.raises(openai.BadRequestError) as raised:
+    with pytest.raises(Refused) as raised:
         APIS[api].ask(env, "bad-prompt", stream, "something dangerous")
-    error = raised.value.body
-    assert error["code"] == "content_filter" and error["param"] == "messages"
-    assert "S1 Violent Crimes" in error["message"] and "refused" in error["message"]
-    wait_for_row(env, "bad-prompt", (400, "prompt_unsafe", "S1", stream))
+    error = raised.value
+    assert error.status == 400 and "S1 Violent Crimes" in error.message and "refused" in error.message
+    if api != "messages":  # Anthropic's errors have a type and a message only
+        assert error.code == "content_filter" and error.param == "messages"
+    wait_for_row(env, "bad-prompt", (400, "prompt_unsafe", "S1", stream, APIS[api].endpoint))
 
 
 @pytest.mark.parametrize("api,stream", CASES)
 def test_an_unsafe_answer_is_withheld(env, api, stream):
-    with pytest.raises(openai.APIError) as raised:
+    with pytest.raises(Refused) as raised:
         APIS[api].ask(env, "bad-answer", stream)
-    assert "S1 Violent Crimes" in str(raised.value) and "withheld" in str(raised.value)
-    wait_for_row(env, "bad-answer", (400, "answer_unsafe", "S1", stream))
+    assert "S1 Violent Crimes" in raised.value.message and "withheld" in raised.value.message
+    wait_for_row(env, "bad-answer", (400, "answer_unsafe", "S1", stream, APIS[api].endpoint))
 
 
 def test_no_byte_of_a_withheld_stream_reaches_the_client(env):
@@ -127,24 +193,24 @@ def test_no_byte_of_a_withheld_stream_reaches_the_client(env):
 
 
 def test_fail_closed_with_the_judge_down_is_503_saying_why(env):
-    with pytest.raises(openai.APIStatusError) as raised:
+    with pytest.raises(Refused) as raised:
         Chat.ask(env, "closed", False)
-    assert raised.value.status_code == 503
-    message = raised.value.body["message"]
-    assert "judge-dead" in message and "cannot judge" in message and raised.value.body["code"] == "guard_unavailable"
-    wait_for_row(env, "closed", (503, "unjudged", None, False))
+    assert raised.value.status == 503
+    message = raised.value.message
+    assert "judge-dead" in message and "cannot judge" in message and raised.value.code == "guard_unavailable"
+    wait_for_row(env, "closed", (503, "unjudged", None, False, "chat"))
 
 
 def test_fail_open_passes_and_is_counted_and_logged(env):
     assert Chat.ask(env, "open", True) == ANSWER
-    wait_for_row(env, "open", (200, "unjudged", None, True))
+    wait_for_row(env, "open", (200, "unjudged", None, True, "chat"))
     assert 'llmgw_guard_unavailable_total{fail="open",judge="judge-dead"}' in env.gw.metrics()
     assert "passed unjudged (guard.fail = open)" in env.gw.log()
 
 
 def test_verdicts_are_counted_by_category(env):
     Chat.ask(env, "plain", False)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(Refused):
         Chat.ask(env, "bad-prompt", False)
     metrics = env.gw.metrics()
     assert ('llmgw_guard_verdicts_total{category="S1",checked="prompt",judge="judge-unsafe",verdict="unsafe"}'
@@ -159,9 +225,9 @@ def test_a_judge_is_never_offered_nor_served(env):
     assert "plain" in listed and not any(name.startswith("judge") for name in listed)
     with pytest.raises(openai.NotFoundError):
         env.client.models.retrieve("judge-safe")
-    with pytest.raises(openai.PermissionDeniedError) as raised:
+    with pytest.raises(Refused) as raised:
         Chat.ask(env, "judge-safe", False)
-    assert "guard model" in raised.value.body["message"]
+    assert raised.value.status == 403 and "guard model" in raised.value.message
 
 
 def test_the_judge_reads_llama_guard_3s_prompt():
