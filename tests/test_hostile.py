@@ -153,22 +153,26 @@ class Verdicts:
         self.count = 0
         self.wrong: list[str] = []
 
-    def check(self, case: str, status: int, body: bytes = b"", openai_shape: bool = False, location=None):
+    def check(self, case: str, status: int, body: bytes = b"", openai_shape: bool = False, location=None,
+              anthropic_shape: bool = False):
         self.count += 1
         if location is not None and not _on_this_site(location):
             self.wrong.append(f"{case}: redirected off this site, to {location!r}")
         if status >= 500:
             self.wrong.append(f"{case}: {status} {body[:200]!r}")
-        elif openai_shape and status >= 400 and status != 408:
+        elif (openai_shape or anthropic_shape) and status >= 400 and status != 408:
             try:
-                error = json.loads(body)["error"]
+                answer = json.loads(body)
+                assert answer["type"] == "error" if anthropic_shape else True
+                error = answer["error"]
                 assert isinstance(error["message"], str) and isinstance(error["type"], str)
             except Exception:
-                self.wrong.append(f"{case}: {status} is not an OpenAI error: {body[:200]!r}")
+                api = "Anthropic" if anthropic_shape else "OpenAI"
+                self.wrong.append(f"{case}: {status} is not an {api} error: {body[:200]!r}")
         if b"Traceback (most recent call last)" in body:
             self.wrong.append(f"{case}: a traceback in the answer")
 
-    def run(self, case: str, port: int, *args, openai_shape=False, **kwargs):
+    def run(self, case: str, port: int, *args, openai_shape=False, anthropic_shape=False, **kwargs):
         try:
             status, headers, body = request(port, *args, **kwargs)
         except (ConnectionError, socket.timeout, http.client.HTTPException) as e:
@@ -178,7 +182,7 @@ class Verdicts:
             if isinstance(e, socket.timeout):
                 self.wrong.append(f"{case}: no answer in time")
             return
-        self.check(case, status, body, openai_shape, headers.get("location"))
+        self.check(case, status, body, openai_shape, headers.get("location"), anthropic_shape)
 
     def assert_none_wrong(self, at_least: int):
         assert self.count >= at_least, f"only {self.count} cases ran"
@@ -284,10 +288,73 @@ def embedding_cases(rng: random.Random):
             yield f"embeddings {field}={_short(value)}", {**base, field: value}
 
 
-def _random_body(rng: random.Random, base: dict) -> dict:
+RESPONSES_FIELDS = ["model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+                    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "store", "stream",
+                    "previous_response_id", "metadata", "include", "truncation", "user", "prompt_cache_key"]
+INPUT_ITEMS = [
+    {"type": "message"}, {"type": "message", "role": "user", "content": 5}, {"role": "wizard", "content": "x"},
+    {"role": "user", "content": [{"type": "input_text"}]}, {"role": "user", "content": [{"type": "input_image"}]},
+    {"role": "user", "content": [{"type": "input_image", "image_url": 7}]}, {"role": "user", "content": [{}]},
+    {"type": "function_call"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}},
+    {"type": "function_call_output", "call_id": "nobody"}, {"type": "custom_tool_call", "call_id": 1},
+    {"type": "custom_tool_call_output", "call_id": "c", "output": nested(80)}, {"type": "reasoning"},
+    {"type": "local_shell_call", "action": "x"}, {"type": "item_reference", "id": "x"}, "x", 7, None, [],
+]
+RESPONSES_TOOLS = [
+    "x", [{}], [{"type": "function"}], [{"type": "function", "name": 1}], [{"type": "custom"}],
+    [{"type": "custom", "name": "x", "format": "x"}], [{"type": "namespace"}], [{"type": "namespace", "tools": "x"}],
+    [{"type": "namespace", "name": "n", "tools": [{"type": "namespace", "tools": []}]}], [{"type": "local_shell"}],
+    [{"type": "web_search"}], [{"type": "function", "name": "f", "parameters": nested(40)}],
+    [{"type": "function", "name": "f" * 10_000}],
+]
+
+
+def responses_cases(rng: random.Random):
+    base = {"model": "sim", "input": "hi", "max_output_tokens": 4}
+    for field in RESPONSES_FIELDS:
+        for value in HOSTILE_VALUES:
+            yield f"responses {field}={_short(value)}", {**base, field: value}
+    for item in INPUT_ITEMS:
+        yield f"responses item {_short(item)}", {**base, "input": [item]}
+    for tools in RESPONSES_TOOLS:
+        yield f"responses tools={_short(tools)}", {**base, "tools": tools}
+    for _ in range(40):
+        yield "responses random", _random_body(rng, base, RESPONSES_FIELDS)
+
+
+MESSAGES_FIELDS = ["model", "messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences",
+                   "temperature", "top_p", "top_k", "stream", "metadata", "thinking", "service_tier"]
+BLOCKS = [
+    {"type": "text"}, {"type": "text", "text": None}, {"type": "image"}, {"type": "image", "source": "x"},
+    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": 1}},
+    {"type": "tool_use"}, {"type": "tool_use", "id": "x", "name": "f", "input": "x"}, {"type": "tool_result"},
+    {"type": "tool_result", "tool_use_id": "x", "content": 5}, {"type": "tool_result", "tool_use_id": "x",
+                                                                "content": [{"type": "image"}]},
+    {"type": "thinking"}, {"type": "document"}, {"type": "text", "text": "x", "cache_control": nested(100)},
+    "x", 7, None, [],
+]
+MESSAGES_TOOLS = ["x", [{}], [{"name": 1}], [{"name": "f", "input_schema": "x"}], [{"type": "bash_20250124"}],
+                  [{"name": "f", "input_schema": nested(40)}], [{"name": "f" * 10_000, "input_schema": {}}]]
+
+
+def messages_cases(rng: random.Random, base: dict):
+    for field in MESSAGES_FIELDS:
+        for value in HOSTILE_VALUES:
+            yield f"messages {field}={_short(value)}", {**base, field: value}
+    for block in BLOCKS:
+        for role in ("user", "assistant"):
+            yield f"messages {role} block {_short(block)}", {**base, "messages": [{"role": role,
+                                                                                   "content": [block]}]}
+    for tools in MESSAGES_TOOLS:
+        yield f"messages tools={_short(tools)}", {**base, "tools": tools}
+    for _ in range(40):
+        yield "messages random", _random_body(rng, base, MESSAGES_FIELDS)
+
+
+def _random_body(rng: random.Random, base: dict, fields=CHAT_FIELDS) -> dict:
     body = dict(base)
     for _ in range(rng.randint(1, 4)):
-        body[rng.choice(CHAT_FIELDS)] = rng.choice(HOSTILE_VALUES)
+        body[rng.choice(fields)] = rng.choice(HOSTILE_VALUES)
     return body
 
 
@@ -326,6 +393,29 @@ def test_malformed_v1_bodies_get_openai_errors(system):
         for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             verdicts.run(f"raw {path} {body[:30]!r}", port, "POST", path, body, auth, openai_shape=True)
     verdicts.assert_none_wrong(1200)
+    still_serving(system)
+
+
+def test_malformed_bodies_in_the_other_apis_get_their_own_errors(system):
+    rng = random.Random(SEED)
+    verdicts = Verdicts()
+    port, auth = system.gateway.port, {"Authorization": f"Bearer {system.key}", "Content-Type": "application/json"}
+    for case, body in responses_cases(rng):
+        verdicts.run(case, port, "POST", "/v1/responses", json.dumps(body).encode(), auth, openai_shape=True)
+    ask = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    for path, base in (("/v1/messages", {**ask, "max_tokens": 4}), ("/v1/messages/count_tokens", ask)):
+        for case, body in messages_cases(rng, base):
+            verdicts.run(f"{path} {case}", port, "POST", path, json.dumps(body).encode(), auth,
+                         anthropic_shape=True)
+    for body in RAW_BODIES:
+        verdicts.run(f"raw /v1/responses {body[:30]!r}", port, "POST", "/v1/responses", body, auth,
+                     openai_shape=True)
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            verdicts.run(f"raw {path} {body[:30]!r}", port, "POST", path, body, auth, anthropic_shape=True)
+    for header in ({"x-api-key": "nope"}, {"x-api-key": ""}, {"x-api-key": "k" * 20_000}, {}):
+        verdicts.run(f"messages {header!r:.40}", port, "POST", "/v1/messages", json.dumps({**ask, "max_tokens": 4})
+                     .encode(), {"Content-Type": "application/json", **header}, anthropic_shape=True)
+    verdicts.assert_none_wrong(1500)
     still_serving(system)
 
 

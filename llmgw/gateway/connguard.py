@@ -46,6 +46,8 @@ from gunicorn.workers.ggevent import GeventWorker
 from werkzeug.exceptions import RequestTimeout
 
 from llmgw.addresses import AddressList
+from llmgw.gateway import routes
+from llmgw.gateway.dialect import OPENAI
 from llmgw.gateway.errors import REASONS, ApiError
 
 log = logging.getLogger("llmgw.connguard")
@@ -306,12 +308,14 @@ class Connection:
 
 
 def early_response(status: int, head: bytes, message: str, code: str) -> bytes:
-    """A whole HTTP response for a request that never reached the app: OpenAI's error object (CODE) when
-    HEAD names a /v1 path, plain text otherwise."""
+    """A whole HTTP response for a request that never reached the app: the error object (CODE) of the API
+    HEAD's /v1 path speaks (OpenAI's unless it is another's), plain text otherwise."""
     parts = head.split(b" ", 2)
     if len(parts) > 1 and parts[1].startswith(b"/v1/"):
-        error = ApiError(status, message, code)
-        body, kind = error.body(), "application/json"
+        path = parts[1].split(b"?", 1)[0].decode("latin-1")
+        _, dialect = routes.ROUTES.get(path) or (None, OPENAI)
+        body, headers = dialect.error(ApiError(status, message, code))
+        kind = dict(headers)["Content-Type"]
     else:
         body, kind = message.encode() + b"\n", "text/plain; charset=utf-8"
     return (f"HTTP/1.1 {REASONS[status]}\r\nConnection: close\r\nContent-Type: {kind}\r\n"
