@@ -32,7 +32,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
+from bench.procstat import children, cpu_seconds, rss_kib, settled_rss_kib  # noqa: E402
 from llmgw import store  # noqa: E402
 from llmgw.people import keys  # noqa: E402
 from llmgw.procs import free_port, http_status, raise_fd_limit, wait_for  # noqa: E402
@@ -129,7 +129,7 @@ def measure_held_streams(tmp: str, count: int) -> dict:
             return float(re.search(r"^vllm:num_requests_running\{.*\} (\S+)$", text, re.M).group(1))
 
         wait_for(f"{count} streams to be open", 60, lambda: running() >= count, interval=0.2)
-        held = rss_kib(rig.worker)
+        held = settled_rss_kib(rig.worker)
         out, _ = load.communicate(timeout=120)
         result = json.loads(out)
         return {"streams": count, "completed": result["ok"], "failed": result["failed"],

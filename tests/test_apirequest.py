@@ -347,6 +347,8 @@ def test_an_embeddings_batch_of_300000_token_ids_is_read():
     b"[" * 100_000,
     b"[" * 100_000 + b"]" * 100_000,
     b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":' + b'{"a":' * 65 + b"1" + b"}" * 65 + b"}",
+    # Lists and objects in turn: a pass that took "{}" out after "[]" took two levels at once, so 67 passed.
+    b'{"model":"m","messages":[{"role":"user","content":"x"}],"x":' + b'[{"a":' * 33 + b"1" + b"}]" * 33 + b"}",
     # Brackets in strings must not hide real nesting, nor pass for it.
     b'{"model":"m","messages":[],"x":' + b'["]",' * 100 + b'"["' + b"]" * 100 + b"}",
 ])
@@ -358,11 +360,14 @@ def test_deep_nesting_is_a_400_not_a_500(raw):
 
 def test_nesting_64_deep_and_brackets_in_strings_are_fine():
     schema = {"type": "string"}
-    for _ in range(60):
+    for _ in range(59):  # the body, its tools list, the tool and its function hold the schema: 64 levels
         schema = {"items": schema}
     body = {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
             "stop": ["[[[[", "{" * 100, "]]"]}
     assert parse("chat", body).body["stop"][1] == "{" * 100
+    body["tools"][0]["function"]["parameters"] = {"items": schema}
+    with pytest.raises(ApiError, match="levels deep"):
+        parse("chat", body)
 
 
 RSS_PROBE = """

@@ -32,6 +32,28 @@ def breaker_open(gw, rid) -> bool:
     return f'llmgw_endpoint_breaker_open{{replica="{rid}"}} 1.0' in gw.metrics()
 
 
+def idle_replica(make_sim):
+    """A replica of a model no request asks for: its breaker never opens, so every round of a worker's
+    replica watcher scrapes it, and counting its scrapes tells rounds apart (see `watch_rounds`)."""
+    sim = make_sim(replica="idle", ttft_ms=1, tokens_per_s=0)
+    return sim, {"id": "idle", "url": sim.url, "models": ["idle"]}
+
+
+def watch_rounds(idle, workers: int) -> None:
+    """Wait until the replica watchers of WORKERS workers have scraped IDLE twice each since the call: the
+    second scrape of a worker starts a round after one that began and set the gauges since. Each read of
+    IDLE's /metrics here is a scrape too, and is taken off."""
+    reads = 0
+
+    def scrapes() -> float:
+        nonlocal reads
+        reads += 1
+        return idle.metrics()["llmgw_sim_scrapes_total"] - reads
+
+    since = scrapes()
+    wait_until("two rounds of the replica watchers", 60, lambda: scrapes() >= since + 2 * workers, interval=0.1)
+
+
 def rows(url):
     engine = store.open_engine(url)
     try:
@@ -43,10 +65,11 @@ def rows(url):
 
 def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_client(tmp_path, make_gateway, make_sim):
     sims = [make_sim(replica=f"replica-{n}", ttft_ms=1, tokens_per_s=0) for n in "ab"]
+    idle, idle_ep = idle_replica(make_sim)
     url = f"sqlite:///{tmp_path}/blame.db"
     bad_key, good_key = make_key(url, "bad"), make_key(url, "good")
     # The default breaker (five failures in a row open it for ten seconds) and three attempts a request.
-    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims], workers=2)
+    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims] + [idle_ep], workers=2)
     good_statuses = []
     flooding = threading.Event()
     flooding.set()
@@ -75,7 +98,7 @@ def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_clie
         message = error["message"]
         assert "request id" in message and "json.exception" not in message and "type must be" not in message
         assert "127.0.0.1" not in message and "replica-" not in message
-    time.sleep(1.5)  # a round of the workers' watchers, which set the breaker gauges
+    watch_rounds(idle, workers=2)  # the watchers set the breaker gauges
     assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
     assert post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] == 200
 
@@ -85,9 +108,10 @@ def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another
     # A long answer, not streamed, starts only when it ends: 400 tokens at 50 a second outlast
     # timeouts.first_byte = 1. Six of them opened the replica's breaker, each retried on every replica.
     sims = [make_sim(replica=f"replica-{n}", ttft_ms=1, tokens_per_s=50) for n in "ab"]
+    idle, idle_ep = idle_replica(make_sim)
     url = f"sqlite:///{tmp_path}/slow.db"
     slow_key, good_key = make_key(url, "slow"), make_key(url, "good")
-    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims], workers=1,
+    gw = make_gateway(store_url=url, endpoints=[ep(s.replica, s.url) for s in sims] + [idle_ep], workers=1,
                       timeouts__first_byte=1.0)
     slow = {**CHAT, "max_tokens": 400, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Write"}]}
@@ -99,7 +123,7 @@ def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another
     assert sum(s.metrics()["llmgw_sim_requests_total"] for s in sims) == 12
     assert http_status(gw.url + "/ready") == 200
     assert [post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] for _ in range(10)] == [200] * 10
-    time.sleep(1.5)  # a round of the worker's watcher, which sets the breaker gauges
+    watch_rounds(idle, workers=1)  # the watcher sets the breaker gauges
     assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
     assert "llmgw_upstream_retries_total{" not in gw.metrics()
 
@@ -139,20 +163,25 @@ def test_an_unavailable_replica_is_tried_elsewhere_and_struck(tmp_path, make_gat
     wait_until("the breaker gauge", 30, lambda: breaker_open(gw, "loading"))
 
 
-def priced_gateway(tmp_path, make_gateway, sim, **settings):
-    url = f"sqlite:///{tmp_path}/billed.db"
+def keyed_gateway(tmp_path, make_gateway, sim, name="billed", priced=True, **limit):
+    """A one-worker gateway in front of SIM, with a key named NAME held to LIMIT (rpm=, tpm=), and the model
+    priced 1 and 2 micro-dollars a prompt and a completion token when PRICED: (gateway, secret, store URL)."""
+    url = f"sqlite:///{tmp_path}/{name}.db"
     engine = store.open_store(url)
     try:
-        limits.set_price(engine, "sim", "1", "2", "test")
-        _, secret = keys.create_key(engine, "billed")
+        if priced:
+            limits.set_price(engine, "sim", "1", "2", "test")
+        record, secret = keys.create_key(engine, name)
+        if limit:
+            limits.set_limits(engine, "key", record.id, "test", **limit)
     finally:
         engine.dispose()
-    return make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1, **settings), secret, url
+    return make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1), secret, url
 
 
 def test_every_prompt_of_a_list_is_billed(tmp_path, make_gateway, make_sim):
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
-    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    gw, key, url = keyed_gateway(tmp_path, make_gateway, sim)
     status, _, raw = post(gw.url + "/v1/completions", {"model": "sim", "prompt": ["tell me a story"] * 300,
                                                         "max_tokens": 16}, key)
     answer = json.loads(raw)
@@ -166,7 +195,7 @@ def test_every_prompt_of_a_list_is_billed(tmp_path, make_gateway, make_sim):
 
 def test_a_stream_the_client_cut_bills_what_was_delivered(tmp_path, make_gateway, make_sim):
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=100)
-    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    gw, key, url = keyed_gateway(tmp_path, make_gateway, sim)
     payload = json.dumps({**CHAT, "max_tokens": 2000, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
@@ -184,14 +213,7 @@ def test_a_stream_the_client_cut_bills_what_was_delivered(tmp_path, make_gateway
 
 def test_requests_for_unknown_models_count_against_the_rate(tmp_path, make_gateway, make_sim):
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
-    url = f"sqlite:///{tmp_path}/rated.db"
-    engine = store.open_store(url)
-    try:
-        record, secret = keys.create_key(engine, "rated")
-        limits.set_limits(engine, "key", record.id, "test", rpm=3)
-    finally:
-        engine.dispose()
-    gw = make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1)
+    gw, secret, _ = keyed_gateway(tmp_path, make_gateway, sim, "rated", priced=False, rpm=3)
     unknown = {**CHAT, "model": "no-such-model"}
     assert [post(gw.url + "/v1/chat/completions", unknown, secret)[0] for _ in range(3)] == [404] * 3
     status, headers, raw = post(gw.url + "/v1/chat/completions", unknown, secret)
@@ -288,7 +310,7 @@ def test_every_choice_is_billed(tmp_path, make_gateway, make_sim):
     # llama.cpp's whole answer to n=4 reports the first choice's 30 tokens (billed 30, not 120); its
     # stream reports each choice apart (n=3 of 15 tokens was billed 15 of 45: only the last report was kept).
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
-    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    gw, key, url = keyed_gateway(tmp_path, make_gateway, sim)
     write = {"model": "sim", "messages": [{"role": "user", "content": "Write"}], "n": 4, "max_tokens": 30}
     status, _, raw = post(gw.url + "/v1/chat/completions", write, key)
     assert status == 200 and len(json.loads(raw)["choices"]) == 4
@@ -303,7 +325,7 @@ def test_prompts_dense_in_tokens_are_billed_exactly(tmp_path, make_gateway, make
     # Digits run at a token each with its space: six bytes a token assumed, twenty copies of a 599-token
     # prompt were billed 2,000. The sim makes a token of each word: 300 here.
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
-    gw, key, url = priced_gateway(tmp_path, make_gateway, sim)
+    gw, key, url = keyed_gateway(tmp_path, make_gateway, sim)
     digits = " ".join(str(j % 10) for j in range(300))
     status, _, raw = post(gw.url + "/v1/completions", {"model": "sim", "prompt": [digits] * 20, "max_tokens": 1}, key)
     assert status == 200 and json.loads(raw)["usage"]["prompt_tokens"] == 300  # the first prompt's alone
@@ -316,14 +338,7 @@ def test_prompts_dense_in_tokens_are_billed_exactly(tmp_path, make_gateway, make
 
 def test_the_reservation_counts_every_choice(tmp_path, make_gateway, make_sim):
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=0)
-    url = f"sqlite:///{tmp_path}/reserved.db"
-    engine = store.open_store(url)
-    try:
-        record, secret = keys.create_key(engine, "reserved")
-        limits.set_limits(engine, "key", record.id, "test", tpm=1000)
-    finally:
-        engine.dispose()
-    gw = make_gateway(store_url=url, endpoints=[ep("s", sim.url)], workers=1)
+    gw, secret, _ = keyed_gateway(tmp_path, make_gateway, sim, "reserved", priced=False, tpm=1000)
     assert post(gw.url + "/v1/chat/completions", {**CHAT, "max_tokens": 100}, secret)[0] == 200
     # Twenty answers of up to 100 tokens may spend 2,000 tokens: more than what is left of a minute's 1,000
     # (an empty window takes any one request, so one came first).

@@ -131,24 +131,26 @@ def loose_controller_keys(tmp_path):
     return script, config, f"chmod 700 {keys}; chmod 600 {keys / 'controller.key'}"
 
 
+def gateway_config(tmp_path, folder, **more) -> str:
+    """A one-worker gateway's configuration on free ports, its store in FOLDER."""
+    return write_config(tmp_path / "gateway.toml", {
+        "store.url": f"sqlite:///{folder}/gateway.db", "gateway.listen": f"127.0.0.1:{free_port()}",
+        "gateway.metrics_listen": f"127.0.0.1:{free_port()}", "gateway.workers": 1, **more})
+
+
 def loose_gateway(tmp_path):
     folder = tmp_path / "shared"
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
-    config = write_config(tmp_path / "gateway.toml", {
-        "store.url": f"sqlite:///{folder}/gateway.db", "gateway.listen": f"127.0.0.1:{free_port()}",
-        "gateway.metrics_listen": f"127.0.0.1:{free_port()}", "gateway.workers": 1})
-    return "gateway.py", config, f"chmod 700 {folder}"
+    return "gateway.py", gateway_config(tmp_path, folder), f"chmod 700 {folder}"
 
 
 def loose_gateway_key(tmp_path):
     key = tmp_path / "gateway.key"
     key.write_text(curvekeys.gateway_key_file("gw", b"p" * 40, b"s" * 40, b"c" * 40))
     key.chmod(0o644)
-    config = write_config(tmp_path / "gateway.toml", {
-        "store.url": f"sqlite:///{tmp_path}/gateway.db", "gateway.listen": f"127.0.0.1:{free_port()}",
-        "gateway.metrics_listen": f"127.0.0.1:{free_port()}", "gateway.workers": 1,
-        "gateway.controller": f"127.0.0.1:{free_port()}", "gateway.key_file": str(key)})
+    config = gateway_config(tmp_path, tmp_path, **{"gateway.controller": f"127.0.0.1:{free_port()}",
+                                                   "gateway.key_file": str(key)})
     return "gateway.py", config, f"chmod 600 {key}"
 
 

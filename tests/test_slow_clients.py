@@ -242,6 +242,19 @@ def test_idle_connections_make_room_for_their_address_and_busy_ones_do_not(keyed
     assert health_ms(gw) < PROBE_TIMEOUT * 1000  # another address is served
 
 
+def test_a_pipelined_request_makes_its_connection_busy(keyed_gateway):
+    """A request that came in with the one before it is read without a wait on the socket: its connection
+    was left counted idle, and closed under it to make room for a newcomer."""
+    gw, _ = keyed_gateway(gateway__worker_connections=4, gateway__max_connections_per_address=100)  # 2 an address
+    pipelined = connect(gw, "127.0.0.9")
+    pipelined.sendall(HEALTH + LOGIN_SLOW_BODY)  # the login's body is 6 bytes of 1,000: it stays busy
+    assert read_response(pipelined)[0] == 200
+    connect(gw, "127.0.0.9").sendall(b"GET /health HTTP/1.1\r\n")  # busy too, in its head
+    status, _, body = read_response(connect(gw, "127.0.0.9"))
+    assert status == 429 and b"gateway.max_connections_per_address" in body
+    assert not closed(pipelined, 1)
+
+
 def test_a_trusted_proxy_is_not_bounded(keyed_gateway):
     gw, _ = keyed_gateway(gateway__worker_connections=20, gateway__trusted_proxies=["127.0.0.4"])
     held = [connect(gw, "127.0.0.4") for _ in range(15)]

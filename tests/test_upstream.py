@@ -12,12 +12,13 @@ from llmgw.gateway.upstream import Pool, Target, UpstreamError
 class Scripted:
     """A server that answers each connection's requests with the next scripted replies."""
 
-    def __init__(self, replies):
+    def __init__(self, replies, host="127.0.0.1", name=None):
         self.replies = list(replies)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.bind((host, 0))
         self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        name = name or (f"[{host}]" if ":" in host else host)
+        self.url = f"http://{name}:{self.sock.getsockname()[1]}"
         self.connections = 0
         self.requests = []
         threading.Thread(target=self.serve, daemon=True).start()
@@ -190,6 +191,21 @@ def test_not_http(pool):
     with pytest.raises(UpstreamError) as e:
         pool.request(Target(server.url), "POST", "/", b"")
     assert e.value.phase == "protocol"
+    server.close()
+
+
+@pytest.mark.parametrize("host,name", [("127.0.0.1", None), ("::1", None), ("127.0.0.1", "localhost")])
+def test_an_engine_at_an_address_or_a_name(pool, host, name):
+    """Addresses are connected to without a lookup (see Pool._open), names through one."""
+    if ":" in host and not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    try:
+        server = Scripted([ok()], host, name)
+    except OSError as e:
+        pytest.skip(f"cannot listen on {host}: {e}")
+    resp = pool.request(Target(server.url), "POST", "/", b"{}")
+    assert (resp.status, resp.read()) == (200, b"hello")
+    resp.release()
     server.close()
 
 

@@ -79,6 +79,7 @@ class SimEngine:
         self.peak = 0  # most requests running at once, for tests that must prove concurrency
         self.waiting = 0
         self.requests = 0
+        self.scrapes = 0  # reads of /metrics, this one included: tests wait on a gateway's rounds with it
         self.cancelled = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -100,6 +101,7 @@ class SimEngine:
         if not self._authorised(environ):
             return self._json(start_response, "401 Unauthorized", _error("Invalid API Key", 401))
         if path == "/metrics":
+            self.scrapes += 1
             return self._send(start_response, "200 OK", self.metrics_text().encode(), "text/plain; version=0.0.4")
         if path == "/tokenize":
             return self._tokenize(start_response, environ)
@@ -368,6 +370,7 @@ class SimEngine:
             f"vllm:prefix_cache_queries_total{label} {self.cache_queries}",
             "# TYPE vllm:prefix_cache_hits_total counter", f"vllm:prefix_cache_hits_total{label} {self.cache_hits}",
             "# TYPE llmgw_sim_requests_total counter", f"llmgw_sim_requests_total {self.requests}",
+            "# TYPE llmgw_sim_scrapes_total counter", f"llmgw_sim_scrapes_total {self.scrapes}",
             "# TYPE llmgw_sim_cancelled_total counter", f"llmgw_sim_cancelled_total {self.cancelled}",
             "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
         ]

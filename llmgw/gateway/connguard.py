@@ -277,7 +277,9 @@ class Connection:
         return b""
 
     def begin(self, req) -> None:
-        """REQ's head is in: its body's clock starts."""
+        """REQ's head is in: its body's clock starts. A request that came in with the one before it (pipelined)
+        was read without a wait on the socket, so the connection is taken off the idle ones here, not in `recv`."""
+        self.registry.busy(self)
         self.phase = BODY
         self.req = req
         self.since = time.monotonic()

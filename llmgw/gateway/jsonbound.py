@@ -139,11 +139,13 @@ def _shallow(skeleton: bytes) -> bool:
     """Whether the brackets of SKELETON (a body without its strings) pair up within MAX_DEPTH levels.
 
     Each pass removes the innermost pairs, so a body MAX_DEPTH deep is empty
-    after MAX_DEPTH passes; a pass that removes nothing ends the search.
+    after MAX_DEPTH passes; a pass that removes nothing ends the search. A
+    removed pair leaves a mark until the pass ends: without it, `{[]}` lost
+    both levels in one pass, and lists and objects in turn passed twice as deep.
     """
     brackets = skeleton.translate(None, NOT_BRACKETS)
     for _ in range(MAX_DEPTH):
-        inner = brackets.replace(b"[]", b"").replace(b"{}", b"")
+        inner = brackets.replace(b"[]", b".").replace(b"{}", b".").replace(b".", b"")
         if len(inner) == len(brackets):
             break
         brackets = inner
