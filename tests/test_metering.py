@@ -46,6 +46,16 @@ def test_several_choices_are_billed_each():
     assert metering.trusted(req, {"prompt_tokens": 3 * 31, "completion_tokens": 90}, reports=3) is None
 
 
+def test_a_choice_that_calls_a_tool_counts_its_arguments():
+    call = {"index": 1, "message": {"content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "write", "arguments": "{\"text\": \"" + "x" * 400 + "\"}"}}]},
+        "finish_reason": "tool_calls"}
+    choices = [{"index": 0, "message": {"content": "x" * 12}, "finish_reason": "stop"}, call]
+    assert metering.answer_floor(choices, None) == 3 + len("write{\"text\": \"" + "x" * 400 + "\"}") // 6 + 1
+    req = parse("chat", {"model": "m", "n": 2, "messages": [{"role": "user", "content": "Write"}]})
+    assert metering.to_tokenize(req, choices)[1][1].startswith("write{")
+
+
 def test_choices_that_stopped_at_their_limit_count_what_the_first_did():
     # Tokens that render as nothing (an end-of-text token forced under ignore_eos) leave no text to count.
     empty = [{"index": i, "message": {"content": ""}, "finish_reason": "length"} for i in range(4)]
