@@ -171,7 +171,7 @@ def ensure_api_key(steps: Steps, engine, path: str, name: str = "starter") -> st
         return None
     _, secret = keys.create_key(engine, name)
     curvekeys.write_private(path, secret + "\n")
-    steps.do(f"key {secret[:keys.DISPLAY_CHARS]}...", lambda: f"made, kept in {path} (mode 0600)")
+    steps.do(f"key {secret[:keys.DISPLAY_CHARS]}...", lambda: f"made, kept in {path}, mode 0600")
     return secret
 
 
@@ -297,16 +297,18 @@ class Roles:
             say(f"done  node {node} registered")
         self.spawn("gateway")
 
+    def alive(self, *names: str):
+        """A check that the children NAMES (those started here; none under systemd) still run."""
+        procs = [proc for name, proc in self.children if name in names]
+        return lambda: all(proc.poll() is None for proc in procs)
+
     def serve_starter(self, node: str, base: str, secret: str) -> None:
         """Wait until the starter model is placed and answers a real question through the gateway at BASE."""
-        controller = dict(self.children)["controller"]
-        agent = dict(self.children)["agent"]
-        gateway = dict(self.children)["gateway"]
         say(f"...   placing {starter.NAME} and starting llama.cpp (llmgw ctl replicas shows it)")
         wait_for(f"{starter.NAME} to be served (see {self.cfg['agent.work_dir']}/shards/*.log)", SERVE_LIMIT,
-                 self.starter_ready, alive=lambda: controller.poll() is None and agent.poll() is None, interval=0.25)
+                 self.starter_ready, alive=self.alive("controller", "agent"), interval=0.25)
         say(f"done  {starter.NAME} ready on node {node}")
-        answer = self.ask(base, secret, alive=lambda: gateway.poll() is None)
+        answer = self.ask(base, secret, alive=self.alive("gateway"))
         say(f"done  gateway ready on {base}")
         say(f"done  asked {starter.NAME} the capital of France; it said: {answer}")
 
