@@ -277,7 +277,8 @@ def inventory(weights_dir: str, local_sources: list[str] = (), in_use: dict[str,
             entry["partial"] = True
     for name, entry in entries.items():
         path = os.path.join(weights_dir, name)
-        source = fetched_source(weights_dir, name)
+        # A link is never llmgw's download, whatever mark lies beside it (reclaim refuses it too).
+        source = None if os.path.islink(path) else fetched_source(weights_dir, name)
         entry["fetched"] = source is not None
         if source is not None:
             entry["source"] = source
