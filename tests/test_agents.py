@@ -121,8 +121,11 @@ def test_what_the_codex_script_writes_runs_codex(codex_cli, env, tmp_path):
 def test_what_the_claude_script_writes_runs_claude_code(claude_cli, env, tmp_path):
     home = tmp_path / "home"
     setup(env, "claude", home, "echo")
-    run = run_cli([claude_cli, "-p", "Say hello."], tmp_path, {"HOME": str(home), "LLMGW_API_KEY": env.key})
-    assert run.stdout.strip() == REPLY
+    # The family names a person picks (`--model opus`, `/model opus`) reach the same model.
+    for flags in ([], ["--model", "opus"]):
+        run = run_cli([claude_cli, "-p", "Say hello.", *flags], tmp_path,
+                      {"HOME": str(home), "LLMGW_API_KEY": env.key})
+        assert run.stdout.strip() == REPLY
 
 
 # --- the SDKs with the starter model (tool round trips: test_tools, test_responses, test_messages) ----------

@@ -153,6 +153,7 @@ def test_claude_code_gets_its_own_keys_merged_into_the_settings(site, tmp_path, 
     written = json.loads(settings_file.read_text())
     assert written["permissions"] == theirs["permissions"]
     assert written["env"] == {"DISABLE_TELEMETRY": "1", "ANTHROPIC_BASE_URL": URL, "ANTHROPIC_MODEL": "big",
+                              "ANTHROPIC_DEFAULT_OPUS_MODEL": "big", "ANTHROPIC_DEFAULT_SONNET_MODEL": "big",
                               "ANTHROPIC_DEFAULT_HAIKU_MODEL": "small", "ANTHROPIC_SMALL_FAST_MODEL": "small"}
     assert KEY not in settings_file.read_text()
     # Claude Code runs the helper in /bin/sh with its own environment: it prints the key, or fails without it.
