@@ -243,6 +243,16 @@ def run_cli(argv: list, cwd, env: dict) -> subprocess.CompletedProcess:
     return run
 
 
+def run_setup_script(text: str, home, key: str | None, path: str | None = None, **env) -> subprocess.CompletedProcess:
+    """A `/setup/<tool>` script run as `curl ... | sh` runs it: by sh, under HOME (its working directory too),
+    with LLMGW_API_KEY set to KEY (unset for None), PATH (or ours) and ENV."""
+    environment = {"HOME": str(home), "PATH": path or os.environ["PATH"], **env}
+    if key is not None:
+        environment["LLMGW_API_KEY"] = key
+    return subprocess.run(["sh", "-s"], input=text, capture_output=True, text=True, env=environment,
+                          cwd=home, timeout=60)
+
+
 # Codex asks nothing (approval never) and runs commands without its sandbox (CI hosts may lack what
 # bubblewrap needs); the tests' working directories are not git repositories.
 CODEX_EXEC = ["exec", "--skip-git-repo-check", "--ephemeral", "-s", "danger-full-access",

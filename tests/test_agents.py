@@ -9,7 +9,6 @@ SmolLM2's 8,192-token context (llama.cpp answers 400 "exceeds the available cont
 """
 
 import json
-import os
 import subprocess
 import urllib.request
 
@@ -18,7 +17,7 @@ import openai
 import pytest
 
 from llmgw.cli import starter
-from tests.conftest import Gateway, Sim, codex, llamacpp_engine, make_key, run_cli
+from tests.conftest import Gateway, Sim, codex, llamacpp_engine, make_key, run_cli, run_setup_script
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 BRIEF = "You are a helpful assistant. Answer in one sentence."
@@ -33,12 +32,11 @@ def env(tmp_path_factory):
     key = make_key(url)
     # One slot: llama.cpp caps a slot at the model's 8,192 training tokens, and these tests take turns.
     with llamacpp_engine(tmp, ctx_size=8192, parallel=1) as engine_url:
-        sims = [Sim(model="bash", replica="b", ttft_ms=1, tokens_per_s=500,
-                    tool_call=("Bash", json.dumps({"command": BASH_COMMAND}))),
-                Sim(model="echo", replica="e", ttft_ms=1, tokens_per_s=500, reply=REPLY)]
+        sims = {"bash": Sim(model="bash", replica="b", ttft_ms=1, tokens_per_s=500,
+                            tool_call=("Bash", json.dumps({"command": BASH_COMMAND}))),
+                "echo": Sim(model="echo", replica="e", ttft_ms=1, tokens_per_s=500, reply=REPLY)}
         endpoints = [{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
-                     *({"id": s.replica, "url": s.url, "models": [s.proc.args[s.proc.args.index("--model") + 1]]}
-                       for s in sims)]
+                     *({"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items())]
         # Claude Code asks for claude-* names: its main model and a small one, which the operator aliases.
         models = [{"name": starter.NAME, "aliases": ["starter", "claude-sonnet-4-6", "claude-haiku-4-5"],
                    "max_output": 256},
@@ -46,7 +44,7 @@ def env(tmp_path_factory):
         try:
             gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2)
         except Exception:
-            for s in sims:
+            for s in sims.values():
                 s.stop()
             raise
 
@@ -57,7 +55,7 @@ def env(tmp_path_factory):
         e.gw, e.url, e.key = gw, gw.url, key
         yield e
         gw.stop()
-        for s in sims:
+        for s in sims.values():
             s.stop()
 
 
@@ -102,10 +100,9 @@ def test_codex_answers_a_question_with_the_starter_model(codex_cli, env, tmp_pat
 def setup(env, tool: str, home, model: str) -> None:
     """`curl -fsSL GATEWAY/setup/TOOL?model=MODEL | sh` under HOME, as the account page says."""
     with urllib.request.urlopen(f"{env.url}/setup/{tool}?model={model}", timeout=30) as answer:
-        script = answer.read()
+        script = answer.read().decode()
     home.mkdir()
-    done = subprocess.run(["sh", "-s"], input=script, capture_output=True, timeout=60, cwd=home,
-                          env={"PATH": os.environ["PATH"], "HOME": str(home), "LLMGW_API_KEY": env.key})
+    done = run_setup_script(script, home, env.key)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

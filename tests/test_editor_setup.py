@@ -12,7 +12,7 @@ import sys
 import tomllib
 
 import pytest
-from conftest import make_key
+from conftest import make_key, run_setup_script
 from test_pages import sign_in
 
 from llmgw import settings, store
@@ -47,11 +47,7 @@ def script(client, tool, model="big") -> str:
 
 
 def run(text, home, key=KEY, path=None, **env):
-    environment = {"HOME": str(home), "PATH": path or os.environ["PATH"], **env}
-    if key is not None:
-        environment["LLMGW_API_KEY"] = key
-    return subprocess.run(["sh", "-s"], input=text, capture_output=True, text=True, env=environment,
-                          cwd=home, timeout=60)
+    return run_setup_script(text, home, key, path, **env)
 
 
 def section(page: str) -> str:
