@@ -5,7 +5,7 @@ llama.cpp, a sim scripted to call Claude Code's shell tool, and a sim that says 
 
 The CLIs' own prompts are replaced for the starter model: Claude Code's is some 9,000 tokens, more than
 SmolLM2's 8,192-token context (llama.cpp answers 400 "exceeds the available context size"), and Codex's
-~4,600 tokens take 30-40 s to read on two busy cores. What is left still carries every tool each CLI offers.
+~4,600 tokens take 30-40 s to read on two busy cores. Codex still offers all its tools, Claude Code its Bash.
 """
 
 import json
