@@ -1,4 +1,4 @@
-"""Real processes for the tests: simulated engines, a gateway under gunicorn, the stores.
+"""Real processes for the tests: simulated engines, a gateway under gunicorn, the stores, the coding-agent CLIs.
 
 Every helper here starts the real program, polls until it answers, checks it
 is alive, and stops it at the end (SIGTERM, then SIGKILL if it lingers).
@@ -208,6 +208,67 @@ class Gateway:
 
     def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
         return stop_process(self.proc, sig, timeout)
+
+
+# --- the coding-agent CLIs (pinned in tests/clients; `make clients`, which `make test` runs, installs them) --
+
+
+def client_cli(name: str) -> str:
+    """The path of a pinned CLI. A missing one fails the test rather than skipping it, so CI cannot pass
+    without having run them."""
+    path = os.path.join(ROOT, "tests", "clients", "node_modules", ".bin", name)
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing: run `make clients` (make test does) to install the pinned CLIs")
+    return path
+
+
+@pytest.fixture(scope="session")
+def codex_cli() -> str:
+    return client_cli("codex")
+
+
+@pytest.fixture(scope="session")
+def claude_cli() -> str:
+    return client_cli("claude")
+
+
+def run_cli(argv: list, cwd, env: dict) -> subprocess.CompletedProcess:
+    """One CLI run with only ENV (and PATH) in its environment, stdin closed (Codex otherwise waits to read
+    it), and a deadline; it must exit 0. The time it took is printed for `pytest -s`."""
+    started = time.monotonic()
+    run = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+                         env={"PATH": os.environ["PATH"], **env})
+    print(f"{os.path.basename(argv[0])} {argv[1]}: {time.monotonic() - started:.1f} s")
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def run_setup_script(text: str, home, key: str | None, path: str | None = None, **env) -> subprocess.CompletedProcess:
+    """A `/setup/<tool>` script run as `curl ... | sh` runs it: by sh, under HOME (its working directory too),
+    with LLMGW_API_KEY set to KEY (unset for None), PATH (or ours) and ENV."""
+    environment = {"HOME": str(home), "PATH": path or os.environ["PATH"], **env}
+    if key is not None:
+        environment["LLMGW_API_KEY"] = key
+    return subprocess.run(["sh", "-s"], input=text, capture_output=True, text=True, env=environment,
+                          cwd=home, timeout=60)
+
+
+# Codex asks nothing (approval never) and runs commands without its sandbox (CI hosts may lack what
+# bubblewrap needs); the tests' working directories are not git repositories.
+CODEX_EXEC = ["exec", "--skip-git-repo-check", "--ephemeral", "-s", "danger-full-access",
+              "-c", "approval_policy=never", "-c", "analytics.enabled=false"]
+
+
+def codex(cli: str, url: str, key: str, cwd, model: str, prompt: str, *config) -> subprocess.CompletedProcess:
+    """`codex exec` once against the gateway at URL through a provider given on the command line (the Responses
+    wire API, retries off), in a home of its own under CWD; each of CONFIG is one more `-c KEY=VALUE`."""
+    home = cwd / "codex-home"
+    home.mkdir(exist_ok=True)
+    provider = (f'model_providers.llmgw={{name="llmgw", base_url="{url}/v1", wire_api="responses", '
+                'env_key="LLMGW_API_KEY", request_max_retries=0, stream_max_retries=0}')
+    more = [arg for setting in config for arg in ("-c", setting)]
+    return run_cli([cli, *CODEX_EXEC, "-m", model, "-c", "model_provider=llmgw", "-c", provider, *more, prompt], cwd,
+                   {"HOME": str(home), "CODEX_HOME": str(home), "LLMGW_API_KEY": key})
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 import tomllib
 
 import pytest
-from conftest import make_key
+from conftest import make_key, run_setup_script
 from test_pages import sign_in
 
 from llmgw import settings, store
@@ -47,11 +47,7 @@ def script(client, tool, model="big") -> str:
 
 
 def run(text, home, key=KEY, path=None, **env):
-    environment = {"HOME": str(home), "PATH": path or os.environ["PATH"], **env}
-    if key is not None:
-        environment["LLMGW_API_KEY"] = key
-    return subprocess.run(["sh", "-s"], input=text, capture_output=True, text=True, env=environment,
-                          cwd=home, timeout=60)
+    return run_setup_script(text, home, key, path, **env)
 
 
 def section(page: str) -> str:
@@ -153,6 +149,7 @@ def test_claude_code_gets_its_own_keys_merged_into_the_settings(site, tmp_path, 
     written = json.loads(settings_file.read_text())
     assert written["permissions"] == theirs["permissions"]
     assert written["env"] == {"DISABLE_TELEMETRY": "1", "ANTHROPIC_BASE_URL": URL, "ANTHROPIC_MODEL": "big",
+                              "ANTHROPIC_DEFAULT_OPUS_MODEL": "big", "ANTHROPIC_DEFAULT_SONNET_MODEL": "big",
                               "ANTHROPIC_DEFAULT_HAIKU_MODEL": "small", "ANTHROPIC_SMALL_FAST_MODEL": "small"}
     assert KEY not in settings_file.read_text()
     # Claude Code runs the helper in /bin/sh with its own environment: it prints the key, or fails without it.

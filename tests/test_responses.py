@@ -3,7 +3,6 @@ with the official openai SDK; and the translation both ways, as pure functions, 
 
 import json
 import os
-import subprocess
 import time
 
 import openai
@@ -14,7 +13,7 @@ from llmgw.gateway import responsesout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.responses import RESPONSES, to_chat
 from llmgw.people import keys, limits
-from tests.conftest import Gateway, Sim, post, wait_until
+from tests.conftest import Gateway, Sim, codex, post, wait_until
 
 SHELL_ARGUMENTS = '{"command": ["echo", "hi"]}'
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
@@ -24,7 +23,6 @@ APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit fil
                "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}}
 CODEX_REQUESTS = os.path.join(os.path.dirname(__file__), "fixtures", "clients", "codex-requests.json")
 CODEX_COMMAND = "echo hello-from-tool > out.txt; cat out.txt"
-CODEX = os.path.join(os.path.dirname(__file__), "clients", "node_modules", ".bin", "codex")
 
 
 @pytest.fixture(scope="module")
@@ -311,33 +309,15 @@ def test_every_captured_codex_request_is_answered(env):
     assert replayed >= 4
 
 
-def codex(env, tmp_path, model: str, prompt: str) -> subprocess.CompletedProcess:
-    """Codex CLI (pinned in tests/clients) run once against the gateway, in its own home, retries off."""
-    home = tmp_path / "home"
-    home.mkdir(exist_ok=True)
-    provider = (f'model_providers.llmgw={{name="llmgw", base_url="{env.url}/v1", wire_api="responses", '
-                'env_key="LLMGW_API_KEY", request_max_retries=0, stream_max_retries=0}')
-    run = subprocess.run([CODEX, "exec", "--skip-git-repo-check", "--ephemeral", "-s", "danger-full-access",
-                          "-m", model, "-c", "model_provider=llmgw", "-c", provider, "-c", "approval_policy=never",
-                          "-c", "analytics.enabled=false", prompt],
-                         cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
-                         env={"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home),
-                              "LLMGW_API_KEY": env.key})
-    assert run.returncode == 0, run.stdout + run.stderr
-    return run
-
-
-@pytest.mark.skipif(not os.path.exists(CODEX), reason="Codex CLI not installed (make clients)")
-def test_codex_cli_runs_a_shell_tool_loop(env, tmp_path):
-    run = codex(env, tmp_path, "test-model", "Create out.txt")
+def test_codex_cli_runs_a_shell_tool_loop(codex_cli, env, tmp_path):
+    run = codex(codex_cli, env.url, env.key, tmp_path, "test-model", "Create out.txt")
     assert (tmp_path / "out.txt").read_text() == "hello-from-tool\n"
     assert "The tool said: " in run.stdout and "hello-from-tool" in run.stdout
 
 
-@pytest.mark.skipif(not os.path.exists(CODEX), reason="Codex CLI not installed (make clients)")
-def test_codex_cli_applies_a_free_form_patch(env, tmp_path):
+def test_codex_cli_applies_a_free_form_patch(codex_cli, env, tmp_path):
     # The model's apply_patch input reaches Codex raw (a custom_tool_call), and Codex applies it.
-    run = codex(env, tmp_path, "gpt-5.5", "Add a.txt")
+    run = codex(codex_cli, env.url, env.key, tmp_path, "gpt-5.5", "Add a.txt")
     assert (tmp_path / "a.txt").read_text() == "hello\n"
     assert "The tool said: " in run.stdout
 

@@ -18,7 +18,7 @@ model's limit is cut to it rather than refused: Claude Code sends its own
 ceiling (32,000) whatever the model, and the answer's `stop_reason:
 max_tokens` says when the cut was reached.
 
-Choices made where the two APIs differ (docs/clients/sdks-anthropic.md has
+Choices made where the two APIs differ (docs/clients/sdks.md has
 the client's view):
 - Anthropic's server tools (a `type` other than `custom`: web_search, bash,
   text_editor, ...) have no schema to give a local model; they are left out

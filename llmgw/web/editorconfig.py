@@ -58,10 +58,14 @@ def claude(url: str, model: str, small: str) -> dict:
     The base URL has no /v1 (Claude Code adds /v1/messages). The key comes from `apiKeyHelper`, a command
     Claude Code runs in /bin/sh and sends the output of as `X-Api-Key` and `Authorization: Bearer`:
     `printenv` reads the variable at that moment and fails when it is unset, where writing the key into
-    `env` would put it in the file. ANTHROPIC_SMALL_FAST_MODEL is the older name of the Haiku-class model
+    `env` would put it in the file. The opus and sonnet names map to the main model too: `--model opus`,
+    `/model sonnet` and the default without ANTHROPIC_MODEL otherwise ask for Anthropic's names of the day
+    (Claude Code 2.1.332 asks for claude-opus-5-5), which no catalog holds, and Claude Code answers "There's
+    an issue with the selected model". ANTHROPIC_SMALL_FAST_MODEL is the older name of the Haiku-class model
     setting; both are set so older versions use the small model too."""
     return {"apiKeyHelper": f"printenv {KEY_VARIABLE}",
             "env": {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": model,
+                    "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
                     "ANTHROPIC_DEFAULT_HAIKU_MODEL": small, "ANTHROPIC_SMALL_FAST_MODEL": small}}
 
 
