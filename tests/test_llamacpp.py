@@ -106,3 +106,14 @@ def test_chats_with_tools_are_answered_whole_and_streamed(real):
     reply = client.chat.completions.create(model=starter.NAME, messages=back, tools=WEATHER, max_tokens=20,
                                            temperature=0)
     assert reply.choices[0].message.content
+
+
+def test_a_prompt_longer_than_the_context_is_refused_saying_so(real):
+    # Claude Code's 9,000-token prompt to this model got a 400 that did not say why, and was sent six times.
+    client, _ = real
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=starter.NAME, messages=[{"role": "user", "content": "hello " * 3000}],
+                                       max_tokens=8)
+    error = refused.value.body
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert "does not fit smollm2-135m-instruct's context" in error["message"]

@@ -82,6 +82,11 @@ MODEL_PATH = routes.MODELS + "/"  # `GET /v1/models/ID`
 UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now
 # Timeouts the request's own length can cause: checked against the replica's health, never struck or retried.
 REQUEST_TIMEOUTS = ("first_byte", "total")
+# What engines say when a request does not fit the model's context: llama.cpp
+# ("exceed_context_size_error", "exceeds the available context size"), vLLM ("maximum context
+# length"), SGLang ("exceeds the maximum allowed length").
+CONTEXT_EXCEEDED = re.compile(rb"exceed_context_size|exceeds the available context|maximum context length|"
+                              rb"exceeds the maximum allowed length")
 # An engine's error type, passed on as the code when it looks like one (it names a kind, never the request).
 ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
 
@@ -512,7 +517,7 @@ class Proxy:
             if resp.status >= 400:
                 resp.release()
                 replica.outstanding -= 1
-                raise self._engine_refusal(model.name, replica, resp.status, data)
+                raise self._engine_refusal(model, replica, resp.status, data)
             replica.breaker.success()
             overhead = (time.perf_counter() - t0 - engine_time) * 1000
             rt.metrics.overhead.observe(overhead / 1000)
@@ -547,14 +552,23 @@ class Proxy:
             log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
                         replica.spec.id, replica.breaker.failures, e)
 
-    def _engine_refusal(self, model: str, replica, status: int, detail: bytes) -> ApiError:
+    def _engine_refusal(self, spec: ModelSpec, replica, status: int, detail: bytes) -> ApiError:
         """The client's error for an engine's answer to the request itself (a 4xx, or a 500 and kin).
 
         Neither is retried nor counted against the replica (see the top of this module). The engine's
         own words often quote the request, and name the replica; they go to the log, not to the client.
+        What a client can act on is said in the gateway's words: a prompt too long for the model's
+        context (coding agents hit it first, and without the reason they retried it six times).
         """
+        model = spec.name
         log.warning("replica %s (%s) of %s answered %d to a request: %s", replica.spec.id, replica.spec.url, model,
                     status, detail[:300].decode("utf-8", "replace"))
+        if status == 400 and CONTEXT_EXCEEDED.search(detail[:2000]):
+            size = f" of {spec.max_context} tokens" if spec.max_context else ""
+            return ApiError(400, f"The request does not fit {model}'s context{size}: the prompt and the tokens "
+                                 "asked for are too many. Send a shorter conversation (fewer or shorter "
+                                 "messages, tools or instructions), or ask for fewer output tokens.",
+                            "context_length_exceeded", "messages")
         if status < 500:
             return ApiError(status, f"The engine for {model} refused this request (HTTP {status}). Check it "
                                     "against the API reference; the engine's own words, which may quote the "
