@@ -20,9 +20,7 @@ from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Controller
 from tests.conftest import Gateway, make_key, post
-from tests.sshd import SSHD, Sshd
-
-pytestmark = pytest.mark.skipif(not os.path.exists(SSHD), reason="needs openssh-server (make test installs it)")
+from tests.sshd import Sshd
 
 SIM = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
        "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5"]}]}
@@ -76,6 +74,7 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, login, "nobody-here@127.0.0.1")
         assert run.returncode == 1, run.stderr
         assert f"✓ {login}: node {node} is ready, engines: " in run.stderr, run.stderr
+        assert "kept the node's key it holds" in run.stderr  # the key of the first run: still this node's
         assert "agent started detached, since no systemd runs there" in run.stderr
         assert "✗ nobody-here@127.0.0.1: failed checking the host: nobody-here@127.0.0.1 (port" in run.stderr
         assert "ssh-copy-id nobody-here@127.0.0.1" in run.stderr

@@ -289,6 +289,8 @@ def node():
               help="The host's Python (3.11 or later, the same minor version as here).")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="A label for placement (repeatable).")
 @click.option("--ignore-checks", is_flag=True, help="Start the agent even when the doctor finds a failure there.")
+@click.option("--new-key", is_flag=True, help="Issue a new key even where the host holds one (the old one stops "
+                                             "working).")
 @click.option("--no-wait", is_flag=True, help="Do not wait for the node to register.")
 @click.option("--wait-timeout", type=float, default=180, show_default=True, help="Seconds to wait for it.")
 @click.option("--ssh-port", "port", type=int, help="The hosts' SSH port [ssh's configuration, else 22].")
@@ -297,7 +299,7 @@ def node():
 @click.option("--accept-new-host-key", "accept_new", is_flag=True,
               help="Trust a host key ssh has never seen (first use); a changed key is still refused.")
 @click.pass_obj
-def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, ignore_checks, no_wait,
+def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, ignore_checks, new_key, no_wait,
              wait_timeout, port, identity, known_hosts, accept_new):
     """Install llmgw on each HOST over SSH and start its agent, as a node of this controller.
 
@@ -318,7 +320,7 @@ def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, 
         admin=admin_client(cfg, admin_url or cfg["controller.admin_listen"],
                            "node add runs on the controller's machine, or give --admin URL"),
         agent_listen=cfg["controller.agent_listen"], controllers=controllers, name=name, prefix=prefix, python=python,
-        labels=parsed_labels, ignore_checks=ignore_checks, wait=not no_wait, wait_timeout=wait_timeout,
+        labels=parsed_labels, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
         accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
     if not nodeadd.run(options, hosts):
         sys.exit(1)

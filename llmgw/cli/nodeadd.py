@@ -1,13 +1,14 @@
 """`llmgw node add [user@]host ...`: make machines reached over SSH into nodes of this controller.
 
-For each host, in turn: look at it (Python 3.11+, venv, architecture, disk), copy a wheelhouse of this
-installation and the role scripts, install them in a virtual environment there with no package index,
-issue the node's key through the admin API and copy it 0600, write the agent's configuration, run the
-doctor there (a failure stops this host unless --ignore-checks), start the agent (a systemd unit when
-the SSH user is root on a machine running systemd, otherwise detached, and said so), and wait until the
-controller has its registration with the engines it probed. Hosts run side by side; each ends in one
-checklist line, and a failure names its step and what to do without stopping the others. A rerun
-installs what changed, issues a new key and restarts the agent, so it is how a node is upgraded too.
+For each host, in turn: look at it (Python 3.11+, venv, architecture, disk), copy a wheelhouse of
+this installation and the role scripts, install them in a virtual environment there with no package
+index, issue the node's key through the admin API and copy it 0600 (a key it holds is kept), write the
+agent's configuration, run the doctor there (a failure stops this host unless --ignore-checks), start
+the agent (a systemd unit when the SSH user is root on a machine running systemd, otherwise detached,
+and said so), and wait until the controller has its registration with the engines it probed. Hosts
+run side by side; each ends in one checklist line, and a failure names its step and what to do without
+stopping the others. A rerun installs what changed and restarts the agent, so it is how a node is
+upgraded too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import tomllib
 
 import click
 
@@ -71,6 +73,7 @@ class Options:
     python: str
     labels: dict
     ignore_checks: bool
+    new_key: bool
     wait: bool
     wait_timeout: float
     accept_new: bool
@@ -145,7 +148,7 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, console: 
         _install(target, options, host, bundle)
         console.say(destination, "installed llmgw and its dependencies (no package index used)")
         step = "issuing the node's key"
-        _put_key(target, options, host, node)
+        console.say(destination, _put_key(target, options, host, node))
         step = "writing the agent's configuration"
         _configure(target, options, host)
         step = "running the doctor"
@@ -202,14 +205,24 @@ def _install(target: Target, options: Options, host: dict, bundle: bytes) -> Non
                stdin=bundle, what="installing llmgw", timeout=900)
 
 
-def _put_key(target: Target, options: Options, host: dict, node: str) -> None:
+def _put_key(target: Target, options: Options, host: dict, node: str) -> str:
+    """Issue NODE's key and write it there, unless it holds one already (kept without --new-key, so a rerun
+    that stops at the doctor leaves the running agent's key working). What was done, in words."""
+    path = shlex.quote(host["prefix"] + "/node.key")
+    if not options.new_key:
+        _, held = target.run(f"cat {path} 2>/dev/null", check=False, what="reading the node's key")
+        try:
+            if tomllib.loads(held).get("node_id") == node:
+                return "kept the node's key it holds (--new-key issues another)"
+        except tomllib.TOMLDecodeError:
+            pass
     try:
         key_file = options.admin.call("POST", "/api/v1/node-keys", {"node_id": node})["key_file"]
     except ApiError as e:
         raise Failed(str(e)) from None
-    path = shlex.quote(host["prefix"] + "/node.key")
     target.run(f"set -e; umask 077; cat > {path}.new; chmod 600 {path}.new; mv {path}.new {path}",
                stdin=key_file.encode(), what="writing the node's key")
+    return "issued the node's key (any earlier one no longer works)"
 
 
 def _controllers(options: Options, host: dict) -> list[str]:
@@ -258,7 +271,8 @@ def _doctor(target: Target, options: Options, host: dict) -> str:
     found = "; ".join(failures) or f"exit {code}: {out.strip()[-500:]}"
     if options.ignore_checks:
         return f"failures ignored (--ignore-checks): {found}"
-    raise Failed(f"the doctor found a problem there: {found}. Fix it and run node add again, or give "
+    key = " (a key the controller refuses: run again with --new-key)" if "refuses this node's key" in found else ""
+    raise Failed(f"the doctor found a problem there: {found}. Fix it and run node add again{key}, or give "
                  "--ignore-checks to start the agent regardless")
 
 
