@@ -93,3 +93,17 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
     finally:
         gateway.stop()
         c.stop()
+
+
+def test_a_host_whose_key_ssh_does_not_know_is_refused_with_what_to_do(tmp_path, sshd):
+    c = Controller(tmp_path)
+    try:
+        strangers = tmp_path / "empty_known_hosts"
+        strangers.write_text("")
+        flags = [f if f != str(sshd.known_hosts) else str(strangers) for f in sshd.ssh_flags()]
+        run = node_add(c, *flags, f"{sshd.user}@127.0.0.1")
+        assert run.returncode == 1
+        assert "ssh does not know 127.0.0.1's host key" in run.stderr and "--known-hosts FILE" in run.stderr, run.stderr
+        assert not os.path.exists(os.path.join(sshd.dir, "llmgw")) and c.nodes() == {}
+    finally:
+        c.stop()

@@ -165,6 +165,8 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, console: 
         return True, f"node {node} is ready, engines: {engines}; its agent runs {how}"
     except (Failed, SshError) as e:
         return False, f"failed {step}: {e}"
+    except Exception as e:  # one host's surprise must not end the others' installs midway
+        return False, f"failed {step}: {type(e).__name__}: {e} (unexpected: please report it with this line)"
 
 
 def _probe(target: Target, options: Options, size: int) -> dict:
@@ -172,7 +174,10 @@ def _probe(target: Target, options: Options, size: int) -> dict:
                         f"{options.python} on the PATH' >&2; exit 3; }}; "
                         f"{shlex.quote(options.python)} - {shlex.quote(options.prefix)} <<'EOF'\n{PROBE}\nEOF",
                         what="looking at the host", timeout=60)
-    host = json.loads(out.strip().splitlines()[-1])
+    try:
+        host = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise Failed(f"its {options.python} did not say what it is; it printed: {out.strip()[-300:]!r}") from None
     version = tuple(host["python"])
     here = tuple(int(x) for x in wheelhouse.python_tag().split("."))
     if version < (3, 11):
