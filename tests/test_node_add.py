@@ -90,6 +90,14 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         # It runs as the login user, as an engine on another machine would.
         engines = list(running_engines(os.path.join(prefix, "work")).values())
         assert len(engines) == 1 and os.stat(f"/proc/{engines[0]}").st_uid == pwd.getpwnam(sshd.user).pw_uid
+
+        # Another machine with the same host name (here: another directory) must not take that node's key.
+        elsewhere = os.path.join(sshd.dir, "elsewhere")
+        run = node_add(c, *sshd.ssh_flags(), "--dir", elsewhere, login)
+        assert run.returncode == 1
+        assert f"failed checking the host: the controller already has a node called {node} (ready" in run.stderr
+        assert "--name NAME" in run.stderr and not os.path.exists(elsewhere)
+        assert c.state(node) == "ready"
     finally:
         gateway.stop()
         c.stop()

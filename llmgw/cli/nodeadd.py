@@ -82,20 +82,30 @@ class Options:
     known_hosts: str | None
 
 
-class Console:
-    """Lines for the person, whole, from several hosts' threads at once."""
+class Batch:
+    """What the hosts of one run share across their threads: the person's terminal, and node names."""
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.names: dict[str, str] = {}
 
     def say(self, host: str, text: str) -> None:
         with self.lock:
             click.echo(f"{host}: {text}", err=True)
 
+    def claim(self, host: str, node: str) -> None:
+        """NODE is HOST's in this run; Failed when another host of the run has it (the second key issued
+        would revoke the first)."""
+        with self.lock:
+            other = self.names.setdefault(node, host)
+        if other != host:
+            raise Failed(f"{other} is also called {node} in this run: add each with its own --name")
+
 
 def run(options: Options, hosts: tuple[str, ...]) -> bool:
     """Add every host in HOSTS; True when all of them were added."""
-    console = Console()
+    batch = Batch()
+    hosts = tuple(dict.fromkeys(hosts))  # one host named twice is done once
     try:
         options.admin.call("GET", "/api/v1/status")
     except ApiError as e:
@@ -111,7 +121,7 @@ def run(options: Options, hosts: tuple[str, ...]) -> bool:
                    f"{time.monotonic() - started:.0f} s)", err=True)
         bundle = _bundle(wheels)
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(hosts), 8)) as pool:
-            results = list(pool.map(lambda h: _one(options, h, bundle, size, console), hosts))
+            results = list(pool.map(lambda h: _one(options, h, bundle, size, batch), hosts))
     click.echo("", err=True)
     for host, (ok, line) in zip(hosts, results):
         click.echo(f"{'✓' if ok else '✗'} {host}: {line}", err=True)
@@ -135,29 +145,30 @@ def _bundle(wheels: list[str]) -> bytes:
     return buf.getvalue()
 
 
-def _one(options: Options, destination: str, bundle: bytes, size: int, console: Console) -> tuple[bool, str]:
+def _one(options: Options, destination: str, bundle: bytes, size: int, batch: Batch) -> tuple[bool, str]:
     target = Target(destination, options.port, options.identity, options.known_hosts, options.accept_new)
-    step = "reaching it"
+    step = "checking the host"
     try:
-        step = "checking the host"
         host = _probe(target, options, size)
         node = options.name or host["hostname"]
-        console.say(destination, f"Python {'.'.join(map(str, host['python']))} on {host['machine']}, "
+        batch.claim(destination, node)
+        keep = _holds_key(target, options, host, node)
+        batch.say(destination, f"Python {'.'.join(map(str, host['python']))} on {host['machine']}, "
                                  f"{host['free'] / 2**30:.0f} GiB free; installing into {host['prefix']} as node {node}")
         step = "installing llmgw"
         _install(target, options, host, bundle)
-        console.say(destination, "installed llmgw and its dependencies (no package index used)")
+        batch.say(destination, "installed llmgw and its dependencies (no package index used)")
         step = "issuing the node's key"
-        console.say(destination, _put_key(target, options, host, node))
+        batch.say(destination, "kept the node's key it holds (--new-key issues another)" if keep
+                  else _issue_key(target, options, host, node))
         step = "writing the agent's configuration"
         _configure(target, options, host)
         step = "running the doctor"
-        warned = _doctor(target, options, host)
-        console.say(destination, "the doctor passed" + (f" ({warned})" if warned else ""))
+        batch.say(destination, _doctor(target, options, host))
         step = "starting the agent"
         began = time.time()
         how, why = _start(target, host)
-        console.say(destination, f"agent started {how}{why}")
+        batch.say(destination, f"agent started {how}{why}")
         if not options.wait:
             return True, f"node {node} installed and its agent started {how}; not waiting (--no-wait)"
         step = "waiting for it to register"
@@ -170,8 +181,9 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, console: 
 
 
 def _probe(target: Target, options: Options, size: int) -> dict:
-    _, out = target.run(f"command -v {shlex.quote(options.python)} >/dev/null 2>&1 || {{ echo 'no "
-                        f"{options.python} on the PATH' >&2; exit 3; }}; "
+    missing = f"there is no {options.python} on its PATH: install Python 3.11 or later there, or give --python"
+    _, out = target.run(f"command -v {shlex.quote(options.python)} >/dev/null 2>&1 || {{ echo "
+                        f"{shlex.quote(missing)} >&2; exit 3; }}; "
                         f"{shlex.quote(options.python)} - {shlex.quote(options.prefix)} <<'EOF'\n{PROBE}\nEOF",
                         what="looking at the host", timeout=60)
     try:
@@ -210,21 +222,39 @@ def _install(target: Target, options: Options, host: dict, bundle: bytes) -> Non
                stdin=bundle, what="installing llmgw", timeout=900)
 
 
-def _put_key(target: Target, options: Options, host: dict, node: str) -> str:
-    """Issue NODE's key and write it there, unless it holds one already (kept without --new-key, so a rerun
-    that stops at the doctor leaves the running agent's key working). What was done, in words."""
-    path = shlex.quote(host["prefix"] + "/node.key")
-    if not options.new_key:
-        _, held = target.run(f"cat {path} 2>/dev/null", check=False, what="reading the node's key")
-        try:
-            if tomllib.loads(held).get("node_id") == node:
-                return "kept the node's key it holds (--new-key issues another)"
-        except tomllib.TOMLDecodeError:
-            pass
+def _holds_key(target: Target, options: Options, host: dict, node: str) -> bool:
+    """Whether the host holds NODE's key, which is kept (without --new-key): a rerun that stops at the
+    doctor then leaves the running agent's key working. Failed, before anything is copied, when the
+    controller knows another NODE whose key this host lacks."""
+    if options.new_key:
+        return False
+    _, held = target.run(f"cat {shlex.quote(host['prefix'] + '/node.key')} 2>/dev/null", check=False,
+                         what="reading the node's key")
+    try:
+        if tomllib.loads(held).get("node_id") == node:
+            return True
+    except tomllib.TOMLDecodeError:
+        pass
+    try:
+        known = {n["node_id"]: n for n in options.admin.call("GET", "/api/v1/nodes")["nodes"]}.get(node)
+    except ApiError as e:
+        raise Failed(str(e)) from None
+    if known:
+        # Issuing would revoke that node's key: two machines with one host name (cloud images' "ubuntu")
+        # must not knock each other off the controller.
+        raise Failed(f"the controller already has a node called {node} ({known['state']}, address "
+                     f"{known['facts'].get('address') or 'unknown'}) and this host does not hold its key: give "
+                     f"--name NAME for this host, or --new-key if it is that node (its old key stops working)")
+    return False
+
+
+def _issue_key(target: Target, options: Options, host: dict, node: str) -> str:
+    """Issue NODE's key and write it there, 0600; what was done, in words."""
     try:
         key_file = options.admin.call("POST", "/api/v1/node-keys", {"node_id": node})["key_file"]
     except ApiError as e:
         raise Failed(str(e)) from None
+    path = shlex.quote(host["prefix"] + "/node.key")
     target.run(f"set -e; umask 077; cat > {path}.new; chmod 600 {path}.new; mv {path}.new {path}",
                stdin=key_file.encode(), what="writing the node's key")
     return "issued the node's key (any earlier one no longer works)"
@@ -262,20 +292,20 @@ def _configure(target: Target, options: Options, host: dict) -> None:
 
 
 def _doctor(target: Target, options: Options, host: dict) -> str:
-    """Run the doctor there; Failed with its failures unless --ignore-checks. Returns a note of warnings."""
+    """Run the doctor there; Failed with its failures unless --ignore-checks. What it found, in words."""
     prefix = shlex.quote(host["prefix"])
     code, out = target.run(f"cd {prefix} && .venv/bin/python doctor.py --config agent.toml", check=False,
                            what="the doctor", timeout=120)
     lines = out.splitlines()
     failures = [line.split(None, 2)[-1] + _fix(lines, i) for i, line in enumerate(lines) if line.startswith("FAIL")]
     warnings = sum(1 for line in lines if line.startswith("WARN"))
-    note = f"{warnings} warnings: `{prefix}/.venv/bin/python {prefix}/doctor.py --config {prefix}/agent.toml` " \
-           "there shows them" if warnings else ""
+    note = f" ({warnings} warnings: `{prefix}/.venv/bin/python {prefix}/doctor.py --config {prefix}/agent.toml` " \
+           "there shows them)" if warnings else ""
     if code == 0:
-        return note
+        return "the doctor passed" + note
     found = "; ".join(failures) or f"exit {code}: {out.strip()[-500:]}"
     if options.ignore_checks:
-        return f"failures ignored (--ignore-checks): {found}"
+        return f"the doctor found failures, ignored (--ignore-checks): {found}"
     key = " (a key the controller refuses: run again with --new-key)" if "refuses this node's key" in found else ""
     raise Failed(f"the doctor found a problem there: {found}. Fix it and run node add again{key}, or give "
                  "--ignore-checks to start the agent regardless")
