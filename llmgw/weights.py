@@ -12,6 +12,12 @@ directory `agent.local_sources` lists (symlinks and `..` resolved first): an
 administrator's catalog entry `source = "/etc/shadow"` had llama.cpp open the
 file and print its first bytes into the shard's log. The mirror bounds its
 local sources with the same function (`inside_listed`).
+
+Each download is marked as llmgw's: before its first byte, a small file in
+`WEIGHTS_DIR/.llmgw-fetched/` records the source it comes from. Only a marked
+entry whose name is the one `fetch` makes for that source is ever removed
+(`reclaim`), so an operator's own files in the weights directory are never
+touched. What the directory holds is listed by `inventory`, bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 import urllib.error
@@ -89,9 +96,9 @@ def fetch(source: str, weights_dir: str, progress=lambda done, total: None, loca
     with _locks_guard:
         lock = _locks.setdefault(target, threading.Lock())
     with lock:  # a second shard of the same model waits for the first download
+        mark(source, weights_dir)
         if os.path.exists(target):
             return target
-        os.makedirs(weights_dir, exist_ok=True)
         expected = download(source, target, progress)
         if expected:
             got = sha256_of(target)
@@ -108,6 +115,7 @@ def _fetch_set(source: str, weights_dir: str, progress) -> str:
     with _locks_guard:
         lock = _locks.setdefault(folder, threading.Lock())
     with lock:
+        mark(source, weights_dir)
         if not os.path.exists(marker):
             try:
                 with urllib.request.urlopen(source, timeout=60) as resp:
@@ -190,3 +198,138 @@ def sha256_of(path: str) -> str:
             if not chunk:
                 return digest.hexdigest()
             digest.update(chunk)
+
+
+# --- what the weights directory holds, and taking back what llmgw fetched and nothing uses ------------------
+
+MARKS = ".llmgw-fetched"  # beside the entries; hidden, so never an entry itself
+LISTED_MOST = 1000  # entries a listing names, largest first: a reply stays well under a megabyte
+
+
+def fetched_name(source: str) -> str:
+    """The entry `fetch` makes in the weights directory for the URL SOURCE (a file, or a mirror version's folder)."""
+    return os.path.basename(local_name(source.rstrip("/"), ""))
+
+
+def mark(source: str, weights_dir: str) -> None:
+    """Record that SOURCE's entry is llmgw's download. Written before the first byte (a broken-off download is
+    llmgw's too), and again when an entry fetched before marks existed is used, so it becomes reclaimable."""
+    folder = os.path.join(weights_dir, MARKS)
+    path = os.path.join(folder, fetched_name(source) + ".json")
+    if os.path.exists(path):
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"source": source, "marked_at": round(time.time())}, f)
+    os.replace(path + ".tmp", path)
+
+
+def fetched_source(weights_dir: str, name: str) -> str | None:
+    """The URL entry NAME was fetched from, when llmgw fetched it: its mark says so, and NAME is the name
+    `fetch` makes for that URL (a mark copied beside another file vouches for nothing)."""
+    try:
+        with open(os.path.join(weights_dir, MARKS, name + ".json")) as f:
+            source = json.load(f).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) and is_url(source) and fetched_name(source) == name else None
+
+
+def _entry_name(name: str) -> str:
+    """The entry a top-level NAME belongs to: a download's `.part` belongs to the file it becomes."""
+    return name[:-len(".part")] if name.endswith(".part") else name
+
+
+def _size(path: str) -> int:
+    """Bytes under PATH, links not followed (a link counts as itself, never as what it points to)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_size
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(folder, name)).st_size
+            except OSError:
+                pass  # gone meanwhile
+    return total
+
+
+def inventory(weights_dir: str, local_sources: list[str] = (), in_use: dict[str, list[str]] | None = None,
+              most: int = LISTED_MOST) -> dict:
+    """What WEIGHTS_DIR holds, one entry per top-level name: `name`, `bytes`, `fetched` (and its `source`),
+    `partial` (a download not finished), `local_source` (inside a directory `agent.local_sources` lists),
+    `shards` (the engines IN_USE says use it). The MOST largest are named; `entries` and `bytes` count all."""
+    in_use = in_use or {}
+    try:
+        names = [n for n in os.listdir(weights_dir) if n != MARKS]
+    except FileNotFoundError:
+        names = []
+    entries: dict[str, dict] = {}
+    for name in names:
+        path = os.path.join(weights_dir, name)
+        try:
+            size = _size(path)
+        except OSError:
+            continue  # removed while it was being listed
+        entry = entries.setdefault(_entry_name(name), {"name": _entry_name(name), "bytes": 0})
+        entry["bytes"] += size
+        if name.endswith(".part"):
+            entry["partial"] = True
+    for name, entry in entries.items():
+        path = os.path.join(weights_dir, name)
+        # A link is never llmgw's download, whatever mark lies beside it (reclaim refuses it too).
+        source = None if os.path.islink(path) else fetched_source(weights_dir, name)
+        entry["fetched"] = source is not None
+        if source is not None:
+            entry["source"] = source
+            if source.endswith("/") and not os.path.exists(os.path.join(path, ".complete")):
+                entry["partial"] = True  # a mirror version's folder is whole only once its marker is written
+        entry.setdefault("partial", False)
+        entry["local_source"] = bool(local_sources) and inside_listed(path, list(local_sources)) is not None
+        entry["shards"] = sorted(in_use.get(name, []))
+    ordered = sorted(entries.values(), key=lambda e: (-e["bytes"], e["name"]))
+    return {"weights_dir": weights_dir, "entries": len(ordered), "bytes": sum(e["bytes"] for e in ordered),
+            "fetched_bytes": sum(e["bytes"] for e in ordered if e["fetched"]), "files": ordered[:most],
+            "truncated": len(ordered) > most}
+
+
+def entry_of(path: str, weights_dir: str) -> str | None:
+    """The top-level entry of WEIGHTS_DIR that PATH (resolved) lies in, or None when it lies outside."""
+    real, folder = os.path.realpath(path), os.path.realpath(weights_dir)
+    if real == folder or os.path.commonpath([real, folder]) != folder:
+        return None
+    return os.path.relpath(real, folder).split(os.sep, 1)[0]
+
+
+def reclaim(name, weights_dir: str, local_sources: list[str] = (), in_use: dict[str, list[str]] | None = None
+            ) -> str | None:
+    """Remove entry NAME of WEIGHTS_DIR, with its partial download and its mark; the reason when it is refused.
+    The controller names only what the node listed, but NAME is checked here as if it came from anyone: a
+    plain name of an entry right inside WEIGHTS_DIR (symlinks resolved), fetched by llmgw, not inside a
+    directory `agent.local_sources` lists, and used by none of the engines IN_USE names."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or name.startswith(".") or "/" in name
+            or "\0" in name or name.endswith(".part")):
+        return (f"{name!r} is not the name of an entry in the weights directory; `llmgw ctl weights` lists "
+                "what may be reclaimed")
+    path = os.path.join(weights_dir, name)
+    present = [p for p in (path, path + ".part") if os.path.lexists(p)]
+    if not present:
+        return None  # gone already: removing is idempotent
+    for p in present:
+        if os.path.islink(p) or os.path.dirname(os.path.realpath(p)) != os.path.realpath(weights_dir):
+            return f"{name} is a link or leads outside {weights_dir}: llmgw never made it, so it never removes it"
+    if fetched_source(weights_dir, name) is None:
+        return f"{name} was not fetched by llmgw (it has no mark in {MARKS}/): llmgw never removes it"
+    if local_sources and inside_listed(path, list(local_sources)) is not None:
+        return f"{name} lies inside a directory agent.local_sources lists: an operator's source is never removed"
+    users = (in_use or {}).get(name)
+    if users:
+        return f"{name} is in use by {', '.join(sorted(users))}; stop those replicas first"
+    for p in present:
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
+    # The mark goes last: a removal broken off halfway is still llmgw's, and reclaimed next time.
+    os.remove(os.path.join(weights_dir, MARKS, name + ".json"))
+    return None

@@ -115,12 +115,7 @@ def made_up(tmp_path, monkeypatch, given: dict):
     cfg = settings.load(config)
     up = Up(cfg, config, None, None)
     os.makedirs(up.var)
-    engine = store.open_store(cfg["store.url"])
-    try:
-        path = up.write_config(engine)
-    finally:
-        engine.dispose()
-    return path
+    return up.write_config()
 
 
 def test_up_listens_on_loopback_unless_told_otherwise(tmp_path, monkeypatch):
@@ -194,41 +189,44 @@ LOADING = (503, {"error": {"message": "smollm2-135m-instruct has no replica runn
 PARIS = (200, {"choices": [{"message": {"content": " Paris is the capital of France. "}}]})
 
 
+def roles(tmp_path):
+    """`llmgw up`'s and `llmgw init`'s running roles, as far as the start-up check needs them; nothing started."""
+    from llmgw.cli import bringup
+
+    config = write_config(tmp_path / "roles.toml", {"controller.keys_dir": str(tmp_path / "keys")})
+    return bringup.Roles(config, settings.load(config), str(tmp_path))
+
+
 def test_the_start_up_check_waits_while_the_starter_model_loads(fake_gateway, monkeypatch, tmp_path):
-    from llmgw.cli.up import Up
-
     monkeypatch.setattr(FakeGateway, "answers", [LOADING, LOADING, LOADING, PARIS])
-    up = Up(settings.load(None), None, None, None)
-    assert up.ask(fake_gateway, "sk-llmgw-x") == "Paris is the capital of France."
+    assert roles(tmp_path).ask(fake_gateway, "sk-llmgw-x") == "Paris is the capital of France."
 
 
-def test_the_start_up_check_says_what_is_wrong_in_a_sentence(fake_gateway, monkeypatch):
-    from llmgw.cli import up as upmod
+def test_the_start_up_check_says_what_is_wrong_in_a_sentence(fake_gateway, monkeypatch, tmp_path):
+    from llmgw.cli import bringup
 
-    up = upmod.Up(settings.load(None), None, None, None)
+    checking = roles(tmp_path)
     monkeypatch.setattr(FakeGateway, "answers", [
         (401, {"error": {"message": "The API key is not known here.", "code": "invalid_api_key"}})])
     with pytest.raises(click.ClickException) as refused:
-        up.ask(fake_gateway, "sk-llmgw-x")
+        checking.ask(fake_gateway, "sk-llmgw-x")
     assert refused.value.message == ("the gateway refused the start-up check's question to smollm2-135m-instruct "
-                                     "with 401: The API key is not known here. See var/gateway.log.")
+                                     f"with 401: The API key is not known here. See {tmp_path}/gateway.log.")
     monkeypatch.setattr(FakeGateway, "answers", [LOADING])
-    monkeypatch.setattr(upmod, "SERVE_LIMIT", 1.0)
+    monkeypatch.setattr(bringup, "SERVE_LIMIT", 1.0)
     with pytest.raises(click.ClickException) as gave_up:
-        up.ask(fake_gateway, "sk-llmgw-x")
+        checking.ask(fake_gateway, "sk-llmgw-x")
     assert "gave up waiting for the gateway to answer with smollm2-135m-instruct" in gave_up.value.message
     assert "its last answer: 503, smollm2-135m-instruct has no replica running." in gave_up.value.message
 
 
-def test_the_start_up_check_waits_for_the_starter_model_not_any_model(monkeypatch):
-    from llmgw.cli.up import Up
-
-    up = Up(settings.load(None), None, None, None)
+def test_the_start_up_check_waits_for_the_starter_model_not_any_model(tmp_path):
+    checking = roles(tmp_path)
     models = [{"name": "added-at-run-time", "ready": 1}, {"name": "smollm2-135m-instruct", "ready": 0}]
-    monkeypatch.setattr(up, "admin", lambda path: {"models": models})
-    assert not up.starter_ready()
+    checking.admin = lambda path: {"models": models}
+    assert not checking.starter_ready()
     models[1]["ready"] = 1
-    assert up.starter_ready()
+    assert checking.starter_ready()
 
 
 @pytest.fixture

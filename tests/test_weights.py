@@ -91,8 +91,12 @@ def test_the_agent_removes_only_what_it_fetched(tmp_path):
     os.makedirs(tmp_path / "w")
     fetched = weights.local_name("http://mirror/m.gguf", str(tmp_path / "w"))
     open(fetched, "wb").close()
+    # The name alone vouches for nothing: a file without llmgw's mark is the operator's.
+    assert "was not fetched by llmgw" in supervisor.remove_weights("http://mirror/m.gguf")
+    weights.mark("http://mirror/m.gguf", str(tmp_path / "w"))
     assert supervisor.remove_weights("http://mirror/m.gguf") is None
     assert not os.path.exists(fetched)
+    assert supervisor.remove_weights("http://mirror/m.gguf") is None  # gone already: done
 
 
 def test_a_node_never_hands_an_engine_a_file_outside_its_directories(tmp_path, caplog):

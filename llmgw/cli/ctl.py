@@ -313,3 +313,69 @@ def model_remove(obj, model):
     """Remove MODEL from the catalog; its replicas are stopped."""
     obj.admin.call("DELETE", f"/api/v1/models/{model}")
     click.echo(f"removed {model}; its replicas are stopping", err=True)
+
+
+def _weights_rows(nodes: list[dict], only_reclaimable: bool) -> list[tuple]:
+    """The table of what each node's weights directory holds (or, with ONLY_RECLAIMABLE, what may go)."""
+    rows = [("NODE", "ENTRY", "SIZE", "FETCHED", "USED BY", "RECLAIM")]
+    for n in nodes:
+        for f in n.get("files", []):
+            if only_reclaimable and not f["reclaimable"]:
+                continue
+            fetched = ("partly" if f["partial"] else "yes") if f["fetched"] else "no"
+            users = [f"model {m}" for m in f["models"]] + [f"replica {r}" for r in f["replicas"]]
+            rows.append((n["node"], f["name"], human_bytes(f["bytes"]), fetched, ", ".join(users) or "-",
+                         "yes" if f["reclaimable"] else f"no: {f['kept']}"))
+    return rows
+
+
+@ctl.command()
+@click.argument("node", required=False)
+@click.option("--reclaim", is_flag=True, help="Remove what llmgw fetched that nothing uses (asks first).")
+@click.option("--yes", "-y", is_flag=True, help="With --reclaim: do not ask.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per node.")
+@click.pass_obj
+def weights(obj, node, reclaim, yes, as_json):
+    """What each node (or NODE) holds in its weights directory: size, which models and replicas use each
+    entry, whether llmgw fetched it. --reclaim removes, through each node's agent, the entries llmgw
+    fetched that no catalog model, replica or local source uses, once you say yes."""
+    nodes = obj.admin.call("GET", "/api/v1/weights" + (f"?node={node}" if node else ""))["nodes"]
+    if as_json and not reclaim:
+        for n in nodes:
+            click.echo(json.dumps(n))
+        return
+    if not nodes:
+        click.echo("no node has registered yet", err=True)
+        return
+    listed = [n for n in nodes if "error" not in n]
+    rows = _weights_rows(listed, only_reclaimable=reclaim)
+    if len(rows) > 1:
+        print_table(rows)
+    for n in nodes:
+        if "error" in n:
+            click.echo(f"{n['node']}: {n['error']}", err=True)
+            continue
+        more = f" (only the largest {len(n['files'])} are listed)" if n["truncated"] else ""
+        click.echo(f"{n['node']}: {n['entries']} entries, {human_bytes(n['bytes'])} in {n['weights_dir']}{more}; "
+                   f"{human_bytes(n['reclaimable_bytes'])} reclaimable", err=True)
+    if not reclaim:
+        return
+    chosen = {n["node"]: [f["name"] for f in n["files"] if f["reclaimable"]] for n in listed}
+    chosen = {k: v for k, v in chosen.items() if v}
+    if not chosen:
+        click.echo("nothing to reclaim: every entry is in use, kept by the catalog, or not llmgw's", err=True)
+        return
+    total = sum(n["reclaimable_bytes"] for n in listed)
+    count = sum(len(v) for v in chosen.values())
+    if not yes:
+        click.confirm(f"Remove these {count} entries ({human_bytes(total)}) from {', '.join(chosen)}?", abort=True,
+                      err=True)
+    for node_id, names in chosen.items():
+        result = obj.admin.call("POST", f"/api/v1/nodes/{node_id}/weights/reclaim", {"names": names})
+        if as_json:
+            click.echo(json.dumps(result))
+        click.echo(f"{node_id}: removed {len(result['removed'])} entries, {human_bytes(result['freed_bytes'])} freed",
+                   err=True)
+        for name, why in result["refused"].items():
+            # Something began to use it since the listing: kept, and said, but no failure.
+            click.echo(f"{node_id}: kept {name}: {why}", err=True)

@@ -17,6 +17,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.cli.ctl import ctl
+from llmgw.cli.init import init, mirror_init
 from llmgw.cli.mirror import mirror
 from llmgw.cli.org import limits_cli, org, prices
 from llmgw.cli.tables import print_table
@@ -270,6 +271,10 @@ def up(obj: Context, listen, workers):
     from llmgw.cli.up import Up
 
     Up(obj.config(), obj.config_path, listen, workers).run()
+
+
+main.add_command(init)
+mirror.add_command(mirror_init)
 
 
 @main.group()

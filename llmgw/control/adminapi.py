@@ -10,6 +10,7 @@ neither. Errors are `{"error": "..."}` with a sentence that says what to do.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import re
@@ -20,7 +21,7 @@ from flask import Flask, jsonify, request
 from sqlalchemy.engine import Engine
 
 from llmgw import __version__, apiguard, settings, store
-from llmgw.control import curvekeys, placement
+from llmgw.control import curvekeys, placement, weightsview
 from llmgw.control.authenticator import KeyRing
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
@@ -29,6 +30,7 @@ from llmgw.control.reconciler import Replicas
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
+WEIGHTS_WAIT = 10.0  # seconds a node has to list its weights directory (or remove from it)
 
 
 def ensure_token(keys_dir: str) -> str:
@@ -183,6 +185,68 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         if reply.get("error"):
             return error(404, reply["error"])
         return jsonify({"node": node_id, "lines": reply.get("lines", []), "sources": reply.get("sources", [])})
+
+    def weights_of(node_id: str, kind: str = "weights_request", fields: dict | None = None) -> dict:
+        """NODE_ID's weights directory as `weightsview.annotate` shows it, after KIND (a listing, or a
+        reclaim that answers with one); {"node", "error"} when the node does not answer."""
+        reply = ask_node(node_id, kind, fields or {}, WEIGHTS_WAIT)
+        if reply is None:
+            return {"node": node_id, "error": f"{node_id} did not answer within {WEIGHTS_WAIT:.0f} s; `llmgw ctl "
+                                              "nodes` shows when it was last heard"}
+        sources = {name: m.source for name, m in catalog.models().items()}
+        mine = [(r.shard_id, r.model) for r in replicas.snapshot() if r.node_id == node_id]
+        return {**weightsview.annotate(node_id, reply, sources, mine),
+                "removed": reply.get("removed"), "refused": reply.get("refused")}
+
+    @app.get("/api/v1/weights")
+    def weights():
+        views = fleet.describe(time.monotonic())
+        wanted = request.args.get("node")
+        if wanted and wanted not in {n.node_id for n in views}:
+            return error(404, f"no node {wanted!r}; `llmgw ctl nodes` lists them")
+        asked = [n for n in views if not wanted or n.node_id == wanted]
+        silent = {n.node_id for n in asked if n.state in (UNREACHABLE, LOST)}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+            # Every node at once: one that does not answer costs its WEIGHTS_WAIT once, not once per node.
+            listed = dict(zip([n.node_id for n in asked if n.node_id not in silent],
+                              pool.map(weights_of, [n.node_id for n in asked if n.node_id not in silent])))
+        out = []
+        for n in asked:
+            out.append(listed.get(n.node_id) or {"node": n.node_id, "error": f"{n.node_id} is {n.state}: what it "
+                                                 "holds is known once it is heard again"})
+        return jsonify({"nodes": [{k: v for k, v in n.items() if k not in ("removed", "refused")} for n in out]})
+
+    @app.post("/api/v1/nodes/<node_id>/weights/reclaim")
+    def reclaim(node_id):
+        body = apiguard.json_body(request)
+        names = body.get("names") if isinstance(body, dict) else None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return error(400, 'send {"names": [...]}: entries `llmgw ctl weights NODE` lists as reclaimable')
+        if node_id not in {n.node_id for n in fleet.describe(time.monotonic())}:
+            return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
+        # Checked against what the node holds now, not what it held when the operator looked: the node is
+        # only ever told names it has just listed, and only those nothing uses.
+        now = weights_of(node_id)
+        if "error" in now:
+            return error(504, now["error"])
+        entries = {f["name"]: f for f in now["files"]}
+        refused = {}
+        for name in names:
+            entry = entries.get(name)
+            if entry is None:
+                refused[name] = f"{node_id} does not hold it now (or it is past the listing's first {len(entries)})"
+            elif not entry["reclaimable"]:
+                refused[name] = entry["kept"]
+        chosen = [n for n in dict.fromkeys(names) if n not in refused]
+        removed = []
+        if chosen:
+            after = weights_of(node_id, "reclaim_weights", {"names": chosen})
+            if "error" in after:
+                return error(504, after["error"] + "; run `llmgw ctl weights` to see what was removed")
+            removed = after["removed"] or []
+            refused.update(after["refused"] or {})
+        return jsonify({"node": node_id, "removed": removed, "refused": refused,
+                        "freed_bytes": sum(entries[n]["bytes"] for n in removed if n in entries)})
 
     @app.get("/api/v1/status")
     def status():

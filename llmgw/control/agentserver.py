@@ -136,7 +136,7 @@ class AgentServer:
         elif message["type"] == "shard_status":
             if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
                 self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now))
-        elif message["type"] in ("ack", "logs_reply"):
+        elif message["type"] in ("ack", "logs_reply", "weights_reply"):
             waiter = self.waiting.get(message["request_id"])
             if waiter is not None and waiter.get("node", node_id) != node_id:
                 self._refuse_if(node_id, message["request_id"], f"request {message['request_id']} went to "

@@ -1,8 +1,9 @@
-"""What the agent does with each command from the controller: start, stop or drain a shard, remove weights, logs."""
+"""What the agent does with each command from the controller: start, stop or drain a shard, list or remove weights, logs."""
 
 from __future__ import annotations
 
 from llmgw.node.supervisor import Supervisor
+from llmgw.weights import LISTED_MOST
 
 DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
 
@@ -24,6 +25,12 @@ def commands(node_id: str, supervisor: Supervisor):
             refusal = supervisor.remove_weights(message["source"])
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": refusal is None,
                              **({"error": refusal} if refusal else {})})]
+        if kind in ("weights_request", "reclaim_weights"):
+            # A reclaim is answered with what was removed and refused, and the listing as it is after it.
+            removed, refused = supervisor.reclaim(message["names"]) if kind == "reclaim_weights" else (None, None)
+            most = message.get("most", LISTED_MOST)
+            return [("weights_reply", {"node_id": node_id, "request_id": request_id, "removed": removed,
+                                       "refused": refused, **supervisor.weights(max(0, min(most, LISTED_MOST)))})]
         lines, sources = supervisor.logs(message.get("source"), message.get("lines", 200))
         if message.get("source") and not lines and message["source"] not in sources:
             return [("logs_reply", {"node_id": node_id, "request_id": request_id, "sources": sources,

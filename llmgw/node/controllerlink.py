@@ -24,7 +24,8 @@ from llmgw.wire import agent as protocol
 log = logging.getLogger("llmgw.controllerlink")
 
 SILENCE_INTERVALS = 3
-COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request")
+COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request", "weights_request",
+            "reclaim_weights")
 
 
 FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

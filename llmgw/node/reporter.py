@@ -36,6 +36,7 @@ class Reporter:
         facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
         facts.update(engines=engines.installed(), engines_probed=True, shards=self.supervisor.describe())
         facts["doctor"] = self.checkup(facts)
+        facts["weights"] = self.weights_use()
         self.has_gpus = bool(facts.get("gpus"))
         self.sent = {}
         return facts
@@ -53,7 +54,7 @@ class Reporter:
     def heartbeat(self) -> dict:
         current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),
                    "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent()),
-                            "shards": self.supervisor.loads()}}
+                            "shards": self.supervisor.loads()}, "weights": self.weights_use()}
         if self.has_gpus:
             # GPU memory in use catches a process outside llmgw taking a card.
             keep = ("index", "memory_used_bytes", "utilization_percent", "health")
@@ -63,6 +64,12 @@ class Reporter:
         changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
         self.sent.update(changed)
         return changed
+
+    def weights_use(self) -> dict:
+        """How much the weights directory holds, and how much of it llmgw fetched: the cluster page's figure.
+        The listing itself is asked for (`weights_request`): it can be long, and is rarely wanted."""
+        listing = self.supervisor.weights(most=0)
+        return {k: listing[k] for k in ("bytes", "entries", "fetched_bytes")}
 
 
 def _present(**fields) -> dict:

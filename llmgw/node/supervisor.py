@@ -370,21 +370,50 @@ class Supervisor:
                     pass
         self._set(shard, "failed" if reason else "stopped", reason)
 
+    def weights_in_use(self) -> dict[str, list[str]]:
+        """Entry of the weights directory -> the shards (fetching, starting or ready) that use it."""
+        used: dict[str, list[str]] = {}
+        with self.lock:
+            for shard in self.shards.values():
+                if shard.state not in ALIVE:
+                    continue
+                source = shard.spec.get("source", "")
+                if weights.is_url(source):
+                    name = weights.fetched_name(source)
+                else:
+                    path = source[len("file://"):] if source.startswith("file://") else source
+                    name = weights.entry_of(path, self.weights_dir) if os.path.isabs(path) else None
+                if name is not None:
+                    used.setdefault(name, []).append(shard.shard_id)
+        return used
+
+    def weights(self, most: int = weights.LISTED_MOST) -> dict:
+        """What the weights directory holds (`weights.inventory`), with the shards using each entry."""
+        return weights.inventory(self.weights_dir, self.local_sources, self.weights_in_use(), most)
+
+    def reclaim(self, names: list) -> tuple[list[str], dict[str, str]]:
+        """Remove each of NAMES that `weights.reclaim` allows: (those removed, name -> why not). Under the lock,
+        so no shard can start using an entry between the check and the removal."""
+        removed, refused = [], {}
+        with self.lock:
+            in_use = self.weights_in_use()
+            for name in names:
+                why = weights.reclaim(name, self.weights_dir, self.local_sources, in_use)
+                if why is None:
+                    removed.append(name)
+                else:
+                    refused[str(name)] = why
+        for name in removed:
+            log.info("reclaimed %s from the weights directory", name)
+        for name, why in refused.items():
+            log.warning("refused to reclaim %r: %s", name, why)
+        return removed, refused
+
     def remove_weights(self, source: str) -> str | None:
         """Delete what was fetched for SOURCE; the reason when it is refused."""
         if not weights.is_url(source):
             return f"{source} is not a download: llmgw never deletes files it did not fetch"
-        with self.lock:
-            users = [s.shard_id for s in self.shards.values() if s.spec.get("source") == source and s.state in ALIVE]
-        if users:
-            return f"shards {', '.join(users)} still use {source}"
-        path = weights.local_name(source, self.weights_dir)
-        for leftover in (path, path + ".part"):
-            try:
-                os.remove(leftover)
-            except FileNotFoundError:
-                pass
-        return None
+        return self.reclaim([weights.fetched_name(source)])[1].get(weights.fetched_name(source))
 
     def logs(self, source: str | None, lines: int) -> tuple[list[str], list[str]]:
         """(the last LINES of SOURCE's output, every source there is)."""

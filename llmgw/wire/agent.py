@@ -28,12 +28,12 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
         "cpu": ("object", False), "memory": ("object", False), "disk": ("object", False),
         "gpus": ("array", False), "gpus_probed": ("bool", False), "gpu_probe_error": ("str", False),
         "engines": ("object", False), "engines_probed": ("bool", False), "shards": ("array", False),
-        "doctor": ("object", False),
+        "doctor": ("object", False), "weights": ("object", False),
     },
     "heartbeat": {
         "node_id": ("str", True), "seq": ("int", True), "memory": ("object", False), "load": ("object", False),
         "disk": ("object", False), "gpus": ("array", False), "engines": ("object", False),
-        "engines_changed": ("bool", False),
+        "engines_changed": ("bool", False), "weights": ("object", False),
     },
     "shard_status": {
         "node_id": ("str", True), "shard_id": ("str", True), "state": ("str", True), "model": ("str", False),
@@ -45,6 +45,10 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
     "ack": {"node_id": ("str", True), "request_id": ("str", True), "ok": ("bool", True), "error": ("str", False)},
     "logs_reply": {"node_id": ("str", True), "request_id": ("str", True), "lines": ("array", False),
                    "sources": ("array", False), "error": ("str", False)},
+    "weights_reply": {"node_id": ("str", True), "request_id": ("str", True), "weights_dir": ("str", False),
+                      "entries": ("int", False), "bytes": ("int", False), "fetched_bytes": ("int", False),
+                      "files": ("array", False), "truncated": ("bool", False), "removed": ("array", False),
+                      "refused": ("object", False)},
     # controller -> agent
     "registered": {"node_id": ("str", True), "heartbeat_interval": ("number", False)},
     "start_shard": {
@@ -56,6 +60,8 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
     "drain_shard": {"request_id": ("str", True), "shard_id": ("str", True), "timeout": ("number", False)},
     "remove_weights": {"request_id": ("str", True), "source": ("str", True)},
     "logs_request": {"request_id": ("str", True), "source": ("str", False), "lines": ("int", False)},
+    "weights_request": {"request_id": ("str", True), "most": ("int", False)},
+    "reclaim_weights": {"request_id": ("str", True), "names": ("array", True)},
     "heartbeat_ack": {"seq": ("int", True)},
     "register_again": {"reason": ("str", True)},
     "refused": {"reason": ("str", True)},

@@ -1,0 +1,265 @@
+"""`llmgw init` (this machine becomes a cluster's control plane) and `llmgw mirror init` (a mirror host).
+
+`llmgw init` makes, looking first and saying one line per step: the system user (as root), the
+directories, the controller's keys, the admin token and the session key, the store (SQLite, or
+PostgreSQL with `--postgres`, which moves an existing SQLite store there), the first administrator, the
+starter model in the mirror beside the controller, one configuration file every role reads, and a
+systemd unit per role. Then it starts them (systemd where it runs, else as its own children until
+Ctrl-C, like `llmgw up`), waits until the starter model answers through the gateway, and says how to
+call it, sign in, and add a node. `--plan` says what it would do and does nothing; a rerun says `kept`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import click
+
+from llmgw import addresses, filemodes, settings, store, storemove
+from llmgw.cli import bringup, machine, starter
+from llmgw.cli.bringup import Steps, say
+
+ROLES = ("mirror", "controller", "agent", "gateway")
+GATEWAY = "local"
+# Where a role listens unless the given configuration says: a real cluster's addresses. The mirror's
+# management API stays on loopback: only `llmgw mirror` and the pages on this machine use it.
+MIRROR_API = "127.0.0.1:8082"
+
+
+def public_host(listen: str, setting: str, address: str | None) -> str:
+    """The host other machines reach the server listening at LISTEN by: its own host when it listens on one
+    address, else ADDRESS, else this machine's name."""
+    host, _ = addresses.parse(listen, setting)
+    if host not in addresses.WILDCARDS:
+        return host
+    return address or socket.getfqdn()
+
+
+def wanted_settings(base: settings.Config, layout: machine.Layout, store_url: str, node: str | None,
+                    address: str | None) -> dict:
+    """The configuration this machine's roles read, from what BASE (the `--config` given) chose and the layout."""
+    api_listen = base.written.get("mirror.api_listen", MIRROR_API)
+    _, mirror_port = addresses.parse(base["mirror.listen"], "mirror.listen")
+    values = {
+        **base.written,
+        "store.url": store_url,
+        "controller.keys_dir": layout.keys_dir,
+        "gateway.key_file": os.path.join(layout.config_dir, "gateway.key"),
+        "gateway.session_key_file": os.path.join(layout.config_dir, "session.key"),
+        "gateway.controller": addresses.dial(base["controller.gateway_listen"], "controller.gateway_listen"),
+        "gateway.controller_admin": addresses.dial(base["controller.admin_listen"], "controller.admin_listen"),
+        "usage.spool_dir": os.path.join(layout.state_dir, "usage-spool"),
+        "mirror.dir": layout.models_dir,
+        "mirror.api_listen": api_listen,
+        "mirror.api": addresses.dial(api_listen, "mirror.api_listen"),
+        "mirror.base_url": "http://" + addresses.join(public_host(base["mirror.listen"], "mirror.listen", address),
+                                                      mirror_port),
+    }
+    if node:
+        values.update({
+            "agent.controllers": [addresses.dial(base["controller.agent_listen"], "controller.agent_listen")],
+            "agent.key_file": os.path.join(layout.config_dir, "node.key"), "agent.node_id": node,
+            "agent.work_dir": layout.agent_dir, "agent.weights_dir": layout.weights_dir,
+        })
+    # Every role here reads the admin API's token from keys_dir, the file the controller uses.
+    values.pop("controller.admin_token", None)
+    return values
+
+
+def ensure_store_moved(steps: Steps, sqlite_url: str | None, target: str) -> None:
+    """With --postgres: the SQLite store this machine had, moved into TARGET (once; the file is then renamed)."""
+    path = filemodes.sqlite_path(sqlite_url) if sqlite_url else None
+    if path is None or not os.path.exists(path):
+        return
+
+    def move() -> str:
+        try:
+            rows = storemove.move(sqlite_url, target)
+        except storemove.MoveRefused as e:
+            raise click.ClickException(str(e)) from None
+        return f"{rows} rows; the SQLite file is kept as {path}{storemove.MOVED}"
+
+    steps.do(f"store moved from {path} to {store.describe(target)}", move, how="move")
+
+
+def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name) -> None:
+    layout = machine.Layout(root)
+    machine.refuse_unless_allowed(layout)
+    base = obj.config()
+    steps = Steps(plan)
+    config = os.path.join(layout.config_dir, "llmgw.toml")
+    node = None if no_node else node_name or socket.gethostname().split(".")[0]
+    have = settings.load(config) if os.path.exists(config) else None
+    sqlite_url = f"sqlite:///{os.path.join(layout.state_dir, 'llmgw.db')}"
+    old_url = have["store.url"] if have else sqlite_url
+    store_url = settings.normalise_store_url(postgres) if postgres else old_url
+    try:
+        machine.ensure_user(steps, layout, layout.state_dir)
+        dirs = [layout.config_dir, layout.keys_dir, layout.state_dir, layout.models_dir]
+        machine.ensure_dirs(steps, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
+        bringup.ensure_controller_secrets(steps, layout.keys_dir)
+        bringup.ensure_session_key(steps, os.path.join(layout.config_dir, "session.key"))
+        if postgres and old_url != store_url:
+            ensure_store_moved(steps, old_url, store_url)
+        engine = bringup.ensure_store(steps, store_url)
+        if node:
+            bringup.ensure_peer_key(steps, engine, "node", node, os.path.join(layout.config_dir, "node.key"),
+                                    layout.keys_dir)
+        bringup.ensure_peer_key(steps, engine, "gateway", GATEWAY, os.path.join(layout.config_dir, "gateway.key"),
+                                layout.keys_dir)
+        key_file = os.path.join(layout.state_dir, "starter-key")
+        secret = bringup.ensure_api_key(steps, engine, key_file)
+        password = bringup.ensure_admin(steps, engine, admin)
+        if engine is not None:
+            engine.dispose()
+        if password:
+            click.echo(bringup.boxed([f"administrator {admin}", f"password {password}",
+                                      "shown only now: keep it somewhere safe"]))
+        wanted = wanted_settings(base, layout, store_url, node, address)
+        models = [] if no_model else [bringup.starter_model(wanted["mirror.base_url"])]
+        if not no_model:
+            bringup.ensure_starter_in_mirror(steps, layout.models_dir)
+        machine.ensure_config(steps, config, wanted, models, {"store.url": store_url} if postgres else None)
+        roles = [r for r in ROLES if r != "agent" or node]
+        user = machine.service_user(layout)
+        machine.ensure_units(steps, layout, {f"llmgw-{r}": machine.unit_text(r, layout, config, user) for r in roles})
+        machine.ensure_owned(steps, layout, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
+        if plan:
+            _plan_start(steps, layout, no_start)
+            return
+        cfg = settings.load(config)
+        filemodes.check_roles(cfg, *roles)
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    serve = bool(node) and not no_model
+    base_url = addresses.url(cfg["gateway.listen"], "gateway.listen")
+    llmgw = f"{os.path.join(os.path.dirname(sys.executable), 'llmgw')} --config {config}"
+
+    def explain() -> None:
+        click.echo((bringup.how_to_call(base_url, secret, key_file, admin, None, llmgw) if serve else
+                    f"\nllmgw is up: the gateway answers on {base_url}/v1 (key: {secret}, kept in {key_file})\n")
+                   + f"""
+Sign in at {base_url}/login as {admin} (its password was shown when it was made).
+The cluster: {llmgw} ctl nodes | models | replicas
+Add a node: {llmgw} node add [USER@]HOST
+Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
+""" + ("" if machine.runs_systemd(layout) else "Ctrl-C stops the gateway, the agent, the controller, the mirror "
+       "and the engine.\n"))
+
+    if machine.runs_systemd(layout):
+        machine.ensure_running(steps, [f"llmgw-{r}" for r in roles])
+        runner = bringup.Roles(config, cfg, os.path.join(layout.state_dir, "logs"))
+        if serve:
+            runner.serve_starter(node, base_url, secret)
+        explain()
+        return
+    if no_start:
+        steps.skip(f"starting the roles (--no-start); start them with `{sys.executable} {bringup.ROOT}/ROLE.py "
+                   f"--config {config}` for ROLE in {', '.join(roles)}, or run `llmgw init` again without --no-start")
+        return
+    logs = os.path.join(layout.state_dir, "logs")
+    filemodes.make_private_dir(logs)
+    say("...   systemd does not run the units here: running the roles as children of this command until Ctrl-C")
+    bringup.Roles(config, cfg, logs).run(node, serve, base_url, secret, explain)
+
+
+def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool) -> None:
+    if machine.runs_systemd(layout):
+        steps.do("the units with systemd, then wait for the starter model to answer", None, how="enable and start")
+    elif not no_start:
+        steps.do("the roles as children of this command until Ctrl-C (no systemd here), and wait for the "
+                 "starter model to answer", None, how="run")
+
+
+@click.command("init")
+@click.option("--root", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write the whole tree (/etc/llmgw, /var/lib/llmgw, /srv/models, units) under DIR; no user is "
+                   "made and systemd starts nothing.")
+@click.option("--plan", is_flag=True, help="Say what it would do, and do nothing.")
+@click.option("--postgres", metavar="DSN", help="Keep the store in PostgreSQL (postgresql://USER:PASSWORD@HOST/DB); "
+              "an existing SQLite store of this machine is moved there.")
+@click.option("--no-node", is_flag=True, help="Do not make this machine a node (no agent).")
+@click.option("--no-model", is_flag=True, help=f"Do not import and serve the starter model ({starter.NAME}).")
+@click.option("--no-start", is_flag=True, help="Where systemd does not run: prepare everything, start nothing.")
+@click.option("--admin", default="admin@localhost", show_default=True, help="The first administrator's email.")
+@click.option("--address", help="The name or address other machines reach this one at (default: its host name).")
+@click.option("--node-name", help="This machine's name as a node (default: its host name).")
+@click.pass_obj
+def init(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name):
+    """Make this machine a cluster's control plane: store, keys, administrator, mirror, units, starter model.
+
+    Settings in the configuration given with --config (listen addresses, ...) go into the one it writes,
+    /etc/llmgw/llmgw.toml. Safe to run again: what exists is kept."""
+    control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name)
+
+
+@click.command("init")
+@click.option("--root", type=click.Path(file_okay=False), metavar="DIR",
+              help="Write the whole tree (/etc/llmgw, /srv/models, the unit) under DIR; no user is made and systemd "
+                   "starts nothing.")
+@click.option("--plan", is_flag=True, help="Say what it would do, and do nothing.")
+@click.option("--controller", "controllers", multiple=True, required=True, metavar="ADDRESS",
+              help="The control plane's address (or network, CIDR), allowed to use the management API. Repeat it "
+                   "for several.")
+@click.option("--address", help="The name or address nodes reach this mirror at (default: its host name).")
+@click.pass_obj
+def mirror_init(obj, root, plan, controllers, address):
+    """Make this machine a model mirror: its user, the models directory, a configuration whose management API
+    only the control plane may use, and a hardened systemd unit."""
+    layout = machine.Layout(root)
+    machine.refuse_unless_allowed(layout)
+    base = obj.config()
+    steps = Steps(plan)
+    config = os.path.join(layout.config_dir, "mirror.toml")
+    listen = base["mirror.listen"]
+    _, port = addresses.parse(listen, "mirror.listen")
+    wanted = {**base.written, "mirror.dir": layout.models_dir, "mirror.api_allow": list(controllers),
+              "mirror.base_url": "http://" + addresses.join(public_host(listen, "mirror.listen", address), port)}
+    try:
+        addresses.check_list(wanted["mirror.api_allow"], "--controller")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--controller") from None
+    try:
+        machine.ensure_user(steps, layout, layout.models_dir)
+        machine.ensure_dirs(steps, [layout.config_dir, layout.models_dir])
+        machine.ensure_config(steps, config, wanted, [], {"mirror.api_allow": list(controllers)})
+        unit = machine.unit_text("mirror", layout, config, machine.service_user(layout), HARDENING)
+        machine.ensure_units(steps, layout, {"llmgw-mirror": unit})
+        machine.ensure_owned(steps, layout, [layout.config_dir, layout.models_dir])
+        if machine.runs_systemd(layout):
+            machine.ensure_running(steps, ["llmgw-mirror"])
+        elif plan:
+            steps.skip("starting it: systemd does not run the unit here")
+        else:
+            steps.skip(f"starting it: systemd does not run the unit here; run `{sys.executable} "
+                       f"{bringup.ROOT}/mirror.py --config {config}`")
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if not plan:
+        click.echo(f"\nThe mirror serves {layout.models_dir} on {wanted['mirror.base_url']}; its management API "
+                   f"answers {', '.join(controllers)} only. On the control plane, set mirror.api to this machine's "
+                   f"{base['mirror.api_listen']} port and catalog sources to {wanted['mirror.base_url']}/MODEL/"
+                   "VERSION/FILE.")
+
+
+# What a mirror host's unit adds to deploy/systemd/llmgw-mirror.service: it runs there alone, serving files
+# to the network, so it gets no privilege, device, kernel knob or namespace it does not need.
+HARDENING = """PrivateDevices=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictSUIDSGID=yes
+RestrictNamespaces=yes
+RestrictRealtime=yes
+LockPersonality=yes
+CapabilityBoundingSet=
+AmbientCapabilities=
+SystemCallArchitectures=native
+RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX
+UMask=0077
+"""

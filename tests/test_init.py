@@ -1,0 +1,175 @@
+"""`llmgw init` and `llmgw mirror init` under --root: plan, make, serve the starter model for real, rerun."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import psycopg2
+import pytest
+import sqlalchemy as sa
+
+from llmgw.node.supervisor import running_engines
+from llmgw.procs import free_port, http_status
+from tests.conftest import PG_ADMIN, post, wait_until, write_config
+from tests.test_up import signs_in
+
+LLMGW = [sys.executable, "-m", "llmgw"]
+PORTS = ("gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen", "controller.metrics_listen",
+         "controller.gateway_listen", "controller.demand_listen", "controller.accountant_listen", "mirror.listen",
+         "mirror.api_listen", "mirror.metrics_listen")
+
+
+def base_config(tmp_path, gateway_port):
+    """The --config init starts from: free loopback ports, so several tests and helpers can run at once."""
+    return write_config(tmp_path / "base.toml", {"gateway.listen": f"127.0.0.1:{gateway_port}", "gateway.workers": 1,
+                                                 **{name: f"127.0.0.1:{free_port()}" for name in PORTS}})
+
+
+def init(*args, config=None):
+    ran = subprocess.run([*LLMGW, *(["--config", config] if config else []), "init", *args],
+                         capture_output=True, text=True, timeout=180)
+    assert ran.returncode == 0, ran.stderr
+    return ran
+
+
+def mode(path) -> str:
+    return oct(os.stat(path).st_mode & 0o777)
+
+
+def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_everything(tmp_path):
+    root = tmp_path / "root"
+    port = free_port()
+    config = base_config(tmp_path, port)
+    plan = init("--root", str(root), "--plan", config=config)
+    assert not root.exists()
+    assert "would make store" in plan.stderr and "would make administrator admin@localhost" in plan.stderr
+    assert "would write unit" in plan.stderr and "done " not in plan.stderr
+
+    out = open(tmp_path / "init.out", "w")
+    err = open(tmp_path / "init.err", "w")
+    proc = subprocess.Popen([*LLMGW, "--config", config, "init", "--root", str(root), "--node-name", "cp1"],
+                            stdout=out, stderr=err)
+    out.close()
+    err.close()
+    try:
+        def up():
+            assert proc.poll() is None, (tmp_path / "init.err").read_text()
+            return "Ctrl-C stops" in (tmp_path / "init.out").read_text()
+
+        wait_until("llmgw init to bring the starter model up", 240, up, interval=0.2)
+        said, told = (tmp_path / "init.err").read_text(), (tmp_path / "init.out").read_text()
+        assert "done  store" in said and "done  administrator admin@localhost" in said
+        assert "Paris" in said  # init asked the model itself through the gateway
+        password = re.search(r"\| password (\S+)", told).group(1)
+        key = re.search(r"key: (sk-llmgw-\S+)", told).group(1)
+        assert "node add" in told
+        # The test asks too, as a client would, and signs in as the first administrator.
+        status, _, body = post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                               {"model": "smollm2-135m-instruct", "max_tokens": 8,
+                                "messages": [{"role": "user", "content": "Say hi"}]}, key)
+        assert status == 200, body
+        assert signs_in(f"http://127.0.0.1:{port}", "admin@localhost", password)
+        etc, state = root / "etc" / "llmgw", root / "var" / "lib" / "llmgw"
+        for secret in (etc / "llmgw.toml", etc / "keys" / "controller.key", etc / "keys" / "admin.token",
+                       etc / "session.key", etc / "node.key", etc / "gateway.key", state / "llmgw.db",
+                       state / "starter-key"):
+            assert mode(secret) == "0o600", secret
+        for folder in (etc, etc / "keys", state, root / "srv" / "models", root / "var" / "lib" / "llmgw-agent"):
+            assert mode(folder) == "0o700", folder
+        units = root / "etc" / "systemd" / "system"
+        assert sorted(os.listdir(units)) == [f"llmgw-{r}.service" for r in ("agent", "controller", "gateway", "mirror")]
+        assert f"LLMGW_CONFIG={etc / 'llmgw.toml'}" in (units / "llmgw-gateway.service").read_text()
+        assert len(running_engines(str(root / "var" / "lib" / "llmgw-agent"))) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert proc.wait(timeout=90) == 0, (tmp_path / "init.err").read_text()
+    assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
+    wait_until("the engine to stop", 30, lambda: running_engines(str(root / "var" / "lib" / "llmgw-agent")) == {})
+
+    again = init("--root", str(root), "--node-name", "cp1", "--no-start", config=config)
+    lines = again.stderr.splitlines()
+    assert [line for line in lines if not line.startswith(("kept ", "skip "))] == [], again.stderr
+    assert "kept  store" in again.stderr and "kept  node key for cp1" in again.stderr
+    assert "password" not in again.stdout
+    plan = init("--root", str(root), "--node-name", "cp1", "--plan", config=config)
+    assert "would run the roles" in plan.stderr and "would make" not in plan.stderr
+
+
+def test_no_node_and_no_model(tmp_path):
+    root = tmp_path / "root"
+    init("--root", str(root), "--no-node", "--no-model", "--no-start", config=base_config(tmp_path, free_port()))
+    text = (root / "etc" / "llmgw" / "llmgw.toml").read_text()
+    assert "[agent]" not in text and "[[models]]" not in text
+    assert not (root / "etc" / "llmgw" / "node.key").exists()
+    assert not (root / "srv" / "models" / "smollm2-135m-instruct").exists()
+    assert "llmgw-agent.service" not in os.listdir(root / "etc" / "systemd" / "system")
+
+
+@pytest.fixture
+def pg_move_url():
+    """An empty database of its own, so no other test's rows are in the way."""
+    admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute('DROP DATABASE IF EXISTS "llmgw_init_test"')
+        cur.execute('CREATE DATABASE "llmgw_init_test"')
+    admin.close()
+    return PG_ADMIN.rsplit("/", 1)[0] + "/llmgw_init_test"
+
+
+def test_postgres_takes_the_sqlite_stores_rows(tmp_path, pg_move_url):
+    root = tmp_path / "root"
+    config = base_config(tmp_path, free_port())
+    init("--root", str(root), "--no-model", "--no-start", config=config)
+    toml = str(root / "etc" / "llmgw" / "llmgw.toml")
+    made = subprocess.run([*LLMGW, "--config", toml, "keys", "create", "moved-key"], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+
+    moved = init("--root", str(root), "--no-model", "--no-start", "--postgres", pg_move_url, config=config)
+    assert "done  store moved" in moved.stderr, moved.stderr
+    db = root / "var" / "lib" / "llmgw" / "llmgw.db"
+    assert not db.exists() and (root / "var" / "lib" / "llmgw" / "llmgw.db.moved-to-postgresql").exists()
+    assert "postgresql" in (root / "etc" / "llmgw" / "llmgw.toml").read_text()
+    listed = subprocess.run([*LLMGW, "--config", toml, "keys", "list"], capture_output=True, text=True)
+    assert "moved-key" in listed.stdout and "starter" in listed.stdout, listed.stderr
+    engine = sa.create_engine(pg_move_url.replace("postgresql://", "postgresql+psycopg2://", 1))
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM users")).scalar() == 1
+        assert conn.execute(sa.text("SELECT count(*) FROM node_keys")).scalar() == 1
+    engine.dispose()
+    # The node key issued on SQLite moved with its public half, so the rerun keeps the key file.
+    rerun = init("--root", str(root), "--no-model", "--no-start", "--postgres", pg_move_url, config=config)
+    assert "done " not in rerun.stderr and "kept  store postgresql" in rerun.stderr, rerun.stderr
+    assert "kept  node key" in rerun.stderr
+
+
+def test_mirror_init(tmp_path):
+    root = tmp_path / "root"
+    plan = subprocess.run([*LLMGW, "mirror", "init", "--root", str(root), "--controller", "10.1.2.3", "--plan"],
+                          capture_output=True, text=True)
+    assert plan.returncode == 0 and "would write unit" in plan.stderr and not root.exists(), plan.stderr
+    first = subprocess.run([*LLMGW, "mirror", "init", "--root", str(root), "--controller", "10.1.2.3",
+                            "--address", "mirror.example"], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    config = root / "etc" / "llmgw" / "mirror.toml"
+    text = config.read_text()
+    assert 'api_allow = ["10.1.2.3"]' in text and 'base_url = "http://mirror.example:8081"' in text
+    assert mode(config) == "0o600" and mode(root / "srv" / "models") == "0o700"
+    unit = (root / "etc" / "systemd" / "system" / "llmgw-mirror.service").read_text()
+    assert f"ReadWritePaths={root / 'srv' / 'models'}" in unit
+    assert "ProtectSystem=strict" in unit and "CapabilityBoundingSet=\n" in unit and "PrivateDevices=yes" in unit
+    again = subprocess.run([*LLMGW, "mirror", "init", "--root", str(root), "--controller", "10.1.2.3",
+                            "--address", "mirror.example"], capture_output=True, text=True)
+    assert "done " not in again.stderr and "kept  unit" in again.stderr, again.stderr
+    # The configuration it wrote is one the mirror starts with (on free ports here).
+    port, api = free_port(), free_port()
+    mirror = subprocess.Popen([sys.executable, "mirror.py", "--config", str(config), "--listen", f"127.0.0.1:{port}",
+                               "--api-listen", f"127.0.0.1:{api}", "--metrics-listen", f"127.0.0.1:{free_port()}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until("the mirror to serve", 60, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)
+    finally:
+        mirror.terminate()
+        mirror.wait(timeout=30)
