@@ -31,7 +31,7 @@ import click
 import llmgw
 from llmgw import addresses, settings
 from llmgw.apiclient import ApiClient, ApiError
-from llmgw.cli import wheelhouse
+from llmgw.cli import machine, wheelhouse
 from llmgw.cli.ssh import SshError, Target
 
 # Room the virtual environment needs beyond the wheels themselves (they unpack to about three times their size).
@@ -316,29 +316,6 @@ def _fix(lines: list[str], i: int) -> str:
     return f" ({following[1:].strip()})" if following.startswith("→") else ""
 
 
-UNIT = """# Written by `llmgw node add`.
-[Unit]
-Description=llmgw node agent
-After=network-online.target
-Wants=network-online.target
-
-[Service]
-Type=simple
-Environment=LLMGW_CONFIG={prefix}/agent.toml
-ExecStart={prefix}/.venv/bin/python {prefix}/agent.py
-# Engines outlive their agent: stopping or restarting the agent must not kill them.
-KillMode=process
-Restart=on-failure
-RestartSec=2
-# RDMA needs locked memory; systemd's 8 MiB default breaks NCCL over InfiniBand.
-LimitMEMLOCK=infinity
-LimitNOFILE=65536
-UMask=0077
-
-[Install]
-WantedBy=multi-user.target
-"""
-
 # Without systemd: stop the agent this command started before (by its pid file, only if that process is
 # still this prefix's agent), then start it in its own session so it outlives the SSH connection.
 DETACHED = """set -e
@@ -356,11 +333,18 @@ def _start(target: Target, host: dict) -> tuple[str, str]:
     """Start (or restart) the agent; how it runs, in words, and what that means."""
     prefix = host["prefix"]
     if host["systemd"] and host["uid"] == 0:
-        unit = UNIT.format(prefix=prefix)
-        target.run("set -e; cat > /etc/systemd/system/llmgw-agent.service; systemctl daemon-reload; "
+        # The deploy unit, run as its system user (made here when missing), who must own what the agent
+        # reads and writes; the doctor ran as root before, and changed nothing there.
+        unit = machine.unit_text("agent", machine.Layout(None), f"{prefix}/agent.toml", machine.USER,
+                                 python=f"{prefix}/.venv/bin/python", scripts=prefix)
+        p, user = shlex.quote(prefix), machine.USER
+        target.run(f"set -e; id -u {user} >/dev/null 2>&1 || useradd --system --user-group --home-dir {p} "
+                   f"--no-create-home --shell /usr/sbin/nologin {user}; mkdir -p {p}/weights {p}/work; "
+                   f"chown -R {user}:{user} {p}/weights {p}/work; chown {user}:{user} {p}/node.key {p}/agent.toml; "
+                   "cat > /etc/systemd/system/llmgw-agent.service; systemctl daemon-reload; "
                    "systemctl enable --quiet llmgw-agent; systemctl restart llmgw-agent", stdin=unit.encode(),
                    what="starting the agent's systemd unit")
-        return "under systemd", " (llmgw-agent.service, enabled: it starts at boot)"
+        return "under systemd", f" (llmgw-agent.service as user {user}, enabled: it starts at boot)"
     target.run(DETACHED.format(prefix=shlex.quote(prefix)), what="starting the agent")
     why = "no systemd runs there" if not host["systemd"] else "the SSH user is not root, so no system unit"
     return "detached", (f", since {why}: it does not start again after a reboot (its log is {prefix}/agent.log; "
