@@ -51,7 +51,8 @@ try:
 except ImportError:
     has_venv = False
 home = os.path.expanduser("~")
-prefix = os.path.expanduser(sys.argv[1]) if sys.argv[1] else ("/opt/llmgw" if os.getuid() == 0 else home + "/llmgw")
+default = "/opt/llmgw" if os.getuid() == 0 else home + "/llmgw"
+prefix = os.path.abspath(os.path.expanduser(sys.argv[1])) if sys.argv[1] else default
 print(json.dumps({"python": list(sys.version_info[:2]), "executable": sys.executable, "machine": platform.machine(),
                   "has_venv": has_venv, "uid": os.getuid(), "hostname": socket.gethostname().split(".")[0],
                   "systemd": os.path.isdir("/run/systemd/system"), "prefix": prefix, "free": free(prefix),
@@ -156,7 +157,7 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, batch: Ba
         batch.say(destination, f"Python {'.'.join(map(str, host['python']))} on {host['machine']}, "
                                  f"{host['free'] / 2**30:.0f} GiB free; installing into {host['prefix']} as node {node}")
         step = "installing llmgw"
-        _install(target, options, host, bundle)
+        _install(target, host, bundle)
         batch.say(destination, "installed llmgw and its dependencies (no package index used)")
         step = "issuing the node's key"
         batch.say(destination, "kept the node's key it holds (--new-key issues another)" if keep
@@ -210,7 +211,7 @@ def _probe(target: Target, options: Options, size: int) -> dict:
     return host
 
 
-def _install(target: Target, options: Options, host: dict, bundle: bytes) -> None:
+def _install(target: Target, host: dict, bundle: bytes) -> None:
     prefix = shlex.quote(host["prefix"])
     pip = f"{prefix}/.venv/bin/pip install --quiet --disable-pip-version-check --no-index"
     # Every wheel named, so a version here replaces another one there; llmgw's own forced, since an
