@@ -8,6 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 CHROMIUM := /usr/bin/chromium
+SSHD := /usr/sbin/sshd
 
 .PHONY: run test clients docs bench clean
 
@@ -26,6 +27,11 @@ $(CHROMIUM):
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
 	else echo "The page tests need Chromium: sudo apt-get install chromium" >&2; exit 1; fi
 
+# `llmgw node add` is tested against a real SSH server, started by the test on a loopback port.
+$(SSHD):
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq openssh-server openssh-client; \
+	else echo "The node add tests need an SSH server: sudo apt-get install openssh-server" >&2; exit 1; fi
+
 # The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
 # installed into the checkout, not globally; npm ci runs again only when the lock changes.
 CLIENTS := tests/clients
@@ -37,7 +43,7 @@ $(CLIENTS_STAMP): $(CLIENTS)/package.json $(CLIENTS)/package-lock.json
 
 clients: $(CLIENTS_STAMP)
 
-test: $(STAMP) $(CHROMIUM) $(CLIENTS_STAMP)
+test: $(STAMP) $(CHROMIUM) $(SSHD) $(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest
 

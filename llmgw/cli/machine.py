@@ -125,13 +125,15 @@ def ensure_config(steps: Steps, path: str, wanted: dict, models: list[dict], for
         + settings.to_toml(values, models=all_models)) or note or None, how="write")
 
 
-def unit_text(role: str, layout: Layout, config: str, user: str, extra: str = "") -> str:
-    """deploy/systemd/llmgw-ROLE.service for this machine: CONFIG, this installation's Python and scripts, the
-    layout's directories and USER. EXTRA lines go at the end of [Service]."""
+def unit_text(role: str, layout: Layout, config: str, user: str, extra: str = "", python: str = sys.executable,
+              scripts: str = ROOT) -> str:
+    """deploy/systemd/llmgw-ROLE.service for this machine: CONFIG, this installation's Python and scripts (or
+    PYTHON and SCRIPTS, another machine's, for `llmgw node add`), the layout's directories and USER. EXTRA
+    lines go at the end of [Service]."""
     with open(os.path.join(UNITS, f"llmgw-{role}.service"), encoding="utf-8") as f:
         text = f.read()
     text = re.sub(r"/etc/llmgw/\w+\.toml", config, text)
-    text = text.replace("/opt/llmgw/.venv/bin/python", sys.executable).replace("/opt/llmgw/", ROOT + "/")
+    text = text.replace("/opt/llmgw/.venv/bin/python", python).replace("/opt/llmgw/", scripts + "/")
     text = re.sub(r"/var/lib/llmgw(?![\w-])", layout.state_dir, text).replace("/srv/models", layout.models_dir)
     text = re.sub(r"^(User|Group)=llmgw$", lambda m: f"{m.group(1)}={user}", text, flags=re.M)
     if extra:

@@ -275,3 +275,57 @@ def up(obj: Context, listen, workers):
 
 main.add_command(init)
 mirror.add_command(mirror_init)
+
+
+@main.group()
+def node():
+    """Nodes reached over SSH: add them to this controller."""
+
+
+@node.command("add")
+@click.argument("hosts", nargs=-1, required=True, metavar="[USER@]HOST...")
+@click.option("--admin", "admin_url", help="The controller's admin API [http://controller.admin_listen].")
+@click.option("--controller", "controllers", multiple=True, metavar="HOST:PORT",
+              help="Where the nodes dial the controller (repeatable) [controller.agent_listen's port, at the "
+                   "address this machine has as each host sees it].")
+@click.option("--name", help="The node's name (one host only) [the host's short host name].")
+@click.option("--dir", "prefix", default="", help="Where llmgw goes on the host [/opt/llmgw as root, else ~/llmgw].")
+@click.option("--python", default="python3", show_default=True,
+              help="The host's Python (3.11 or later, the same minor version as here).")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="A label for placement (repeatable).")
+@click.option("--ignore-checks", is_flag=True, help="Start the agent even when the doctor finds a failure there.")
+@click.option("--new-key", is_flag=True, help="Issue a new key even where the host holds one (the old one stops "
+                                             "working).")
+@click.option("--no-wait", is_flag=True, help="Do not wait for the node to register.")
+@click.option("--wait-timeout", type=float, default=180, show_default=True, help="Seconds to wait for it.")
+@click.option("--ssh-port", "port", type=int, help="The hosts' SSH port [ssh's configuration, else 22].")
+@click.option("-i", "--identity", type=click.Path(exists=True, dir_okay=False), help="The SSH private key to use.")
+@click.option("--known-hosts", type=click.Path(dir_okay=False), help="ssh's known-hosts file for the hosts' keys.")
+@click.option("--accept-new-host-key", "accept_new", is_flag=True,
+              help="Trust a host key ssh has never seen (first use); a changed key is still refused.")
+@click.pass_obj
+def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, ignore_checks, new_key, no_wait,
+             wait_timeout, port, identity, known_hosts, accept_new):
+    """Install llmgw on each HOST over SSH and start its agent, as a node of this controller.
+
+    Uses the system's ssh in batch mode with your own keys. Each host gets a virtual environment with
+    exactly the versions installed here (no package index needed), its key (0600), the agent's
+    configuration, the doctor's checks and a running agent; one line per host says how it went."""
+    from llmgw.apiclient import admin_client
+    from llmgw.cli import nodeadd
+
+    if name and len(hosts) > 1:
+        raise click.UsageError("--name names one node; give one host with it, or leave it out to use host names")
+    try:
+        parsed_labels = dict(label.split("=", 1) for label in labels)
+    except ValueError:
+        raise click.BadParameter("write each label as KEY=VALUE, such as rack=r12", param_hint="--label") from None
+    cfg = obj.config()
+    options = nodeadd.Options(
+        admin=admin_client(cfg, admin_url or cfg["controller.admin_listen"],
+                           "node add runs on the controller's machine, or give --admin URL"),
+        agent_listen=cfg["controller.agent_listen"], controllers=controllers, name=name, prefix=prefix, python=python,
+        labels=parsed_labels, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
+        accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
+    if not nodeadd.run(options, hosts):
+        sys.exit(1)

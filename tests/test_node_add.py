@@ -1,0 +1,117 @@
+"""`llmgw node add` against a real SSH server: a host becomes a node that serves a model through the gateway.
+
+The "remote" machine is this one, reached through sshd on a loopback port as an unprivileged user, with
+the test's own keys and known-hosts file, so everything node add does crosses SSH as it would to
+another machine: the install, the key, the configuration, the doctor and the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from llmgw.node.supervisor import running_engines
+from llmgw.procs import free_port, wait_for
+from tests.cluster import Controller
+from tests.conftest import Gateway, make_key, post
+from tests.sshd import Sshd
+
+SIM = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
+       "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5"]}]}
+
+
+@pytest.fixture
+def sshd(tmp_path):
+    server = Sshd(tmp_path)
+    yield server
+    prefix = os.path.join(server.dir, "llmgw")
+    try:
+        with open(os.path.join(prefix, "agent.pid")) as f:
+            os.kill(int(f.read()), signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+    for pid in running_engines(os.path.join(prefix, "work")).values():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    server.stop()
+
+
+def node_add(controller: Controller, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw", "--config", controller.config, "node", "add", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, sshd):
+    # The agent heartbeats every 5 s as installed, so the controller keeps its own patience too.
+    c = Controller(tmp_path, models=[SIM], controller__unreachable_after=15.0, controller__lost_after=60.0)
+    gateway = Gateway(tmp_path, c.values["store.url"], gateway__controller=f"127.0.0.1:{c.gateway_port}",
+                      gateway__key_file=c.gateway_key_file(), gateway__load_wait=60)
+    key = make_key(c.values["store.url"])  # made now, so the gateways have it by the end
+    try:
+        prefix = os.path.join(sshd.dir, "llmgw")
+        login = f"{sshd.user}@127.0.0.1"
+        node = socket.gethostname().split(".")[0]
+
+        # A controller address nothing answers at: installed and checked, but the doctor stops it before
+        # the agent starts.
+        closed = free_port()
+        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, "--controller", f"127.0.0.1:{closed}", login)
+        assert run.returncode == 1, run.stderr
+        assert f"✗ {login}: failed running the doctor: the doctor found a problem there" in run.stderr, run.stderr
+        assert "--ignore-checks" in run.stderr and "agent started" not in run.stderr
+        assert os.stat(os.path.join(prefix, "node.key")).st_mode & 0o777 == 0o600
+        assert not os.path.exists(os.path.join(prefix, "agent.pid"))
+
+        # Again, right, beside a host that refuses the login: the one is added, the other says what to do.
+        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, login, "nobody-here@127.0.0.1")
+        assert run.returncode == 1, run.stderr
+        assert f"✓ {login}: node {node} is ready, engines: " in run.stderr, run.stderr
+        assert "kept the node's key it holds" in run.stderr  # the key of the first run: still this node's
+        assert "agent started detached, since no systemd runs there" in run.stderr
+        assert "✗ nobody-here@127.0.0.1: failed checking the host: nobody-here@127.0.0.1 (port" in run.stderr
+        assert "ssh-copy-id nobody-here@127.0.0.1" in run.stderr
+        assert c.state(node) == "ready"
+
+        # The controller places the model there, and it answers through the gateway.
+        wait_for("simmy ready on the new node", 90, lambda: [r for r in c.ready("simmy") if r["node"] == node],
+                 interval=0.5)
+        status, _, body = post(gateway.url + "/v1/chat/completions",
+                               {"model": "simmy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+                               key, timeout=90)
+        assert status == 200, body
+        # It runs as the login user, as an engine on another machine would.
+        engines = list(running_engines(os.path.join(prefix, "work")).values())
+        assert len(engines) == 1 and os.stat(f"/proc/{engines[0]}").st_uid == pwd.getpwnam(sshd.user).pw_uid
+
+        # Another machine with the same host name (here: another directory) must not take that node's key.
+        elsewhere = os.path.join(sshd.dir, "elsewhere")
+        run = node_add(c, *sshd.ssh_flags(), "--dir", elsewhere, login)
+        assert run.returncode == 1
+        assert f"failed checking the host: the controller already has a node called {node} (ready" in run.stderr
+        assert "--name NAME" in run.stderr and not os.path.exists(elsewhere)
+        assert c.state(node) == "ready"
+    finally:
+        gateway.stop()
+        c.stop()
+
+
+def test_a_host_whose_key_ssh_does_not_know_is_refused_with_what_to_do(tmp_path, sshd):
+    c = Controller(tmp_path)
+    try:
+        strangers = tmp_path / "empty_known_hosts"
+        strangers.write_text("")
+        flags = [f if f != str(sshd.known_hosts) else str(strangers) for f in sshd.ssh_flags()]
+        run = node_add(c, *flags, f"{sshd.user}@127.0.0.1")
+        assert run.returncode == 1
+        assert "ssh does not know 127.0.0.1's host key" in run.stderr and "--known-hosts FILE" in run.stderr, run.stderr
+        assert not os.path.exists(os.path.join(sshd.dir, "llmgw")) and c.nodes() == {}
+    finally:
+        c.stop()
