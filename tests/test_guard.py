@@ -78,6 +78,7 @@ def env(tmp_path_factory):
     e = Env()
     e.gw, e.url, e.key, e.store = gw, gw.url, key, url
     e.narrow_key = make_key(url, "narrow", models=["plain"])
+    e.sims = sims
     e.client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0)
     yield e
     e.client.close()
@@ -331,6 +332,22 @@ def test_a_prompt_longer_than_the_judge_reads_is_judged_in_pieces(env):
         "model": "worded-open", "max_tokens": 5, "messages": [{"role": "user", "content": filler}]}, env.key)
     assert status == 200
     wait_for_row(env, "worded-open", (200, "safe", None, False, "chat"))  # judged, every piece of it
+
+
+def test_pieces_judged_safe_before_are_not_asked_again(env):
+    def asked() -> float:
+        return env.sims["judge-word"].metrics()["llmgw_sim_requests_total"]
+
+    body = {"model": "worded-open", "max_tokens": 5,
+            "messages": [{"role": "user", "content": "Tell me about rye and how it is milled. " * 500}]}
+    before = asked()
+    assert post(f"{env.url}/v1/chat/completions", body, env.key)[0] == 200
+    pieces = asked() - before
+    assert pieces > 5
+    for _ in range(3):  # each worker asks once at most; the gateway has two
+        assert post(f"{env.url}/v1/chat/completions", body, env.key)[0] == 200
+    assert asked() - before <= 2 * pieces
+    assert 'llmgw_guard_remembered_total{judge="judge-word"}' in env.gw.metrics()
 
 
 def test_a_piece_the_judge_refuses_as_too_long_is_refused_even_with_fail_open(env):

@@ -37,7 +37,9 @@ caller's usage row records the verdict and categories.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -100,6 +102,9 @@ UNREAD_IN_MESSAGE = frozenset(("role", "content", "tool_calls", "tool_call_id"))
 SPECIAL_TOKEN = re.compile(r"<\||\|>")
 MARKER = re.compile(r"<(?=\s*(?:BEGIN|END)\b)", re.IGNORECASE)
 TURN = re.compile(r"^(\s*)(?=(?:User|Agent)\s*:)", re.IGNORECASE | re.MULTILINE)
+# Safe verdicts a worker remembers, by the judge's whole prompt: pieces are cut from the start, tools
+# first, so each turn of an agent's conversation repeats the pieces of the turn before exactly.
+REMEMBERED = 4096
 # Pieces of a long text overlap by this fraction of a piece, so that a sentence cut at a boundary is also
 # read whole.
 OVERLAP = 8
@@ -257,6 +262,7 @@ class Guard:
         self.rt = runtime
         self.timeout = runtime.cfg["guard.timeout"]
         self.max_bytes = runtime.cfg["guard.max_prompt_bytes"]
+        self.safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # see REMEMBERED
 
     def check_prompt(self, req, model: ModelSpec) -> None:
         """Judge REQ's prompt where MODEL's policy says so, a piece at a time where it is longer than
@@ -290,8 +296,15 @@ class Guard:
 
     def _judge(self, req, model: ModelSpec, rule: Policy, checked: str, user: str, agent: str | None) -> None:
         m = self.rt.metrics
+        prompt = judge_prompt(user, agent)
+        seen = hashlib.blake2b(f"{rule.judge}\n{prompt}".encode("utf-8", "replace"), digest_size=16).digest()
+        if seen in self.safe:  # the judge's verdict at temperature 0 would be the same
+            self.safe.move_to_end(seen)
+            m.guard_remembered.labels(rule.judge).inc()
+            _record(req, "safe", None)
+            return
         try:
-            categories = self._ask(rule.judge, judge_prompt(user, agent))
+            categories = self._ask(rule.judge, prompt)
         except Unreadable as e:
             _record(req, "unjudged", None)
             log.warning("refused a request for %s: the judge %s could not read a piece of its %s (%d bytes): %s",
@@ -319,6 +332,9 @@ class Guard:
                            "guard_unavailable", retry_after=5) from None
         if categories is None:
             m.guard_verdicts.labels(rule.judge, checked, "safe", "").inc()
+            self.safe[seen] = None
+            if len(self.safe) > REMEMBERED:
+                self.safe.popitem(last=False)
             _record(req, "safe", None)
             return
         for code in categories:
