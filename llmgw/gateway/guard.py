@@ -95,7 +95,8 @@ UNREAD = frozenset((
     "max_completion_tokens", "n_predict", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty", "seed", "stop",
     "logit_bias", "logprobs", "top_logprobs", "echo", "parallel_tool_calls", "tool_choice", "cache_prompt"))
-# A message's fields that are no text: who it is from, and which call a tool result answers.
+# A message's fields read otherwise (its role is its label; content and tool_calls are read as text) or
+# carrying no text (which call a tool result answers).
 UNREAD_IN_MESSAGE = frozenset(("role", "content", "tool_calls", "tool_call_id"))
 # What in client or engine text could rewrite the judge's prompt: Llama 3's special tokens (llama.cpp and
 # vLLM parse them in a completion's prompt), the template's own markers, and a line opening a turn.
@@ -105,8 +106,8 @@ TURN = re.compile(r"^(\s*)(?=(?:User|Agent)\s*:)", re.IGNORECASE | re.MULTILINE)
 # Safe verdicts a worker remembers, by the judge's whole prompt: pieces are cut from the start, tools
 # first, so each turn of an agent's conversation repeats the pieces of the turn before exactly.
 REMEMBERED = 4096
-# Pieces of a long text overlap by this fraction of a piece, so that a sentence cut at a boundary is also
-# read whole.
+# Pieces of a long text overlap by 1/OVERLAP of a piece, so that a sentence cut at a boundary is also read
+# whole.
 OVERLAP = 8
 
 
