@@ -288,6 +288,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("guard.timeout", "float", 10.0,
             "Seconds the judge has to give one verdict, connecting included; then it counts as unable to judge "
             "(see `guard.fail`).", minimum=0.1),
+    Setting("guard.max_prompt_bytes", "int", 16000,
+            "The most bytes of conversation (UTF-8) the judge reads at once. A longer prompt is judged in "
+            "overlapping pieces of this size, unsafe if any piece is; a longer answer in pieces of half, each "
+            "after the end of the prompt. A token is at least a byte, so the judge's context in tokens less "
+            "about 500 (its template) never overflows; a piece the judge still refuses as too long is refused "
+            "with 400, whatever `guard.fail` says.", minimum=1000),
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",

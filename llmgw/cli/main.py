@@ -228,8 +228,16 @@ def usage(obj: Context, by, since, as_json):
               help="Answer a chat that offers tool NAME, and has no tool result yet, with a call of it with "
               "ARGUMENTS (a JSON object); a chat ending in a tool result with \"The tool said: \" and the result. "
               "Repeat it for several tools: the first one offered is called.")
+@click.option("--reasoning", help="A chat answer's reasoning_content, streamed before its text, as vLLM streams a "
+              "reasoning model's.")
+@click.option("--reply-if", "reply_if", type=(str, str), multiple=True, metavar="WORD TEXT",
+              help="Answer a prompt that holds WORD with TEXT (a judge that finds one word unsafe). Repeatable; "
+              "the first that matches answers.")
+@click.option("--max-context", type=int, default=0, show_default=True,
+              help="Answer 400 to a prompt of more tokens than this, as llama.cpp does (0: no limit).")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls):
+        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls, reasoning, reply_if,
+        max_context):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
@@ -244,7 +252,8 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
-                         reply=reply, tool_calls=tuple(tool_calls))
+                         reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
+                         reply_if=tuple(reply_if), max_context=max_context)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

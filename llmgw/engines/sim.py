@@ -20,6 +20,10 @@ ARGUMENTS) pairs: a chat that offers a tool so named, and holds no tool
 result yet, is answered with a call of it, streamed as vLLM and OpenAI stream
 calls; a chat whose last message is a tool result is answered `The tool said:
 ` and that result, so a test sees the output went back to the model.
+`reasoning` is a chat answer's `reasoning_content`, sent before its text as
+vLLM sends a reasoning model's; `reply_if` are (WORD, TEXT) pairs: a prompt
+holding WORD is answered TEXT (a judge that finds one word unsafe);
+`max_context` answers 400 to a prompt of more tokens, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -68,6 +72,9 @@ class SimOptions:
     api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
     reply: str | None = None  # the text of every answer (a word and its spaces a token), instead of tok0 tok1...
     tool_calls: tuple[tuple[str, str], ...] = ()  # (NAME, JSON ARGUMENTS): called when offered, see the top
+    reasoning: str | None = None  # a chat answer's reasoning_content, streamed before its text
+    reply_if: tuple[tuple[str, str], ...] = ()  # (WORD, TEXT): a prompt holding WORD is answered TEXT
+    max_context: int = 0  # 0: no limit; N: a prompt of more than N tokens is answered 400
 
 
 class SimEngine:
@@ -201,8 +208,14 @@ class SimEngine:
         tasks = [max(1, len(p.split())) for p in prompts for _ in range(body.get("n") or 1)]
         prompt_tokens = tasks[0]
         all_prompt_tokens = sum(max(1, len(p.split())) for p in prompts)
+        if self.o.max_context and max(tasks) > self.o.max_context:
+            return self._json(start_response, "400 Bad Request", _error(
+                f"the request exceeds the available context size, try increasing it ({max(tasks)} tokens, "
+                f"{self.o.max_context} allowed)", 400))
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
-        pieces, finish = self._answer(kind, body, limit)
+        pieces, finish = self._answer(kind, body, limit, prompt)
+        if kind == "chat" and self.o.reasoning is not None:
+            pieces = [("reasoning", p) for p in _pieces(self.o.reasoning)] + pieces
         n_tokens = len(pieces)
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -241,6 +254,8 @@ class SimEngine:
                     delta = {}
                 elif isinstance(piece, dict):
                     delta = {"tool_calls": [piece]}
+                elif isinstance(piece, tuple):
+                    delta = {"reasoning_content": piece[1]}
                 else:
                     delta = {"content": piece}
                 if i == 0:
@@ -276,10 +291,13 @@ class SimEngine:
                 self.generation_tokens += n_tokens * len(tasks)
             finally:
                 leave()
-            if pieces and isinstance(pieces[0], dict):
-                message = {"role": "assistant", "content": None, "tool_calls": [_whole_call(pieces)]}
+            said = [p for p in pieces if not isinstance(p, tuple)]
+            if said and isinstance(said[0], dict):
+                message = {"role": "assistant", "content": None, "tool_calls": [_whole_call(said)]}
             else:
-                message = {"role": "assistant", "content": "".join(pieces)}
+                message = {"role": "assistant", "content": "".join(said)}
+            if len(said) < len(pieces):
+                message["reasoning_content"] = "".join(p[1] for p in pieces if isinstance(p, tuple))
             choices = [{"index": j, "message": message, "finish_reason": finish}
                        if kind == "chat" else {"index": j, "text": message["content"], "finish_reason": finish}
                        for j in range(len(tasks))]
@@ -318,7 +336,7 @@ class SimEngine:
 
         return events()
 
-    def _answer(self, kind: str, body: dict, limit: int | None) -> tuple[list, str]:
+    def _answer(self, kind: str, body: dict, limit: int | None, prompt: str) -> tuple[list, str]:
         """What to answer BODY with, one piece a token (texts, or a tool call's deltas), and why it ends.
 
         Unscripted: LIMIT tokens `tok0 tok1 ...` (`default_tokens` without
@@ -334,6 +352,9 @@ class SimEngine:
             for name, arguments in self.o.tool_calls:
                 if name in offered:
                     return _call_pieces(name, arguments), "tool_calls"
+        for word, text in self.o.reply_if:
+            if word in prompt:
+                return _cut(_pieces(text), limit)
         if self.o.reply is not None:
             return _cut(_pieces(self.o.reply), limit)
         return [f"tok{i} " for i in range(limit or self.o.default_tokens)], "length"

@@ -12,7 +12,13 @@ categories S1-S14, the conversation as `User:` and `Agent:` turns, the
 question about the last turn) written here and sent as a plain completion, so
 that neither the engine's chat template (Llama Guard's raises on a system or
 tool message, which every agent sends) nor its default categories decide what
-it reads. It answers `safe`, or `unsafe` and a line of categories.
+it reads. It answers `safe`, or `unsafe` and a line of categories. Everything
+the client wrote (every message, earlier assistant turns too, tools, formats,
+fields the engine may render) is one `User` turn, so that the question about
+the last turn is about all of it; the answer is the `Agent` turn after it.
+Client and engine text cannot rewrite that prompt (`neutral`), and no piece
+of it is longer than `guard.max_prompt_bytes`: a longer text is judged in
+pieces, unsafe if any piece is.
 
 A prompt is judged after admission (a refused key spends no judge) and
 before any engine sees it; an unsafe one is a 400 naming the categories, in
@@ -31,9 +37,12 @@ caller's usage row records the verdict and categories.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import json
 import logging
+import re
 import time
 
 from llmgw.gateway.errors import ApiError
@@ -77,8 +86,29 @@ Provide your safety assessment for ONLY THE LAST {role} message in the above con
 
 """
 CATEGORY_LINES = "\n".join(f"{code}: {name}." for code, name in CATEGORIES.items())
-# Whose turn each chat role is: what reaches the model (tool results too) is the User's, what it says the Agent's.
-SPEAKERS = {"assistant": "Agent"}
+# Fields of a request that carry no text to the model: sampling, limits, delivery, and the choice among
+# tools it was offered. Every other field is judged, shown as `[field] value`, since an engine or its chat
+# template may render it: tools (names, descriptions, schemas), response_format, a completion's suffix,
+# chat_template_kwargs, and fields this gateway does not know but passes on.
+UNREAD = frozenset((
+    "model", "messages", "prompt", "stream", "stream_options", "user", "metadata", "store", "max_tokens",
+    "max_completion_tokens", "n_predict", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty", "seed", "stop",
+    "logit_bias", "logprobs", "top_logprobs", "echo", "parallel_tool_calls", "tool_choice", "cache_prompt"))
+# A message's fields read otherwise (its role is its label; content and tool_calls are read as text) or
+# carrying no text (which call a tool result answers).
+UNREAD_IN_MESSAGE = frozenset(("role", "content", "tool_calls", "tool_call_id"))
+# What in client or engine text could rewrite the judge's prompt: Llama 3's special tokens (llama.cpp and
+# vLLM parse them in a completion's prompt), the template's own markers, and a line opening a turn.
+SPECIAL_TOKEN = re.compile(r"<\||\|>")
+MARKER = re.compile(r"<(?=\s*(?:BEGIN|END)\b)", re.IGNORECASE)
+TURN = re.compile(r"^(\s*)(?=(?:User|Agent)\s*:)", re.IGNORECASE | re.MULTILINE)
+# Safe verdicts a worker remembers, by the judge's whole prompt: pieces are cut from the start, tools
+# first, so each turn of an agent's conversation repeats the pieces of the turn before exactly.
+REMEMBERED = 4096
+# Pieces of a long text overlap by 1/OVERLAP of a piece, so that a sentence cut at a boundary is also read
+# whole.
+OVERLAP = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +120,16 @@ class Policy:
 
 
 class Unavailable(Exception):
-    """The judge could not judge; the message says why, for the client and the log."""
+    """The judge could not judge: WHY is for the client, DETAIL (its replica, its own words) for the log only."""
+
+    def __init__(self, why: str, detail: str = ""):
+        super().__init__(why)
+        self.why, self.detail = why, detail
+
+
+class Unreadable(Exception):
+    """The judge refused what it was given to read (HTTP 400 or 413: longer than its context). Nothing passes
+    for this reason, whatever guard.fail says: a client could otherwise make any prompt too long to judge."""
 
 
 def policy(cfg, model: ModelSpec) -> Policy | None:
@@ -121,32 +160,65 @@ def _calls(calls) -> str:
                      for c in calls or () if isinstance(c, dict) and isinstance(c.get("function"), dict))
 
 
-def prompt_turns(req) -> list[tuple[str, str]]:
-    """The request as (User|Agent, text) turns; raises ApiError for a prompt a text judge cannot read."""
+def _shown(value) -> str:
+    """A field's value as the judge reads it: a string as itself, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _fields(obj: dict, unread: frozenset) -> list[str]:
+    return [f"[{key}] {_shown(value)}" for key, value in obj.items() if key not in unread and value is not None]
+
+
+def prompt_text(req) -> str:
+    """Everything of REQ a model reads, as one text: the client wrote all of it, earlier assistant turns
+    included, so it is all the User's. Raises ApiError for a prompt a text judge cannot read."""
+    parts = _fields(req.body, UNREAD)
     if req.kind == "completions":
         prompt = req.body["prompt"]
         prompts = [prompt] if isinstance(prompt, str) else prompt
         if not all(isinstance(p, str) for p in prompts):
             raise ApiError(400, f"{req.model} is guarded, and its judge reads text: send the prompt as text, "
                                 "not as token ids.", "invalid_request", "prompt")
-        return [("User", "\n\n".join(prompts))]
-    turns = []
+        return "\n\n".join([*parts, *prompts])
     for message in req.body["messages"]:
-        text = "\n".join(t for t in (_text(message.get("content")), _calls(message.get("tool_calls"))) if t)
-        turns.append((SPEAKERS.get(message.get("role"), "User"), text))
-    return turns
+        said = [_text(message.get("content")), _calls(message.get("tool_calls")),
+                *_fields(message, UNREAD_IN_MESSAGE)]
+        parts.append(f"[{message.get('role')}] " + "\n".join(t for t in said if t))
+    return "\n\n".join(parts)
 
 
-def judge_prompt(turns: list[tuple[str, str]]) -> str:
-    """Llama Guard 3's prompt asking about the last of TURNS; a speaker's turns in a row are one turn."""
-    merged: list[tuple[str, str]] = []
-    for speaker, text in turns:
-        if merged and merged[-1][0] == speaker:
-            merged[-1] = (speaker, merged[-1][1] + "\n\n" + text)
-        else:
-            merged.append((speaker, text))
-    conversation = "\n\n".join(f"{speaker}: {text}" for speaker, text in merged)
-    return PROMPT.format(role=merged[-1][0], categories=CATEGORY_LINES, conversation=conversation)
+def neutral(text: str) -> str:
+    """TEXT unable to rewrite the judge's prompt: special tokens broken (`<|eot_id|>` reads `< |eot_id| >`),
+    the template's markers bracketed otherwise (`(BEGIN CONVERSATION>`), a line opening a turn quoted
+    (`> User:`)."""
+    text = SPECIAL_TOKEN.sub(lambda m: "< |" if m.group() == "<|" else "| >", text)
+    return TURN.sub(r"\1> ", MARKER.sub("(", text))
+
+
+def judge_prompt(user: str, agent: str | None = None) -> str:
+    """Llama Guard 3's prompt asking about AGENT's answer to USER, or about USER where AGENT is None."""
+    conversation = f"User: {neutral(user)}" + (f"\n\nAgent: {neutral(agent)}" if agent is not None else "")
+    return PROMPT.format(role="User" if agent is None else "Agent", categories=CATEGORY_LINES,
+                         conversation=conversation)
+
+
+def _size(text: str) -> int:
+    return len(text.encode("utf-8", "replace"))
+
+
+def pieces(text: str, size: int) -> list[str]:
+    """TEXT in pieces of at most SIZE bytes of UTF-8, each overlapping the one before by an OVERLAPth."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= size:
+        return [text]
+    step = size - size // OVERLAP
+    return [data[i:i + size].decode("utf-8", "ignore") for i in (*range(0, len(data) - size, step), len(data) - size)]
+
+
+def tail(text: str, size: int) -> str:
+    """The last SIZE bytes of TEXT: the most recent part of a conversation, as context for an answer."""
+    data = text.encode("utf-8", "replace")
+    return text if len(data) <= size else data[len(data) - size:].decode("utf-8", "ignore")
 
 
 def parse_verdict(text: str) -> tuple[str, ...] | None:
@@ -157,11 +229,19 @@ def parse_verdict(text: str) -> tuple[str, ...] | None:
     if lines and lines[0].lower() == "unsafe":
         codes = tuple(c.strip().upper() for c in lines[1].split(",") if c.strip()) if len(lines) > 1 else ()
         return codes or ("unnamed",)
-    raise Unavailable(f"its verdict could not be read ({text.strip()[:60]!r})")
+    raise Unavailable("its verdict could not be read", f"it answered {text.strip()[:200]!r}")
+
+
+def _said(message: dict) -> str:
+    """What an answer's MESSAGE says: its reasoning (a chat template may show it to the next turn, and the
+    client reads it), its text, its tool calls."""
+    texts = (_text(message.get("reasoning_content")), _text(message.get("reasoning")),
+             _text(message.get("content")), _calls(message.get("tool_calls")))
+    return "\n".join(t for t in texts if t)
 
 
 def answer_texts(data: bytes) -> list[str]:
-    """Each choice's text in a whole chat or completion answer (a tool call's name and arguments included)."""
+    """Each choice's text in a whole chat or completion answer (reasoning and tool calls included)."""
     try:
         choices = json.loads(data).get("choices") or []
     except (ValueError, AttributeError):
@@ -170,7 +250,7 @@ def answer_texts(data: bytes) -> list[str]:
     for choice in choices:
         message = choice.get("message") if isinstance(choice, dict) else None
         if isinstance(message, dict):
-            texts.append("\n".join(t for t in (_text(message.get("content")), _calls(message.get("tool_calls"))) if t))
+            texts.append(_said(message))
         elif isinstance(choice, dict):
             texts.append(_text(choice.get("text")))
     return texts
@@ -182,20 +262,17 @@ class Guard:
     def __init__(self, runtime):
         self.rt = runtime
         self.timeout = runtime.cfg["guard.timeout"]
-
-    def servable(self, model: ModelSpec) -> None:
-        """Refuse a request that asks for a judge itself."""
-        if model.role == "guard":
-            raise ApiError(403, f"{model.name} is a guard model: it judges other models' traffic and is not served "
-                                "to clients. GET /v1/models lists the models you can use.", "model_not_allowed",
-                           "model")
+        self.max_bytes = runtime.cfg["guard.max_prompt_bytes"]
+        self.safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # see REMEMBERED
 
     def check_prompt(self, req, model: ModelSpec) -> None:
-        """Judge REQ's prompt where MODEL's policy says so; raises ApiError (400 unsafe, 503 unjudged and closed)."""
+        """Judge REQ's prompt where MODEL's policy says so, a piece at a time where it is longer than
+        guard.max_prompt_bytes; raises ApiError (400 unsafe or unreadable, 503 unjudged and closed)."""
         rule = policy(self.rt.cfg, model)
         if rule is None or not rule.prompts or req.kind == "embeddings":
             return
-        self._judge(req, model, rule, "prompt", prompt_turns(req))
+        for piece in pieces(prompt_text(req), self.max_bytes):
+            self._judge(req, model, rule, "prompt", piece, None)
 
     def check_answer(self, req, model: ModelSpec, data: bytes) -> None:
         """Judge each choice of a whole answer DATA; raises ApiError as `check_prompt` does."""
@@ -211,30 +288,54 @@ class Guard:
         return Held(self, req, model, rule)
 
     def judge_answers(self, req, model, rule: Policy, texts: list[str]) -> None:
-        """Judge each of TEXTS as the answer to REQ."""
-        asked = prompt_turns(req)
+        """Judge each of TEXTS as the answer to REQ: a long one in pieces of half the bound, each after as
+        much of the end of the prompt as the other half holds (the prompt itself is the prompt check's)."""
+        asked = prompt_text(req)
         for text in texts:
-            self._judge(req, model, rule, "answer", [*asked, ("Agent", text)])
+            for piece in pieces(text, self.max_bytes // 2):
+                self._judge(req, model, rule, "answer", tail(asked, self.max_bytes - _size(piece)), piece)
 
-    def _judge(self, req, model: ModelSpec, rule: Policy, checked: str, turns: list[tuple[str, str]]) -> None:
+    def _judge(self, req, model: ModelSpec, rule: Policy, checked: str, user: str, agent: str | None) -> None:
         m = self.rt.metrics
+        prompt = judge_prompt(user, agent)
+        seen = hashlib.blake2b(f"{rule.judge}\n{prompt}".encode("utf-8", "replace"), digest_size=16).digest()
+        if seen in self.safe:  # the judge's verdict at temperature 0 would be the same
+            self.safe.move_to_end(seen)
+            m.guard_remembered.labels(rule.judge).inc()
+            _record(req, "safe", None)
+            return
         try:
-            categories = self._ask(rule.judge, judge_prompt(turns))
+            categories = self._ask(rule.judge, prompt)
+        except Unreadable as e:
+            _record(req, "unjudged", None)
+            log.warning("refused a request for %s: the judge %s could not read a piece of its %s (%d bytes): %s",
+                        model.name, rule.judge, checked, _size(agent if agent is not None else user), e)
+            done = "This prompt was refused" if checked == "prompt" else "The answer was withheld"
+            raise ApiError(400, f"{done} by the gateway's guardrails: {model.name} is guarded by the judge "
+                                f"{rule.judge}, which refused to read a part of this {checked} as too long for it, "
+                                "and nothing passes unjudged for that reason. Shorten the conversation or start a "
+                                f"new one; if this recurs, an operator should lower guard.max_prompt_bytes to what "
+                                f"{rule.judge}'s context holds.", "guard_too_long",
+                           "messages" if checked == "prompt" else None) from None
         except Unavailable as e:
             m.guard_unavailable.labels(rule.judge, "open" if rule.fail_open else "closed").inc()
             _record(req, "unjudged", None)
             if rule.fail_open:
-                log.warning("the %s of a request for %s passed unjudged (guard.fail = open): the judge %s %s",
-                            checked, model.name, rule.judge, e)
+                log.warning("the %s of a request for %s passed unjudged (guard.fail = open): the judge %s: %s %s",
+                            checked, model.name, rule.judge, e.why, e.detail)
                 return
-            log.warning("refused a request for %s: its %s could not be judged (guard.fail = closed): the judge %s %s",
-                        model.name, checked, rule.judge, e)
+            log.warning("refused a request for %s: its %s could not be judged (guard.fail = closed): the judge %s: "
+                        "%s %s", model.name, checked, rule.judge, e.why, e.detail)
             raise ApiError(503, f"{model.name} is guarded by the judge {rule.judge}, which cannot judge this "
-                                f"{checked} now: {e}. Try again shortly; an operator should check that "
-                                f"{rule.judge} runs (with guard.fail = \"closed\", nothing passes unjudged).",
+                                f"{checked} now: {e.why}. Try again shortly; an operator should check that "
+                                f"{rule.judge} runs (with guard.fail = \"closed\", nothing passes unjudged) and "
+                                "find the details in the gateway's log under the request id.",
                            "guard_unavailable", retry_after=5) from None
         if categories is None:
             m.guard_verdicts.labels(rule.judge, checked, "safe", "").inc()
+            self.safe[seen] = None
+            if len(self.safe) > REMEMBERED:
+                self.safe.popitem(last=False)
             _record(req, "safe", None)
             return
         for code in categories:
@@ -249,17 +350,17 @@ class Guard:
                             "can find it under the request id.", "content_filter")
 
     def _ask(self, judge: str, prompt: str) -> tuple[str, ...] | None:
-        """JUDGE's verdict on PROMPT: None for safe, else the categories; raises Unavailable."""
+        """JUDGE's verdict on PROMPT: None for safe, else the categories; raises Unavailable or Unreadable."""
         rt = self.rt
         spec = rt.router.snapshot.resolve(judge)
         if spec is None or spec.role != "guard" or spec.name != judge:
-            raise Unavailable("is not a model of the catalog with role = \"guard\"")
+            raise Unavailable("it is not a model of the catalog with role = \"guard\"")
         replica = rt.router.pick(judge, time.monotonic(), None, set())
         if replica is None:
             if spec.on_demand:  # nobody else asks for a judge: the guard says it is wanted
                 rt.demand(judge)
-                raise Unavailable("runs on demand and is starting")
-            raise Unavailable("has no replica in rotation")
+                raise Unavailable("it runs on demand and is starting")
+            raise Unavailable("it has no replica in rotation")
         body = json.dumps({"model": judge, "prompt": prompt, "max_tokens": JUDGE_MAX_TOKENS, "temperature": 0,
                            "stream": False}).encode()
         started = time.perf_counter()
@@ -272,19 +373,23 @@ class Guard:
         except UpstreamError as e:
             if e.phase not in ("first_byte", "total"):  # a slow verdict is load, not a broken replica
                 replica.breaker.failure(time.monotonic())
-            raise Unavailable(f"failed on replica {replica.spec.id} ({e.phase})") from None
+            raise Unavailable("it did not answer in time" if e.phase in ("first_byte", "total") else
+                              "it failed to answer", f"on replica {replica.spec.id} ({e.phase})") from None
         finally:
             replica.outstanding -= 1
             rt.metrics.guard_duration.labels(judge).observe(time.perf_counter() - started)
+        said = f"on replica {replica.spec.id}: HTTP {resp.status} {data[:300]!r}"
+        if resp.status in (400, 413):  # the prompt is ours and well formed: what it refuses is its length
+            raise Unreadable(said)
         if resp.status != 200:
-            raise Unavailable(f"answered HTTP {resp.status} on replica {replica.spec.id}")
+            raise Unavailable(f"it answered an error (HTTP {resp.status})", said)
         replica.breaker.success()
         rt.used(judge)  # an on-demand judge stays up while it judges
         try:
             answer = json.loads(data)
             text = answer["choices"][0]["text"]
         except (ValueError, KeyError, IndexError, TypeError):
-            raise Unavailable("gave an answer that is not a completion") from None
+            raise Unavailable("it gave an answer that is not a completion", said) from None
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         for field, direction in (("prompt_tokens", "in"), ("completion_tokens", "out")):
             if type(usage.get(field)) is int:
@@ -298,7 +403,7 @@ class Held:
     def __init__(self, guard: Guard, req, model: ModelSpec, rule: Policy):
         self.guard, self.req, self.model, self.rule = guard, req, model, rule
         self.events: list[bytes] = []
-        self.texts: dict[int, list[str]] = {}
+        self.texts: dict[int, tuple[list[str], list[str]]] = {}  # by choice: its reasoning, what it says
         self.said = 0.0
 
     def keep(self, events: bytes) -> bytes:
@@ -323,24 +428,26 @@ class Held:
                 if not isinstance(choice, dict):
                     continue
                 delta = choice.get("delta")
-                parts = self.texts.setdefault(choice.get("index", 0), [])
+                thought, said = self.texts.setdefault(choice.get("index", 0), ([], []))
                 if isinstance(delta, dict):
-                    parts.append(_text(delta.get("content")))
+                    thought += (_text(delta.get("reasoning_content")), _text(delta.get("reasoning")))
+                    said.append(_text(delta.get("content")))
                     for call in delta.get("tool_calls") or ():
                         function = call.get("function") if isinstance(call, dict) else None
                         if isinstance(function, dict):
-                            parts.append(f"{function['name']} " if function.get("name") else "")
-                            parts.append(function.get("arguments") or "")
+                            said.append(f"{function['name']} " if function.get("name") else "")
+                            said.append(function.get("arguments") or "")
                 else:
-                    parts.append(_text(choice.get("text")))
+                    said.append(_text(choice.get("text")))
 
     def release(self, tail: bytes) -> bytes:
         """Every event kept, and TAIL, once the judge finds the answer safe; raises ApiError when it does not."""
         if tail:
             self.events.append(tail)
             self._read(tail)
-        self.guard.judge_answers(self.req, self.model, self.rule,
-                                 ["".join(parts) for _, parts in sorted(self.texts.items())])
+        self.guard.judge_answers(self.req, self.model, self.rule, [
+            "\n".join(t for t in ("".join(thought), "".join(said)) if t)
+            for thought, said in self.texts.values()])
         return b"".join(self.events)
 
 

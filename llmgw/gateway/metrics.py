@@ -50,6 +50,9 @@ class GatewayMetrics:
                                          "a failure, a timeout, an unreadable verdict), by judge and guard.fail: with "
                                          "open the request passed unjudged, with closed it was refused with 503.",
                                          ["judge", "fail"], registry=None)
+        self.guard_remembered = Counter("llmgw_guard_remembered", "Pieces of a prompt or answer found safe without "
+                                        "asking the judge, which had judged the very same piece before (an agent's "
+                                        "next turn repeats its conversation), by judge.", ["judge"], registry=None)
         self.guard_duration = Histogram("llmgw_guard_judge_seconds", "Time a guard judge took to give one verdict.",
                                         ["judge"], buckets=LATENCY_BUCKETS, registry=None)
         self.breaker_open = Gauge("llmgw_endpoint_breaker_open", "1 while the replica's circuit breaker is open.",

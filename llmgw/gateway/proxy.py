@@ -39,9 +39,9 @@ and `[DONE]`: the client has seen tokens, and a second replica would start
 the answer again.
 
 Guardrails (llmgw/gateway/guard.py) hook in at four places: a judge asked for
-is refused after resolving, a prompt is judged after admission, a whole answer
-before the dialect turns it, and a stream's answer is held in `_relay` until
-judged.
+resolves to nothing (404, as any unknown name), a prompt is judged after
+admission, a whole answer before the dialect turns it, and a stream's answer
+is held in `_relay` until judged.
 """
 
 from __future__ import annotations
@@ -201,7 +201,6 @@ class Proxy:
                 req = dialect.parse(kind, raw, self.prefix_bytes)
                 req.dialect = dialect
                 model = self._resolve(req.model)
-                self.guard.servable(model)
                 req.bound_output(model.name, model.max_output)
             except ApiError:
                 # A refused request still counts against the key's rate: requests for a model that does not
@@ -348,7 +347,7 @@ class Proxy:
             gevent.sleep(LOAD_POLL)
             snapshot = self.rt.router.snapshot
         model = snapshot.resolve(name)
-        if model is not None:
+        if model is not None and model.role != "guard":  # a judge serves the gateway: to clients it does not exist
             return model
         if snapshot.awaiting_catalog:
             raise ApiError(503, f"This gateway has not heard the catalog from its controller in "
