@@ -294,6 +294,10 @@ SETTINGS: tuple[Setting, ...] = (
             "after the end of the prompt. A token is at least a byte, so the judge's context in tokens less "
             "about 500 (its template) never overflows; a piece the judge still refuses as too long is refused "
             "with 400, whatever `guard.fail` says.", minimum=1000),
+    Setting("guard.max_pieces", "int", 64,
+            "The most pieces of `guard.max_prompt_bytes` one prompt is judged in (64 pieces of 16,000 bytes "
+            "is about 900 KB of conversation). Each piece is a call to the judge that no limit of the caller's "
+            "pays for; a longer prompt is refused with 400 before any is made.", minimum=1),
     Setting("mirror.dir", "str", "var/models",
             "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
     Setting("mirror.listen", "str", ":8081",

@@ -350,6 +350,16 @@ def test_pieces_judged_safe_before_are_not_asked_again(env):
     assert 'llmgw_guard_remembered_total{judge="judge-word"}' in env.gw.metrics()
 
 
+def test_a_prompt_too_long_to_judge_is_refused_before_the_judge_is_asked(env):
+    # Every piece is a judge's call no limit of the caller's pays for: an 8.9 MB prompt was 640 of them.
+    asked = env.sims["judge-word"].metrics()["llmgw_sim_requests_total"]
+    status, message = _error(post(f"{env.url}/v1/chat/completions", {
+        "model": "worded-open", "max_tokens": 5, "messages": [{"role": "user", "content": "rye " * 40_000}]},
+        env.key))
+    assert status == 400 and "too long to judge" in message and "guard.max_pieces" in message
+    assert env.sims["judge-word"].metrics()["llmgw_sim_requests_total"] == asked
+
+
 def test_a_piece_the_judge_refuses_as_too_long_is_refused_even_with_fail_open(env):
     with pytest.raises(Refused) as raised:
         Chat.ask(env, "tiny-open", False)

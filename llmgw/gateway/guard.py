@@ -263,6 +263,7 @@ class Guard:
         self.rt = runtime
         self.timeout = runtime.cfg["guard.timeout"]
         self.max_bytes = runtime.cfg["guard.max_prompt_bytes"]
+        self.max_pieces = runtime.cfg["guard.max_pieces"]
         self.safe: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # see REMEMBERED
 
     def check_prompt(self, req, model: ModelSpec) -> None:
@@ -271,7 +272,15 @@ class Guard:
         rule = policy(self.rt.cfg, model)
         if rule is None or not rule.prompts or req.kind == "embeddings":
             return
-        for piece in pieces(prompt_text(req), self.max_bytes):
+        cut = pieces(prompt_text(req), self.max_bytes)
+        if len(cut) > self.max_pieces:
+            # Each piece is a judge's call the caller's limits do not pay for: an 8.9 MB prompt was 640.
+            _record(req, "unjudged", None)
+            raise ApiError(400, f"This prompt was refused by the gateway's guardrails: {model.name} is guarded, "
+                                f"and this conversation is too long to judge ({len(cut)} pieces of "
+                                f"{self.max_bytes} bytes; at most {self.max_pieces}, guard.max_pieces). Shorten "
+                                "the conversation or start a new one.", "guard_too_long", "messages")
+        for piece in cut:
             self._judge(req, model, rule, "prompt", piece, None)
 
     def check_answer(self, req, model: ModelSpec, data: bytes) -> None:
