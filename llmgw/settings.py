@@ -356,6 +356,22 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between heartbeats to the controller.", minimum=0.05),
     Setting("agent.reconnect_max", "float", 30.0,
             "Longest wait between attempts to reach a controller; waits start at 1 s and double.", minimum=0.05),
+    Setting("agent.engines_dir", "str", "/var/lib/llmgw-engines",
+            "Where the node installs engines from its engine catalogue (`[[engines]]`): ENGINE/VERSION/, each "
+            "checked (its libraries resolve, it reports its version) before it counts as installed."),
+    Setting("agent.mirror_url", "str", "",
+            "The mirror's file address (`http://mirror:8081`) that an `[[engines]]` source written as a mirror "
+            "path (`MODEL/VERSION/FILE`) is fetched from."),
+    Setting("agent.engine_recheck_interval", "float", 600.0,
+            "Seconds between checks of the engines the node installed (libraries, version); one that fails is "
+            "reported with its reason and installed again when next needed.", minimum=1.0),
+    Setting("agent.llama_server", "str", "",
+            "A `llama-server` binary to use, named explicitly: the agent runs no engine binary it finds on the "
+            "PATH. Empty: one the node installed from its engine catalogue, else llama.cpp from the `xllamacpp` "
+            "wheel installed with llmgw."),
+    Setting("agent.vllm", "str", "",
+            "A `vllm` command to use, named explicitly (never looked up on the PATH). Empty: one the node "
+            "installed from its engine catalogue, if any."),
     Setting("log.level", "str", "info",
             "Log level: debug, info, warning or error."),
 )
@@ -367,6 +383,10 @@ MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int", "role": "str", "guard": "dict",
               # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
               "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
+
+# An `[[engines]]` entry: the engine catalogue (llmgw/node/installer.py). Read by agents.
+ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict", "kind": "str", "binary": "str",
+               "python": "str", "requirements": "str"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,)}
@@ -384,6 +404,7 @@ class Config:
         self.written = written or {}
         self.endpoints = endpoints
         self.models = models
+        self.engines: list[dict] = []  # the engine catalogue, `[[engines]]` (set by `load`)
         self.source = source
         # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
         # `@/path` values named; whether the file holds a secret written in it.
@@ -503,6 +524,28 @@ def _check_model(index: int, table: Any, where: str) -> dict:
     return model
 
 
+def validate_engines(tables: Any, where: str) -> list[dict]:
+    """The `[[engines]]` catalogue: one entry per engine, each with its version, source and sha256 per platform."""
+    if isinstance(tables, dict):
+        raise ConfigError(f"{where}: write the engine catalogue as an array of tables, [[engines]]")
+    out: dict[str, dict] = {}
+    for i, table in enumerate(tables):
+        entry = _check_table("engines", i, table, ENGINE_KEYS, ("name", "version", "source", "sha256"), where)
+        if entry["name"] in out:
+            raise ConfigError(f"engine {entry['name']} in {where}: two [[engines]] entries name it; a node runs one "
+                              "version of each engine, so keep the one it should install")
+        if entry.get("kind", "archive") not in ("archive", "wheel"):
+            raise ConfigError(f"engine {entry['name']} in {where}: kind is {entry['kind']!r}; it is \"archive\" (a "
+                              "tar or zip holding the server) or \"wheel\" (a Python engine)")
+        bad = [k for k, v in entry["sha256"].items() if not isinstance(v, str) or len(v) != 64]
+        if bad:
+            raise ConfigError(f"engine {entry['name']} in {where}: sha256.{bad[0]} must be 64 hex digits")
+        if "/" in entry["version"] or entry["version"].startswith("."):
+            raise ConfigError(f"engine {entry['name']} in {where}: version {entry['version']!r} names a directory")
+        out[entry["name"]] = entry
+    return list(out.values())
+
+
 def parse_endpoint_flag(text: str) -> dict:
     """`id=URL=model[,model]` from `--endpoint` as an `[[endpoints]]` table."""
     parts = text.split("=", 2)
@@ -548,6 +591,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
+    file_engines = data.pop("engines", [])
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
@@ -571,7 +615,9 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
     models = [_check_model(i, m, where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
-    return Config(values, eps, models, where, path, secret_files, holds_secret, written)
+    config = Config(values, eps, models, where, path, secret_files, holds_secret, written)
+    config.engines = validate_engines(file_engines, where)
+    return config
 
 
 def _as_written(name: str, given: Any, value: Any) -> Any:
