@@ -531,6 +531,9 @@ def validate_engines(tables: Any, where: str) -> list[dict]:
     out: dict[str, dict] = {}
     for i, table in enumerate(tables):
         entry = _check_table("engines", i, table, ENGINE_KEYS, ("name", "version", "source", "sha256"), where)
+        if entry["name"] not in ("llamacpp", "vllm", "sglang"):
+            raise ConfigError(f"[[engines]] number {i + 1} in {where}: name is {entry['name']!r}; llmgw installs "
+                              "llamacpp, vllm or sglang")
         if entry["name"] in out:
             raise ConfigError(f"engine {entry['name']} in {where}: two [[engines]] entries name it; a node runs one "
                               "version of each engine, so keep the one it should install")
@@ -699,6 +702,27 @@ def reference_markdown() -> str:
         "| `size_bytes` | int | Size of a URL source, so nodes without the disk for it are skipped; "
         "`llmgw ctl model add` fills it from the server. |",
         "",
+        "## `[[engines]]`",
+        "",
+        "A node's engine catalogue: the engines it installs itself, when a replica needs one, into "
+        "`agent.engines_dir/ENGINE/VERSION/` (see llmgw/node/installer.py). One entry per engine.",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | The engine: `llamacpp`, `vllm` or `sglang`. Required. |",
+        "| `version` | str | The version it installs; the engine must report it. Required. |",
+        "| `source` | str | Its artefact: a path in the mirror (`MODEL/VERSION/FILE`, fetched from "
+        "`agent.mirror_url`) or an http(s) URL. A wheel's source ends in the wheel's file name. Required. |",
+        '| `sha256` | table | The artefact\'s sha256 per platform (`{"linux-x86_64" = "…"}`); a node '
+        "installs only an artefact whose sum it is given for its own platform. Required. |",
+        "| `kind` | str | `archive` (a tar or zip holding the server; the default) or `wheel` (a Python "
+        "engine, installed into a virtual environment of its own with `pip --require-hashes`). |",
+        "| `binary` | str | The server inside an archive (default `bin/llama-server`, `bin/vllm`). |",
+        "| `python` | str | The Python version a wheel's environment is made with (`3.11`; default the "
+        "agent's own). |",
+        "| `requirements` | str | A requirements file, with a hash for every line, of a wheel's dependencies "
+        "(none: the wheel alone, with no index). |",
+        "",
     ]
     return "\n".join(lines)
 
@@ -717,8 +741,10 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = ()) -> str:
-    """A configuration file from dotted settings plus `[[endpoints]]` and `[[models]]` (for `llmgw up`, tests)."""
+def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = (),
+            engines: list[dict] = ()) -> str:
+    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]` and `[[engines]]` (for
+    `llmgw up`, tests)."""
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
@@ -726,7 +752,7 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
     lines = []
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries, ""]
-    for kind, items in (("endpoints", endpoints), ("models", models)):
+    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines)):
         for item in items:
             lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

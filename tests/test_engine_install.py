@@ -1,0 +1,248 @@
+"""Engines a node installs itself (llmgw/node/installer.py), and probing that runs nothing llmgw did not install.
+
+The failure paths use a small fake engine (a `llama-server` that is a shell script, or a C program built here
+against a library the archive leaves out) served over HTTP; the whole path, from the mirror to a replica that
+answers, uses llama.cpp's `xllamacpp` wheel, packed from the one llmgw's own environment has, as an operator
+without a network publishes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import http.server
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import zipfile
+
+import pytest
+
+from llmgw import engines, settings
+from llmgw.node.installer import MARKER, InstallError, Installer, this_platform
+from llmgw.procs import free_port
+from tests.cluster import Agent, Controller
+from tests.conftest import post, wait_until, write_config
+
+PLATFORM = this_platform()
+SCRIPT = "#!/bin/sh\necho 'version: {version} (fake)'\n"
+
+
+def tar_of(members: dict[str, bytes | tuple[str, str]]) -> bytes:
+    """A .tar.gz of MEMBERS: name -> bytes (an executable file) or ("symlink", target)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(content, tuple):
+                info.type, info.linkname = tarfile.SYMTYPE, content[1]
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(content), 0o755
+                tar.addfile(info, io.BytesIO(content))
+    return out.getvalue()
+
+
+class Files:
+    """A plain HTTP server for a folder: where the fake engines' artefacts are fetched from."""
+
+    def __init__(self, root):
+        self.root = root
+        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def publish(self, name: str, data: bytes) -> str:
+        (self.root / name).write_bytes(data)
+        return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "served").mkdir()
+    served = Files(tmp_path / "served")
+    yield served
+    served.server.shutdown()
+    served.server.server_close()
+
+
+def installer(tmp_path, files, data: bytes, version="1.0", sha256=None, **entry) -> Installer:
+    digest = files.publish(f"fake-{version}.tar.gz", data)
+    catalogue = [{"name": "llamacpp", "version": version, "source": f"fake-{version}.tar.gz",
+                  "sha256": {PLATFORM: sha256 or digest}, **entry}]
+    return Installer(str(tmp_path / "engines"), catalogue, files.url)
+
+
+def nothing_installed(tmp_path) -> bool:
+    """No version and no `.partial` left of it (the engine's folder may stay, empty)."""
+    folder = tmp_path / "engines" / "llamacpp"
+    return not folder.exists() or not os.listdir(folder)
+
+
+def test_an_archive_is_checked_extracted_verified_and_renamed_into_place(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode(),
+                                              "lib/README": b"notes"}))
+    assert inst.installable() == {"llamacpp": "1.0"} and inst.installed() == {}
+    inst.ensure("llamacpp")
+    folder = tmp_path / "engines" / "llamacpp" / "1.0"
+    assert inst.installed() == {"llamacpp": "1.0"}
+    assert inst.launch("llamacpp") == ("binary", str(folder / "bin" / "llama-server"))
+    assert json.loads((folder / MARKER).read_text())["sha256"] == inst.entries["llamacpp"]["sha256"][PLATFORM]
+    assert not (tmp_path / "engines" / "llamacpp" / "1.0.partial").exists()
+    assert inst.report() == {"llamacpp/1.0": {"state": "installed"}}
+    # A new agent finds it by its marker, and runs nothing to know it.
+    again = Installer(str(tmp_path / "engines"), list(inst.entries.values()), files.url)
+    assert again.installed() == {"llamacpp": "1.0"}
+
+
+def test_a_bad_checksum_installs_nothing_and_says_what_to_do(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode()}),
+                     sha256="0" * 64)
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "sha256" in e.value.detail and "0" * 64 in e.value.detail and "[[engines]]" in e.value.fix
+    assert nothing_installed(tmp_path)
+    state = inst.report()["llamacpp/1.0"]
+    assert state["state"] == "failed" and state["fix"] == e.value.fix
+    assert inst.installed() == {}
+
+
+@pytest.mark.parametrize("members, says", [
+    ({"../escaped": b"x"}, "outside its directory"),
+    ({"/tmp/absolute-engine-file": b"x"}, "outside its directory"),
+    ({"bin/llama-server": ("symlink", "/etc/passwd")}, "points outside it"),
+    ({"bin/up": ("symlink", "../../.."), "bin/llama-server": b"x"}, "points outside it"),
+])
+def test_an_unsafe_archive_is_refused_before_anything_is_written(tmp_path, files, members, says):
+    inst = installer(tmp_path, files, tar_of(members))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert says in e.value.detail and "inside" in e.value.fix
+    assert not (tmp_path / "escaped").exists() and not os.path.exists("/tmp/absolute-engine-file")
+    assert nothing_installed(tmp_path)
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs a C compiler to build an engine with a missing library")
+def test_an_engine_whose_library_is_missing_is_not_installed(tmp_path, files):
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "gone.c").write_text("int gone(void) { return 0; }\n")
+    (build / "main.c").write_text('#include <stdio.h>\nint gone(void);\n'
+                                  'int main(void) { printf("version: 1.0\\n"); return gone(); }\n')
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", build / "libllmgwgone.so", build / "gone.c"], check=True)
+    subprocess.run(["gcc", "-o", build / "llama-server", build / "main.c", f"-L{build}", "-lllmgwgone"], check=True)
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": (build / "llama-server").read_bytes()}))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "libllmgwgone.so" in e.value.detail and "install the library" in e.value.fix
+    assert nothing_installed(tmp_path)
+
+
+def test_an_engine_that_reports_another_version_is_not_installed(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="2.0").encode()}))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "not version 1.0" in e.value.detail
+
+
+def test_a_recheck_reports_an_install_that_broke_and_the_next_need_installs_it_again(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode()}))
+    inst.ensure("llamacpp")
+    server = tmp_path / "engines" / "llamacpp" / "1.0" / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\nexit 3\n")  # as a disk error or a hand edit would leave it
+    inst.recheck()
+    assert inst.report()["llamacpp/1.0"]["state"] == "failed" and inst.installed() == {}
+    inst.ensure("llamacpp")
+    assert inst.installed() == {"llamacpp": "1.0"} and "fake" in subprocess.run(
+        [server, "--version"], capture_output=True, text=True).stdout
+    assert any(n.startswith("1.0.broken-") for n in os.listdir(tmp_path / "engines" / "llamacpp"))
+
+
+def test_an_engine_without_a_build_for_this_platform_is_not_installable(tmp_path, files):
+    inst = installer(tmp_path, files, b"", sha256=None)
+    inst.entries["llamacpp"]["sha256"] = {"plan9-mips": "1" * 64}
+    assert inst.installable() == {}
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert PLATFORM in e.value.detail
+
+
+def test_the_catalogue_in_configuration_is_checked(tmp_path):
+    def load(*entries):
+        path = tmp_path / "c.toml"
+        path.write_text(settings.to_toml({"log.level": "info"}, engines=list(entries)))
+        return settings.load(str(path))
+
+    good = {"name": "llamacpp", "version": "b6000", "source": "engine-llamacpp/b6000/llama.tar.gz",
+            "sha256": {PLATFORM: "a" * 64}}
+    assert load(good).engines == [good]
+    for bad, says in (({**good, "name": "ollama"}, "llamacpp, vllm or sglang"),
+                      ({**good, "kind": "docker"}, "archive"),
+                      ({**good, "sha256": {PLATFORM: "abc"}}, "64 hex digits"),
+                      ({**good, "version": "../x"}, "names a directory"),
+                      ({k: v for k, v in good.items() if k != "sha256"}, "sha256 is required")):
+        with pytest.raises(settings.ConfigError, match=says):
+            load(bad)
+    with pytest.raises(settings.ConfigError, match="two"):
+        load(good, good)
+
+
+# --- probing runs nothing it did not install --------------------------------------------------------------
+
+
+@pytest.fixture
+def wrapper(tmp_path):
+    """A `llama-server` and a `vllm` on the PATH that record being run."""
+    folder = tmp_path / "path"
+    folder.mkdir()
+    record = tmp_path / "ran"
+    for name in ("llama-server", "vllm"):
+        (folder / name).write_text(f"#!/bin/sh\necho \"$0 $*\" >> {record}\necho 'version: 9999 (wrapper)'\n")
+        (folder / name).chmod(0o755)
+    return folder, record
+
+
+def test_probing_never_runs_an_engine_found_on_the_path(tmp_path, wrapper, monkeypatch):
+    folder, record = wrapper
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    found = engines.installed()
+    assert not record.exists()
+    assert "vllm" not in found and "9999" not in found.get("llamacpp", "")
+    # Named explicitly by the configuration, it is the one that runs (and is asked its version).
+    named = engines.installed({"llamacpp": ("binary", str(folder / "llama-server"))})
+    assert named["llamacpp"] == "9999" and record.exists()
+
+
+def pack_installed_wheel(distribution: str, folder) -> str:
+    """A wheel of DISTRIBUTION as llmgw's environment has it installed, the way one is published without a
+    network: the files its RECORD lists (no bytecode, nothing pip added), with a new RECORD."""
+    dist = importlib.metadata.distribution(distribution)
+    info = f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}.dist-info"
+    tags = [line.split(": ", 1)[1] for line in dist.read_text("WHEEL").splitlines() if line.startswith("Tag: ")]
+    python, abi, plat = tags[0].split("-")
+    name = os.path.join(str(folder), f"{info[:-len('.dist-info')]}-{python}-{abi}-{plat}.whl")
+    skipped = {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}
+    rows = []
+    with zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as wheel:
+        for shipped in dist.files:
+            path = str(shipped)
+            if path in skipped or "__pycache__" in path or path.startswith(".."):
+                continue
+            data = dist.locate_file(shipped).read_bytes()
+            info_ = zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0))
+            info_.external_attr = 0o644 << 16
+            wheel.writestr(info_, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            rows.append((path, f"sha256={digest}", str(len(data))))
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows([*rows, (f"{info}/RECORD", "", "")])
+        wheel.writestr(zipfile.ZipInfo(f"{info}/RECORD", date_time=(2020, 1, 1, 0, 0, 0)), out.getvalue())
+    return name
