@@ -360,4 +360,28 @@ def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapp
     assert "sha256" in said and digest in said and "f" * 64 in said and "[[engines]]" in said
     run = controller.ctl("nodes")
     assert run.returncode == 0 and "n1: installing engine llamacpp/b1 failed" in run.stdout and "fix:" in run.stdout
+    assert "n1: installing engine llamacpp/b1 failed" in cluster_page(tmp_path, controller)
     assert not wrapper[1].exists()
+
+
+def cluster_page(tmp_path, controller: Controller) -> str:
+    """The cluster page (`/admin`) as an administrator sees it, from a gateway app of this controller."""
+    from llmgw import store
+    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.people import accounts, keys
+    from tests.test_pages import sign_in
+
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    app = GatewayApp(settings.load(None, {"store.url": url, "gateway.controller": f"127.0.0.1:{controller.gateway_port}",
+                                          "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
+                                          "controller.keys_dir": controller.values["controller.keys_dir"]}),
+                     key_source=keys)
+    try:
+        client = app.pages.test_client()
+        sign_in(client, "root@example.org", "a long enough password")
+        return client.get("/admin").data.decode()
+    finally:
+        app.runtime.engine.dispose()
+        engine.dispose()

@@ -51,18 +51,7 @@ class Reporter:
         return facts
 
     def engines(self) -> dict[str, str]:
-        """Engine -> version of what runs here, as the supervisor chooses it: a binary the configuration
-        names, else what the catalogue installed (an engine the catalogue lists counts only once installed
-        from it), else llmgw's own environment. Only the named binaries were run, at registration."""
-        found = dict(self.probed)
-        if self.installer is not None:
-            installed = self.installer.installed()
-            for name in self.installer.entries:
-                if name not in self.named:
-                    found.pop(name, None)
-                    if name in installed:
-                        found[name] = installed[name]
-        return found
+        return engines_here(self.probed, self.named, self.installer)
 
     def checkup(self, facts: dict) -> dict:
         """The doctor's warnings and failures, from what was just found (the connection to the controller
@@ -70,7 +59,7 @@ class Reporter:
         gpu = {k: facts[k] for k in ("gpus", "gpus_probed", "gpu_probe_error") if k in facts}
         found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], known={
             "cpu": facts["cpu"], "memory": facts["memory"], "disk": facts["disk"], "gpu": gpu,
-            "engines": facts["engines"]})
+            "engines": facts["engines"], "installable": facts.get("installable", {})})
         findings = [f for f in doctor.evaluate(found) if f.area != "agent"]
         return doctor.summary(findings)
 
@@ -91,6 +80,21 @@ class Reporter:
         if "engines" in changed:
             changed["engines_changed"] = True
         return changed
+
+
+def engines_here(probed: dict[str, str], named: dict, installer: Installer | None) -> dict[str, str]:
+    """Engine -> version of what runs here, as the supervisor chooses it: a binary the configuration NAMED,
+    else what the catalogue installed (an engine the catalogue lists counts only once installed from it),
+    else llmgw's own environment. PROBED: `engines.installed(NAMED)`, the only call that runs anything."""
+    found = dict(probed)
+    if installer is not None:
+        installed = installer.installed()
+        for name in installer.entries:
+            if name not in named:
+                found.pop(name, None)
+                if name in installed:
+                    found[name] = installed[name]
+    return found
 
 
 def _present(**fields) -> dict:
