@@ -95,8 +95,8 @@ def _print_installs(result: list[dict]) -> None:
         installs = n["status"].get("installs", n["facts"].get("installs")) or {}
         for key, install in sorted(installs.items()):
             if install.get("state") == "installing":
-                done = install.get("bytes_done")
-                fetched = "" if done is None else f", {human_bytes(done)} of {human_bytes(install.get('bytes_total'))}"
+                done, total = install.get("bytes_done"), install.get("bytes_total")
+                fetched = "" if done is None else f", {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
                 click.echo(f"{n['node_id']}: installing engine {key} ({install.get('detail', 'starting')}{fetched})")
             elif install.get("state") == "failed":
                 click.echo(f"{n['node_id']}: installing engine {key} failed: {install.get('detail')}\n"

@@ -75,7 +75,8 @@ class Reporter:
             gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
             if gpus is not None:
                 current["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
-        changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
+        # An empty `installs` is an answer (a failed install forgotten, so placement may ask again), not unknown.
+        changed = {k: v for k, v in current.items() if (v or k == "installs") and self.sent.get(k) != v}
         self.sent.update(changed)
         if "engines" in changed:
             changed["engines_changed"] = True
