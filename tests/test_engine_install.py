@@ -99,6 +99,7 @@ def test_an_archive_is_checked_extracted_verified_and_renamed_into_place(tmp_pat
     assert inst.launch("llamacpp") == ("binary", str(folder / "bin" / "llama-server"))
     assert json.loads((folder / MARKER).read_text())["sha256"] == inst.entries["llamacpp"]["sha256"][PLATFORM]
     assert not (tmp_path / "engines" / "llamacpp" / "1.0.partial").exists()
+    assert os.listdir(tmp_path / "engines" / ".downloads") == []  # the artefact is not kept twice
     assert inst.report() == {"llamacpp/1.0": {"state": "installed"}}
     # A new agent finds it by its marker, and runs nothing to know it.
     again = Installer(str(tmp_path / "engines"), list(inst.entries.values()), files.url)
@@ -146,6 +147,15 @@ def test_an_engine_whose_library_is_missing_is_not_installed(tmp_path, files):
         inst.ensure("llamacpp")
     assert "libllmgwgone.so" in e.value.detail and "install the library" in e.value.fix
     assert nothing_installed(tmp_path)
+
+
+def test_an_artefact_missing_from_the_mirror_says_how_to_publish_it(tmp_path, files):
+    catalogue = [{"name": "llamacpp", "version": "1.0", "source": "engine-llamacpp/1.0/llama.tar.gz",
+                  "sha256": {PLATFORM: "a" * 64}}]
+    with pytest.raises(InstallError) as e:
+        Installer(str(tmp_path / "engines"), catalogue, files.url).ensure("llamacpp")
+    assert "404" in e.value.detail
+    assert "llmgw mirror fetch ARTEFACT --model engine-llamacpp --version 1.0" in e.value.fix
 
 
 def test_an_engine_that_reports_another_version_is_not_installed(tmp_path, files):

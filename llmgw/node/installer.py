@@ -246,9 +246,11 @@ class Installer:
             try:
                 weights.download(source, artefact, progress)
             except weights.FetchError as e:
-                raise InstallError(str(e), f"publish the artefact there (llmgw mirror fetch … --model "
-                                           f"{os.path.dirname(entry.get('source', '')) or 'ENGINE/VERSION'}), "
-                                           "or correct the entry's source") from None
+                parts = entry["source"].split("/")
+                publish = (f"publish it into the mirror (llmgw mirror fetch ARTEFACT --model {parts[0]} --version "
+                           f"{parts[1]})" if len(parts) == 3 and not weights.is_url(entry["source"])
+                           else "make it answer there")
+                raise InstallError(str(e), f"{publish}, or correct the entry's source") from None
         got = weights.sha256_of(artefact)
         if got != expected:
             os.remove(artefact)  # fetched again on the next try
@@ -273,6 +275,7 @@ class Installer:
                 # A version whose check failed since: kept aside, never overwritten in place.
                 os.replace(final, f"{final}.broken-{int(time.time())}")
             os.replace(partial, final)
+            os.remove(artefact)  # installed: its bytes are in place (an engine's wheels run to gigabytes)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
 
