@@ -95,8 +95,11 @@ def main(config_path, controllers, node_id, key_file):
             supervisor.check()
 
     def recheck_installs():
-        while not stopping.wait(cfg["agent.engine_recheck_interval"]):
+        # At start too: a library may have gone while the agent was down.
+        while True:
             installer.recheck()
+            if stopping.wait(cfg["agent.engine_recheck_interval"]):
+                return
 
     threading.Thread(target=watch_engines, name="watch-engines", daemon=True).start()
     # Its own thread: a version check may take a minute (vLLM imports torch), and engines are watched each second.

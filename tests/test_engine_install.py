@@ -207,6 +207,31 @@ def test_the_catalogue_in_configuration_is_checked(tmp_path):
         load(good, good)
 
 
+def test_placement_uses_a_node_that_can_install_the_engine_and_quotes_an_install_under_way_or_failed():
+    from llmgw.control import catalog, placement
+    from llmgw.control.fleet import NodeView, node_facts
+
+    def node(node_id, installable=None, installs=None):
+        registration = {"engines": {"sim": "1"}, "engines_probed": True, "memory": {"total_bytes": 64 << 30},
+                        "installable": installable or {}}
+        return NodeView(node_id, "ready", 0.0, 0.0, node_facts(registration, {"installs": installs or {}}))
+
+    m = catalog.parse_model({"name": "m", "source": "/m.gguf", "profiles": [{"engine": "vllm"}]})
+    can = node("can", {"vllm": "0.11"})
+    busy = node("busy", {"vllm": "0.11"}, {"vllm/0.11": {"state": "installing", "detail": "fetching x",
+                                                          "bytes_done": 1 << 30}})
+    broke = node("broke", {"vllm": "0.11"}, {"vllm/0.11": {"state": "failed", "detail": "libcuda.so.1 missing",
+                                                           "fix": "install the driver"}})
+    cannot = node("cannot")
+    decision, reasons = placement.place(m, [busy, broke, cannot, can], [])
+    assert decision.node_id == "can"
+    assert reasons["busy"] == ("engine vllm 0.11 is being installed there (fetching x, 1.00 GiB fetched); the node "
+                               "is used once it is installed")
+    assert reasons["broke"] == "installing engine vllm 0.11 failed there: libcuda.so.1 missing; install the driver"
+    assert reasons["cannot"] == ("engine vllm is not installed there (installed: sim), and its engine catalogue "
+                                 "([[engines]]) has none to install")
+
+
 # --- probing runs nothing it did not install --------------------------------------------------------------
 
 
