@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 import zipfile
 
 import pytest
@@ -376,6 +377,17 @@ def test_a_node_installs_llamacpp_from_the_mirror_and_serves_with_it(tmp_path, m
     assert not os.path.exists(str(installed) + ".partial")
     key = make_key(gw.store_url)
     wait_until("an answer through the gateway", 60, lambda: post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200)
+
+    # A restarted agent finds the install by its marker, checks it, and installs nothing again.
+    agent.stop(engines=False)
+    restarted = time.monotonic()
+    agent.start()
+    wait_until("n1 registered again", 60,
+               lambda: controller.nodes()["n1"]["registered_s"] <= time.monotonic() - restarted)
+    facts = controller.nodes()["n1"]["facts"]
+    assert facts["installs"] == {f"llamacpp/{version}": {"state": "installed"}}
+    assert facts["engines"]["llamacpp"] == version
+    assert agent.log().count("installed llamacpp/") == 1
     # Nothing the agent did ran the wrappers on its PATH.
     assert not wrapper[1].exists()
 
