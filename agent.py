@@ -23,11 +23,12 @@ import threading
 import click
 import zmq
 
-from llmgw import addresses, filemodes, settings
+from llmgw import addresses, engines, filemodes, settings
 from llmgw.control import curvekeys
 from llmgw.node import discovery
 from llmgw.node.commands import commands
 from llmgw.node.controllerlink import ControllerLink
+from llmgw.node.installer import Installer
 from llmgw.node.reporter import Reporter
 from llmgw.node.supervisor import Supervisor
 
@@ -71,13 +72,15 @@ def main(config_path, controllers, node_id, key_file):
     route = discovery.route_address(addresses.dial_host(host), port)
     address = route or "127.0.0.1"
     outbox: queue.SimpleQueue = queue.SimpleQueue()
+    installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"])
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
                             address, report=lambda fields: outbox.put(("shard_status", fields)),
-                            local_sources=cfg["agent.local_sources"])
+                            local_sources=cfg["agent.local_sources"], named=engines.named(cfg),
+                            installer=installer)
     adopted = supervisor.adopt()
     if adopted:
         log.info("adopted %d engines left running: %s", len(adopted), ", ".join(adopted))
-    reporter = Reporter(node, cfg, supervisor, route)
+    reporter = Reporter(node, cfg, supervisor, route, installer)
     context = zmq.Context()
     link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
                           cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat,
@@ -91,7 +94,16 @@ def main(config_path, controllers, node_id, key_file):
         while not stopping.wait(1.0):
             supervisor.check()
 
+    def recheck_installs():
+        # At start too: a library may have gone while the agent was down.
+        while True:
+            installer.recheck()
+            if stopping.wait(cfg["agent.engine_recheck_interval"]):
+                return
+
     threading.Thread(target=watch_engines, name="watch-engines", daemon=True).start()
+    # Its own thread: a version check may take a minute (vLLM imports torch), and engines are watched each second.
+    threading.Thread(target=recheck_installs, name="recheck-installs", daemon=True).start()
     try:
         link.run(stopping.is_set)
     finally:

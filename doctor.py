@@ -20,9 +20,11 @@ import sys
 
 import click
 
-from llmgw import settings
+from llmgw import engines, settings
 from llmgw.control import curvekeys
 from llmgw.node import doctor
+from llmgw.node.installer import Installer
+from llmgw.node.reporter import engines_here
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,8 +45,13 @@ def main(config_path, as_json, root):
             keys = curvekeys.read_node_key_file(cfg["agent.key_file"])
         except (OSError, ValueError) as e:
             key_problem = f"cannot read the node's key ({cfg['agent.key_file']}): {e}"
+    # The engines as the agent would run them: never one that merely lies on the PATH.
+    named = engines.named(cfg)
+    installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"])
+    known = {"engines": engines_here(engines.installed(named), named, installer),
+             "installable": installer.installable()}
     facts = doctor.collect(root, cfg["agent.nvidia_smi"], cfg["agent.weights_dir"],
-                           cfg["agent.controllers"] if key_problem is None else (), keys)
+                           cfg["agent.controllers"] if key_problem is None else (), keys, known)
     findings = doctor.evaluate(facts)
     if key_problem:
         findings.insert(0, doctor.Finding(doctor.FAIL, "agent", key_problem,

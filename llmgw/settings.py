@@ -366,6 +366,22 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between heartbeats to the controller.", minimum=0.05),
     Setting("agent.reconnect_max", "float", 30.0,
             "Longest wait between attempts to reach a controller; waits start at 1 s and double.", minimum=0.05),
+    Setting("agent.engines_dir", "str", "/var/lib/llmgw-engines",
+            "Where the node installs engines from its engine catalogue (`[[engines]]`): ENGINE/VERSION/, each "
+            "checked (its libraries resolve, it reports its version) before it counts as installed."),
+    Setting("agent.mirror_url", "str", "",
+            "The mirror's file address (`http://mirror:8081`) that an `[[engines]]` source written as a mirror "
+            "path (`MODEL/VERSION/FILE`) is fetched from."),
+    Setting("agent.engine_recheck_interval", "float", 600.0,
+            "Seconds between checks of the engines the node installed (libraries, version); one that fails is "
+            "reported with its reason and installed again when next needed.", minimum=1.0),
+    Setting("agent.llama_server", "str", "",
+            "A `llama-server` binary to use, named explicitly: the agent runs no engine binary it finds on the "
+            "PATH. Empty: one the node installed from its engine catalogue, else llama.cpp from the `xllamacpp` "
+            "wheel installed with llmgw."),
+    Setting("agent.vllm", "str", "",
+            "A `vllm` command to use, named explicitly (never looked up on the PATH). Empty: one the node "
+            "installed from its engine catalogue, if any."),
     Setting("log.level", "str", "info",
             "Log level: debug, info, warning or error."),
 )
@@ -377,6 +393,10 @@ MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int", "role": "str", "guard": "dict",
               # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
               "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
+
+# An `[[engines]]` entry: the engine catalogue (llmgw/node/installer.py). Read by agents.
+ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict", "kind": "str", "binary": "str",
+               "python": "str", "requirements": "str"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,)}
@@ -394,6 +414,7 @@ class Config:
         self.written = written or {}
         self.endpoints = endpoints
         self.models = models
+        self.engines: list[dict] = []  # the engine catalogue, `[[engines]]` (set by `load`)
         self.source = source
         # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
         # `@/path` values named; whether the file holds a secret written in it.
@@ -513,6 +534,31 @@ def _check_model(index: int, table: Any, where: str) -> dict:
     return model
 
 
+def validate_engines(tables: Any, where: str) -> list[dict]:
+    """The `[[engines]]` catalogue: one entry per engine, each with its version, source and sha256 per platform."""
+    if isinstance(tables, dict):
+        raise ConfigError(f"{where}: write the engine catalogue as an array of tables, [[engines]]")
+    out: dict[str, dict] = {}
+    for i, table in enumerate(tables):
+        entry = _check_table("engines", i, table, ENGINE_KEYS, ("name", "version", "source", "sha256"), where)
+        if entry["name"] not in ("llamacpp", "vllm", "sglang"):
+            raise ConfigError(f"[[engines]] number {i + 1} in {where}: name is {entry['name']!r}; llmgw installs "
+                              "llamacpp, vllm or sglang")
+        if entry["name"] in out:
+            raise ConfigError(f"engine {entry['name']} in {where}: two [[engines]] entries name it; a node runs one "
+                              "version of each engine, so keep the one it should install")
+        if entry.get("kind", "archive") not in ("archive", "wheel"):
+            raise ConfigError(f"engine {entry['name']} in {where}: kind is {entry['kind']!r}; it is \"archive\" (a "
+                              "tar or zip holding the server) or \"wheel\" (a Python engine)")
+        bad = [k for k, v in entry["sha256"].items() if not isinstance(v, str) or len(v) != 64]
+        if bad:
+            raise ConfigError(f"engine {entry['name']} in {where}: sha256.{bad[0]} must be 64 hex digits")
+        if "/" in entry["version"] or entry["version"].startswith("."):
+            raise ConfigError(f"engine {entry['name']} in {where}: version {entry['version']!r} names a directory")
+        out[entry["name"]] = entry
+    return list(out.values())
+
+
 def parse_endpoint_flag(text: str) -> dict:
     """`id=URL=model[,model]` from `--endpoint` as an `[[endpoints]]` table."""
     parts = text.split("=", 2)
@@ -558,6 +604,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
+    file_engines = data.pop("engines", [])
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
@@ -581,7 +628,9 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     eps = validate_endpoints(list(file_endpoints) + [parse_endpoint_flag(e) for e in endpoints], where)
     models = [_check_model(i, m, where) for i, m in enumerate(file_models)]
     values["store.url"] = normalise_store_url(values["store.url"])
-    return Config(values, eps, models, where, path, secret_files, holds_secret, written)
+    config = Config(values, eps, models, where, path, secret_files, holds_secret, written)
+    config.engines = validate_engines(file_engines, where)
+    return config
 
 
 def _as_written(name: str, given: Any, value: Any) -> Any:
@@ -663,6 +712,27 @@ def reference_markdown() -> str:
         "| `size_bytes` | int | Size of a URL source, so nodes without the disk for it are skipped; "
         "`llmgw ctl model add` fills it from the server. |",
         "",
+        "## `[[engines]]`",
+        "",
+        "A node's engine catalogue: the engines it installs itself, when a replica needs one, into "
+        "`agent.engines_dir/ENGINE/VERSION/` (see llmgw/node/installer.py). One entry per engine.",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | The engine: `llamacpp`, `vllm` or `sglang`. Required. |",
+        "| `version` | str | The version it installs; the engine must report it. Required. |",
+        "| `source` | str | Its artefact: a path in the mirror (`MODEL/VERSION/FILE`, fetched from "
+        "`agent.mirror_url`) or an http(s) URL. A wheel's source ends in the wheel's file name. Required. |",
+        '| `sha256` | table | The artefact\'s sha256 per platform (`{"linux-x86_64" = "…"}`); a node '
+        "installs only an artefact whose sum it is given for its own platform. Required. |",
+        "| `kind` | str | `archive` (a tar or zip holding the server; the default) or `wheel` (a Python "
+        "engine, installed into a virtual environment of its own with `pip --require-hashes`). |",
+        "| `binary` | str | The server inside an archive (default `bin/llama-server`, `bin/vllm`). |",
+        "| `python` | str | The Python version a wheel's environment is made with (`3.11`; default the "
+        "agent's own). |",
+        "| `requirements` | str | A requirements file, with a hash for every line, of a wheel's dependencies "
+        "(none: the wheel alone, with no index). |",
+        "",
     ]
     return "\n".join(lines)
 
@@ -681,8 +751,10 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = ()) -> str:
-    """A configuration file from dotted settings plus `[[endpoints]]` and `[[models]]` (for `llmgw up`, tests)."""
+def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = (),
+            engines: list[dict] = ()) -> str:
+    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]` and `[[engines]]` (for
+    `llmgw up`, tests)."""
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
@@ -690,7 +762,7 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
     lines = []
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries, ""]
-    for kind, items in (("endpoints", endpoints), ("models", models)):
+    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines)):
         for item in items:
             lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

@@ -115,12 +115,14 @@ class Controller:
 
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
-                 nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False, **settings):
+                 nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False,
+                 engines=(), env=None, **settings):
+        """ENGINES: its engine catalogue (`[[engines]]`); ENV: variables its environment has besides ours."""
         self.node_id = node_id
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
         values = {"agent.controllers": controllers, "agent.weights_dir": str(folder / "weights"),
-                  "agent.work_dir": str(folder / "work"),
+                  "agent.work_dir": str(folder / "work"), "agent.engines_dir": str(folder / "engines"),
                   "agent.labels": labels or {}, "agent.plaintext": plaintext, **FAST,
                   **{k.replace("__", "."): v for k, v in settings.items()}}
         if key_text is not None:
@@ -129,7 +131,7 @@ class Agent:
             values["agent.key_file"] = str(folder / "node.key")
         if plaintext or key_text is None:
             values["agent.node_id"] = node_id
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         if nvidia_smi_capture:
             values["agent.nvidia_smi"] = os.path.join(ROOT, "tests", "fake-nvidia-smi")
             env["LLMGW_FAKE_SMI"] = os.path.join(ROOT, "tests", "fixtures", nvidia_smi_capture)
@@ -139,7 +141,7 @@ class Agent:
         if nvml_capture:
             env["LLMGW_FAKE_NVML"] = os.path.join(ROOT, "tests", "fixtures", nvml_capture)
             env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fakenvml")
-        self.config = write_config(folder / "agent.toml", values)
+        self.config = write_config(folder / "agent.toml", values, engines=engines)
         self.env = env
         self.folder = folder
         self.log_path = folder / "agent.log"

@@ -163,12 +163,12 @@ def starter_engine(tmp_path_factory):
         yield url
 
 
-def write_config(path, settings: dict, endpoints=(), models=()) -> str:
-    """A TOML file from dotted SETTINGS plus [[endpoints]] and [[models]] tables."""
+def write_config(path, settings: dict, endpoints=(), models=(), engines=()) -> str:
+    """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]] and [[engines]] tables."""
     from llmgw.settings import to_toml
 
     with open(path, "w") as f:
-        f.write(to_toml(settings, list(endpoints), list(models)))
+        f.write(to_toml(settings, list(endpoints), list(models), list(engines)))
     return str(path)
 
 

@@ -6,12 +6,15 @@ from llmgw import engines
 from llmgw.engines import llamacpp, sglang, vllm
 
 
-def test_vllm_serve(monkeypatch):
-    monkeypatch.setattr(vllm.shutil, "which", lambda name: "/opt/vllm/bin/vllm")
-    assert vllm.command("/models/qwen", "qwen2.5-7b", "0.0.0.0", 8001, [2, 3], 32768, ["--enable-prefix-caching"]) == [
+def test_vllm_serve():
+    assert vllm.command("/models/qwen", "qwen2.5-7b", "0.0.0.0", 8001, [2, 3], 32768, ["--enable-prefix-caching"],
+                        binary="/opt/vllm/bin/vllm") == [
         "/opt/vllm/bin/vllm", "serve", "/models/qwen", "--served-model-name", "qwen2.5-7b", "--host", "0.0.0.0",
         "--port", "8001", "--tensor-parallel-size", "2", "--max-model-len", "32768", "--enable-prefix-caching"]
-    assert "--tensor-parallel-size" not in vllm.command("/m", "m", "0.0.0.0", 1, [0], None, [])
+    assert "--tensor-parallel-size" not in vllm.command("/m", "m", "0.0.0.0", 1, [0], None, [], binary="vllm")
+    # Installed into an environment of its own: its command-line module, from its interpreter.
+    assert vllm.command("/m", "m", "0.0.0.0", 1, [], None, [], python="/e/venv/bin/python")[:4] == [
+        "/e/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 def test_sglang_launch_server():
@@ -28,11 +31,13 @@ def test_llama_server_binary():
         "--jinja", "--no-webui"]
 
 
-def test_llamacpp_from_the_wheel_when_no_binary(monkeypatch):
-    monkeypatch.setattr(llamacpp, "find_binary", lambda: None)
+def test_llamacpp_from_the_wheel_when_no_binary():
     argv = llamacpp.command("/w/m.gguf", 8002, "m", threads=2)
     assert argv[:3] == [sys.executable, "-m", "llmgw.engines.xllamacpp_server"] and "--alias" in argv
     assert "--jinja" in argv  # tool calls, as with the binary
+    # From an environment the node installed: the server's file, run isolated (that interpreter has no llmgw).
+    argv = llamacpp.command("/w/m.gguf", 8002, "m", threads=2, python="/e/venv/bin/python")
+    assert argv[:3] == ["/e/venv/bin/python", "-I", llamacpp.SERVER_FILE] and "--jinja" in argv
 
 
 def test_sim_and_extra_args():

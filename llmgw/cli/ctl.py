@@ -85,6 +85,22 @@ def nodes(obj, as_json):
         rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago", facts.get("address") or "-",
                      cpus, human_bytes(memory.get("total_bytes")), human_bytes(disk.get("free_bytes")), gpu_text))
     print_table(rows)
+    _print_installs(result)
+
+
+def _print_installs(result: list[dict]) -> None:
+    """Under the nodes' table, each engine install under way or failed (llmgw/node/installer.py): a node's
+    reason for not being used yet, and what to do."""
+    for n in result:
+        installs = n["status"].get("installs", n["facts"].get("installs")) or {}
+        for key, install in sorted(installs.items()):
+            if install.get("state") == "installing":
+                done, total = install.get("bytes_done"), install.get("bytes_total")
+                fetched = "" if done is None else f", {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
+                click.echo(f"{n['node_id']}: installing engine {key} ({install.get('detail', 'starting')}{fetched})")
+            elif install.get("state") == "failed":
+                click.echo(f"{n['node_id']}: installing engine {key} failed: {install.get('detail')}\n"
+                           f"  fix: {install.get('fix')}")
 
 
 @ctl.command()

@@ -66,6 +66,17 @@ class NodeFacts:
     gpus: tuple[Gpu, ...] | None  # None when the GPU probe failed or was never run
     cpu_count: int | None
 
+    @property
+    def installable(self) -> dict:
+        """Engine -> version the node's catalogue can install there (empty where it has none, or an old agent)."""
+        return self.registration.get("installable") or {}
+
+    def install(self, engine: str) -> dict | None:
+        """The node's latest word on installing ENGINE's catalogue version (llmgw/node/installer.py), if any."""
+        version = self.installable.get(engine)
+        installs = self.status.get("installs", self.registration.get("installs")) or {}
+        return installs.get(f"{engine}/{version}") if version else None
+
     def _latest(self, field: str, key: str):
         """FIELD's KEY from the latest heartbeat that said it, else from the registration."""
         value = self.status.get(field, {}).get(key)

@@ -3,7 +3,8 @@
 Pure: it takes the nodes as the controller knows them and the replicas already
 placed, and returns a decision or the reasons. A node is a candidate for a
 profile only if it is ready (not cordoned, unreachable or lost), has the
-profile's engine installed and seen to run, carries every label the profile
+profile's engine installed and seen to run (or its engine catalogue can install it there: placing
+the replica installs it, and an install under way or failed is the node's reason), carries every label the profile
 selects on, has enough GPUs of the profile's class free (indices not held by
 another replica, and healthy in the node's latest report: a card that fails
 after registration is not offered), and enough memory not already claimed by replicas placed
@@ -62,9 +63,19 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
     facts = node.facts
     if facts.engines is None:
         return "the node has not said which engines it runs (an old agent?)", ()
+    install = facts.install(profile.engine)
+    if install and install.get("state") == "failed":
+        return (f"installing engine {profile.engine} {facts.installable[profile.engine]} failed there: "
+                f"{install.get('detail')}; {install.get('fix')}"), ()
     if profile.engine not in facts.engines:
-        installed = ", ".join(sorted(facts.engines)) or "none"
-        return f"engine {profile.engine} is not installed there (installed: {installed})", ()
+        if install and install.get("state") == "installing":
+            done = f", {install['bytes_done'] / GiB:.2f} GiB fetched" if "bytes_done" in install else ""
+            return (f"engine {profile.engine} {facts.installable[profile.engine]} is being installed there "
+                    f"({install.get('detail', 'starting')}{done}); the node is used once it is installed"), ()
+        if profile.engine not in facts.installable:
+            installed = ", ".join(sorted(facts.engines)) or "none"
+            return (f"engine {profile.engine} is not installed there (installed: {installed}), and its engine "
+                    "catalogue ([[engines]]) has none to install"), ()
     labels = facts.labels or {}
     for key, value in profile.node_selector:
         if labels.get(key) != value:

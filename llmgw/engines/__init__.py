@@ -19,14 +19,27 @@ from llmgw.engines import llamacpp, sglang, vllm
 LOAD_METRICS: dict[str, str] = {**vllm.LOAD_METRICS, **llamacpp.LOAD_METRICS, **sglang.LOAD_METRICS}
 
 
-def installed() -> dict[str, str]:
-    """Engine name -> version, for each engine on this machine that answers its version check.
-    The simulator is part of llmgw and always there."""
+def named(cfg) -> dict[str, tuple[str, str]]:
+    """Engine -> ("binary", path) for each engine binary the configuration names explicitly: the only
+    binaries besides the ones the node installed itself that probing may run."""
+    given = {"llamacpp": cfg["agent.llama_server"], "vllm": cfg["agent.vllm"]}
+    return {name: ("binary", path) for name, path in given.items() if path}
+
+
+def installed(given: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
+    """Engine name -> version, for each engine llmgw may run here: the simulator (part of llmgw), the engines
+    llmgw's own environment has (read from their metadata), and GIVEN's binaries (`named`), each asked its
+    version. Nothing is looked up on the PATH."""
     found = {"sim": __version__}
-    for name, module in (("llamacpp", llamacpp), ("vllm", vllm), ("sglang", sglang)):
-        version = module.probe()
+    for name, version in (("llamacpp", llamacpp.probe()), ("sglang", sglang.probe())):
         if version:
             found[name] = version
+    for name, (_kind, path) in (given or {}).items():
+        version = llamacpp.probe(path) if name == "llamacpp" else vllm.probe(path) if name == "vllm" else None
+        if version:
+            found[name] = version
+        else:
+            found.pop(name, None)  # the one the configuration names is the one that runs, or none
     return found
 
 
@@ -45,17 +58,22 @@ def key_environment(engine: str, api_key: str) -> dict[str, str]:
 
 
 def command(engine: str, source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
-            args: list[str], replica: str, api_key: str | None = None) -> list[str]:
+            args: list[str], replica: str, api_key: str | None = None,
+            launch: tuple[str, str] | None = None) -> list[str]:
     """The command line that serves SOURCE as NAME on HOST:PORT with ENGINE. API_KEY goes on it only for
-    an engine that reads it nowhere else (see `key_environment`)."""
+    an engine that reads it nowhere else (see `key_environment`). LAUNCH: ("binary", path) or ("python",
+    interpreter) the engine runs from (`named`, or what the node installed); None: llmgw's own environment."""
     import sys
 
+    kind, path = launch or (None, None)
+    binary, python = (path, None) if kind == "binary" else (None, path)
     if engine == "llamacpp":
-        return llamacpp.command(source, port, name, ctx_size=max_context or 4096, host=host) + list(args)
+        return llamacpp.command(source, port, name, ctx_size=max_context or 4096, host=host, binary=binary,
+                                python=python) + list(args)
     if engine == "vllm":
-        return vllm.command(source, name, host, port, gpus, max_context, args)
+        return vllm.command(source, name, host, port, gpus, max_context, args, binary=binary, python=python)
     if engine == "sglang":
-        return sglang.command(source, name, host, port, gpus, max_context, args, api_key)
+        return sglang.command(source, name, host, port, gpus, max_context, args, api_key, python=python)
     if engine == "sim":
         return [sys.executable, "-m", "llmgw", "sim", "--listen", addresses.join(host, port), "--model", name,
                 "--replica", replica] + list(args)

@@ -1,10 +1,14 @@
 """llama.cpp: launching its server and reading its load.
 
-A `llama-server` binary is used where one is installed (what production nodes
-run: a release build with every CPU and GPU backend). Otherwise the server
-from the `xllamacpp` wheel, llama.cpp's own server code prebuilt for Python,
-runs in a process of its own through `llmgw.engines.xllamacpp_server`, so a
-machine with nothing but PyPI can serve a model.
+A `llama-server` binary is used where one is given: named by the node's
+configuration (`agent.llama_server`) or installed by the node from its engine
+catalogue (a release build with every CPU and GPU backend). Otherwise the
+server from the `xllamacpp` wheel, llama.cpp's own server code prebuilt for
+Python, runs in a process of its own through `llmgw.engines.xllamacpp_server`:
+from llmgw's own environment (the wheel is one of llmgw's dependencies), or
+from a virtual environment the node installed it into. A `llama-server` that
+merely lies on the PATH is never run, not even to ask its version: a wrapper
+named like an engine would run with the agent's rights.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import importlib.metadata
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -25,17 +28,18 @@ LOAD_METRICS = {
 }
 
 
-def find_binary() -> str | None:
-    return shutil.which("llama-server")
+# Run by a path, with `-I`, from an interpreter that may not have llmgw: it imports only the standard library and
+# xllamacpp, and `-I` keeps this folder (whose module names are common ones) off that interpreter's path.
+SERVER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xllamacpp_server.py")
 
 
 def have_wheel() -> bool:
     return importlib.util.find_spec("xllamacpp") is not None
 
 
-def probe() -> str | None:
-    """The installed llama.cpp server's version, or None when there is none that runs."""
-    binary = find_binary()
+def probe(binary: str | None = None) -> str | None:
+    """The version of BINARY (a `llama-server` llmgw installed or the configuration names), or of the
+    xllamacpp wheel in llmgw's own environment (its metadata: nothing runs); None when there is none that runs."""
     if binary:
         try:
             run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=20)
@@ -49,7 +53,8 @@ def probe() -> str | None:
 
 
 def command(model_path: str, port: int, name: str, ctx_size: int = 4096, threads: int | None = None,
-            parallel: int = 4, host: str = "127.0.0.1", binary: str | None = None) -> list[str]:
+            parallel: int = 4, host: str = "127.0.0.1", binary: str | None = None,
+            python: str | None = None) -> list[str]:
     """The command that serves MODEL_PATH as NAME on HOST:PORT, with `/metrics`, embeddings and tool calls on.
 
     Embeddings use mean pooling: llama.cpp refuses OpenAI-style embeddings
@@ -59,13 +64,18 @@ def command(model_path: str, port: int, name: str, ctx_size: int = 4096, threads
     --jinja flag"), and the gateway translates other APIs' tools into such
     chats. A profile's `--no-jinja`, coming later, turns it off again, for a
     model whose template llama.cpp cannot read.
+
+    BINARY: a `llama-server` to run; PYTHON: an interpreter with the xllamacpp wheel (a virtual environment the
+    node installed); neither: the wheel in llmgw's own environment.
     """
     threads = threads or max(1, os.cpu_count() or 1)
-    binary = binary if binary is not None else find_binary()
     if binary:
         return [binary, "--model", model_path, "--alias", name, "--host", host, "--port", str(port),
                 "--ctx-size", str(ctx_size), "--threads", str(threads), "--parallel", str(parallel),
                 "--metrics", "--embeddings", "--pooling", "mean", "--jinja", "--no-webui"]
+    if python:
+        return [python, "-I", SERVER_FILE, "--model", model_path, "--alias", name, "--host", host, "--port", str(port),
+                "--ctx-size", str(ctx_size), "--threads", str(threads), "--parallel", str(parallel), "--jinja"]
     if not have_wheel():
         raise RuntimeError("no llama.cpp server here: install llama.cpp's `llama-server`, "
                            "or the wheel with `pip install xllamacpp`")

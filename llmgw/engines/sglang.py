@@ -9,7 +9,7 @@ import sys
 
 
 def probe() -> str | None:
-    """SGLang's version when this Python can import it, else None."""
+    """SGLang's version when llmgw's own Python can import it (its metadata: nothing runs), else None."""
     if importlib.util.find_spec("sglang") is None:
         return None
     return importlib.metadata.version("sglang")
@@ -23,10 +23,11 @@ LOAD_METRICS = {
 
 
 def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
-            args: list[str], api_key: str | None = None) -> list[str]:
+            args: list[str], api_key: str | None = None, python: str | None = None) -> list[str]:
     """SGLang's server as its documentation gives it, with metrics on (routing reads them). With API_KEY,
-    it answers only requests that carry it: SGLang reads its key from this flag only."""
-    argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", source, "--served-model-name", name,
+    it answers only requests that carry it: SGLang reads its key from this flag only. PYTHON: an interpreter
+    that has SGLang (a virtual environment the node installed); else llmgw's own."""
+    argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", source, "--served-model-name", name,
             "--host", host, "--port", str(port), "--enable-metrics"]
     if api_key:
         argv += ["--api-key", api_key]

@@ -1,19 +1,19 @@
 """vLLM: whether it is installed, and how its load reads from `/metrics`.
 
+Only a `vllm` the node's configuration names (`agent.vllm`) or one the node
+installed into a virtual environment of its own is run; the PATH is never
+searched (see llmgw/engines/llamacpp.py for why).
+
 vLLM reports KV cache use as a fraction; the name changed in its V1 engine
 (`kv_cache_usage_perc`), and older releases still in service say
 `gpu_cache_usage_perc`. Both are read. The simulated engine uses these names.
 """
 
-import shutil
 import subprocess
 
 
-def probe() -> str | None:
-    """The version of the `vllm` on the PATH, or None when there is none that runs."""
-    binary = shutil.which("vllm")
-    if not binary:
-        return None
+def probe(binary: str) -> str | None:
+    """The version BINARY (a `vllm` named by the configuration) reports, or None when it does not run."""
     try:
         run = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired):
@@ -31,10 +31,15 @@ LOAD_METRICS = {
 
 
 def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
-            args: list[str]) -> list[str]:
+            args: list[str], binary: str | None = None, python: str | None = None) -> list[str]:
     """`vllm serve` as its documentation gives it: the model, the name clients use, where to listen,
-    one tensor-parallel rank per GPU given."""
-    argv = [shutil.which("vllm") or "vllm", "serve", source, "--served-model-name", name,
+    one tensor-parallel rank per GPU given. BINARY: the `vllm` command; PYTHON: an interpreter that has vLLM
+    (its command-line module is run, as the `vllm` script would: a script's first line names the directory
+    it was installed in, which an install renames)."""
+    if not (binary or python):
+        raise RuntimeError("no vLLM on this node: name it with agent.vllm, or give the node an [[engines]] entry")
+    program = [binary] if binary else [python, "-m", "vllm.entrypoints.cli.main"]
+    argv = [*program, "serve", source, "--served-model-name", name,
             "--host", host, "--port", str(port)]
     if len(gpus) > 1:
         argv += ["--tensor-parallel-size", str(len(gpus))]

@@ -267,10 +267,16 @@ def _engines(facts: dict) -> list[Finding]:
     if found is None:
         return []
     real = {k: v for k, v in found.items() if k != "sim"}
-    if not real:
+    # What the node's engine catalogue installs when a replica needs it (llmgw/node/installer.py).
+    later = {k: v for k, v in (facts.get("installable") or {}).items() if k not in real}
+    if not real and not later:
         return [Finding(FAIL, "engines", "no engine runs here (llama.cpp, vLLM or SGLang)",
-                        "pip install xllamacpp (llama.cpp for CPUs and GPUs), or pip install vllm on a GPU node")]
-    return [Finding(OK, "engines", ", ".join(f"{k} {v}" for k, v in sorted(real.items())))]
+                        "give the node an [[engines]] catalogue entry (it installs the engine itself, from the "
+                        "mirror), or name a binary with agent.llama_server or agent.vllm, or pip install xllamacpp "
+                        "beside llmgw")]
+    shown = [f"{k} {v}" for k, v in sorted(real.items())] + [f"{k} {v} (installed when needed)"
+                                                             for k, v in sorted(later.items())]
+    return [Finding(OK, "engines", ", ".join(shown))]
 
 
 def _fabric(facts: dict) -> list[Finding]:

@@ -11,15 +11,19 @@ import socket
 
 from llmgw import __version__, engines, settings
 from llmgw.node import discovery, doctor
+from llmgw.node.installer import Installer
 from llmgw.node.supervisor import Supervisor
 
 
 class Reporter:
     """Makes the register and heartbeat messages' fields; a heartbeat carries only what changed."""
 
-    def __init__(self, node_id: str, cfg: settings.Config, supervisor: Supervisor, address: str | None):
-        """ADDRESS: where this machine reaches its first controller from (None: not known)."""
+    def __init__(self, node_id: str, cfg: settings.Config, supervisor: Supervisor, address: str | None,
+                 installer: Installer | None = None):
+        """ADDRESS: where this machine reaches its first controller from (None: not known). INSTALLER: the
+        engines this node installs from its catalogue."""
         self.node_id = node_id
+        self.installer = installer
         self.address = address
         self.cfg = cfg
         self.supervisor = supervisor
@@ -27,6 +31,8 @@ class Reporter:
         self.cpu.percent()
         self.sent: dict = {}
         self.has_gpus = False
+        self.named: dict = {}
+        self.probed: dict = {}  # what `register` found, besides the catalogue's installs
 
     def register(self) -> dict:
         facts = dict(node_id=self.node_id, agent_version=__version__, hostname=socket.gethostname(),
@@ -34,12 +40,19 @@ class Reporter:
                      cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
                      disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
         facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
-        facts.update(engines=engines.installed(), engines_probed=True, shards=self.supervisor.describe())
+        self.named = engines.named(self.cfg)
+        self.probed = engines.installed(self.named)
+        facts.update(engines=self.engines(), engines_probed=True, shards=self.supervisor.describe())
+        if self.installer is not None:
+            facts.update(installable=self.installer.installable(), installs=self.installer.report())
         facts["doctor"] = self.checkup(facts)
         facts["weights"] = self.weights_use()
         self.has_gpus = bool(facts.get("gpus"))
         self.sent = {}
         return facts
+
+    def engines(self) -> dict[str, str]:
+        return engines_here(self.probed, self.named, self.installer)
 
     def checkup(self, facts: dict) -> dict:
         """The doctor's warnings and failures, from what was just found (the connection to the controller
@@ -47,7 +60,7 @@ class Reporter:
         gpu = {k: facts[k] for k in ("gpus", "gpus_probed", "gpu_probe_error") if k in facts}
         found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], known={
             "cpu": facts["cpu"], "memory": facts["memory"], "disk": facts["disk"], "gpu": gpu,
-            "engines": facts["engines"]})
+            "engines": facts["engines"], "installable": facts.get("installable", {})})
         findings = [f for f in doctor.evaluate(found) if f.area != "agent"]
         return doctor.summary(findings)
 
@@ -55,14 +68,19 @@ class Reporter:
         current = {"memory": discovery.memory_facts(), "disk": discovery.disk_facts(self.cfg["agent.weights_dir"]),
                    "load": {**discovery.load_facts(), **_present(cpu_percent=self.cpu.percent()),
                             "shards": self.supervisor.loads()}, "weights": self.weights_use()}
+        if self.installer is not None:
+            current.update(installs=self.installer.report(), engines=self.engines())
         if self.has_gpus:
             # GPU memory in use catches a process outside llmgw taking a card.
             keep = ("index", "memory_used_bytes", "utilization_percent", "health")
             gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
             if gpus is not None:
                 current["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
-        changed = {k: v for k, v in current.items() if v and self.sent.get(k) != v}
+        # An empty `installs` is an answer (a failed install forgotten, so placement may ask again), not unknown.
+        changed = {k: v for k, v in current.items() if (v or k == "installs") and self.sent.get(k) != v}
         self.sent.update(changed)
+        if "engines" in changed:
+            changed["engines_changed"] = True
         return changed
 
     def weights_use(self) -> dict:
@@ -70,6 +88,21 @@ class Reporter:
         The listing itself is asked for (`weights_request`): it can be long, and is rarely wanted."""
         listing = self.supervisor.weights(most=0)
         return {k: listing[k] for k in ("bytes", "entries", "fetched_bytes")}
+
+
+def engines_here(probed: dict[str, str], named: dict, installer: Installer | None) -> dict[str, str]:
+    """Engine -> version of what runs here, as the supervisor chooses it: a binary the configuration NAMED,
+    else what the catalogue installed (an engine the catalogue lists counts only once installed from it),
+    else llmgw's own environment. PROBED: `engines.installed(NAMED)`, the only call that runs anything."""
+    found = dict(probed)
+    if installer is not None:
+        installed = installer.installed()
+        for name in installer.entries:
+            if name not in named:
+                found.pop(name, None)
+                if name in installed:
+                    found[name] = installed[name]
+    return found
 
 
 def _present(**fields) -> dict:

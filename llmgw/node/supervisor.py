@@ -34,6 +34,7 @@ import urllib.request
 from llmgw import addresses, engines, weights
 from llmgw.engines import metrics as enginemetrics
 from llmgw.node import discovery
+from llmgw.node.installer import InstallError
 from llmgw.procs import free_port
 
 log = logging.getLogger("llmgw.supervisor")
@@ -89,11 +90,15 @@ def tail(path: str, lines: int) -> list[str]:
 
 class Supervisor:
     def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report,
-                 local_sources: list[str] = ()):
+                 local_sources: list[str] = (), named: dict[str, tuple[str, str]] | None = None, installer=None):
         """REPORT(fields) is called (from any thread) with each shard_status to send. Engines listen on
         ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty. An engine is given a
-        local source only inside WEIGHTS_DIR or LOCAL_SOURCES (`agent.local_sources`)."""
+        local source only inside WEIGHTS_DIR or LOCAL_SOURCES (`agent.local_sources`). An engine runs from
+        what the configuration NAMED (`engines.named`), else from what INSTALLER (llmgw/node/installer.py)
+        installed, installing it first when its catalogue has it, else from llmgw's own environment."""
         self.node_id = node_id
+        self.named = named or {}
+        self.installer = installer
         self.work_dir = work_dir
         self.weights_dir = weights_dir
         self.local_sources = local_sources
@@ -259,9 +264,14 @@ class Supervisor:
         except weights.FetchError as e:
             self._set(shard, "failed", str(e))
             return
+        try:
+            launch = self._launch(shard)
+        except InstallError as e:
+            self._set(shard, "failed", f"installing engine {spec['engine']} failed: {e.detail}; {e.fix}")
+            return
         argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
                                spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
-                               replica=shard.shard_id, api_key=shard.api_key)
+                               replica=shard.shard_id, api_key=shard.api_key, launch=launch)
         env = dict(os.environ)
         env.update(spec.get("env") or {})
         env.update(engines.key_environment(spec["engine"], shard.api_key))
@@ -282,6 +292,19 @@ class Supervisor:
         shard.pid = shard.proc.pid
         self._set(shard, "starting")
         self._wait_ready(shard)
+
+    def _launch(self, shard: Shard) -> tuple[str, str] | None:
+        """What SHARD's engine runs from (see `__init__`), installing it first where the catalogue says how;
+        raises InstallError."""
+        engine = shard.spec["engine"]
+        if engine in self.named:
+            return self.named[engine]
+        if self.installer is None or engine not in self.installer.entries:
+            return None
+        if engine not in self.installer.installed():
+            self._set(shard, "fetching", f"installing engine {engine} {self.installer.entries[engine]['version']}")
+            self.installer.ensure(engine)
+        return self.installer.launch(engine)
 
     def _weights(self, spec: dict, progress) -> str:
         """The path SPEC's engine is given: a URL's download, or a local path inside the weights directory or

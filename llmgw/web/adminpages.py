@@ -437,6 +437,12 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
         for finding in checkup.get("failures", []) + checkup.get("warnings", []):
             problems.append(f"Node {node['node_id']}: {finding['message']} (→ {finding['fix']})" if finding.get("fix")
                             else f"Node {node['node_id']}: {finding['message']}")
+        # An engine install that failed (llmgw/node/installer.py) keeps the node from serving that engine.
+        installs = node["status"].get("installs", node["facts"].get("installs")) or {}
+        for key, install in sorted(installs.items()):
+            if install.get("state") == "failed":
+                problems.append(f"Node {node['node_id']}: installing engine {key} failed: {install.get('detail')} "
+                                f"(→ {install.get('fix')})")
     for model in view["models"]:
         model["why_not_more"] = _why_not_more(model)
         if model["scaling"]["min"] > 0 and not model["ready"]:

@@ -29,11 +29,12 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
         "gpus": ("array", False), "gpus_probed": ("bool", False), "gpu_probe_error": ("str", False),
         "engines": ("object", False), "engines_probed": ("bool", False), "shards": ("array", False),
         "doctor": ("object", False), "weights": ("object", False),
+        "installable": ("object", False), "installs": ("object", False),
     },
     "heartbeat": {
         "node_id": ("str", True), "seq": ("int", True), "memory": ("object", False), "load": ("object", False),
         "disk": ("object", False), "gpus": ("array", False), "engines": ("object", False),
-        "engines_changed": ("bool", False), "weights": ("object", False),
+        "engines_changed": ("bool", False), "weights": ("object", False), "installs": ("object", False),
     },
     "shard_status": {
         "node_id": ("str", True), "shard_id": ("str", True), "state": ("str", True), "model": ("str", False),

@@ -1,0 +1,400 @@
+"""Engines a node installs itself, from the engine catalogue (`[[engines]]` in its configuration).
+
+Each catalogue entry names an engine, a version, where its artefact comes from
+(the mirror by default: `MODEL/VERSION/FILE` under `agent.mirror_url`) and its
+sha256 for each platform. The agent installs what a placement needs, and only
+that, into `agent.engines_dir/ENGINE/VERSION/`:
+
+1. fetch the artefact (resumable, `weights.download`), and check its sha256
+   against the catalogue's for this platform, not against what the server says;
+2. assemble under `VERSION.partial/`: an archive (tar or zip) is extracted
+   member by member, refusing absolute paths, `..`, links that leave the
+   directory and anything but files, folders and links; a wheel gets a virtual
+   environment of its own, installed by pip with `--require-hashes` (the
+   wheel's own hash, plus the entry's requirements file for its dependencies);
+3. verify: every ELF file's shared libraries resolve (`ldd`), and the engine
+   reports the catalogue's version;
+4. write the marker `.llmgw-install.json` and rename into place.
+
+Only what this module installed (a directory with the marker) counts as
+installed, so probing runs nothing but binaries llmgw put there itself.
+`recheck` repeats step 3 for each install (the agent calls it every
+`agent.engine_recheck_interval`): a library removed by a system update shows
+up as a failed install, with its reason and fix, before a replica needs it.
+
+Progress and failures are kept per `ENGINE/VERSION` for the heartbeat's
+`installs` field: `{"state": "installing"|"installed"|"failed", "detail",
+"fix", "bytes_done", "bytes_total"}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import zipfile
+
+from llmgw import weights
+
+log = logging.getLogger("llmgw.installer")
+
+MARKER = ".llmgw-install.json"
+KINDS = ("archive", "wheel")
+VERIFY_TIMEOUT = 120.0  # seconds an engine's version check may take (vLLM imports torch)
+PIP_TIMEOUT = 1800.0  # seconds pip may take to install a Python engine and its requirements
+# Where each engine's server lies in an archive when its entry does not say (llama.cpp's release layout).
+DEFAULT_BINARY = {"llamacpp": "bin/llama-server", "vllm": "bin/vllm"}
+# The distribution a Python engine's wheel installs, and how its server is started from its own interpreter.
+PYTHON_ENGINES = {"llamacpp": "xllamacpp", "vllm": "vllm", "sglang": "sglang"}
+
+
+class InstallError(Exception):
+    """An install that failed: what happened (the message) and what to do (FIX)."""
+
+    def __init__(self, detail: str, fix: str):
+        super().__init__(detail)
+        self.detail = detail
+        self.fix = fix
+
+
+def this_platform() -> str:
+    """`linux-x86_64`, `linux-aarch64`: the key of an entry's `sha256` table that this node installs."""
+    return f"{sys.platform}-{platform.machine().lower()}"
+
+
+def ldd_missing(path: str) -> list[str]:
+    """The shared libraries PATH needs that do not resolve here (empty when it is no dynamic ELF file)."""
+    try:
+        run = subprocess.run(["ldd", path], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []  # no ldd here: nothing can be said, and the version check still runs the engine
+    return [line.split("=>")[0].strip() for line in run.stdout.splitlines() if "not found" in line]
+
+
+def _is_elf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+# Python's own checks for archives where it has them (3.11.4 and later), besides the ones below.
+_TAR_FILTER = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+
+
+def extract_safely(archive: str, target: str) -> None:
+    """Extract ARCHIVE (tar, compressed or not, or zip) into TARGET; raises InstallError for a member with an
+    absolute path, a `..`, a link that leads out of TARGET, or a device, FIFO or other special file."""
+    unsafe = "publish an archive whose members all stay inside it (relative paths, no `..`, links only to files inside)"
+    root = os.path.realpath(target)
+
+    def inside(name: str, base: str = "") -> bool:
+        if os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+            return False
+        path = os.path.realpath(os.path.join(root, base, name))
+        return os.path.commonpath([path, root]) == root
+
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            for member in z.infolist():
+                if not inside(member.filename):
+                    raise InstallError(f"the archive's member {member.filename!r} would land outside its directory",
+                                       unsafe)
+                mode = member.external_attr >> 16
+                if mode and (mode & 0o170000) not in (0, 0o100000, 0o040000):
+                    raise InstallError(f"the archive's member {member.filename!r} is not a plain file or folder",
+                                       unsafe)
+                z.extract(member, root)
+                if mode & 0o111:
+                    os.chmod(os.path.join(root, member.filename), mode & 0o755)
+        return
+    try:
+        tar = tarfile.open(archive)
+    except tarfile.TarError as e:
+        raise InstallError(f"the artefact is neither a tar nor a zip archive ({e})",
+                           "give the entry kind = \"wheel\" for a Python wheel, or publish a .tar.gz or .zip") from None
+    with tar:
+        members = tar.getmembers()
+        for member in members:
+            if not inside(member.name):
+                raise InstallError(f"the archive's member {member.name!r} would land outside its directory", unsafe)
+            if member.issym() and not inside(member.linkname, os.path.dirname(member.name)):
+                raise InstallError(f"the archive's link {member.name!r} points outside it, to {member.linkname!r}",
+                                   unsafe)
+            if member.islnk() and not inside(member.linkname):
+                raise InstallError(f"the archive's hard link {member.name!r} points outside it", unsafe)
+            if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+                raise InstallError(f"the archive's member {member.name!r} is a device, FIFO or other special file",
+                                   unsafe)
+        for member in members:
+            # Checked above; no owner or set-id bit comes from the archive.
+            member.mode &= 0o755
+            tar.extract(member, root, set_attrs=not member.issym(), **_TAR_FILTER)
+
+
+class Installer:
+    def __init__(self, engines_dir: str, catalogue: list[dict], mirror_url: str, platform_key: str | None = None):
+        """CATALOGUE: the configuration's `[[engines]]`. What is installed and each install's state are read by
+        the agent's reporter for each heartbeat, which sends what changed."""
+        self.dir = engines_dir
+        self.mirror_url = mirror_url.rstrip("/")
+        self.platform = platform_key or this_platform()
+        self.entries = {e["name"]: e for e in catalogue}
+        self.lock = threading.Lock()
+        self.busy: dict[str, threading.Lock] = {}
+        self.states: dict[str, dict] = {}
+        for name, version in self.installed().items():
+            self.states[f"{name}/{version}"] = {"state": "installed"}
+
+    # --- what there is -----------------------------------------------------------------------
+
+    def installable(self) -> dict[str, str]:
+        """Engine -> version this node can install: catalogue entries with a sha256 for its platform."""
+        return {name: e["version"] for name, e in self.entries.items() if self.platform in e.get("sha256", {})}
+
+    def folder(self, name: str, version: str) -> str:
+        return os.path.join(self.dir, name, version)
+
+    def _marker(self, name: str, version: str) -> dict | None:
+        try:
+            with open(os.path.join(self.folder(name, version), MARKER)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def installed(self) -> dict[str, str]:
+        """Engine -> version of each catalogue engine installed here by llmgw and not found broken since
+        (several versions of one engine: the catalogue's). Reads markers; runs nothing."""
+        found = {}
+        for name, entry in self.entries.items():
+            if self._marker(name, entry["version"]) is not None and \
+                    self.states.get(f"{name}/{entry['version']}", {}).get("state") != "failed":
+                found[name] = entry["version"]
+        return found
+
+    def launch(self, name: str) -> tuple[str, str] | None:
+        """How to run the installed NAME: ("binary", path) or ("python", its environment's interpreter)."""
+        entry = self.entries.get(name)
+        marker = entry and self._marker(name, entry["version"])
+        if not marker:
+            return None
+        return marker["kind"], os.path.join(self.folder(name, entry["version"]), marker["path"])
+
+    def report(self) -> dict:
+        with self.lock:
+            return {k: dict(v) for k, v in self.states.items()}
+
+    def _state(self, key: str, **fields) -> None:
+        with self.lock:
+            self.states[key] = {k: v for k, v in fields.items() if v is not None}
+
+    # --- installing ----------------------------------------------------------------------------
+
+    def ensure(self, name: str) -> None:
+        """Install the catalogue's NAME unless it is installed; raises InstallError. One install at a time per
+        engine: a second replica waits for the first's."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise InstallError(f"engine {name} is neither installed here nor in this node's engine catalogue",
+                               f"add an [[engines]] entry for {name} to the node's configuration")
+        with self.lock:
+            busy = self.busy.setdefault(name, threading.Lock())
+        with busy:
+            if name in self.installed():
+                return
+            key = f"{name}/{entry['version']}"
+            self._state(key, state="installing")
+            try:
+                self._install(entry, key)
+            except InstallError as e:
+                log.warning("installing %s failed: %s (%s)", key, e.detail, e.fix)
+                self._state(key, state="failed", detail=e.detail, fix=e.fix)
+                raise
+            self._state(key, state="installed")
+            log.info("installed %s into %s", key, self.folder(name, entry["version"]))
+
+    def _source(self, entry: dict) -> str:
+        source = entry.get("source") or ""
+        if weights.is_url(source):
+            return source
+        if not self.mirror_url:
+            raise InstallError(f"engine {entry['name']}'s source {source!r} is a mirror path, and no mirror is set",
+                               "set agent.mirror_url to the mirror's file address (http://mirror:8081)")
+        return f"{self.mirror_url}/{source.lstrip('/')}"
+
+    def _install(self, entry: dict, key: str) -> None:
+        name, version = entry["name"], entry["version"]
+        expected = entry.get("sha256", {}).get(self.platform)
+        if not expected:
+            raise InstallError(f"the catalogue has no sha256 of {key} for {self.platform}",
+                               f"add sha256.{self.platform} to its [[engines]] entry, with a build for this platform")
+        source = self._source(entry)
+        downloads = os.path.join(self.dir, ".downloads")
+        os.makedirs(downloads, exist_ok=True)
+        artefact = os.path.join(downloads, f"{expected[:16]}-{os.path.basename(source.split('?')[0]) or 'artefact'}")
+        if not os.path.exists(artefact):
+            def progress(done, total):
+                self._state(key, state="installing", detail=f"fetching {source}", bytes_done=done, bytes_total=total)
+            try:
+                weights.download(source, artefact, progress)
+            except weights.FetchError as e:
+                parts = entry["source"].split("/")
+                publish = (f"publish it into the mirror (llmgw mirror fetch ARTEFACT --model {parts[0]} --version "
+                           f"{parts[1]})" if len(parts) == 3 and not weights.is_url(entry["source"])
+                           else "make it answer there")
+                raise InstallError(str(e), f"{publish}, or correct the entry's source") from None
+        got = weights.sha256_of(artefact)
+        if got != expected:
+            os.remove(artefact)  # fetched again on the next try
+            raise InstallError(f"{source} has sha256 {got}, but the catalogue says {expected} for {self.platform}",
+                               "publish the artefact the catalogue names, or correct sha256 in its [[engines]] entry")
+        final = self.folder(name, version)
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)  # what an interrupted install left
+        os.makedirs(partial)
+        try:
+            self._state(key, state="installing", detail=f"assembling {name} {version}")
+            if entry.get("kind", "archive") == "wheel":
+                marker = self._venv(entry, artefact, expected, partial)
+            else:
+                extract_safely(artefact, partial)
+                marker = {"kind": "binary", "path": entry.get("binary") or DEFAULT_BINARY.get(name, f"bin/{name}")}
+            marker.update(name=name, version=version, sha256=expected, installed_at=round(time.time()))
+            self.verify(name, version, partial, marker)
+            with open(os.path.join(partial, MARKER), "w") as f:
+                json.dump(marker, f)
+            if os.path.exists(final):
+                # A version whose check failed since: kept aside, never overwritten in place.
+                os.replace(final, f"{final}.broken-{int(time.time())}")
+            os.replace(partial, final)
+            os.remove(artefact)  # installed: its bytes are in place (an engine's wheels run to gigabytes)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+
+    def _venv(self, entry: dict, wheel: str, sha256: str, target: str) -> dict:
+        """A virtual environment of its own in TARGET/venv, the wheel and its requirements installed with hashes."""
+        python = _python(entry.get("python") or "")
+        venv = os.path.join(target, "venv")
+        self._run([python, "-m", "venv", venv], "making its virtual environment")
+        wheel_name = os.path.join(target, ".wheels", _wheel_name(entry))
+        os.makedirs(os.path.dirname(wheel_name))
+        try:
+            os.link(wheel, wheel_name)  # pip wants the wheel under its own name; no copy of a large file
+        except OSError:
+            shutil.copy(wheel, wheel_name)
+        requirements = os.path.join(target, ".wheels", "requirements.txt")
+        with open(requirements, "w") as f:
+            f.write(f"{wheel_name} --hash=sha256:{sha256}\n")
+        command = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check",
+                   "--no-input", "--require-hashes", "-r", requirements]
+        if entry.get("requirements"):
+            command += ["-r", entry["requirements"]]
+        else:
+            command += ["--no-index", "--no-deps"]  # the wheel alone: nothing may come from elsewhere
+        self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT)
+        shutil.rmtree(os.path.dirname(wheel_name))
+        return {"kind": "python", "path": "venv/bin/python", "distribution": PYTHON_ENGINES.get(entry["name"],
+                                                                                              entry["name"])}
+
+    def _run(self, command: list[str], doing: str, timeout: float = VERIFY_TIMEOUT) -> str:
+        try:
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise InstallError(f"{doing} took over {timeout:.0f} s", "see whether the node's disk or network is "
+                               "slow, then place the model again") from None
+        except OSError as e:
+            raise InstallError(f"{doing}: cannot run {command[0]}: {e.strerror}",
+                               "install it on the node, or correct the entry") from None
+        if run.returncode != 0:
+            last = (run.stderr or run.stdout).strip().splitlines()[-3:]
+            raise InstallError(f"{doing} failed: {' / '.join(last) or f'status {run.returncode}'}",
+                               "correct the entry (its requirements need every hash) or the artefact, and place "
+                               "the model again")
+        return run.stdout + run.stderr
+
+    # --- verifying -----------------------------------------------------------------------------
+
+    def verify(self, name: str, version: str, folder: str, marker: dict) -> None:
+        """Raise InstallError unless every ELF file under FOLDER finds its libraries and the engine reports
+        VERSION."""
+        for path in _elf_files(folder):
+            missing = ldd_missing(path)
+            if missing:
+                raise InstallError(f"{os.path.relpath(path, folder)} needs {', '.join(missing)}, which this node "
+                                   "does not have",
+                                   "install the library on the node (its package manager), or publish a build "
+                                   "that ships it, and place the model again")
+        program = os.path.join(folder, marker["path"])
+        if marker["kind"] == "binary":
+            output = self._run([program, "--version"], f"{name} --version")
+        else:
+            # The distribution's own metadata, read by the environment's interpreter: its version, and that
+            # the interpreter runs at all (a venv whose Python was removed does not).
+            output = self._run([program, "-c", "import importlib.metadata as m, sys; "
+                                f"print(m.version({marker['distribution']!r}))"], f"{name}'s environment")
+        if version not in output:
+            shown = " / ".join(output.strip().splitlines()[-2:])
+            raise InstallError(f"{name} reports {shown!r}, not version {version}",
+                               "publish the artefact of the version the catalogue names, or correct its version")
+
+    def recheck(self) -> None:
+        """Verify each install again; one that fails is reported failed (and installed afresh when next needed).
+        A failed install with nothing installed is forgotten, so placement may ask for it again."""
+        for name, entry in self.entries.items():
+            key, marker = f"{name}/{entry['version']}", self._marker(name, entry["version"])
+            installing = self.busy.get(name)
+            if installing is not None and installing.locked():
+                continue
+            if marker is None:
+                with self.lock:
+                    self.states.pop(key, None)
+                continue
+            try:
+                self.verify(name, entry["version"], self.folder(name, entry["version"]), marker)
+            except InstallError as e:
+                log.warning("installed engine %s failed its recheck: %s", key, e.detail)
+                self._state(key, state="failed", detail=f"its recheck failed: {e.detail}", fix=e.fix)
+                continue
+            if self.states.get(key, {}).get("state") != "installed":
+                self._state(key, state="installed")
+
+
+def _elf_files(folder: str) -> list[str]:
+    found = []
+    for here, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.join(here, name)
+            if not os.path.islink(path) and (name.endswith(".so") or ".so." in name or os.access(path, os.X_OK)) \
+                    and _is_elf(path):
+                found.append(path)
+    return found
+
+
+def _python(version: str) -> str:
+    """The interpreter of VERSION ("3.11") for a Python engine's environment: this one when it matches."""
+    mine = f"{sys.version_info.major}.{sys.version_info.minor}"
+    if not version or version == mine:
+        return sys.executable
+    found = shutil.which(f"python{version}")
+    if not found:
+        raise InstallError(f"the engine wants Python {version}, and this node has no python{version}",
+                           f"install Python {version} on the node, or give the entry the Python it has ({mine})")
+    return found
+
+
+def _wheel_name(entry: dict) -> str:
+    """The wheel's file name as pip needs it (its tags are in the name), from the entry's source."""
+    name = os.path.basename((entry.get("source") or "").split("?")[0])
+    if not name.endswith(".whl"):
+        raise InstallError(f"engine {entry['name']}'s source must end in its wheel's file name (…-py3-none-any.whl)",
+                           "name the wheel file in the entry's source")
+    return name

