@@ -228,8 +228,10 @@ def usage(obj: Context, by, since, as_json):
               help="Answer a chat that offers tool NAME, and has no tool result yet, with a call of it with "
               "ARGUMENTS (a JSON object); a chat ending in a tool result with \"The tool said: \" and the result. "
               "Repeat it for several tools: the first one offered is called.")
+@click.option("--garbled", is_flag=True, help="Answer 200 with a body that is not JSON, and end a stream with an "
+              "error event after its first token, as a broken engine (or a proxy in front of one) does.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls):
+        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls, garbled):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
@@ -244,7 +246,7 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
-                         reply=reply, tool_calls=tuple(tool_calls))
+                         reply=reply, tool_calls=tuple(tool_calls), garbled=garbled)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

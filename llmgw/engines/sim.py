@@ -68,6 +68,9 @@ class SimOptions:
     api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
     reply: str | None = None  # the text of every answer (a word and its spaces a token), instead of tok0 tok1...
     tool_calls: tuple[tuple[str, str], ...] = ()  # (NAME, JSON ARGUMENTS): called when offered, see the top
+    # Answer 200 with a body that is not JSON, and end a stream with an error event after its first token:
+    # what a broken engine, or a proxy in front of one, sends.
+    garbled: bool = False
 
 
 class SimEngine:
@@ -285,6 +288,8 @@ class SimEngine:
                        for j in range(len(tasks))]
             if self.o.die_after and number >= self.o.die_after:
                 os._exit(3)
+            if self.o.garbled:
+                return self._send(start_response, "200 OK", b"<html>502 Bad Gateway</html>", "text/html")
             return self._json(start_response, "200 OK", {
                 "id": ident, "object": obj, "created": created, "model": self.o.model,
                 "system_fingerprint": fingerprint, "choices": choices, "usage": usage(prompt_tokens)})
@@ -307,6 +312,10 @@ class SimEngine:
                     for j in range(len(tasks)):
                         yield chunk(i, index=j)
                         self.generation_tokens += 1
+                    if self.o.garbled:
+                        yield b'data: {"error": {"message": "simulated failure mid-answer", "code": 500}}\n\n'
+                        yield b"data: [DONE]\n\n"
+                        return
                 for j in range(len(tasks)):
                     yield final(j)
                 yield b"data: [DONE]\n\n"

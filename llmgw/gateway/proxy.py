@@ -418,7 +418,14 @@ class Proxy:
             except ApiError as e:  # withheld: the engine's work is billed, as for any answer it gave
                 self._account(t0, caller, req, model, replica.spec.id, e.status, tokens, None, in_flight=True)
                 return self._refuse(start_response, req.dialect, caller, e, t0)
-        data = req.dialect.answer(req, data)
+        try:
+            data = req.dialect.answer(req, data)
+        except ApiError as e:  # an answer the client's API cannot carry: the engine's work is billed all the same
+            self._account(t0, caller, req, model, replica.spec.id, e.status, tokens, None, in_flight=True)
+            return self._refuse(start_response, req.dialect, caller, e, t0)
+        except Exception:  # a bug, which __call__ logs and answers with a 500; the request is accounted for here
+            self._account(t0, caller, req, model, replica.spec.id, 500, tokens, None, in_flight=True)
+            raise
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
