@@ -126,10 +126,11 @@ class SimEngine:
         number = self.requests
         if self._failing():
             return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
-        choked = _choke(body)
+        kind = kinds[path]
+        # Only llama.cpp's chat route reads tools and messages; its completions route leaves them be.
+        choked = _choke(body) if kind == "chat" else None
         if choked:
             return self._json(start_response, "500 Internal Server Error", _error(choked, 500))
-        kind = kinds[path]
         if self.slots is not None and 0 <= self.o.max_queue <= self.waiting and self.slots.locked():
             start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "2")])
             return [json.dumps(_error("the queue is full", 429)).encode()]
@@ -183,7 +184,7 @@ class SimEngine:
         ttft = self.o.ttft_ms / 1000
         if not self.o.prefix_cache:
             return ttft, False
-        key = hashlib.blake2b(prompt.encode()[:PREFIX_BYTES], digest_size=8).digest()
+        key = hashlib.blake2b(prompt.encode("utf-8", "surrogatepass")[:PREFIX_BYTES], digest_size=8).digest()
         self.cache_queries += 1
         hit = key in self.seen
         if hit:
@@ -355,7 +356,7 @@ class SimEngine:
         for i, item in enumerate(inputs):
             text = item if isinstance(item, str) else json.dumps(item)
             tokens += max(1, len(text.split()))
-            digest = hashlib.sha256(text.encode()).digest()
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
             vector = [(digest[j % len(digest)] - 127.5) / 127.5 for j in range(self.o.embedding_dims)]
             data.append({"object": "embedding", "index": i, "embedding": vector})
         self.prompt_tokens += tokens
@@ -432,7 +433,7 @@ def _whole_call(pieces: list[dict]) -> dict:
 
 
 def _word_id(word: str) -> int:
-    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=3).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=3).digest(), "big")
 
 
 def _event(obj: dict) -> bytes:

@@ -34,6 +34,10 @@ the client's view):
   estimate (the translated request's bytes over four, as admission
   estimates), and `message_delta` carries the engine's count, which the SDK
   puts in the final message's usage.
+- An engine that fails mid-stream (its connection cut, or an error event)
+  ends the stream with Anthropic's `error` event; a whole answer that cannot
+  be read is a 502 in Anthropic's shape. What the engine sent is read with
+  llmgw/gateway/chatout.py, as the Responses API's is.
 """
 
 from __future__ import annotations

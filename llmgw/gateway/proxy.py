@@ -60,7 +60,7 @@ from gunicorn.http.errors import ParseException
 from llmgw.gateway import admission, apirequest, balancer, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
-from llmgw.gateway.dialect import OPENAI
+from llmgw.gateway.dialect import OPENAI, encode
 from llmgw.gateway.errors import REASONS, ApiError
 from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
@@ -631,7 +631,7 @@ class Proxy:
     def _engine_json(self, replica, path: str, value: dict) -> dict | None:
         """REPLICA's answer to VALUE posted to PATH, a helper route (tokenizer, template) answered at once;
         None unless it is a 200 with a JSON object."""
-        body = json.dumps(value, ensure_ascii=False).encode()
+        body = encode(value)  # a prompt's lone surrogates as the escapes they came in
         try:
             resp = self.rt.pool.request(replica.target, "POST", path, body, TOKENIZE_TIMEOUT,
                                         time.monotonic() + TOKENIZE_TIMEOUT)

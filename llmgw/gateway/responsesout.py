@@ -12,7 +12,9 @@ whose fragments arrive by index, the call's id and name in its first only.
 What a free-form tool (custom, local_shell) was given is only known whole: its
 input is sent in one delta at the end, when the function's JSON arguments it
 travelled in can be read. An engine that fails mid-way ends the stream with
-`response.failed`, the error in the response object, as OpenAI's does.
+`response.failed`, the error in the response object, as OpenAI's does; a
+whole answer that cannot be read is a 502 in OpenAI's error shape. What the
+engine sent is read with llmgw/gateway/chatout.py.
 """
 
 from __future__ import annotations
