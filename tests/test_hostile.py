@@ -230,6 +230,8 @@ HOSTILE_VALUES = [
     None, True, False, 0, -1, 1.5, 2 ** 64, -(2 ** 63), 1e308, "", "x", " ", "\u0000", "\u202e\ufeff",
     "é" * 10, "x" * 100_000, [], [None], [1, "a", None], ["x"] * 5_000, {}, {"": None}, {"a": {"b": {"c": []}}},
     nested(50), nested(900), {"role": "user"}, [{"role": "user"}], {"type": "text"}, [[[]]], {"$ref": "#"},
+    # Lone surrogates: JSON allows them, UTF-8 cannot hold them. A type no dict can be keyed by.
+    "\ud800", "x\udfff", {"type": []}, {"type": {}},
 ]
 
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
@@ -242,14 +244,15 @@ PART_SHAPES = [
     {"type": "image_url"}, {"type": "image_url", "image_url": "x"}, {"type": "image_url", "image_url": {"url": 1}},
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,!!!"}},
     {"type": "input_audio", "input_audio": {"data": "x", "format": "wav"}}, {"type": "file"}, {"type": None},
-    {"type": "text", "text": "x", "extra": nested(100)}, "just a string", 7, None, [],
+    {"type": "text", "text": "x", "extra": nested(100)}, "just a string", 7, None, [], {"type": []}, {"type": {}},
 ]
 TOOL_SHAPES = [
     "x", 1, {}, [1], ["x"], [{}], [{"type": "function"}], [{"type": "function", "function": "f"}],
     [{"type": "function", "function": {}}], [{"type": "function", "function": {"name": 1}}],
     [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
     [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": nested(40)}}}],
-    [{"type": "retrieval"}], [{"type": "function", "function": {"name": "f" * 10_000}}],
+    [{"type": "retrieval"}], [{"type": "function", "function": {"name": "f" * 10_000}}], [{"type": []}],
+    [{"type": {}}], [{"type": "\udfff"}],
 ]
 
 
@@ -299,13 +302,15 @@ INPUT_ITEMS = [
     {"type": "function_call_output", "call_id": "nobody"}, {"type": "custom_tool_call", "call_id": 1},
     {"type": "custom_tool_call_output", "call_id": "c", "output": nested(80)}, {"type": "reasoning"},
     {"type": "local_shell_call", "action": "x"}, {"type": "item_reference", "id": "x"}, "x", 7, None, [],
+    {"type": []}, {"type": {}}, {"role": "user", "content": [{"type": []}]}, {"role": "user", "content": "\ud800"},
 ]
 RESPONSES_TOOLS = [
     "x", [{}], [{"type": "function"}], [{"type": "function", "name": 1}], [{"type": "custom"}],
     [{"type": "custom", "name": "x", "format": "x"}], [{"type": "namespace"}], [{"type": "namespace", "tools": "x"}],
     [{"type": "namespace", "name": "n", "tools": [{"type": "namespace", "tools": []}]}], [{"type": "local_shell"}],
     [{"type": "web_search"}], [{"type": "function", "name": "f", "parameters": nested(40)}],
-    [{"type": "function", "name": "f" * 10_000}],
+    [{"type": "function", "name": "f" * 10_000}], [{"type": []}], [{"type": {}}], [{"type": "\udfff"}],
+    [{"type": "namespace", "name": "n", "tools": [{"type": []}]}],
 ]
 
 
@@ -318,6 +323,10 @@ def responses_cases(rng: random.Random):
         yield f"responses item {_short(item)}", {**base, "input": [item]}
     for tools in RESPONSES_TOOLS:
         yield f"responses tools={_short(tools)}", {**base, "tools": tools}
+    # tool_choice is read only where a tool is offered.
+    for value in HOSTILE_VALUES:
+        yield f"responses tool_choice={_short(value)} with a tool", {
+            **base, "tools": [{"type": "function", "name": "f"}], "tool_choice": value}
     for _ in range(40):
         yield "responses random", _random_body(rng, base, RESPONSES_FIELDS)
 
@@ -331,10 +340,11 @@ BLOCKS = [
     {"type": "tool_result", "tool_use_id": "x", "content": 5}, {"type": "tool_result", "tool_use_id": "x",
                                                                 "content": [{"type": "image"}]},
     {"type": "thinking"}, {"type": "document"}, {"type": "text", "text": "x", "cache_control": nested(100)},
-    "x", 7, None, [],
+    "x", 7, None, [], {"type": []}, {"type": {}}, {"type": "text", "text": "\ud800"},
 ]
 MESSAGES_TOOLS = ["x", [{}], [{"name": 1}], [{"name": "f", "input_schema": "x"}], [{"type": "bash_20250124"}],
-                  [{"name": "f", "input_schema": nested(40)}], [{"name": "f" * 10_000, "input_schema": {}}]]
+                  [{"name": "f", "input_schema": nested(40)}], [{"name": "f" * 10_000, "input_schema": {}}],
+                  [{"type": []}], [{"type": {}}], [{"type": "\udfff"}]]
 
 
 def messages_cases(rng: random.Random, base: dict):

@@ -33,12 +33,14 @@ def env(tmp_path_factory):
             "coder": Sim(model="coder", replica="c", ttft_ms=1, tokens_per_s=500, tool_call=("Bash", COMMAND),
                          reply="one two three four five six seven eight"),
             # One answer at a time and none waiting: a second request meets a 429.
-            "busy": Sim(model="busy", replica="b", ttft_ms=1, tokens_per_s=5, max_concurrency=1, max_queue=0)}
+            "busy": Sim(model="busy", replica="b", ttft_ms=1, tokens_per_s=5, max_concurrency=1, max_queue=0),
+            # Whole answers that are not JSON, and streams that end in an engine's error event.
+            "garbled": Sim(model="garbled", replica="g", ttft_ms=1, tokens_per_s=500, garbled=True)}
     endpoints = [{"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items()]
     # Claude Code asks for claude-* names (a main model and a small fast one), which operators alias.
     models = [{"name": "local", "aliases": ["claude-sonnet-4-6", "claude-sonnet-4-5", "claude-haiku-4-5"], "max_output": 1000},
               {"name": "coder", "aliases": ["test-model"], "max_output": 4},
-              {"name": "busy"}]
+              {"name": "busy"}, {"name": "garbled"}]
     try:
         gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2, gateway__queue_wait=0.0)
     except Exception:
@@ -76,19 +78,20 @@ def events_of(url: str, body: dict, headers: dict) -> list[tuple[str, dict]]:
 
 def assert_well_formed(events: list[tuple[str, dict]]) -> None:
     """Anthropic's order: message_start, blocks each started, filled and stopped in turn, message_delta, message_stop;
-    every event's data names its own type."""
+    every event's data names its own type, and each delta is of its block's kind."""
     names = [name for name, _ in events]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"], names
     assert all(data["type"] == name for name, data in events)
     usage = events[0][1]["message"]["usage"]
     assert isinstance(usage["input_tokens"], int) and isinstance(usage["output_tokens"], int)
-    open_block, next_index = None, 0
+    open_block, next_index, kind = None, 0, None
     for name, data in events[1:-2]:
         if name == "content_block_start":
             assert open_block is None and data["index"] == next_index
-            open_block, next_index = data["index"], next_index + 1
+            open_block, next_index, kind = data["index"], next_index + 1, data["content_block"]["type"]
         elif name == "content_block_delta":
             assert data["index"] == open_block, (data, open_block)
+            assert data["delta"]["type"] == {"text": "text_delta", "tool_use": "input_json_delta"}[kind], data
         elif name == "content_block_stop":
             assert data["index"] == open_block
             open_block = None
@@ -370,6 +373,78 @@ def test_a_call_whose_name_comes_late_keeps_its_arguments():
     assert "".join(d["delta"]["partial_json"] for n, d in events if n == "content_block_delta") == '{"a": 1}'
 
 
+def test_a_call_index_that_is_not_a_number_is_the_first_call():
+    # llama.cpp and others leave the index out of a lone call; null is taken so too, not as "no call open".
+    events = translated(chunk({"content": "hi"}), chunk({"tool_calls": [{"index": None, "id": "c0",
+                                                                        "function": {"name": "f"}}]}),
+                        chunk({"tool_calls": [{"index": None, "function": {"arguments": '{"a":1}'}}]}),
+                        chunk({"tool_calls": [{"index": [], "function": {"arguments": "}"}}]}), chunk(finish="stop"))
+    assert_well_formed(events)
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["type"], b.get("name")) for b in starts] == [("text", None), ("tool_use", "f")]
+    assert "".join(d["delta"].get("partial_json", "") for n, d in events if n == "content_block_delta") == \
+        '{"a":1}}'
+
+
+def test_a_name_that_comes_after_a_later_call_began_is_kept():
+    events = translated(chunk(call(0, arguments='{"a"')), chunk(call(1, "f", "{}", "c1")),
+                        chunk(call(0, "g", ":1}", "c0")), chunk(finish="tool_calls"))
+    assert_well_formed(events)
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [(b["id"], b["name"]) for b in starts] == [("c0", "g"), ("c1", "f")]
+    deltas = [(d["index"], d["delta"]["partial_json"]) for n, d in events if n == "content_block_delta"]
+    assert deltas == [(0, '{"a":1}'), (1, "{}")]
+    # A call whose name never comes still gets its block, nameless, so its arguments are not lost.
+    events = translated(chunk(call(0, arguments='{"b": 2}')), chunk(finish="tool_calls"))
+    assert_well_formed(events)
+    assert [d["content_block"]["name"] for n, d in events if n == "content_block_start"] == [""]
+
+
+def test_an_engine_error_mid_stream_ends_it_with_an_error_event():
+    body = {"model": "m", "max_tokens": 10, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    stream = MESSAGES.stream(MESSAGES.parse("chat", json.dumps(body).encode(), 0))
+    out = stream.feed(chunk({"content": "partial"}) + b'data: {"error": {"message": "secret 10.0.0.5 boom"}}\n\n'
+                      + chunk({"content": "never"}) + DONE) + stream.end()
+    events = [(block.split("\n")[0][7:], json.loads(block.split("\n")[1][6:]))
+              for block in out.decode().split("\n\n") if block]
+    assert [n for n, _ in events] == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    assert events[-1][1]["error"]["type"] == "api_error" and "10.0.0.5" not in out.decode()
+    assert stream.fail(ApiError(502, "x", "y")) == b""  # ended once
+
+
+def test_odd_types_in_a_whole_answer_cost_only_themselves():
+    req = MESSAGES.parse("chat", json.dumps({"model": "m", "max_tokens": 5,
+                                             "messages": [{"role": "user", "content": "x"}]}).encode(), 0)
+    data = json.dumps({"choices": [{"index": 0, "finish_reason": ["stop"], "message": {
+        "content": ["not", "text"],
+        "tool_calls": [1, None, {"id": 7, "function": {"name": "Bash", "arguments": {"command": "ls"}}},
+                       {"function": {"name": "Read", "arguments": "[1]"}}]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": "9"}}).encode()
+    message = json.loads(MESSAGES.answer(req, data))
+    assert [(b["type"], b["name"], b["input"]) for b in message["content"]] == [
+        ("tool_use", "Bash", {}), ("tool_use", "Read", {})]
+    assert message["stop_reason"] == "tool_use" and message["usage"]["output_tokens"] == 0
+    for data in (b"<html>oops</html>", b"[]", b'{"choices": []}', b'{"choices": [{"message": null}]}'):
+        with pytest.raises(ApiError) as e:
+            MESSAGES.answer(req, data)
+        assert e.value.status == 502
+
+
+def test_an_unreadable_answer_is_a_502_in_anthropics_shape_and_is_accounted_for(env):
+    with pytest.raises(anthropic.APIStatusError) as e:
+        env.client.messages.create(model="garbled", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 502 and e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "api_error" and "could not be read" in e.value.body["error"]["message"]
+    wait_until("the usage row", 30, lambda: count_usage(env.store, status=502, endpoint="messages") == 1)
+    seen = []
+    with pytest.raises(anthropic.APIStatusError, match="engine failed while answering"):
+        with env.client.messages.stream(model="garbled", max_tokens=5,
+                                        messages=[{"role": "user", "content": "x"}]) as s:
+            for event in s:
+                seen.append(event.type)
+    assert "content_block_delta" in seen
+
+
 def test_a_stop_sequence_vllm_names_is_reported():
     events = translated(chunk({"content": "one two"}), chunk(finish="stop", stop_reason="END"),
                         stop_sequences=["END"])
@@ -410,12 +485,35 @@ def test_the_request_is_read_into_a_chat():
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]}, "tools[0].input_schema"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "some"}}, "tool_choice.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": []}}, "tool_choice.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": {}}}, "tool_choice.type"),
+    ({"messages": [{"role": "user", "content": [{"type": []}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": {}}]}, None),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
 ])
 def test_a_bad_request_names_the_field(body, field):
+    if field is None:  # taken: what this gateway does not run is left out
+        to_chat({"model": "m", "max_tokens": 5, **body}, True)
+        return
     with pytest.raises(ApiError) as e:
         to_chat({"model": "m", "max_tokens": 5, **body}, True)
     assert e.value.status == 400 and e.value.param == field
+
+
+def test_a_wrong_role_names_every_role_taken():
+    with pytest.raises(ApiError, match="a role is user, assistant or system"):
+        to_chat({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, True)
+
+
+def test_lone_surrogates_go_to_the_engine_as_the_escapes_they_came_in():
+    raw = json.dumps({"model": "m", "max_tokens": 5, "system": "\udfff",
+                      "messages": [{"role": "user", "content": "hi \ud800"}]}).encode()
+    req = MESSAGES.parse("chat", raw, 2048)
+    assert b"hi \\ud800" in req.raw  # UTF-8 the engine can read, as a chat client's same text would be
+    assert json.loads(req.raw.decode())["messages"] == [{"role": "system", "content": "\udfff"},
+                                                        {"role": "user", "content": "hi \ud800"}]
+    answer = json.dumps({"choices": [{"message": {"content": "\udc00"}, "finish_reason": "stop"}]}).encode()
+    assert json.loads(MESSAGES.answer(req, answer).decode())["content"][0]["text"] == "\udc00"
 
 
 def test_a_real_model_counts_and_answers(tmp_path, starter_engine):

@@ -13,7 +13,7 @@ from llmgw.gateway import responsesout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.responses import RESPONSES, to_chat
 from llmgw.people import keys, limits
-from tests.conftest import Gateway, Sim, codex, post, wait_until
+from tests.conftest import Gateway, Sim, codex, count_usage, post, wait_until
 
 SHELL_ARGUMENTS = '{"command": ["echo", "hi"]}'
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
@@ -45,6 +45,7 @@ def env(tmp_path_factory):
         "codex": Sim(model="codex", replica="c", ttft_ms=1, tokens_per_s=500,
                      tool_call=("exec_command", json.dumps({"cmd": CODEX_COMMAND}))),
         "dying": Sim(model="dying", replica="d", ttft_ms=1, tokens_per_s=50, die_after=1),
+        "garbled": Sim(model="garbled", replica="g", ttft_ms=1, tokens_per_s=500, garbled=True),
     }
     endpoints = [{"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items()]
     # Codex offers its free-form apply_patch only to models it knows, such as gpt-5.5.
@@ -488,6 +489,72 @@ def test_a_whole_answer_with_reasoning_and_a_namespaced_call():
     assert body["status"] == "completed" and body["usage"]["total_tokens"] == 3 and body["model"] == "m"
 
 
-def test_an_unreadable_whole_answer_is_a_failed_response():
-    body = json.loads(responsesout.answer(request({"input": "x"}), b"not json"))
-    assert body["status"] == "failed" and body["error"]["code"] == "server_error" and body["output"] == []
+def test_an_unreadable_whole_answer_is_a_502():
+    for data in (b"not json", b"[]", b'{"choices": []}', b'{"choices": [{"message": "hi"}]}'):
+        with pytest.raises(ApiError) as e:
+            responsesout.answer(request({"input": "x"}), data)
+        assert e.value.status == 502 and e.value.code == "upstream_error"
+
+
+def test_odd_types_in_a_whole_answer_cost_only_themselves():
+    req = request({"input": "x", "tools": [SHELL]})
+    data = json.dumps({"choices": [{"index": 0, "finish_reason": ["stop"], "message": {
+        "content": ["not", "text"], "reasoning_content": 5,
+        "tool_calls": [1, None, {"id": 7, "function": {"name": "shell", "arguments": {"command": ["ls"]}}}]}}],
+        "usage": {"prompt_tokens": "3", "completion_tokens": True}}).encode()
+    body = json.loads(RESPONSES.answer(req, data))
+    [call] = body["output"]
+    assert (call["type"], call["name"], call["arguments"]) == ("function_call", "shell", "")
+    assert call["call_id"].startswith("call_") and body["status"] == "completed"
+    assert (body["usage"]["input_tokens"], body["usage"]["output_tokens"]) == (0, 0)
+
+
+def test_an_unreadable_answer_through_the_gateway_is_a_502_and_is_accounted_for(env):
+    with pytest.raises(openai.APIStatusError) as e:
+        env.client.responses.create(model="garbled", input="hi", max_output_tokens=3)
+    assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error"
+    assert "could not be read" in e.value.body["message"]
+    wait_until("the usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses") == 1)
+    # Mid-stream, the engine's error event ends the stream with response.failed.
+    events = raw_events(env, {"model": "garbled", "input": "hi", "max_output_tokens": 3})
+    assert events[-1][0] == "response.failed"
+    assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "tok0 "
+    assert "simulated failure" not in json.dumps(events)  # the engine's words go to the log only
+
+
+def test_an_engine_error_event_mid_stream_ends_it_with_response_failed():
+    events = translated(request({"input": "x", "stream": True}), [
+        delta(content="partial"), event({"error": {"message": "secret internal 10.0.0.5 boom"}}),
+        delta(content="never")], done=True)
+    assert [e["type"] for e in events][-1] == "response.failed"
+    assert "10.0.0.5" not in json.dumps(events) and "never" not in json.dumps(events)
+
+
+def test_a_long_run_of_system_messages_is_merged_in_linear_time():
+    body = {"model": "m", "input": [{"role": "developer", "content": "x" * 600}] * 4000}
+    started = time.process_time()
+    chat = to_chat(body)[0]
+    # Adding each text to the run so far took minutes at 14,000 (8.9 MB); joining once takes milliseconds.
+    assert time.process_time() - started < 2
+    assert chat["messages"] == [{"role": "system", "content": "\n\n".join(["x" * 600] * 4000)}]
+    chat = chat_of({"instructions": "a", "input": [
+        {"role": "developer", "content": "b"}, {"role": "user", "content": "u"}, {"role": "system", "content": "c"},
+        {"role": "developer", "content": [{"type": "input_image", "image_url": "data:x"}]},
+        {"role": "system", "content": "d"}, {"role": "developer", "content": "e"}]})
+    assert [m["content"] for m in chat["messages"]] == [
+        "a\n\nb", "u", "c", [{"type": "image_url", "image_url": {"url": "data:x"}}], "d\n\ne"]
+
+
+def test_lone_surrogates_go_to_the_engine_as_the_escapes_they_came_in():
+    raw = json.dumps({"model": "m", "input": "hi \ud800", "instructions": "\udfff",
+                      "tools": [{"type": "\udfff"}]}).encode()
+    req = RESPONSES.parse("chat", raw, 2048)
+    assert b"hi \\ud800" in req.raw  # UTF-8 the engine can read, as a chat client's same text would be
+    assert json.loads(req.raw.decode())["messages"] == [{"role": "system", "content": "\udfff"},
+                                                        {"role": "user", "content": "hi \ud800"}]
+    assert json.loads(req.echo.decode())["llmgw_tools_left_out"] == ["\udfff"]
+    # And the engine's own lone surrogates go to the client so, whole or streamed.
+    answer = json.dumps({"choices": [{"message": {"content": "\udc00"}, "finish_reason": "stop"}]}).encode()
+    assert json.loads(RESPONSES.answer(req, answer).decode())["output"][0]["content"][0]["text"] == "\udc00"
+    events = translated(req, [delta(content="\udc00")])
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "\udc00"

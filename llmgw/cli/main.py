@@ -235,9 +235,11 @@ def usage(obj: Context, by, since, as_json):
               "the first that matches answers.")
 @click.option("--max-context", type=int, default=0, show_default=True,
               help="Answer 400 to a prompt of more tokens than this, as llama.cpp does (0: no limit).")
+@click.option("--garbled", is_flag=True, help="Answer 200 with a body that is not JSON, and end a stream with an "
+              "error event after its first token, as a broken engine (or a proxy in front of one) does.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
         fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls, reasoning, reply_if,
-        max_context):
+        max_context, garbled):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
@@ -253,7 +255,7 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
                          reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
-                         reply_if=tuple(reply_if), max_context=max_context)
+                         reply_if=tuple(reply_if), max_context=max_context, garbled=garbled)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

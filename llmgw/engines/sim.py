@@ -75,6 +75,9 @@ class SimOptions:
     reasoning: str | None = None  # a chat answer's reasoning_content, streamed before its text
     reply_if: tuple[tuple[str, str], ...] = ()  # (WORD, TEXT): a prompt holding WORD is answered TEXT
     max_context: int = 0  # 0: no limit; N: a prompt of more than N tokens is answered 400
+    # Answer 200 with a body that is not JSON, and end a stream with an error event after its first token:
+    # what a broken engine, or a proxy in front of one, sends.
+    garbled: bool = False
 
 
 class SimEngine:
@@ -130,10 +133,11 @@ class SimEngine:
         number = self.requests
         if self._failing():
             return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
-        choked = _choke(body)
+        kind = kinds[path]
+        # Only llama.cpp's chat route reads tools and messages; its completions route leaves them be.
+        choked = _choke(body) if kind == "chat" else None
         if choked:
             return self._json(start_response, "500 Internal Server Error", _error(choked, 500))
-        kind = kinds[path]
         if self.slots is not None and 0 <= self.o.max_queue <= self.waiting and self.slots.locked():
             start_response("429 Too Many Requests", [("Content-Type", "application/json"), ("Retry-After", "2")])
             return [json.dumps(_error("the queue is full", 429)).encode()]
@@ -187,7 +191,7 @@ class SimEngine:
         ttft = self.o.ttft_ms / 1000
         if not self.o.prefix_cache:
             return ttft, False
-        key = hashlib.blake2b(prompt.encode()[:PREFIX_BYTES], digest_size=8).digest()
+        key = hashlib.blake2b(prompt.encode("utf-8", "surrogatepass")[:PREFIX_BYTES], digest_size=8).digest()
         self.cache_queries += 1
         hit = key in self.seen
         if hit:
@@ -303,6 +307,8 @@ class SimEngine:
                        for j in range(len(tasks))]
             if self.o.die_after and number >= self.o.die_after:
                 os._exit(3)
+            if self.o.garbled:
+                return self._send(start_response, "200 OK", b"<html>502 Bad Gateway</html>", "text/html")
             return self._json(start_response, "200 OK", {
                 "id": ident, "object": obj, "created": created, "model": self.o.model,
                 "system_fingerprint": fingerprint, "choices": choices, "usage": usage(prompt_tokens)})
@@ -325,6 +331,10 @@ class SimEngine:
                     for j in range(len(tasks)):
                         yield chunk(i, index=j)
                         self.generation_tokens += 1
+                    if self.o.garbled:
+                        yield b'data: {"error": {"message": "simulated failure mid-answer", "code": 500}}\n\n'
+                        yield b"data: [DONE]\n\n"
+                        return
                 for j in range(len(tasks)):
                     yield final(j)
                 yield b"data: [DONE]\n\n"
@@ -367,7 +377,7 @@ class SimEngine:
         for i, item in enumerate(inputs):
             text = item if isinstance(item, str) else json.dumps(item)
             tokens += max(1, len(text.split()))
-            digest = hashlib.sha256(text.encode()).digest()
+            digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
             vector = [(digest[j % len(digest)] - 127.5) / 127.5 for j in range(self.o.embedding_dims)]
             data.append({"object": "embedding", "index": i, "embedding": vector})
         self.prompt_tokens += tokens
@@ -444,7 +454,7 @@ def _whole_call(pieces: list[dict]) -> dict:
 
 
 def _word_id(word: str) -> int:
-    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=3).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=3).digest(), "big")
 
 
 def _event(obj: dict) -> bytes:

@@ -23,6 +23,7 @@ MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content")
 # A model's name is stored with every usage row: a name of megabytes made rows of megabytes.
 MAX_MODEL_NAME = 256
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 JSON_NAMES = {str: "a string", int: "a number", float: "a number", bool: "a boolean", dict: "an object",
               list: "a list", type(None): "null"}
@@ -67,6 +68,10 @@ def check_model(model) -> None:
     if CONTROL.search(model):
         raise bad("model holds control characters; no model's name does. Use a name `GET /v1/models` lists.",
                   "model")
+    if SURROGATE.search(model):
+        # Nor could the usage row that records the request be written: a database holds UTF-8.
+        raise bad("model holds a lone surrogate (\\ud800 to \\udfff), which is not a character; no model's name "
+                  "does. Use a name `GET /v1/models` lists.", "model")
 
 
 

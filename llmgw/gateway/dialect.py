@@ -15,9 +15,27 @@ translated, and a stream's bytes go out as the engine sent them.
 
 from __future__ import annotations
 
+import json
+
 from llmgw.gateway import apirequest
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.sse import DONE
+
+
+def encode(value) -> bytes:
+    """VALUE as JSON bytes, for the engine or the client, each dialect alike: characters as themselves
+    rather than escaped, except a lone surrogate, which JSON allows and UTF-8 cannot hold: it goes as the
+    `\\uXXXX` escape it came in, so the engine gets what a chat client's same text would send it and the
+    bytes stay UTF-8. (json.dumps writes characters only inside string literals, where that escape is valid.)"""
+    return json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
+def chat_content(parts: list[dict]):
+    """A translated message's chat content parts as its content: text alone as one string, which every
+    engine's chat template reads alike (and metering counts); the parts where an image is among them."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 class Dialect:

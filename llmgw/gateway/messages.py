@@ -34,17 +34,21 @@ the client's view):
   estimate (the translated request's bytes over four, as admission
   estimates), and `message_delta` carries the engine's count, which the SDK
   puts in the final message's usage.
+- An engine that fails mid-stream (its connection cut, or an error event)
+  ends the stream with Anthropic's `error` event; a whole answer that cannot
+  be read is a 502 in Anthropic's shape. What the engine sent is read with
+  llmgw/gateway/chatout.py, as the Responses API's is.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 
-from llmgw.gateway import apirequest, bodycheck, requestid
+from llmgw.gateway import apirequest, bodycheck, chatout, requestid
 from llmgw.gateway.bodycheck import bad, need
-from llmgw.gateway.dialect import Dialect, StreamTranslator
+from llmgw.gateway.chatout import a_list, new_id
+from llmgw.gateway.dialect import Dialect, StreamTranslator, chat_content, encode
 from llmgw.gateway.errors import ApiError
 
 log = logging.getLogger("llmgw.messages")
@@ -58,12 +62,9 @@ RETRIED = (408, 409, 429)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
                 "content_filter": "refusal"}
 ROLES = ("user", "assistant", "system")
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's type: chat's tool_choice
 # Sampling fields with the same name and meaning in both APIs (top_k: llama.cpp and vLLM read it in a chat).
 SAMPLING = {"temperature": "a number", "top_p": "a number", "top_k": "a whole number"}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 # --- the request ---------------------------------------------------------------------
@@ -130,7 +131,7 @@ def _message(message, param: str) -> list[dict]:
     need(message, (dict,), "an object with a role and content", param)
     role = message.get("role")
     if role not in ROLES:
-        raise bad(f"{param}.role is {str(role)[:40]!r}; a role is user or assistant.", f"{param}.role")
+        raise bad(f"{param}.role is {str(role)[:40]!r}; a role is user, assistant or system.", f"{param}.role")
     content = message.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -170,11 +171,7 @@ def _message(message, param: str) -> list[dict]:
         else:
             out.append({"role": "assistant", "content": text})
     elif parts:
-        # Text alone goes as one string: every engine's template reads that, and metering counts it.
-        if all(p["type"] == "text" for p in parts):
-            out.append({"role": "user", "content": "\n".join(p["text"] for p in parts)})
-        else:
-            out.append({"role": "user", "content": parts})
+        out.append({"role": "user", "content": chat_content(parts)})
     return out
 
 
@@ -208,7 +205,7 @@ def _tool_choice(choice, param: str) -> tuple[object, bool]:
     if kind == "tool":
         bodycheck.STRING(choice.get("name"), f"{param}.name")
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
-    mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    mapped = TOOL_CHOICES.get(kind) if isinstance(kind, str) else None
     if mapped is None:
         raise bad(f'{param}.type is {str(kind)[:40]!r}; it is one of "auto", "any", "tool" or "none".',
                   f"{param}.type")
@@ -277,20 +274,17 @@ class MessagesRequest(apirequest.ParsedRequest):
 # --- the answer -------------------------------------------------------------------------
 
 
-def _usage(usage: dict | None) -> dict:
-    """A chat usage object as Anthropic's: prompt tokens the engine read from its cache are cache reads.
+def _usage(value) -> dict:
+    """An engine's chat usage (VALUE) as Anthropic's: prompt tokens the engine read from its cache are cache
+    reads; 0s where the engine sent none.
 
     cache_creation_input_tokens is 0, a true figure: nothing here charges for writing a cache.
     """
-    usage = usage or {}
-    prompt = usage.get("prompt_tokens") if isinstance(usage.get("prompt_tokens"), int) else 0
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    out = {"input_tokens": prompt, "output_tokens": usage.get("completion_tokens") or 0,
-           "cache_creation_input_tokens": 0}
-    if isinstance(cached, int) and 0 <= cached <= prompt:
-        out["input_tokens"] = prompt - cached
-        out["cache_read_input_tokens"] = cached
+    used = chatout.usage(value) or chatout.Usage(0, 0, None, 0)
+    out = {"input_tokens": used.prompt, "output_tokens": used.completion, "cache_creation_input_tokens": 0}
+    if used.cached is not None and 0 <= used.cached <= used.prompt:
+        out["input_tokens"] = used.prompt - used.cached
+        out["cache_read_input_tokens"] = used.cached
     return out
 
 
@@ -301,62 +295,61 @@ def _stop(req: MessagesRequest, finish: str | None, matched) -> tuple[str, str |
     return STOP_REASONS.get(finish, "end_turn"), None
 
 
-def _input(arguments) -> dict:
+def _input(arguments: str) -> dict:
     """A call's arguments as the object Anthropic's `input` is; a model's malformed JSON becomes {}."""
-    try:
-        value = json.loads(arguments) if arguments else {}
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
+    value = chatout.arguments(arguments)
+    if value is None:
         log.info("a tool call's arguments were not a JSON object; sent as {}: %.200s", arguments)
         return {}
     return value
 
 
 def answer(req: MessagesRequest, data: bytes) -> bytes:
-    """A whole chat answer as a Messages answer."""
-    chat = json.loads(data)
-    choice = (chat.get("choices") or [{}])[0]
-    message = choice.get("message") or {}
+    """A whole chat answer as a Messages answer; raises ApiError(502) for one that cannot be read."""
+    whole = chatout.whole(data)
     content = []
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    calls = message.get("tool_calls") or []
+    if text := chatout.a_string(whole.message.get("content")):
+        content.append({"type": "text", "text": text})
+    calls = [chatout.call(value) for value in a_list(whole.message.get("tool_calls")) if isinstance(value, dict)]
     for call in calls:
-        function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id") or _new_id("toolu_"),
-                        "name": function.get("name") or "", "input": _input(function.get("arguments"))})
-    stop_reason, sequence = _stop(req, choice.get("finish_reason"), choice.get("stop_reason"))
+        content.append({"type": "tool_use", "id": call.id or new_id("toolu_"), "name": call.name,
+                        "input": _input(call.arguments)})
+    stop_reason, sequence = _stop(req, whole.finish, whole.matched)
     if calls:
         stop_reason = "tool_use"
-    return json.dumps({"id": _new_id("msg_"), "type": "message", "role": "assistant", "model": req.model,
-                       "content": content, "stop_reason": stop_reason, "stop_sequence": sequence,
-                       "usage": _usage(chat.get("usage"))}, ensure_ascii=False).encode()
+    return encode({"id": new_id("msg_"), "type": "message", "role": "assistant", "model": req.model,
+                   "content": content, "stop_reason": stop_reason, "stop_sequence": sequence,
+                   "usage": _usage(whole.usage)})
 
 
 def event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False).encode() + b"\n\n"
+    return f"event: {name}\ndata: ".encode() + encode(data) + b"\n\n"
 
 
 class Stream(StreamTranslator):
     """A chat stream as Messages events: message_start, blocks started, filled and stopped one after another,
-    message_delta, message_stop.
+    message_delta, message_stop; or, where the engine fails mid-way, an `error` event last, as Anthropic's
+    API ends a stream it cannot finish.
 
     Every delta belongs to a block started before it and stopped after it
     (Claude Code fails with "Content block not found" otherwise), and blocks
     never overlap. Text streams as it comes until the first tool call; text
     an engine sends after a call has begun is held and given as a last text
     block, so that a call's arguments, which may arrive in many pieces, always
-    fill one open block.
+    fill one open block. A call's block starts once its name is known (a
+    tool_use block carries it) and every call begun before it has started:
+    until then its pieces are kept, so that a name arriving late is not lost.
     """
 
     def __init__(self, req: MessagesRequest):
         self.req = req
         self.started = False
+        self.finished = False  # the stream ended with an error event: nothing more goes out
         self.index = -1  # the block open now, or the last one
         self.open: str | None = None  # "text" or "tool_use" while a block is open
         self.calls: dict[int, int] = {}  # the engine's tool call index -> its block (started)
-        self.pending: dict | None = None  # a call whose name has not come yet: {index, id, arguments}
+        # Calls not started yet, in the order they began: index -> {id, name, arguments}.
+        self.pending: dict[int, dict] = {}
         self.call: int | None = None  # the engine's index of the call whose block is open
         self.held: list[str] = []  # text after a call began
         self.finish: str | None = None
@@ -365,7 +358,7 @@ class Stream(StreamTranslator):
 
     def _start(self) -> bytes:
         self.started = True
-        message = {"id": _new_id("msg_"), "type": "message", "role": "assistant", "model": self.req.model,
+        message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": self.req.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": len(self.req.raw) // 4, "output_tokens": 0}}
         return event("message_start", {"type": "message_start", "message": message}) + \
@@ -386,7 +379,7 @@ class Stream(StreamTranslator):
                                                    "content_block": block})
 
     def _text(self, text: str) -> bytes:
-        if self.calls or self.pending is not None:
+        if self.calls or self.pending:
             self.held.append(text)
             return b""
         out = b"" if self.open == "text" else self._open({"type": "text", "text": ""})
@@ -397,69 +390,63 @@ class Stream(StreamTranslator):
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                              "delta": {"type": "input_json_delta", "partial_json": fragment}})
 
-    def _tool_call(self, piece: dict) -> bytes:
-        index = piece.get("index", 0)
-        function = piece.get("function") or {}
-        fragment = function.get("arguments") or ""
-        if index == self.call:
-            return self._arguments(fragment) if fragment else b""
-        if index in self.calls:
+    def _tool_call(self, piece: chatout.Call) -> bytes:
+        if piece.index == self.call:
+            return self._arguments(piece.arguments) if piece.arguments else b""
+        if piece.index in self.calls:
             # Calls come one after another from every engine seen; a piece of one already stopped has no block.
-            log.warning("dropped a piece of tool call %s that came after the next call began", index)
+            log.warning("dropped a piece of tool call %s that came after the next call began", piece.index)
             return b""
-        pending = self.pending if self.pending is not None and self.pending["index"] == index else None
-        if pending is None:
-            out = self._flush_pending()
-            pending = self.pending = {"index": index, "id": piece.get("id"), "arguments": ""}
-        else:
-            out = b""
-        pending["id"] = pending["id"] or piece.get("id")
-        pending["arguments"] += fragment
-        if function.get("name"):
-            out += self._begin_call(pending, function["name"])
-        return out
+        pending = self.pending.setdefault(piece.index, {"id": "", "name": "", "arguments": []})
+        pending["id"] = pending["id"] or piece.id
+        pending["name"] = pending["name"] or piece.name
+        pending["arguments"].append(piece.arguments)
+        return self._begin_calls(until_nameless=True)
 
-    def _begin_call(self, pending: dict, name: str) -> bytes:
-        self.pending = None
-        out = self._open({"type": "tool_use", "id": pending["id"] or _new_id("toolu_"), "name": name,
-                          "input": {}})
-        self.calls[pending["index"]] = self.index
-        self.call = pending["index"]
-        return out + (self._arguments(pending["arguments"]) if pending["arguments"] else b"")
-
-    def _flush_pending(self) -> bytes:
-        """A call that never got its name is started nameless, so its arguments are not lost."""
-        return self._begin_call(self.pending, "") if self.pending is not None else b""
+    def _begin_calls(self, until_nameless: bool) -> bytes:
+        """Start the pending calls in the order they began, up to the first whose name has not come (all
+        of them, those nameless, at the end: their arguments are not lost)."""
+        out = []
+        while self.pending:
+            index, pending = next(iter(self.pending.items()))
+            if until_nameless and not pending["name"]:
+                break
+            del self.pending[index]
+            out.append(self._open({"type": "tool_use", "id": pending["id"] or new_id("toolu_"),
+                                   "name": pending["name"], "input": {}}))
+            self.calls[index] = self.index
+            self.call = index
+            if arguments := "".join(pending["arguments"]):
+                out.append(self._arguments(arguments))
+        return b"".join(out)
 
     def feed(self, events: bytes) -> bytes:
         out = [] if self.started else [self._start()]
-        for line in events.split(b"\n"):
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            try:
-                chunk = json.loads(line[5:])
-            except ValueError:
-                continue
-            if not isinstance(chunk, dict):
-                continue
+        for chunk in chatout.chunks(events):
+            if self.finished:
+                break
+            if chunk is None:
+                continue  # [DONE]: `end` closes the message
+            if (error := chatout.stream_error(chunk)) is not None:
+                out.append(self.fail(error))
+                break
             if isinstance(chunk.get("usage"), dict):
                 self.usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                    continue
-                delta = choice.get("delta") or {}
-                if isinstance(delta.get("content"), str) and delta["content"]:
-                    out.append(self._text(delta["content"]))
-                for piece in delta.get("tool_calls") or []:
+            for choice, delta in chatout.deltas(chunk):
+                if text := chatout.a_string(delta.get("content")):
+                    out.append(self._text(text))
+                for piece in a_list(delta.get("tool_calls")):
                     if isinstance(piece, dict):
-                        out.append(self._tool_call(piece))
-                if choice.get("finish_reason"):
+                        out.append(self._tool_call(chatout.call(piece)))
+                if isinstance(choice.get("finish_reason"), str):
                     self.finish = choice["finish_reason"]
                     self.matched = choice.get("stop_reason")
         return b"".join(out)
 
     def end(self) -> bytes:
-        out = [b"" if self.started else self._start(), self._flush_pending()]
+        if self.finished:
+            return b""
+        out = [b"" if self.started else self._start(), self._begin_calls(until_nameless=False)]
         if self.held:
             out.append(self._open({"type": "text", "text": ""}))
             out.append(event("content_block_delta", {"type": "content_block_delta", "index": self.index,
@@ -475,6 +462,9 @@ class Stream(StreamTranslator):
         return b"".join(out)
 
     def fail(self, e: ApiError) -> bytes:
+        if self.finished:
+            return b""
+        self.finished = True
         return error_event(e)
 
 
@@ -505,8 +495,7 @@ class Messages(Dialect):
 
     def parse(self, kind: str, raw: bytes, prefix_bytes: int) -> MessagesRequest:
         chat = to_chat(apirequest.read_object(raw), needs_limit=kind == "chat")
-        encoded = json.dumps(chat, ensure_ascii=False).encode("utf-8", "surrogatepass")
-        req = apirequest.checked("chat", chat, encoded, prefix_bytes, MessagesRequest)
+        req = apirequest.checked("chat", chat, encode(chat), prefix_bytes, MessagesRequest)
         req.kind = kind
         req.api = self.name if kind == "chat" else f"{self.name}.count_tokens"
         req.output_field = "max_tokens"

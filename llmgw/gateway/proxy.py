@@ -60,7 +60,7 @@ from gunicorn.http.errors import ParseException
 from llmgw.gateway import admission, apirequest, balancer, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
-from llmgw.gateway.dialect import OPENAI
+from llmgw.gateway.dialect import OPENAI, encode
 from llmgw.gateway.errors import REASONS, ApiError
 from llmgw.gateway.keytable import Refusal
 from llmgw.gateway.limiter import Unavailable
@@ -422,7 +422,14 @@ class Proxy:
             except ApiError as e:  # withheld: the engine's work is billed, as for any answer it gave
                 self._account(t0, caller, req, model, replica.spec.id, e.status, tokens, None, in_flight=True)
                 return self._refuse(start_response, req.dialect, caller, e, t0)
-        data = req.dialect.answer(req, data)
+        try:
+            data = req.dialect.answer(req, data)
+        except ApiError as e:  # an answer the client's API cannot carry: the engine's work is billed all the same
+            self._account(t0, caller, req, model, replica.spec.id, e.status, tokens, None, in_flight=True)
+            return self._refuse(start_response, req.dialect, caller, e, t0)
+        except Exception:  # a bug, which __call__ logs and answers with a 500; the request is accounted for here
+            self._account(t0, caller, req, model, replica.spec.id, 500, tokens, None, in_flight=True)
+            raise
         start_response(_status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
@@ -637,7 +644,7 @@ class Proxy:
     def _engine_json(self, replica, path: str, value: dict) -> dict | None:
         """REPLICA's answer to VALUE posted to PATH, a helper route (tokenizer, template) answered at once;
         None unless it is a 200 with a JSON object."""
-        body = json.dumps(value, ensure_ascii=False).encode()
+        body = encode(value)  # a prompt's lone surrogates as the escapes they came in
         try:
             resp = self.rt.pool.request(replica.target, "POST", path, body, TOKENIZE_TIMEOUT,
                                         time.monotonic() + TOKENIZE_TIMEOUT)

@@ -23,13 +23,14 @@ ignored, as the API grows faster than any copy of it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 
 from llmgw.gateway import apirequest, bodycheck, responsesout
 from llmgw.gateway.apirequest import ParsedRequest
 from llmgw.gateway.bodycheck import bad, need
-from llmgw.gateway.dialect import Dialect, StreamTranslator
+from llmgw.gateway.dialect import Dialect, StreamTranslator, chat_content, encode
 from llmgw.gateway.errors import ApiError
 
 log = logging.getLogger("llmgw.responses")
@@ -75,11 +76,10 @@ class Responses(Dialect):
     def parse(self, kind: str, raw: bytes, prefix_bytes: int) -> ResponsesRequest:
         body = apirequest.read_object(raw)
         chat, echo, tools = to_chat(body)
-        req = apirequest.checked(kind, chat, json.dumps(chat, ensure_ascii=False).encode(), prefix_bytes,
-                                 ResponsesRequest)
+        req = apirequest.checked(kind, chat, encode(chat), prefix_bytes, ResponsesRequest)
         req.api = self.name
         req.output_field = "max_output_tokens"
-        req.echo = json.dumps(echo, ensure_ascii=False).encode()
+        req.echo = encode(echo)
         req.tools = tools
         return req
 
@@ -214,10 +214,7 @@ def _content(content, where: str):
             need(kind, (str,), "a string", f"{at}.type")
             raise bad(f"{at}.type is {kind[:40]!r}; the engines here read input_text, output_text, refusal and "
                       "input_image parts (no files).", f"{at}.type")
-    if all(p["type"] == "text" for p in parts):
-        # One string reads the same to every engine's chat template; lists of parts do not.
-        return "\n".join(p["text"] for p in parts)
-    return parts
+    return chat_content(parts)
 
 
 def _call(item: dict, where: str, messages: list, calls: set, arguments: str, name: str) -> None:
@@ -290,14 +287,15 @@ ITEMS = {
 
 def _merge_system(messages: list) -> list:
     """MESSAGES with each run of system messages made one: Codex opens with several (its instructions,
-    then its developer messages), and many chat templates take one system message, first."""
+    then its developer messages), and many chat templates take one system message, first. A run's texts
+    are joined once: adding each to the text so far took time in the square of the run's length."""
     merged: list = []
-    for message in messages:
-        if (merged and message["role"] == "system" and merged[-1]["role"] == "system"
-                and isinstance(message["content"], str) and isinstance(merged[-1]["content"], str)):
-            merged[-1] = {"role": "system", "content": merged[-1]["content"] + "\n\n" + message["content"]}
+    for texts, run in itertools.groupby(messages, lambda m: m["role"] == "system" and isinstance(m["content"], str)):
+        run = list(run)
+        if texts and len(run) > 1:
+            merged.append({"role": "system", "content": "\n\n".join(m["content"] for m in run)})
         else:
-            merged.append(message)
+            merged.extend(run)
     return merged
 
 

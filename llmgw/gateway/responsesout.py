@@ -12,42 +12,34 @@ whose fragments arrive by index, the call's id and name in its first only.
 What a free-form tool (custom, local_shell) was given is only known whole: its
 input is sent in one delta at the end, when the function's JSON arguments it
 travelled in can be read. An engine that fails mid-way ends the stream with
-`response.failed`, the error in the response object, as OpenAI's does.
+`response.failed`, the error in the response object, as OpenAI's does; a
+whole answer that cannot be read is a 502 in OpenAI's error shape. What the
+engine sent is read with llmgw/gateway/chatout.py.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import time
 
-from llmgw.gateway.dialect import StreamTranslator
+from llmgw.gateway import chatout
+from llmgw.gateway.chatout import a_list, new_id
+from llmgw.gateway.dialect import StreamTranslator, encode
 from llmgw.gateway.errors import ApiError
 
-log = logging.getLogger("llmgw.responses")
-
-DONE = b"[DONE]"
 # Why the chat answer ended, as the Responses API says why a response is incomplete.
 INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 CALL_PREFIXES = {"function": "fc_", "custom": "ctc_", "local_shell": "lsh_"}
 
 
-def new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
-
-
 def usage(chat_usage) -> dict | None:
     """The engine's chat usage as the Responses API counts it. The details' counts are 0 where the
     engine reports none: the API's schema requires them, and clients read them without checking."""
-    if not isinstance(chat_usage, dict):
+    used = chatout.usage(chat_usage)
+    if used is None:
         return None
-    prompt, completion = _count(chat_usage.get("prompt_tokens")), _count(chat_usage.get("completion_tokens"))
-    cached = _count(_dict(chat_usage.get("prompt_tokens_details")).get("cached_tokens"))
-    reasoning = _count(_dict(chat_usage.get("completion_tokens_details")).get("reasoning_tokens"))
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": prompt + completion}
+    return {"input_tokens": used.prompt, "input_tokens_details": {"cached_tokens": used.cached or 0},
+            "output_tokens": used.completion, "output_tokens_details": {"reasoning_tokens": used.reasoning},
+            "total_tokens": used.prompt + used.completion}
 
 
 def response(req, rid: str, created: int, status: str, output: list, used: dict | None,
@@ -58,7 +50,7 @@ def response(req, rid: str, created: int, status: str, output: list, used: dict 
     head = {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": {"reason": reason} if reason else None, "output": output, "usage": used}
     echo = req.echo
-    return json.dumps(head, ensure_ascii=False).encode()[:-1] + (b"," + echo[1:] if echo != b"{}" else b"}")
+    return encode(head)[:-1] + (b"," + echo[1:] if echo != b"{}" else b"}")
 
 
 def status_of(finish: str | None) -> str:
@@ -98,23 +90,15 @@ def call_item(req, item_id: str, call_id: str, name: str, arguments: str, status
     return item
 
 
-def _arguments(arguments: str) -> dict:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _custom_input(arguments: str) -> str:
     """A free-form tool's input from the function arguments it travelled in; the arguments themselves
     where the model wrote no such object (a small model may write the input bare)."""
-    value = _arguments(arguments).get("input")
+    value = (chatout.arguments(arguments) or {}).get("input")
     return value if isinstance(value, str) else arguments
 
 
 def _shell_action(arguments: str) -> dict:
-    given = _arguments(arguments)
+    given = chatout.arguments(arguments) or {}
     command = given.get("command")
     action = {"type": "exec", "command": command if isinstance(command, list) else [], "env": {}}
     if isinstance(given.get("workdir"), str):
@@ -124,24 +108,6 @@ def _shell_action(arguments: str) -> dict:
     return action
 
 
-# An engine's answer is read with these where a wrong type would otherwise raise: it comes from a
-# program the gateway does not control, and its mistakes must cost at most its own answer.
-def _list(value) -> list:
-    return value if isinstance(value, list) else []
-
-
-def _dict(value) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
-def _string(value) -> str:
-    return value if isinstance(value, str) else ""
-
-
-def _count(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
 def failure(e: ApiError) -> dict:
     """E as a response's `error`: OpenAI's codes are few, and the message (with the request id) says the rest."""
     return {"code": "rate_limit_exceeded" if e.status == 429 else "server_error",
@@ -149,34 +115,22 @@ def failure(e: ApiError) -> dict:
 
 
 def answer(req, data: bytes) -> bytes:
-    """A whole chat answer DATA as the response object; one that cannot be read, as a failed response."""
-    rid, created = new_id("resp_"), int(time.time())
-    try:
-        chat = json.loads(data)
-        choice = chat["choices"][0]
-        message, finish = choice["message"], choice.get("finish_reason")
-        assert isinstance(message, dict)
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError, AssertionError):
-        log.warning("an engine's chat answer could not be read as one: %s", data[:300].decode("utf-8", "replace"))
-        error = failure(ApiError(502, "The engine's answer could not be read. Try again; an operator can find it "
-                                      "in the gateway's log under the request id.", "upstream_error"))
-        return response(req, rid, created, "failed", [], None, error=error)
-    status = status_of(finish)
+    """A whole chat answer DATA as the response object; raises ApiError(502) for one that cannot be read."""
+    whole = chatout.whole(data)
+    status = status_of(whole.finish)
     item_status = "incomplete" if status == "incomplete" else "completed"
     output = []
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if isinstance(reasoning, str) and reasoning:
+    if reasoning := chatout.reasoning(whole.message):
         output.append(reasoning_item(new_id("rs_"), reasoning, item_status))
-    text = message.get("content")
-    if isinstance(text, str) and text:
+    if text := chatout.a_string(whole.message.get("content")):
         output.append(message_item(new_id("msg_"), text, item_status))
-    for call in _list(message.get("tool_calls")):
-        function = _dict(call.get("function")) if isinstance(call, dict) else {}
-        name = _string(function.get("name"))
-        call_id = _string(call.get("id")) or new_id("call_")
-        output.append(call_item(req, new_id(CALL_PREFIXES[call_kind(req, name)[0]]), call_id, name,
-                                _string(function.get("arguments")), item_status))
-    return response(req, rid, created, status, output, usage(chat.get("usage")), finish)
+    for value in a_list(whole.message.get("tool_calls")):
+        if not isinstance(value, dict):
+            continue  # as in a stream: nothing says what it was
+        call = chatout.call(value)
+        output.append(call_item(req, new_id(CALL_PREFIXES[call_kind(req, call.name)[0]]),
+                                call.id or new_id("call_"), call.name, call.arguments, item_status))
+    return response(req, new_id("resp_"), int(time.time()), status, output, usage(whole.usage), whole.finish)
 
 
 class _Item:
@@ -217,14 +171,14 @@ class EventStream(StreamTranslator):
         fields["type"] = kind
         fields["sequence_number"] = self.seq
         self.seq += 1
-        return b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(fields, ensure_ascii=False).encode())
+        return b"event: %s\ndata: %s\n\n" % (kind.encode(), encode(fields))
 
     def _delta(self, kind: bytes, item: _Item, text: str, fields: bytes = b"") -> bytes:
         """A delta event, the one sent per token: formatted directly, at a third of json.dumps' cost."""
         seq = self.seq
         self.seq += 1
         return b'event: %s\ndata: {"type":"%s","sequence_number":%d,"item_id":"%s","output_index":%d%s,"delta":%s}\n\n' % (
-            kind, kind, seq, item.id.encode(), item.index, fields, json.dumps(text, ensure_ascii=False).encode())
+            kind, kind, seq, item.id.encode(), item.index, fields, encode(text))
 
     def _response_event(self, kind: str, status: str, output: list, used=None, error=None) -> bytes:
         body = response(self.req, self.rid, self.created, status, output, used, self.finish, error)
@@ -243,12 +197,10 @@ class EventStream(StreamTranslator):
 
     def feed(self, events: bytes) -> bytes:
         out = [self._start()]
-        for event in events.split(b"\n\n"):
+        for chunk in chatout.chunks(events):
             if self.finished:
                 break
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.append(self._data(line[5:].strip()))
+            out.append(self._complete() if chunk is None else self._chunk(chunk))
         return b"".join(out)
 
     def end(self) -> bytes:
@@ -263,35 +215,20 @@ class EventStream(StreamTranslator):
         return self._start() + self._response_event("response.failed", "failed", output, usage(self.usage),
                                                      failure(e))
 
-    def _data(self, data: bytes) -> bytes:
-        if data == DONE:
-            return self._complete()
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return b""  # not an event of the engine's answer; a chat client would skip it too
-        if not isinstance(chunk, dict):
-            return b""
-        if chunk.get("error") is not None:
-            log.warning("an engine sent an error mid-stream: %s", data[:300].decode("utf-8", "replace"))
-            return self.fail(ApiError(502, "The engine failed while answering. Try again; an operator can find "
-                                           "its words in the gateway's log under the request id.", "upstream_error"))
+    def _chunk(self, chunk: dict) -> bytes:
+        if (error := chatout.stream_error(chunk)) is not None:
+            return self.fail(error)
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         out = []
-        for choice in _list(chunk.get("choices")):
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue  # the Responses API has one answer; a request made here asks for one
-            delta = _dict(choice.get("delta"))
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if isinstance(reasoning, str) and reasoning:
+        for choice, delta in chatout.deltas(chunk):
+            if reasoning := chatout.reasoning(delta):
                 out.append(self._text("reasoning", reasoning))
-            content = delta.get("content")
-            if isinstance(content, str) and content:
+            if content := chatout.a_string(delta.get("content")):
                 out.append(self._text("message", content))
-            for call in _list(delta.get("tool_calls")):
-                if isinstance(call, dict):
-                    out.append(self._call(call))
+            for piece in a_list(delta.get("tool_calls")):
+                if isinstance(piece, dict):
+                    out.append(self._call(chatout.call(piece)))
             if isinstance(choice.get("finish_reason"), str):
                 self.finish = choice["finish_reason"]
         return b"".join(out)
@@ -325,17 +262,14 @@ class EventStream(StreamTranslator):
             return out + self._delta(b"response.output_text.delta", item, text, b',"content_index":0,"logprobs":[]')
         return out + self._delta(b"response.reasoning_text.delta", item, text, b',"content_index":0')
 
-    def _call(self, call: dict) -> bytes:
-        index = call.get("index", 0)
-        index = index if isinstance(index, int) else 0
-        function = _dict(call.get("function"))
-        item = self.calls.get(index)
+    def _call(self, piece: chatout.Call) -> bytes:
+        item = self.calls.get(piece.index)
         if item is None:
-            item = self.calls[index] = self._open("call", call_id=_string(call.get("id")) or new_id("call_"))
-        if not item.name and isinstance(function.get("name"), str):
-            item.name = function["name"]
-        fragment = function.get("arguments")
-        if isinstance(fragment, str) and fragment:
+            item = self.calls[piece.index] = self._open("call", call_id=piece.id or new_id("call_"))
+        if not item.name:
+            item.name = piece.name
+        fragment = piece.arguments
+        if fragment:
             item.parts.append(fragment)
         if item.announced or not item.name:
             # Only a function's arguments stream: a free-form tool's input is read from them whole, at the end.
