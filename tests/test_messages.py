@@ -285,15 +285,12 @@ def test_an_engine_dying_mid_stream_ends_with_an_error_event(tmp_path, make_sim,
 
 def claude_code_requests() -> list:
     """Every Messages request Claude Code made in the recorded scenarios (tests/fixtures/clients)."""
-    if not os.path.exists(CLAUDE_REQUESTS):
-        return []
     with open(CLAUDE_REQUESTS) as f:
         recorded = json.load(f)
     return [pytest.param(r, id=f"{s['name']}-{i}") for s in recorded["scenarios"]
             for i, r in enumerate(s["requests"]) if r["method"] == "POST" and r["path"].startswith("/v1/messages")]
 
 
-@pytest.mark.skipif(not os.path.exists(CLAUDE_REQUESTS), reason="Claude Code's requests are not recorded here")
 @pytest.mark.parametrize("recorded", claude_code_requests())
 def test_claude_codes_own_requests_are_answered(env, recorded):
     body, headers = recorded["body"], dict(recorded["headers"])
