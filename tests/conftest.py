@@ -182,7 +182,10 @@ class Gateway:
         self.store_url = store_url
         values = {"gateway.listen": f"127.0.0.1:{self.port}", "gateway.workers": workers,
                   "gateway.metrics_listen": f"127.0.0.1:{self.metrics_port}", "store.url": store_url,
-                  "gateway.graceful_timeout": 10, **{k.replace("__", "."): v for k, v in settings.items()}}
+                  "gateway.graceful_timeout": 10,
+                  # Its own: a spool file left by one test's gateway was written into every later test's store.
+                  "usage.spool_dir": str(tmp_path / f"spool-{self.port}"),
+                  **{k.replace("__", "."): v for k, v in settings.items()}}
         self.config = write_config(tmp_path / f"gateway-{self.port}.toml", values, endpoints, models)
         self.log_path = tmp_path / f"gateway-{self.port}.log"
         log = open(self.log_path, "wb")

@@ -45,6 +45,7 @@ import logging
 import re
 import time
 
+from llmgw.gateway import chatout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.upstream import UpstreamError
@@ -426,28 +427,22 @@ class Held:
         return b": the answer is held until the guard has judged it\n\n"
 
     def _read(self, events: bytes) -> None:
-        for line in events.split(b"\n"):
-            if not line.startswith(b"data: {"):
-                continue
-            try:
-                choices = json.loads(line[6:]).get("choices") or ()
-            except (ValueError, AttributeError):
-                continue
-            for choice in choices:
+        for chunk in chatout.chunks(events):
+            for choice in chatout.a_list(chunk.get("choices") if chunk is not None else None):
                 if not isinstance(choice, dict):
                     continue
+                index = choice.get("index", 0)
+                thought, said = self.texts.setdefault(index if isinstance(index, int) else 0, ([], []))
                 delta = choice.get("delta")
-                thought, said = self.texts.setdefault(choice.get("index", 0), ([], []))
                 if isinstance(delta, dict):
-                    thought += (_text(delta.get("reasoning_content")), _text(delta.get("reasoning")))
-                    said.append(_text(delta.get("content")))
-                    for call in delta.get("tool_calls") or ():
-                        function = call.get("function") if isinstance(call, dict) else None
-                        if isinstance(function, dict):
-                            said.append(f"{function['name']} " if function.get("name") else "")
-                            said.append(function.get("arguments") or "")
+                    thought.append(chatout.reasoning(delta))
+                    said.append(chatout.a_string(delta.get("content")))
+                    for piece in chatout.a_list(delta.get("tool_calls")):
+                        if isinstance(piece, dict):
+                            call = chatout.call(piece)
+                            said.append(f"{call.name} {call.arguments}" if call.name else call.arguments)
                 else:
-                    said.append(_text(choice.get("text")))
+                    said.append(chatout.a_string(choice.get("text")))
 
     def release(self, tail: bytes) -> bytes:
         """Every event kept, and TAIL, once the judge finds the answer safe; raises ApiError when it does not."""
