@@ -440,6 +440,8 @@ def test_an_unreadable_answer_is_a_502_in_anthropics_shape_and_is_accounted_for(
             for event in s:
                 seen.append(event.type)
     assert "content_block_delta" in seen
+    # Its usage row says it failed, not 200.
+    wait_until("the stream's usage row", 30, lambda: count_usage(env.store, status=502, endpoint="messages") == 2)
 
 
 def test_a_stop_sequence_vllm_names_is_reported():

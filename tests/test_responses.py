@@ -519,6 +519,7 @@ def test_an_unreadable_answer_through_the_gateway_is_a_502_and_is_accounted_for(
     assert events[-1][0] == "response.failed"
     assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "tok0 "
     assert "simulated failure" not in json.dumps(events)  # the engine's words go to the log only
+    wait_until("the stream's usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses") == 2)
 
 
 def test_an_engine_error_event_mid_stream_ends_it_with_response_failed():

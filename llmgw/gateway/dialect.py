@@ -75,7 +75,10 @@ class Dialect:
 
 
 class StreamTranslator:
-    """Whole chat-completions events in (usage events included), this API's events out."""
+    """Whole chat-completions events in (usage events included), this API's events out. `failure` is the
+    error a stream was ended with (`fail`), which its usage row records."""
+
+    failure: ApiError | None = None
 
     def feed(self, events: bytes) -> bytes:
         raise NotImplementedError

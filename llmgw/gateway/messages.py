@@ -465,6 +465,7 @@ class Stream(StreamTranslator):
         if self.finished:
             return b""
         self.finished = True
+        self.failure = e
         return error_event(e)
 
 

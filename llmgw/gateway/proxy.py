@@ -750,6 +750,8 @@ class Proxy:
                 tail = held.release(tail)  # raises ApiError where the judge refuses it, or cannot judge it
             if translator is not None:
                 tail = translator.feed(tail) + translator.end()
+                if translator.failure is not None:  # the engine reported a failure mid-stream
+                    status = translator.failure.status
             if tail:
                 if ttft is None:
                     ttft = time.perf_counter() - t0

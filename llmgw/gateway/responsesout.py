@@ -211,6 +211,7 @@ class EventStream(StreamTranslator):
         if self.finished:
             return b""
         self.finished = True
+        self.failure = e
         output = [self._item(item, "incomplete") for item in self.items]
         return self._start() + self._response_event("response.failed", "failed", output, usage(self.usage),
                                                      failure(e))
