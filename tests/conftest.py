@@ -302,6 +302,25 @@ def make_gateway(tmp_path):
         gw.stop()
 
 
+@contextlib.contextmanager
+def gateway_over(tmp_path, store_url: str, sims: dict, models, more_endpoints=(), **settings):
+    """A gateway in front of SIMS (model name -> Sim serving it) and MORE_ENDPOINTS; the gateway and the sims
+    are stopped on leaving, and the sims also when the gateway does not start."""
+    endpoints = [*more_endpoints, *({"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items())]
+    try:
+        gw = Gateway(tmp_path, store_url, endpoints=endpoints, models=models, **settings)
+    except Exception:
+        for s in sims.values():
+            s.stop()
+        raise
+    try:
+        yield gw
+    finally:
+        gw.stop()
+        for s in sims.values():
+            s.stop()
+
+
 def make_key(url: str, name: str = "test", **kwargs) -> str:
     from llmgw.people import keys
 

@@ -11,13 +11,14 @@ SmolLM2's 8,192-token context (llama.cpp answers 400 "exceeds the available cont
 import json
 import subprocess
 import urllib.request
+from types import SimpleNamespace
 
 import anthropic
 import openai
 import pytest
 
 from llmgw.cli import starter
-from tests.conftest import Gateway, Sim, codex, llamacpp_engine, make_key, run_cli, run_setup_script
+from tests.conftest import Sim, codex, gateway_over, llamacpp_engine, make_key, run_cli, run_setup_script
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 BRIEF = "You are a helpful assistant. Answer in one sentence."
@@ -35,28 +36,13 @@ def env(tmp_path_factory):
         sims = {"bash": Sim(model="bash", replica="b", ttft_ms=1, tokens_per_s=500,
                             tool_call=("Bash", json.dumps({"command": BASH_COMMAND}))),
                 "echo": Sim(model="echo", replica="e", ttft_ms=1, tokens_per_s=500, reply=REPLY)}
-        endpoints = [{"id": "cpu", "url": engine_url, "models": [starter.NAME]},
-                     *({"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items())]
         # Claude Code asks for claude-* names: its main model and a small one, which the operator aliases.
         models = [{"name": starter.NAME, "aliases": ["starter", "claude-sonnet-4-6", "claude-haiku-4-5"],
                    "max_output": 256},
                   {"name": "bash"}, {"name": "echo"}]
-        try:
-            gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2)
-        except Exception:
-            for s in sims.values():
-                s.stop()
-            raise
-
-        class Env:
-            pass
-
-        e = Env()
-        e.gw, e.url, e.key = gw, gw.url, key
-        yield e
-        gw.stop()
-        for s in sims.values():
-            s.stop()
+        cpu = {"id": "cpu", "url": engine_url, "models": [starter.NAME]}
+        with gateway_over(tmp, url, sims, models, more_endpoints=[cpu], workers=2) as gw:
+            yield SimpleNamespace(gw=gw, url=gw.url, key=key)
 
 
 def claude(cli: str, env, cwd, model: str, prompt: str, *flags) -> subprocess.CompletedProcess:

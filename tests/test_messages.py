@@ -5,6 +5,7 @@ import json
 import os
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import anthropic
 import pytest
@@ -13,7 +14,7 @@ from llmgw import store
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.messages import MESSAGES, to_chat
 from llmgw.gateway.sse import DONE
-from tests.conftest import Gateway, Sim, count_usage, make_key, post, wait_until
+from tests.conftest import Gateway, Sim, count_usage, gateway_over, make_key, post, wait_until
 
 REPLY = "Hello from the sim."
 COMMAND = '{"command": "echo hello-from-tool"}'
@@ -36,29 +37,15 @@ def env(tmp_path_factory):
             "busy": Sim(model="busy", replica="b", ttft_ms=1, tokens_per_s=5, max_concurrency=1, max_queue=0),
             # Whole answers that are not JSON, and streams that end in an engine's error event.
             "garbled": Sim(model="garbled", replica="g", ttft_ms=1, tokens_per_s=500, garbled=True)}
-    endpoints = [{"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items()]
     # Claude Code asks for claude-* names (a main model and a small fast one), which operators alias.
     models = [{"name": "local", "aliases": ["claude-sonnet-4-6", "claude-sonnet-4-5", "claude-haiku-4-5"], "max_output": 1000},
               {"name": "coder", "aliases": ["test-model"], "max_output": 4},
               {"name": "busy"}, {"name": "garbled"}]
-    try:
-        gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2, gateway__queue_wait=0.0)
-    except Exception:
-        for s in sims.values():
-            s.stop()
-        raise
-
-    class Env:
-        pass
-
-    e = Env()
-    e.gw, e.url, e.key, e.only_coder, e.sims, e.store = gw, gw.url, key, only_coder, sims, url
-    e.client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=30)
-    yield e
-    e.client.close()
-    gw.stop()
-    for s in sims.values():
-        s.stop()
+    with gateway_over(tmp, url, sims, models, workers=2, gateway__queue_wait=0.0) as gw:
+        e = SimpleNamespace(gw=gw, url=gw.url, key=key, only_coder=only_coder, sims=sims, store=url)
+        e.client = anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=30)
+        yield e
+        e.client.close()
 
 
 def events_of(url: str, body: dict, headers: dict) -> list[tuple[str, dict]]:

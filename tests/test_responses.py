@@ -4,6 +4,7 @@ with the official openai SDK; and the translation both ways, as pure functions, 
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -13,7 +14,7 @@ from llmgw.gateway import responsesout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.responses import RESPONSES, to_chat
 from llmgw.people import keys, limits
-from tests.conftest import Gateway, Sim, codex, count_usage, post, wait_until
+from tests.conftest import Sim, codex, count_usage, gateway_over, post, wait_until
 
 SHELL_ARGUMENTS = '{"command": ["echo", "hi"]}'
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hello\n*** End Patch\n"
@@ -47,28 +48,14 @@ def env(tmp_path_factory):
         "dying": Sim(model="dying", replica="d", ttft_ms=1, tokens_per_s=50, die_after=1),
         "garbled": Sim(model="garbled", replica="g", ttft_ms=1, tokens_per_s=500, garbled=True),
     }
-    endpoints = [{"id": s.replica, "url": s.url, "models": [name]} for name, s in sims.items()]
     # Codex offers its free-form apply_patch only to models it knows, such as gpt-5.5.
     models = [{"name": "sim", "aliases": ["fast"], "max_output": 1000},
               {"name": "codex", "aliases": ["test-model"]}, {"name": "patcher", "aliases": ["gpt-5.5"]}]
-    try:
-        gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2)
-    except Exception:
-        for s in sims.values():
-            s.stop()
-        raise
-
-    class Env:
-        pass
-
-    e = Env()
-    e.gw, e.url, e.key, e.limited, e.store = gw, gw.url, key, limited, url
-    e.client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
-    yield e
-    e.client.close()
-    gw.stop()
-    for s in sims.values():
-        s.stop()
+    with gateway_over(tmp, url, sims, models, workers=2) as gw:
+        e = SimpleNamespace(gw=gw, url=gw.url, key=key, limited=limited, store=url)
+        e.client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        yield e
+        e.client.close()
 
 
 def raw_events(env, body: dict, key=None) -> list[tuple[str, dict]]:
