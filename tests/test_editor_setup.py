@@ -239,7 +239,8 @@ def test_a_hostile_model_is_refused_and_its_answer_runs_nothing(site, tmp_path):
     answer = client.get("/setup/codex", query_string={"model": "$(touch pwned)\n`touch pwned`"})
     assert answer.status_code == 400 and answer.mimetype == "text/plain"
     text = answer.get_data(as_text=True)
-    assert "Models here: big, claude-sonnet-4-5, small" in text
+    # The page needs no sign-in: it names no model of the catalog, which is for key holders.
+    assert "/account" in text and not any(name in text for name in ("big", "claude-sonnet-4-5", "small"))
     done = run(text, home)  # what `curl -sSL ... | sh` (no -f) would run
     assert done.returncode == 1 and "is not one this gateway serves" in done.stderr
     assert os.listdir(home) == []

@@ -98,10 +98,10 @@ def install(app: Flask, runtime: Runtime) -> None:
         small = request.args.get("small", model)
         for given in (model, small):
             if given not in listed:
-                shown = ", ".join(listed) or "none yet"
+                # No list here: this page needs no sign-in, and the catalog is for key holders (/v1/models).
                 what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
-                return _refuse(400, f"{what} Name one with ?model=NAME. Models here: {shown}. Your account page "
-                                    f"({url}/account) shows the ones your keys may use.")
+                return _refuse(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
+                                    "the ones your keys may use.")
         values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
                   "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
                   "codex": editorconfig.codex(url, model), "patch": _json(editorconfig.claude(url, model, small)),
