@@ -3,6 +3,7 @@ with the official openai SDK; and the translation both ways, as pure functions, 
 
 import json
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -456,7 +457,9 @@ def test_a_failure_before_any_event_still_opens_the_response():
     out = RESPONSES.stream_error(req, error).decode()
     events = [json.loads(block.split("\n")[1][6:]) for block in out.split("\n\n") if block]
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
-    assert events[-1]["response"]["error"] == {"code": "server_error", "message": "sim is loading."}
+    failed = events[-1]["response"]["error"]
+    assert failed["code"] == "server_error"
+    assert re.fullmatch(r"sim is loading\. \(request id [0-9a-f]+\)", failed["message"])
 
 
 def test_a_whole_answer_with_reasoning_and_a_namespaced_call():
