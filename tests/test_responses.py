@@ -3,7 +3,6 @@ with the official openai SDK; and the translation both ways, as pure functions, 
 
 import json
 import os
-import re
 import time
 from types import SimpleNamespace
 
@@ -11,7 +10,7 @@ import openai
 import pytest
 
 from llmgw import store
-from llmgw.gateway import responsesout
+from llmgw.gateway import requestid, responsesout
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.responses import RESPONSES, to_chat
 from llmgw.people import keys, limits
@@ -454,12 +453,15 @@ def test_a_stream_without_done_still_completes():
 def test_a_failure_before_any_event_still_opens_the_response():
     req = request({"input": "x", "stream": True})
     error = ApiError(503, "sim is loading.", "model_loading", retry_after=60)
-    out = RESPONSES.stream_error(req, error).decode()
+    token = requestid.current.set("5eed")  # as the gateway sets it for each request it serves
+    try:
+        out = RESPONSES.stream_error(req, error).decode()
+    finally:
+        requestid.current.reset(token)
     events = [json.loads(block.split("\n")[1][6:]) for block in out.split("\n\n") if block]
     assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
-    failed = events[-1]["response"]["error"]
-    assert failed["code"] == "server_error"
-    assert re.fullmatch(r"sim is loading\. \(request id [0-9a-f]+\)", failed["message"])
+    assert events[-1]["response"]["error"] == {"code": "server_error",
+                                               "message": "sim is loading. (request id 5eed)"}
 
 
 def test_a_whole_answer_with_reasoning_and_a_namespaced_call():
@@ -503,13 +505,13 @@ def test_an_unreadable_answer_through_the_gateway_is_a_502_and_is_accounted_for(
         env.client.responses.create(model="garbled", input="hi", max_output_tokens=3)
     assert e.value.status_code == 502 and e.value.body["code"] == "upstream_error"
     assert "could not be read" in e.value.body["message"]
-    wait_until("the usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses") == 1)
+    wait_until("the usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses", model_asked="garbled") == 1)
     # Mid-stream, the engine's error event ends the stream with response.failed.
     events = raw_events(env, {"model": "garbled", "input": "hi", "max_output_tokens": 3})
     assert events[-1][0] == "response.failed"
     assert events[-1][1]["response"]["output"][0]["content"][0]["text"] == "tok0 "
     assert "simulated failure" not in json.dumps(events)  # the engine's words go to the log only
-    wait_until("the stream's usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses") == 2)
+    wait_until("the stream's usage row", 30, lambda: count_usage(env.store, status=502, endpoint="responses", model_asked="garbled") == 2)
 
 
 def test_an_engine_error_event_mid_stream_ends_it_with_response_failed():
