@@ -3,7 +3,8 @@
 Every helper here starts the real program, polls until it answers, checks it
 is alive, and stops it at the end (SIGTERM, then SIGKILL if it lingers).
 PostgreSQL is the one on 127.0.0.1:5432; tests use their own database,
-`llmgw_test`, and refuse to wipe any database whose name does not say test.
+`llmgw_test` (one per pytest-xdist worker: `llmgw_test_gw0`, ...), and refuse
+to wipe any database whose name does not say test.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from llmgw.procs import free_port, http_status, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PG_ADMIN = os.environ.get("LLMGW_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
-PG_TEST = os.environ.get("LLMGW_TEST_PG", "postgresql://postgres@127.0.0.1:5432/llmgw_test")
+# pytest-xdist runs the suite in several processes: each has a database of its own (llmgw_test_gw0, ...).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+PG_TEST = os.environ.get("LLMGW_TEST_PG", "postgresql://postgres@127.0.0.1:5432/llmgw_test") + (
+    f"_{WORKER}" if WORKER else "")
 
 
 # --- stores ------------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ def env(tmp_path_factory):
     url = f"sqlite:///{tmp}/gw.db"
     key = make_key(url)
     # One slot: llama.cpp caps a slot at the model's 8,192 training tokens, and these tests take turns.
-    with llamacpp_engine(tmp, ctx_size=8192, parallel=1) as engine_url:
+    # Greedy sampling (top-k 1, which the CLIs do not send; Claude Code sends temperature 1): at temperature 1
+    # SmolLM2 sometimes rambled to max_output, and Claude Code fails an answer that stops at its limit.
+    with llamacpp_engine(tmp, ctx_size=8192, parallel=1, extra=("--top-k", "1")) as engine_url:
         sims = {"bash": Sim(model="bash", replica="b", ttft_ms=1, tokens_per_s=500,
                             tool_call=("Bash", json.dumps({"command": BASH_COMMAND}))),
                 "echo": Sim(model="echo", replica="e", ttft_ms=1, tokens_per_s=500, reply=REPLY)}

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status
-from tests.conftest import PG_ADMIN, post, wait_until, write_config
+from tests.conftest import PG_ADMIN, WORKER, post, wait_until, write_config
 from tests.test_up import signs_in
 
 LLMGW = [sys.executable, "-m", "llmgw"]
@@ -110,13 +110,14 @@ def test_no_node_and_no_model(tmp_path):
 @pytest.fixture
 def pg_move_url():
     """An empty database of its own, so no other test's rows are in the way."""
+    name = f"llmgw_init_test{WORKER}"
     admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
     admin.autocommit = True
     with admin.cursor() as cur:
-        cur.execute('DROP DATABASE IF EXISTS "llmgw_init_test"')
-        cur.execute('CREATE DATABASE "llmgw_init_test"')
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        cur.execute(f'CREATE DATABASE "{name}"')
     admin.close()
-    return PG_ADMIN.rsplit("/", 1)[0] + "/llmgw_init_test"
+    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
 
 
 def test_postgres_takes_the_sqlite_stores_rows(tmp_path, pg_move_url):

@@ -235,11 +235,15 @@ def usage(obj: Context, by, since, as_json):
               "the first that matches answers.")
 @click.option("--max-context", type=int, default=0, show_default=True,
               help="Answer 400 to a prompt of more tokens than this, as llama.cpp does (0: no limit).")
+@click.option("--gather", type=int, default=0, show_default=True,
+              help="Hold each request's first token until this many requests run at once, or its time to first "
+              "token has passed (0: never hold): a test of concurrency that does not depend on how fast "
+              "clients connect.")
 @click.option("--garbled", is_flag=True, help="Answer 200 with a body that is not JSON, and end a stream with an "
               "error event after its first token, as a broken engine (or a proxy in front of one) does.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
         fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls, reasoning, reply_if,
-        max_context, garbled):
+        max_context, gather, garbled):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
     from llmgw.engines.sim import SimOptions, serve
 
@@ -255,7 +259,8 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
                          stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
                          reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
-                         reply_if=tuple(reply_if), max_context=max_context, garbled=garbled)
+                         reply_if=tuple(reply_if), max_context=max_context, gather=gather,
+                         garbled=garbled)
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

@@ -24,6 +24,9 @@ calls; a chat whose last message is a tool result is answered `The tool said:
 vLLM sends a reasoning model's; `reply_if` are (WORD, TEXT) pairs: a prompt
 holding WORD is answered TEXT (a judge that finds one word unsafe);
 `max_context` answers 400 to a prompt of more tokens, as llama.cpp does.
+`gather` holds every first token until that many requests run at once (the
+time to first token is then the longest it waits): a concurrency test proves
+its peak however slowly a busy machine opens the connections.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import socket
 import time
 
 import gevent
+import gevent.event
 from gevent.lock import BoundedSemaphore
 from gevent.pywsgi import WSGIServer
 
@@ -75,6 +79,7 @@ class SimOptions:
     reasoning: str | None = None  # a chat answer's reasoning_content, streamed before its text
     reply_if: tuple[tuple[str, str], ...] = ()  # (WORD, TEXT): a prompt holding WORD is answered TEXT
     max_context: int = 0  # 0: no limit; N: a prompt of more than N tokens is answered 400
+    gather: int = 0  # 0: never; N: the first token waits until N requests run at once (at most ttft_ms)
     # Answer 200 with a body that is not JSON, and end a stream with an error event after its first token:
     # what a broken engine, or a proxy in front of one, sends.
     garbled: bool = False
@@ -96,6 +101,7 @@ class SimEngine:
         self.cache_queries = 0
         self.cache_hits = 0
         self.seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.gathered = gevent.event.Event()
 
     # --- WSGI ---------------------------------------------------------------------
 
@@ -187,6 +193,13 @@ class SimEngine:
             return prompt
         return [prompt if isinstance(prompt, str) else json.dumps(prompt)]
 
+    def _first_token_wait(self, prompt: str) -> None:
+        ttft, _ = self._ttft(prompt)
+        if self.o.gather:
+            self.gathered.wait(ttft)
+        else:
+            gevent.sleep(ttft)
+
     def _ttft(self, prompt: str) -> tuple[float, bool]:
         ttft = self.o.ttft_ms / 1000
         if not self.o.prefix_cache:
@@ -241,6 +254,8 @@ class SimEngine:
                     self.waiting -= 1
             self.running += 1
             self.peak = max(self.peak, self.running)
+            if self.o.gather and self.running >= self.o.gather:
+                self.gathered.set()
 
         def leave():
             self.running -= 1
@@ -287,8 +302,7 @@ class SimEngine:
         if not stream:
             admit()
             try:
-                ttft, _ = self._ttft(prompt)
-                gevent.sleep(ttft)
+                self._first_token_wait(prompt)
                 for _ in range(n_tokens - 1):
                     token_delay()
                 self.prompt_tokens += all_prompt_tokens
@@ -318,8 +332,7 @@ class SimEngine:
         def events():
             admit()
             try:
-                ttft, _ = self._ttft(prompt)
-                gevent.sleep(ttft)
+                self._first_token_wait(prompt)
                 self.prompt_tokens += all_prompt_tokens
                 for i in range(n_tokens):
                     if i:

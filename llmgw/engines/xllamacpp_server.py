@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=4)
     # The model's own chat template, which parses tool calls; the last of --jinja and --no-jinja wins.
+    # A request's own sampling fields win; these are the defaults for the fields it leaves out.
+    parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     params.embedding = True
     params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     params.use_jinja = args.jinja
+    params.sampling.top_k = args.top_k
     if os.environ.get("LLAMA_API_KEY"):
         params.api_keys = [os.environ["LLAMA_API_KEY"]]
     server = xllamacpp.Server(params)
