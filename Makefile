@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 
 CHROMIUM := /usr/bin/chromium
 SSHD := /usr/sbin/sshd
+SYSTEMD_ANALYZE := /usr/bin/systemd-analyze
 
 .PHONY: run test clients docs bench clean
 
@@ -32,6 +33,11 @@ $(SSHD):
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq openssh-server openssh-client; \
 	else echo "The node add tests need an SSH server: sudo apt-get install openssh-server" >&2; exit 1; fi
 
+# systemd's own checker verifies every unit llmgw writes (no systemd runs here to start them).
+$(SYSTEMD_ANALYZE):
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq systemd; \
+	else echo "The unit tests need systemd-analyze: sudo apt-get install systemd" >&2; exit 1; fi
+
 # The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
 # installed into the checkout, not globally; npm ci runs again only when the lock changes.
 CLIENTS := tests/clients
@@ -48,7 +54,7 @@ clients: $(CLIENTS_STAMP)
 # process has its own PostgreSQL database. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) $(CHROMIUM) $(SSHD) $(CLIENTS_STAMP)
+test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 

@@ -347,6 +347,15 @@ def count_usage(url: str, **where) -> int:
         engine.dispose()
 
 
+def assert_units_valid(paths) -> None:
+    """systemd's own check of unit files (`systemd-analyze verify`): every section and directive known and
+    well formed, every command executable. Not a word of warning either."""
+    tool = "/usr/bin/systemd-analyze"
+    assert os.path.exists(tool), f"{tool} is missing: apt-get install systemd (make test installs it as root)"
+    run = subprocess.run([tool, "verify", "--man=no", *map(str, paths)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and not (run.stdout + run.stderr).strip(), run.stdout + run.stderr
+
+
 def wait_until(what: str, limit: float, check, interval: float = 0.05):
     wait_for(what, limit, check, interval=interval)
 

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status
-from tests.conftest import PG_ADMIN, WORKER, post, wait_until, write_config
+from tests.conftest import PG_ADMIN, WORKER, assert_units_valid, post, wait_until, write_config
 from tests.test_up import signs_in
 
 LLMGW = [sys.executable, "-m", "llmgw"]
@@ -81,6 +81,7 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
         units = root / "etc" / "systemd" / "system"
         assert sorted(os.listdir(units)) == [f"llmgw-{r}.service" for r in ("agent", "controller", "gateway", "mirror")]
         assert f"LLMGW_CONFIG={etc / 'llmgw.toml'}" in (units / "llmgw-gateway.service").read_text()
+        assert_units_valid(sorted(units.iterdir()))
         assert len(running_engines(str(root / "var" / "lib" / "llmgw-agent"))) == 1
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -160,6 +161,7 @@ def test_mirror_init(tmp_path):
     assert mode(config) == "0o600" and mode(root / "srv" / "models") == "0o700"
     unit = (root / "etc" / "systemd" / "system" / "llmgw-mirror.service").read_text()
     assert f"ReadWritePaths={root / 'srv' / 'models'}" in unit
+    assert_units_valid([root / "etc" / "systemd" / "system" / "llmgw-mirror.service"])
     assert "ProtectSystem=strict" in unit and "CapabilityBoundingSet=\n" in unit and "PrivateDevices=yes" in unit
     again = subprocess.run([*LLMGW, "mirror", "init", "--root", str(root), "--controller", "10.1.2.3",
                             "--address", "mirror.example"], capture_output=True, text=True)

@@ -7,19 +7,22 @@ another machine: the install, the key, the configuration, the doctor and the age
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from llmgw.cli import machine, nodeadd
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Controller
-from tests.conftest import Gateway, make_key, post
+from tests.conftest import ROOT, Gateway, assert_units_valid, make_key, post
 from tests.sshd import Sshd
 
 SIM = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
@@ -115,3 +118,41 @@ def test_a_host_whose_key_ssh_does_not_know_is_refused_with_what_to_do(tmp_path,
         assert not os.path.exists(os.path.join(sshd.dir, "llmgw")) and c.nodes() == {}
     finally:
         c.stop()
+
+
+def test_the_agent_unit_written_to_a_host_that_runs_systemd_is_valid(tmp_path):
+    # Here no host runs systemd, so node add starts agents detached; the unit it writes for one that does
+    # (as root) is checked by systemd itself, pointing at this machine's Python as it would at the host's.
+    unit = tmp_path / "llmgw-agent.service"
+    unit.write_text(machine.unit_text("agent", machine.Layout(None), "/home/ops/llmgw/agent.toml", machine.USER,
+                                      python=sys.executable, scripts=ROOT))
+    text = unit.read_text()
+    assert f"ExecStart={sys.executable} {ROOT}/agent.py" in text and "LLMGW_CONFIG=/home/ops/llmgw/agent.toml" in text
+    assert_units_valid([unit])
+
+
+class Host:
+    """A host as node add's probe sees it: what its python3 printed, over a Target that runs nothing."""
+
+    def __init__(self, **facts):
+        self.facts = {"python": list(sys.version_info[:2]), "executable": "/usr/bin/python3",
+                      "machine": os.uname().machine, "has_venv": True, "uid": 1000, "hostname": "gpu-07",
+                      "systemd": False, "prefix": "/home/ops/llmgw", "free": 500 << 30, "ssh_from": "", **facts}
+
+    def run(self, command, **_):
+        return 0, "a login banner\n" + json.dumps(self.facts) + "\n"
+
+
+@pytest.mark.parametrize("facts, says", [
+    ({"python": [3, 9]}, "is Python 3.9; llmgw needs 3.11 or later: install python"),
+    ({"has_venv": False}, "cannot make virtual environments: install python3-venv there"),
+    ({"machine": "aarch64"}, "the wheels of this installation are for Python"),
+    ({"python": [3, 99]}, "and give --python python"),
+    ({"free": 1 << 30}, "only 1.0 GiB is free for /home/ops/llmgw; llmgw needs about 3 GiB: free some space"),
+])
+def test_a_host_that_cannot_take_this_installation_is_refused_with_what_to_do(facts, says):
+    options = SimpleNamespace(python="python3", prefix="")
+    with pytest.raises(nodeadd.Failed) as e:
+        nodeadd._probe(Host(**facts), options, 600 << 20)
+    assert says in str(e.value), str(e.value)
+    assert nodeadd._probe(Host(), options, 600 << 20)["hostname"] == "gpu-07"
