@@ -30,6 +30,7 @@ from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
+from llmgw.control.lease import Lease
 from llmgw.control.loop import ControlLoop, Outbox, ReconcileReport
 from llmgw.control.publisher import DemandInbox, KeyPusher, Publisher
 from llmgw.control.reconciler import Demand, Replicas
@@ -85,22 +86,40 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     # Each socket gateways use admits only gateway keys (or anyone, in plaintext mode).
     gateway_keys = None if plaintext else (keypair, authenticator.GATEWAYS)
 
+    if cfg["controller.lease_renew_interval"] >= cfg["controller.lease_ttl"]:
+        raise click.ClickException(
+            f"controller.lease_renew_interval ({cfg['controller.lease_renew_interval']:g} s) must be shorter than "
+            f"controller.lease_ttl ({cfg['controller.lease_ttl']:g} s), or the leader loses its lease between "
+            f"renewals (in {cfg.source})")
+    lease = Lease(engine, cfg["controller.address"] or addresses.advertised(cfg["controller.agent_listen"],
+                                                                             "controller.agent_listen"),
+                  cfg["controller.lease_ttl"])
+
     # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
+    def expected_nodes() -> set[str] | None:
+        return set(ring.keys.values()) if ring is not None else None
+
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
-                  cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(),
-                  expected=set(ring.keys.values()) if ring is not None else None)
+                  cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(), expected=expected_nodes())
     try:
         catalog = Catalog(engine, cfg.models)
     except CatalogError as e:
         raise click.ClickException(f"{e} (in {cfg.source})") from None
     replicas = Replicas(base_backoff=cfg["controller.base_backoff"])
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
-                         heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas)
+                         heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas, lease=lease)
     publisher = Publisher(context, cfg["controller.gateway_listen"], gateway_keys)
-    accountant = Accountant()
-    accountant.restore(engine)
-    account_server = AccountServer(accountant, cfg["controller.accountant_listen"], context, gateway_keys).start()
-    roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
+
+    def restored_accountant() -> Accountant:
+        # Spend is rebuilt from the store's usage rows; rate windows and open reservations start empty.
+        accountant = Accountant()
+        accountant.restore(engine)
+        return accountant
+
+    # The accountant is made when this controller comes to lead; a standby answers no gateway.
+    account_server = AccountServer(Accountant(), cfg["controller.accountant_listen"], context, gateway_keys,
+                                   lease=lease, fresh=restored_accountant).start()
+    roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"], leading=lease.held).start()
     demand = Demand()
     inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
     key_pusher = KeyPusher(engine)
@@ -108,11 +127,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     report = ReconcileReport()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
     app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, outbox.ask_node,
-                              adminapi.Access.from_config(cfg), gateway_ring=gateway_ring)
+                              adminapi.Access.from_config(cfg), gateway_ring=gateway_ring, lease=lease)
 
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)
-    threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     registry = CollectorRegistry()
     registry.register(FleetCollector(fleet, replicas, catalog.models))
     registry.register(server)
@@ -123,11 +141,35 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],
              cfg["controller.admin_listen"], cfg["controller.metrics_listen"])
 
+    def reload_keys() -> None:
+        # Keys issued or revoked through the other controller are in the store only.
+        if ring is not None:
+            ring.replace(curvekeys.authorised_keys(engine))
+            gateway_ring.replace(curvekeys.gateway_keys(engine))
+
+    def on_lead() -> None:
+        # What this controller knew while standing by is stale: it starts as a restarted controller does,
+        # learning the replicas from the agents that register with it, and waiting for them before it places.
+        reload_keys()
+        fleet.begin(time.monotonic(), adminapi.cordoned_nodes(engine), expected_nodes())
+        replicas.clear()
+        demand.clear()
+        catalog.reload()
+
     loop = ControlLoop(context=context, engine=engine, auth=auth, fleet=fleet, catalog=catalog, replicas=replicas,
                        demand=demand, server=server, outbox=outbox, inbox=inbox, key_pusher=key_pusher,
                        publisher=publisher, account_server=account_server, roller=roller, admin=admin,
-                       report=report, reconcile_interval=cfg["controller.reconcile_interval"])
+                       report=report, reconcile_interval=cfg["controller.reconcile_interval"], lease=lease,
+                       renew_interval=cfg["controller.lease_renew_interval"], on_lead=on_lead,
+                       on_standby=reload_keys)
 
+    # The lease is first tried now that every socket is bound: a start that failed took none, and a lease
+    # held under the agents' address, where this controller now listens, can only be its own. The admin API
+    # answers from then on, saying leader or standby.
+    if not lease.renew():
+        log.info("standing by: %s leads; this controller takes over if its lease runs out",
+                 lease.leader or "another controller")
+    threading.Thread(target=admin.serve_forever, name="admin-api", daemon=True).start()
     # Handlers only set a flag: the loop notices within one poll.
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

@@ -63,7 +63,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         if cfg["gateway.plaintext"]:
             log.warning("gateway.plaintext is set: this gateway follows the controller WITHOUT encryption or a key, "
                         "and believes whoever answers on %s. Use it only on a closed test network.",
-                        cfg["gateway.controller"])
+                        ", ".join(cfg["gateway.controller"]))
         else:
             try:
                 keys = curvekeys.read_gateway_key_file(cfg["gateway.key_file"])
@@ -71,7 +71,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
                 raise click.ClickException(str(e)) from None
             cfg.controller_keys = ClientKeys(keys["controller_public_key"].encode(), keys["public_key"].encode(),
                                              keys["secret_key"].encode())
-            log.info("following the controller at %s as gateway %s (CURVE)", cfg["gateway.controller"],
+            log.info("following the controller at %s as gateway %s (CURVE)", " or ".join(cfg["gateway.controller"]),
                      keys["gateway"])
     if not cfg.endpoints and not cfg["gateway.controller"]:
         log.warning("no endpoints are configured and no controller is followed: /ready stays 503. Give "

@@ -18,6 +18,7 @@ Top level: imports nothing of llmgw's, so settings, every package and the role f
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 WILDCARDS = ("", "0.0.0.0", "*", "::")
 EXAMPLES = "such as 127.0.0.1:8080, :8080 (every address) or [::1]:8080"
@@ -65,6 +66,13 @@ def bind_host(host: str) -> str:
 def dial_host(host: str) -> str:
     """HOST as a client on this machine dials it: a wildcard is loopback."""
     return "::1" if host == "::" else "127.0.0.1" if host in WILDCARDS else host
+
+
+def advertised(text: str, setting: str) -> str:
+    """`HOST:PORT` other machines reach the listening address TEXT of SETTING at: a wildcard is this machine's
+    name."""
+    host, port = parse(text, setting)
+    return join(socket.getfqdn() if host in WILDCARDS else host, port)
 
 
 def bind(text: str, setting: str, *, free_port: bool = False) -> tuple[str, int]:
@@ -155,6 +163,12 @@ def check_dial_or_url(value: str, setting: str) -> None:
     """A settings validator: VALUE is an address to dial, an http(s) URL, or empty for none."""
     if value and not value.startswith(("http://", "https://")):
         parse(value, setting)
+
+
+def check_dial_or_url_list(value: list, setting: str) -> None:
+    """A settings validator: VALUE is a list of addresses to dial or http(s) URLs."""
+    for item in value:
+        check_dial_or_url(item, setting)
 
 
 def check_dial_list(value: list, setting: str) -> None:

@@ -1,7 +1,8 @@
 """A small client for llmgw's own JSON APIs (the controller's admin API, the mirror's management API).
 
 The one client of both, for `llmgw ctl`, `llmgw mirror`, `llmgw up` and the gateway's pages alike;
-`admin_client` gives it the admin API's token from the configuration.
+`admin_client` gives it the admin API's token from the configuration, and `leader_client` finds, of two
+controllers sharing a store, the one that leads (a standby's admin API answers its status only).
 
 Errors keep the server's own sentence ("the source answered 404"), not "HTTP 400": that sentence is
 what says what to do. A server that does not answer is a different error from one that refuses,
@@ -86,3 +87,17 @@ def admin_client(cfg: settings.Config, address: str, hint: str = "") -> ApiClien
         except OSError as e:
             note = f"no token was sent: {path} could not be read ({e.strerror})"
     return ApiClient(address_url(address, "the controller's admin API address"), "the controller's admin API", hint, token or None, note)
+
+
+def leader_client(cfg: settings.Config, addresses_: list[str], hint: str = "") -> ApiClient:
+    """The admin API of the controller that leads, of ADDRESSES_: the first whose status says so. With one
+    address, or none leading, the first: its own answer then says what is wrong."""
+    if len(addresses_) > 1:
+        for address in addresses_:
+            client = admin_client(cfg, address, hint)
+            try:
+                if client.call("GET", "/api/v1/status", timeout=2).get("role", "leader") == "leader":
+                    return client
+            except ApiError:
+                continue
+    return admin_client(cfg, addresses_[0], hint)

@@ -26,7 +26,7 @@ class ConfigError(Exception):
 @dataclasses.dataclass(frozen=True)
 class Setting:
     name: str  # dotted: the TOML table, then the key
-    kind: str  # str, int, float, bool, list
+    kind: str  # str, int, float, bool, list, dict, or "str or list": one string or several (read as a list)
     default: Any
     help: str
     secret: bool = False  # may be given as "@/path/to/file"
@@ -108,19 +108,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.trusted_proxies", "list", [],
             "Addresses or networks (CIDR) whose `X-Forwarded-Proto` and `X-Forwarded-Host` are believed. Empty: believe nobody.",
             check=addresses.check_list),
-    Setting("gateway.controller", "str", "",
-            "The controller's snapshot address (`controller.gateway_listen`) to follow. Empty: route only to "
-            "`[[endpoints]]`.",
-            check=addresses.check_dial),
+    Setting("gateway.controller", "str or list", [],
+            "The controller's snapshot address (`controller.gateway_listen`) to follow, or every controller's "
+            "when two share a store: the gateway hears whichever leads, and asks that one's accountant. Empty: "
+            "route only to `[[endpoints]]`.",
+            check=addresses.check_dial_list),
     Setting("gateway.key_file", "str", "/etc/llmgw/gateway.key",
             "This gateway's CURVE key file, from `llmgw ctl gateway-key issue NAME` on the controller: it opens "
             "the controller's snapshots, demand and accountant sockets to this gateway and to no one else."),
     Setting("gateway.plaintext", "bool", False,
             "Follow the controller without CURVE (the controller must run with controller.plaintext too)."),
-    Setting("gateway.controller_admin", "str", "127.0.0.1:9090",
-            "The controller's admin API (`controller.admin_listen`), read by the cluster page when "
-            "`gateway.controller` is set.",
-            check=addresses.check_dial_or_url),
+    Setting("gateway.controller_admin", "str or list", ["127.0.0.1:9090"],
+            "The controller's admin API (`controller.admin_listen`), read by the cluster and mirror pages when "
+            "`gateway.controller` is set; with two controllers, both: the pages ask the one that leads.",
+            check=addresses.check_dial_or_url_list),
     Setting("gateway.queue_size", "int", 100,
             "Requests one worker lets wait for a saturated model, best admission band first; beyond, the worst-placed "
             "gets 429.", minimum=0),
@@ -272,6 +273,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("controller.lost_after", "float", 60.0,
             "Seconds without a heartbeat before a node is lost: its replicas are replaced elsewhere, and served "
             "until their replacements are ready.", minimum=0.1),
+    Setting("controller.address", "str", "",
+            "HOST:PORT where agents reach this controller, which a standby names to the agents it refuses and "
+            "`llmgw ctl status` shows. Empty: `controller.agent_listen`, with this machine's name when it listens "
+            "on every interface."),
+    Setting("controller.lease_ttl", "float", 10.0,
+            "Seconds a controller leads after each renewal of the leader lease in the store. With two controllers "
+            "on one store, a leader that dies is replaced within this plus `controller.lease_renew_interval`; one "
+            "that cannot reach the store stops acting when it runs out.", minimum=0.5),
+    Setting("controller.lease_renew_interval", "float", 3.0,
+            "Seconds between renewals of the leader lease, and between a standby's tries to take it. Keep it well "
+            "under `controller.lease_ttl`, so that a slow store or a busy machine does not cost the lease.",
+            minimum=0.05),
     Setting("guard.model", "str", "",
             "The judge that checks every model's traffic: a catalog model with `role = \"guard\"` that speaks Llama "
             "Guard 3's format. Empty: no guardrails, unless a model's own `guard` names a judge. See "
@@ -399,7 +412,7 @@ ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict
                "python": "str", "requirements": "str"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
-          "tables": (list,)}
+          "tables": (list,), "str or list": (str, list)}
 
 
 class Config:
@@ -427,9 +440,9 @@ class Config:
         # from gateway.key_file by gateway.py; for the master's own accountant, made by the master.
         self.controller_keys = None
         self.local_accountant_keys = None
-        # The controller's latest snapshot and keys as the gateway's master heard them ("snapshot", "keys"):
-        # what a worker forked later starts from.
-        self.last_word: dict[str, dict] = {}
+        # The controller's latest snapshot (with the address it came from) and keys as the gateway's master
+        # heard them: what a worker forked later starts from.
+        self.last_word: dict[str, Any] = {}
 
     def public_url(self) -> str:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""
@@ -480,7 +493,7 @@ def coerce(name: str, value: Any, where: str) -> Any:
     if setting is None:
         known = ", ".join(sorted(BY_NAME))
         raise ConfigError(f"{name} in {where} is not a setting. Known settings: {known}")
-    if isinstance(value, str) and setting.kind != "str" and where.startswith("flag"):
+    if isinstance(value, str) and setting.kind not in ("str", "str or list") and where.startswith("flag"):
         try:
             value = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes"),
                      "list": lambda v: [p for p in v.split(",") if p],
@@ -488,6 +501,10 @@ def coerce(name: str, value: Any, where: str) -> Any:
         except ValueError:
             raise ConfigError(f"{name} in {where}: expected {setting.kind}, got {value!r}") from None
     value = _check_type(name, setting.kind, value, where)
+    if setting.kind == "str or list":
+        value = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+        if not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name} in {where}: every item must be a string, as in [\"host-a:7444\", \"host-b:7444\"]")
     if setting.kind == "dict" and not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
         raise ConfigError(f"{name} in {where}: every value must be a string, as in {{rack = \"r12\"}}")
     path = secret_file(name, value)

@@ -179,6 +179,25 @@ usage_spools = sa.Table(
 )
 
 
+# Who uses the store now: the controllers' leader lease (llmgw/control/lease.py), seeded free, and a row per
+# running gateway (llmgw/gateway/presence.py); `llmgw store move` refuses while any is held.
+leases = sa.Table(
+    "leases", metadata,
+    sa.Column("name", sa.String(300), primary_key=True),  # "controller", or "gateway HOST LISTEN"
+    sa.Column("owner", sa.String(32), nullable=False),  # a random id per process start; "" when free
+    sa.Column("address", sa.String(300), nullable=False),  # the leader's agents' address; a gateway's listen
+    sa.Column("expires_at", sa.Float, nullable=False),  # the database's clock, seconds since the epoch
+)
+
+
+def db_now(dialect: str):
+    """The database's own clock in seconds since the epoch, as an SQL expression: every controller on one store
+    then measures a lease by the same clock, however far apart their own clocks are."""
+    if dialect == "postgresql":
+        return sa.func.extract("epoch", sa.func.clock_timestamp())
+    return (sa.func.julianday("now") - 2440587.5) * 86400.0
+
+
 def _rollup(name: str, bucket: str) -> sa.Table:
     # Reports read these, never the raw rows: a page over ten million
     # requests sums a few thousand roll-up rows. "" stands for "none" in the
@@ -380,6 +399,11 @@ def _sessions(conn: Connection) -> None:
     conn.execute(secrets_table.delete().where(secrets_table.c.name == "session"))
 
 
+def _leases(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[leases])
+    conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
+
+
 # Append only. A released step never changes: databases out there have run it.
 # (Steps 1 and 2 were reshaped for the tree before any release, which is why
 # step 8 must also bring databases made by their first form up to date.)
@@ -396,6 +420,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (10, "sessions; the session secret leaves the store", _sessions),
     (11, "usage spool files written", _create([usage_spools])),
     (12, "the guard's verdict on usage rows", _guard_verdicts),
+    (13, "the controllers' leader lease", _leases),
 ]
 
 
@@ -481,3 +506,11 @@ def describe(url: str) -> str:
         return sa.engine.make_url(url).render_as_string(hide_password=True)
     except sa.exc.ArgumentError:
         return "(unparseable database URL)"
+
+
+def holders(conn: Connection) -> list[tuple[str, str]]:
+    """(name, address) of each lease held now: a leading controller, running gateways."""
+    now = db_now(conn.dialect.name)
+    return [(r.name, r.address) for r in conn.execute(
+        sa.select(leases.c.name, leases.c.address).where(leases.c.owner != "").where(leases.c.expires_at >= now)
+        .order_by(leases.c.name))]

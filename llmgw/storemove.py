@@ -1,16 +1,25 @@
-"""Moving a SQLite store into PostgreSQL (`llmgw init --postgres DSN`), every row of every table, in one transaction.
+"""Moving a store to another database: every row of every table, in one transaction, checked afterwards.
 
-The target must hold nothing but what its migrations seed (the default project, the revision counters):
-moving into a store that already serves a cluster would mix two clusters' keys and people. Afterwards the
-SQLite file is renamed, not removed, so nothing keeps using it by mistake and nothing is lost if the move
-was a mistake.
+`llmgw store move --from URL --to URL` (SQLite to PostgreSQL, or between two PostgreSQL servers), and
+`llmgw init --postgres DSN`, which moves the SQLite store it made before. The destination must hold nothing
+but what its migrations seed (the default project, the revision counters, the free leader lease): moving
+into a store that already serves a cluster would mix two clusters' keys and people. The source must be
+idle: a leading controller or a running gateway holds a row of its `leases` (llmgw/control/lease.py,
+llmgw/gateway/presence.py), and what they wrote after the copy would stay behind, so the move refuses
+while one does.
 
-Imported by: llmgw/cli/init.py. Imports llmgw.store.
+The copy is one transaction for all tables rather than one per table: a move that fails half way leaves
+the destination as empty as it was, so it can simply be run again. Tables go in foreign-key order; then
+each table's rows are counted on both sides, and on PostgreSQL each id sequence is set past the ids that
+came with the rows and checked.
+
+Imported by: llmgw/cli/init.py, llmgw/cli/storecmd.py. Imports llmgw.store.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import sqlalchemy as sa
 
@@ -19,7 +28,7 @@ from llmgw import store
 MOVED = ".moved-to-postgresql"
 BATCH = 1000
 # What migrations put in a new store; a target holding only these is empty.
-SEEDED = {"schema_migrations", "revisions", "orgs", "teams", "projects"}
+SEEDED = {"schema_migrations", "revisions", "orgs", "teams", "projects", "leases"}
 
 
 class MoveRefused(Exception):
@@ -37,35 +46,89 @@ def holds_data(engine: sa.engine.Engine) -> bool:
         return conn.execute(sa.select(sa.func.count()).select_from(store.projects)).scalar() > 1
 
 
-def move(sqlite_url: str, target_url: str) -> int:
-    """Copy every row of the SQLite store at SQLITE_URL into the empty store at TARGET_URL, then rename the
-    SQLite file (and its -wal, -shm) with MOVED. Returns the rows copied."""
-    source = store.open_store(sqlite_url)
+def _serial(table: sa.Table) -> bool:
+    return "id" in table.c and isinstance(table.c.id.type, sa.Integer) and table.c.id.autoincrement is True
+
+
+def _count(conn, table: sa.Table) -> int:
+    return conn.execute(sa.select(sa.func.count()).select_from(table)).scalar()
+
+
+def move(source_url: str, target_url: str, progress: Callable[[str, int], None] = lambda table, rows: None,
+         force: bool = False) -> dict[str, int]:
+    """Copy every row of the store at SOURCE_URL into the empty store at TARGET_URL; the rows copied, by table.
+    PROGRESS(table, rows) is called as each table is copied. The source is left as it was. FORCE: go ahead
+    although gateways marked the source as theirs (the operator knows they were killed, not running); a
+    leading controller's lease still refuses, since it runs out on its own."""
+    if store.describe(source_url) == store.describe(target_url):
+        raise MoveRefused("the source and the destination are the same database")
+    source = store.open_store(source_url)
     target = store.open_store(target_url)
     try:
+        with source.connect() as src:
+            held = [(name, address) for name, address in store.holders(src) if name == "controller" or not force]
+        if held:
+            users = "; ".join(f"the leading controller ({address})" if name == "controller"
+                              else f"a gateway on {name.split(' ', 1)[1]}" for name, address in held)
+            raise MoveRefused(f"{store.describe(source_url)} is in use: {users}. Stop every controller and "
+                              "gateway that uses it (systemctl stop llmgw-controller llmgw-gateway), then move: "
+                              "what they wrote after the copy would be left behind. A gateway that was killed "
+                              "rather than stopped keeps its mark until it starts and stops again; when you know "
+                              "none runs, --force moves regardless")
         if holds_data(target):
-            raise MoveRefused(f"{store.describe(target_url)} already holds keys, people or usage, so the SQLite "
-                              f"store {store.describe(sqlite_url)} was not moved there. Give an empty database, or "
-                              "rename the SQLite file away to keep the PostgreSQL store as it is")
-        copied = 0
+            raise MoveRefused(f"{store.describe(target_url)} already holds keys, people or usage, so "
+                              f"{store.describe(source_url)} was not moved there. Give an empty database")
+        copied: dict[str, int] = {}
         with source.connect() as src, target.begin() as dst:
             for table in reversed(store.metadata.sorted_tables):
                 dst.execute(table.delete())  # the target's seeded rows, which the source's replace
             for table in store.metadata.sorted_tables:
+                copied[table.name] = 0
                 rows = src.execute(table.select()).mappings()
                 while batch := [dict(row) for row in rows.fetchmany(BATCH)]:
                     dst.execute(table.insert(), batch)
-                    copied += len(batch)
-            for table in store.metadata.sorted_tables:
-                if "id" in table.c and isinstance(table.c.id.type, sa.Integer) and table.c.id.autoincrement is True:
+                    copied[table.name] += len(batch)
+                progress(table.name, copied[table.name])
+            if target.dialect.name == "postgresql":
+                for table in filter(_serial, store.metadata.sorted_tables):
                     # Rows came with their ids; the sequence must start after them or the next insert collides.
                     dst.execute(sa.text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
                                         f"COALESCE(MAX(id), 1), MAX(id) IS NOT NULL) FROM {table.name}"))
+        _check(source, target, copied)
+        return copied
+    finally:
+        source.dispose()
+        target.dispose()
+
+
+def _check(source: sa.engine.Engine, target: sa.engine.Engine, copied: dict[str, int]) -> None:
+    """Each table holds as many rows on both sides, and no id sequence would hand out an id that is taken."""
+    with source.connect() as src, target.connect() as dst:
+        for table in store.metadata.sorted_tables:
+            there = _count(dst, table)
+            if there != _count(src, table) or there != copied[table.name]:
+                raise MoveRefused(f"table {table.name}: {copied[table.name]} rows copied but {there} found in the "
+                                  "destination; empty it and move again")
+            if target.dialect.name == "postgresql" and _serial(table) and there:
+                top = dst.execute(sa.select(sa.func.max(table.c.id))).scalar()
+                sequence = dst.execute(sa.text("SELECT pg_get_serial_sequence(:t, 'id')"), {"t": table.name}).scalar()
+                next_id = dst.execute(sa.text("SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
+                                              f"FROM {sequence}")).scalar()
+                if next_id <= top:
+                    raise MoveRefused(f"table {table.name}: its id sequence would next give {next_id}, which is taken")
+
+
+def move_sqlite_away(sqlite_url: str, target_url: str) -> int:
+    """`llmgw init --postgres`: move the SQLite store at SQLITE_URL into TARGET_URL, then rename the SQLite
+    file (and its -wal, -shm) with MOVED, so nothing keeps using it by mistake and nothing is lost if the
+    move was a mistake. Returns the rows copied."""
+    copied = sum(move(sqlite_url, target_url).values())
+    source = store.open_engine(sqlite_url)
+    try:
         with source.connect() as src:
             src.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
     finally:
         source.dispose()
-        target.dispose()
     path = os.path.abspath(sqlite_url[len("sqlite:///"):])
     for suffix in ("", "-wal", "-shm"):
         if os.path.exists(path + suffix):

@@ -92,7 +92,8 @@ def test_fifty_malformed_frames_are_dropped_and_counted_and_the_next_admit_is_an
     wait_for("every malformed frame counted", WAIT, lambda: server.dropped["malformed"] == len(MALFORMED) + 1)
     answer = ask(sock, "admit", id=7, levels=[LEVEL], priced=True, tokens=10, cost=10)
     assert answer["op"] == "admitted" and answer["id"] == 7 and answer["ok"] and answer["r"] >= 1
-    assert server.thread.is_alive() and server.dropped == {"malformed": len(MALFORMED) + 1, "settle": 0, "error": 0}
+    assert server.thread.is_alive() and server.dropped == {"malformed": len(MALFORMED) + 1, "settle": 0, "error": 0,
+                                                             "standby": 0}
     registry = CollectorRegistry()
     registry.register(server)
     assert f'llmgw_accountant_dropped_messages_total{{why="malformed"}} {len(MALFORMED) + 1}.0' in \

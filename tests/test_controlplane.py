@@ -61,7 +61,8 @@ def test_agents_register_with_what_they_found(cluster):
     table = c.ctl("nodes").stdout
     assert re.search(r"gpu-a\s+ready", table) and "h100-80g" in table
     assert [g["class"] for g in nodes["nvml-d"]["facts"]["gpus"]] == ["a100-80g"] * 4  # through NVML
-    assert c.ctl("status").stdout.strip() == "4 nodes: 4 ready"
+    status = c.ctl("status").stdout.splitlines()
+    assert status[0] == "4 nodes: 4 ready" and status[1].startswith("leader: this controller (")
 
 
 def test_a_key_nobody_issued_is_refused_and_the_agent_says_what_to_do(cluster):

@@ -64,13 +64,14 @@ def test_lists_of_dense_prompts_are_billed_exactly(real):
 
 
 def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, starter_engine, tmp_path):
-    # A gateway of its own on the same engine, whose first_byte timeout 120 tokens outlast (two cores make
-    # 20 to 40 a second), and whose breaker two strikes would open.
+    # A gateway of its own on the same engine, whose first_byte timeout 400 tokens outlast (two cores make
+    # 20 to 40 a second, fewer when busy), and whose breaker two strikes would open. The timeout leaves a
+    # three-token answer time enough on a loaded machine.
     gw, key, _ = real
     short = Gateway(tmp_path, gw.store_url, endpoints=[{"id": "cpu", "url": starter_engine, "models": [starter.NAME]}],
-                    workers=1, timeouts__first_byte=1.0, breaker__failures=2)
+                    workers=1, timeouts__first_byte=3.0, breaker__failures=2)
     try:
-        slow = {"model": starter.NAME, "messages": [{"role": "user", "content": "Write"}], "max_tokens": 120,
+        slow = {"model": starter.NAME, "messages": [{"role": "user", "content": "Write"}], "max_tokens": 400,
                 "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             answers = list(pool.map(lambda _: post(short.url + "/v1/chat/completions", slow, key), range(3)))

@@ -278,6 +278,8 @@ def test_the_quota_form_shows_what_an_empty_field_leaves_in_force(admin_client):
 class FakeAdminApi:
     """The controller's admin API as the cluster page reads it: one node, two models, one replica."""
 
+    url = "http://127.0.0.1:9090"
+
     def __init__(self, *args, **kwargs):
         pass
 
@@ -307,7 +309,7 @@ def cluster_client(tmp_path, monkeypatch):
     cfg = settings.load(None, {"store.url": url}, endpoints=["r1=http://127.0.0.1:9=full"])
     app = GatewayApp(cfg, key_source=keys)
     cfg.values["gateway.controller"] = "127.0.0.1:7444"  # the page asks the (fake) admin API
-    monkeypatch.setattr(adminpages, "admin_client", FakeAdminApi)
+    monkeypatch.setattr(adminpages, "leader_client", FakeAdminApi)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
     yield client

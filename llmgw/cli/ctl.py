@@ -45,15 +45,20 @@ def ctl(ctx, admin_url):
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_obj
 def status(obj, as_json):
-    """How many nodes are in each state."""
+    """How many nodes are in each state, and whether this controller leads."""
     result = obj.admin.call("GET", "/api/v1/status")
     if as_json:
         click.echo(json.dumps(result))
+        return
+    if result.get("role") == "standby":
+        click.echo(f"standby: this controller does not lead; the leader is {result['leader'] or 'not known yet'}")
         return
     counts = result["nodes"]
     total = sum(counts.values())
     parts = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     click.echo(f"{total} nodes{': ' + parts if parts else ''}")
+    if result.get("leader"):
+        click.echo(f"leader: this controller ({result['leader']})")
     if result["plaintext"]:
         click.echo("warning: agents connect without keys (controller.plaintext)", err=True)
 

@@ -76,7 +76,7 @@ def ensure_store_moved(steps: Steps, sqlite_url: str | None, target: str) -> Non
 
     def move() -> str:
         try:
-            rows = storemove.move(sqlite_url, target)
+            rows = storemove.move_sqlite_away(sqlite_url, target)
         except storemove.MoveRefused as e:
             raise click.ClickException(str(e)) from None
         return f"{rows} rows; the SQLite file is kept as {path}{storemove.MOVED}"

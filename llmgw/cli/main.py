@@ -20,6 +20,7 @@ from llmgw.cli.ctl import ctl
 from llmgw.cli.init import init, mirror_init
 from llmgw.cli.mirror import mirror
 from llmgw.cli.org import limits_cli, org, prices
+from llmgw.cli.storecmd import store_cli
 from llmgw.cli.tables import print_table
 from llmgw.cli.users import users
 
@@ -270,6 +271,7 @@ main.add_command(org)
 main.add_command(limits_cli)
 main.add_command(prices)
 main.add_command(mirror)
+main.add_command(store_cli)
 
 
 @main.command()

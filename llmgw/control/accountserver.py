@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import zmq
 from prometheus_client.core import CounterMetricFamily
@@ -35,7 +36,7 @@ log = logging.getLogger("llmgw.accountserver")
 
 SWEEP_EVERY = 60.0
 LOG_EVERY = 10.0  # seconds between log lines about dropped messages of one kind, so a flood cannot fill a disk
-DROPPED = ("malformed", "settle", "error")  # why a message was dropped: the counter's labels
+DROPPED = ("malformed", "settle", "error", "standby")  # why a message was dropped: the counter's labels
 
 
 class Dropped(Exception):
@@ -76,10 +77,15 @@ class AccountServer:
     """The accountant's thread. `start()` binds (so the port is known at once) and serves until `stop()`."""
 
     def __init__(self, accountant: Accountant, listen: str, context: zmq.Context | None = None,
-                 curve: tuple | None = None):
+                 curve: tuple | None = None, lease=None, fresh: Callable[[], Accountant] | None = None):
         """CONTEXT is the caller's (whose authenticator admits gateway keys); CURVE is (keypair, domain), or
-        None for plaintext."""
+        None for plaintext. With LEASE (a controller's, llmgw/control/lease.py) it answers only while the
+        controller leads, and each time it comes to lead it starts from FRESH(): spend rebuilt from the store,
+        as at a restart, since the reservations and windows it held are the old leader's business now."""
         self.accountant = accountant
+        self.lease = lease
+        self.fresh = fresh
+        self.term = lease.term if lease is not None else 0
         self.own_context = context is None
         self.curve = curve is not None
         self.context = context or zmq.Context()
@@ -115,11 +121,27 @@ class AccountServer:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
+                    if self._standing_by():
+                        self._drop("standby", "this controller does not lead; the gateway asks the leader's "
+                                              "accountant once it has the leader's snapshot")
+                        continue
                     self._take(frames)
             if time.monotonic() - swept > SWEEP_EVERY:
                 swept = time.monotonic()
                 if self.accountant.forget_stale():
                     log.info("forgot reservations never settled (their gateway went away)")
+
+    def _standing_by(self) -> bool:
+        """Whether to answer nothing, the controller not leading; a new term starts from a fresh accountant."""
+        if self.lease is None:
+            return False
+        if not self.lease.held():
+            return True
+        if self.lease.term != self.term:
+            self.term = self.lease.term
+            if self.fresh is not None:
+                self.accountant = self.fresh()
+        return False
 
     def _take(self, frames: list[zmq.Frame]) -> None:
         """Act on one message and answer it; whatever it holds, the loop goes on."""
@@ -156,7 +178,7 @@ class AccountServer:
         family = CounterMetricFamily("llmgw_accountant_dropped_messages",
                                      "Messages the accountant dropped unread or refused, by why: malformed, a "
                                      "settle it refused (not the admitting gateway's, already settled, negative), "
-                                     "or an error handling it.", labels=["why"])
+                                     "an error handling it, or a controller standing by.", labels=["why"])
         for why in DROPPED:
             family.add_metric([why], self.dropped[why])
         yield family

@@ -66,9 +66,10 @@ class Access:
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
                plaintext: bool, catalog: Catalog, replicas: Replicas, report: ReconcileReport, ask_node,
-               access: Access, gateway_ring: KeyRing | None = None) -> Flask:
+               access: Access, gateway_ring: KeyRing | None = None, lease=None) -> Flask:
     """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None).
-    REPORT is what the controller's reconcile passes found, and how to ask for one now."""
+    REPORT is what the controller's reconcile passes found, and how to ask for one now. LEASE
+    (llmgw/control/lease.py) says whether this controller leads: a standby answers its status only."""
     app = Flask("llmgw.admin")
 
     def error(status: int, message: str):
@@ -81,7 +82,11 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         if refused:
             return error(421, refused)
         if apiguard.bearer_matches(request.headers.get("Authorization"), access.token):
-            return None
+            if lease is None or request.path == "/api/v1/status" or lease.held():
+                return None
+            # A standby knows no node or replica, and a change made here would be lost on the leader's next pass.
+            return error(503, f"this controller stands by; the leader is {lease.leader or 'not known yet'} (where "
+                              "its agents connect): run llmgw ctl against the leader's admin API")
         if request.headers.get("Authorization"):
             message = (f"that is not this controller's admin token: use the one in {access.token_file} (on another "
                        "machine, set controller.admin_token = \"@/path/to/a/copy\" of it; it changes when the "
@@ -256,7 +261,10 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         models_ = catalog.models()
         took, took_max = report.timings()
         serving = sum(1 for name in models_ if any(r["model"] == name and r["state"] == "ready" for r in rows))
-        return jsonify({"version": __version__, "plaintext": plaintext, "nodes": counts, "models": len(models_),
+        role = "leader" if lease is None or lease.held() else "standby"
+        return jsonify({"version": __version__, "plaintext": plaintext, "role": role,
+                        "leader": lease.leader_address() if lease is not None else "",
+                        "nodes": counts, "models": len(models_),
                         "models_serving": serving, "replicas": len(rows),
                         "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
                         "reconcile_seconds": took, "reconcile_seconds_max": took_max})

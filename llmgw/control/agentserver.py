@@ -35,10 +35,12 @@ log = logging.getLogger("llmgw.agentserver")
 
 class AgentServer:
     def __init__(self, context: zmq.Context, listen: str, fleet: Fleet, ring: KeyRing | None,
-                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None):
+                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None, lease=None):
         """RING is None only in plaintext mode; then no key is asked for. The controller's `Authenticator`
-        must be running on CONTEXT with RING as its agents' domain."""
+        must be running on CONTEXT with RING as its agents' domain. LEASE (llmgw/control/lease.py) says
+        whether this controller leads; None: it always does."""
         self.fleet = fleet
+        self.lease = lease
         self.replicas = replicas
         self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply", "node"}, for replies someone waits on
         self.ring = ring
@@ -98,6 +100,12 @@ class AgentServer:
             self.send(identity, "refused", reason="this node's key was revoked or replaced. On the controller, "
                                                   "`llmgw ctl node-key issue NODE` makes a new one; install it "
                                                   "as agent.key_file and restart the agent.")
+            return
+        if self.lease is not None and not self.lease.held():
+            # Commands travel on the connection an agent opened, so a standby holding one would leave the
+            # leader unable to reach that node: it sends the agent on to the next address it has.
+            self._count("standby")
+            self.send(identity, "refused", reason=f"standby; the leader is {self.lease.leader or 'not known yet'}")
             return
         try:
             message = protocol.decode(payload)
@@ -161,8 +169,8 @@ class AgentServer:
     def collect(self):
         """prometheus-client's collector interface: what agents said that was dropped or refused, by why."""
         family = CounterMetricFamily("llmgw_agent_messages_refused", "Messages from agents dropped (malformed) or "
-                                     "refused (about another node's shard or request, as another node, or on a "
-                                     "session whose key was revoked).", labels=["why"])
-        for why in ("malformed", "other_node", "not_its_own", "revoked"):
+                                     "refused (about another node's shard or request, as another node, on a "
+                                     "session whose key was revoked, or by a standby controller).", labels=["why"])
+        for why in ("malformed", "other_node", "not_its_own", "revoked", "standby"):
             family.add_metric([why], self.refused.get(why, 0))
         yield family

@@ -214,9 +214,14 @@ class Catalog:
         self.engine = engine
         self.config = {m.name: m for m in (parse_model(t) for t in config_models if t.get("profiles"))}
         self.runtime: dict[str, Model] = {}
-        with engine.connect() as conn:
-            for name, spec in conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec)):
-                self.runtime[name] = parse_model(json.loads(spec), origin="runtime")
+        self.reload()
+
+    def reload(self) -> None:
+        """Read the runtime models from the store again (another controller may have changed them while this one
+        stood by)."""
+        with self.engine.connect() as conn:
+            self.runtime = {name: parse_model(json.loads(spec), origin="runtime") for name, spec in
+                            conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec))}
 
     def models(self) -> dict[str, Model]:
         return {**self.runtime, **self.config}

@@ -284,6 +284,15 @@ class Fleet:
             if node is not None:
                 node.cordoned = True
 
+    def begin(self, now: float, cordoned: set[str], expected: set[str] | None) -> None:
+        """Start afresh at NOW, as a controller that just started (one that came to lead): no node known, and
+        settling until the EXPECTED ones register; CORDONED as the store says now."""
+        with self.lock:
+            self.nodes.clear()
+            self.cordoned = set(cordoned)
+            self.expected = expected
+            self.started = now
+
     def forget(self, node_id: str) -> bool:
         """Drop NODE_ID whatever its state (its key was revoked: it is no longer expected either); False
         when it was not known."""

@@ -6,6 +6,11 @@ then closes them in order. Other threads never touch a ZeroMQ socket: the
 admin API and the reconcile passes queue what they want sent in the Outbox,
 and the loop sends it. What the reconcile passes (in APScheduler's thread) tell
 the admin API (in threads of its own) is a ReconcileReport, under a lock.
+
+With two controllers on one store, each loop renews the leader lease
+(llmgw/control/lease.py) and acts only while it holds it: a standby refuses
+agents, drops what gateways send and publishes nothing. Each time a controller
+comes to lead it starts afresh, as a restarted one does (ON_LEAD).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import time
 import uuid
 from collections.abc import Callable
 
+import sqlalchemy as sa
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from llmgw.control.agentserver import AgentServer
 from llmgw.control.fleet import Fleet
+from llmgw.control.lease import Lease
 from llmgw.control.publisher import snapshot_body
 from llmgw.control.reconciler import Start, plan, start_message
 
@@ -89,6 +96,14 @@ class Outbox:
         self.server.waiting.pop(request_id, None)
         return waiter["reply"]
 
+    def discard(self) -> None:
+        """Drop what was queued: a controller that does not lead sends nothing."""
+        while True:
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                return
+
     def send(self, fleet: Fleet) -> None:
         """Send what was queued, to the nodes FLEET knows (a message for a node no longer known is dropped)."""
         while True:
@@ -108,7 +123,11 @@ class ControlLoop:
 
     def __init__(self, *, context, engine, auth, fleet: Fleet, catalog, replicas, demand, server: AgentServer,
                  outbox: Outbox, inbox, key_pusher, publisher, account_server, roller, admin,
-                 report: ReconcileReport, reconcile_interval: float):
+                 report: ReconcileReport, reconcile_interval: float, lease: Lease, renew_interval: float,
+                 on_lead: Callable[[], None], on_standby: Callable[[], None]):
+        """LEASE says whether this controller leads; it is renewed every RENEW_INTERVAL seconds. ON_LEAD starts
+        a term afresh (what a standby knew is stale), in this thread before it acts; ON_STANDBY runs after each
+        renewal that did not lead (a standby keeps the keys it admits current)."""
         self.context = context
         self.engine = engine
         self.auth = auth
@@ -126,9 +145,44 @@ class ControlLoop:
         self.admin = admin
         self.report = report
         self.reconcile_interval = reconcile_interval
+        self.lease = lease
+        self.renew_interval = renew_interval
+        self.on_lead = on_lead
+        self.on_standby = on_standby
+        self.term = 0  # the lease's term this loop has started: it acts only in that one
+        self.term_lock = threading.Lock()  # a reconcile pass never overlaps the start of a term
         self.scheduler = BackgroundScheduler()
 
+    def leading(self) -> bool:
+        """Whether this controller leads now, a new term started first when it has just come to lead."""
+        if not self.lease.held():
+            return False
+        if self.lease.term != self.term:
+            with self.term_lock:
+                try:
+                    self.on_lead()
+                except sa.exc.SQLAlchemyError as e:
+                    # The store answered the renewal a moment ago; act only once this term has started.
+                    log.warning("cannot start leading yet, the store did not answer: %s", str(e).splitlines()[0])
+                    return False
+                self.term = self.lease.term
+        return True
+
+    def renew(self) -> None:
+        if self.lease.renew():
+            return
+        try:
+            self.on_standby()
+        except sa.exc.SQLAlchemyError as e:
+            log.warning("standing by; could not read the keys from the store: %s", str(e).splitlines()[0])
+
     def reconcile(self) -> None:
+        with self.term_lock:
+            # Asked as late as can be: a controller paused past its lease must find out before it places.
+            if self.lease.held() and self.lease.term == self.term:
+                self._reconcile()
+
+    def _reconcile(self) -> None:
         now = time.monotonic()
         if self.fleet.settling(now):
             # Just started: a node not yet back may run replicas this controller has not heard of,
@@ -154,6 +208,8 @@ class ControlLoop:
 
     def run(self, stopping: threading.Event) -> None:
         """Serve until STOPPING is set; the loop notices within one poll."""
+        self.scheduler.add_job(self.renew, "interval", id="lease", seconds=self.renew_interval,
+                               max_instances=1, coalesce=True)
         self.scheduler.add_job(self.reconcile, "interval", id="reconcile", seconds=self.reconcile_interval,
                                max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
         self.key_pusher.start()
@@ -161,7 +217,15 @@ class ControlLoop:
         # A catalog change is acted on at once rather than at the next tick.
         self.report.on_kick(lambda: self.scheduler.modify_job("reconcile", next_run_time=datetime.datetime.now()))
         while not stopping.is_set():
+            leading = self.leading()  # first: a term starts before its agents' messages are taken
             self.server.poll(100)
+            if not leading:
+                # A standby sends nothing: what was queued is dropped, the gateways' demand and key changes
+                # are the leader's to act on, and the gateways keep the leader's last snapshot.
+                self.outbox.discard()
+                self.inbox.drain(lambda model: None)
+                self.key_pusher.take()
+                continue
             self.outbox.send(self.fleet)
             self.inbox.drain(lambda model: self.demand.note(model, time.monotonic()))
             key_set = self.key_pusher.take()
@@ -174,9 +238,11 @@ class ControlLoop:
                                                      self.inbox.port, self.account_server.port))
 
     def close(self) -> None:
-        """Stop every part, whether run() returned or failed."""
+        """Stop every part, whether run() returned or failed; the lease is given up first, so a standby takes
+        over at its next renewal."""
         if self.scheduler.running:  # run() may have failed before starting it
             self.scheduler.shutdown(wait=False)
+        self.lease.release()
         self.admin.shutdown()
         self.publisher.close()
         self.account_server.stop()

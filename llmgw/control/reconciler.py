@@ -85,6 +85,16 @@ class Replicas:
         self.orders: list[Stop] = []  # stops decided between passes, sent by the next one
         self.lock = threading.RLock()
 
+    def clear(self) -> None:
+        """Forget every replica, failure and order: a controller that comes to lead learns them again from its
+        agents, as a restarted one does."""
+        with self.lock:
+            self.items.clear()
+            self.failures.clear()
+            self.retry_at.clear()
+            self.retired.clear()
+            self.orders.clear()
+
     def registered(self, node_id: str, shards: list[dict], now: float) -> list[tuple[str, str]]:
         """Take a node's registration: SHARDS is everything it runs. A replica recorded there and not
         listed is gone (its engine died while the agent was away), unless it was only just placed:
@@ -190,6 +200,10 @@ class Demand:
     def note(self, model: str, now: float) -> None:
         with self.lock:
             self.last[model] = now
+
+    def clear(self) -> None:
+        with self.lock:
+            self.last.clear()
 
     def wanted(self, models: dict[str, Model], now: float) -> dict[str, int]:
         """For models that run on demand (min 0): one replica while used within its idle timeout, else none."""

@@ -2,12 +2,19 @@
 
 A greenlet in each worker subscribes to the controller's publisher
 (`gateway.controller`) and swaps each newer snapshot, and each newer key
-table, in whole. Replicas and
-models given in the gateway's own configuration stay in every snapshot, so
-router-only endpoints and controller-placed replicas can be mixed. While the
+table, in whole. Replicas and models given in the gateway's own
+configuration stay in every snapshot, so router-only endpoints and
+controller-placed replicas can be mixed. While the
 controller is away, the worker keeps routing with the last snapshot it had:
 the engines it lists are probably still serving, and the breakers take out
 any that are not.
+
+With two controllers on one store, one SUB socket dials both: only the leader
+publishes, so what arrives is the leader's. A snapshot names the ports of its
+controller's demand and accountant sockets; the host is the address the
+snapshot came from (ZeroMQ's Peer-Address), so a gateway asks whichever
+controller leads, and moves with the leadership when the new leader's first
+snapshot arrives.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ log = logging.getLogger("llmgw.follower")
 
 
 def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snapshot:
+    """The routing snapshot in BODY over BASE (the gateway's own configuration); HOST is the controller's."""
     models = dict(base.models)
     for m in body.get("models", []):
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
@@ -35,40 +43,46 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     for r in body.get("replicas", []):
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
                                         weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"))
-    demand = f"{host}:{body['demand_port']}" if body.get("demand_port") else None
-    accountant = f"{host}:{body['accountant_port']}" if body.get("accountant_port") else base.accountant
+    demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else None
+    accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
                     epoch=body.get("epoch"))
 
 
-def follow(address: str, keys: ClientKeys | None, on_snapshot, on_keys, context=None, dropped=None) -> None:
-    """Run forever: ON_SNAPSHOT(message) and ON_KEYS(message) for each message the controller at ADDRESS
-    publishes, checked against its schema. With KEYS, only a publisher holding the controller's secret key
-    is heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread.
-    DROPPED, a counter, counts what cannot be read."""
+def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, context=None,
+           dropped=None) -> None:
+    """Run forever: ON_SNAPSHOT(message, host) and ON_KEYS(message) for each message a controller of CONTROLLERS
+    publishes, checked against its schema; HOST is the address it came from. With KEYS, only a publisher
+    holding the controller's secret key is heard. CONTEXT: a worker's green one by default; the master passes a
+    plain one for its thread. DROPPED, a counter, counts what cannot be read."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
-    sock.connect(addresses.zmq_connect(address, "gateway.controller"))
-    handlers = {gateways.SNAPSHOT: on_snapshot, gateways.KEYS: on_keys}
+    for address in controllers:
+        sock.connect(addresses.zmq_connect(address, "gateway.controller"))
     try:
         while True:
-            frames = sock.recv_multipart()
-            handler = handlers.get(frames[0]) if len(frames) == 2 else None
-            if handler is None:
+            frames = sock.recv_multipart(copy=False)
+            topic = frames[0].bytes
+            if len(frames) != 2 or topic not in (gateways.SNAPSHOT, gateways.KEYS):
                 log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
-                            frames[0][:20])
+                            topic[:20])
                 if dropped is not None:
                     dropped.inc()
                 continue
             try:
-                handler(gateways.decode(frames[1]))
+                message = gateways.decode(frames[1].bytes)
             except gateways.ProtocolError as e:
                 log.warning("ignored a message from the controller that cannot be read: %s", e)
                 if dropped is not None:
                     dropped.inc()
+                continue
+            if topic == gateways.SNAPSHOT:
+                on_snapshot(message, frames[1].get("Peer-Address"))
+            else:
+                on_keys(message)
     finally:
         sock.close(0)

@@ -5,7 +5,9 @@ is the whole command and settings come from llmgw's own configuration. The
 app is built inside each worker, after gevent has patched it: with
 `preload_app` the master would import ssl and sockets unpatched. The master
 serves the summed Prometheus metrics and tells prometheus-client when a
-worker dies; a stopping worker writes its buffered usage before it exits.
+worker dies; a stopping worker writes its buffered usage before it exits. The
+master marks the store as used by this gateway from its start to its clean
+stop (llmgw/gateway/presence.py), which `llmgw store move` waits for.
 Each worker tags the log lines written while it serves a request with that
 request's id. The worker class is gunicorn's gevent worker with every read
 from a client bounded in time and connections counted per address
@@ -45,6 +47,16 @@ def _when_ready(server) -> None:
         _keep_the_last_word(cfg)
     else:
         server.app.standin(cfg)
+    from llmgw.gateway import presence
+
+    presence.mark(cfg["store.url"], cfg["gateway.listen"])  # before any worker is forked
+
+
+def _on_exit(server) -> None:
+    from llmgw.gateway import presence
+
+    cfg = server.app.llmgw_cfg
+    presence.remove(cfg["store.url"], cfg["gateway.listen"])  # the workers wrote their usage: the store is free
 
 
 def _keep_the_last_word(cfg: Config) -> None:
@@ -58,12 +70,15 @@ def _keep_the_last_word(cfg: Config) -> None:
 
     from llmgw.gateway.follower import follow
 
-    def keep(kind: str):
-        return lambda message: cfg.last_word.__setitem__(kind, message)
+    def keep_snapshot(message: dict, host: str) -> None:
+        cfg.last_word["snapshot"] = (message, host)
+
+    def keep_keys(message: dict) -> None:
+        cfg.last_word["keys"] = message
 
     # Its own context, never the green singleton the workers make after fork.
     threading.Thread(target=follow, name="last-word", daemon=True,
-                     args=(cfg["gateway.controller"], cfg.controller_keys, keep("snapshot"), keep("keys"),
+                     args=(cfg["gateway.controller"], cfg.controller_keys, keep_snapshot, keep_keys,
                            zmq.Context())).start()
 
 
@@ -133,6 +148,7 @@ class GatewayServer(BaseApplication):
             "child_exit": _child_exit,
             "post_worker_init": _post_worker_init,
             "worker_exit": _worker_exit,
+            "on_exit": _on_exit,
         }
         for name, value in settings.items():
             self.cfg.set(name, value)

@@ -108,9 +108,9 @@ class Runtime:
         if self.cfg["gateway.controller"]:
             from llmgw.gateway.follower import follow, from_controller
 
-            base, host = self.router.snapshot, addresses.dial_host(addresses.parse(self.cfg["gateway.controller"], "gateway.controller")[0])
+            base = self.router.snapshot
 
-            def on_snapshot(body: dict) -> None:
+            def on_snapshot(body: dict, host: str) -> None:
                 self.apply(from_controller(body, base, host))
 
             def on_keys(message: dict) -> None:
@@ -121,12 +121,12 @@ class Runtime:
             # A worker that replaces a crashed one starts from what the master heard last, at once.
             last = self.cfg.last_word
             if "snapshot" in last:
-                on_snapshot(last["snapshot"])
+                on_snapshot(*last["snapshot"])
             if "keys" in last:
                 on_keys(last["keys"])
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
-                         last.get("snapshot", {}).get("version"), last.get("keys", {}).get("revision"))
+                         last.get("snapshot", ({},))[0].get("version"), last.get("keys", {}).get("revision"))
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
                                                on_snapshot, on_keys, None, self.metrics.controller_dropped))
         else:

@@ -3,10 +3,13 @@
 A node needs no inbound port: its DEALER connects out to the controller's
 ROUTER. The agent is given one or more controller addresses and tries them in
 turn, waiting 1 s, then 2, 4, ... up to `reconnect_max` between rounds. A
-controller that has not answered for three heartbeat intervals is left for the
-next address. A CURVE handshake the controller refuses produces no error on
-the socket (messages just queue), so a socket monitor watches for it and the
-agent says what to do.
+controller that has not answered for three heartbeat intervals, or that closed
+the connection (it stopped or died), is left for the next address at once.
+With two controllers only the leader takes agents: a standby refuses with
+"standby; the leader is HOST:PORT", and the agent goes to that address next
+when it is one of its own. A CURVE handshake the controller refuses produces
+no error on the socket (messages just queue), so a socket monitor watches for
+it and the agent says what to do.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from llmgw.wire import agent as protocol
 log = logging.getLogger("llmgw.controllerlink")
 
 SILENCE_INTERVALS = 3
+STANDBY = "standby; the leader is "  # how a standby controller's refusal begins (llmgw/control/agentserver.py)
 COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request", "weights_request",
             "reclaim_weights")
 
@@ -94,29 +98,40 @@ class ControllerLink:
         self.seq = 0
 
     def _connect(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
-        sock, monitor = _dealer(self.context, self.keys, FAILED_HANDSHAKE)
+        sock, monitor = _dealer(self.context, self.keys, FAILED_HANDSHAKE | zmq.EVENT_DISCONNECTED)
         sock.connect(addresses.zmq_connect(address, "agent.controllers"))
         return sock, monitor
 
     @staticmethod
-    def _handshake_failed(monitor: zmq.Socket) -> bool:
-        failed = False
+    def _events(monitor: zmq.Socket) -> int:
+        """The monitor's events since the last call, or'd together."""
+        seen = 0
         while monitor.poll(0):
-            recv_monitor_message(monitor)
-            failed = True  # the monitor is told of failed handshakes only
-        return failed
+            seen |= recv_monitor_message(monitor)["event"]
+        return seen
+
+    def _next_index(self, index: int) -> int:
+        """Where to try next: the leader a standby named, when it is one of this agent's addresses."""
+        if self.refusal and self.refusal.startswith(STANDBY):
+            leader = self.refusal[len(STANDBY):]
+            if leader in self.addresses:
+                return self.addresses.index(leader)
+        return index
 
     def run(self, stopping) -> None:
         """Stay connected to some controller until STOPPING() is true."""
         delay = 1.0
         index = 0
+        tried = 0  # addresses tried since the last working connection
         while not stopping():
             address = self.addresses[index % len(self.addresses)]
             index += 1
+            tried += 1
             if self.session(address, stopping):
-                delay = 1.0  # it was a working connection: start the backoff again
+                delay, tried = 1.0, 0  # it was a working connection: start the backoff again
                 continue
-            if index % len(self.addresses) == 0:
+            index = self._next_index(index)
+            if tried % len(self.addresses) == 0:
                 waited = time.monotonic() + delay
                 while time.monotonic() < waited and not stopping():
                     time.sleep(0.05)
@@ -126,16 +141,22 @@ class ControllerLink:
         """One connection to ADDRESS; True if it got registered before it ended."""
         sock, monitor = self._connect(address)
         registered = False
+        self.refusal = None  # this connection's, if it is refused
         try:
             _send(sock, protocol.encode("register", **self.make_register()))
             last_heard = time.monotonic()
             next_beat = last_heard + self.heartbeat_interval
             while not stopping():
                 now = time.monotonic()
-                if not registered and self._handshake_failed(monitor):
+                events = self._events(monitor)
+                if not registered and events & FAILED_HANDSHAKE:
                     log.error("the controller at %s refused this node's key. On the controller run "
                               "`llmgw ctl node-key issue %s` and install the key file here (agent.key_file).",
                               address, self.node_id)
+                    return registered
+                if registered and events & zmq.EVENT_DISCONNECTED:
+                    log.warning("the controller at %s closed the connection; trying %s", address,
+                                "the next address" if len(self.addresses) > 1 else "again")
                     return registered
                 if now - last_heard > SILENCE_INTERVALS * max(self.heartbeat_interval, 1.0):
                     log.warning("no answer from the controller at %s; trying %s", address,
@@ -172,7 +193,11 @@ class ControllerLink:
                     _send(sock, protocol.encode("register", **self.make_register()))
                 elif kind == "refused":
                     self.refusal = message["reason"]
-                    log.error("the controller at %s refused this node: %s", address, message["reason"])
+                    if self.refusal.startswith(STANDBY):
+                        log.info("the controller at %s stands by; the leader is %s", address,
+                                 self.refusal[len(STANDBY):])
+                    else:
+                        log.error("the controller at %s refused this node: %s", address, message["reason"])
                     return registered
                 elif kind in COMMANDS:
                     for reply_kind, fields in self.on_command(message):

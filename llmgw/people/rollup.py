@@ -124,10 +124,12 @@ def prune(engine: Engine, keep_days: int, now: float | None = None) -> int:
 class Roller:
     """A thread that rolls up every INTERVAL seconds and prunes raw rows once an hour."""
 
-    def __init__(self, engine: Engine, interval: float, keep_days: int):
+    def __init__(self, engine: Engine, interval: float, keep_days: int, leading=lambda: True):
+        """LEADING says whether to roll up now: with two controllers on one store, only the leader does."""
         import threading
 
         self.engine = engine
+        self.leading = leading
         self.interval = interval
         self.keep_days = keep_days
         self.stopping = threading.Event()
@@ -144,6 +146,8 @@ class Roller:
 
     def _run(self) -> None:
         while not self.stopping.wait(self.interval):
+            if not self.leading():
+                continue
             try:
                 roll_up(self.engine)
                 if time.monotonic() - self.pruned_at > HOUR:

@@ -23,7 +23,7 @@ import flask_login
 from flask import Flask, abort, flash, redirect, render_template, request
 
 from llmgw import rules
-from llmgw.apiclient import ApiError, admin_client
+from llmgw.apiclient import ApiError, leader_client
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, orgtree, sessions, usagereport
 from llmgw.web import budgets, forms, safety, svgchart
@@ -421,12 +421,12 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
     view = {"gateway_replicas": gateway_side, "controller": None, "problem": None, "nodes": [], "models": [],
             "replicas": []}
     if cfg["gateway.controller"]:
-        admin = admin_client(cfg, cfg["gateway.controller_admin"])
+        admin = leader_client(cfg, cfg["gateway.controller_admin"])
         try:
             view["nodes"] = admin.call("GET", "/api/v1/nodes", timeout=2)["nodes"]
             view["models"] = admin.call("GET", "/api/v1/models", timeout=2)["models"]
             view["replicas"] = admin.call("GET", "/api/v1/replicas", timeout=2)["replicas"]
-            view["controller"] = cfg["gateway.controller_admin"]
+            view["controller"] = admin.url
         except (ApiError, KeyError) as e:
             view["problem"] = f"The cluster cannot be shown: {e}"
     problems = []

@@ -26,7 +26,7 @@ import urllib.request
 
 from flask import Flask, abort, flash, redirect, render_template, request
 
-from llmgw.apiclient import ApiClient, ApiError, Unreachable, address_url, admin_client
+from llmgw.apiclient import ApiClient, ApiError, Unreachable, address_url, leader_client
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
@@ -56,13 +56,14 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         return sentence(e)
 
     def controller() -> ApiClient:
-        return admin_client(cfg, cfg["gateway.controller_admin"])
+        return leader_client(cfg, cfg["gateway.controller_admin"])
 
     def catalog() -> tuple[list[dict] | None, str | None]:
         try:
             return controller().call("GET", "/api/v1/models", timeout=3)["models"], None
         except Unreachable:
-            return None, (f"the controller's admin API at {cfg['gateway.controller_admin']} cannot be reached: check "
+            return None, (f"the controller's admin API at {' or '.join(cfg['gateway.controller_admin'])} cannot be "
+                          "reached: check "
                           "that the controller runs and that gateway.controller_admin names its admin_listen")
         except ApiError as e:
             return None, str(e)

@@ -1,0 +1,121 @@
+"""Which controller leads: a lease in the store, taken and renewed by one statement.
+
+Two controllers on one store must not both place replicas, run the accountant
+or publish snapshots. The lease is a row of the `leases` table (SQLite has no
+advisory locks, and a row outlives a leader that loses power): an owner, the
+address its agents connect to, and an expiry on the database's own clock.
+Taking and renewing are the same UPDATE, which succeeds only for the owner or
+once the lease has expired, so two controllers racing for it cannot both win.
+
+The owner is a random id made at each start, never the host name: a restarted
+controller must not find its old lease and believe it led all along.
+
+A leader measures its lease on its own monotonic clock from the moment it sent
+the statement that renewed it, which is before the database set the expiry, so
+it stops believing it leads no later than the database lets another take over.
+It leads while `held()`: a controller that cannot reach the store keeps acting
+until then, and stops; one that was paused (SIGSTOP) past its TTL finds on
+waking that `held()` is false before it does anything, because every action
+asks first. A clean stop releases the lease, so the standby takes over at its
+next renewal instead of after the TTL; so does a restart of a controller that
+was killed, since no other process can be listening at its address.
+
+Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from llmgw import store
+
+log = logging.getLogger("llmgw.lease")
+
+NAME = "controller"
+
+
+class Lease:
+    def __init__(self, engine: Engine, address: str, ttl: float, clock: Callable[[], float] = time.monotonic):
+        """ADDRESS is where this controller's agents connect, named by standbys to the agents they refuse; the
+        first renewal must come after the controller listens there (see `renew`)."""
+        self.engine = engine
+        self.address = address
+        self.ttl = ttl
+        self.clock = clock
+        self.owner = os.urandom(8).hex()
+        self.valid_until = 0.0  # monotonic seconds: this controller leads until then
+        self.leader = ""  # the address of whoever leads, as the store said at the last renewal
+        self.term = 0  # how many times this controller came to lead; each is a fresh start for its state
+        self._now = store.db_now(engine.dialect.name)
+        self._lock = threading.Lock()
+
+    def held(self) -> bool:
+        """Whether this controller leads now."""
+        return self.clock() < self.valid_until
+
+    def leader_address(self) -> str:
+        """Where the leader's agents connect ("" when no controller leads, as far as this one knows)."""
+        return self.address if self.held() else self.leader
+
+    def renew(self) -> bool:
+        """Take the lease, or renew it; whether this controller leads afterwards. A store that cannot be
+        reached changes nothing: the lease held so far runs out on its own."""
+        with self._lock:
+            sent = self.clock()
+            table = store.leases
+            try:
+                takeable = [table.c.owner == self.owner, table.c.expires_at < self._now]
+                if self.term == 0:
+                    # At its first try a controller also takes a lease held under its own address: it listens
+                    # there now, so whoever held it was an earlier run of this controller, killed before it could
+                    # release it, and a restart need not wait out the TTL.
+                    takeable.append(table.c.address == self.address)
+                with self.engine.begin() as conn:
+                    taken = conn.execute(
+                        table.update()
+                        .where(table.c.name == NAME)
+                        .where(sa.or_(*takeable))
+                        .values(owner=self.owner, address=self.address, expires_at=self._now + self.ttl)
+                    ).rowcount == 1
+                    if not taken:
+                        row = conn.execute(sa.select(table.c.address, table.c.expires_at >= self._now)
+                                           .where(table.c.name == NAME)).first()
+                        self.leader = row[0] if row is not None and row[1] else ""
+            except sa.exc.SQLAlchemyError as e:
+                left = self.valid_until - self.clock()
+                log.warning("cannot renew the leader lease: %s; %s", str(e).splitlines()[0],
+                            f"leading {left:.1f} s more at most" if left > 0 else "not leading")
+                return self.held()
+            if taken:
+                if sent >= self.valid_until:
+                    # Not leading until now (or no longer, after a pause or a store that did not answer): what
+                    # this controller knew may be stale, and the loop starts its term afresh.
+                    self.term += 1
+                    log.info("leading: took the leader lease (owner %s, %s, term %d)", self.owner, self.address,
+                             self.term)
+                self.valid_until = sent + self.ttl
+                self.leader = self.address
+            else:
+                if self.valid_until:
+                    log.warning("lost the leader lease to %s: standing by", self.leader or "no one yet")
+                self.valid_until = 0.0
+            return taken
+
+    def release(self) -> None:
+        """Give the lease up now (a clean stop), so a standby takes over at its next renewal."""
+        with self._lock:
+            self.valid_until = 0.0
+            table = store.leases
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(table.update().where(table.c.name == NAME).where(table.c.owner == self.owner)
+                                 .values(owner="", expires_at=0.0))
+            except sa.exc.SQLAlchemyError as e:
+                log.warning("could not release the leader lease (it expires on its own): %s", str(e).splitlines()[0])

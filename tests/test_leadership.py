@@ -1,0 +1,293 @@
+"""Two controllers on one store: one leads, by a lease in the store; the other stands by and takes over.
+
+The lease is tested on both stores (one winner in a race, renewal, expiry, release, a store that stops
+answering); the controllers run as real processes on PostgreSQL with a real agent and engine, and the
+leader is killed, or paused past its lease, while the agent's engine goes on running.
+"""
+
+import re
+import signal
+import threading
+import time
+import urllib.error
+
+import pytest
+import sqlalchemy as sa
+
+from llmgw import store
+from llmgw.control.accountant import Accountant
+from llmgw.control.accountserver import AccountServer
+from llmgw.control.lease import Lease
+from llmgw.procs import wait_for
+from llmgw.wire import accounting
+from tests.cluster import Agent, Controller, Traffic, wait_for_no_duplicates
+from tests.conftest import Gateway, post, store_url_for, wipe
+
+WAIT = 40.0  # seconds: generous, for a loaded machine
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_one_controller_takes_the_lease_and_the_other_is_told_who_leads(engine):
+    a, b = Lease(engine, "a:7443", ttl=30), Lease(engine, "b:7443", ttl=30)
+    assert a.renew() and a.held() and a.term == 1
+    assert not b.renew() and not b.held()
+    assert b.leader_address() == "a:7443" and a.leader_address() == "a:7443"
+    assert a.renew() and a.term == 1  # a renewal is not a new term
+    assert not b.renew()
+
+
+def test_an_expired_lease_is_taken_and_its_old_holder_stands_by(engine):
+    a, b = Lease(engine, "a:7443", ttl=0.5), Lease(engine, "b:7443", ttl=30)
+    assert a.renew()
+    wait_for("a's lease expired and taken", WAIT, b.renew)
+    assert not a.held()  # its own clock ran out no later than the store's
+    assert not a.renew() and a.leader == "b:7443"
+
+
+def test_a_released_lease_is_taken_at_once(engine):
+    a, b = Lease(engine, "a:7443", ttl=60), Lease(engine, "b:7443", ttl=60)
+    assert a.renew()
+    a.release()
+    assert not a.held()
+    assert b.renew()
+    assert not a.renew() and a.leader_address() == "b:7443"
+
+
+def test_a_restarted_controller_takes_back_the_lease_left_at_its_own_address(engine):
+    killed = Lease(engine, "a:7443", ttl=60)
+    assert killed.renew()  # and never released: SIGKILL
+    other = Lease(engine, "b:7443", ttl=60)
+    assert not other.renew()
+    restarted = Lease(engine, "a:7443", ttl=60)
+    assert restarted.renew()
+    assert not killed.renew()  # only a first try takes a lease by its address
+
+
+def test_of_many_controllers_racing_for_the_lease_exactly_one_wins(engine):
+    leases = [Lease(engine, f"c{i}:7443", ttl=60) for i in range(8)]
+    start = threading.Barrier(len(leases))
+    won = []
+
+    def race(lease):
+        start.wait()
+        if lease.renew():
+            won.append(lease.address)
+
+    threads = [threading.Thread(target=race, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(store.leases.c.address)).scalar() == won[0]
+
+
+def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out(engine):
+    clock = Clock()
+    lease = Lease(engine, "a:7443", ttl=10, clock=clock)
+    assert lease.renew()
+    lease.engine = sa.create_engine(store_url_for("postgresql://llmgw@127.0.0.1:1/gone"))  # nothing listens there
+    clock.now += 6
+    assert lease.renew() and lease.held()  # the renewal failed; the lease held so far still runs
+    clock.now += 5
+    assert not lease.renew() and not lease.held()
+    lease.engine = engine  # the store is back: the lease expired there too, and this is a new term
+    assert lease.renew() and lease.term == 2
+
+
+class FakeLease:
+    def __init__(self):
+        self.leading, self.term = False, 1
+
+    def held(self):
+        return self.leading
+
+
+def test_a_standby_accountant_answers_nothing_and_a_new_leader_starts_from_the_store():
+    import zmq
+
+    lease = FakeLease()
+    made = []
+
+    def fresh():
+        made.append(Accountant())
+        return made[-1]
+
+    server = AccountServer(Accountant(), "127.0.0.1:0", lease=lease, fresh=fresh).start()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 1000)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    admit = accounting.encode("admit", id=1, levels=[["key:k", 100, 1000, 1000, "month"]], priced=True, tokens=10,
+                              cost=10)
+    try:
+        sock.send(admit)
+        with pytest.raises(zmq.Again):
+            sock.recv()  # a gateway that asks a standby times out, and asks the leader once it knows it
+        wait_for("the dropped admission counted", WAIT, lambda: server.dropped["standby"] == 1)
+        lease.leading, lease.term = True, 2  # it came to lead
+        sock.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+        sock.send(admit)
+        assert accounting.decode(sock.recv())["ok"]
+        assert len(made) == 1 and server.accountant is made[0]
+    finally:
+        sock.close(0)
+        context.term()
+        server.stop()
+
+
+CHAT = {"model": "simmy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+# The controllers below renew every 0.3 s a lease of 3 s: a killed leader is replaced within about 3.3 s.
+LEASE = {"controller__lease_ttl": 3.0, "controller__lease_renew_interval": 0.3}
+
+
+def sim_model(low=1):
+    return {"name": "simmy", "source": "/dev/null", "scaling": {"min": low, "max": low},
+            "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--tokens-per-s", "0"]}]}
+
+
+@pytest.fixture
+def pair(tmp_path, pg_url):
+    """Two controllers on one PostgreSQL store, sharing their keys as two installations of one cluster do."""
+    wipe(pg_url)
+    made = []
+
+    def controller(name):
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        c = Controller(folder, store_url=pg_url, models=[sim_model()], controller__keys_dir=str(tmp_path / "keys"),
+                       **LEASE)
+        made.append(c)
+        return c
+
+    def agent(node_id, controllers, leader):
+        """An agent given CONTROLLERS' addresses, in that order, with a key LEADER issued."""
+        a = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}" for c in controllers], node_id, leader.issue_key(node_id))
+        made.append(a)
+        return a
+
+    yield controller, agent
+    for thing in reversed(made):
+        thing.stop()
+
+
+def role(c) -> dict:
+    status = c.api("/api/v1/status")
+    return status["role"], status["leader"]
+
+
+def test_a_standby_refuses_agents_and_says_who_leads(pair):
+    controller, agent = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    leader = f"127.0.0.1:{a.agent_port}"
+    assert role(b) == ("standby", leader)
+    run = b.ctl("status")
+    assert run.returncode == 0 and run.stdout.strip() == f"standby: this controller does not lead; the leader is {leader}"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        b.api("/api/v1/nodes")
+    assert refused.value.code == 503 and f"the leader is {leader}" in refused.value.read().decode()
+    run = b.ctl("nodes")
+    assert run.returncode != 0 and "stands by" in run.stderr
+
+    n1 = agent("n1", [b, a], a)  # the standby first: it sends the agent to the leader
+    wait_for("n1 registered with the leader", WAIT, lambda: a.state("n1") == "ready")
+    assert f"the controller at 127.0.0.1:{b.agent_port} stands by; the leader is {leader}" in n1.log()
+    assert re.search(r'llmgw_agent_messages_refused_total\{why="standby"\} [1-9]', b.metrics())
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+
+
+def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
+    controller, agent = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    n1 = agent("n1", [a, b], a)
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    shard = a.ready("simmy")[0]["shard_id"]
+    engines = n1.engines()
+    assert len(engines) == 1
+
+    a.stop(sig=signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+    took_over = time.monotonic() - killed
+    wait_for("n1's replica known to b", WAIT, lambda: [r["shard_id"] for r in b.ready("simmy")] == [shard])
+    assert n1.engines() == engines  # the same engine process: nothing restarted
+    assert took_over < WAIT
+    time.sleep(1.5)  # several of b's reconcile passes: none places a second replica
+    wait_for_no_duplicates(b, [n1], {"simmy": 1})
+    assert n1.engines() == engines
+
+    a.start()  # back, and b leads: a stands by
+    assert role(a) == ("standby", f"127.0.0.1:{b.agent_port}")
+
+
+def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
+    controller, agent = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    n1 = agent("n1", [a, b], a)
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    engines = n1.engines()
+
+    a.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        wait_for("n1 registered with b", WAIT, lambda: b.state("n1") == "ready")
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+    wait_for("a knows it stands by", WAIT, lambda: role(a)[0] == "standby")
+    time.sleep(1.5)  # a's reconcile passes would have run by now, had it acted
+    wait_for_no_duplicates(b, [n1], {"simmy": 1})
+    assert n1.engines() == engines
+    assert "lost the leader lease" in a.log()
+
+
+def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_new_leader(pair, tmp_path, pg_url):
+    from llmgw.people import keys, limits
+
+    controller, agent = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    agent("n1", [a, b], a)
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    url = store_url_for(pg_url)
+    engine = store.open_store(url)
+    try:
+        _, free = keys.create_key(engine, "free")
+        record, limited = keys.create_key(engine, "limited")
+        limits.set_limits(engine, "key", record.id, "test", rpm=10_000)  # every request asks the accountant
+    finally:
+        engine.dispose()
+    gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file(),
+                 gateway__controller=[f"127.0.0.1:{a.gateway_port}", f"127.0.0.1:{b.gateway_port}"])
+    try:
+        wait_for("a limited request admitted by a's accountant", WAIT,
+                 lambda: post(gw.url + "/v1/chat/completions", CHAT, limited)[0] == 200)
+        traffic = Traffic(gw.url, free)
+        traffic.more(10)
+        a.stop(sig=signal.SIGKILL)
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        # a is dead: a limited request served now was admitted by b's accountant, found in b's snapshot.
+        wait_for("a limited request admitted by b's accountant", WAIT,
+                 lambda: post(gw.url + "/v1/chat/completions", CHAT, limited)[0] == 200)
+        traffic.more(20)
+        assert traffic.stop() == []  # the gateway routed from its last snapshot all along
+    finally:
+        gw.stop()
