@@ -258,6 +258,33 @@ def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
     assert "lost the leader lease" in a.log()
 
 
+RPM = 20
+
+
+def served_until_refused(gw, key) -> int:
+    """How many requests with KEY are served before one is refused for its rate limit."""
+    served = 0
+    for _ in range(10 * RPM):
+        status = post(gw.url + "/v1/chat/completions", CHAT, key)[0]
+        if status == 429:
+            return served
+        served += status == 200
+    raise AssertionError(f"{10 * RPM} requests and none refused")
+
+
+def waived_so_far(gw) -> float:
+    """Admissions the gateway's workers made without an accountant (it did not answer)."""
+    return sum(v for k, v in gw_metrics(gw).items() if k.startswith("llmgw_accountant_unavailable_total"))
+
+
+def gw_metrics(gw) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as resp:
+        lines = resp.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+
+
 def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_new_leader(pair, tmp_path, pg_url):
     from llmgw.people import keys, limits
 
@@ -272,7 +299,7 @@ def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_ne
     try:
         _, free = keys.create_key(engine, "free")
         record, limited = keys.create_key(engine, "limited")
-        limits.set_limits(engine, "key", record.id, "test", rpm=10_000)  # every request asks the accountant
+        limits.set_limits(engine, "key", record.id, "test", rpm=RPM)  # every request asks the accountant
     finally:
         engine.dispose()
     gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file(),
@@ -280,6 +307,7 @@ def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_ne
     try:
         wait_for("a limited request admitted by a's accountant", WAIT,
                  lambda: post(gw.url + "/v1/chat/completions", CHAT, limited)[0] == 200)
+        before = 1 + served_until_refused(gw, limited)
         traffic = Traffic(gw.url, free)
         traffic.more(10)
         a.stop(sig=signal.SIGKILL)
@@ -287,7 +315,15 @@ def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_ne
         # a is dead: a limited request served now was admitted by b's accountant, found in b's snapshot.
         wait_for("a limited request admitted by b's accountant", WAIT,
                  lambda: post(gw.url + "/v1/chat/completions", CHAT, limited)[0] == 200)
+        waived = waived_so_far(gw)
+        after = 1 + served_until_refused(gw, limited)
+        # A worker that had not yet heard b's snapshot asked the dead accountant, and served the request
+        # unlimited (rate limits are waived while no accountant answers, as at any controller outage).
+        after -= waived_so_far(gw) - waived
         traffic.more(20)
         assert traffic.stop() == []  # the gateway routed from its last snapshot all along
+        # The documented bound: the new leader's rate windows start empty, so the minute of a failover serves
+        # up to twice the limit (each accountant one over at most), besides what was waived meanwhile.
+        assert RPM <= before <= RPM + 1 and 1 <= after <= RPM + 1, (before, after)
     finally:
         gw.stop()
