@@ -213,6 +213,11 @@ class Gateway:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
             return resp.read().decode()
 
+    def metric_total(self, name: str) -> float:
+        """The sum of series NAME over its labels (and the gateway's workers)."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in self.metrics().splitlines()
+                   if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
     def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
         return stop_process(self.proc, sig, timeout)
 

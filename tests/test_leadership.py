@@ -274,15 +274,7 @@ def served_until_refused(gw, key) -> int:
 
 def waived_so_far(gw) -> float:
     """Admissions the gateway's workers made without an accountant (it did not answer)."""
-    return sum(v for k, v in gw_metrics(gw).items() if k.startswith("llmgw_accountant_unavailable_total"))
-
-
-def gw_metrics(gw) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{gw.metrics_port}/metrics", timeout=5) as resp:
-        lines = resp.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+    return gw.metric_total("llmgw_accountant_unavailable_total")
 
 
 def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_new_leader(pair, tmp_path, pg_url):

@@ -89,6 +89,8 @@ class Lease:
                                            .where(table.c.name == NAME)).first()
                         self.leader = row[0] if row is not None and row[1] else ""
             except sa.exc.SQLAlchemyError as e:
+                if not self.held() and self.leader == self.address:
+                    self.leader = ""  # no longer this controller, and the store cannot say who
                 left = self.valid_until - self.clock()
                 log.warning("cannot renew the leader lease: %s; %s", str(e).splitlines()[0],
                             f"leading {left:.1f} s more at most" if left > 0 else "not leading")

@@ -1,0 +1,78 @@
+"""PostgreSQL goes away and comes back: every role serves what it can meanwhile and catches up after.
+
+Each test runs a PostgreSQL server of its own (tests/pgserver.py), stops it, and starts it again: a gateway
+goes on routing with the keys it holds and buffers its usage rows, then writes every one; a controller
+stops acting when it can no longer renew its lease, and leads again, with the node's engine untouched.
+"""
+
+import pytest
+
+from llmgw.procs import wait_for
+from tests.cluster import Agent, Controller
+from tests.conftest import count_usage, make_key, post
+from tests.pgserver import OwnPostgres
+
+WAIT = 60.0
+CHAT = {"model": "sim", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def own_pg():
+    pg = OwnPostgres()
+    yield pg
+    pg.close()
+
+
+def pending_rows(gw) -> float:
+    return gw.metric_total("llmgw_usage_rows_pending")
+
+
+def test_a_gateway_serves_through_a_store_outage_and_writes_every_row_when_it_returns(own_pg, make_sim, make_gateway):
+    sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=2)
+    key = make_key(own_pg.url)
+    gw = make_gateway(store_url=own_pg.url, endpoints=[{"id": "sim-1", "url": sim.url, "models": ["sim"]}],
+                      workers=2)
+    url = gw.url + "/v1/chat/completions"
+    assert [post(url, CHAT, key)[0] for _ in range(10)] == [200] * 10
+    wait_for("the first rows written", WAIT, lambda: count_usage(own_pg.url) == 10)
+
+    own_pg.stop()
+    # Keys are in memory and nothing on the request path reads the store: every request is served.
+    assert [post(url, CHAT, key)[0] for _ in range(20)] == [200] * 20
+    wait_for("the rows waiting in the workers", WAIT, lambda: pending_rows(gw) == 20)
+
+    own_pg.start()
+    wait_for("every row written once the store is back", WAIT, lambda: count_usage(own_pg.url) == 30)
+    wait_for("nothing left waiting", WAIT, lambda: pending_rows(gw) == 0)
+
+
+def sim_model():
+    return {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
+            "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--tokens-per-s", "0"]}]}
+
+
+def test_a_controller_that_loses_its_store_stops_acting_and_leads_again_when_it_returns(tmp_path, own_pg):
+    c = Controller(tmp_path, store_url=own_pg.url, models=[sim_model()], controller__lease_ttl=3.0,
+                   controller__lease_renew_interval=0.3)
+    n1 = None
+    try:
+        n1 = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
+        wait_for("one replica ready", WAIT, lambda: len(c.ready("simmy")) == 1)
+        shard, engines = c.ready("simmy")[0]["shard_id"], n1.engines()
+
+        own_pg.stop()
+        # It leads until its lease would have run out in the store, then stands by: nothing it does now
+        # could be checked against another controller's.
+        wait_for("the controller stands by", WAIT, lambda: c.api("/api/v1/status")["role"] == "standby")
+        assert "cannot renew the leader lease" in c.log()
+        assert n1.engines() == engines  # standing by stops nothing on the nodes
+
+        own_pg.start()
+        wait_for("the controller leads again", WAIT, lambda: c.api("/api/v1/status")["role"] == "leader")
+        wait_for("the replica known again", WAIT, lambda: [r["shard_id"] for r in c.ready("simmy")] == [shard])
+        assert n1.engines() == engines  # the same engine: nothing was restarted
+    finally:
+        if n1 is not None:
+            n1.stop()
+        c.stop()
+
