@@ -77,6 +77,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/controlplane.py
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
+	$(BIN)/python bench/failover.py
 
 clean:
 	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -78,8 +78,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     else:
         keypair = curvekeys.controller_keypair(cfg["controller.keys_dir"])
         public = keypair[0]
-        ring = authenticator.KeyRing(curvekeys.authorised_keys(engine), "node")
-        gateway_ring = authenticator.KeyRing(curvekeys.gateway_keys(engine), "gateway")
+        ring = authenticator.KeyRing(curvekeys.authorised_keys(engine), "node",
+                                     reload=lambda: curvekeys.authorised_keys(engine))
+        gateway_ring = authenticator.KeyRing(curvekeys.gateway_keys(engine), "gateway",
+                                             reload=lambda: curvekeys.gateway_keys(engine))
         auth = authenticator.Authenticator(context, {authenticator.AGENTS: ring, authenticator.GATEWAYS: gateway_ring}).start()
         log.info("agents and gateways authenticate with CURVE; %d node keys and %d gateway keys issued",
                  len(ring.keys), len(gateway_ring.keys))

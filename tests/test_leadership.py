@@ -319,3 +319,21 @@ def test_a_gateway_following_both_serves_through_a_failover_and_then_asks_the_ne
         assert RPM <= before <= RPM + 1 and 1 <= after <= RPM + 1, (before, after)
     finally:
         gw.stop()
+
+
+def test_a_key_issued_through_the_other_controller_is_admitted_at_its_first_try():
+    from llmgw.control.authenticator import KeyRing
+
+    store_keys = {}
+    reads = []
+
+    def reload():
+        reads.append(1)
+        return dict(store_keys)
+
+    ring = KeyRing({}, "gateway", reload=reload)
+    store_keys[b"new-key"] = "gw-2"  # issued through the leader: in the store, not yet in this ring
+    assert ring.callback("llmgw-gateways", b"new-key") and ring.node_for(b"new-key") == "gw-2"
+    # Unknown keys make the ring read the store at most once a second, however many arrive.
+    assert not any(ring.callback("llmgw-gateways", b"forged-%d" % i) for i in range(100))
+    assert len(reads) == 1

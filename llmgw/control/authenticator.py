@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
+import sqlalchemy as sa
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
@@ -22,15 +25,23 @@ log = logging.getLogger("llmgw.authenticator")
 
 AGENTS = "llmgw"  # the agents' ZAP domain (its name predates the gateways')
 GATEWAYS = "llmgw-gateways"
+RELOAD_EVERY = 1.0  # seconds: how often an unknown key may make a ring read the store
 
 
 class KeyRing:
     """Issued keys (z85 public key -> holder's name); replaced whole when a key is issued or revoked, so a
-    reader on another thread sees one set or the other, never half of each."""
+    reader on another thread sees one set or the other, never half of each.
 
-    def __init__(self, keys: dict[bytes, str], kind: str = "node"):
+    With RELOAD (the issued keys, read from the store), a key not in the ring is looked up there once more
+    before it is refused, at most once a second: a key issued through another controller on the same store
+    (the leader, while this one stands by) is admitted at its first try. A refused CURVE handshake is not
+    tried again by the client's socket, so a ring that catches up later would be too late."""
+
+    def __init__(self, keys: dict[bytes, str], kind: str = "node", reload: Callable[[], dict] | None = None):
         self.keys = dict(keys)
         self.kind = kind
+        self.reload = reload
+        self.reloaded = 0.0
         self.lock = threading.Lock()
 
     def replace(self, keys: dict[bytes, str]) -> None:
@@ -43,6 +54,13 @@ class KeyRing:
     # The credentials-provider interface of pyzmq's authenticator.
     def callback(self, domain: str, z85_key: bytes) -> bool:
         allowed = z85_key in self.keys
+        if not allowed and self.reload is not None and time.monotonic() - self.reloaded > RELOAD_EVERY:
+            self.reloaded = time.monotonic()
+            try:
+                self.replace(self.reload())
+            except sa.exc.SQLAlchemyError as e:
+                log.warning("could not read the issued %s keys from the store: %s", self.kind, str(e).splitlines()[0])
+            allowed = z85_key in self.keys
         if not allowed:
             log.warning("refused a connection with a key no %s was issued (%s...)", self.kind, z85_key[:8].decode())
         return allowed

@@ -3,11 +3,12 @@
 A node needs no inbound port: its DEALER connects out to the controller's
 ROUTER. The agent is given one or more controller addresses and tries them in
 turn, waiting 1 s, then 2, 4, ... up to `reconnect_max` between rounds. A
-controller that has not answered for three heartbeat intervals, or that closed
-the connection (it stopped or died), is left for the next address at once.
+controller that has not answered for three heartbeat intervals, that closed
+the connection (it stopped or died), or where nothing listens (with more than
+one address), is left for the next address at once.
 With two controllers only the leader takes agents: a standby refuses with
 "standby; the leader is HOST:PORT", and the agent goes to that address next
-when it is one of its own. A CURVE handshake the controller refuses produces
+when it is one of its own, asking every second or so until one takes it. A CURVE handshake the controller refuses produces
 no error on the socket (messages just queue), so a socket monitor watches for
 it and the agent says what to do.
 """
@@ -98,7 +99,8 @@ class ControllerLink:
         self.seq = 0
 
     def _connect(self, address: str) -> tuple[zmq.Socket, zmq.Socket]:
-        sock, monitor = _dealer(self.context, self.keys, FAILED_HANDSHAKE | zmq.EVENT_DISCONNECTED)
+        sock, monitor = _dealer(self.context, self.keys,
+                                FAILED_HANDSHAKE | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(addresses.zmq_connect(address, "agent.controllers"))
         return sock, monitor
 
@@ -131,6 +133,8 @@ class ControllerLink:
                 delay, tried = 1.0, 0  # it was a working connection: start the backoff again
                 continue
             index = self._next_index(index)
+            if self.refusal and self.refusal.startswith(STANDBY):
+                delay = 1.0  # a controller answered: a leader is coming, so keep asking often
             if tried % len(self.addresses) == 0:
                 waited = time.monotonic() + delay
                 while time.monotonic() < waited and not stopping():
@@ -153,6 +157,10 @@ class ControllerLink:
                     log.error("the controller at %s refused this node's key. On the controller run "
                               "`llmgw ctl node-key issue %s` and install the key file here (agent.key_file).",
                               address, self.node_id)
+                    return registered
+                if not registered and events & zmq.EVENT_CONNECT_RETRIED and len(self.addresses) > 1:
+                    # Nothing listens there (a controller that died): the next address may lead by now.
+                    log.info("nothing answers at %s; trying the next address", address)
                     return registered
                 if registered and events & zmq.EVENT_DISCONNECTED:
                     log.warning("the controller at %s closed the connection; trying %s", address,

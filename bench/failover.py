@@ -1,0 +1,190 @@
+"""Failover, measured: two controllers on PostgreSQL, agents with engines, a gateway following both.
+
+    python bench/failover.py [--agents 3] [--rounds 3] [--ttl 10] [--renew 3] [--out FILE]
+
+Real processes with the default timings (a 10 s lease renewed every 3 s, heartbeats every 5 s): two
+controllers sharing a fresh database on the local PostgreSQL, AGENTS agents each running one engine of a
+simulated model, and a gateway with two workers following both controllers, while a client sends one
+request after another through it. Each round kills the leading controller (SIGKILL) and measures, from
+the kill:
+
+- leadership moved: the standby's admin API says it leads;
+- agents back: every node ready on the new leader;
+- replicas known: every replica ready on the new leader, with the same shard ids as before;
+- the gateway follows: a rate-limited request admitted by the new leader's accountant (the gateway's
+  count of requests served without an accountant does not move for it);
+
+and counts the client's failed requests and the engines started anew (both should be 0). The killed
+controller is then started again and stands by for the next round. A last round stops the leader
+cleanly (SIGTERM): it gives the lease up, and the standby takes it at its next renewal.
+
+The baseline is the lease's own promise, lease_ttl + lease_renew_interval, the longest a dead leader
+can hold the cluster; each figure is printed beside it as a ratio. (The Go version measured leadership
+moving in 3 s and agents back in 6 s with its own timings.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from llmgw import store  # noqa: E402
+from llmgw.people import keys, limits  # noqa: E402
+from llmgw.procs import wait_for  # noqa: E402
+from tests.cluster import Agent, Controller, Traffic  # noqa: E402
+from tests.conftest import PG_ADMIN, Gateway, post  # noqa: E402
+
+DATABASE = "llmgw_bench_failover"
+CHAT = {"model": "simmy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+WAIT = 120.0
+
+
+def fresh_database() -> str:
+    admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
+        cur.execute(f'CREATE DATABASE "{DATABASE}"')
+    admin.close()
+    return PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1) + "/" + DATABASE
+
+
+def role(c: Controller) -> str | None:
+    try:
+        return c.api("/api/v1/status")["role"]
+    except OSError:
+        return None
+
+
+def until(what: str, check, since: float) -> float:
+    """Seconds from SINCE until CHECK() is true, polled every 50 ms."""
+    wait_for(what, WAIT, check, interval=0.05)
+    return time.monotonic() - since
+
+
+class Rig:
+    def __init__(self, folder: Path, agents: int, ttl: float, renew: float):
+        self.url = fresh_database()
+        timings = {"controller__lease_ttl": ttl, "controller__lease_renew_interval": renew,
+                   # The defaults, not the quick ones the tests use.
+                   "controller__unreachable_after": 15.0, "controller__lost_after": 60.0,
+                   "controller__reconcile_interval": 2.0, "agent__heartbeat_interval": 5.0,
+                   "agent__reconnect_max": 30.0}
+        self.made = []
+        model = {"name": "simmy", "source": "/dev/null", "scaling": {"min": agents, "max": agents},
+                 "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--tokens-per-s", "0"]}]}
+        self.controllers = []
+        for name in ("a", "b"):
+            (folder / name).mkdir()
+            self.controllers.append(self._made(Controller(folder / name, store_url=self.url, models=[model],
+                                                          controller__keys_dir=str(folder / "keys"), **timings)))
+            if name == "a":
+                wait_for("a leads", WAIT, lambda: role(self.controllers[0]) == "leader")
+        a = self.controllers[0]
+        addresses = [f"127.0.0.1:{c.agent_port}" for c in self.controllers]
+        self.agents = [self._made(Agent(folder, addresses, f"n{i}", a.issue_key(f"n{i}"), **timings))
+                       for i in range(agents)]
+        wait_for("every replica ready", WAIT, lambda: len(a.ready("simmy")) == agents)
+        engine = store.open_store(self.url)
+        try:
+            _, self.free = keys.create_key(engine, "free")
+            record, self.limited = keys.create_key(engine, "limited")
+            limits.set_limits(engine, "key", record.id, "bench", rpm=1_000_000)  # never refuses; always asks
+        finally:
+            engine.dispose()
+        self.gateway = self._made(Gateway(folder, self.url, workers=2, gateway__key_file=a.gateway_key_file(),
+                                          gateway__controller=[f"127.0.0.1:{c.gateway_port}"
+                                                               for c in self.controllers]))
+        self.traffic = self._made(Traffic(self.gateway.url, self.free))
+
+    def _made(self, thing):
+        self.made.append(thing)
+        return thing
+
+    def leader(self) -> Controller:
+        return next(c for c in self.controllers if c.proc.poll() is None and role(c) == "leader")
+
+    def admitted_by_an_accountant(self) -> bool:
+        waived = self.gateway.metric_total("llmgw_accountant_unavailable_total")
+        status = post(self.gateway.url + "/v1/chat/completions", CHAT, self.limited)[0]
+        return status == 200 and self.gateway.metric_total("llmgw_accountant_unavailable_total") == waived
+
+    def round(self, sig: int) -> dict:
+        leader = self.leader()
+        standby = next(c for c in self.controllers if c is not leader)
+        shards = sorted(r["shard_id"] for r in leader.ready("simmy"))
+        engines = [a.engines() for a in self.agents]
+        failed, sent = len(self.traffic.failures), self.traffic.sent
+        wait_for("the gateway admitting through the leader", WAIT, self.admitted_by_an_accountant)
+        killed = time.monotonic()
+        leader.stop(sig=sig)
+        figures = {"leadership": until("the standby leads", lambda: role(standby) == "leader", killed)}
+        if sig == signal.SIGKILL:
+            want = len(self.agents)
+            figures["agents"] = until("every agent back", lambda: sum(
+                n["state"] == "ready" for n in standby.api("/api/v1/nodes")["nodes"]) == want, killed)
+            figures["replicas"] = until("every replica known", lambda: sorted(
+                r["shard_id"] for r in standby.ready("simmy")) == shards, killed)
+            figures["gateway"] = until("the gateway following", self.admitted_by_an_accountant, killed)
+        self.traffic.more(20)
+        figures["failed_requests"] = len(self.traffic.failures) - failed
+        figures["requests"] = self.traffic.sent - sent
+        figures["engines_restarted"] = sum(before != a.engines() for before, a in zip(engines, self.agents))
+        leader.start()  # back as the standby
+        wait_for("the old leader stands by", WAIT, lambda: role(leader) == "standby")
+        return figures
+
+    def close(self) -> None:
+        for thing in reversed(self.made):
+            thing.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ttl", type=float, default=10.0)
+    parser.add_argument("--renew", type=float, default=3.0)
+    parser.add_argument("--out", help="write the figures here as JSON")
+    args = parser.parse_args()
+    bound = args.ttl + args.renew
+    with tempfile.TemporaryDirectory(prefix="llmgw-failover-") as tmp:
+        rig = Rig(Path(tmp), args.agents, args.ttl, args.renew)
+        try:
+            killed = [rig.round(signal.SIGKILL) for _ in range(args.rounds)]
+            stopped = rig.round(signal.SIGTERM)
+        finally:
+            rig.close()
+    print(f"failover with {args.agents} agents, a {args.ttl:g} s lease renewed every {args.renew:g} s "
+          f"(bound {bound:g} s), on {platform.node()}")
+    print(f"{'leader killed (SIGKILL)':<34}{'worst s':>9}{'mean s':>9}{'/ bound':>9}")
+    for name, label in (("leadership", "leadership moved"), ("agents", "agents back"),
+                        ("replicas", "replicas known"), ("gateway", "gateway follows")):
+        values = [r[name] for r in killed]
+        print(f"  {label:<32}{max(values):>9.2f}{sum(values) / len(values):>9.2f}{max(values) / bound:>9.2f}")
+    print(f"  {'failed requests':<32}{sum(r['failed_requests'] for r in killed):>9d} of "
+          f"{sum(r['requests'] for r in killed)}")
+    print(f"  {'engines restarted':<32}{sum(r['engines_restarted'] for r in killed):>9d}")
+    print(f"leader stopped (SIGTERM): leadership moved in {stopped['leadership']:.2f} s "
+          f"({stopped['leadership'] / args.renew:.2f} of one renewal interval), "
+          f"{stopped['failed_requests']} failed requests")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"ttl": args.ttl, "renew": args.renew, "agents": args.agents, "killed": killed,
+                       "stopped": stopped}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
