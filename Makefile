@@ -11,6 +11,7 @@ CHROMIUM := /usr/bin/chromium
 SSHD := /usr/sbin/sshd
 SYSTEMD_ANALYZE := /usr/bin/systemd-analyze
 NGINX := /usr/sbin/nginx
+CADDY := /usr/bin/caddy
 
 .PHONY: run test clients docs bench clean
 
@@ -39,14 +40,21 @@ $(SYSTEMD_ANALYZE):
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq systemd; \
 	else echo "The unit tests need systemd-analyze: sudo apt-get install systemd" >&2; exit 1; fi
 
-# deploy/ha's proxy settings are tested with Debian's nginx in front of two gateways. Its package would
-# start a server on port 80 at once; a policy-rc.d that refuses keeps it from starting anything.
+# deploy/ha's proxy settings are tested with Debian's nginx and Caddy in front of two gateways. Their
+# packages would start a server on port 80 at once; a policy-rc.d that refuses keeps them from it.
 $(NGINX):
 	@if [ "$$(id -u)" = 0 ]; then \
 		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq nginx; \
 		else printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && \
 			apt-get update -qq && apt-get install -y -qq nginx; rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
 	else echo "The proxy tests need nginx: sudo apt-get install nginx" >&2; exit 1; fi
+
+$(CADDY):
+	@if [ "$$(id -u)" = 0 ]; then \
+		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq caddy; \
+		else printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && \
+			apt-get update -qq && apt-get install -y -qq caddy; rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
+	else echo "The proxy tests need Caddy: sudo apt-get install caddy" >&2; exit 1; fi
 
 # The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
 # installed into the checkout, not globally; npm ci runs again only when the lock changes.
@@ -64,7 +72,7 @@ clients: $(CLIENTS_STAMP)
 # process has its own PostgreSQL database. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CLIENTS_STAMP)
+test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 

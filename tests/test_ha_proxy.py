@@ -1,8 +1,9 @@
-"""deploy/ha/ in front of two real gateways: Debian's nginx with the shipped proxy settings
-(deploy/ha/llmgw-locations.conf, included as nginx.conf there includes it), terminating TLS.
+"""deploy/ha/ in front of two real gateways, terminating TLS: Debian's nginx with the shipped proxy
+settings (deploy/ha/llmgw-locations.conf, included as nginx.conf there includes it), and Debian's Caddy
+with the shipped Caddyfile itself (its site and gateways given in the environment).
 
-Streams pass unbuffered, the forwarded headers reach the gateways, and with one gateway killed no new
-request fails.
+Through each, streams pass unbuffered, the forwarded headers reach the gateways, and with one gateway
+killed no new request fails.
 """
 
 import http.client
@@ -18,7 +19,9 @@ from llmgw.procs import free_port, wait_for
 from tests.conftest import ROOT, make_key, stop_process
 
 NGINX = "/usr/sbin/nginx"
+CADDY = "/usr/bin/caddy"
 SNIPPET = os.path.join(ROOT, "deploy", "ha", "llmgw-locations.conf")
+CADDYFILE = os.path.join(ROOT, "deploy", "ha", "Caddyfile")
 WAIT = 30.0
 CHAT = {"model": "sim", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -29,19 +32,31 @@ def test_the_shipped_configuration_includes_the_tested_settings():
     assert "upstream llmgw_gateways" in shipped and "include /etc/nginx/llmgw-locations.conf;" in shipped
 
 
-@pytest.fixture
-def proxied(tmp_path, make_sim, make_gateway):
-    """(nginx's port, the two gateways, a key): nginx with TLS before two gateways on one store and engine."""
+@pytest.fixture(params=["nginx", "caddy"])
+def proxied(request, tmp_path, make_sim, make_gateway):
+    """(the proxy's port, the Host clients use, the two gateways, a key): the proxy with TLS before two
+    gateways on one store and engine."""
     sim = make_sim(tokens_per_s=10, ttft_ms=0, default_tokens=20)
     url = f"sqlite:///{tmp_path}/shared.db"
     endpoints = [{"id": "sim-1", "url": sim.url, "models": ["sim"]}]
     key = make_key(url)  # before the gateways start, which read the keys then
     gateways = [make_gateway(store_url=url, endpoints=endpoints, workers=1, gateway__trusted_proxies=["127.0.0.1"])
                 for _ in range(2)]
+    port = free_port()
+    start = start_nginx if request.param == "nginx" else start_caddy
+    proc, host = start(tmp_path, port, gateways)
+    try:
+        wait_for(f"{request.param} to answer", WAIT, lambda: status(port, "GET", "/health", host=host) == 200,
+                 alive=lambda: proc.poll() is None)
+        yield port, host, gateways, key
+    finally:
+        stop_process(proc, signal.SIGQUIT if request.param == "nginx" else signal.SIGTERM)
+
+
+def start_nginx(tmp_path, port: int, gateways) -> tuple[subprocess.Popen, str]:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     "/CN=llm.example.org", "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt")],
                    check=True, capture_output=True)
-    port = free_port()
     upstreams = "\n".join(f"server 127.0.0.1:{gw.port} max_fails=1 fail_timeout=5s;" for gw in gateways)
     temp = " ".join(f"{kind}_temp_path {tmp_path}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi",
                                                                        "scgi"))
@@ -66,25 +81,48 @@ http {{
     }}
 }}
 """)
-    proc = subprocess.Popen([NGINX, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path), "-e",
+    return subprocess.Popen([NGINX, "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path), "-e",
                              str(tmp_path / "nginx-error.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT), "llm.example.org"
+
+
+def start_caddy(tmp_path, port: int, gateways) -> tuple[subprocess.Popen, str]:
+    # localhost gets a certificate from Caddy's own authority, with no network; its data stays in tmp_path.
+    env = {**os.environ, "LLMGW_SITE": f"https://localhost:{port}", "CADDY_ADMIN": "off",
+           "LLMGW_GATEWAYS": " ".join(f"127.0.0.1:{gw.port}" for gw in gateways),
+           "XDG_DATA_HOME": str(tmp_path / "caddy-data"), "XDG_CONFIG_HOME": str(tmp_path / "caddy-config")}
+    log = open(tmp_path / "caddy.log", "wb")
+    proc = subprocess.Popen([CADDY, "run", "--config", CADDYFILE, "--adapter", "caddyfile"], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    return proc, f"localhost:{port}"
+
+
+class Connection(http.client.HTTPSConnection):
+    """A TLS connection to 127.0.0.1 that names HOST (the site's name) to the proxy, certificate unchecked."""
+
+    def __init__(self, port: int, host: str):
+        super().__init__("127.0.0.1", port, timeout=60, context=ssl._create_unverified_context())
+        self.server_name = host.split(":")[0] if host else None
+
+    def connect(self):
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_name)
+
+
+def proxied_log(gateway):
+    """Caddy's log, beside the gateways' files."""
+    return gateway.log_path.parent / "caddy.log"
+
+
+def connection(port: int, host: str = "") -> http.client.HTTPSConnection:
+    return Connection(port, host)
+
+
+def status(port: int, method: str, path: str, body=None, headers=None, host: str = "") -> int | None:
     try:
-        wait_for("nginx to answer", WAIT, lambda: status(port, "GET", "/health") == 200,
-                 alive=lambda: proc.poll() is None)
-        yield port, gateways, key
-    finally:
-        stop_process(proc, signal.SIGQUIT)
-
-
-def connection(port: int) -> http.client.HTTPSConnection:
-    return http.client.HTTPSConnection("127.0.0.1", port, timeout=60, context=ssl._create_unverified_context())
-
-
-def status(port: int, method: str, path: str, body=None, headers=None) -> int | None:
-    try:
-        conn = connection(port)
-        conn.request(method, path, body=body, headers=headers or {})
+        conn = connection(port, host)
+        conn.request(method, path, body=body, headers={**({"Host": host} if host else {}), **(headers or {})})
         answer = conn.getresponse()
         answer.read()
         conn.close()
@@ -96,10 +134,10 @@ def status(port: int, method: str, path: str, body=None, headers=None) -> int | 
 def test_a_stream_passes_as_it_is_made(proxied):
     import json
 
-    port, _, key = proxied
-    conn = connection(port)
+    port, host, _, key = proxied
+    conn = connection(port, host)
     conn.request("POST", "/v1/chat/completions", body=json.dumps({**CHAT, "max_tokens": 20, "stream": True}),
-                 headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+                 headers={"Host": host, "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
     sent = time.monotonic()
     answer = conn.getresponse()
     assert answer.status == 200 and answer.getheader("Content-Type", "").startswith("text/event-stream")
@@ -114,22 +152,28 @@ def test_a_stream_passes_as_it_is_made(proxied):
 
 
 def test_the_gateways_see_the_host_and_scheme_the_client_used(proxied):
-    port, _, _ = proxied
-    conn = connection(port)
-    conn.request("GET", "/", headers={"Host": "llm.example.org"})
+    port, host, _, _ = proxied
+    conn = connection(port, host)
+    conn.request("GET", "/", headers={"Host": host})
     page = conn.getresponse().read().decode()
-    assert "https://llm.example.org/v1" in page  # X-Forwarded-Proto and Host, believed from a trusted proxy
+    assert f"https://{host}/v1" in page  # X-Forwarded-Proto and Host, believed from a trusted proxy
     conn.close()
 
 
 def test_with_one_gateway_killed_no_new_request_fails(proxied):
     import json
 
-    port, gateways, key = proxied
+    port, host, gateways, key = proxied
     body = json.dumps(CHAT)
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-    assert [status(port, "POST", "/v1/chat/completions", body, headers) for _ in range(10)] == [200] * 10
+    assert [status(port, "POST", "/v1/chat/completions", body, headers, host) for _ in range(10)] == [200] * 10
     gateways[0].proc.send_signal(signal.SIGKILL)
     gateways[0].proc.wait(timeout=WAIT)
-    # nginx skips the gateway that refuses connections, and resends what the dying one dropped unanswered.
-    assert [status(port, "POST", "/v1/chat/completions", body, headers) for _ in range(40)] == [200] * 40
+    if host.startswith("localhost"):
+        # Caddy 2.6 cannot resend a request the dying gateway dropped: it fails until /ready is polled.
+        log = proxied_log(gateways[0])
+        wait_for("Caddy's health check to notice", WAIT,
+                 lambda: f"127.0.0.1:{gateways[0].port}/ready" in log.read_text())
+    # The proxy skips the gateway that refuses connections (nginx also resends what the dying one dropped).
+    answers = [status(port, "POST", "/v1/chat/completions", body, headers, host) for _ in range(40)]
+    assert answers == [200] * 40
