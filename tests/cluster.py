@@ -186,8 +186,9 @@ class Traffic:
     a slow answer, and only an error answer (or none) is a failure.
     """
 
-    def __init__(self, url: str, key: str, models=("simmy",)):
-        self.url, self.key, self.models = url + "/v1/chat/completions", key, models
+    def __init__(self, url: str, key: str, models=("simmy",), stream: bool = False):
+        """STREAM: ask for streams, and count one that does not end with `[DONE]` as failed."""
+        self.url, self.key, self.models, self.stream = url + "/v1/chat/completions", key, models, stream
         self.sent = 0
         self.failures: list = []
         self.done = threading.Event()
@@ -197,13 +198,14 @@ class Traffic:
     def _run(self):
         while not self.done.is_set():
             for model in self.models:
-                body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+                body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+                        **({"stream": True} if self.stream else {})}
                 try:
                     status, _, raw = post(self.url, body, self.key, timeout=150)
                 except OSError as e:
                     status, raw = None, str(e).encode()
                 self.sent += 1
-                if status != 200:
+                if status != 200 or (self.stream and not raw.rstrip().endswith(b"data: [DONE]")):
                     self.failures.append((model, status, raw[:300]))
             time.sleep(0.02)
 
