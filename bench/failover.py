@@ -3,7 +3,7 @@
     python bench/failover.py [--agents 3] [--rounds 3] [--ttl 10] [--renew 3] [--out FILE]
 
 Real processes with the default timings (a 10 s lease renewed every 3 s, heartbeats every 5 s): two
-controllers sharing a fresh database on the local PostgreSQL, AGENTS agents each running one engine of a
+controllers sharing a PostgreSQL server of the bench's own, AGENTS agents each running one engine of a
 simulated model, and a gateway with two workers following both controllers, while a client sends one
 request after another through it. Each round kills the leading controller (SIGKILL) and measures, from
 the kill:
@@ -16,7 +16,11 @@ the kill:
 
 and counts the client's failed requests and the engines started anew (both should be 0). The killed
 controller is then started again and stands by for the next round. A last round stops the leader
-cleanly (SIGTERM): it gives the lease up, and the standby takes it at its next renewal.
+cleanly (SIGTERM): it gives the lease up, and the standby takes it at its next renewal. Then the
+database itself is stopped for a while under the same load and started again (the bench runs a
+PostgreSQL of its own for this, tests/pgserver.py): the client goes on being served, the leader
+stands by once its lease runs out and leads again after. At the end every usage row the client's
+requests made is counted in the store: rows lost should be 0.
 
 The baseline is the lease's own promise, lease_ttl + lease_renew_interval, the longest a dead leader
 can hold the cluster; each figure is printed beside it as a ratio. (The Go version measured leadership
@@ -35,8 +39,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psycopg2
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -44,21 +46,11 @@ from llmgw import store  # noqa: E402
 from llmgw.people import keys, limits  # noqa: E402
 from llmgw.procs import wait_for  # noqa: E402
 from tests.cluster import Agent, Controller, Traffic  # noqa: E402
-from tests.conftest import PG_ADMIN, Gateway, post  # noqa: E402
+from tests.conftest import Gateway, count_usage, post  # noqa: E402
+from tests.pgserver import OwnPostgres  # noqa: E402
 
-DATABASE = "llmgw_bench_failover"
 CHAT = {"model": "simmy", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 WAIT = 120.0
-
-
-def fresh_database() -> str:
-    admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{DATABASE}" WITH (FORCE)')
-        cur.execute(f'CREATE DATABASE "{DATABASE}"')
-    admin.close()
-    return PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg2://", 1) + "/" + DATABASE
 
 
 def role(c: Controller) -> str | None:
@@ -76,7 +68,8 @@ def until(what: str, check, since: float) -> float:
 
 class Rig:
     def __init__(self, folder: Path, agents: int, ttl: float, renew: float):
-        self.url = fresh_database()
+        self.database = OwnPostgres()
+        self.url = self.database.url
         timings = {"controller__lease_ttl": ttl, "controller__lease_renew_interval": renew,
                    # The defaults, not the quick ones the tests use.
                    "controller__unreachable_after": 15.0, "controller__lost_after": 60.0,
@@ -99,7 +92,8 @@ class Rig:
         wait_for("every replica ready", WAIT, lambda: len(a.ready("simmy")) == agents)
         engine = store.open_store(self.url)
         try:
-            _, self.free = keys.create_key(engine, "free")
+            record, self.free = keys.create_key(engine, "free")
+            self.free_id = record.id
             record, self.limited = keys.create_key(engine, "limited")
             limits.set_limits(engine, "key", record.id, "bench", rpm=1_000_000)  # never refuses; always asks
         finally:
@@ -146,9 +140,32 @@ class Rig:
         wait_for("the old leader stands by", WAIT, lambda: role(leader) == "standby")
         return figures
 
+    def database_restart(self, down: float) -> dict:
+        """Stop the database for DOWN seconds under load, start it again; what the client saw."""
+        failed, sent = len(self.traffic.failures), self.traffic.sent
+        self.database.stop()
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < down:  # the outage lasts this long, whatever happens meanwhile
+            time.sleep(0.1)
+        self.database.start()
+        back = time.monotonic()
+        figures = {"down": down, "leader_again": until("a controller leading again", lambda: any(
+            c.proc.poll() is None and role(c) == "leader" for c in self.controllers), back)}
+        self.traffic.more(20)
+        figures["failed_requests"] = len(self.traffic.failures) - failed
+        figures["requests"] = self.traffic.sent - sent
+        return figures
+
+    def rows_lost(self) -> int:
+        """Stop the client and the gateway (which writes what it holds); requests made minus rows stored."""
+        served = self.traffic.sent - len(self.traffic.stop())
+        self.gateway.stop()
+        return served - count_usage(self.url, key_id=self.free_id)
+
     def close(self) -> None:
         for thing in reversed(self.made):
             thing.stop()
+        self.database.close()
 
 
 def main() -> None:
@@ -165,6 +182,8 @@ def main() -> None:
         try:
             killed = [rig.round(signal.SIGKILL) for _ in range(args.rounds)]
             stopped = rig.round(signal.SIGTERM)
+            outage = rig.database_restart(args.ttl + 5.0)
+            lost = rig.rows_lost()
         finally:
             rig.close()
     print(f"failover with {args.agents} agents, a {args.ttl:g} s lease renewed every {args.renew:g} s "
@@ -180,10 +199,13 @@ def main() -> None:
     print(f"leader stopped (SIGTERM): leadership moved in {stopped['leadership']:.2f} s "
           f"({stopped['leadership'] / args.renew:.2f} of one renewal interval), "
           f"{stopped['failed_requests']} failed requests")
+    print(f"database stopped {outage['down']:.0f} s under load: {outage['failed_requests']} of {outage['requests']} "
+          f"requests failed; a controller led again {outage['leader_again']:.2f} s after it was back")
+    print(f"usage rows lost over the whole run: {lost}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"ttl": args.ttl, "renew": args.renew, "agents": args.agents, "killed": killed,
-                       "stopped": stopped}, f, indent=2)
+                       "stopped": stopped, "database_restart": outage, "usage_rows_lost": lost}, f, indent=2)
 
 
 if __name__ == "__main__":
