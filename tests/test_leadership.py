@@ -188,7 +188,10 @@ def role(c) -> dict:
     return status["role"], status["leader"]
 
 
-def test_a_standby_refuses_agents_and_says_who_leads(pair):
+def test_a_standby_refuses_agents_and_says_who_leads(pair, tmp_path):
+    from llmgw import settings
+    from llmgw.apiclient import leader_client
+
     controller, agent = pair
     a = controller("a")
     wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
@@ -202,6 +205,10 @@ def test_a_standby_refuses_agents_and_says_who_leads(pair):
     assert refused.value.code == 503 and f"the leader is {leader}" in refused.value.read().decode()
     run = b.ctl("nodes")
     assert run.returncode != 0 and "stands by" in run.stderr
+    # The gateway's pages, given both admin APIs with the standby first, ask the leader's.
+    cfg = settings.load(None, {"controller.keys_dir": str(tmp_path / "keys")})
+    pages = leader_client(cfg, [f"127.0.0.1:{b.admin_port}", f"127.0.0.1:{a.admin_port}"])
+    assert pages.url == f"http://127.0.0.1:{a.admin_port}" and "nodes" in pages.call("GET", "/api/v1/nodes")
 
     n1 = agent("n1", [b, a], a)  # the standby first: it sends the agent to the leader
     wait_for("n1 registered with the leader", WAIT, lambda: a.state("n1") == "ready")
