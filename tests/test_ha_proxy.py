@@ -177,3 +177,21 @@ def test_with_one_gateway_killed_no_new_request_fails(proxied):
     # The proxy skips the gateway that refuses connections (nginx also resends what the dying one dropped).
     answers = [status(port, "POST", "/v1/chat/completions", body, headers, host) for _ in range(40)]
     assert answers == [200] * 40
+
+
+@pytest.mark.parametrize("name", ["controller-a.toml", "gateway.toml", "agent.toml"])
+def test_the_example_configurations_are_valid(tmp_path, name):
+    from llmgw import settings
+
+    # Their secrets are files on the real machines; here, files of the test's own.
+    (tmp_path / "postgres.url").write_text("postgresql://llmgw@db.internal/llmgw\n")
+    (tmp_path / "admin.token").write_text("t" * 43 + "\n")
+    with open(os.path.join(ROOT, "deploy", "ha", name)) as f:
+        text = f.read().replace("@/etc/llmgw/postgres.url", f"@{tmp_path}/postgres.url").replace(
+            "@/etc/llmgw/admin.token", f"@{tmp_path}/admin.token")
+    (tmp_path / name).write_text(text)
+    cfg = settings.load(str(tmp_path / name))
+    if name == "gateway.toml":
+        assert cfg["gateway.controller"] == ["ctl-a.internal:7444", "ctl-b.internal:7444"]
+    if name == "controller-a.toml":
+        assert cfg["controller.lease_ttl"] > cfg["controller.lease_renew_interval"]
