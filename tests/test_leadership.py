@@ -354,3 +354,19 @@ def test_a_key_issued_through_the_other_controller_is_admitted_at_its_first_try(
     # Unknown keys make the ring read the store at most once a second, however many arrive.
     assert not any(ring.callback("llmgw-gateways", b"forged-%d" % i) for i in range(100))
     assert len(reads) == 1
+
+
+def test_keys_read_before_a_revocation_do_not_bring_the_revoked_key_back():
+    from llmgw.control.authenticator import KeyRing
+
+    ring = KeyRing({b"leaked": "n1"}, "node")
+
+    def reload():
+        stale = {b"leaked": "n1"}  # read from the store just before the revocation was made
+        ring.replace({})  # the revocation, on the admin API's thread, lands meanwhile
+        return stale
+
+    ring.reload = reload
+    assert not ring.callback("llmgw", b"unknown")
+    assert ring.node_for(b"leaked") is None
+

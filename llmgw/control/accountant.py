@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import logging
 import math
+import os
 import time
 
 from sqlalchemy.engine import Engine
@@ -123,7 +124,9 @@ class Accountant:
         self.spend: dict[tuple[str, str, float], int] = collections.defaultdict(int)
         self.reserved: dict[tuple[str, str, float], int] = collections.defaultdict(int)
         self.reservations: dict[int, Reservation] = {}
-        self.next_id = 1
+        # Random, not 1: a settle meant for another accountant (one of an earlier term of this controller, at
+        # the same address) must not find a reservation of this one under the same id.
+        self.next_id = int.from_bytes(os.urandom(5), "big") + 1
 
     def spent(self, counter: str, period: str, now: float | None = None) -> int:
         now = self.clock() if now is None else now

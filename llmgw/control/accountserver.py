@@ -138,9 +138,14 @@ class AccountServer:
         if not self.lease.held():
             return True
         if self.lease.term != self.term:
-            self.term = self.lease.term
             if self.fresh is not None:
-                self.accountant = self.fresh()
+                try:
+                    self.accountant = self.fresh()
+                except Exception as e:  # the store failing as the term starts: answer nothing until it does not
+                    log.warning("cannot rebuild the accountant from the store yet (%s); gateways wait meanwhile",
+                                str(e).splitlines()[0])
+                    return True
+            self.term = self.lease.term
         return False
 
     def _take(self, frames: list[zmq.Frame]) -> None:

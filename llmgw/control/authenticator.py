@@ -42,11 +42,17 @@ class KeyRing:
         self.kind = kind
         self.reload = reload
         self.reloaded = 0.0
+        self.generation = 0  # how many times the keys were replaced
         self.lock = threading.Lock()
 
-    def replace(self, keys: dict[bytes, str]) -> None:
+    def replace(self, keys: dict[bytes, str], unless_replaced_since: int | None = None) -> None:
+        """Take KEYS; with UNLESS_REPLACED_SINCE (a generation), only if nothing replaced them since: keys read
+        from the store before a revocation must not bring the revoked key back."""
         with self.lock:
+            if unless_replaced_since is not None and self.generation != unless_replaced_since:
+                return
             self.keys = dict(keys)
+            self.generation += 1
 
     def node_for(self, z85_key: bytes) -> str | None:
         return self.keys.get(z85_key)
@@ -56,8 +62,9 @@ class KeyRing:
         allowed = z85_key in self.keys
         if not allowed and self.reload is not None and time.monotonic() - self.reloaded > RELOAD_EVERY:
             self.reloaded = time.monotonic()
+            generation = self.generation
             try:
-                self.replace(self.reload())
+                self.replace(self.reload(), unless_replaced_since=generation)
             except sa.exc.SQLAlchemyError as e:
                 log.warning("could not read the issued %s keys from the store: %s", self.kind, str(e).splitlines()[0])
             allowed = z85_key in self.keys
