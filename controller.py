@@ -30,7 +30,7 @@ from llmgw.control.agentserver import AgentServer
 from llmgw.control.catalog import Catalog, CatalogError
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
-from llmgw.control.lease import Lease
+from llmgw.control.lease import TRUSTED, Lease
 from llmgw.control.loop import ControlLoop, Outbox, ReconcileReport
 from llmgw.control.publisher import DemandInbox, KeyPusher, Publisher
 from llmgw.control.reconciler import Demand, Replicas
@@ -88,11 +88,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     # Each socket gateways use admits only gateway keys (or anyone, in plaintext mode).
     gateway_keys = None if plaintext else (keypair, authenticator.GATEWAYS)
 
-    if cfg["controller.lease_renew_interval"] >= cfg["controller.lease_ttl"]:
+    if cfg["controller.lease_renew_interval"] >= cfg["controller.lease_ttl"] * TRUSTED:
         raise click.ClickException(
             f"controller.lease_renew_interval ({cfg['controller.lease_renew_interval']:g} s) must be shorter than "
-            f"controller.lease_ttl ({cfg['controller.lease_ttl']:g} s), or the leader loses its lease between "
-            f"renewals (in {cfg.source})")
+            f"{TRUSTED:.0%} of controller.lease_ttl ({cfg['controller.lease_ttl']:g} s), the part of it a leader "
+            f"trusts, or the leader loses its lease between renewals (in {cfg.source})")
     lease = Lease(engine, cfg["controller.address"] or addresses.advertised(cfg["controller.agent_listen"],
                                                                              "controller.agent_listen"),
                   cfg["controller.lease_ttl"])

@@ -282,8 +282,9 @@ SETTINGS: tuple[Setting, ...] = (
             "on one store, a leader that dies is replaced within this plus `controller.lease_renew_interval`; one "
             "that cannot reach the store stops acting when it runs out.", minimum=0.5),
     Setting("controller.lease_renew_interval", "float", 3.0,
-            "Seconds between renewals of the leader lease, and between a standby's tries to take it. Keep it well "
-            "under `controller.lease_ttl`, so that a slow store or a busy machine does not cost the lease.",
+            "Seconds between renewals of the leader lease, and between a standby's tries to take it. It must be "
+            "under three quarters of `controller.lease_ttl` (the part a leader trusts its lease for), and well "
+            "under, so that a slow store or a busy machine does not cost the lease.",
             minimum=0.05),
     Setting("guard.model", "str", "",
             "The judge that checks every model's traffic: a catalog model with `role = \"guard\"` that speaks Llama "

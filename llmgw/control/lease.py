@@ -11,8 +11,9 @@ The owner is a random id made at each start, never the host name: a restarted
 controller must not find its old lease and believe it led all along.
 
 A leader measures its lease on its own monotonic clock from the moment it sent
-the statement that renewed it, which is before the database set the expiry, so
-it stops believing it leads no later than the database lets another take over.
+the statement that renewed it, which is before the database set the expiry, and
+trusts it for three quarters of the TTL, so it stops believing it leads well
+before the database lets another take over.
 It leads while `held()`: a controller that cannot reach the store keeps acting
 until then, and stops; one that was paused (SIGSTOP) past its TTL finds on
 waking that `held()` is false before it does anything, because every action
@@ -39,6 +40,9 @@ from llmgw import store
 log = logging.getLogger("llmgw.lease")
 
 NAME = "controller"
+# The share of the TTL a leader trusts its lease for: the rest covers what happens between asking `held()`
+# and acting on the answer (a poll, a pass), and a clock that stood still (a suspended VM).
+TRUSTED = 0.75
 
 
 class Lease:
@@ -102,7 +106,7 @@ class Lease:
                     self.term += 1
                     log.info("leading: took the leader lease (owner %s, %s, term %d)", self.owner, self.address,
                              self.term)
-                self.valid_until = sent + self.ttl
+                self.valid_until = sent + self.ttl * TRUSTED
                 self.leader = self.address
             else:
                 if self.valid_until:
