@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -202,7 +203,7 @@ class Traffic:
                         **({"stream": True} if self.stream else {})}
                 try:
                     status, _, raw = post(self.url, body, self.key, timeout=150)
-                except OSError as e:
+                except (OSError, http.client.HTTPException) as e:  # a worker killed mid-answer: a failure, not the end
                     status, raw = None, str(e).encode()
                 self.sent += 1
                 if status != 200 or (self.stream and not raw.rstrip().endswith(b"data: [DONE]")):
