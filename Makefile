@@ -42,19 +42,14 @@ $(SYSTEMD_ANALYZE):
 
 # deploy/ha's proxy settings are tested with Debian's nginx and Caddy in front of two gateways. Their
 # packages would start a server on port 80 at once; a policy-rc.d that refuses keeps them from it.
-$(NGINX):
+$(NGINX): PACKAGE = nginx
+$(CADDY): PACKAGE = caddy
+$(NGINX) $(CADDY):
 	@if [ "$$(id -u)" = 0 ]; then \
-		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq nginx; \
+		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq $(PACKAGE); \
 		else printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && \
-			apt-get update -qq && apt-get install -y -qq nginx; rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
-	else echo "The proxy tests need nginx: sudo apt-get install nginx" >&2; exit 1; fi
-
-$(CADDY):
-	@if [ "$$(id -u)" = 0 ]; then \
-		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq caddy; \
-		else printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && \
-			apt-get update -qq && apt-get install -y -qq caddy; rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
-	else echo "The proxy tests need Caddy: sudo apt-get install caddy" >&2; exit 1; fi
+			apt-get update -qq && apt-get install -y -qq $(PACKAGE); rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
+	else echo "The proxy tests need $(PACKAGE): sudo apt-get install $(PACKAGE)" >&2; exit 1; fi
 
 # The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
 # installed into the checkout, not globally; npm ci runs again only when the lock changes.

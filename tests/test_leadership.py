@@ -217,13 +217,19 @@ def test_a_standby_refuses_agents_and_says_who_leads(pair, tmp_path):
     wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
 
 
-def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
+def leader_standby_and_node(pair):
+    """Controller a leading, b standing by, and node n1 (given both, a first) with a's replica running."""
     controller, agent = pair
     a = controller("a")
     wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
     b = controller("b")
     n1 = agent("n1", [a, b], a)
     wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    return a, b, n1
+
+
+def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
+    a, b, n1 = leader_standby_and_node(pair)
     shard = a.ready("simmy")[0]["shard_id"]
     engines = n1.engines()
     assert len(engines) == 1
@@ -245,12 +251,7 @@ def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
 
 
 def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
-    controller, agent = pair
-    a = controller("a")
-    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
-    b = controller("b")
-    n1 = agent("n1", [a, b], a)
-    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    a, b, n1 = leader_standby_and_node(pair)
     engines = n1.engines()
 
     a.proc.send_signal(signal.SIGSTOP)
