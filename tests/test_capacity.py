@@ -1,6 +1,7 @@
-"""A replica's measured capacity: where the figure is kept, and how admission holds it.
+"""A replica's measured capacity: the bench's search, where the figure is kept, and how admission holds it.
 
-The saved figure is followed from the store through the catalog and the
+The search is tried on an engine whose figures follow a closed loop's queueing (N requests run at once,
+the rest wait their turn); the saved figure is followed from the store through the catalog and the
 snapshot to a gateway worker's router; and a request naming its replica, as the bench's do, is tried
 through a real gateway with an administrator's key and with others. `tests/test_bench.py` runs the
 bench itself as an operator does, on real processes.
@@ -9,10 +10,12 @@ bench itself as an operator does, on real processes.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
 from llmgw import store
+from llmgw.cli import benchload, ramp
 from llmgw.control import capacity, catalog, publisher
 from llmgw.control.reconciler import Replica
 from llmgw.gateway.balancer import ReplicaState, Router
@@ -25,6 +28,89 @@ from llmgw.wire import gateways
 from tests.conftest import make_key, post
 
 STALE = 5.0
+
+
+def queueing_engine(slots: int, ttft: float, duration: float, noise: float = 0.0, seed: int = 1,
+                    rounds: bool = False):
+    """What a closed loop measures of an engine running SLOTS requests at once, each taking DURATION (TTFT
+    to the first token), the rest waiting in turn: past SLOTS every request waits (C - SLOTS) / SLOTS of a
+    request's time, and the requests a second stay at SLOTS / DURATION. ROUNDS: as the sim does with
+    requests that all take the same time, they run in lock-step rounds, and C - SLOTS of every C wait a
+    whole DURATION while the others do not wait at all (the p90 sees it only past a tenth)."""
+    rng = random.Random(seed)
+
+    def measure(level: int) -> ramp.Level:
+        wait = max(0, level - slots) / slots * duration
+        jitter = 1 + rng.uniform(-noise, noise)
+        latency = (duration + wait) * jitter
+        first = ttft + wait
+        if rounds:
+            first = ttft + (duration if max(0, level - slots) / level > 0.1 else 0.0)
+        return ramp.Level(concurrency=level, samples=max(20, 2 * level), failed=0, ttft=first * jitter,
+                          tpot=0.02 * jitter, requests_per_s=level / latency, tokens_per_s=level / latency * 32)
+    return measure
+
+
+def search(measure, slo: ramp.SLO, most: int = 512) -> ramp.Ramp:
+    found = ramp.Ramp(slo, most)
+    while (level := found.next_level()) is not None:
+        found.record(measure(level))
+    return found
+
+
+@pytest.mark.parametrize("rounds", [False, True])
+@pytest.mark.parametrize("slots", [1, 2, 3, 4, 5, 7, 8, 13, 32, 50, 100, 300])
+def test_the_search_finds_an_engines_capacity_within_ten_percent(slots, rounds):
+    duration = 1.0
+    # An SLO that a wait of 2% of a request breaks: above the engine's capacity by 5% (the search's
+    # precision) every request waits 5% of one. In rounds, where the p90 misses a queue of fewer than a
+    # tenth, the throughput that stopped rising is what breaks the level.
+    slo = ramp.SLO(ttft=0.05 + 0.02 * duration, tpot=0.1)
+    found = search(queueing_engine(slots, 0.05, duration, noise=0.005, seed=slots, rounds=rounds), slo)
+    assert slots * 0.9 <= found.capacity <= slots * 1.1, [(lv.concurrency, why) for lv, why in found.levels]
+    if slots < 1 / ramp.PRECISION and not rounds:
+        assert found.capacity == slots  # narrowed to one request: the last level that held, not one past it
+    assert len(found.levels) <= 2 * max(1, slots).bit_length() + 2  # doubling, then halving the gap
+
+
+def test_not_even_one_at_a_time_is_an_answer_and_the_most_tried_is_said():
+    slow = search(queueing_engine(4, ttft=3.0, duration=5.0), ramp.SLO(ttft=2.0, tpot=0.1))
+    assert slow.capacity == 0 and [lv.concurrency for lv, _ in slow.levels] == [1]
+    assert "not even 1 request at a time" in slow.conclusion() and "time to first token p90 was 3.000 s" in slow.conclusion()
+    roomy = search(queueing_engine(1000, 0.05, 1.0), ramp.SLO(ttft=2.0, tpot=0.1), most=48)
+    assert roomy.capacity == 48 and "the most this run tried" in roomy.conclusion()
+    assert [lv.concurrency for lv, _ in roomy.levels] == [1, 2, 4, 8, 16, 32, 48]
+
+
+def test_a_loose_slo_stops_where_concurrency_no_longer_buys_throughput():
+    # Every request waits past the engine's 6 slots, but an SLO of a minute never notices: the search stops
+    # because 16 at once served no more than 8 did, and reports a level that still brought throughput.
+    found = search(queueing_engine(6, 0.05, 1.0), ramp.SLO(ttft=60.0, tpot=1.0))
+    assert 6 <= found.capacity < 12
+    assert "the requests added mostly waited" in found.why
+
+
+def test_a_failed_request_breaks_its_level_and_says_what_failed():
+    level = ramp.Level(8, 10, 1, 0.1, 0.02, 5.0, 100.0, failure="HTTP 502 upstream_error")
+    assert ramp.judge(level, ramp.SLO(2.0, 0.1), None) == "1 of 11 requests failed: HTTP 502 upstream_error"
+    tpot = ramp.Level(8, 10, 0, 0.1, 0.25, 5.0, 100.0)
+    assert ramp.judge(tpot, ramp.SLO(2.0, 0.1, 99), None) == "time per output token p99 was 250.0 ms, over the SLO's 100 ms"
+
+
+def test_a_level_is_timed_from_the_streams_tokens_and_no_prompt_is_cached(make_sim):
+    sim = make_sim(model="m", ttft_ms=20, tokens_per_s=100)
+    level = benchload.measure(benchload.Target(sim.url, "k", "m", "r", 10, 5, 30), 2, 4, 90)
+    assert (level.concurrency, level.samples, level.failed) == (2, 4, 0), level
+    assert 0.02 <= level.ttft < 1.0 and 0.009 < level.tpot < 0.2 and level.tokens_per_s > 0
+    figures = sim.metrics()
+    assert figures["llmgw_sim_requests_total"] == 6  # each client's first request is sent, not measured
+    assert figures["vllm:prefix_cache_hits_total"] == 0  # every prompt starts where no other did
+    with pytest.raises(benchload.Refused, match=r"refused the bench's request \(404\): The model `other`"):
+        benchload.measure(benchload.Target(sim.url, "k", "other", "r", 10, 5, 30), 1, 3, 90)
+    sim.stop()
+    down = benchload.measure(benchload.Target(sim.url, "k", "m", "r", 10, 5, 30), 1, 3, 90)
+    assert down.failed == 1 and "the connection to the gateway failed" in down.failure
+    assert "1 of 1 requests failed" in ramp.judge(down, ramp.SLO(2.0, 0.1), None)
 
 
 # --- the limit a gateway worker holds a replica to ------------------------------------------------------
