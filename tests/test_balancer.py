@@ -82,6 +82,15 @@ def test_a_conversation_sticks_to_one_replica_and_conversations_spread():
     assert len(spread) == 4 and min(spread.values()) >= 25, spread
 
 
+def test_conversations_go_first_to_replicas_in_proportion_to_their_weight():
+    rs = replicas(2, weights=[3.0, 1.0])
+    rng = random.Random(2)
+    # Every replica idle, so each conversation's first choice takes it, whatever its load per weight.
+    first = collections.Counter(choose("prefix", rs, 0.0, STALE, conversation(i), True, 100.0, rng).spec.id
+                                for i in range(2000))
+    assert 1400 <= first["r0"] <= 1600, first
+
+
 def test_a_conversation_stays_until_its_replica_is_loaded_past_the_bound_then_spills_to_its_second_choice():
     rs = replicas(4)
     rng = random.Random(5)

@@ -8,16 +8,17 @@
   least loaded" makes every worker stampede the same replica between two
   metric reads; the power of two choices keeps queues short without either.
 - `prefix`: a request that continues a conversation goes where its history is
-  cached. The replicas are ranked for the conversation's key by rendezvous
-  hashing (every worker of every gateway ranks them alike, and removing one
-  moves only its own conversations), and the first one loaded no more than
+  cached. The replicas are ranked for the conversation's key by weighted
+  rendezvous hashing (every worker of every gateway ranks them alike, removing
+  one moves only its own conversations, and each comes first for a share of
+  the conversations in proportion to its weight), and the first one loaded no more than
   `affinity_factor` times the least loaded one, or one request more, takes
   it. Past that bound the next in the ranking is tried, so a conversation
   spilled off a busy replica keeps landing on the same second one and finds
   its history there too. A conversation's first request (nothing after its
-  first user message) has nothing cached anywhere that every replica lacks,
-  so it goes to the first in its ranking among the least loaded: no request
-  waits for affinity that cannot pay it back. A request without a key (an
+  first user message) has nothing cached on one replica that the others
+  lack, so it goes to the first in its ranking among the least loaded: no
+  request waits for affinity that cannot pay it back. A request without a key (an
   embedding, a prompt that is not text) is routed by load.
 - `round-robin`: each replica in turn, in proportion to its weight (smooth
   weighted round-robin). Offered for comparison and for engines whose load
@@ -34,6 +35,7 @@ ignored: routing on an old queue length is worse than routing on what we know.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import zlib
 
@@ -111,13 +113,19 @@ def affinity_key(pieces: list[bytes]) -> int | None:
     return key if any(pieces) else None
 
 
-def _rendezvous(key: int, replica: ReplicaState) -> int:
-    """REPLICA's score for KEY, the highest first: both mixed by splitmix64's finaliser, which spreads any
-    change of either over every bit, so each key ranks the replicas in an order of its own."""
+def _rendezvous(key: int, replica: ReplicaState) -> float:
+    """REPLICA's score for KEY, the highest first.
+
+    Both are mixed by splitmix64's finaliser, which spreads any change of either
+    over every bit, so each key ranks the replicas in an order of its own; the
+    result, read as a number u in (0, 1), scores -weight / ln(u), which puts a
+    replica first for a share of the keys in proportion to its weight.
+    """
     x = (key * 0x9E3779B97F4A7C15 ^ replica.seed) & MASK64
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
-    return x ^ (x >> 31)
+    x ^= x >> 31
+    return -replica.spec.weight / math.log((x + 1) / (MASK64 + 2))
 
 
 def choose(policy: str, candidates: list[ReplicaState], now: float, stale_after: float, key: int | None,
