@@ -2,14 +2,18 @@
 
     python bench/loadgen.py --url http://127.0.0.1:8080 --key sk-... --model sim [--api chat] \
         [--stream] [--concurrency 1] [--requests N | --duration S] [--max-tokens 16] \
-        [--conversations TURNS [--system-words W] [--user-words W]] [--warmup S]
+        [--conversations TURNS [--system-words W] [--user-words W]] [--spread F] [--warmup S]
 
 Every request is the same one, or, with --conversations, each client holds
 conversations of TURNS turns one after another: a system prompt every
 conversation shares, then each turn a user message of words no other request
 has, and the answer sent back as the assistant's message, so a conversation's
 history grows as a chat client's does. One turn and no system prompt is a load
-in which no two requests share a prefix.
+in which no two requests share a prefix. --spread F asks each conversation's
+turns for a number of tokens drawn between (1 - F) and (1 + F) times
+--max-tokens: answers vary in length, as real ones do, and clients fall out of
+the lockstep in which round-robin sent every client's next turn to the replica
+of its last.
 
 Prints one JSON object: requests sent, answered, failed (with a sample of the
 errors), latency and time to first byte percentiles (and the mean) in
@@ -26,6 +30,7 @@ monkey.patch_all()
 import argparse  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
+import random  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -90,6 +95,8 @@ def main(argv=None):
                         help="hold conversations of TURNS turns (chat only) instead of sending one body")
     parser.add_argument("--system-words", type=int, default=0, help="the system prompt every conversation shares")
     parser.add_argument("--user-words", type=int, default=32, help="each turn's user message")
+    parser.add_argument("--spread", type=float, default=0.0, help="with --conversations: vary each answer's "
+                        "length by up to this fraction of --max-tokens")
     parser.add_argument("--warmup", type=float, default=0.0, help="seconds whose requests are not counted")
     args = parser.parse_args(argv)
     if args.conversations and (args.api != "chat" or not args.duration or args.requests):
@@ -146,13 +153,15 @@ def main(argv=None):
                 one()
             return
         system = [{"role": "system", "content": words("s", args.system_words)}] if args.system_words else []
+        draw = random.Random(client)  # the same lengths in every run
         for number in itertools.count():
             messages = list(system)
             for turn in range(args.conversations):
                 if not more():
                     return
                 messages.append({"role": "user", "content": words(f"c{client}n{number}t{turn}w", args.user_words)})
-                answer = one(json.dumps({**make_body(args.model, args.max_tokens, args.stream),
+                limit = max(1, round(args.max_tokens * draw.uniform(1 - args.spread, 1 + args.spread)))
+                answer = one(json.dumps({**make_body(args.model, limit, args.stream),
                                          "messages": messages}).encode(), keep=True)
                 if answer is None:
                     break  # a conversation whose turn failed is left; the next starts afresh

@@ -9,26 +9,27 @@ set in its configuration, everything else at its defaults), and
 sending its next request when the last is answered. Two workloads:
 
 - multi-turn: conversations of 8 turns, one after another on each client:
-  a system prompt of 400 words every conversation shares, then each turn a
-  user message of 60 new words, the 24-token answer sent back the next turn
-  (the history grows to about 1,100 tokens);
+  a system prompt of 200 words every conversation shares, then each turn a
+  user message of 40 new words, and the answer (60 to 180 tokens) sent back
+  the next turn, so the history grows to about 1,300 tokens;
 - no-overlap: single requests of 400 words that share nothing, not even a
-  first word.
+  first word, answered in 60 to 180 tokens.
 
-Each replica times its answers as a GPU would shape them: 20 ms to the first
-token, plus 0.2 ms for each prompt token not in its prefix cache, prefills
-one at a time; then 50 tokens a second. Its cache holds 8,192 tokens: the
-live conversations' histories fit in the four caches together, not in each
-one, which is what routing by conversation exploits (a GPU holds more tokens,
-and serves more conversations). `llmgw sim --help` says what it models.
+Each replica times its answers as a GPU shapes them: 20 ms to the first token,
+plus 0.5 ms for each prompt token not in its prefix cache, prefills one at a
+time; then 50 tokens a second. Its cache holds 8,192 tokens: the live
+conversations' histories fit in the four caches together, not in each one,
+which is what routing by conversation exploits (a GPU holds more tokens, and
+serves more conversations). `llmgw sim --help` says what it models.
 
 Reported, over what follows a warm-up: the mean and p95 time to first token
 (the first byte of each stream), each beside round-robin's from the same run
 as a ratio; the balance, the largest of the replicas' mean requests in flight
 (waiting and running, read from their /metrics four times a second) over the
-smallest; the share of prompt tokens found in a cache; failures. The aims
-(issue 13): prefix at least 40% below round-robin's mean on multi-turn, no
-worse than least-load on no-overlap, balance within 1.5.
+smallest; the share of prompt tokens found in a cache; failures; and what the
+policy's check and choice cost a worker, in this process. The aims (issue 13):
+prefix at least 40% below round-robin's mean on multi-turn, no worse than
+least-load on no-overlap, balance within 1.5.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ REPLICAS = 4
 SIM = {"ttft_ms": 20, "tokens_per_s": 50, "prefill_ms_per_token": 0.5, "prefix_cache_tokens": 8192}
 ANSWER_TOKENS = 120
 WORKLOADS = {
-    "multi-turn": {"conversations": 8, "system_words": 200, "user_words": 40},
-    "no-overlap": {"conversations": 1, "system_words": 0, "user_words": 400},
+    "multi-turn": {"conversations": 8, "system_words": 200, "user_words": 40, "spread": 0.5},
+    "no-overlap": {"conversations": 1, "system_words": 0, "user_words": 400, "spread": 0.5},
 }
 SAMPLE_EVERY = 0.25  # seconds between reads of the replicas' requests in flight
 
