@@ -121,6 +121,7 @@ def _leading(messages: list, prefix_bytes: int) -> list[bytes]:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(p["text"] for p in content if p["type"] == "text")  # bodycheck made each part whole
+        # Cut in characters before encoding (as many bytes, for ASCII), so a long message is never copied whole.
         pieces.append(content[:prefix_bytes].encode("utf-8", "surrogatepass") if isinstance(content, str) else b"")
         if message.get("role") == "user":
             break
