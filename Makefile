@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
 	$(BIN)/python bench/failover.py
+	$(BIN)/python bench/routing.py
 
 clean:
 	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -49,6 +49,7 @@ GUARD_CHECKS = ("prompts", "answers", "both", "none")
 GUARD_FAILS = ("closed", "open")
 GUARD_KEYS = {"model": str, "check": GUARD_CHECKS, "fail": GUARD_FAILS}
 ROLES = ("guard",)  # a model's `role`: a guard judge is never offered to clients
+ROUTING_POLICIES = ("prefix", "least-load", "round-robin")  # llmgw/gateway/balancer.py says what each does
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
@@ -185,12 +186,19 @@ SETTINGS: tuple[Setting, ...] = (
             "counted.", minimum=0),
     Setting("routing.attempts", "int", 3,
             "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
+    Setting("routing.policy", "str", "prefix",
+            "How a replica is chosen: `prefix` sends a conversation's later turns to the replica that has its history "
+            "cached, while that replica is not loaded past `routing.affinity_factor`, and everything else by load; "
+            "`least-load` the less loaded of two replicas drawn at random; `round-robin` each in turn, by weight, "
+            "whatever their load (for comparison).", check=_one_of(ROUTING_POLICIES)),
     Setting("routing.affinity_factor", "float", 1.25,
-            "A request goes to the replica that saw its prompt prefix while that replica is no busier than this many times "
-            "the least loaded one (or one request more, whichever allows more).", minimum=1.0),
+            "With the `prefix` policy, a conversation stays on its replica while that replica is no busier than this "
+            "many times the least loaded one (or one request more, whichever allows more); past it, the turn goes to "
+            "the conversation's next choice.", minimum=1.0),
     Setting("routing.affinity_prefix_bytes", "int", 2048,
-            "How much of a chat's first message (or a completion's prompt) decides which replica has it cached. "
-            "0 turns affinity off.", minimum=0),
+            "How much of each of a chat's leading messages (those up to its first user message), or of a completion's "
+            "prompt, names the conversation for the `prefix` policy. 0: no request is named, so all go by load.",
+            minimum=0),
     Setting("routing.metrics_interval", "float", 1.0,
             "Seconds between reads of each engine's `/metrics` (waiting and running requests, KV cache use).",
             minimum=0.05),

@@ -57,7 +57,7 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import admission, apirequest, balancer, guard, metering, promptcount, routes
+from llmgw.gateway import admission, apirequest, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI, encode
@@ -164,7 +164,8 @@ class Proxy:
         self.rt = runtime
         cfg = runtime.cfg
         self.max_body = cfg["gateway.max_body_bytes"]
-        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"]
+        # Only the prefix policy reads a conversation's key: under the others none is made.
+        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"] if cfg["routing.policy"] == "prefix" else 0
         self.attempts = cfg["routing.attempts"]
         self.first_byte = cfg["timeouts.first_byte"]
         self.idle = cfg["timeouts.idle"]
@@ -503,13 +504,12 @@ class Proxy:
         router = rt.router
         path = apirequest.PATHS[req.kind]
         body = req.upstream_body(model.name)
-        affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
         deadline = time.monotonic() + self.total
         tried: set[str] = set()
         failure: UpstreamError | None = None
         engine_time = 0.0
         for _ in range(self.attempts if pin is None else 1):
-            replica = pin or router.pick(model.name, time.monotonic(), affinity, tried)
+            replica = pin or router.pick(model.name, time.monotonic(), req.affinity, tried, req.follows)
             if replica is None:
                 break
             if failure is not None:

@@ -49,7 +49,7 @@ class Runtime:
         self.metrics = GatewayMetrics()
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
                              cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target,
-                             max_outstanding=cfg["routing.max_outstanding"])
+                             max_outstanding=cfg["routing.max_outstanding"], policy=cfg["routing.policy"])
         self.pool = Pool(cfg["timeouts.connect"])
         # Read once at start; then pushed by the controller, or (without one) read again when they change.
         self.keys = KeyTable.from_message(key_source.key_set(engine))
