@@ -142,7 +142,7 @@ class Prometheus(Server):
         return answer["data"]
 
     def query(self, expr: str) -> list[dict]:
-        """The instant vector EXPR is now: a list of {"metric": labels, "value": [time, "text"]}."""
+        """EXPR now: its series, each {"metric": labels, "value": [time, "text"]}, or "values" for a range."""
         return self.api("query", query=expr)["result"]
 
     def value(self, expr: str) -> float | None:
