@@ -19,10 +19,8 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-import gevent  # noqa: E402
-from gevent.pool import Pool as GreenletPool  # noqa: E402
-
 from llmgw.gateway.upstream import Pool, Target, UpstreamError  # noqa: E402
+from llmgw.loadloop import closed_loop, percentile  # noqa: E402
 from llmgw.procs import raise_fd_limit  # noqa: E402
 
 # The client APIs it speaks: the path, the body of one request, and what ends a whole stream.
@@ -37,13 +35,6 @@ APIS = {
         "model": model, "max_tokens": limit, "stream": stream, "messages": [{"role": "user", "content": "benchmark"}]},
         (b"event: message_stop",)),
 }
-
-
-def percentile(values, p):
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 def main(argv=None):
@@ -94,27 +85,19 @@ def main(argv=None):
         latencies.append(time.perf_counter() - started)
         ttfbs.append(first if first is not None else latencies[-1])
 
-    def worker():
-        while True:
-            if args.requests:
-                if state["sent"] >= args.requests:
-                    return
-            elif time.monotonic() >= deadline:
-                return
-            state["sent"] += 1
-            one()
+    def next_one() -> bool:
+        # Greenlets switch only on I/O, so the count needs no lock.
+        if args.requests:
+            if state["sent"] >= args.requests:
+                return False
+        elif time.monotonic() >= deadline:
+            return False
+        state["sent"] += 1
+        one()
+        return True
 
-    started = time.perf_counter()
-    if args.requests and args.concurrency >= args.requests:
-        # Everything at once: the concurrency test's shape.
-        group = GreenletPool(args.requests)
-        for _ in range(args.requests):
-            state["sent"] += 1
-            group.spawn(one)
-        group.join()
-    else:
-        gevent.joinall([gevent.spawn(worker) for _ in range(args.concurrency)])
-    elapsed = time.perf_counter() - started
+    # With as many clients as requests, every request is sent at once: the concurrency test's shape.
+    elapsed = closed_loop(min(args.concurrency, args.requests) if args.requests else args.concurrency, next_one)
     pool.close()
     ms = lambda v: round(v * 1000, 3) if v is not None else None  # noqa: E731
     result = {

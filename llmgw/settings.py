@@ -180,7 +180,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds one request may take in all, streaming included.", minimum=0.001),
     Setting("routing.max_outstanding", "int", 0,
             "Requests one worker sends a replica at once; past it on every replica, requests wait in the admission "
-            "queue (`gateway.queue_size`). 0: no limit (only an engine's 429 makes requests wait).", minimum=0),
+            "queue (`gateway.queue_size`). 0: no limit (only an engine's 429 makes requests wait). A replica whose "
+            "profile was measured (`llmgw ctl bench --save`) is held to that figure instead, everyone's requests "
+            "counted.", minimum=0),
     Setting("routing.attempts", "int", 3,
             "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
     Setting("routing.affinity_factor", "float", 1.25,

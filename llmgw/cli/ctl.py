@@ -15,6 +15,7 @@ import sys
 import click
 
 from llmgw.apiclient import ApiClient, ApiError, admin_client
+from llmgw.cli.bench import bench, capacity
 from llmgw.cli.tables import human_bytes, print_table
 
 
@@ -39,6 +40,10 @@ def ctl(ctx, admin_url):
     cfg = ctx.obj.config()
     ctx.obj.admin = Admin(admin_client(cfg, admin_url or cfg["controller.admin_listen"],
                                        "Is controller.py running on this machine? Give --admin URL otherwise."))
+
+
+ctl.add_command(bench)
+ctl.add_command(capacity)
 
 
 @ctl.command()

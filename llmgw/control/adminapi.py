@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from llmgw import __version__, apiguard, settings, store
 from llmgw.control import curvekeys, placement, weightsview
 from llmgw.control.authenticator import KeyRing
+from llmgw.control.capacity import CapacityError
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
@@ -107,6 +108,10 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def catalog_error(e):
         return error(400, str(e))
 
+    @app.errorhandler(CapacityError)
+    def capacity_error(e):
+        return error(400, str(e))
+
     def replica_rows() -> list[dict]:
         models = catalog.models()
         rows = []
@@ -114,9 +119,11 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             model = models.get(r.model)
             current = {model.fingerprint(p) for p in model.profiles} if model else set()
             stale = r.profile_fp is not None and r.profile_fp not in current
+            profile = catalog.profile_of(r.model, r.profile_fp)
             rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
                          "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
-                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1)})
+                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1),
+                         "profile": profile.name if profile else None})
         return rows
 
     @app.get("/api/v1/models")
@@ -163,6 +170,37 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         model = catalog.scale(name, body.get("min"), body.get("max"))
         report.kick()
         return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
+
+    @app.put("/api/v1/models/<name>/capacity")
+    def save_capacity(name):
+        """A measurement of one replica (`llmgw ctl bench --save`), filed under the profile it runs; PUT, since
+        measuring again replaces it."""
+        body = apiguard.json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("replica"), str):
+            return error(400, 'send {"replica": ID, "max_in_flight": N, ...} (llmgw ctl bench --save does)')
+        if name not in catalog.models():
+            return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
+        replica = next((r for r in replicas.snapshot() if r.shard_id == body["replica"] and r.model == name), None)
+        if replica is None:
+            return error(404, f"{name} has no replica {body['replica'][:200]!r} now; `llmgw ctl replicas --model "
+                              f"{name}` lists them, and a measurement is saved while its replica runs")
+        saved = catalog.save_capacity(name, replica.profile_fp, body.get("max_in_flight"), body)
+        return jsonify(saved.to_dict(saved.fingerprint))
+
+    @app.delete("/api/v1/models/<name>/capacity")
+    def forget_capacity(name):
+        profile = request.args.get("profile")
+        dropped = catalog.forget_capacity(name, profile)
+        if not dropped:
+            what = f"profile {profile!r} of {name}" if profile else name
+            return error(404, f"nothing was measured of {what}; `llmgw ctl capacity` lists what was")
+        return jsonify({"model": name, "profile": profile, "forgotten": dropped})
+
+    @app.get("/api/v1/capacity")
+    def capacities():
+        rows = [cap.to_dict(catalog.current_fingerprint(cap.model, cap.profile))
+                for _, cap in sorted(catalog.capacities.items())]
+        return jsonify({"capacities": rows})
 
     @app.get("/api/v1/models/<name>/placement")
     def explain_placement(name):

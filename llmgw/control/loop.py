@@ -235,7 +235,8 @@ class ControlLoop:
                 # Until then gateways keep the last snapshot they had, with the replicas of nodes
                 # still on their way back, rather than one that lacks them.
                 self.publisher.publish(snapshot_body(self.catalog.models(), self.replicas.snapshot(),
-                                                     self.inbox.port, self.account_server.port))
+                                                     self.inbox.port, self.account_server.port,
+                                                     self.catalog.limits()))
 
     def close(self) -> None:
         """Stop every part, whether run() returned or failed; the lease is given up first, so a standby takes

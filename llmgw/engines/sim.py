@@ -92,6 +92,7 @@ class SimEngine:
         self.slots = BoundedSemaphore(options.max_concurrency) if options.max_concurrency else None
         self.running = 0
         self.peak = 0  # most requests running at once, for tests that must prove concurrency
+        self.held_peak = 0  # most requests held at once, running and waiting: what a gateway let through
         self.waiting = 0
         self.requests = 0
         self.scrapes = 0  # reads of /metrics, this one included: tests wait on a gateway's rounds with it
@@ -246,6 +247,7 @@ class SimEngine:
         fingerprint = f"sim-{self.o.replica}"
 
         def admit():
+            self.held_peak = max(self.held_peak, self.running + self.waiting + 1)
             if self.slots is not None:
                 self.waiting += 1
                 try:
@@ -417,6 +419,7 @@ class SimEngine:
             "# TYPE llmgw_sim_scrapes_total counter", f"llmgw_sim_scrapes_total {self.scrapes}",
             "# TYPE llmgw_sim_cancelled_total counter", f"llmgw_sim_cancelled_total {self.cancelled}",
             "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
+            "# TYPE llmgw_sim_held_peak gauge", f"llmgw_sim_held_peak {self.held_peak}",
         ]
         return "\n".join(lines) + "\n"
 

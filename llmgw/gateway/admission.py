@@ -1,8 +1,10 @@
 """Waiting for a saturated model: a bounded queue per model, in order of admission band.
 
-A model is saturated when every replica in rotation already has
-`routing.max_outstanding` requests from this worker, or when every replica
-tried answered "busy" (429). A request for it then waits here instead of
+A model is saturated when every replica in rotation is full (at the
+requests in flight its profile was measured to take, `llmgw ctl bench
+--save`, everyone's counted; not measured, at `routing.max_outstanding` of
+this worker's: `balancer.ReplicaState.full`), or when every replica tried
+answered "busy" (429). A request for it then waits here instead of
 being refused at once. Whenever a request on the model ends, the waiter with
 the best band (high, then normal, then low; first come first within one) is
 woken to try; the others keep waiting. Bands come from the key and its

@@ -17,6 +17,12 @@ same replica (chosen by rendezvous hashing, so every worker picks the same one
 with no shared state), where the engine's prefix cache already holds it, as
 long as that replica is no busier than `affinity_factor` times the least
 loaded one, or at most one request busier.
+
+A replica whose profile was measured (`llmgw ctl bench --save`) carries the
+requests in flight it takes at once (`ReplicaState.limit`); a full one is
+passed over while another has room, and when all are full the admission
+queue holds the request (llmgw/gateway/admission.py). That limit is kept
+here, in the replica's state, and nowhere else.
 """
 
 from __future__ import annotations
@@ -50,12 +56,39 @@ class ReplicaState:
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.metrics_at is not None and now - self.metrics_at <= stale_after
 
-    def load(self, now: float, stale_after: float) -> float:
-        """Requests ahead of a new one, counting the new one (so the idle load is 1)."""
-        load = float(self.outstanding)
+    @property
+    def limit(self) -> int | None:
+        """Requests this replica takes at once, every worker's and gateway's together, as its profile was
+        measured (`llmgw ctl bench --save`, sent in the snapshot); None: not measured."""
+        return self.spec.max_in_flight
+
+    def in_flight(self, now: float, stale_after: float) -> float:
+        """Requests at the engine now, as far as this worker knows: its own, plus what the engine last
+        reported waiting and running beyond them (other workers' and gateways')."""
+        held = float(self.outstanding)
         if self.fresh(now, stale_after):
             reported = (self.waiting or 0.0) + (self.running or 0.0)
-            load += max(0.0, reported - self.outstanding_at_metrics)
+            held += max(0.0, reported - self.outstanding_at_metrics)
+        return held
+
+    def held(self, now: float, stale_after: float, per_worker: int) -> tuple[float, int]:
+        """(requests held, the most this replica should hold): everyone's requests against its measured
+        limit, or, not measured, this worker's own against PER_WORKER (`routing.max_outstanding`, 0: none).
+        What `full` judges, and what a pool's saturation is made of (llmgw/gateway/saturation.py)."""
+        if self.limit is not None:
+            return self.in_flight(now, stale_after), self.limit
+        return float(self.outstanding), per_worker
+
+    def full(self, now: float, stale_after: float, per_worker: int) -> bool:
+        """Whether a new request must wait for this replica: at its measured limit (everyone's requests
+        counted), or, not measured, at PER_WORKER of this worker's own (`routing.max_outstanding`, 0: none)."""
+        held, most = self.held(now, stale_after, per_worker)
+        return bool(most) and held >= most
+
+    def load(self, now: float, stale_after: float) -> float:
+        """Requests ahead of a new one, counting the new one (so the idle load is 1)."""
+        load = self.in_flight(now, stale_after)
+        if self.fresh(now, stale_after):
             # A nearly full KV cache means the next request will queue even if
             # few are running: past half full, count it as up to one more request
             # ahead. Below that it is left out, so that small fractions do not tip
@@ -114,8 +147,9 @@ class Router:
     """A worker's replicas: the current snapshot plus what it has learnt about each replica."""
 
     def __init__(self, snapshot: Snapshot, breaker_failures: int, breaker_cooldown: float, stale_after: float,
-                 affinity_factor: float, make_target=None, seed: int | None = None):
+                 affinity_factor: float, make_target=None, seed: int | None = None, max_outstanding: int = 0):
         self.make_target = make_target or (lambda url, api_key: None)
+        self.max_outstanding = max_outstanding  # a replica's requests from this worker at once, unmeasured (0: any)
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
         self.stale_after = stale_after
@@ -123,6 +157,7 @@ class Router:
         self.rng = random.Random(seed)
         self.snapshot = snapshot
         self.states: dict[str, ReplicaState] = {}
+        self.measured: frozenset[str] = frozenset()  # models with a replica whose capacity was measured
         self.apply(snapshot)
 
     def apply(self, snapshot: Snapshot) -> None:
@@ -137,6 +172,8 @@ class Router:
                 state.spec = spec
             states[rid] = state
         self.states = states
+        self.measured = frozenset(m for spec in snapshot.replicas.values() if spec.max_in_flight is not None
+                                  for m in spec.models)
         self.snapshot = snapshot
 
     def available(self, model: str) -> list[ReplicaState]:
@@ -144,10 +181,26 @@ class Router:
         return [states[rid] for rid in self.snapshot.replicas_for(model) if not states[rid].breaker.is_open]
 
     def pick(self, model: str, now: float, key: bytes | None, exclude: set[str]) -> ReplicaState | None:
+        """A replica for a request, among those with room when any has (a full one only when none has: the
+        admission queue let the request through, and the engine's own queue takes it)."""
         candidates = [r for r in self.available(model) if r.spec.id not in exclude]
         if not candidates:
             return None
-        return choose(candidates, now, self.stale_after, key, self.affinity_factor, self.rng)
+        roomy = [r for r in candidates if not r.full(now, self.stale_after, self.max_outstanding)]
+        return choose(roomy or candidates, now, self.stale_after, key, self.affinity_factor, self.rng)
+
+    def limited(self, model: str) -> bool:
+        """Whether anything limits the requests MODEL's replicas are sent at once (else none ever waits for room)."""
+        return bool(self.max_outstanding) or model in self.measured
+
+    def has_room(self, model: str, now: float) -> bool:
+        """Whether some replica of MODEL in rotation can take one more request now."""
+        return any(not r.full(now, self.stale_after, self.max_outstanding) for r in self.available(model))
+
+    def replica_for(self, model: str, replica_id: str) -> ReplicaState | None:
+        """Replica REPLICA_ID, when it serves MODEL (in rotation or not); None otherwise."""
+        state = self.states.get(replica_id)
+        return state if state is not None and model in state.spec.models else None
 
     def ready(self) -> bool:
         """Somewhere to send a request: at least one replica whose breaker is closed."""

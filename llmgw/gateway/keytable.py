@@ -35,7 +35,8 @@ UNKNOWN = Refusal("This API key is not known here. Check that it was copied whol
 class KeyTable:
     def __init__(self, records: dict[str, KeyRecord], revision: int, ruleset: rules.Rules | None = None,
                  prices: rules.Prices | None = None, suspended: frozenset[str] = frozenset(),
-                 active_people: frozenset[str] = frozenset(), epoch: str | None = None):
+                 active_people: frozenset[str] = frozenset(), epoch: str | None = None,
+                 admins: frozenset[str] = frozenset()):
         self.by_hash = records
         self.revision = revision
         self.epoch = epoch  # the controller start that pushed it (None: read from the store)
@@ -43,6 +44,7 @@ class KeyTable:
         self.prices = prices or rules.Prices({})
         self.suspended = suspended
         self.active_people = active_people  # who may use the chat page
+        self.admins = admins  # active administrators: their keys may choose a replica (llmgw ctl bench)
         self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
         self.people: dict[str, rules.Access] = {}
 
@@ -60,7 +62,7 @@ class KeyTable:
         ruleset = rules.Rules(limits, {p: tuple(up) for p, up in message["parents"].items()}, message["team_org"])
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),
-                   frozenset(message["active"]), message.get("epoch"))
+                   frozenset(message["active"]), message.get("epoch"), frozenset(message.get("admins", ())))
 
     def newer(self, other: "KeyTable") -> bool:
         """Whether OTHER should replace this table: a later revision, or the first of a new controller epoch."""

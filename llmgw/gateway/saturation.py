@@ -1,12 +1,14 @@
 """How full a model's pool of replicas is, as one number: 1.0 at the most it holds healthily.
 
-Saturation is the worse of two figures. The queue: the requests a worker has
-in flight on the pool's replicas, plus those waiting in its admission queue,
-over the most those replicas should hold at once (the admission limit,
-`routing.max_outstanding` per replica today). The KV caches: the mean of the
-replicas' own reports of KV cache use, where a full cache is 1.0 (past it an
-engine queues or preempts). Above 1.0 requests wait; sustained, the model needs
-another replica or less traffic.
+Saturation is the worse of two figures. The queue: the requests held by the
+pool's replicas, plus those waiting in a worker's admission queue, over the
+most those replicas should hold at once, as admission counts them
+(`balancer.ReplicaState.held`): everyone's requests against a replica's
+measured limit (`llmgw ctl bench --save`), or, not measured, the worker's own
+against `routing.max_outstanding`. The KV caches: the mean of the replicas' own
+reports of KV cache use, where a full cache is 1.0 (past it an engine queues or
+preempts). Above 1.0 requests wait; sustained, the model needs another replica
+or less traffic.
 
 A replica with no limit adds nothing to the queue's figure, and a pool none of
 whose replicas has a limit has none; a replica whose engine did not report its
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 KV_FULL = 1.0  # a replica's reported KV cache use at its healthy limit
 
 
-def pool_saturation(replicas: Iterable[tuple[int, int, float | None]], queued: int) -> float | None:
+def pool_saturation(replicas: Iterable[tuple[float, int, float | None]], queued: int) -> float | None:
     """The saturation of a pool whose REPLICAS in rotation are (requests in flight, the most it should hold
     at once or 0 for no limit, KV cache use from 0 to 1 or None), with QUEUED requests waiting for room."""
     in_flight = limit = 0

@@ -52,7 +52,8 @@ class Runtime:
         self.key_source = key_source
         self.metrics = GatewayMetrics()
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
-                             cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target)
+                             cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target,
+                             max_outstanding=cfg["routing.max_outstanding"])
         self.pool = Pool(cfg["timeouts.connect"])
         self.queue = AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
         self.shown_replicas: set[str] = set()  # replicas and models whose gauges this worker has set
@@ -199,14 +200,14 @@ class Runtime:
     def show_pools(self, now: float, stale_after: float) -> None:
         """Set each model's admission queue depth and pool saturation (llmgw/gateway/saturation.py)."""
         m = self.metrics
-        limit = self.cfg["routing.max_outstanding"]
-        models = set(self.router.snapshot.models)
+        router = self.router
+        models = set(router.snapshot.models)
         for name in models:
             depth = self.queue.depth(name)
             for band, waiting in depth.items():
                 m.queue_depth.labels(name, band).set(waiting)
-            replicas = ((r.outstanding, limit, r.kv_cache if r.fresh(now, stale_after) else None)
-                        for r in self.router.available(name))
+            replicas = ((*r.held(now, stale_after, router.max_outstanding),
+                         r.kv_cache if r.fresh(now, stale_after) else None) for r in router.available(name))
             figure = pool_saturation(replicas, sum(depth.values()))
             m.saturation.labels(name).set(UNKNOWN if figure is None else figure)
         for name in self.shown_models - models:
