@@ -21,7 +21,8 @@ asks first. A clean stop releases the lease, so the standby takes over at its
 next renewal instead of after the TTL; so does a restart of a controller that
 was killed, since no other process can be listening at its address.
 
-Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store.
+Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store. Its `collect` is the
+controller's `llmgw_controller_leading` series.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
+from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
 from llmgw import store
@@ -125,3 +127,9 @@ class Lease:
                                  .values(owner="", expires_at=0.0))
             except sa.exc.SQLAlchemyError as e:
                 log.warning("could not release the leader lease (it expires on its own): %s", str(e).splitlines()[0])
+
+    def collect(self):
+        """prometheus-client's collector interface: whether this controller leads now. No controller at 1
+        is a control plane that places nothing and runs no accountant (alert `ControlPlaneUnreachable`)."""
+        yield GaugeMetricFamily("llmgw_controller_leading", "1 while this controller holds the leader lease.",
+                                value=1.0 if self.held() else 0.0)

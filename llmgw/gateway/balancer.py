@@ -89,12 +89,19 @@ class ReplicaState:
             held += max(0.0, reported - self.outstanding_at_metrics)
         return held
 
+    def held(self, now: float, stale_after: float, per_worker: int) -> tuple[float, int]:
+        """(requests held, the most this replica should hold): everyone's requests against its measured
+        limit, or, not measured, this worker's own against PER_WORKER (`routing.max_outstanding`, 0: none).
+        What `full` judges, and what a pool's saturation is made of (llmgw/gateway/saturation.py)."""
+        if self.limit is not None:
+            return self.in_flight(now, stale_after), self.limit
+        return float(self.outstanding), per_worker
+
     def full(self, now: float, stale_after: float, per_worker: int) -> bool:
         """Whether a new request must wait for this replica: at its measured limit (everyone's requests
         counted), or, not measured, at PER_WORKER of this worker's own (`routing.max_outstanding`, 0: none)."""
-        if self.limit is not None:
-            return self.in_flight(now, stale_after) >= self.limit
-        return bool(per_worker) and self.outstanding >= per_worker
+        held, most = self.held(now, stale_after, per_worker)
+        return bool(most) and held >= most
 
     def load(self, now: float, stale_after: float) -> float:
         """Requests ahead of a new one, counting the new one (so the idle load is 1)."""

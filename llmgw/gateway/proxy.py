@@ -173,7 +173,7 @@ class Proxy:
         self.load_wait = cfg["gateway.load_wait"]
         self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
         self.output_estimate = cfg["limits.output_estimate"]
-        self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
+        self.queue = runtime.queue
         self.guard = guard.Guard(runtime)
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
@@ -490,7 +490,7 @@ class Proxy:
         try:
             self.queue.wait_turn(model.name, band, has_room, wait_first)
         except admission.Refused as e:
-            self.rt.metrics.limited.labels("queue").inc()
+            self.rt.metrics.admission_rejected.labels(model.name, band, e.kind).inc()
             raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
                                 "Retry shortly.", "model_saturated", retry_after=2) from None
 

@@ -73,7 +73,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     lifetimes = sessions.Lifetimes(cfg["gateway.session_idle"], cfg["gateway.session_lifetime"])
     guard = throttle.Throttle(throttle.Limits(cfg["gateway.sign_in_failures_per_account"],
                                               cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"],
-                                              cfg["gateway.sign_ups_per_address"]))
+                                              cfg["gateway.sign_ups_per_address"]),
+                              lambda limit: runtime.metrics.sign_in_throttled.labels(limit).inc())
     app.config.update(SECRET_KEY=secret, SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax",
                       SESSION_COOKIE_NAME="llmgw_session")
     app.session_interface = _Sessions()
