@@ -31,8 +31,8 @@
     busy = true;
     fetch(log.dataset.follow + "&after=" + encodeURIComponent(cursor), { credentials: "same-origin" })
       .then(function (r) {
-        if (r.redirected) { throw new Error("Your session ended: sign in again to follow this log."); }
-        if (!r.ok) { throw new Error("The gateway answered " + r.status + "; trying again."); }
+        if (r.redirected) { throw { said: "Your session ended: sign in again to follow this log." }; }
+        if (!r.ok) { throw { said: "The gateway answered " + r.status + "; trying again." }; }
         return r.json();
       })
       .then(function (answer) {
@@ -49,7 +49,7 @@
         }
         say("Following: new lines appear below as they are written (checked " + new Date().toLocaleTimeString() + ").");
       })
-      .catch(function (e) { say(e.message && e.message.indexOf(" ") > 0 ? e.message : "The gateway did not answer; trying again."); })
+      .catch(function (e) { say(e && e.said ? e.said : "The gateway did not answer; trying again."); })
       .then(function () { busy = false; });
   }
   setInterval(poll, 2000);

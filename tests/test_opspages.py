@@ -14,6 +14,8 @@ import re
 import signal
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 
 import pytest
 from playwright.sync_api import sync_playwright
@@ -29,33 +31,58 @@ from tests.test_browser_pages import fits_the_screen, signed_in
 from tests.test_pages import sign_in
 
 PASSWORD = "a long enough password"
+# On the CPU node only: the GPU node is there for its cards (replayed nvidia-smi output), and runs nothing.
 MODEL = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
-         "profiles": [{"engine": "sim", "args": ["--ttft-ms", "20", "--tokens-per-s", "0"]}]}
+         "profiles": [{"engine": "sim", "args": ["--ttft-ms", "20", "--tokens-per-s", "0"],
+                       "node_selector": {"kind": "cpu"}}]}
 PROMETHEUS = "/usr/bin/prometheus"
 
 
 class Prometheus:
-    """Debian's Prometheus on a free loopback port, scraping TARGETS ({job: HOST:PORT}) every second."""
+    """Debian's Prometheus on a free loopback port, scraping every second what `scrape` names.
 
-    def __init__(self, tmp, targets: dict[str, str], port: int):
+    It starts before what it scrapes, whose ports are known only once they run, so that a port taken
+    meanwhile by another process costs a retry here rather than a gateway configured with a dead address:
+    the targets are in files it watches (file_sd), written by `scrape`."""
+
+    def __init__(self, tmp):
         assert os.path.exists(PROMETHEUS), f"{PROMETHEUS} is missing: apt-get install prometheus"
+        self.tmp = tmp
         config = tmp / "prometheus.yml"
-        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n" + "".join(
-            f"  - job_name: {job}\n    static_configs: [{{targets: ['{target}']}}]\n" for job, target in targets.items()))
-        self.url = f"http://127.0.0.1:{port}"
+        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
+                          "  - job_name: test-targets\n    file_sd_configs: [{files: ['targets-*.json'], "
+                          "refresh_interval: 1s}]\n")
         self.log_path = tmp / "prometheus.log"
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                                          f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
-        wait_for("Prometheus to be ready", 60, lambda: http_status(self.url + "/-/ready") == 200,
-                 alive=lambda: self.proc.poll() is None)
+        for attempt in range(3):
+            port = free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
+                                              f"--storage.tsdb.path={tmp / 'tsdb'}",
+                                              f"--web.listen-address=127.0.0.1:{port}"],
+                                             stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_for("Prometheus to be ready", 60, lambda: http_status(self.url + "/-/ready") == 200,
+                         alive=lambda: self.proc.poll() is None)
+                return
+            except RuntimeError:
+                # A free port is free when asked; on a busy machine another process may take it first.
+                if attempt == 2 or "address already in use" not in self.log_path.read_text(errors="replace"):
+                    raise
+
+    def scrape(self, job: str, target: str) -> None:
+        """Scrape TARGET (HOST:PORT) as JOB, a job name of the test's own."""
+        (self.tmp / f"targets-{job}.json").write_text(json.dumps([{"targets": [target], "labels": {"job": job}}]))
 
     def has(self, query: str) -> bool:
-        import urllib.parse
-        import urllib.request
         with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': query})}",
                                     timeout=10) as resp:
             return bool(json.loads(resp.read())["data"]["result"])
+
+    def state(self) -> str:
+        """Its process's state letter: T once SIGSTOP has stopped it."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
 
     def stop(self):
         stop_process(self.proc)
@@ -69,21 +96,22 @@ def ops(tmp_path_factory):
     try:
         c = Controller(tmp, store_url=url, models=[MODEL])
         made.append(c)
-        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1")))
+        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"), labels={"kind": "cpu"}))
+        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "gpu-1", c.issue_key("gpu-1"), labels={"kind": "gpu"},
+                          nvidia_smi_capture="nvidia-smi-1xa100-busy.csv"))
         engine = store.open_store(url)
         accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
         engine.dispose()
-        prom_port = free_port()
+        prom = Prometheus(tmp)
+        made.append(prom)
+        prom.scrape("test-ctl", f"127.0.0.1:{c.metrics_port}")
         pages = {"gateway.controller": f"127.0.0.1:{c.gateway_port}",
                  "gateway.controller_admin": f"127.0.0.1:{c.admin_port}",
-                 "controller.keys_dir": c.values["controller.keys_dir"],
-                 "monitoring.prometheus": f"http://127.0.0.1:{prom_port}"}
+                 "controller.keys_dir": c.values["controller.keys_dir"], "monitoring.prometheus": prom.url}
         gw = Gateway(tmp, url, workers=2, gateway__key_file=c.gateway_key_file(),
                      **{k.replace(".", "__"): v for k, v in pages.items()})
         made.append(gw)
-        prom = Prometheus(tmp, {"test-gw": f"127.0.0.1:{gw.metrics_port}", "test-ctl": f"127.0.0.1:{c.metrics_port}"},
-                          prom_port)
-        made.append(prom)
+        prom.scrape("test-gw", f"127.0.0.1:{gw.metrics_port}")
         key = make_key(url)
         chat = {"model": "simmy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
         wait_for("the gateway to serve simmy", 60,
@@ -95,7 +123,8 @@ def ops(tmp_path_factory):
                 assert post(gw.url + "/v1/chat/completions", {**chat, "stream": i % 2 == 0}, key)[0] == 200
             if round_ == "first":
                 for series in ("llmgw_requests_total", "llmgw_ttft_seconds_bucket", "llmgw_endpoint_kv_cache_usage",
-                               "llmgw_node_cpu_utilization_percent", "llmgw_shard_memory_bytes"):
+                               "llmgw_node_cpu_utilization_percent", "llmgw_shard_memory_bytes",
+                               "llmgw_gpu_utilization_percent"):
                     wait_for(f"Prometheus to have {series}", 60, lambda series=series: prom.has(series), interval=0.5)
         for rate in ("rate(llmgw_requests_total[1m]) > 0", "rate(llmgw_ttft_seconds_count[1m]) > 0"):
             wait_for(rate, 60, lambda rate=rate: prom.has(rate), interval=0.5)
@@ -137,7 +166,7 @@ def test_the_cluster_page_draws_its_history_from_prometheus(ops, client):
     ttft = svg_of(page, "Time to first token, 95th percentile, by model")
     assert "<svg" in ttft and ("<polyline" in ttft or "<circle" in ttft) and "simmy" in ttft and "NaN" not in ttft
     use = svg_of(page, "GPU or CPU use, by node")
-    assert "n1 (CPU)" in use and ">100%<" in use  # a percentage's axis is fixed at 100
+    assert "n1 (CPU)" in use and "gpu-1 (GPU)" in use and ">100%<" in use  # a percentage's axis is fixed at 100
     kv = svg_of(page, "KV cache in use, by replica")
     assert shard_of(ops) in kv and "<svg" in kv
     # A window to choose; an unknown one is the default, not an error.
@@ -159,6 +188,11 @@ def test_the_node_page_shows_the_node_and_its_last_hour(ops, client):
     assert shard in svg_of(page, "Memory of each replica&#39;s engine")
     assert "<h3>GPU use, by GPU</h3>" not in page  # a node without GPUs has no GPU chart, not an empty one
     assert "{" not in page.split("<main>")[1].split("History")[0]  # no raw data structure shown
+    gpu = client.get("/admin/nodes/gpu-1").data.decode()
+    for text in ("NVIDIA A100-SXM4-80GB", "58.6 GiB of 80 GiB", "97%", "Warning:</strong> GPU 0 has 60000 of 81920 MiB "
+                 "in use already", "No replica runs here."):
+        assert text in gpu, text
+    assert "GPU 0" in svg_of(gpu, "GPU use, by GPU")
     partial = client.get("/admin/nodes/n1?partial=1").data.decode()
     assert "<html" not in partial and "Hardware" in partial and "History" not in partial
     missing = client.get("/admin/nodes/nobody")
@@ -198,12 +232,15 @@ def test_every_failure_of_prometheus_is_a_sentence(ops, client):
     # A Prometheus that hangs: the page waits the bound, and says so in one sentence for every chart.
     ops["prom"].proc.send_signal(signal.SIGSTOP)
     try:
+        wait_for("Prometheus to stop", 30, lambda: ops["prom"].state() == "T")
         started = time.monotonic()
         page = client.get("/admin").data.decode()
         took = time.monotonic() - started
+        state = ops["prom"].state()
     finally:
         ops["prom"].proc.send_signal(signal.SIGCONT)
-    assert f"Prometheus at {base} did not answer within 5 s" in page and took < 20
+    assert f"Prometheus at {base} did not answer within 5 s" in page, (state, took, page.split('id="history"')[1][:2000])
+    assert took < 20
     assert page.count('class="problem"') == 1 and "<svg" not in page.split('id="history"')[1]
 
 
@@ -220,7 +257,7 @@ def test_the_charts_ask_only_for_series_llmgw_emits():
         assert "job" not in chart.query and "instance" not in chart.query, chart.title
 
 
-@pytest.mark.parametrize("path", ["/admin", "/admin/nodes/n1", "/admin/nodes/n1/logs"])
+@pytest.mark.parametrize("path", ["/admin", "/admin/nodes/n1", "/admin/nodes/gpu-1", "/admin/nodes/n1/logs"])
 def test_the_pages_fit_a_phone_and_break_no_rule_of_their_policy(ops, path):
     context, page = signed_in(ops)
     refused = []
@@ -246,7 +283,7 @@ def test_the_cluster_page_leads_to_the_node_and_its_logs_follow_live(ops):
     assert "Following" in page.inner_text("#follow-status")
     # Something new happens on the node: a model added, which the agent starts and logs.
     (ops["tmp"] / "more.toml").write_text('name = "more"\nsource = "/dev/null"\nscaling = {min = 1, max = 1}\n'
-                                          '[[profiles]]\nengine = "sim"\n')
+                                          '[[profiles]]\nengine = "sim"\nnode_selector = {kind = "cpu"}\n')
     added = ops["c"].ctl("model", "add", "-f", str(ops["tmp"] / "more.toml"), "--no-source-check")
     assert added.returncode == 0, added.stderr
     # Polled from here: wait_for_function evaluates its string in the page, which the pages' CSP forbids.
