@@ -102,6 +102,9 @@ def ops(tmp_path_factory):
         engine = store.open_store(url)
         accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
         engine.dispose()
+        # Before the gateway starts, so that every worker knows it: made later, one worker that had not yet heard
+        # of it answered 401 on a loaded machine.
+        key = make_key(url)
         prom = Prometheus(tmp)
         made.append(prom)
         prom.scrape("test-ctl", f"127.0.0.1:{c.metrics_port}")
@@ -112,7 +115,6 @@ def ops(tmp_path_factory):
                      **{k.replace(".", "__"): v for k, v in pages.items()})
         made.append(gw)
         prom.scrape("test-gw", f"127.0.0.1:{gw.metrics_port}")
-        key = make_key(url)
         chat = {"model": "simmy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
         wait_for("the gateway to serve simmy", 60,
                  lambda: post(gw.url + "/v1/chat/completions", chat, key)[0] == 200, interval=0.2)
