@@ -229,6 +229,8 @@ def test_every_failure_of_prometheus_is_a_sentence(ops, client):
     assert "refused a chart's query (bad_data, 400)" in refusal(base, "sum(")
     closed = f"http://127.0.0.1:{free_port()}"
     assert "cannot be reached from this gateway" in refusal(closed)
+    # monitoring.prometheus may be written HOST:PORT, as other addresses are.
+    assert "cannot be reached" in history.charts(closed.removeprefix("http://"), "1h")["problem"]
     assert "is not Prometheus' query API (it answered 404)" in refusal(f"http://127.0.0.1:{ops['c'].metrics_port}")
     assert "more than 100 bytes" in refusal(base, "llmgw_node_load", most_bytes=100)
     # A Prometheus that hangs: the page waits the bound, and says so in one sentence for every chart.

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import time
 
+from llmgw.apiclient import address_url
 from llmgw.web import prometheus, svgchart
 
 WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
@@ -106,8 +107,9 @@ def _slot(t: float, start: float, step: int) -> int:
     return min(POINTS - 1, max(0, round((t - start) / step) - 1))
 
 
-def charts(base: str, window: str, node: str | None = None, now: float | None = None) -> dict:
-    """The history section: the cluster's charts (or NODE's) over WINDOW, from the Prometheus at BASE.
+def charts(base: str, window: str, node: str | None = None) -> dict:
+    """The history section: the cluster's charts (or NODE's) over WINDOW, from the Prometheus at BASE (a URL,
+    or `HOST:PORT`).
 
     {"window", "windows", "charts": [{"title", "svg", "empty"}], "problem": a sentence or None,
     "setup": a sentence when there is no Prometheus to ask}."""
@@ -115,10 +117,11 @@ def charts(base: str, window: str, node: str | None = None, now: float | None = 
             "setup": None if base else SETUP}
     if not base:
         return view
+    base = address_url(base, "monitoring.prometheus")
     span = WINDOWS[window]
     step = span // POINTS
     # Up to now, not to the last whole step: a cluster started a minute ago has a chart already.
-    end = int(now if now is not None else time.time())
+    end = int(time.time())
     start = end - span
     matcher = "{node=" + json.dumps(node) + "}" if node is not None else ""  # a JSON string is a PromQL one
     rate_range = f"{max(step, SHORTEST_RATE)}s"
