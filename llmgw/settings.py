@@ -406,6 +406,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent.vllm", "str", "",
             "A `vllm` command to use, named explicitly (never looked up on the PATH). Empty: one the node "
             "installed from its engine catalogue, if any."),
+    Setting("monitoring.prometheus", "str", "",
+            "The Prometheus that scrapes this cluster's gateways and controller (`http://prometheus:9090`, a "
+            "path after it if a proxy serves it there), whose query API the cluster and node pages read for their "
+            "history charts; each query is bounded to 5 s and 4 MiB. Empty: the pages say how to set it up.",
+            check=addresses.check_dial_or_url),
     Setting("log.level", "str", "info",
             "Log level: debug, info, warning or error."),
 )

@@ -32,6 +32,7 @@ from llmgw.control.reconciler import Replicas
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
 WEIGHTS_WAIT = 10.0  # seconds a node has to list its weights directory (or remove from it)
+LOG_LINES = 2000  # lines one logs answer holds at most: what the agent keeps of its own
 
 
 def ensure_token(keys_dir: str) -> str:
@@ -218,16 +219,16 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def logs(node_id):
         if node_id not in {n.node_id for n in fleet.describe(time.monotonic())}:
             return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
-        lines = request.args.get("lines", "200")
-        fields = {"lines": int(lines) if lines.isdigit() else 200}
-        if request.args.get("source"):
-            fields["source"] = request.args["source"]
+        fields, refusal = _logs_fields(request.args)
+        if refusal:
+            return error(400, refusal)
         reply = ask_node(node_id, "logs_request", fields, 10.0)
         if reply is None:
             return error(504, f"{node_id} did not answer within 10 s; `llmgw ctl nodes` shows when it was last heard")
         if reply.get("error"):
             return error(404, reply["error"])
-        return jsonify({"node": node_id, "lines": reply.get("lines", []), "sources": reply.get("sources", [])})
+        return jsonify({"node": node_id, "sources": reply.get("sources", []),
+                        **{k: reply[k] for k in ("lines", "cursor", "skipped") if k in reply}})
 
     def weights_of(node_id: str, kind: str = "weights_request", fields: dict | None = None) -> dict:
         """NODE_ID's weights directory as `weightsview.annotate` shows it, after KIND (a listing, or a
@@ -404,6 +405,30 @@ def _remember_cordon(engine: Engine, node_id: str, cordoned: bool) -> None:
     with engine.begin() as conn:
         conn.execute(store.node_settings.delete().where(store.node_settings.c.node_id == node_id))
         conn.execute(store.node_settings.insert().values(node_id=node_id, cordoned=cordoned, updated_at=time.time()))
+
+
+def _logs_fields(args) -> tuple[dict, str | None]:
+    """The `logs_request` fields for a logs query (source, lines, after), or why the query is refused."""
+    fields: dict = {}
+    lines = args.get("lines", "200")
+    # isascii too: "²".isdigit() is true, and int("²") raises.
+    if not (lines.isascii() and lines.isdigit() and len(lines) < 6) or not 1 <= int(lines) <= LOG_LINES:
+        return fields, f"lines is a whole number from 1 to {LOG_LINES}, not {lines[:20]!r}"
+    fields["lines"] = int(lines)
+    after = args.get("after")
+    if after is not None:
+        if not (after.isascii() and after.isdigit() and len(after) <= 18):
+            return fields, f"after is a cursor from an earlier answer (a whole number), not {after[:20]!r}"
+        fields["after"] = int(after)
+    source = args.get("source")
+    if source:
+        # Refused here too, not only by the node: an agent older than this controller still joined a source
+        # onto its shards folder, and a name without a slash cannot leave it.
+        if "/" in source or "\0" in source or len(source) > 200:
+            return fields, (f"{source[:60]!r} is not a source: a source is a name the node lists (agent, or a "
+                            "shard id), never a path; `llmgw ctl logs NODE` lists them")
+        fields["source"] = source
+    return fields, None
 
 
 def cordoned_nodes(engine: Engine) -> set[str]:
