@@ -75,6 +75,11 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def state(self) -> str:
+        """Its process's state letter: T once SIGSTOP has stopped it."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
     def stop(self) -> None:
         stop_process(self.proc)
 
@@ -118,13 +123,30 @@ class Alertmanager(Server):
 
 
 class Prometheus(Server):
+    """Prometheus with CONFIG; without one, scraping every second what `scrape` names.
+
+    Without a configuration it can start before what it scrapes, whose ports are known only once they run,
+    so that a port taken meanwhile by another process costs a retry here rather than a role configured with
+    a dead address: the targets are in files it watches (file_sd), written by `scrape`."""
+
     binary = PROMETHEUS
     ready_path = "/-/ready"
 
-    def __init__(self, tmp, config: str):
+    def __init__(self, tmp, config: str | None = None):
+        self.tmp = tmp
+        if config is None:
+            config = str(tmp / "prometheus.yml")
+            with open(config, "w") as f:
+                f.write("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
+                        "  - job_name: test-targets\n    file_sd_configs: [{files: ['targets-*.json'], "
+                        "refresh_interval: 1s}]\n")
         self.config = config
         self.data = tmp / "prometheus"
         super().__init__(tmp, "prometheus")
+
+    def scrape(self, job: str, target: str) -> None:
+        """Scrape TARGET (HOST:PORT) as JOB, a job name of the test's own (without a configuration given)."""
+        (self.tmp / f"targets-{job}.json").write_text(json.dumps([{"targets": [target], "labels": {"job": job}}]))
 
     def argv(self):
         return [f"--config.file={self.config}", f"--storage.tsdb.path={self.data}",

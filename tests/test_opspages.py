@@ -8,14 +8,9 @@ queries must not depend on job labels.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import signal
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 from playwright.sync_api import sync_playwright
@@ -23,10 +18,12 @@ from playwright.sync_api import sync_playwright
 from llmgw import settings, store
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
-from llmgw.procs import free_port, http_status, wait_for
+from llmgw.procs import free_port, wait_for
 from llmgw.web import history, prometheus
+from tests import promstack
 from tests.cluster import Agent, Controller
-from tests.conftest import Gateway, make_key, post, stop_process
+from tests.conftest import Gateway, make_key, post
+from tests.promstack import Prometheus
 from tests.test_browser_pages import fits_the_screen, signed_in
 from tests.test_pages import sign_in
 
@@ -35,59 +32,6 @@ PASSWORD = "a long enough password"
 MODEL = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
          "profiles": [{"engine": "sim", "args": ["--ttft-ms", "20", "--tokens-per-s", "0"],
                        "node_selector": {"kind": "cpu"}}]}
-PROMETHEUS = "/usr/bin/prometheus"
-
-
-class Prometheus:
-    """Debian's Prometheus on a free loopback port, scraping every second what `scrape` names.
-
-    It starts before what it scrapes, whose ports are known only once they run, so that a port taken
-    meanwhile by another process costs a retry here rather than a gateway configured with a dead address:
-    the targets are in files it watches (file_sd), written by `scrape`."""
-
-    def __init__(self, tmp):
-        assert os.path.exists(PROMETHEUS), f"{PROMETHEUS} is missing: apt-get install prometheus"
-        self.tmp = tmp
-        config = tmp / "prometheus.yml"
-        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
-                          "  - job_name: test-targets\n    file_sd_configs: [{files: ['targets-*.json'], "
-                          "refresh_interval: 1s}]\n")
-        self.log_path = tmp / "prometheus.log"
-        for attempt in range(3):
-            port = free_port()
-            self.url = f"http://127.0.0.1:{port}"
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
-                                              f"--storage.tsdb.path={tmp / 'tsdb'}",
-                                              f"--web.listen-address=127.0.0.1:{port}"],
-                                             stdout=log, stderr=subprocess.STDOUT)
-            try:
-                wait_for("Prometheus to be ready", 60, lambda: http_status(self.url + "/-/ready") == 200,
-                         alive=lambda: self.proc.poll() is None)
-                return
-            except RuntimeError:
-                # A free port is free when asked; on a busy machine another process may take it first.
-                if attempt == 2 or "address already in use" not in self.log_path.read_text(errors="replace"):
-                    raise
-
-    def scrape(self, job: str, target: str) -> None:
-        """Scrape TARGET (HOST:PORT) as JOB, a job name of the test's own."""
-        (self.tmp / f"targets-{job}.json").write_text(json.dumps([{"targets": [target], "labels": {"job": job}}]))
-
-    def has(self, query: str) -> bool:
-        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': query})}",
-                                    timeout=10) as resp:
-            return bool(json.loads(resp.read())["data"]["result"])
-
-    def state(self) -> str:
-        """Its process's state letter: T once SIGSTOP has stopped it."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-
-    def stop(self):
-        stop_process(self.proc)
-
-
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("opspages")
@@ -127,9 +71,9 @@ def ops(tmp_path_factory):
                 for series in ("llmgw_requests_total", "llmgw_ttft_seconds_bucket", "llmgw_endpoint_kv_cache_usage",
                                "llmgw_node_cpu_utilization_percent", "llmgw_shard_memory_bytes",
                                "llmgw_gpu_utilization_percent"):
-                    wait_for(f"Prometheus to have {series}", 60, lambda series=series: prom.has(series), interval=0.5)
+                    wait_for(f"Prometheus to have {series}", 60, lambda series=series: prom.query(series), interval=0.5)
         for rate in ("rate(llmgw_requests_total[1m]) > 0", "rate(llmgw_ttft_seconds_count[1m]) > 0"):
-            wait_for(rate, 60, lambda rate=rate: prom.has(rate), interval=0.5)
+            wait_for(rate, 60, lambda rate=rate: prom.query(rate), interval=0.5)
         app = GatewayApp(settings.load(None, {"store.url": url, **pages}), key_source=keys)
         app.pages.testing = True
         with sync_playwright() as p:
@@ -248,15 +192,10 @@ def test_every_failure_of_prometheus_is_a_sentence(ops, client):
     assert page.count('class="problem"') == 1 and "<svg" not in page.split('id="history"')[1]
 
 
-def test_the_charts_ask_only_for_series_llmgw_emits():
-    from llmgw.control.fleet import Fleet
-    from llmgw.control.fleetmetrics import FleetCollector
-    from tests.test_docs import exported_names
-    # Every family the controller writes, even with no node to write it about.
-    fleet = {family.name for family in FleetCollector(Fleet(15, 60)).collect()}
-    emitted = exported_names() | fleet
+def test_the_charts_ask_only_for_series_llmgw_emits(tmp_path):
+    emitted = set(promstack.emitted(tmp_path))
     for chart in history.CLUSTER + history.NODE:
-        used = {re.sub(r"_bucket$", "", name) for name in re.findall(r"\bllmgw_[a-z_]+", chart.query)}
+        used = {name for name in re.findall(r"\bllmgw_[a-z_]+", chart.query)}
         assert used and used <= emitted, (chart.title, used - emitted)
         assert "job" not in chart.query and "instance" not in chart.query, chart.title
 
