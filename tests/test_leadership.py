@@ -105,6 +105,29 @@ def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out
     assert lease.renew() and lease.term == 2
 
 
+def test_a_renewal_behind_a_lock_gives_up_well_within_the_trusted_part_of_the_lease(engine):
+    from llmgw.control.lease import RENEW_WAIT, TRUSTED
+
+    lease = Lease(engine, "a:7443", ttl=4.0)
+    assert lease.renew()
+    blocker = engine.connect()
+    try:
+        blocker = blocker.execution_options(sqlite_immediate=True)
+        blocker.begin()
+        # Another writer holds the lock (SQLite's write lock; PostgreSQL's lock on the lease's row).
+        blocker.execute(store.leases.update().where(store.leases.c.name == "other").values(owner="x"))
+        blocker.execute(store.leases.update().where(store.leases.c.name == "controller").values(owner=lease.owner))
+        started = time.monotonic()
+        assert lease.renew()  # the store did not answer in time: the lease held so far still runs
+        waited = time.monotonic() - started
+        # The store's own wait (10 s on SQLite, forever on PostgreSQL) would outlive the lease.
+        assert 4.0 * RENEW_WAIT * 0.9 <= waited < 4.0 * TRUSTED / 2, waited
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert lease.renew()
+
+
 class FakeLease:
     def __init__(self):
         self.leading, self.term = False, 1
@@ -371,3 +394,28 @@ def test_keys_read_before_a_revocation_do_not_bring_the_revoked_key_back():
     assert not ring.callback("llmgw", b"unknown")
     assert ring.node_for(b"leaked") is None
 
+
+
+def test_cli_writes_beside_a_controller_renewing_its_lease_on_sqlite_never_meet_a_locked_database(tmp_path):
+    # A single controller on SQLite renews its lease every few seconds. Every such write once made a CLI
+    # transaction that read first (the tree, then the key's row) fail with "database is locked", as the
+    # gateway's usage writes once did in the suite.
+    from click.testing import CliRunner
+
+    from llmgw.cli.main import main as cli
+
+    url = f"sqlite:///{tmp_path}/one.db"
+    c = Controller(tmp_path, store_url=url, controller__lease_ttl=0.5, controller__lease_renew_interval=0.05)
+    try:
+        wait_for("the controller leads", WAIT, lambda: role(c)[0] == "leader")
+        runner = CliRunner()
+        failed = []
+        for i in range(150):
+            for argv in (["keys", "create", f"k{i}"], ["org", "add", "org", f"org{i}"]):
+                run = runner.invoke(cli, ["--store", url, *argv])
+                if run.exit_code != 0:
+                    failed.append((argv, run.output[-300:] or repr(run.exception)[:300]))
+        assert failed == [], f"{len(failed)} of 300 CLI writes failed, the first: {failed[0]}"
+        assert role(c)[0] == "leader"  # and the controller kept its lease all along
+    finally:
+        c.stop()

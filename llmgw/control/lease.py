@@ -43,6 +43,10 @@ NAME = "controller"
 # The share of the TTL a leader trusts its lease for: the rest covers what happens between asking `held()`
 # and acting on the answer (a poll, a pass), and a clock that stood still (a suspended VM).
 TRUSTED = 0.75
+# The share of the TTL one renewal may wait for a lock: the store's own wait (SQLite's busy timeout, 10 s) was
+# as long as the TTL, so a renewal stuck behind a writer outlived the lease it was renewing, and held up the
+# tries after it. Failing after this leaves room for three more tries within the trusted part.
+RENEW_WAIT = TRUSTED / 4
 
 
 class Lease:
@@ -82,6 +86,7 @@ class Lease:
                     # release it, and a restart need not wait out the TTL.
                     takeable.append(table.c.address == self.address)
                 with self.engine.begin() as conn:
+                    store.bounded(conn, self.ttl * RENEW_WAIT)
                     taken = conn.execute(
                         table.update()
                         .where(table.c.name == NAME)
@@ -121,6 +126,7 @@ class Lease:
             table = store.leases
             try:
                 with self.engine.begin() as conn:
+                    store.bounded(conn, self.ttl * RENEW_WAIT)
                     conn.execute(table.update().where(table.c.name == NAME).where(table.c.owner == self.owner)
                                  .values(owner="", expires_at=0.0))
             except sa.exc.SQLAlchemyError as e:
