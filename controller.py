@@ -95,7 +95,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
             f"trusts, or the leader loses its lease between renewals (in {cfg.source})")
     lease = Lease(engine, cfg["controller.address"] or addresses.advertised(cfg["controller.agent_listen"],
                                                                              "controller.agent_listen"),
-                  cfg["controller.lease_ttl"])
+                  cfg["controller.lease_ttl"], cfg["controller.lease_renew_interval"])
 
     # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
     def expected_nodes() -> set[str] | None:

@@ -37,7 +37,7 @@ class Clock:
 
 
 def test_one_controller_takes_the_lease_and_the_other_is_told_who_leads(engine):
-    a, b = Lease(engine, "a:7443", ttl=30), Lease(engine, "b:7443", ttl=30)
+    a, b = Lease(engine, "a:7443", ttl=30, renew_interval=0.1), Lease(engine, "b:7443", ttl=30, renew_interval=0.1)
     assert a.renew() and a.held() and a.term == 1
     assert not b.renew() and not b.held()
     assert b.leader_address() == "a:7443" and a.leader_address() == "a:7443"
@@ -46,7 +46,7 @@ def test_one_controller_takes_the_lease_and_the_other_is_told_who_leads(engine):
 
 
 def test_an_expired_lease_is_taken_and_its_old_holder_stands_by(engine):
-    a, b = Lease(engine, "a:7443", ttl=0.5), Lease(engine, "b:7443", ttl=30)
+    a, b = Lease(engine, "a:7443", ttl=0.5, renew_interval=0.1), Lease(engine, "b:7443", ttl=30, renew_interval=0.1)
     assert a.renew()
     wait_for("a's lease expired and taken", WAIT, b.renew)
     assert not a.held()  # its own clock ran out no later than the store's
@@ -54,7 +54,7 @@ def test_an_expired_lease_is_taken_and_its_old_holder_stands_by(engine):
 
 
 def test_a_released_lease_is_taken_at_once(engine):
-    a, b = Lease(engine, "a:7443", ttl=60), Lease(engine, "b:7443", ttl=60)
+    a, b = Lease(engine, "a:7443", ttl=60, renew_interval=0.1), Lease(engine, "b:7443", ttl=60, renew_interval=0.1)
     assert a.renew()
     a.release()
     assert not a.held()
@@ -63,17 +63,37 @@ def test_a_released_lease_is_taken_at_once(engine):
 
 
 def test_a_restarted_controller_takes_back_the_lease_left_at_its_own_address(engine):
-    killed = Lease(engine, "a:7443", ttl=60)
+    killed = Lease(engine, "a:7443", ttl=60, renew_interval=0.2)
     assert killed.renew()  # and never released: SIGKILL
-    other = Lease(engine, "b:7443", ttl=60)
+    other = Lease(engine, "b:7443", ttl=60, renew_interval=0.2)
     assert not other.renew()
-    restarted = Lease(engine, "a:7443", ttl=60)
-    assert restarted.renew()
+    restarted = Lease(engine, "a:7443", ttl=60, renew_interval=0.2)
+    started = time.monotonic()
+    # Not at once (its holder renewed a moment ago, as a live one would), but once nobody renewed it for
+    # one and a half intervals: long before its TTL of a minute.
+    wait_for("the lease taken back", WAIT, restarted.renew, interval=0.2)
+    assert time.monotonic() - started < 10, time.monotonic() - started
     assert not killed.renew()  # only a first try takes a lease by its address
 
 
+def test_a_live_controller_with_the_same_address_keeps_its_lease_and_the_other_says_what_to_set(engine, caplog):
+    live = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
+    twin = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
+    assert live.renew()
+    for _ in range(15):  # both renewing, every 0.2 s: the twin never takes it
+        time.sleep(0.2)
+        assert live.renew() and live.term == 1
+        assert not twin.renew() and not twin.held()
+    assert twin.leader_address() == "shared.internal:7443"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and "configured with the same controller.address" in said[0], said
+    # The live one dies: its twin takes over once the lease has gone unrenewed, as after a restart.
+    wait_for("the twin takes the dead one's lease", WAIT, twin.renew, interval=0.2)
+    assert not live.renew()
+
+
 def test_of_many_controllers_racing_for_the_lease_exactly_one_wins(engine):
-    leases = [Lease(engine, f"c{i}:7443", ttl=60) for i in range(8)]
+    leases = [Lease(engine, f"c{i}:7443", ttl=60, renew_interval=0.1) for i in range(8)]
     start = threading.Barrier(len(leases))
     won = []
 
@@ -94,7 +114,7 @@ def test_of_many_controllers_racing_for_the_lease_exactly_one_wins(engine):
 
 def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out(engine):
     clock = Clock()
-    lease = Lease(engine, "a:7443", ttl=10, clock=clock)
+    lease = Lease(engine, "a:7443", ttl=10, renew_interval=0.1, clock=clock)
     assert lease.renew()
     lease.engine = sa.create_engine(store_url_for("postgresql://llmgw@127.0.0.1:1/gone"))  # nothing listens there
     clock.now += 6
@@ -108,7 +128,7 @@ def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out
 def test_a_renewal_behind_a_lock_gives_up_well_within_the_trusted_part_of_the_lease(engine):
     from llmgw.control.lease import RENEW_WAIT, TRUSTED
 
-    lease = Lease(engine, "a:7443", ttl=4.0)
+    lease = Lease(engine, "a:7443", ttl=4.0, renew_interval=0.1)
     assert lease.renew()
     blocker = engine.connect()
     try:
@@ -187,11 +207,11 @@ def pair(tmp_path, pg_url):
     wipe(pg_url)
     made = []
 
-    def controller(name):
+    def controller(name, **settings):
         folder = tmp_path / name
         folder.mkdir(exist_ok=True)
         c = Controller(folder, store_url=pg_url, models=[sim_model()], controller__keys_dir=str(tmp_path / "keys"),
-                       **LEASE)
+                       **{**LEASE, **settings})
         made.append(c)
         return c
 
@@ -238,6 +258,31 @@ def test_a_standby_refuses_agents_and_says_who_leads(pair, tmp_path):
     assert f"the controller at 127.0.0.1:{b.agent_port} stands by; the leader is {leader}" in n1.log()
     assert re.search(r'llmgw_agent_messages_refused_total\{why="standby"\} [1-9]', b.metrics())
     wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+
+
+def test_two_controllers_given_one_address_do_not_both_lead(pair):
+    controller, _ = pair
+    a = controller("a", controller__address="ctl.internal:7443")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b", controller__address="ctl.internal:7443")
+    wait_for("b to say why it stands by", WAIT, lambda: "configured with the same controller.address" in b.log())
+    for _ in range(10):  # it took the lease at its first try, and both led
+        assert role(b) == ("standby", "ctl.internal:7443") and role(a)[0] == "leader"
+        time.sleep(0.3)
+    assert "lost the leader lease" not in a.log()
+
+
+def test_a_killed_controller_restarted_leads_again_long_before_its_lease_runs_out(pair):
+    controller, _ = pair
+    a = controller("a", controller__lease_ttl=30.0)
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    a.stop(sig=signal.SIGKILL)
+    a.start()
+    restarted = time.monotonic()
+    wait_for("a leads again", WAIT, lambda: role(a)[0] == "leader")
+    # Its lease of 30 s is left under its address; nobody renews it, so the restart takes it within about
+    # one and a half renewal intervals (0.45 s), with room for a loaded machine.
+    assert time.monotonic() - restarted < 10.0, time.monotonic() - restarted
 
 
 def leader_standby_and_node(pair):

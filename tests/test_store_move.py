@@ -111,7 +111,7 @@ def test_the_move_refuses_while_a_controller_leads_on_the_source(tmp_path, empty
     source, target = f"sqlite:///{tmp_path}/old.db", empty_pg(1)
     filled(source)
     engine = store.open_store(source)
-    lease = Lease(engine, "ctl-a.internal:7443", ttl=60)
+    lease = Lease(engine, "ctl-a.internal:7443", ttl=60, renew_interval=0.1)
     try:
         assert lease.renew()
         run = move(source, target)
