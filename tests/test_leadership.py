@@ -407,6 +407,50 @@ def test_two_gateways_following_both_serve_plain_and_streamed_through_a_failover
             g.stop()
 
 
+def test_a_new_leader_admits_budgeted_requests_at_once_while_it_waits_for_its_nodes(pair, tmp_path, pg_url):
+    from llmgw.people import keys, limits
+
+    controller, agent = pair
+    # The new leader waits for every node with a key, for up to 30 s: one of them will not come back.
+    slow = {"controller__unreachable_after": 30.0, "controller__lost_after": 60.0}
+    a = controller("a", **slow)
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b", **slow)
+    agent("n1", [a, b], a)
+    a.issue_key("gone")  # a node that was lost for good
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    url = store_url_for(pg_url)
+    engine = store.open_store(url)
+    try:
+        _, free = keys.create_key(engine, "free")
+        record, budgeted = keys.create_key(engine, "budgeted")
+        limits.set_price(engine, "*", "1", "1", "test")
+        limits.set_limits(engine, "key", record.id, "test", budget=10**12, period="month")
+    finally:
+        engine.dispose()
+    gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file("gw"),
+                 gateway__controller=[f"127.0.0.1:{a.gateway_port}", f"127.0.0.1:{b.gateway_port}"])
+    try:
+        wait_for("a budgeted request admitted by a's accountant", WAIT,
+                 lambda: post(gw.url + "/v1/chat/completions", CHAT, budgeted)[0] == 200)
+        client = Traffic(gw.url, free)
+        client.more(5)
+        a.stop(sig=signal.SIGKILL)
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        led = time.monotonic()
+        # Budgeted requests get 503 while no accountant answers; b's answers as soon as the gateway knows it.
+        wait_for("a budgeted request admitted by b's accountant", WAIT,
+                 lambda: all(post(gw.url + "/v1/chat/completions", CHAT, budgeted)[0] == 200 for _ in range(4)))
+        took = time.monotonic() - led
+        # b still waits for the lost node and has published no snapshot: the gateway routes with a's replicas.
+        assert b.api("/api/v1/status")["role"] == "leader" and took < 20.0, took
+        client.more(10)
+        assert client.stop() == []
+        print(f"budgeted requests admitted again {took:.2f} s after b led")
+    finally:
+        gw.stop()
+
+
 def test_a_key_issued_through_the_other_controller_is_admitted_at_its_first_try():
     from llmgw.control.authenticator import KeyRing
 
