@@ -451,6 +451,82 @@ def test_a_new_leader_admits_budgeted_requests_at_once_while_it_waits_for_its_no
         gw.stop()
 
 
+def status_with(gw, key) -> int:
+    request = urllib.request.Request(gw.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        e.close()
+        return e.code
+
+
+def test_a_stale_leader_pushing_keys_from_before_a_revocation_last_does_not_bring_the_key_back(pair, tmp_path, pg_url):
+    import tomllib
+
+    import zmq
+
+    from llmgw.control import curvekeys
+    from llmgw.people import keys
+    from llmgw.principals import hash_secret
+    from llmgw.wire import gateways
+    from llmgw.wire.curve import ClientKeys, dial
+
+    controller, _ = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    url = store_url_for(pg_url)
+    engine = store.open_store(url)
+    record, secret = keys.create_key(engine, "leaked")
+    gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file("gw"),
+                 gateway__controller=[f"127.0.0.1:{a.gateway_port}", f"127.0.0.1:{b.gateway_port}"])
+    context = zmq.Context()
+    spy = context.socket(zmq.SUB)
+    try:
+        wait_for("the key working on every worker", WAIT, lambda: all(status_with(gw, secret) == 200 for _ in range(8)))
+        # What a pushes now, before the revocation: the test keeps it, as a paused leader's sockets do.
+        with open(a.gateway_key_file("spy"), "rb") as f:
+            spy_key = tomllib.load(f)
+        spy.setsockopt(zmq.LINGER, 0)
+        dial(spy, ClientKeys(spy_key["controller_public_key"].encode(), spy_key["public_key"].encode(),
+                             spy_key["secret_key"].encode()))
+        spy.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
+        spy.connect(f"tcp://127.0.0.1:{a.gateway_port}")
+        assert spy.poll(int(WAIT * 1000)), "a pushes its keys every 10 s"
+        stale = spy.recv_multipart()
+        (pushed,) = [k for k in gateways.decode(stale[1])["keys"] if k["hash"] == hash_secret(secret)]
+        assert pushed["revoked_at"] is None
+        spy.close(0)
+
+        a.stop(sig=signal.SIGKILL)
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        keys.revoke_key(engine, record.id)
+        wait_for("the revocation on every worker", WAIT, lambda: all(status_with(gw, secret) == 401 for _ in range(8)))
+
+        # a "wakes" and its keys from before the revocation reach the gateways last, from a's address and
+        # with the controller's key pair (the one both controllers hold).
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        curvekeys_pair = curvekeys.controller_keypair(str(tmp_path / "keys"))
+        pub.curve_secretkey, pub.curve_publickey = curvekeys_pair[1], curvekeys_pair[0]
+        pub.curve_server = True
+        pub.bind(f"tcp://127.0.0.1:{a.gateway_port}")
+        try:
+            deadline = time.monotonic() + 6.0
+            while time.monotonic() < deadline:
+                pub.send_multipart(stale)
+                assert all(status_with(gw, secret) == 401 for _ in range(4)), "the revoked key works again"
+                time.sleep(0.1)
+        finally:
+            pub.close(0)
+    finally:
+        spy.close(0)
+        context.term()
+        gw.stop()
+        engine.dispose()
+
+
 def test_a_key_issued_through_the_other_controller_is_admitted_at_its_first_try():
     from llmgw.control.authenticator import KeyRing
 

@@ -75,7 +75,8 @@ def _keep_the_last_word(cfg: Config) -> None:
         cfg.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
 
     def keep_keys(message: dict) -> None:
-        cfg.last_word["keys"] = message
+        if message["revision"] > cfg.last_word.get("keys", {}).get("revision", -1):  # as a worker would
+            cfg.last_word["keys"] = message
 
     def keep_leading(message: dict, host: str) -> None:
         cfg.last_word["leading"] = (message, host)

@@ -98,7 +98,7 @@ class Runtime:
             self.router.apply(snapshot)
 
     def apply_keys(self, table: KeyTable) -> None:
-        """Take a newer key table (a later revision, or a new controller's first)."""
+        """Take a newer key table (a later revision of the store's keys, from whichever controller)."""
         if self.keys.newer(table):
             self.keys = table
 
@@ -118,8 +118,8 @@ class Runtime:
                 self.router.apply(with_leader(body, self.router.snapshot, host))
 
             def on_keys(message: dict) -> None:
-                # Repeats of what is held already cost a comparison, not a rebuild.
-                if message["revision"] != self.keys.revision or message["epoch"] != self.keys.epoch:
+                # Repeats of what is held already, and older tables, cost a comparison, not a rebuild.
+                if message["revision"] > self.keys.revision:
                     self.apply_keys(KeyTable.from_message(message))
 
             # A worker that replaces a crashed one starts from what the master heard last, at once.
