@@ -584,3 +584,26 @@ def test_cli_writes_beside_a_controller_renewing_its_lease_on_sqlite_never_meet_
         assert role(c)[0] == "leader"  # and the controller kept its lease all along
     finally:
         c.stop()
+
+
+def test_a_key_ring_waits_for_a_hung_store_once_and_then_not_at_all():
+    from llmgw.control import authenticator
+    from llmgw.control.authenticator import KeyRing
+
+    answered = threading.Event()
+
+    def hung_store():
+        answered.wait(WAIT)
+        return {b"late": "gw-late"}
+
+    ring = KeyRing({b"known": "gw"}, "gateway", reload=hung_store)
+    started = time.monotonic()
+    assert not ring.callback("llmgw-gateways", b"late")
+    assert time.monotonic() - started < authenticator.LOOKUP_WAIT + 1.0  # waited its share, no more
+    asked_at = ring.reloaded
+    ring.reloaded -= 2 * authenticator.RELOAD_EVERY  # a second later, the store still hung
+    started = time.monotonic()
+    assert not ring.callback("llmgw-gateways", b"other") and ring.callback("llmgw-gateways", b"known")
+    assert time.monotonic() - started < 0.2 and ring.reloaded < asked_at  # asked nothing more of it
+    answered.set()  # the store answers: the read under way brings the key in
+    wait_for("the late answer taken", WAIT, lambda: ring.node_for(b"late") == "gw-late")
