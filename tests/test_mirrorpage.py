@@ -94,7 +94,7 @@ def rig(tmp_path):
     hosts = HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")
     api = make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]), hosts), threaded=True)
     threading.Thread(target=api.serve_forever, daemon=True).start()
-    controller = Controller(tmp_path)
+    controller = Controller(tmp_path, mirror__base_url=base)  # its mirror, whose sources it checks
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
@@ -216,7 +216,7 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
     try:
         wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api_port}/api/v1/health") == 200)
         url = f"sqlite:///{tmp_path}/cluster.db"
-        controller = Controller(tmp_path, store_url=url)
+        controller = Controller(tmp_path, store_url=url, mirror__base_url=f"http://127.0.0.1:{files_port}")
         agent = Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], "n1", controller.issue_key("n1"))
         engine = store.open_store(url)
         accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
