@@ -12,6 +12,10 @@ SSHD := /usr/sbin/sshd
 SYSTEMD_ANALYZE := /usr/bin/systemd-analyze
 NGINX := /usr/sbin/nginx
 CADDY := /usr/bin/caddy
+PROMTOOL := /usr/bin/promtool
+AMTOOL := /usr/bin/amtool
+NODE_EXPORTER := /usr/bin/prometheus-node-exporter
+POLICY_RC_D := /usr/sbin/policy-rc.d
 
 .PHONY: run test clients docs bench clean
 
@@ -40,16 +44,23 @@ $(SYSTEMD_ANALYZE):
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq systemd; \
 	else echo "The unit tests need systemd-analyze: sudo apt-get install systemd" >&2; exit 1; fi
 
-# deploy/ha's proxy settings are tested with Debian's nginx and Caddy in front of two gateways. Their
-# packages would start a server on port 80 at once; a policy-rc.d that refuses keeps them from it.
+# Debian's servers the tests run: nginx and Caddy in front of two gateways (deploy/ha), Prometheus
+# (promtool comes with it), Alertmanager (amtool) and node_exporter (deploy/monitoring). Their
+# packages would start their services at once (a web server on port 80, Prometheus on 9090); a
+# policy-rc.d that refuses keeps them from it, and whatever policy-rc.d the machine had is put back.
 $(NGINX): PACKAGE = nginx
 $(CADDY): PACKAGE = caddy
-$(NGINX) $(CADDY):
+$(PROMTOOL): PACKAGE = prometheus
+$(AMTOOL): PACKAGE = prometheus-alertmanager
+$(NODE_EXPORTER): PACKAGE = prometheus-node-exporter
+$(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER):
 	@if [ "$$(id -u)" = 0 ]; then \
-		if [ -e /usr/sbin/policy-rc.d ]; then apt-get update -qq && apt-get install -y -qq $(PACKAGE); \
-		else printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && \
-			apt-get update -qq && apt-get install -y -qq $(PACKAGE); rc=$$?; rm -f /usr/sbin/policy-rc.d; exit $$rc; fi; \
-	else echo "The proxy tests need $(PACKAGE): sudo apt-get install $(PACKAGE)" >&2; exit 1; fi
+		kept=$(POLICY_RC_D).llmgw-kept; \
+		if [ -e $(POLICY_RC_D) ] || [ -L $(POLICY_RC_D) ]; then mv $(POLICY_RC_D) $$kept || exit 1; fi; \
+		printf '#!/bin/sh\nexit 101\n' > $(POLICY_RC_D) && chmod +x $(POLICY_RC_D) && \
+		apt-get update -qq && apt-get install -y -qq $(PACKAGE); rc=$$?; \
+		rm -f $(POLICY_RC_D); if [ -e $$kept ] || [ -L $$kept ]; then mv $$kept $(POLICY_RC_D); fi; exit $$rc; \
+	else echo "The tests need Debian's $(PACKAGE): sudo apt-get install $(PACKAGE)" >&2; exit 1; fi
 
 # The coding-agent CLIs (Codex, Claude Code) the end-to-end tests drive, pinned by the lock and
 # installed into the checkout, not globally; npm ci runs again only when the lock changes.
@@ -67,7 +78,8 @@ clients: $(CLIENTS_STAMP)
 # process has its own PostgreSQL database. TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(CLIENTS_STAMP)
+test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
+	$(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
@@ -81,6 +93,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
 	$(BIN)/python bench/failover.py
+	$(BIN)/python bench/routing.py
 
 clean:
 	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -29,10 +29,12 @@ from llmgw.node import discovery
 from llmgw.node.commands import commands
 from llmgw.node.controllerlink import ControllerLink
 from llmgw.node.installer import Installer
+from llmgw.node.logsources import LogRing, LogSources
 from llmgw.node.reporter import Reporter
 from llmgw.node.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
+LOG_FORMAT = "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", envvar="LLMGW_CONFIG", type=click.Path(dir_okay=False),
@@ -49,8 +51,11 @@ def main(config_path, controllers, node_id, key_file):
         filemodes.check_roles(cfg, "agent")
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
-    logging.basicConfig(level=cfg["log.level"].upper(),
-                        format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=cfg["log.level"].upper(), format=LOG_FORMAT)
+    # Its last lines also kept in memory, for `llmgw ctl logs NODE` and the node's logs page.
+    ring = LogRing()
+    ring.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(ring)
     if not cfg["agent.controllers"]:
         raise click.ClickException("no controller to connect to: give --controller HOST:PORT or set "
                                    "agent.controllers in the configuration")
@@ -84,7 +89,8 @@ def main(config_path, controllers, node_id, key_file):
     context = zmq.Context()
     link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
                           cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat,
-                          on_command=commands(node, supervisor), outbox=outbox)
+                          on_command=commands(node, supervisor, LogSources(ring, supervisor.engine_logs)),
+                          outbox=outbox)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

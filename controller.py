@@ -136,10 +136,11 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)
     registry = CollectorRegistry()
-    registry.register(FleetCollector(fleet, replicas, catalog.models))
+    registry.register(FleetCollector(fleet, replicas, catalog.models, lease.held))
     registry.register(server)
     registry.register(inbox)
     registry.register(account_server)  # the messages it dropped
+    registry.register(lease)  # whether this controller leads
     serve_registry(cfg["controller.metrics_listen"], registry)
     log.info("agents on %s, gateways on %s, the accountant on %s, admin API on http://%s, metrics on http://%s/metrics",
              cfg["controller.agent_listen"], cfg["controller.gateway_listen"], cfg["controller.accountant_listen"],

@@ -49,6 +49,7 @@ GUARD_CHECKS = ("prompts", "answers", "both", "none")
 GUARD_FAILS = ("closed", "open")
 GUARD_KEYS = {"model": str, "check": GUARD_CHECKS, "fail": GUARD_FAILS}
 ROLES = ("guard",)  # a model's `role`: a guard judge is never offered to clients
+ROUTING_POLICIES = ("prefix", "least-load", "round-robin")  # llmgw/gateway/balancer.py says what each does
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
@@ -180,15 +181,24 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds one request may take in all, streaming included.", minimum=0.001),
     Setting("routing.max_outstanding", "int", 0,
             "Requests one worker sends a replica at once; past it on every replica, requests wait in the admission "
-            "queue (`gateway.queue_size`). 0: no limit (only an engine's 429 makes requests wait).", minimum=0),
+            "queue (`gateway.queue_size`). 0: no limit (only an engine's 429 makes requests wait). A replica whose "
+            "profile was measured (`llmgw ctl bench --save`) is held to that figure instead, everyone's requests "
+            "counted.", minimum=0),
     Setting("routing.attempts", "int", 3,
             "Replicas tried for one request, as long as nothing has been sent to the client yet.", minimum=1),
+    Setting("routing.policy", "str", "prefix",
+            "How a replica is chosen: `prefix` sends a conversation's later turns to the replica that has its history "
+            "cached, while that replica is not loaded past `routing.affinity_factor`, and everything else by load; "
+            "`least-load` the less loaded of two replicas drawn at random; `round-robin` each in turn, by weight, "
+            "whatever their load (for comparison).", check=_one_of(ROUTING_POLICIES)),
     Setting("routing.affinity_factor", "float", 1.25,
-            "A request goes to the replica that saw its prompt prefix while that replica is no busier than this many times "
-            "the least loaded one (or one request more, whichever allows more).", minimum=1.0),
+            "With the `prefix` policy, a conversation stays on its replica while that replica is no busier than this "
+            "many times the least loaded one (or one request more, whichever allows more); past it, the turn goes to "
+            "the conversation's next choice.", minimum=1.0),
     Setting("routing.affinity_prefix_bytes", "int", 2048,
-            "How much of a chat's first message (or a completion's prompt) decides which replica has it cached. "
-            "0 turns affinity off.", minimum=0),
+            "How much of each of a chat's leading messages (those up to its first user message), or of a completion's "
+            "prompt, names the conversation for the `prefix` policy. 0: no request is named, so all go by load.",
+            minimum=0),
     Setting("routing.metrics_interval", "float", 1.0,
             "Seconds between reads of each engine's `/metrics` (waiting and running requests, KV cache use).",
             minimum=0.05),
@@ -403,6 +413,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent.vllm", "str", "",
             "A `vllm` command to use, named explicitly (never looked up on the PATH). Empty: one the node "
             "installed from its engine catalogue, if any."),
+    Setting("monitoring.prometheus", "str", "",
+            "The Prometheus that scrapes this cluster's gateways and controller (`http://prometheus:9090`, a "
+            "path after it if a proxy serves it there), whose query API the cluster and node pages read for their "
+            "history charts; each query is bounded to 5 s and 4 MiB. Empty: the pages say how to set it up.",
+            check=addresses.check_dial_or_url),
     Setting("log.level", "str", "info",
             "Log level: debug, info, warning or error."),
 )

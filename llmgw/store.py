@@ -254,6 +254,20 @@ catalog_models = sa.Table(
     sa.Column("updated_at", sa.Float, nullable=False),
 )
 
+# What `llmgw ctl bench --save` measured of a model's profile: how many requests its replicas take at once
+# within the service level. Kept apart from the catalog's own tables because a configuration model has a
+# profile (in the file) but no row in catalog_models, and a measurement belongs to either kind. FINGERPRINT
+# is the profile's (catalog.Model.fingerprint) when it was measured: a profile edited since is another engine.
+capacities = sa.Table(
+    "capacities", metadata,
+    sa.Column("model", sa.String(200), primary_key=True),
+    sa.Column("profile", sa.String(200), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("max_in_flight", sa.Integer, nullable=False),
+    sa.Column("measured", sa.Text, nullable=False),  # the figures behind it, as JSON (llmgw/control/capacity.py)
+    sa.Column("measured_at", sa.Float, nullable=False),
+)
+
 # People who sign in to the pages. Passwords are kept only as slow salted hashes.
 users = sa.Table(
     "users", metadata,
@@ -421,6 +435,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (11, "usage spool files written", _create([usage_spools])),
     (12, "the guard's verdict on usage rows", _guard_verdicts),
     (13, "the controllers' leader lease", _leases),
+    (14, "measured capacities of models' profiles", _create([capacities])),
 ]
 
 

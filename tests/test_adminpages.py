@@ -36,7 +36,8 @@ def test_only_administrators_see_the_admin_pages(site):  # noqa: F811
     client = pages.test_client()
     assert client.get("/admin").status_code == 302  # to sign in
     sign_in(client, "plain@example.org", PASSWORD)
-    for path in ("/admin", "/admin/people", "/admin/quotas", "/admin/usage", "/org"):
+    for path in ("/admin", "/admin/people", "/admin/quotas", "/admin/usage", "/org", "/admin/nodes/n1",
+                 "/admin/nodes/n1/logs", "/admin/nodes/n1/logs/more"):
         assert client.get(path).status_code == 403, path
     assert b'href="/admin"' not in client.get("/account").data
 
@@ -167,6 +168,12 @@ def test_the_cluster_page_says_what_needs_attention(admin):
     assert "Nothing needs attention." in page and "no controller" in page
     partial = client.get("/admin?partial=1").data.decode()
     assert "<html" not in partial and "Health" in partial
+    # No Prometheus configured: the history section says how to have one, and draws nothing.
+    assert "History charts need Prometheus" in page and "monitoring.prometheus" in page and "<svg" not in page
+    # No controller: no node is known, and its pages say why rather than showing an empty page.
+    for path in ("/admin/nodes/n1", "/admin/nodes/n1/logs", "/admin/nodes/n1/logs/more?after=1"):
+        answer = client.get(path)
+        assert answer.status_code == 404 and "This gateway has no controller" in answer.data.decode(), path
 
 
 def test_an_operator_makes_a_key_in_a_project_shown_once_or_as_a_claim_link(admin):

@@ -8,9 +8,9 @@ import gevent
 import pytest
 
 from llmgw import store
-from llmgw.gateway.admission import AdmissionQueue, Refused
+from llmgw.gateway.admission import DISPLACED, FULL, WAITED, AdmissionQueue, Refused
 from llmgw.people import keys
-from tests.conftest import post
+from tests.conftest import make_key, post, wait_until
 
 
 def test_waiters_go_in_band_order_then_first_come():
@@ -43,24 +43,27 @@ def test_a_full_queue_gives_the_worst_waiters_place_to_a_better_band():
         try:
             queue.wait_turn("m", band, lambda: False)
         except Refused as e:
-            outcome[name] = e.reason
+            outcome[name] = (e.reason, e.kind)
 
     jobs = [gevent.spawn(request, "low", "low"), gevent.spawn(request, "normal", "normal")]
     gevent.sleep(0.01)
+    assert queue.depth("m") == {"high": 0, "normal": 1, "low": 1}
     jobs.append(gevent.spawn(request, "high", "high"))  # full: the low waiter is pushed out
     jobs.append(gevent.spawn(request, "another-low", "low"))  # full, and no better than anyone: refused
     gevent.sleep(0.05)
-    assert "higher admission band took its place" in outcome["low"]
-    assert "2 requests already wait" in outcome["another-low"]
+    assert "higher admission band took its place" in outcome["low"][0] and outcome["low"][1] == DISPLACED
+    assert "2 requests already wait" in outcome["another-low"][0] and outcome["another-low"][1] == FULL
     assert queue.waiting("m") == 2
+    assert queue.depth("m") == {"high": 1, "normal": 1, "low": 0}
     gevent.killall(jobs)
 
 
 def test_a_waiter_gives_up_after_the_queue_wait():
     queue = AdmissionQueue(size=5, wait=0.3)
     started = time.monotonic()
-    with pytest.raises(Refused, match="no replica had room within 0 s"):
+    with pytest.raises(Refused, match="no replica had room within 0 s") as refused:
         queue.wait_turn("m", "normal", lambda: False)
+    assert refused.value.kind == WAITED
     assert 0.3 <= time.monotonic() - started < 1.0
 
 
@@ -94,3 +97,47 @@ def test_higher_bands_are_served_first_when_the_engine_is_full(tmp_path, make_si
     last_high = max(t for name, (t, _) in finished.items() if name.startswith("high"))
     lows_after = sum(1 for name, (t, _) in finished.items() if name.startswith("low") and t > last_high)
     assert lows_after >= 3, finished  # at most the lows already generating or first in line finish earlier
+
+
+def test_the_queue_its_refusals_and_the_pools_saturation_are_in_the_gateways_metrics(tmp_path, make_sim, make_gateway):
+    # The engine generates one answer at a time (6 s each) and the gateway sends it one request at a
+    # time, with room for one more to wait: a normal request generates, a second waits, a high-band one
+    # takes the waiting one's place, and a normal one finds the queue full.
+    sim = make_sim(max_concurrency=1, max_queue=0, tokens_per_s=10, ttft_ms=0, default_tokens=60)
+    url = f"sqlite:///{tmp_path}/queue.db"
+    normal, high = make_key(url, "normal"), make_key(url, "interactive", band="high")  # read at the start
+    gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1,
+                      routing__max_outstanding=1, gateway__queue_size=1, gateway__queue_wait=60)
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    answers = {}
+
+    def one(name, key):
+        answers[name] = post(gw.url + "/v1/chat/completions", body, key, timeout=120)
+
+    def series(text):
+        return f'{text} ' in gw.metrics() or f'{text}\n' in gw.metrics()
+
+    wait_until("the gateway reading the engine", 30, lambda: series('llmgw_pool_saturation{model="sim"} 0.0'))
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(one, "first", normal)
+        wait_until("the first generating", 30, lambda: sim.metrics()["vllm:num_requests_running"] == 1)
+        waiting = pool.submit(one, "waiting", normal)
+        wait_until("one normal request waiting", 30,
+                   lambda: series('llmgw_admission_queue_depth{band="normal",model="sim"} 1.0'))
+        # One in flight and one queued on a replica that holds one: twice its healthy limit.
+        wait_until("the pool at twice its limit", 30, lambda: series('llmgw_pool_saturation{model="sim"} 2.0'))
+        jumped = pool.submit(one, "high", high)
+        waiting.result()
+        assert answers["waiting"][0] == 429 and b"higher admission band" in answers["waiting"][2]
+        one("full", normal)
+        assert answers["full"][0] == 429 and b"already wait" in answers["full"][2]
+        first.result()
+        jumped.result()
+    assert answers["first"][0] == 200 and answers["high"][0] == 200
+    metrics = gw.metrics()
+    assert 'llmgw_admission_rejected_total{band="normal",model="sim",reason="displaced"} 1.0' in metrics
+    assert 'llmgw_admission_rejected_total{band="normal",model="sim",reason="full"} 1.0' in metrics
+    assert 'llmgw_admission_rejected_total{band="high"' not in metrics
+    wait_until("the queue empty again", 30,
+               lambda: series('llmgw_admission_queue_depth{band="high",model="sim"} 0.0')
+               and series('llmgw_pool_saturation{model="sim"} 0.0'))

@@ -183,17 +183,26 @@ def test_streams_always_ask_the_engine_for_usage():
     assert asked.client_wants_usage and asked.upstream_body("m") is asked.raw
 
 
-def test_affinity_follows_the_first_message_and_is_bounded():
-    req = parse("chat", {"model": "m", "messages": [{"role": "system", "content": "s" * 5000},
-                                                     {"role": "user", "content": "x"}]}, prefix=100)
-    assert req.prompt_text == b"s" * 100
-    later_turn = parse("chat", {"model": "m", "messages": [
-        {"role": "system", "content": "s" * 5000}, {"role": "user", "content": "x"},
-        {"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]}, prefix=100)
-    assert later_turn.prompt_text == req.prompt_text  # a conversation keeps its replica
+def test_a_conversation_is_named_by_its_messages_up_to_the_first_user_message():
+    system = {"role": "system", "content": "s" * 5000}
+    first = parse("chat", {"model": "m", "messages": [system, {"role": "user", "content": "x"}]}, prefix=100)
+    assert first.affinity is not None and not first.follows  # a first turn: nothing of it is cached yet
+    later = parse("chat", {"model": "m", "messages": [system, {"role": "user", "content": "x"},
+                                                      {"role": "assistant", "content": "y"},
+                                                      {"role": "user", "content": "z"}]}, prefix=100)
+    assert later.affinity == first.affinity and later.follows  # every turn of a conversation: one key
+    other = parse("chat", {"model": "m", "messages": [system, {"role": "user", "content": "w"}]}, prefix=100)
+    assert other.affinity != first.affinity  # the same system prompt, another conversation
+    # Each message counts up to PREFIX bytes: a system prompt differing past them is the same one.
+    longer = parse("chat", {"model": "m", "messages": [{"role": "system", "content": "s" * 6000},
+                                                       {"role": "user", "content": "x"}]}, prefix=100)
+    assert longer.affinity == first.affinity
     parts = parse("chat", {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}]}]})
-    assert parts.prompt_text == b"ab"
-    assert parse("completions", {"model": "m", "prompt": "abc"}).prompt_text == b"abc"
+    assert parts.affinity == parse("chat", user("ab")).affinity
+    prompt = parse("completions", {"model": "m", "prompt": "abc"})
+    assert prompt.affinity is not None and prompt.follows  # a prompt has no turns: its start is all it has
+    assert parse("chat", user("")).affinity is None
+    assert parse("chat", CHAT, prefix=0).affinity is None  # the policy is not `prefix`: no key is made
 
 
 def test_usage_found_without_parsing_the_whole_answer():

@@ -8,6 +8,10 @@ from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
 STALE = 5.0
 
 
+def pick(rs, rng, key=None, follows=False, policy="prefix"):
+    return choose(policy, rs, 0.0, STALE, key, follows, 1.25, rng)
+
+
 def replicas(n, weights=None):
     return [ReplicaState(ReplicaSpec(f"r{i}", f"http://h{i}", ("m",), (weights or [1.0] * n)[i]), Breaker(5, 10))
             for i in range(n)]
@@ -44,14 +48,14 @@ def test_two_choices_never_picks_the_busier_of_two():
     a, b = replicas(2)
     a.outstanding = 5
     rng = random.Random(1)
-    assert all(choose([a, b], 0.0, STALE, None, 1.25, rng) is b for _ in range(100))
+    assert all(pick([a, b], rng) is b for _ in range(100))
 
 
 def test_load_is_spread_not_piled_on_one_replica():
     rs = replicas(4)
     rng = random.Random(7)
     for _ in range(400):
-        choose(rs, 0.0, STALE, None, 1.25, rng).outstanding += 1
+        pick(rs, rng).outstanding += 1
     counts = [r.outstanding for r in rs]
     # With every request still outstanding, two choices keeps the replicas within a few of each other.
     assert max(counts) - min(counts) <= 4, counts
@@ -61,46 +65,97 @@ def test_weights_share_traffic():
     rs = replicas(2, weights=[3.0, 1.0])
     rng = random.Random(3)
     for _ in range(400):
-        choose(rs, 0.0, STALE, None, 1.25, rng).outstanding += 1
+        pick(rs, rng).outstanding += 1
     # Load per unit of weight is balanced: about 300 and 100.
     assert 280 <= rs[0].outstanding <= 320, [r.outstanding for r in rs]
 
 
-def test_affinity_sends_a_shared_prefix_to_one_replica():
+def conversation(n):
+    return affinity_key([b"You are a helpful assistant." * 10, f"question {n}".encode()])
+
+
+def test_a_conversation_sticks_to_one_replica_and_conversations_spread():
     rs = replicas(4)
     rng = random.Random(5)
-    key = affinity_key(b"You are a helpful assistant." * 10, 2048)
-    picks = {choose(rs, 0.0, STALE, key, 1.25, rng).spec.id for _ in range(50)}
-    assert len(picks) == 1
-    other = affinity_key(b"A different system prompt entirely." * 10, 2048)
-    spread = collections.Counter(
-        choose(rs, 0.0, STALE, affinity_key(f"prompt {i}".encode(), 2048), 1.25, rng).spec.id for i in range(200))
-    assert len(spread) == 4 and other != key
+    assert len({pick(rs, rng, conversation(1), follows=True).spec.id for _ in range(50)}) == 1
+    spread = collections.Counter(pick(rs, rng, conversation(i), follows=True).spec.id for i in range(200))
+    assert len(spread) == 4 and min(spread.values()) >= 25, spread
 
 
-def test_affinity_yields_to_load_beyond_the_factor():
-    rs = replicas(2)
+def test_conversations_go_first_to_replicas_in_proportion_to_their_weight():
+    rs = replicas(2, weights=[3.0, 1.0])
+    rng = random.Random(2)
+    # Every replica idle, so each conversation's first choice takes it, whatever its load per weight.
+    first = collections.Counter(choose("prefix", rs, 0.0, STALE, conversation(i), True, 100.0, rng).spec.id
+                                for i in range(2000))
+    assert 1400 <= first["r0"] <= 1600, first
+
+
+def test_a_conversation_stays_until_its_replica_is_loaded_past_the_bound_then_spills_to_its_second_choice():
+    rs = replicas(4)
     rng = random.Random(5)
-    key = affinity_key(b"shared prefix", 2048)
-    preferred = choose(rs, 0.0, STALE, key, 1.25, rng)
-    other = rs[1] if preferred is rs[0] else rs[0]
-    # Load 2 (one outstanding + the new) against 1: one request more is always acceptable.
-    preferred.outstanding = 1
-    assert choose(rs, 0.0, STALE, key, 1.25, rng) is preferred
-    # Load 3 against 1: past both 1.25 x 1 and 1 + 1, so the other replica takes it.
-    preferred.outstanding = 2
-    assert choose(rs, 0.0, STALE, key, 1.25, rng) is other
-    # Load 11 against 8: 11 > 1.25 x 8 = 10, past the factor.
-    preferred.outstanding, other.outstanding = 10, 7
-    assert choose(rs, 0.0, STALE, key, 1.25, rng) is other
-    # Load 5 against 4: 5 <= 1.25 x 4, so the cache wins.
-    preferred.outstanding, other.outstanding = 4, 3
-    assert choose(rs, 0.0, STALE, key, 1.25, rng) is preferred
+    key = conversation(7)
+    first = pick(rs, rng, key, follows=True)
+    for r in rs:
+        r.outstanding = 0 if r is first else 3
+    # The others' load is 4 (three and the new one): the first choice takes turns while its load is at most
+    # max(1.25 x 4, 4 + 1) = 5, that is, with up to four of them outstanding.
+    went = []
+    for _ in range(8):
+        chosen = pick(rs, rng, key, follows=True)
+        chosen.outstanding += 1
+        went.append(chosen)
+    assert went[:5] == [first] * 5
+    # Then its next choice, the same one each time while it too is within the bound, not whichever is least loaded.
+    assert went[5] is not first and went[6] is went[5]
+    # When the first choice is back within the bound, the conversation is back there.
+    first.outstanding = 1
+    assert pick(rs, rng, key, follows=True) is first
 
 
-def test_affinity_off_when_prefix_bytes_is_zero():
-    assert affinity_key(b"anything", 0) is None
-    assert affinity_key(b"", 2048) is None
+def test_a_first_turn_goes_to_the_least_loaded():
+    rs = replicas(4)
+    rng = random.Random(5)
+    key = conversation(3)
+    first = pick(rs, rng, key, follows=True)
+    assert pick(rs, rng, key) is first  # all idle: its own first choice, so the next turn finds it there
+    first.outstanding = 1
+    # One request ahead is within the bound for a later turn, but a first turn has nothing cached to win.
+    assert pick(rs, rng, key, follows=True) is first
+    chosen = pick(rs, rng, key)
+    assert chosen is not first and chosen.outstanding == 0
+
+
+def test_the_bound_keeps_the_replicas_balanced():
+    rs = replicas(4)
+    rng = random.Random(9)
+    # 400 turns of 40 conversations, none finished: the bound holds every replica near the least loaded.
+    for i in range(400):
+        pick(rs, rng, conversation(i % 40), follows=True).outstanding += 1
+    counts = [r.outstanding for r in rs]
+    assert max(counts) <= 1.25 * min(counts) + 1, counts
+
+
+def test_without_a_key_the_prefix_policy_goes_by_load():
+    a, b = replicas(2)
+    a.outstanding = 5
+    rng = random.Random(1)
+    assert all(pick([a, b], rng, None, follows=True) is b for _ in range(20))
+    assert affinity_key([b"", b""]) is None and affinity_key([]) is None
+
+
+def test_round_robin_takes_each_in_turn_by_weight_whatever_the_load():
+    rs = replicas(3)
+    rng = random.Random(1)
+    rs[0].outstanding = 50
+    assert [pick(rs, rng, policy="round-robin").spec.id for _ in range(6)] == ["r0", "r1", "r2"] * 2
+    weighted = replicas(2, weights=[3.0, 1.0])
+    served = collections.Counter(pick(weighted, rng, policy="round-robin").spec.id for _ in range(400))
+    assert served == {"r0": 300, "r1": 100}
+    # Least-load ignores a conversation's key.
+    a, b = replicas(2)
+    a.outstanding = 5
+    assert all(pick([a, b], rng, conversation(1), True, policy="least-load") is b for _ in range(20))
 
 
 def test_router_keeps_state_across_snapshots_and_skips_open_breakers():

@@ -11,7 +11,7 @@ from playwright.sync_api import sync_playwright
 
 from llmgw import store
 from llmgw.people import accounts
-from tests.conftest import Gateway, Sim
+from tests.conftest import Gateway, Sim, wait_until
 
 PHONE = {"width": 390, "height": 844}
 
@@ -63,8 +63,8 @@ def test_sign_up_approve_sign_in_make_a_key_and_use_it(site):
     page.screenshot(path=str(tmp / "account-phone.png"), full_page=True)
     assert fits_the_screen(page)
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key=secret, max_retries=0)
-    deadline = time.monotonic() + 3
-    while True:  # the workers learn of the new key within a second
+    deadline = time.monotonic() + 30
+    while True:  # the workers learn of the new key within a second, later on a loaded machine
         try:
             reply = client.chat.completions.create(model="sim", max_tokens=2,
                                                    messages=[{"role": "user", "content": "hi"}])
@@ -76,9 +76,13 @@ def test_sign_up_approve_sign_in_make_a_key_and_use_it(site):
     page.click("text=Revoke")
     page.wait_for_url("**/account")
     assert "No keys yet." in page.inner_text("main")
-    time.sleep(2.0)
-    with pytest.raises(openai.AuthenticationError, match="revoked"):
-        client.chat.completions.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    def refused() -> bool:  # the workers learn of the revocation within a second, later on a loaded machine
+        try:
+            client.chat.completions.create(model="sim", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        except openai.AuthenticationError as e:
+            return "revoked" in str(e)
+        return False
+    wait_until("the revoked key to be refused", 30, refused)
     client.close()
     page.click("text=Sign out")
     page.wait_for_url(gw.url + "/")

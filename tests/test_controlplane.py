@@ -58,6 +58,8 @@ def test_agents_register_with_what_they_found(cluster):
     assert 'llmgw_gpu_utilization_percent{gpu="4",node="gpu-a"} 97.0' in metrics
     assert 'llmgw_gpu_utilization_percent{gpu="0",node="gpu-b"}' not in metrics
     assert 'llmgw_gpu_memory_total_bytes{gpu="1",node="gpu-b"}' in metrics
+    assert re.search(r'^llmgw_node_memory_used_bytes\{node="cpu-c"\} [1-9]', metrics, re.M)
+    assert "llmgw_controller_leading 1.0" in metrics
     table = c.ctl("nodes").stdout
     assert re.search(r"gpu-a\s+ready", table) and "h100-80g" in table
     assert [g["class"] for g in nodes["nvml-d"]["facts"]["gpus"]] == ["a100-80g"] * 4  # through NVML

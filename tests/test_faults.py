@@ -223,7 +223,7 @@ def test_graceful_stop_finishes_streams_and_writes_every_usage_row(tmp_path, mak
     streamer = threading.Thread(target=lambda: result.update(
         events=stream_events(gw.url, key, {**CHAT, "max_tokens": 15})[1]))
     streamer.start()
-    time.sleep(0.4)  # the stream is under way
+    wait_until("the stream under way", 30, lambda: sim.metrics().get("vllm:num_requests_running", 0) >= 1)
     assert gw.stop(signal.SIGTERM) == 0
     streamer.join(10)
     assert result["events"][-1] == b"[DONE]" and len(result["events"]) == 17

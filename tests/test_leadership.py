@@ -333,6 +333,11 @@ def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
     wait_for_no_duplicates(b, [n1], {"simmy": 1})
     assert n1.engines() == engines
     assert "lost the leader lease" in a.log()
+    # Only the leader publishes the fleet: a still holds n1 from when it led, silent there now.
+    standby, leader = a.metrics(), b.metrics()
+    assert "llmgw_controller_leading 0.0" in standby and "llmgw_controller_leading 1.0" in leader
+    assert "llmgw_node_up{" not in standby and "llmgw_model_replicas_ready{" not in standby
+    assert 'llmgw_node_up{node="n1",state="ready"} 1.0' in leader
 
 
 RPM = 20

@@ -3,7 +3,7 @@ holding the accountant, a simulated engine, requests fired at both gateways at o
 
 import concurrent.futures
 import json
-import time
+import re
 
 import sqlalchemy as sa
 
@@ -25,23 +25,38 @@ def fire(urls, key, count, body=BODY, threads=32):
         return list(pool.map(one, range(count)))
 
 
-def start(tmp_path, make_sim, make_gateway, gateways=2):
+def start(tmp_path, make_sim, make_gateway, prepare, gateways=2):
+    """A controller, then PREPARE(engine) (keys, limits, prices), then the gateways: their workers read what
+    PREPARE made at start, so no test waits for a reload. PREPARE's answer comes back last."""
     sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
     url = f"sqlite:///{tmp_path}/shared.db"
     controller = Controller(tmp_path, store_url=url)
+    engine = store.open_engine(url)
+    made = prepare(engine)
+    probe = limited_key("probe", rpm=1_000_000)(engine)
     endpoints = [{"id": "sim-1", "url": sim.url, "models": ["sim"]}]
     gws = [make_gateway(store_url=url, endpoints=endpoints, workers=2,
                         gateway__controller=f"127.0.0.1:{controller.gateway_port}",
                         gateway__key_file=controller.gateway_key_file(f"gw{i}")) for i in range(gateways)]
-    return controller, gws, store.open_engine(url)
+    # A gateway learns where the accountant is from the controller's first snapshot; until then it waives
+    # rate limits. The probe's limit is never reached: its answers say when the accountant answers.
+    wait_until("every gateway to reach the accountant", 60, lambda: all(
+        all("X-RateLimit-Limit-Requests" in post(gw.url + "/v1/chat/completions", BODY, probe)[1] for _ in range(10))
+        for gw in gws))
+    return controller, gws, engine, made
+
+
+def limited_key(name, **limit):
+    def prepare(engine):
+        record, secret = keys.create_key(engine, name)
+        limits.set_limits(engine, "key", record.id, "test", **limit)
+        return secret
+    return prepare
 
 
 def test_a_key_limited_to_100_a_minute_gets_at_most_101_across_two_gateways(tmp_path, make_sim, make_gateway):
-    controller, gws, engine = start(tmp_path, make_sim, make_gateway)
+    controller, gws, engine, secret = start(tmp_path, make_sim, make_gateway, limited_key("limited", rpm=100))
     try:
-        record, secret = keys.create_key(engine, "limited")
-        limits.set_limits(engine, "key", record.id, "test", rpm=100)
-        time.sleep(2.5)  # every worker reloads its keys within 2 s
         # 160 requests over 2 gateways x 2 workers within a few seconds: one accountant counts them
         # all, so exactly 100 are served and 60 refused. Workers counting apart would serve 160.
         results = fire([gw.url for gw in gws], secret, 160)
@@ -58,13 +73,13 @@ def test_a_key_limited_to_100_a_minute_gets_at_most_101_across_two_gateways(tmp_
 
 
 def test_a_budget_is_overspent_by_at_most_one_request(tmp_path, make_sim, make_gateway):
-    controller, gws, engine = start(tmp_path, make_sim, make_gateway)
-    try:
+    def prepare(engine):
         # One unit per output token, nothing for input: a request answering 10 tokens costs 10 units.
         limits.set_price(engine, "sim", "0", "1000000", "test")
-        record, secret = keys.create_key(engine, "budgeted")
-        limits.set_limits(engine, "key", record.id, "test", budget=rules.parse_money("95"), period="day")
-        time.sleep(2.5)
+        return limited_key("budgeted", budget=rules.parse_money("95"), period="day")(engine)
+
+    controller, gws, engine, secret = start(tmp_path, make_sim, make_gateway, prepare)
+    try:
         # 40 requests at once against a budget of 95 units: requests in flight hold their estimated
         # cost, so admissions stop once spent + held reaches 95. At most 10 are served (the tenth
         # crosses from 90 to 100), so the overspend is at most one request's 10 units.
@@ -83,20 +98,23 @@ def test_a_budget_is_overspent_by_at_most_one_request(tmp_path, make_sim, make_g
 
 
 def _spent(engine) -> int:
+    """What was spent, besides the probe that waited for the accountant."""
+    probe = sa.select(store.api_keys.c.id).where(store.api_keys.c.name == "probe")
+    query = (sa.select(sa.func.coalesce(sa.func.sum(store.usage.c.cost_micros), 0))
+             .where(sa.or_(store.usage.c.key_id.is_(None), store.usage.c.key_id.not_in(probe))))
     with engine.connect() as conn:
-        return conn.execute(sa.select(sa.func.coalesce(sa.func.sum(store.usage.c.cost_micros), 0))).scalar()
+        return conn.execute(query).scalar()
 
 
 def test_without_a_controller_the_masters_accountant_is_shared_by_its_workers(tmp_path, make_sim, make_gateway):
     sim = make_sim(tokens_per_s=0, ttft_ms=0)
     url = f"sqlite:///{tmp_path}/alone.db"
+    engine = store.open_store(url)
+    record, secret = keys.create_key(engine, "ten", models=["sim"])
+    limits.set_limits(engine, "key", record.id, "test", rpm=10)
+    other, other_secret = keys.create_key(engine, "elsewhere", models=["another-model"])
     gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=3)
-    engine = store.open_engine(url)
     try:
-        record, secret = keys.create_key(engine, "ten", models=["sim"])
-        limits.set_limits(engine, "key", record.id, "test", rpm=10)
-        other, other_secret = keys.create_key(engine, "elsewhere", models=["another-model"])
-        time.sleep(2.5)
         # Three workers, one pool: 10 served of 30, whichever worker each landed on.
         statuses = [s for s, _ in fire([gw.url], secret, 30, threads=10)]
         assert statuses.count(200) == 10 and statuses.count(429) == 20
@@ -110,36 +128,40 @@ def test_without_a_controller_the_masters_accountant_is_shared_by_its_workers(tm
 
 
 def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, make_sim, make_gateway):
-    controller, (gw,), engine = start(tmp_path, make_sim, make_gateway, gateways=1)
-    try:
+    def prepare(engine):
         limits.set_price(engine, "sim", "0", "1", "test")
-        rated, rated_secret = keys.create_key(engine, "rated")
-        limits.set_limits(engine, "key", rated.id, "test", rpm=1)
-        budgeted, budgeted_secret = keys.create_key(engine, "budgeted")
-        limits.set_limits(engine, "key", budgeted.id, "test", budget=rules.parse_money("100"))
-        time.sleep(2.5)
+        return limited_key("rated", rpm=1)(engine), limited_key("budgeted", budget=rules.parse_money("100"))(engine)
+
+    controller, (gw,), engine, (rated_secret, budgeted_secret) = start(tmp_path, make_sim, make_gateway, prepare,
+                                                                       gateways=1)
+    try:
         assert post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] == 200
+        waived = unavailable(gw)  # the probe's, while the gateway had no snapshot yet
         controller.stop()
         # Rate limits protect capacity and are let through; money is not spent unchecked.
         assert [post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] for _ in range(3)] == [200] * 3
         status, headers, body = post(gw.url + "/v1/chat/completions", BODY, budgeted_secret)
         assert status == 503 and json.loads(body)["error"]["code"] == "limits_unavailable"
-        assert "llmgw_accountant_unavailable_total 4.0" in gw.metrics()
+        assert unavailable(gw) == waived + 4
     finally:
         engine.dispose()
         controller.stop()
+
+
+def unavailable(gw) -> float:
+    found = re.search(r"^llmgw_accountant_unavailable_total (\S+)$", gw.metrics(), re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_every_request_is_priced_limited_or_not(tmp_path, make_sim, make_gateway):
     # sim answers 10 completion tokens; at 2 units a million output tokens that is 20 micro-units.
     sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
     url = f"sqlite:///{tmp_path}/priced.db"
+    engine = store.open_store(url)
+    limits.set_price(engine, "sim", "0", "2", "test")
+    _, secret = keys.create_key(engine, "free-running")  # nothing limits it
     gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1)
-    engine = store.open_engine(url)
     try:
-        limits.set_price(engine, "sim", "0", "2", "test")
-        _, secret = keys.create_key(engine, "free-running")  # nothing limits it
-        time.sleep(2.5)
         assert post(gw.url + "/v1/chat/completions", {**BODY, "max_tokens": None}, secret)[0] == 200
         wait_until("the usage row", 10, lambda: _spent(engine) > 0)
         assert _spent(engine) == 20

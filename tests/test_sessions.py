@@ -230,8 +230,13 @@ def test_an_upgrade_takes_the_old_secret_out_of_the_store(tmp_path):
 
 # --- the sign-in throttle ------------------------------------------------------------------------
 
+def held_back(app, limit: str) -> float:
+    """Attempts the throttle held back at LIMIT, as llmgw_sign_in_throttled_total counts them."""
+    return app.runtime.metrics.sign_in_throttled.labels(limit)._value.get()
+
+
 def test_after_five_failures_the_right_password_is_refused_until_the_window_passes(site, tmp_path):  # noqa: F811
-    pages, engine, _ = site
+    pages, engine, gateway = site
     accounts.create_user(engine, "v@example.org", PASSWORD, state=accounts.ACTIVE)
     client = pages.test_client()
     for _ in range(5):
@@ -243,6 +248,7 @@ def test_after_five_failures_the_right_password_is_refused_until_the_window_pass
     for _ in range(5):
         sign_in(client, "nobody@example.org", "not the password")
     assert b"Too many wrong passwords for this account" in sign_in(client, "nobody@example.org", PASSWORD).data
+    assert held_back(gateway, "account") == 2 and held_back(gateway, "address") == 0
 
     # With a window of two seconds, the right password works once it has passed, and not before.
     url = f"sqlite:///{tmp_path}/short.db"
@@ -327,7 +333,7 @@ def test_a_stolen_session_cannot_guess_the_password_it_would_change(site):  # no
 
 
 def test_sign_up_is_throttled_per_address_and_paused_when_many_wait(site, tmp_path):  # noqa: F811
-    pages, engine, _ = site
+    pages, engine, gateway = site
 
     def sign_up(client, email, address="192.0.2.10"):
         page = client.get("/signup").data
@@ -341,6 +347,7 @@ def test_sign_up_is_throttled_per_address_and_paused_when_many_wait(site, tmp_pa
     assert refused.status_code == 400 and b"Too many sign-ups from your address. Try again in 15" in refused.data
     assert b"waits for an operator" in sign_up(client, "t@example.org", "192.0.2.11").data
     assert len(accounts.list_users(engine, accounts.PENDING)) == 6
+    assert held_back(gateway, "sign_up") == 1
 
     url = f"sqlite:///{tmp_path}/full.db"
     full = store.open_store(url)
@@ -359,7 +366,7 @@ def test_sign_up_is_throttled_per_address_and_paused_when_many_wait(site, tmp_pa
 
 
 def test_an_address_trying_many_accounts_is_throttled_and_a_proxy_forwards_whose_address(site):  # noqa: F811
-    pages, engine, _ = site
+    pages, engine, gateway = site
     accounts.create_user(engine, "w@example.org", PASSWORD, state=accounts.ACTIVE)
 
     def attempt(email, password, forwarded):
@@ -373,6 +380,7 @@ def test_an_address_trying_many_accounts_is_throttled_and_a_proxy_forwards_whose
         assert b"Wrong email or password." in attempt(f"guess{i}@example.org", "nope nope nope", "203.0.113.7").data
     refused = attempt("w@example.org", PASSWORD, "203.0.113.7")
     assert b"Too many wrong passwords from your address." in refused.data
+    assert held_back(gateway, "address") == 1
     # Another client behind the same proxy is not held to the first one's failures.
     assert attempt("w@example.org", PASSWORD, "203.0.113.8").status_code == 302
 

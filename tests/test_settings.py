@@ -38,6 +38,7 @@ def test_config_from_environment(tmp_path, monkeypatch):
     ("[gateway]\nlisen = \":80\"\n", ["gateway.lisen", "is not a setting", "gateway.listen"]),
     ("[gateway]\ntrusted_proxies = [\"not-an-ip\"]\n", ["trusted_proxies", "not an address"]),
     ("[log]\nlevel = \"loud\"\n", ["log.level", "debug, info"]),
+    ("[routing]\npolicy = \"random\"\n", ["routing.policy", "prefix, least-load, round-robin"]),
     ("gateway = 3\n", ["gateway", "expected a table"]),
     ("[gateway\n", ["not valid TOML"]),
     ("[[endpoints]]\nid = \"a\"\nurl = \"ftp://x\"\nmodels = [\"m\"]\n", ["endpoint a", "http://"]),

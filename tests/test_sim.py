@@ -20,17 +20,69 @@ def test_excess_requests_wait_and_are_reported_waiting(make_sim):
     assert sim.metrics()["llmgw_sim_running_peak"] == 1
 
 
-def test_time_to_first_token_and_the_prefix_cache(make_sim):
-    sim = make_sim(ttft_ms=300, tokens_per_s=0)
-    body = {"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": "same prompt"}]}
+def words(n, tag="w"):
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def ask(sim, *contents, max_tokens=1):
+    """Chat CONTENTS (user, assistant, user, ...) to SIM: (seconds it took, prefix cache hits it made, answer)."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(contents)]
+    before = sim.metrics()["vllm:prefix_cache_hits_total"]
     started = time.monotonic()
-    post(sim.url + "/v1/chat/completions", body)
-    first = time.monotonic() - started
+    status, _, raw = post(sim.url + "/v1/chat/completions", {"model": "sim", "max_tokens": max_tokens,
+                                                             "messages": messages})
+    took = time.monotonic() - started
+    assert status == 200, raw
+    return took, sim.metrics()["vllm:prefix_cache_hits_total"] - before, json.loads(raw)["choices"][0]["message"]
+
+
+def test_time_to_first_token_grows_with_the_tokens_not_cached(make_sim):
+    sim = make_sim(ttft_ms=20, tokens_per_s=0, prefill_ms_per_token=10)
+    prompt = words(160)  # ten blocks of 16 tokens
+    first, hits, _ = ask(sim, prompt)
+    assert first >= 0.02 + 1.6 and hits == 0  # every token prefilled
+    second, hits, _ = ask(sim, prompt)
+    assert hits == 160 and second < 1.0, second  # all of it cached: the fixed 20 ms, and the gateway-free trip
+    # A longer prompt reuses its cached start; the 16 new tokens make a block of their own for next time.
+    third, hits, _ = ask(sim, prompt + " " + words(16, "x"))
+    assert hits == 160 and third >= 0.02 + 0.16
+    assert ask(sim, prompt + " " + words(16, "x"))[1] == 176
+    # Only a prompt's start can hit: the same tokens after a different first word find nothing.
+    assert ask(sim, "other " + prompt)[1] == 0
+    m = sim.metrics()
+    assert m["vllm:prefix_cache_queries_total"] == 160 + 160 + 176 + 176 + 161  # tokens, as vLLM counts
+
+
+def test_a_conversations_next_turn_finds_its_history(make_sim):
+    sim = make_sim(ttft_ms=1, tokens_per_s=0)
+    question = words(40)
+    _, _, answer = ask(sim, question, max_tokens=16)
+    # Turn two repeats turn one and its answer: 40 + 16 tokens, of which three whole blocks are cached.
+    _, hits, _ = ask(sim, question, answer["content"], "and then?", max_tokens=16)
+    assert hits == 48
+
+
+def test_the_cache_evicts_the_least_recently_used_tail_first(make_sim):
+    sim = make_sim(ttft_ms=1, tokens_per_s=0, prefix_cache_tokens=96)  # six blocks
+    a, b = words(64, "a"), words(64, "b")  # four blocks each
+    ask(sim, a)
+    ask(sim, b)
+    # B's four blocks pushed out two of A's, its last two: A's first 32 tokens are still there.
+    assert ask(sim, a)[1] == 32
+    # That made A the most recent, so B lost its tail in turn; B's start is kept.
+    assert ask(sim, b)[1] == 32
+    nothing = make_sim(ttft_ms=1, tokens_per_s=0, no_prefix_cache=True)
+    ask(nothing, a)
+    assert ask(nothing, a)[1] == 0
+
+
+def test_prefills_run_one_at_a_time(make_sim):
+    sim = make_sim(ttft_ms=1, tokens_per_s=0, prefill_ms_per_token=5)
     started = time.monotonic()
-    post(sim.url + "/v1/chat/completions", body)
-    second = time.monotonic() - started
-    assert first >= 0.3 and second < 0.1  # the cached prefix skips most of the time to first token
-    assert sim.metrics()["vllm:prefix_cache_hits_total"] == 1
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda tag: ask(sim, words(100, tag)), ["p", "q"]))
+    # Two uncached prompts of 100 tokens, 0.5 s of prefill each: the second waits for the first.
+    assert time.monotonic() - started >= 1.0
 
 
 def test_failures_on_demand_and_unknown_models(make_sim):

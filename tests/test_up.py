@@ -9,7 +9,7 @@ import sys
 import time
 
 from llmgw.node.supervisor import running_engines
-from llmgw.procs import free_port, http_status
+from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import post, write_config
 
 
@@ -92,8 +92,8 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     finally:
         stop_up(proc, tmp_path)
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
-    time.sleep(1)
-    assert running_engines(str(tmp_path / "var" / "agent")) == {}  # the engine stopped too
+    # The engine stopped too.
+    wait_for("the engine to stop", 30, lambda: running_engines(str(tmp_path / "var" / "agent")) == {})
 
     # Again: the store and the key are reused, and the model added at run time does not trip the check.
     proc, out, err = run_up(tmp_path, port, config)

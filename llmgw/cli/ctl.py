@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import sys
+import urllib.parse
 
 import click
 
 from llmgw.apiclient import ApiClient, ApiError, admin_client
+from llmgw.cli.bench import bench, capacity
 from llmgw.cli.tables import human_bytes, print_table
 
 
@@ -39,6 +41,10 @@ def ctl(ctx, admin_url):
     cfg = ctx.obj.config()
     ctx.obj.admin = Admin(admin_client(cfg, admin_url or cfg["controller.admin_listen"],
                                        "Is controller.py running on this machine? Give --admin URL otherwise."))
+
+
+ctl.add_command(bench)
+ctl.add_command(capacity)
 
 
 @ctl.command()
@@ -290,15 +296,18 @@ def scale(obj, model, low, high):
 
 @ctl.command()
 @click.argument("node")
-@click.option("--source", help="A shard id; the node lists its sources when it has none by that name.")
-@click.option("--lines", type=int, default=200, show_default=True)
+@click.option("--source", default="agent", show_default=True,
+              help="agent (the agent's own last 2,000 lines) or a shard id; the node lists its sources.")
+@click.option("-n", "--lines", type=click.IntRange(1, 2000), default=200, show_default=True,
+              help="How many of the last lines.")
 @click.pass_obj
 def logs(obj, node, source, lines):
-    """The last lines an engine on NODE printed."""
-    query = f"?lines={lines}" + (f"&source={source}" if source else "")
-    result = obj.admin.call("GET", f"/api/v1/nodes/{node}/logs{query}")
-    if not source:
-        click.echo("sources: " + (", ".join(result["sources"]) or "none") + " (choose one with --source)", err=True)
+    """The last lines the agent on NODE logged, or an engine there printed."""
+    query = urllib.parse.urlencode({"lines": lines, "source": source})
+    result = obj.admin.call("GET", f"/api/v1/nodes/{urllib.parse.quote(node, safe='')}/logs?{query}")
+    others = [s for s in result["sources"] if s != source]
+    click.echo(f"{source} on {node}; its other sources: {', '.join(others) or 'none'} (choose one with --source)",
+               err=True)
     for line in result["lines"]:
         click.echo(line)
 

@@ -207,14 +207,21 @@ def usage(obj: Context, by, since, as_json):
 @click.option("--listen", default="127.0.0.1:0", show_default=True, help="HOST:PORT; port 0 picks a free one.")
 @click.option("--model", default="sim", show_default=True, help="The model name it serves.")
 @click.option("--replica", default="sim", show_default=True, help="Its name in answers (system_fingerprint).")
-@click.option("--ttft-ms", type=float, default=50.0, show_default=True, help="Time to first token.")
+@click.option("--ttft-ms", type=float, default=50.0, show_default=True,
+              help="Time to first token of a prompt whose every token is cached (see --prefill-ms-per-token).")
 @click.option("--tokens-per-s", type=float, default=50.0, show_default=True, help="Token rate; 0 for no delay.")
 @click.option("--max-concurrency", type=int, default=0, show_default=True,
               help="Requests generating at once; the rest wait. 0 for no limit.")
 @click.option("--max-queue", type=int, default=-1, show_default=True,
               help="With --max-concurrency: requests allowed to wait; beyond, 429. -1 for no limit.")
 @click.option("--default-tokens", type=int, default=16, show_default=True, help="Answer length without max_tokens.")
-@click.option("--no-prefix-cache", is_flag=True, help="Every prompt pays its full time to first token.")
+@click.option("--prefill-ms-per-token", type=float, default=0.0, show_default=True,
+              help="Time to first token added for each prompt token not in the prefix cache. Prefills run one "
+              "at a time, so long uncached prompts queue behind each other. 0: a prompt costs --ttft-ms alone.")
+@click.option("--prefix-cache-tokens", type=click.IntRange(min=0), default=65536, show_default=True,
+              help="Tokens the prefix cache holds, in blocks of 16, least recently used evicted first.")
+@click.option("--no-prefix-cache", is_flag=True, help="Cache nothing: every prompt token is prefilled "
+              "(--prefix-cache-tokens 0).")
 @click.option("--fail-rate", type=float, default=0.0, show_default=True,
               help="Fraction of requests (and health checks) answered 500, as by a sick engine.")
 @click.option("--die-after", type=int, default=0, show_default=True,
@@ -242,10 +249,20 @@ def usage(obj: Context, by, since, as_json):
               "clients connect.")
 @click.option("--garbled", is_flag=True, help="Answer 200 with a body that is not JSON, and end a stream with an "
               "error event after its first token, as a broken engine (or a proxy in front of one) does.")
-def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens, no_prefix_cache,
-        fail_rate, die_after, stall_after_tokens, loading, api_key, reply, tool_calls, reasoning, reply_if,
-        max_context, gather, garbled):
-    """Run a simulated OpenAI-compatible engine, for tests and benchmarks."""
+def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens,
+        prefill_ms_per_token, prefix_cache_tokens, no_prefix_cache, fail_rate, die_after, stall_after_tokens, loading,
+        api_key, reply, tool_calls, reasoning, reply_if, max_context, gather, garbled):
+    """Run a simulated OpenAI-compatible engine, for tests and benchmarks.
+
+    A test instrument, never a model: it answers `tok0 tok1 ...` (or the
+    scripted text), counts a word as a token, and times its answers as told.
+    Time to first token is --ttft-ms plus --prefill-ms-per-token for each
+    prompt token its prefix cache lacks; the cache is vLLM's in miniature:
+    blocks of 16 tokens, a block reused only where every token before it
+    matches, a prompt's blocks kept once prefilled and the answer's once
+    complete (a conversation's next turn finds its history), the least
+    recently used evicted first.
+    """
     from llmgw.engines.sim import SimOptions, serve
 
     for name, arguments in tool_calls:
@@ -257,8 +274,9 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                                      param_hint="--tool-call") from None
     options = SimOptions(model=model, replica=replica, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s,
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
-                         prefix_cache=not no_prefix_cache, fail_rate=fail_rate, die_after=die_after,
-                         stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
+                         prefill_ms_per_token=prefill_ms_per_token,
+                         prefix_cache_tokens=0 if no_prefix_cache else prefix_cache_tokens, fail_rate=fail_rate,
+                         die_after=die_after, stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
                          reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
                          reply_if=tuple(reply_if), max_context=max_context, gather=gather,
                          garbled=garbled)

@@ -23,6 +23,7 @@ from sqlalchemy.engine import Engine
 from llmgw import __version__, apiguard, settings, store
 from llmgw.control import curvekeys, placement, weightsview
 from llmgw.control.authenticator import KeyRing
+from llmgw.control.capacity import CapacityError
 from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_model
 from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
@@ -32,6 +33,7 @@ from llmgw.egress import Egress
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
 WEIGHTS_WAIT = 10.0  # seconds a node has to list its weights directory (or remove from it)
+LOG_LINES = 2000  # lines one logs answer holds at most: what the agent keeps of its own
 
 
 def ensure_token(keys_dir: str) -> str:
@@ -109,6 +111,10 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def catalog_error(e):
         return error(400, str(e))
 
+    @app.errorhandler(CapacityError)
+    def capacity_error(e):
+        return error(400, str(e))
+
     def replica_rows() -> list[dict]:
         models = catalog.models()
         rows = []
@@ -116,9 +122,11 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             model = models.get(r.model)
             current = {model.fingerprint(p) for p in model.profiles} if model else set()
             stale = r.profile_fp is not None and r.profile_fp not in current
+            profile = catalog.profile_of(r.model, r.profile_fp)
             rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
                          "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
-                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1)})
+                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1),
+                         "profile": profile.name if profile else None})
         return rows
 
     @app.get("/api/v1/models")
@@ -166,6 +174,37 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         report.kick()
         return jsonify({"name": name, "min": model.min_replicas, "max": model.max_replicas})
 
+    @app.put("/api/v1/models/<name>/capacity")
+    def save_capacity(name):
+        """A measurement of one replica (`llmgw ctl bench --save`), filed under the profile it runs; PUT, since
+        measuring again replaces it."""
+        body = apiguard.json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("replica"), str):
+            return error(400, 'send {"replica": ID, "max_in_flight": N, ...} (llmgw ctl bench --save does)')
+        if name not in catalog.models():
+            return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
+        replica = next((r for r in replicas.snapshot() if r.shard_id == body["replica"] and r.model == name), None)
+        if replica is None:
+            return error(404, f"{name} has no replica {body['replica'][:200]!r} now; `llmgw ctl replicas --model "
+                              f"{name}` lists them, and a measurement is saved while its replica runs")
+        saved = catalog.save_capacity(name, replica.profile_fp, body.get("max_in_flight"), body)
+        return jsonify(saved.to_dict(saved.fingerprint))
+
+    @app.delete("/api/v1/models/<name>/capacity")
+    def forget_capacity(name):
+        profile = request.args.get("profile")
+        dropped = catalog.forget_capacity(name, profile)
+        if not dropped:
+            what = f"profile {profile!r} of {name}" if profile else name
+            return error(404, f"nothing was measured of {what}; `llmgw ctl capacity` lists what was")
+        return jsonify({"model": name, "profile": profile, "forgotten": dropped})
+
+    @app.get("/api/v1/capacity")
+    def capacities():
+        rows = [cap.to_dict(catalog.current_fingerprint(cap.model, cap.profile))
+                for _, cap in sorted(catalog.capacities.items())]
+        return jsonify({"capacities": rows})
+
     @app.get("/api/v1/models/<name>/placement")
     def explain_placement(name):
         model = catalog.models().get(name)
@@ -182,16 +221,16 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     def logs(node_id):
         if node_id not in {n.node_id for n in fleet.describe(time.monotonic())}:
             return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
-        lines = request.args.get("lines", "200")
-        fields = {"lines": int(lines) if lines.isdigit() else 200}
-        if request.args.get("source"):
-            fields["source"] = request.args["source"]
+        fields, refusal = _logs_fields(request.args)
+        if refusal:
+            return error(400, refusal)
         reply = ask_node(node_id, "logs_request", fields, 10.0)
         if reply is None:
             return error(504, f"{node_id} did not answer within 10 s; `llmgw ctl nodes` shows when it was last heard")
         if reply.get("error"):
             return error(404, reply["error"])
-        return jsonify({"node": node_id, "lines": reply.get("lines", []), "sources": reply.get("sources", [])})
+        return jsonify({"node": node_id, "sources": reply.get("sources", []),
+                        **{k: reply[k] for k in ("lines", "cursor", "skipped") if k in reply}})
 
     def weights_of(node_id: str, kind: str = "weights_request", fields: dict | None = None) -> dict:
         """NODE_ID's weights directory as `weightsview.annotate` shows it, after KIND (a listing, or a
@@ -368,6 +407,30 @@ def _remember_cordon(engine: Engine, node_id: str, cordoned: bool) -> None:
     with engine.begin() as conn:
         conn.execute(store.node_settings.delete().where(store.node_settings.c.node_id == node_id))
         conn.execute(store.node_settings.insert().values(node_id=node_id, cordoned=cordoned, updated_at=time.time()))
+
+
+def _logs_fields(args) -> tuple[dict, str | None]:
+    """The `logs_request` fields for a logs query (source, lines, after), or why the query is refused."""
+    fields: dict = {}
+    lines = args.get("lines", "200")
+    # isascii too: "²".isdigit() is true, and int("²") raises.
+    if not (lines.isascii() and lines.isdigit() and len(lines) < 6) or not 1 <= int(lines) <= LOG_LINES:
+        return fields, f"lines is a whole number from 1 to {LOG_LINES}, not {lines[:20]!r}"
+    fields["lines"] = int(lines)
+    after = args.get("after")
+    if after is not None:
+        if not (after.isascii() and after.isdigit() and len(after) <= 18):
+            return fields, f"after is a cursor from an earlier answer (a whole number), not {after[:20]!r}"
+        fields["after"] = int(after)
+    source = args.get("source")
+    if source:
+        # Refused here too, not only by the node: an agent older than this controller still joined a source
+        # onto its shards folder, and a name without a slash cannot leave it.
+        if "/" in source or "\0" in source or len(source) > 200:
+            return fields, (f"{source[:60]!r} is not a source: a source is a name the node lists (agent, or a "
+                            "shard id), never a path; `llmgw ctl logs NODE` lists them")
+        fields["source"] = source
+    return fields, None
 
 
 def cordoned_nodes(engine: Engine) -> set[str]:

@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from llmgw import gguf, settings, store
+from llmgw.control import capacity
 from llmgw.egress import Egress, Refused
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
@@ -233,20 +234,60 @@ def check_source(source: str, egress: Egress, timeout: float = 10.0) -> int | No
 
 
 class Catalog:
-    """Configuration models plus runtime ones from the store; runtime changes are written through."""
+    """Configuration models plus runtime ones from the store; runtime changes are written through. Beside
+    them, what each profile was measured to take (llmgw/control/capacity.py)."""
 
     def __init__(self, engine: Engine, config_models: list[dict]):
         self.engine = engine
         self.config = {m.name: m for m in (parse_model(t) for t in config_models if t.get("profiles"))}
         self.runtime: dict[str, Model] = {}
+        # Replaced whole, never changed in place: the loop's thread reads it while the admin API's writes.
+        self.capacities: dict[tuple[str, str], capacity.Capacity] = {}
         self.reload()
 
     def reload(self) -> None:
-        """Read the runtime models from the store again (another controller may have changed them while this one
-        stood by)."""
+        """Read the runtime models and the measured capacities from the store again (another controller may
+        have changed them while this one stood by)."""
         with self.engine.connect() as conn:
             self.runtime = {name: parse_model(json.loads(spec), origin="runtime") for name, spec in
                             conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec))}
+        self.capacities = capacity.read_all(self.engine)
+
+    def profile_of(self, model: str, fingerprint: str | None) -> Profile | None:
+        """MODEL's profile whose fingerprint is FINGERPRINT as it is defined now; None: none is (edited since)."""
+        found = self.models().get(model)
+        return next((p for p in found.profiles if found.fingerprint(p) == fingerprint), None) if found else None
+
+    def save_capacity(self, model: str, fingerprint: str | None, max_in_flight, figures: dict) -> capacity.Capacity:
+        """File a measurement of a replica of MODEL started from FINGERPRINT under that profile, replacing the
+        last one; raises capacity.CapacityError."""
+        profile = self.profile_of(model, fingerprint)
+        if profile is None:
+            raise capacity.CapacityError(f"the replica measured runs a profile of {model} that has been edited or "
+                                         "removed since it started, so the figure would be filed under the wrong "
+                                         "profile. Measure a replica shown without `(stale profile)` in `llmgw "
+                                         f"ctl replicas --model {model}`")
+        measured = capacity.measured_now(model, profile.name, fingerprint, max_in_flight, figures)
+        capacity.save(self.engine, measured)
+        self.capacities = {**self.capacities, (model, profile.name): measured}
+        return measured
+
+    def forget_capacity(self, model: str, profile: str | None = None) -> int:
+        """Drop what was measured of MODEL's PROFILE (None: of all its profiles); how many were dropped."""
+        dropped = capacity.forget(self.engine, model, profile)
+        self.capacities = {k: v for k, v in self.capacities.items()
+                           if not (k[0] == model and profile in (None, k[1]))}
+        return dropped
+
+    def current_fingerprint(self, model: str, profile: str) -> str | None:
+        """The fingerprint MODEL's profile named PROFILE has now; None when there is no such profile."""
+        found = self.models().get(model)
+        return next((found.fingerprint(p) for p in found.profiles if p.name == profile), None) if found else None
+
+    def limits(self) -> dict[tuple[str, str], int]:
+        """(model, profile fingerprint) -> requests in flight, for each profile measured as it is now."""
+        return {(model, cap.fingerprint): cap.max_in_flight for (model, name), cap in self.capacities.items()
+                if self.current_fingerprint(model, name) == cap.fingerprint}
 
     def models(self) -> dict[str, Model]:
         return {**self.runtime, **self.config}
@@ -270,6 +311,7 @@ class Catalog:
         with self.engine.begin() as conn:
             conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == name))
         del self.runtime[name]
+        self.forget_capacity(name)  # a model added again later is measured again
 
     def scale(self, name: str, low: int | None, high: int | None) -> Model:
         if name in self.config:

@@ -3,6 +3,10 @@
 Agents publish nothing themselves: one scrape of the controller shows every
 node. A figure a node did not report is left out, not written as 0 (a GPU
 whose driver cannot say its utilisation has no utilisation series).
+
+Only the leading controller publishes the fleet. A standby's view is stale:
+the nodes it knew as leader moved to the new one, and would age to `lost`
+here and alert for nodes that are fine.
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ from llmgw.control.fleet import STATES, Fleet
 
 
 class FleetCollector:
-    def __init__(self, fleet: Fleet, replicas=None, models=lambda: {}):
-        """REPLICAS is the controller's Replicas; MODELS() returns the catalog's models."""
+    def __init__(self, fleet: Fleet, replicas=None, models=lambda: {}, leading=lambda: True):
+        """REPLICAS is the controller's Replicas; MODELS() returns the catalog's models; LEADING() whether
+        this controller leads (the lease's `held`)."""
         self.fleet = fleet
         self.replicas = replicas
         self.models = models
+        self.leading = leading
 
     def collect(self):
-        nodes = self.fleet.describe(time.monotonic())
+        leading = self.leading()
+        nodes = self.fleet.describe(time.monotonic()) if leading else []
         up = GaugeMetricFamily("llmgw_node_up", "1 for the state each node is in.", labels=["node", "state"])
         seen = GaugeMetricFamily("llmgw_node_last_seen_seconds", "Seconds since the node was last heard.",
                                  labels=["node"])
@@ -30,6 +37,8 @@ class FleetCollector:
         mem_total = GaugeMetricFamily("llmgw_node_memory_total_bytes", "Memory of the node.", labels=["node"])
         mem_avail = GaugeMetricFamily("llmgw_node_memory_available_bytes", "Memory available on the node.",
                                       labels=["node"])
+        mem_used = GaugeMetricFamily("llmgw_node_memory_used_bytes", "Memory in use on the node: its total less "
+                                     "what is available.", labels=["node"])
         load = GaugeMetricFamily("llmgw_node_load", "1-minute load average of the node.", labels=["node"])
         cpu_util = GaugeMetricFamily("llmgw_node_cpu_utilization_percent", "CPU use of the whole node, 0-100.",
                                      labels=["node"])
@@ -63,6 +72,8 @@ class FleetCollector:
                                   (disk_total, facts.disk_total_bytes)):
                 if value is not None:
                     family.add_metric([node], value)
+            if facts.memory_total_bytes is not None and facts.memory_available_bytes is not None:
+                mem_used.add_metric([node], facts.memory_total_bytes - facts.memory_available_bytes)
             for shard in facts.shard_loads or []:
                 if "cpu_cores" in shard:
                     shard_cpu.add_metric([node, shard["shard_id"]], shard["cpu_cores"])
@@ -78,22 +89,32 @@ class FleetCollector:
                     if value is not None:
                         family.add_metric([node, index], value)
                 gpu_ok.add_metric([node, index], 1.0 if gpu.healthy else 0.0)
-        yield from (up, seen, cpus, mem_total, mem_avail, load, cpu_util, disk_free, disk_total,
+        yield from (up, seen, cpus, mem_total, mem_avail, mem_used, load, cpu_util, disk_free, disk_total,
                     gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem, shard_waiting, shard_running, shard_kv)
-        yield from self._replica_families()
+        yield from self._replica_families(leading)
 
-    def _replica_families(self):
+    def _replica_families(self, leading: bool):
         by_state = GaugeMetricFamily("llmgw_replicas", "Replicas by state.", labels=["state"])
         ready = GaugeMetricFamily("llmgw_model_replicas_ready",
                                   "Ready replicas of each model that should be running (absent for a stopped one).",
                                   labels=["model"])
+        where = GaugeMetricFamily("llmgw_replica_info", "1 for each replica the controller knows, with its model "
+                                  "and node: joined on `replica`, it tells the gateways' replica series their node.",
+                                  labels=["replica", "model", "node"])
+        if not leading:
+            yield from (by_state, ready, where)
+            return
         shards = self.replicas.snapshot() if self.replicas is not None else []
         for state in ("pending", "fetching", "starting", "ready", "stopping"):
             by_state.add_metric([state], sum(1 for r in shards if r.state == state))
-        for name in self.models():
+        for r in shards:
+            where.add_metric([r.shard_id, r.model, r.node_id], 1)
+        models = self.models()
+        for name, model in models.items():
             count = sum(1 for r in shards if r.model == name and r.state == "ready")
             live = any(r.model == name for r in shards)
-            if live or self.models()[name].min_replicas > 0:
+            if live or model.min_replicas > 0:
                 ready.add_metric([name], count)
         yield by_state
         yield ready
+        yield where

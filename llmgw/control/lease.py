@@ -28,7 +28,8 @@ live holder renews every interval, so the one found so is another controller
 configured with the same `controller.address` (two machines given one name):
 taking its lease at once made both lead. This one stands by and says so.
 
-Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store.
+Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store. Its `collect` is the
+controller's `llmgw_controller_leading` series.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
+from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy.engine import Engine
 
 from llmgw import store
@@ -162,3 +164,9 @@ class Lease:
                                  .values(owner="", expires_at=0.0))
             except sa.exc.SQLAlchemyError as e:
                 log.warning("could not release the leader lease (it expires on its own): %s", str(e).splitlines()[0])
+
+    def collect(self):
+        """prometheus-client's collector interface: whether this controller leads now. No controller at 1
+        is a control plane that places nothing and runs no accountant (alert `ControlPlaneUnreachable`)."""
+        yield GaugeMetricFamily("llmgw_controller_leading", "1 while this controller holds the leader lease.",
+                                value=1.0 if self.held() else 0.0)

@@ -239,7 +239,8 @@ class ControlLoop:
                 self.publisher.publish_leading(self.inbox.port, self.account_server.port)
             else:
                 self.publisher.publish(snapshot_body(self.catalog.models(), self.replicas.snapshot(),
-                                                     self.inbox.port, self.account_server.port))
+                                                     self.inbox.port, self.account_server.port,
+                                                     self.catalog.limits()))
 
     def close(self) -> None:
         """Stop every part, whether run() returned or failed; the lease is given up first, so a standby takes

@@ -38,18 +38,21 @@ KEYS_CHECK = 0.25  # seconds between looks at the store's key revision
 
 
 def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None,
-                  accountant_port: int | None = None) -> dict:
+                  accountant_port: int | None = None, limits: dict[tuple[str, str], int] | None = None) -> dict:
+    """LIMITS: (model, profile fingerprint) -> requests in flight, as measured (Catalog.limits)."""
     ready = sorted((r for r in replicas if r.state == "ready" and r.url and r.model in models),
                    key=lambda r: r.shard_id)
     weights = {}
     for name, model in models.items():
         for profile in model.profiles:
             weights[(name, model.fingerprint(profile))] = profile.weight
+    limits = limits or {}
     return {
         "models": [_model(m) for m in sorted(models.values(), key=lambda m: m.name)],
         "demand_port": demand_port,
         "accountant_port": accountant_port,
-        "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0)) for r in ready],
+        "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0), limits.get((r.model, r.profile_fp)))
+                     for r in ready],
     }
 
 
@@ -64,12 +67,14 @@ def _model(m: Model) -> dict:
     return row
 
 
-def _replica(replica: Replica, weight: float) -> dict:
-    """A ready replica as gateways see it: with its engine's key when it has one (an absent key is left
-    out, not sent as null)."""
+def _replica(replica: Replica, weight: float, max_in_flight: int | None) -> dict:
+    """A ready replica as gateways see it: with its engine's key when it has one, and the requests in flight
+    its profile was measured to take when it was (each absent otherwise, not sent as null)."""
     row = {"id": replica.shard_id, "url": replica.url, "models": [replica.model], "weight": weight}
     if replica.api_key is not None:
         row["api_key"] = replica.api_key
+    if max_in_flight is not None:
+        row["max_in_flight"] = max_in_flight
     return row
 
 

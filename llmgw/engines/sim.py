@@ -3,9 +3,8 @@
 It answers the four OpenAI routes the way vLLM does (streams end with
 `[DONE]`, usage when asked for it, vLLM's metric names on `/metrics`), with a
 time to first token and a token rate you choose, a bounded number of requests
-running at once (the rest wait, and are reported waiting), a prefix cache (a
-prompt whose start it saw recently skips most of its time to first token), and
-faults on demand: fail a fraction of requests (its health check too, as a
+running at once (the rest wait, and are reported waiting), a prefix cache
+modelled on vLLM's (below), and faults on demand: fail a fraction of requests (its health check too, as a
 sick engine's does), die partway through the Nth, stall mid-stream, or stay
 loading. Like llama.cpp it answers 500 to some malformed requests (tools that
 are not a list, a message name that is not a string, a text part without
@@ -27,6 +26,20 @@ holding WORD is answered TEXT (a judge that finds one word unsafe);
 `gather` holds every first token until that many requests run at once (the
 time to first token is then the longest it waits): a concurrency test proves
 its peak however slowly a busy machine opens the connections.
+
+The prefix cache, for comparing routing policies without GPUs: a prompt's
+time to first token is `ttft_ms` plus `prefill_ms_per_token` for each of its
+tokens not already cached. Prefills run one at a time, as a GPU's compute
+allows, so a replica given many long uncached prompts queues them. The cache
+holds whole blocks of 16 tokens, each named by its own tokens and every
+token before it (vLLM's hashing, so only a prompt's leading blocks can hit),
+at most `prefix_cache_tokens` tokens, the least recently used evicted first
+and a prompt's tail before its head (vLLM frees a finished request's blocks
+in that order). A prompt's blocks are kept once prefilled and an answer's
+once it is complete, so a conversation's next turn finds its history. What it
+leaves out: blocks of running requests can be evicted here (vLLM pins them),
+and a cancelled answer keeps nothing. `vllm:prefix_cache_queries_total` and
+`vllm:prefix_cache_hits_total` count tokens, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -50,9 +63,7 @@ from gevent.pywsgi import WSGIServer
 from llmgw import addresses
 from llmgw.procs import raise_fd_limit
 
-PREFIX_BYTES = 256
-PREFIX_CACHE_ENTRIES = 4096
-CACHED_TTFT_FRACTION = 0.1
+BLOCK_TOKENS = 16  # vLLM's default block size: only whole blocks are cached
 # Characters of a tool call's arguments per streamed delta: several deltas for any real call, as an
 # engine sends one per token or so, so a client that keeps only the last fragment is caught.
 ARGUMENT_FRAGMENT = 6
@@ -67,7 +78,8 @@ class SimOptions:
     max_concurrency: int = 0  # 0: no limit
     max_queue: int = -1  # with max_concurrency: requests allowed to wait; beyond, 429 (-1: no limit)
     default_tokens: int = 16
-    prefix_cache: bool = True
+    prefill_ms_per_token: float = 0.0  # added to ttft_ms for each prompt token not in the prefix cache
+    prefix_cache_tokens: int = 65536  # 0: nothing is cached
     fail_rate: float = 0.0
     die_after: int = 0  # 0: never; N: exit partway through the Nth request
     stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
@@ -92,6 +104,7 @@ class SimEngine:
         self.slots = BoundedSemaphore(options.max_concurrency) if options.max_concurrency else None
         self.running = 0
         self.peak = 0  # most requests running at once, for tests that must prove concurrency
+        self.held_peak = 0  # most requests held at once, running and waiting: what a gateway let through
         self.waiting = 0
         self.requests = 0
         self.scrapes = 0  # reads of /metrics, this one included: tests wait on a gateway's rounds with it
@@ -100,7 +113,8 @@ class SimEngine:
         self.generation_tokens = 0
         self.cache_queries = 0
         self.cache_hits = 0
-        self.seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self.cache = PrefixCache(options.prefix_cache_tokens)
+        self.prefilling = BoundedSemaphore(1)
         self.gathered = gevent.event.Event()
 
     # --- WSGI ---------------------------------------------------------------------
@@ -193,29 +207,22 @@ class SimEngine:
             return prompt
         return [prompt if isinstance(prompt, str) else json.dumps(prompt)]
 
-    def _first_token_wait(self, prompt: str) -> None:
-        ttft, _ = self._ttft(prompt)
+    def _first_token_wait(self, tokens: list[str]) -> None:
+        """Wait for TOKENS' first token: the fixed time, then the prefill of what the cache lacks."""
+        ttft = self.o.ttft_ms / 1000
         if self.o.gather:
             self.gathered.wait(ttft)
         else:
             gevent.sleep(ttft)
-
-    def _ttft(self, prompt: str) -> tuple[float, bool]:
-        ttft = self.o.ttft_ms / 1000
-        if not self.o.prefix_cache:
-            return ttft, False
-        key = hashlib.blake2b(prompt.encode("utf-8", "surrogatepass")[:PREFIX_BYTES], digest_size=8).digest()
-        self.cache_queries += 1
-        hit = key in self.seen
-        if hit:
-            self.cache_hits += 1
-            self.seen.move_to_end(key)
-            ttft *= CACHED_TTFT_FRACTION
-        else:
-            self.seen[key] = None
-            if len(self.seen) > PREFIX_CACHE_ENTRIES:
-                self.seen.popitem(last=False)
-        return ttft, hit
+        # Looked up once this request's turn to prefill comes, as an engine schedules it: a turn queued
+        # behind its own conversation's previous one finds that one's blocks.
+        with self.prefilling:
+            cached = self.cache.cached(tokens)
+            self.cache_queries += len(tokens)
+            self.cache_hits += cached
+            if self.o.prefill_ms_per_token:
+                gevent.sleep((len(tokens) - cached) * self.o.prefill_ms_per_token / 1000)
+            self.cache.keep(tokens)
 
     def _generate(self, start_response, kind: str, body: dict, number: int):
         prompts = self._prompts(kind, body)
@@ -234,6 +241,9 @@ class SimEngine:
         if kind == "chat" and self.o.reasoning is not None:
             pieces = [("reasoning", p) for p in _pieces(self.o.reasoning)] + pieces
         n_tokens = len(pieces)
+        tokens = prompt.split()
+        # What a client sends back as the assistant's message next turn, so the cache keeps it with the prompt.
+        answered = tokens + "".join(p for p in pieces if isinstance(p, str)).split()
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         ident = f"sim-{os.urandom(6).hex()}"
@@ -246,6 +256,7 @@ class SimEngine:
         fingerprint = f"sim-{self.o.replica}"
 
         def admit():
+            self.held_peak = max(self.held_peak, self.running + self.waiting + 1)
             if self.slots is not None:
                 self.waiting += 1
                 try:
@@ -302,11 +313,12 @@ class SimEngine:
         if not stream:
             admit()
             try:
-                self._first_token_wait(prompt)
+                self._first_token_wait(tokens)
                 for _ in range(n_tokens - 1):
                     token_delay()
                 self.prompt_tokens += all_prompt_tokens
                 self.generation_tokens += n_tokens * len(tasks)
+                self.cache.keep(answered)
             finally:
                 leave()
             said = [p for p in pieces if not isinstance(p, tuple)]
@@ -332,7 +344,7 @@ class SimEngine:
         def events():
             admit()
             try:
-                self._first_token_wait(prompt)
+                self._first_token_wait(tokens)
                 self.prompt_tokens += all_prompt_tokens
                 for i in range(n_tokens):
                     if i:
@@ -348,6 +360,7 @@ class SimEngine:
                         yield b'data: {"error": {"message": "simulated failure mid-answer", "code": 500}}\n\n'
                         yield b"data: [DONE]\n\n"
                         return
+                self.cache.keep(answered)
                 for j in range(len(tasks)):
                     yield final(j)
                 yield b"data: [DONE]\n\n"
@@ -417,8 +430,50 @@ class SimEngine:
             "# TYPE llmgw_sim_scrapes_total counter", f"llmgw_sim_scrapes_total {self.scrapes}",
             "# TYPE llmgw_sim_cancelled_total counter", f"llmgw_sim_cancelled_total {self.cancelled}",
             "# TYPE llmgw_sim_running_peak gauge", f"llmgw_sim_running_peak {self.peak}",
+            "# TYPE llmgw_sim_held_peak gauge", f"llmgw_sim_held_peak {self.held_peak}",
         ]
         return "\n".join(lines) + "\n"
+
+
+class PrefixCache:
+    """A replica's prefix cache: whole blocks of BLOCK_TOKENS tokens, at most CAPACITY tokens of them.
+
+    A block is named by a hash of its tokens and its predecessor's name, so a
+    block matches only where everything before it matches too, as in vLLM.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity // BLOCK_TOKENS  # in blocks
+        self.blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    @staticmethod
+    def _names(tokens: list[str]) -> list[bytes]:
+        names, name = [], b""
+        for start in range(0, len(tokens) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+            block = " ".join(tokens[start:start + BLOCK_TOKENS]).encode("utf-8", "surrogatepass")
+            name = hashlib.blake2b(name + block, digest_size=8).digest()
+            names.append(name)
+        return names
+
+    def cached(self, tokens: list[str]) -> int:
+        """How many of TOKENS, from the first, the cache holds (a multiple of BLOCK_TOKENS)."""
+        found = 0
+        for name in self._names(tokens):
+            if name not in self.blocks:
+                break
+            found += BLOCK_TOKENS
+        return found
+
+    def keep(self, tokens: list[str]) -> None:
+        """Hold TOKENS' whole blocks as the most recently used, evicting the least recently used past capacity."""
+        if not self.capacity:
+            return
+        # Head last, so it is the most recent: evicting from the tail first keeps a shorter prefix usable.
+        for name in reversed(self._names(tokens)):
+            self.blocks[name] = None
+            self.blocks.move_to_end(name)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
 
 
 def _pieces(text: str) -> list[str]:

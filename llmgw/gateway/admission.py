@@ -1,8 +1,10 @@
 """Waiting for a saturated model: a bounded queue per model, in order of admission band.
 
-A model is saturated when every replica in rotation already has
-`routing.max_outstanding` requests from this worker, or when every replica
-tried answered "busy" (429). A request for it then waits here instead of
+A model is saturated when every replica in rotation is full (at the
+requests in flight its profile was measured to take, `llmgw ctl bench
+--save`, everyone's counted; not measured, at `routing.max_outstanding` of
+this worker's: `balancer.ReplicaState.full`), or when every replica tried
+answered "busy" (429). A request for it then waits here instead of
 being refused at once. Whenever a request on the model ends, the waiter with
 the best band (high, then normal, then low; first come first within one) is
 woken to try; the others keep waiting. Bands come from the key and its
@@ -12,7 +14,8 @@ The queue is bounded (`gateway.queue_size` per model). When it is full, a
 newcomer in a better band than the worst waiter takes that waiter's place,
 and the worst waiter is refused; otherwise the newcomer is refused. A waiter
 that has waited `gateway.queue_wait` seconds is refused too. Each refusal is
-a 429 with Retry-After.
+a 429 with Retry-After, and counted by the reason (`full`, `waited`, `displaced`)
+and the band it was in.
 
 The queue is per worker, like the load it reacts to: each worker sees its
 own requests' outstanding count, and a request never waits on a lock shared
@@ -33,10 +36,14 @@ RANK = {band: i for i, band in enumerate(BANDS)}
 RECHECK = 0.25  # seconds: a waiter looks again even unwoken (capacity can free up on another worker's side)
 
 
+FULL, WAITED, DISPLACED = "full", "waited", "displaced"  # why a request was refused, as its metric says
+
+
 class Refused(Exception):
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, kind: str):
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind
 
 
 class _Waiter:
@@ -62,6 +69,13 @@ class AdmissionQueue:
     def waiting(self, model: str) -> int:
         return len(self.queues.get(model, ()))
 
+    def depth(self, model: str) -> dict[str, int]:
+        """Requests waiting for MODEL, by band (every band, 0 where none waits)."""
+        counts = dict.fromkeys(BANDS, 0)
+        for waiter in self.queues.get(model, ()):
+            counts[BANDS[waiter.rank]] += 1
+        return counts
+
     def wait_turn(self, model: str, band: str, has_room, wait_first: bool = False) -> None:
         """Return when HAS_ROOM() is true and this request is first in line; raise Refused otherwise.
         WAIT_FIRST: wait for a wake-up (or a recheck) even with nobody in line."""
@@ -72,7 +86,7 @@ class AdmissionQueue:
         if len(queue) >= self.size:
             worst = max(queue)
             if self.size == 0 or worst < me:
-                raise Refused(f"{self.size} requests already wait for this model")
+                raise Refused(f"{self.size} requests already wait for this model", FULL)
             queue.remove(worst)
             heapq.heapify(queue)
             worst.evicted = True
@@ -86,11 +100,11 @@ class AdmissionQueue:
                 wait_first = False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise Refused(f"no replica had room within {self.wait:.0f} s")
+                    raise Refused(f"no replica had room within {self.wait:.0f} s", WAITED)
                 me.event.wait(min(RECHECK, left))
                 me.event.clear()
                 if me.evicted:
-                    raise Refused("requests in a higher admission band took its place in the queue")
+                    raise Refused("requests in a higher admission band took its place in the queue", DISPLACED)
         finally:
             if not me.evicted and me in queue:
                 queue.remove(me)

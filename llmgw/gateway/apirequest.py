@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from llmgw.gateway import bodycheck, jsonbound
+from llmgw.gateway import balancer, bodycheck, jsonbound
 from llmgw.gateway.errors import ApiError
 
 # The engine's path for each kind of request.
@@ -27,7 +27,7 @@ OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
 
 class ParsedRequest:
     __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
-                 "added_limit", "prompt_text", "output_field", "clamp_output", "guard")
+                 "added_limit", "affinity", "follows", "output_field", "clamp_output", "guard")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -42,7 +42,8 @@ class ParsedRequest:
         # The most this request may generate, whichever field an engine reads.
         self.max_tokens: int | None = max((v for f in OUTPUT_LIMITS if (v := body.get(f)) is not None), default=None)
         self.added_limit: int | None = None  # max_tokens the gateway adds, where the request named no limit
-        self.prompt_text: bytes = b""
+        self.affinity: int | None = None  # the key that ranks replicas for its conversation (balancer.py)
+        self.follows = False  # it continues a conversation, whose history a replica may have cached
         # Set by a dialect: the field its client named the output limit in (errors name it), and whether a
         # limit above the model's is cut to it rather than refused (see bound_output).
         self.output_field: str | None = None
@@ -107,18 +108,24 @@ def _prepend(raw: bytes, fields: dict) -> bytes:
     return b"".join((raw[:start], json.dumps(fields, ensure_ascii=False)[1:-1].encode(), b",", raw[start:]))
 
 
-def _affinity_text(messages: list) -> bytes:
-    """What decides which replica's prompt cache a chat belongs to: its first message.
+def _leading(messages: list, prefix_bytes: int) -> list[bytes]:
+    """What names a chat's conversation: the start of each message up to its first user message.
 
-    The first message (a system prompt, or the opening of a conversation) is
-    what stays the same across every turn of a conversation and across every
-    request of an application, so keying on it keeps both on the replica that
-    has it cached. Keying on more would move a conversation at each turn.
+    The system prompt alone names an application, not a conversation: keyed on
+    it, every conversation of one application went to one replica and the bound
+    sent most elsewhere, where their history was not. The first user message
+    tells conversations apart, and every later turn repeats it unchanged.
     """
-    content = messages[0].get("content")
-    if isinstance(content, list):
-        content = "".join(p["text"] for p in content if p["type"] == "text")  # bodycheck made each part whole
-    return content.encode("utf-8", "surrogatepass") if isinstance(content, str) else b""
+    pieces = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content if p["type"] == "text")  # bodycheck made each part whole
+        # Cut in characters before encoding (as many bytes, for ASCII), so a long message is never copied whole.
+        pieces.append(content[:prefix_bytes].encode("utf-8", "surrogatepass") if isinstance(content, str) else b"")
+        if message.get("role") == "user":
+            break
+    return pieces
 
 
 def read_object(raw: bytes) -> dict:
@@ -141,9 +148,14 @@ def checked(kind: str, body: dict, raw: bytes, prefix_bytes: int, make=ParsedReq
     parsed = make(kind, body, raw)
     if prefix_bytes:
         if kind == "chat":
-            parsed.prompt_text = _affinity_text(body["messages"])[:prefix_bytes]
+            leading = _leading(body["messages"], prefix_bytes)
+            parsed.affinity = balancer.affinity_key(leading)
+            # Anything after the first user message is an earlier turn (an answer, a tool's result).
+            parsed.follows = len(body["messages"]) > len(leading)
         elif kind == "completions" and isinstance(body["prompt"], str):
-            parsed.prompt_text = body["prompt"][:prefix_bytes].encode("utf-8", "surrogatepass")
+            # A prompt has no turns to tell apart; a shared start (a file being edited, a template) is all it has.
+            parsed.affinity = balancer.affinity_key([body["prompt"][:prefix_bytes].encode("utf-8", "surrogatepass")])
+            parsed.follows = True
     return parsed
 
 

@@ -19,7 +19,9 @@ One address (an IPv6 /64) holds at most `gateway.max_connections_per_address`
 connections in one worker. A new connection beyond it first closes the
 address's longest-idle kept-alive connection, so idle connections never hold
 a client's slots against its own new ones; only when none is idle is it
-refused (429, then closed). Likewise, a worker whose connections are all taken
+refused (429, then closed). Each refusal and each 408 is counted in the
+worker's metrics (`llmgw_client_connections_refused_total`,
+`llmgw_client_timeouts_total`). Likewise, a worker whose connections are all taken
 closes its longest-idle one to keep room, and a stopping worker closes every
 idle one at once rather than wait for it to its graceful timeout. Addresses in
 `gateway.trusted_proxies` are not bounded: every client behind a proxy shares
@@ -139,6 +141,9 @@ class Registry:
         self.idle_by_key: dict[str, dict[Connection, None]] = {}
         self.refused = 0
         self.warned = 0.0
+        # The worker's GatewayMetrics, set once its app is loaded (GuardedWorker.load_wsgi), before any
+        # connection is accepted.
+        self.metrics = None
 
     def admit(self, key: str | None) -> bool:
         """Count a new connection from KEY, making room by closing an idle one; False: refuse it."""
@@ -194,6 +199,7 @@ class Registry:
                 del self.idle_by_key[key]
 
     def _refused(self, key: str) -> None:
+        self.metrics.connections_refused.inc()
         self.refused += 1
         now = time.monotonic()
         if now - self.warned >= WARN_EVERY:
@@ -267,12 +273,14 @@ class Connection:
     def _late(self, phase: str) -> bytes:
         """The wait in PHASE ran out: b"" (an end of stream gunicorn closes quietly) or an exception."""
         if phase is HEAD and self.head:
+            self.registry.metrics.client_timeouts.labels(HEAD).inc()
             raise HeadTimeout(self.head, self.limits)
         if phase is BODY:
             if self.answered:
                 raise TimeoutError("the rest of an unread body came too slowly")  # gunicorn closes quietly
             if self.req is not None:
                 self.req.must_close = True
+            self.registry.metrics.client_timeouts.labels(BODY).inc()
             raise BodyTimeout(self.limits, self.received)
         return b""
 
@@ -339,6 +347,11 @@ class GuardedWorker(GeventWorker):
         self.limits = Limits(cfg, self.cfg.keepalive, self.worker_connections)
         self.registry = Registry(self.limits)
         super().init_process()
+
+    def load_wsgi(self):
+        super().load_wsgi()
+        # The counters the app made in this worker (prometheus-client's multi-process files are per process).
+        self.registry.metrics = self.wsgi.runtime.metrics
 
     def handle(self, listener, client, addr):
         client.setblocking(1)

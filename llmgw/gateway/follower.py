@@ -45,7 +45,8 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
-                                        weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"))
+                                        weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"),
+                                        max_in_flight=r.get("max_in_flight"))
     demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else None
     accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,

@@ -5,6 +5,12 @@ under `PROMETHEUS_MULTIPROC_DIR`, which must be set before the library is
 first imported; `gateway.py` does that. The master serves the sum on
 `gateway.metrics_listen` and nothing else there. Gauges about replicas use
 `livemax`: a breaker open in any live worker shows as open.
+
+The library cannot remove a series from those files, so a gauge whose figure
+a worker no longer knows (a replica gone, a pool with nothing to measure) is
+set to `UNKNOWN`, and the master leaves it out. Left as it was, a replica
+removed with its breaker open showed open, and alerted, until the worker
+restarted.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from llmgw import addresses
 
+# Below every real figure, so that `livemax` takes any worker's known one over it; never served.
+UNKNOWN = float("-inf")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 
 
@@ -66,6 +74,30 @@ class GatewayMetrics:
                               ["replica"], multiprocess_mode="livemax", registry=None)
         self.limited = Counter("llmgw_requests_limited", "Requests refused by a limit, by kind (rpm, tpm, budget, "
                                "model).", ["limit"], registry=None)
+        self.queue_depth = Gauge("llmgw_admission_queue_depth", "Requests waiting in the admission queue for room "
+                                 "on a model's replicas, by model and admission band.", ["model", "band"],
+                                 multiprocess_mode="livesum", registry=None)
+        self.admission_rejected = Counter("llmgw_admission_rejected", "Requests refused with 429 because every "
+                                          "replica of the model was busy, by model, admission band and reason (full: "
+                                          "gateway.queue_size already waited; waited: no room within "
+                                          "gateway.queue_wait; displaced: a better band took its place).",
+                                          ["model", "band", "reason"], registry=None)
+        self.saturation = Gauge("llmgw_pool_saturation", "How full each model's replicas are, 1.0 at their healthy "
+                                "limit: the worse of requests in flight and queued over the admission limit, and "
+                                "the engines' mean KV cache use (the worst worker's; absent when neither is known).",
+                                ["model"], multiprocess_mode="livemax", registry=None)
+        self.client_timeouts = Counter("llmgw_client_timeouts", "Requests answered 408 because the client sent "
+                                       "them too slowly, by phase (head: gateway.header_timeout; body: "
+                                       "gateway.body_timeout and gateway.body_min_rate).", ["phase"], registry=None)
+        self.connections_refused = Counter("llmgw_client_connections_refused", "Connections refused (429, then "
+                                           "closed) because their address already held "
+                                           "gateway.max_connections_per_address in one worker, none of them idle.",
+                                           registry=None)
+        self.sign_in_throttled = Counter("llmgw_sign_in_throttled", "Password checks and sign-ups the throttle "
+                                         "refused without trying them, by limit (account: "
+                                         "gateway.sign_in_failures_per_account; address: "
+                                         "gateway.sign_in_failures_per_address; sign_up: gateway.sign_ups_per_address).",
+                                         ["limit"], registry=None)
         self.accountant_unavailable = Counter("llmgw_accountant_unavailable",
                                               "Requests that found the accountant unreachable (rate limits waived, "
                                               "budgets refused with 503).", registry=None)
@@ -86,10 +118,23 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+class _Known:
+    """The workers' summed metrics, less the gauges they set to UNKNOWN."""
+
+    def __init__(self):
+        self.summed = multiprocess.MultiProcessCollector(None)
+
+    def collect(self):
+        for family in self.summed.collect():
+            if family.type == "gauge":
+                family.samples = [s for s in family.samples if s.value != UNKNOWN]
+            yield family
+
+
 def serve(listen: str) -> None:
     """Serve the gateway workers' summed metrics on LISTEN (`host:port`) from the master."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    registry.register(_Known())
     serve_registry(listen, registry)
 
 

@@ -57,7 +57,7 @@ import gevent
 from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import admission, apirequest, balancer, guard, metering, promptcount, routes
+from llmgw.gateway import admission, apirequest, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI, encode
@@ -89,6 +89,8 @@ CONTEXT_EXCEEDED = re.compile(rb"exceed_context_size|exceeds the available conte
                               rb"exceeds the maximum allowed length")
 # An engine's error type, passed on as the code when it looks like one (it names a kind, never the request).
 ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
+PIN_HEADER = "HTTP_X_LLMGW_REPLICA"  # a replica's id: an administrator's request for that replica alone
+PIN_MOST = 200  # characters of it read (a replica id is at most that)
 
 
 def _status_line(status: int) -> str:
@@ -162,7 +164,8 @@ class Proxy:
         self.rt = runtime
         cfg = runtime.cfg
         self.max_body = cfg["gateway.max_body_bytes"]
-        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"]
+        # Only the prefix policy reads a conversation's key: under the others none is made.
+        self.prefix_bytes = cfg["routing.affinity_prefix_bytes"] if cfg["routing.policy"] == "prefix" else 0
         self.attempts = cfg["routing.attempts"]
         self.first_byte = cfg["timeouts.first_byte"]
         self.idle = cfg["timeouts.idle"]
@@ -170,8 +173,7 @@ class Proxy:
         self.load_wait = cfg["gateway.load_wait"]
         self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
         self.output_estimate = cfg["limits.output_estimate"]
-        self.max_outstanding = cfg["routing.max_outstanding"]
-        self.queue = admission.AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
+        self.queue = runtime.queue
         self.guard = guard.Guard(runtime)
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
@@ -209,9 +211,10 @@ class Proxy:
                 raise
             if kind == "tokens":
                 return self._count_tokens(start_response, caller, req, model, t0)
+            pin = self._pinned(environ.get(PIN_HEADER), caller, model)
             self._admit(caller, req, model)
             self.guard.check_prompt(req, model)
-            return self._forward(environ, start_response, caller, req, model, t0)
+            return self._forward(environ, start_response, caller, req, model, t0, pin)
         except ApiError as e:
             self._account(t0, caller, req, model, None, e.status, None, None)
             return self._refuse(start_response, dialect, caller, e, t0)
@@ -388,7 +391,34 @@ class Proxy:
 
     # --- forwarding --------------------------------------------------------------------
 
-    def _forward(self, environ, start_response, caller, req, model, t0):
+    def _pinned(self, wanted: str | None, caller: Caller, model: ModelSpec):
+        """The replica a request names in `X-Llmgw-Replica` (None when it names none); raises ApiError.
+
+        `llmgw ctl bench` measures one replica at a time through the gateway, so a request may name its
+        replica. Only an administrator's key may: such a request passes the balancer and the replica's
+        limit of requests in flight (the bench must be able to go past a limit measured before), so a
+        client that could name one would load a replica that everyone else's requests are held back from.
+        It is not tried elsewhere: a measurement of one replica must not be answered by another.
+        """
+        if wanted is None:
+            return None
+        if caller.user_id is None or caller.user_id not in self.rt.keys.admins:
+            raise ApiError(403, "Only an administrator's key may choose a replica (X-Llmgw-Replica), as `llmgw ctl "
+                                "bench` does. Leave the header out, or use a key of an active administrator "
+                                "(`llmgw keys create NAME --for EMAIL`).", "replica_choice_not_allowed")
+        replica = self.rt.router.replica_for(model.name, wanted[:PIN_MOST])
+        if replica is None:
+            raise ApiError(404, f"This gateway has no replica {wanted[:PIN_MOST]!r} of {model.name}. `llmgw ctl "
+                                f"replicas --model {model.name}` lists the ready ones; a gateway that does not "
+                                "follow their controller does not know them.", "replica_not_found")
+        if replica.breaker.is_open:
+            raise ApiError(503, f"Replica {replica.spec.id} of {model.name} is out of rotation: it failed recently "
+                                "and waits to be probed. Try again in a few seconds.", "replica_out_of_rotation",
+                           retry_after=max(1, int(self.rt.cfg["breaker.cooldown"])))
+        return replica
+
+    def _forward(self, environ, start_response, caller, req, model, t0, pin=None):
+        """PIN: the replica the request named (`_pinned`), the only one it is sent to."""
         rt = self.rt
         # Behind a controller a model without a replica in rotation gets one soon (it is starting,
         # moving, or being replaced), so the request waits for it; with only configured endpoints
@@ -408,7 +438,7 @@ class Proxy:
                 raise self._still_loading(model)
         rt.metrics.in_flight.labels(model.name).inc()
         try:
-            resp, replica, data, overhead = self._connect_in_turn(req, model, t0, caller)
+            resp, replica, data, overhead = self._connect_in_turn(req, model, t0, caller, pin)
         except ApiError:
             rt.metrics.in_flight.labels(model.name).dec()
             raise
@@ -436,14 +466,18 @@ class Proxy:
         self._account(t0, caller, req, model, replica.spec.id, resp.status, tokens, None, in_flight=True)
         return [data]
 
-    def _connect_in_turn(self, req, model, t0, caller):
+    def _connect_in_turn(self, req, model, t0, caller, pin=None):
         """`_connect`, but a request for a saturated model waits its turn in the admission queue
-        rather than being refused at once (see llmgw/admission.py)."""
+        rather than being refused at once (see llmgw/admission.py). A request that names its replica
+        (PIN) waits for nothing: it is a measurement of that replica, answered or refused by it."""
+        if pin is not None:
+            return self._connect(req, model, t0, pin)
         deadline = time.monotonic() + self.queue.wait
         band = caller.access.band
+        router = self.rt.router
         while True:
-            if self.max_outstanding:
-                self._turn(model, band, lambda: self._has_room(model))
+            if router.limited(model.name):
+                self._turn(model, band, lambda: router.has_room(model.name, time.monotonic()))
             try:
                 return self._connect(req, model, t0)
             except ApiError as e:
@@ -452,19 +486,17 @@ class Proxy:
             # Every replica said busy: wait for a request on the model to end (or a recheck), then try again.
             self._turn(model, band, lambda: True, wait_first=True)
 
-    def _has_room(self, model: ModelSpec) -> bool:
-        return any(s.outstanding < self.max_outstanding for s in self.rt.router.available(model.name))
-
     def _turn(self, model: ModelSpec, band: str, has_room, wait_first: bool = False) -> None:
         try:
             self.queue.wait_turn(model.name, band, has_room, wait_first)
         except admission.Refused as e:
-            self.rt.metrics.limited.labels("queue").inc()
+            self.rt.metrics.admission_rejected.labels(model.name, band, e.kind).inc()
             raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
                                 "Retry shortly.", "model_saturated", retry_after=2) from None
 
-    def _connect(self, req, model, t0):
-        """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms).
+    def _connect(self, req, model, t0, pin=None):
+        """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms);
+        only PIN, once, when the request named it.
 
         Raises ApiError when every attempt failed or no replica is in rotation.
         """
@@ -472,13 +504,12 @@ class Proxy:
         router = rt.router
         path = apirequest.PATHS[req.kind]
         body = req.upstream_body(model.name)
-        affinity = balancer.affinity_key(req.prompt_text, self.prefix_bytes)
         deadline = time.monotonic() + self.total
         tried: set[str] = set()
         failure: UpstreamError | None = None
         engine_time = 0.0
-        for _ in range(self.attempts):
-            replica = router.pick(model.name, time.monotonic(), affinity, tried)
+        for _ in range(self.attempts if pin is None else 1):
+            replica = pin or router.pick(model.name, time.monotonic(), req.affinity, tried, req.follows)
             if replica is None:
                 break
             if failure is not None:

@@ -39,6 +39,7 @@ class ReplicaSpec:
     models: tuple[str, ...]
     weight: float = 1.0
     api_key: str | None = None  # sent to its engine as `Authorization: Bearer`; None: the engine wants none
+    max_in_flight: int | None = None  # requests its profile was measured to take at once; None: not measured
 
 
 @dataclasses.dataclass(frozen=True)

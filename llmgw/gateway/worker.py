@@ -1,11 +1,13 @@
 """Everything one gateway worker holds in memory, and the greenlets that keep it current.
 
 The request path reads only what is here: the routing snapshot with each
-replica's load and breaker, the key table, the upstream connection pool.
-Background greenlets keep it true: one reads each engine's load and probes
-replicas whose breaker is open, one writes buffered usage, and one follows the
-controller's snapshots and keys (or, without a controller, notices changed
-keys in the store with one small query a second, never one per request).
+replica's load and breaker, the key table, the upstream connection pool, the
+admission queue.
+Background greenlets keep it true: one reads each engine's load, probes
+replicas whose breaker is open and sets the replicas' and the pools' gauges,
+one writes buffered usage, and one follows the controller's snapshots and
+keys (or, without a controller, notices changed keys in the store with one
+small query a second, never one per request).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from zmq import NOBLOCK, Again
 
 from llmgw import addresses
 from llmgw.engines import metrics as enginemetrics
+from llmgw.gateway.admission import AdmissionQueue
 from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.limiter import Limiter
-from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.metrics import UNKNOWN, GatewayMetrics
+from llmgw.gateway.saturation import pool_saturation
 from llmgw.gateway.snapshot import Snapshot
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
 from llmgw.gateway.usage import UsageRecorder
@@ -48,8 +52,12 @@ class Runtime:
         self.key_source = key_source
         self.metrics = GatewayMetrics()
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
-                             cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target)
+                             cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target,
+                             max_outstanding=cfg["routing.max_outstanding"], policy=cfg["routing.policy"])
         self.pool = Pool(cfg["timeouts.connect"])
+        self.queue = AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
+        self.shown_replicas: set[str] = set()  # replicas and models whose gauges this worker has set
+        self.shown_models: set[str] = set()
         # Read once at start; then pushed by the controller, or (without one) read again when they change.
         self.keys = KeyTable.from_message(key_source.key_set(engine))
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics, cfg["usage.spool_dir"])
@@ -187,10 +195,33 @@ class Runtime:
             rid = state.spec.id
             m.breaker_open.labels(rid).set(1 if state.breaker.is_open else 0)
             m.metrics_stale.labels(rid).set(0 if state.fresh(now, stale_after) else 1)
-            if state.waiting is not None:
-                m.waiting.labels(rid).set(state.waiting)
-            if state.kv_cache is not None:
-                m.kv_cache.labels(rid).set(state.kv_cache)
+            m.waiting.labels(rid).set(UNKNOWN if state.waiting is None else state.waiting)
+            m.kv_cache.labels(rid).set(UNKNOWN if state.kv_cache is None else state.kv_cache)
+        shown = {state.spec.id for state in states}
+        for rid in self.shown_replicas - shown:
+            for gauge in (m.breaker_open, m.metrics_stale, m.waiting, m.kv_cache):
+                gauge.labels(rid).set(UNKNOWN)
+        self.shown_replicas = shown
+        self.show_pools(now, stale_after)
+
+    def show_pools(self, now: float, stale_after: float) -> None:
+        """Set each model's admission queue depth and pool saturation (llmgw/gateway/saturation.py)."""
+        m = self.metrics
+        router = self.router
+        models = set(router.snapshot.models)
+        for name in models:
+            depth = self.queue.depth(name)
+            for band, waiting in depth.items():
+                m.queue_depth.labels(name, band).set(waiting)
+            replicas = ((*r.held(now, stale_after, router.max_outstanding),
+                         r.kv_cache if r.fresh(now, stale_after) else None) for r in router.available(name))
+            figure = pool_saturation(replicas, sum(depth.values()))
+            m.saturation.labels(name).set(UNKNOWN if figure is None else figure)
+        for name in self.shown_models - models:
+            m.saturation.labels(name).set(UNKNOWN)
+            for band in self.queue.depth(name):
+                m.queue_depth.labels(name, band).set(0)  # summed over workers: nobody waits for a model gone
+        self.shown_models = models
 
     def _watch_one(self, state: ReplicaState) -> None:
         now = time.monotonic()

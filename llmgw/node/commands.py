@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from llmgw.node.logsources import KEPT, LogSources
 from llmgw.node.supervisor import Supervisor
 from llmgw.weights import LISTED_MOST
 
 DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
 
 
-def commands(node_id: str, supervisor: Supervisor):
-    """What the agent does with each command from the controller; returns the replies to send."""
+def commands(node_id: str, supervisor: Supervisor, logs: LogSources):
+    """What the agent does with each command from the controller; returns the replies to send. LOGS are the
+    sources a `logs_request` may read."""
 
     def handle(message: dict) -> list[tuple[str, dict]]:
         kind, request_id = message["type"], message["request_id"]
@@ -31,12 +33,20 @@ def commands(node_id: str, supervisor: Supervisor):
             most = message.get("most", LISTED_MOST)
             return [("weights_reply", {"node_id": node_id, "request_id": request_id, "removed": removed,
                                        "refused": refused, **supervisor.weights(max(0, min(most, LISTED_MOST)))})]
-        lines, sources = supervisor.logs(message.get("source"), message.get("lines", 200))
-        if message.get("source") and not lines and message["source"] not in sources:
-            return [("logs_reply", {"node_id": node_id, "request_id": request_id, "sources": sources,
-                                    "error": f"no shard {message['source']!r} on {node_id}; sources: "
-                                             f"{', '.join(sources) or 'none'}"})]
-        return [("logs_reply", {"node_id": node_id, "request_id": request_id, "lines": lines,
-                                "sources": sources})]
+        return [("logs_reply", {"node_id": node_id, "request_id": request_id, **_logs_reply(node_id, logs, message)})]
 
     return handle
+
+
+def _logs_reply(node_id: str, logs: LogSources, message: dict) -> dict:
+    """The fields of the `logs_reply` to MESSAGE: the source's lines from its cursor, or why there are none."""
+    names = logs.names()
+    source = message.get("source")
+    if source is None:
+        return {"sources": names}
+    page = logs.read(source, message.get("after"), max(1, min(message.get("lines", 200), KEPT)))
+    if page is None:
+        return {"sources": names, "error": f"no source {source!r} on {node_id}; its sources are "
+                                           f"{', '.join(names)}"}
+    return {"lines": page.lines, "cursor": page.cursor, "sources": names,
+            **({"skipped": page.skipped} if "after" in message else {})}

@@ -438,15 +438,18 @@ class Supervisor:
             return f"{source} is not a download: llmgw never deletes files it did not fetch"
         return self.reclaim([weights.fetched_name(source)])[1].get(weights.fetched_name(source))
 
-    def logs(self, source: str | None, lines: int) -> tuple[list[str], list[str]]:
-        """(the last LINES of SOURCE's output, every source there is)."""
+    def engine_logs(self) -> dict[str, str]:
+        """{shard id: its log file} of every engine this node has a log of: the live shards first, then
+        those that ran here before, newest first (a failed replica's log says why it failed)."""
         with self.lock:
-            sources = sorted(self.shards)
-            shard = self.shards.get(source) if source else None
-        if source and shard is None:
-            path = os.path.join(self.work_dir, "shards", f"{source}.log")
-            return (tail(path, lines) if os.path.exists(path) else []), sources
-        return (tail(shard.log_path, lines) if shard else []), sources
+            live = {shard_id: shard.log_path for shard_id, shard in sorted(self.shards.items())}
+        folder = os.path.join(self.work_dir, "shards")
+        past = []
+        for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+            name = entry.name[:-len(".log")]
+            if entry.name.endswith(".log") and name not in live and entry.is_file(follow_symlinks=False):
+                past.append((entry.stat().st_mtime, name, entry.path))
+        return {**live, **{name: path for _, name, path in sorted(past, reverse=True)}}
 
 
 def running_engines(work_dir: str) -> dict[str, int]:

@@ -223,7 +223,8 @@ def current_revision(engine: Engine) -> int:
 
 def key_set(engine: Engine) -> dict:
     """Every key with what it is held to, as one `keys` message's fields (llmgw.wire.gateways): the keys,
-    the limits, the tree they are resolved along, the prices and who is active, read at one moment.
+    the limits, the tree they are resolved along, the prices, who is active and who administers, read at
+    one moment.
     The controller pushes it to gateways; a gateway without a controller reads it itself."""
     from llmgw.people.limits import read_prices, read_rules
     from llmgw.people.orgtree import Tree
@@ -235,7 +236,8 @@ def key_set(engine: Engine) -> dict:
         rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()
         ruleset = read_rules(conn)
         prices = read_prices(conn)
-        states = {r[0]: r[1] for r in conn.execute(sa.select(u.c.id, u.c.state))}
+        people = conn.execute(sa.select(u.c.id, u.c.state, u.c.is_admin)).all()
+    states = {r.id: r.state for r in people}
     keys = [{"hash": row.hash, **dataclasses.asdict(_record(row, tree))} for row in rows]
     return {"revision": revision, "keys": keys,
             "limits": [[scope, sid, lim.rpm, lim.tpm, lim.budget, lim.period,
@@ -244,7 +246,8 @@ def key_set(engine: Engine) -> dict:
             "parents": {project: list(up) for project, up in ruleset.parents.items()}, "team_org": ruleset.team_org,
             "prices": [[model, price.input, price.output] for model, price in prices.by_model.items()],
             "suspended": sorted(i for i, state in states.items() if state != "active"),
-            "active": sorted(i for i, state in states.items() if state == "active")}
+            "active": sorted(i for i, state in states.items() if state == "active"),
+            "admins": sorted(r.id for r in people if r.is_admin and r.state == "active")}
 
 
 def usable(engine: Engine, secret: str) -> bool:

@@ -1,6 +1,7 @@
 """The administration pages (administrators only) and an organisation's page for its managers.
 
-- `/admin`: the cluster, problems first: nodes, models, replicas, refreshed in place.
+- `/admin`: the cluster, problems first: nodes, models, replicas, refreshed in place; below, history
+  charts from Prometheus (llmgw/web/history.py). Each node links to its page (llmgw/web/nodepages.py).
 - `/admin/people`: the tree with its people and keys, and every action on them.
 - `/admin/quotas`: limits in every scope with what binds there and where it comes from, prices,
   and the log of every change.
@@ -26,7 +27,7 @@ from llmgw import rules
 from llmgw.apiclient import ApiError, leader_client
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, orgtree, sessions, usagereport
-from llmgw.web import budgets, forms, safety, svgchart
+from llmgw.web import budgets, forms, history, safety, svgchart
 
 log = logging.getLogger("llmgw.adminpages")
 
@@ -77,8 +78,12 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
     @admin_only
     def cluster():
         view = _cluster_view(runtime, cfg)
-        template = "_cluster.html" if request.args.get("partial") else "admin_cluster.html"
-        return render_template(template, **view)
+        if request.args.get("partial"):
+            return render_template("_cluster.html", **view)
+        # Drawn once per load, outside what refreshes every five seconds: each drawing asks Prometheus.
+        window = history.window_of(request.args.get("window"))
+        return render_template("admin_cluster.html", history=history.charts(cfg["monitoring.prometheus"], window),
+                               **view)
 
     # --- people and the tree -------------------------------------------------------------------
 

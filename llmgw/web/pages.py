@@ -32,7 +32,7 @@ from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, sessions, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, editors, errorpages, forms, mirrorpage, safety, throttle
+from llmgw.web import adminpages, budgets, chatpage, editors, errorpages, forms, mirrorpage, nodepages, safety, throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -73,7 +73,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     lifetimes = sessions.Lifetimes(cfg["gateway.session_idle"], cfg["gateway.session_lifetime"])
     guard = throttle.Throttle(throttle.Limits(cfg["gateway.sign_in_failures_per_account"],
                                               cfg["gateway.sign_in_failures_per_address"], cfg["gateway.sign_in_window"],
-                                              cfg["gateway.sign_ups_per_address"]))
+                                              cfg["gateway.sign_ups_per_address"]),
+                              lambda limit: runtime.metrics.sign_in_throttled.labels(limit).inc())
     app.config.update(SECRET_KEY=secret, SESSION_COOKIE_HTTPONLY=True, SESSION_COOKIE_SAMESITE="Lax",
                       SESSION_COOKIE_NAME="llmgw_session")
     app.session_interface = _Sessions()
@@ -321,5 +322,6 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     editors.install(app, runtime)
     adminpages.install(app, runtime, form, sentence)
     mirrorpage.install(app, runtime, form, sentence)
+    nodepages.install(app, runtime)
     errorpages.install(app)
     return app

@@ -69,8 +69,11 @@ def place(address: str) -> str:
 
 
 class Throttle:
-    def __init__(self, limits: Limits):
+    def __init__(self, limits: Limits, refused=lambda limit: None):
+        """REFUSED(LIMIT) is told of each attempt held back, by the limit it met: `account`, `address` or
+        `sign_up` (the pages count them in `llmgw_sign_in_throttled_total`)."""
         self.limits = limits
+        self.refused = refused
         self.counted: dict[tuple[str, ...], collections.deque] = {}  # (what, ...) -> times within the window
         self.sweep_at = SWEEP_AT
 
@@ -78,9 +81,10 @@ class Throttle:
         """Count a password check as a failure until it `succeeded`; or, past a limit, why not, in words for
         the page (and the attempt is not counted: nothing was tried)."""
         account, source = self._account(email, address), ("address", place(address))
-        refused = (self._refusal(account, self.limits.per_account, "Too many wrong passwords for this account", now)
+        refused = (self._refusal(account, self.limits.per_account, "Too many wrong passwords for this account", now,
+                                 "account")
                    or self._refusal(source, self.limits.per_address, "Too many wrong passwords from your address",
-                                    now))
+                                    now, "address"))
         if refused is None:
             self._count((account, source), now)
         return refused
@@ -96,7 +100,8 @@ class Throttle:
     def sign_up(self, address: str, now: float) -> str | None:
         """Count a sign-up from ADDRESS; or, past the limit, why not, in words for the sign-up page."""
         key = ("sign-up", place(address))
-        refused = self._refusal(key, self.limits.sign_ups_per_address, "Too many sign-ups from your address", now)
+        refused = self._refusal(key, self.limits.sign_ups_per_address, "Too many sign-ups from your address", now,
+                                "sign_up")
         if refused is None:
             self._count((key,), now)
         return refused
@@ -105,10 +110,11 @@ class Throttle:
     def _account(email: str, address: str) -> tuple[str, ...]:
         return "account", email.strip().lower(), place(address)
 
-    def _refusal(self, key: tuple[str, ...], allowed: int, what: str, now: float) -> str | None:
+    def _refusal(self, key: tuple[str, ...], allowed: int, what: str, now: float, limit: str) -> str | None:
         times = self._recent(key, now)
         if len(times) < allowed:
             return None
+        self.refused(limit)
         minutes = max(1, math.ceil((times[0] + self.limits.window - now) / 60))
         return f"{what}. Try again in {minutes} minute{'s' if minutes > 1 else ''}."
 

@@ -23,13 +23,15 @@ from __future__ import annotations
 from llmgw import rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Obj, ProtocolError, Row, Schema, Str
 
-__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT"]
+__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
+           "MAX_IN_FLIGHT"]
 
 VERSION = 1
 SNAPSHOT = b"snapshot"  # PUB topics
 KEYS = b"keys"
 LEADING = b"leading"  # no prefix of the others: a SUB's topic is a prefix, and no older gateway asks for it
 KEYS_REPEAT = 10.0  # seconds: keys can be many, so they are repeated less often than snapshots
+MAX_IN_FLIGHT = 100_000  # a replica's measured limit of requests at once: more than any engine runs
 
 COUNT = Int(0, 2**53)
 NAME = Str(200)
@@ -40,7 +42,8 @@ MODEL = Obj({"name": (NAME, True), "aliases": (ListOf(NAME, 100), False), "descr
              "on_demand": ("bool", False), "role": (Str(20), False),
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
-               "weight": ("number", False), "api_key": (Str(200), False)})
+               "weight": ("number", False), "api_key": (Str(200), False),
+               "max_in_flight": (Int(1, MAX_IN_FLIGHT), False)})
 KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "project_id": (Nullable(NAME), True),
            "project": ("str", True), "prefix": (Str(40), True), "created_at": ("number", True),
            "expires_at": (SECONDS, True), "revoked_at": (SECONDS, True), "user_id": (Nullable(NAME), True)})
@@ -59,7 +62,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
              "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
-             "active": (ListOf(NAME, MANY), True)},
+             "active": (ListOf(NAME, MANY), True), "admins": (ListOf(NAME, MANY), False)},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},

@@ -1,0 +1,299 @@
+"""The operator's pages against a real cluster: history charts read from a real Prometheus (Debian's, scraping a
+running gateway and controller), a node's page, and its logs followed live, through Flask's test client and in
+headless Chromium at a phone's width.
+
+Prometheus here scrapes every second under job names of the test's own, not the deployment's: the charts'
+queries must not depend on job labels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from llmgw import settings, store
+from llmgw.gateway.webapp import GatewayApp
+from llmgw.people import accounts, keys
+from llmgw.procs import free_port, http_status, wait_for
+from llmgw.web import history, prometheus
+from tests.cluster import Agent, Controller
+from tests.conftest import Gateway, make_key, post, stop_process
+from tests.test_browser_pages import fits_the_screen, signed_in
+from tests.test_pages import sign_in
+
+PASSWORD = "a long enough password"
+# On the CPU node only: the GPU node is there for its cards (replayed nvidia-smi output), and runs nothing.
+MODEL = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
+         "profiles": [{"engine": "sim", "args": ["--ttft-ms", "20", "--tokens-per-s", "0"],
+                       "node_selector": {"kind": "cpu"}}]}
+PROMETHEUS = "/usr/bin/prometheus"
+
+
+class Prometheus:
+    """Debian's Prometheus on a free loopback port, scraping every second what `scrape` names.
+
+    It starts before what it scrapes, whose ports are known only once they run, so that a port taken
+    meanwhile by another process costs a retry here rather than a gateway configured with a dead address:
+    the targets are in files it watches (file_sd), written by `scrape`."""
+
+    def __init__(self, tmp):
+        assert os.path.exists(PROMETHEUS), f"{PROMETHEUS} is missing: apt-get install prometheus"
+        self.tmp = tmp
+        config = tmp / "prometheus.yml"
+        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
+                          "  - job_name: test-targets\n    file_sd_configs: [{files: ['targets-*.json'], "
+                          "refresh_interval: 1s}]\n")
+        self.log_path = tmp / "prometheus.log"
+        for attempt in range(3):
+            port = free_port()
+            self.url = f"http://127.0.0.1:{port}"
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
+                                              f"--storage.tsdb.path={tmp / 'tsdb'}",
+                                              f"--web.listen-address=127.0.0.1:{port}"],
+                                             stdout=log, stderr=subprocess.STDOUT)
+            try:
+                wait_for("Prometheus to be ready", 60, lambda: http_status(self.url + "/-/ready") == 200,
+                         alive=lambda: self.proc.poll() is None)
+                return
+            except RuntimeError:
+                # A free port is free when asked; on a busy machine another process may take it first.
+                if attempt == 2 or "address already in use" not in self.log_path.read_text(errors="replace"):
+                    raise
+
+    def scrape(self, job: str, target: str) -> None:
+        """Scrape TARGET (HOST:PORT) as JOB, a job name of the test's own."""
+        (self.tmp / f"targets-{job}.json").write_text(json.dumps([{"targets": [target], "labels": {"job": job}}]))
+
+    def has(self, query: str) -> bool:
+        with urllib.request.urlopen(f"{self.url}/api/v1/query?{urllib.parse.urlencode({'query': query})}",
+                                    timeout=10) as resp:
+            return bool(json.loads(resp.read())["data"]["result"])
+
+    def state(self) -> str:
+        """Its process's state letter: T once SIGSTOP has stopped it."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+
+    def stop(self):
+        stop_process(self.proc)
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("opspages")
+    url = f"sqlite:///{tmp}/cluster.db"
+    made = []
+    try:
+        c = Controller(tmp, store_url=url, models=[MODEL])
+        made.append(c)
+        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"), labels={"kind": "cpu"}))
+        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "gpu-1", c.issue_key("gpu-1"), labels={"kind": "gpu"},
+                          nvidia_smi_capture="nvidia-smi-1xa100-busy.csv"))
+        engine = store.open_store(url)
+        accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+        engine.dispose()
+        # Before the gateway starts, so that every worker knows it: made later, one worker that had not yet heard
+        # of it answered 401 on a loaded machine.
+        key = make_key(url)
+        prom = Prometheus(tmp)
+        made.append(prom)
+        prom.scrape("test-ctl", f"127.0.0.1:{c.metrics_port}")
+        pages = {"gateway.controller": f"127.0.0.1:{c.gateway_port}",
+                 "gateway.controller_admin": f"127.0.0.1:{c.admin_port}",
+                 "controller.keys_dir": c.values["controller.keys_dir"], "monitoring.prometheus": prom.url}
+        gw = Gateway(tmp, url, workers=2, gateway__key_file=c.gateway_key_file(),
+                     **{k.replace(".", "__"): v for k, v in pages.items()})
+        made.append(gw)
+        prom.scrape("test-gw", f"127.0.0.1:{gw.metrics_port}")
+        chat = {"model": "simmy", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+        wait_for("the gateway to serve simmy", 60,
+                 lambda: post(gw.url + "/v1/chat/completions", chat, key)[0] == 200, interval=0.2)
+        # Twice: a rate counts only what rises between two scrapes, so the second round comes once Prometheus
+        # has seen every series the first made.
+        for round_ in ("first", "second"):
+            for i in range(6):
+                assert post(gw.url + "/v1/chat/completions", {**chat, "stream": i % 2 == 0}, key)[0] == 200
+            if round_ == "first":
+                for series in ("llmgw_requests_total", "llmgw_ttft_seconds_bucket", "llmgw_endpoint_kv_cache_usage",
+                               "llmgw_node_cpu_utilization_percent", "llmgw_shard_memory_bytes",
+                               "llmgw_gpu_utilization_percent"):
+                    wait_for(f"Prometheus to have {series}", 60, lambda series=series: prom.has(series), interval=0.5)
+        for rate in ("rate(llmgw_requests_total[1m]) > 0", "rate(llmgw_ttft_seconds_count[1m]) > 0"):
+            wait_for(rate, 60, lambda rate=rate: prom.has(rate), interval=0.5)
+        app = GatewayApp(settings.load(None, {"store.url": url, **pages}), key_source=keys)
+        app.pages.testing = True
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            yield {"c": c, "gw": gw, "prom": prom, "app": app, "browser": browser, "tmp": tmp, "key": key}
+            browser.close()
+        app.runtime.engine.dispose()
+    finally:
+        for thing in reversed(made):
+            thing.stop()
+
+
+@pytest.fixture
+def client(ops):
+    client = ops["app"].pages.test_client()
+    sign_in(client, "root@example.org", PASSWORD)
+    return client
+
+
+def shard_of(ops) -> str:
+    return next(r["shard_id"] for r in ops["c"].replicas("simmy"))
+
+
+def svg_of(page: str, title: str) -> str:
+    """The chart under the heading TITLE, up to the next heading."""
+    match = re.search(rf"<h3>{re.escape(title)}</h3>\s*(.*?)(?=<h3>|</section>)", page, re.S)
+    assert match, f"no chart {title!r}"
+    return match.group(1)
+
+
+def test_the_cluster_page_draws_its_history_from_prometheus(ops, client):
+    page = client.get("/admin").data.decode()
+    requests = svg_of(page, "Requests a minute, by model")
+    assert "<svg" in requests and "<rect" in requests and "simmy" in requests
+    ttft = svg_of(page, "Time to first token, 95th percentile, by model")
+    assert "<svg" in ttft and ("<polyline" in ttft or "<circle" in ttft) and "simmy" in ttft and "NaN" not in ttft
+    use = svg_of(page, "GPU or CPU use, by node")
+    assert "n1 (CPU)" in use and "gpu-1 (GPU)" in use and ">100%<" in use  # a percentage's axis is fixed at 100
+    kv = svg_of(page, "KV cache in use, by replica")
+    assert shard_of(ops) in kv and "<svg" in kv
+    # A window to choose; an unknown one is the default, not an error.
+    week = client.get("/admin?window=7d").data.decode()
+    assert '<option value="7d" selected>' in week and "<svg" in svg_of(week, "Requests a minute, by model")
+    assert '<option value="1h" selected>' in client.get("/admin?window=%00").data.decode()
+    # The part that refreshes every five seconds does not ask Prometheus.
+    assert "History" not in client.get("/admin?partial=1").data.decode()
+    assert 'href="/admin/nodes/n1"' in page
+
+
+def test_the_node_page_shows_the_node_and_its_last_hour(ops, client):
+    page = client.get("/admin/nodes/n1").data.decode()
+    shard = shard_of(ops)
+    for text in ("Hardware", "CPUs", "available of", "free of", "None: the node found no GPU",
+                 "sim", "Replicas here", shard, "The doctor's findings", "Read its logs"):
+        assert text in page, text
+    assert "<svg" in svg_of(page, "CPU use") and "this node" in svg_of(page, "CPU use")
+    assert shard in svg_of(page, "Memory of each replica&#39;s engine")
+    assert "<h3>GPU use, by GPU</h3>" not in page  # a node without GPUs has no GPU chart, not an empty one
+    assert "{" not in page.split("<main>")[1].split("History")[0]  # no raw data structure shown
+    gpu = client.get("/admin/nodes/gpu-1").data.decode()
+    for text in ("NVIDIA A100-SXM4-80GB", "58.6 GiB of 80 GiB", "97%", "Warning:</strong> GPU 0 has 60000 of 81920 MiB "
+                 "in use already", "No replica runs here."):
+        assert text in gpu, text
+    assert "GPU 0" in svg_of(gpu, "GPU use, by GPU")
+    partial = client.get("/admin/nodes/n1?partial=1").data.decode()
+    assert "<html" not in partial and "Hardware" in partial and "History" not in partial
+    missing = client.get("/admin/nodes/nobody")
+    assert missing.status_code == 404 and "No node nobody has registered" in missing.data.decode()
+
+
+def test_the_logs_page_reads_names_the_node_lists_and_follows_with_a_cursor(ops, client):
+    page = client.get("/admin/nodes/n1/logs").data.decode()
+    assert "registered with the controller" in page and "The agent's log on n1" in page
+    assert client.get("/admin/nodes/n1/logs").headers["Cache-Control"] == "no-store"
+    cursor = re.search(r'data-cursor="(\d+)"', page).group(1)
+    assert f'?source={shard_of(ops)}' in page
+    more = client.get(f"/admin/nodes/n1/logs/more?source=agent&after={cursor}").get_json()
+    assert more["problem"] is None and isinstance(more["cursor"], int) and more["skipped"] is False
+    engine = client.get(f"/admin/nodes/n1/logs?source={shard_of(ops)}").data.decode()
+    assert "llmgw: starting" in engine
+    for source, said in (("/var/log/dpkg", "never a path"), ("nope", "No source &#39;nope&#39; on n1")):
+        refused = client.get(f"/admin/nodes/n1/logs?source={source}").data.decode()
+        assert said in refused and 'id="log"' not in refused, source
+    assert "never a path" in client.get("/admin/nodes/n1/logs/more?source=..%2Fx&after=1").get_json()["problem"]
+
+
+def test_every_failure_of_prometheus_is_a_sentence(ops, client):
+    base = ops["prom"].url
+    now = time.time()
+
+    def refusal(url, query="llmgw_node_load", **bounds) -> str:
+        with pytest.raises(prometheus.Unavailable) as e:
+            prometheus.query_range(url, query, now - 3600, now, 60, **bounds)
+        return str(e.value)
+
+    assert "refused a chart's query (bad_data, 400)" in refusal(base, "sum(")
+    closed = f"http://127.0.0.1:{free_port()}"
+    assert "cannot be reached from this gateway" in refusal(closed)
+    # monitoring.prometheus may be written HOST:PORT, as other addresses are.
+    assert "cannot be reached" in history.charts(closed.removeprefix("http://"), "1h")["problem"]
+    assert "is not Prometheus' query API (it answered 404)" in refusal(f"http://127.0.0.1:{ops['c'].metrics_port}")
+    assert "more than 100 bytes" in refusal(base, "llmgw_node_load", most_bytes=100)
+    # A Prometheus that hangs: the page waits the bound, and says so in one sentence for every chart.
+    ops["prom"].proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_for("Prometheus to stop", 30, lambda: ops["prom"].state() == "T")
+        started = time.monotonic()
+        page = client.get("/admin").data.decode()
+        took = time.monotonic() - started
+        state = ops["prom"].state()
+    finally:
+        ops["prom"].proc.send_signal(signal.SIGCONT)
+    assert f"Prometheus at {base} did not answer within 5 s" in page, (state, took, page.split('id="history"')[1][:2000])
+    assert took < 20
+    assert page.count('class="problem"') == 1 and "<svg" not in page.split('id="history"')[1]
+
+
+def test_the_charts_ask_only_for_series_llmgw_emits():
+    from llmgw.control.fleet import Fleet
+    from llmgw.control.fleetmetrics import FleetCollector
+    from tests.test_docs import exported_names
+    # Every family the controller writes, even with no node to write it about.
+    fleet = {family.name for family in FleetCollector(Fleet(15, 60)).collect()}
+    emitted = exported_names() | fleet
+    for chart in history.CLUSTER + history.NODE:
+        used = {re.sub(r"_bucket$", "", name) for name in re.findall(r"\bllmgw_[a-z_]+", chart.query)}
+        assert used and used <= emitted, (chart.title, used - emitted)
+        assert "job" not in chart.query and "instance" not in chart.query, chart.title
+
+
+@pytest.mark.parametrize("path", ["/admin", "/admin/nodes/n1", "/admin/nodes/gpu-1", "/admin/nodes/n1/logs"])
+def test_the_pages_fit_a_phone_and_break_no_rule_of_their_policy(ops, path):
+    context, page = signed_in(ops)
+    refused = []
+    page.on("console", lambda m: refused.append(m.text) if "Content Security Policy" in m.text else None)
+    page.goto(ops["gw"].url + path)
+    page.wait_for_load_state("load")
+    page.screenshot(path=str(ops["tmp"] / f"phone-{path.strip('/').replace('/', '-')}.png"), full_page=True)
+    assert fits_the_screen(page), path
+    if path == "/admin":
+        assert page.locator("#history svg.chart").count() == 4
+    assert refused == []
+    context.close()
+
+
+def test_the_cluster_page_leads_to_the_node_and_its_logs_follow_live(ops):
+    context, page = signed_in(ops)
+    page.set_default_timeout(60_000)
+    page.goto(ops["gw"].url + "/admin")
+    page.click("#cluster a[href='/admin/nodes/n1']")
+    page.wait_for_url("**/admin/nodes/n1")
+    page.click("text=Read its logs")
+    page.wait_for_url("**/admin/nodes/n1/logs")
+    assert "Following" in page.inner_text("#follow-status")
+    # Something new happens on the node: a model added, which the agent starts and logs.
+    (ops["tmp"] / "more.toml").write_text('name = "more"\nsource = "/dev/null"\nscaling = {min = 1, max = 1}\n'
+                                          '[[profiles]]\nengine = "sim"\nnode_selector = {kind = "cpu"}\n')
+    added = ops["c"].ctl("model", "add", "-f", str(ops["tmp"] / "more.toml"), "--no-source-check")
+    assert added.returncode == 0, added.stderr
+    # Polled from here: wait_for_function evaluates its string in the page, which the pages' CSP forbids.
+    wait_for("the agent's new lines on the page", 60, lambda: "(more): ready" in page.inner_text("#log"), interval=0.5)
+    assert page.inner_text("#log").count("registered with the controller") == 1  # added after, not reloaded
+    page.click("#follow-pause")
+    assert "Paused" in page.inner_text("#follow-status")
+    context.close()
+
