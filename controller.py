@@ -27,7 +27,7 @@ from llmgw.control import adminapi, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.agentserver import AgentServer
-from llmgw.control.catalog import Catalog, CatalogError
+from llmgw.control.catalog import Catalog, CatalogError, source_checks
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
 from llmgw.control.lease import TRUSTED, Lease
@@ -95,7 +95,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
             f"trusts, or the leader loses its lease between renewals (in {cfg.source})")
     lease = Lease(engine, cfg["controller.address"] or addresses.advertised(cfg["controller.agent_listen"],
                                                                              "controller.agent_listen"),
-                  cfg["controller.lease_ttl"])
+                  cfg["controller.lease_ttl"], cfg["controller.lease_renew_interval"])
 
     # Nodes with issued keys are the ones that may be running replicas; in plaintext any node may.
     def expected_nodes() -> set[str] | None:
@@ -104,6 +104,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
                   cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(), expected=expected_nodes())
     try:
+        egress = source_checks(cfg["controller.source_allow"], cfg["mirror.base_url"])
         catalog = Catalog(engine, cfg.models)
     except CatalogError as e:
         raise click.ClickException(f"{e} (in {cfg.source})") from None
@@ -129,7 +130,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     report = ReconcileReport()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
     app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, outbox.ask_node,
-                              adminapi.Access.from_config(cfg), gateway_ring=gateway_ring, lease=lease)
+                              adminapi.Access.from_config(cfg), egress, gateway_ring=gateway_ring,
+                              lease=lease)
 
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)

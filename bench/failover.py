@@ -1,6 +1,6 @@
 """Failover, measured: two controllers on PostgreSQL, agents with engines, a gateway following both.
 
-    python bench/failover.py [--agents 3] [--rounds 3] [--ttl 10] [--renew 3] [--out FILE]
+    python bench/failover.py [--agents 3] [--lost 0] [--rounds 3] [--ttl 10] [--renew 3] [--out FILE]
 
 Real processes with the default timings (a 10 s lease renewed every 3 s, heartbeats every 5 s): two
 controllers sharing a PostgreSQL server of the bench's own, AGENTS agents each running one engine of a
@@ -14,7 +14,10 @@ the kill:
 - the gateway follows: a rate-limited request admitted by the new leader's accountant (the gateway's
   count of requests served without an accountant does not move for it);
 
-and counts the client's failed requests and the engines started anew (both should be 0). The killed
+and counts the client's failed requests and the engines started anew (both should be 0). With
+`--lost N`, N more nodes have keys but never run, as nodes lost for good: a new leader then waits
+`controller.unreachable_after` (15 s) for them before it places or publishes replicas, and
+"gateway follows" shows whether budgeted and rate-limited requests wait for that too. The killed
 controller is then started again and stands by for the next round. A last round stops the leader
 cleanly (SIGTERM): it gives the lease up, and the standby takes it at its next renewal. Then the
 database itself is stopped for a while under the same load and started again (the bench runs a
@@ -36,6 +39,7 @@ import platform
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,7 +71,7 @@ def until(what: str, check, since: float) -> float:
 
 
 class Rig:
-    def __init__(self, folder: Path, agents: int, ttl: float, renew: float):
+    def __init__(self, folder: Path, agents: int, ttl: float, renew: float, lost: int = 0):
         self.database = OwnPostgres()
         self.url = self.database.url
         timings = {"controller__lease_ttl": ttl, "controller__lease_renew_interval": renew,
@@ -89,6 +93,8 @@ class Rig:
         addresses = [f"127.0.0.1:{c.agent_port}" for c in self.controllers]
         self.agents = [self._made(Agent(folder, addresses, f"n{i}", a.issue_key(f"n{i}"), **timings))
                        for i in range(agents)]
+        for i in range(lost):
+            a.issue_key(f"lost{i}")
         wait_for("every replica ready", WAIT, lambda: len(a.ready("simmy")) == agents)
         engine = store.open_store(self.url)
         try:
@@ -126,12 +132,16 @@ class Rig:
         leader.stop(sig=sig)
         figures = {"leadership": until("the standby leads", lambda: role(standby) == "leader", killed)}
         if sig == signal.SIGKILL:
+            # Polled beside the others, not after them: the gateway may follow before the replicas are known.
+            gateway = threading.Thread(target=lambda: figures.update(gateway=until(
+                "the gateway following", self.admitted_by_an_accountant, killed)))
+            gateway.start()
             want = len(self.agents)
             figures["agents"] = until("every agent back", lambda: sum(
                 n["state"] == "ready" for n in standby.api("/api/v1/nodes")["nodes"]) == want, killed)
             figures["replicas"] = until("every replica known", lambda: sorted(
                 r["shard_id"] for r in standby.ready("simmy")) == shards, killed)
-            figures["gateway"] = until("the gateway following", self.admitted_by_an_accountant, killed)
+            gateway.join()
         self.traffic.more(20)
         figures["failed_requests"] = len(self.traffic.failures) - failed
         figures["requests"] = self.traffic.sent - sent
@@ -171,6 +181,8 @@ class Rig:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--lost", type=int, default=0, help="nodes with keys that never come (a new leader "
+                        "waits unreachable_after for them)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ttl", type=float, default=10.0)
     parser.add_argument("--renew", type=float, default=3.0)
@@ -178,7 +190,7 @@ def main() -> None:
     args = parser.parse_args()
     bound = args.ttl + args.renew
     with tempfile.TemporaryDirectory(prefix="llmgw-failover-") as tmp:
-        rig = Rig(Path(tmp), args.agents, args.ttl, args.renew)
+        rig = Rig(Path(tmp), args.agents, args.ttl, args.renew, args.lost)
         try:
             killed = [rig.round(signal.SIGKILL) for _ in range(args.rounds)]
             stopped = rig.round(signal.SIGTERM)
@@ -186,7 +198,7 @@ def main() -> None:
             lost = rig.rows_lost()
         finally:
             rig.close()
-    print(f"failover with {args.agents} agents, a {args.ttl:g} s lease renewed every {args.renew:g} s "
+    print(f"failover with {args.agents} agents ({args.lost} lost), a {args.ttl:g} s lease renewed every {args.renew:g} s "
           f"(bound {bound:g} s), on {platform.node()}")
     print(f"{'leader killed (SIGKILL)':<34}{'worst s':>9}{'mean s':>9}{'/ bound':>9}")
     for name, label in (("leadership", "leadership moved"), ("agents", "agents back"),
@@ -204,7 +216,7 @@ def main() -> None:
     print(f"usage rows lost over the whole run: {lost}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"ttl": args.ttl, "renew": args.renew, "agents": args.agents, "killed": killed,
+            json.dump({"ttl": args.ttl, "renew": args.renew, "agents": args.agents, "lost": args.lost, "killed": killed,
                        "stopped": stopped, "database_restart": outage, "usage_rows_lost": lost}, f, indent=2)
 
 

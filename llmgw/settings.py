@@ -287,6 +287,13 @@ SETTINGS: tuple[Setting, ...] = (
             "HOST:PORT where agents reach this controller, which a standby names to the agents it refuses and "
             "`llmgw ctl status` shows. Empty: `controller.agent_listen`, with this machine's name when it listens "
             "on every interface."),
+    Setting("controller.source_allow", "list", [],
+            "Addresses or networks (CIDR) the controller may send its check of a model's source to (a HEAD, and a "
+            "GGUF's header) although they are not public: loopback, link-local, private and other non-global "
+            "addresses are refused otherwise, after every redirect, so whoever holds the admin token cannot probe "
+            "this network through it. The mirror at `mirror.base_url` is always checked. List an internal model "
+            "server here (`10.0.5.0/24`), or add its models with `--no-source-check`.",
+            check=addresses.check_list),
     Setting("controller.lease_ttl", "float", 10.0,
             "Seconds a controller leads after each renewal of the leader lease in the store. With two controllers "
             "on one store, a leader that dies is replaced within this plus `controller.lease_renew_interval`; one "

@@ -507,6 +507,28 @@ def open_store(url: str) -> Engine:
     return engine
 
 
+def writing_first(engine: Engine) -> Engine:
+    """ENGINE, with every transaction on SQLite taking the write lock at its BEGIN (BEGIN IMMEDIATE), for
+    commands that read and then write. A transaction that read first and then wrote failed with "database
+    is locked" whenever another process had written since its read (SQLite cannot upgrade a read lock whose
+    snapshot is old, and no busy timeout helps): `llmgw keys create` failed 42 times in 300 beside a
+    controller renewing its lease. Taking the lock first makes it wait its turn instead. Only for short-lived
+    commands: every read through it waits for the write lock too."""
+    return engine.execution_options(sqlite_immediate=True)
+
+
+def bounded(conn: Connection, seconds: float) -> None:
+    """Make CONN's statements give up after SECONDS waiting for a lock, where the store's usual wait is longer
+    (SQLite's busy timeout of 10 s; PostgreSQL's, none). Call inside the transaction: on PostgreSQL it holds
+    for that transaction only. SQLite's setting stays with the connection, which the store never pools."""
+    ms = max(1, int(seconds * 1000))
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={ms}")
+    else:
+        conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
+        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+
+
 def bump_revision(conn: Connection, name: str) -> None:
     conn.execute(revisions.update().where(revisions.c.name == name).values(value=revisions.c.value + 1))
 

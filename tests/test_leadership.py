@@ -37,7 +37,7 @@ class Clock:
 
 
 def test_one_controller_takes_the_lease_and_the_other_is_told_who_leads(engine):
-    a, b = Lease(engine, "a:7443", ttl=30), Lease(engine, "b:7443", ttl=30)
+    a, b = Lease(engine, "a:7443", ttl=30, renew_interval=0.1), Lease(engine, "b:7443", ttl=30, renew_interval=0.1)
     assert a.renew() and a.held() and a.term == 1
     assert not b.renew() and not b.held()
     assert b.leader_address() == "a:7443" and a.leader_address() == "a:7443"
@@ -46,7 +46,7 @@ def test_one_controller_takes_the_lease_and_the_other_is_told_who_leads(engine):
 
 
 def test_an_expired_lease_is_taken_and_its_old_holder_stands_by(engine):
-    a, b = Lease(engine, "a:7443", ttl=0.5), Lease(engine, "b:7443", ttl=30)
+    a, b = Lease(engine, "a:7443", ttl=0.5, renew_interval=0.1), Lease(engine, "b:7443", ttl=30, renew_interval=0.1)
     assert a.renew()
     wait_for("a's lease expired and taken", WAIT, b.renew)
     assert not a.held()  # its own clock ran out no later than the store's
@@ -54,7 +54,7 @@ def test_an_expired_lease_is_taken_and_its_old_holder_stands_by(engine):
 
 
 def test_a_released_lease_is_taken_at_once(engine):
-    a, b = Lease(engine, "a:7443", ttl=60), Lease(engine, "b:7443", ttl=60)
+    a, b = Lease(engine, "a:7443", ttl=60, renew_interval=0.1), Lease(engine, "b:7443", ttl=60, renew_interval=0.1)
     assert a.renew()
     a.release()
     assert not a.held()
@@ -63,17 +63,37 @@ def test_a_released_lease_is_taken_at_once(engine):
 
 
 def test_a_restarted_controller_takes_back_the_lease_left_at_its_own_address(engine):
-    killed = Lease(engine, "a:7443", ttl=60)
+    killed = Lease(engine, "a:7443", ttl=60, renew_interval=0.2)
     assert killed.renew()  # and never released: SIGKILL
-    other = Lease(engine, "b:7443", ttl=60)
+    other = Lease(engine, "b:7443", ttl=60, renew_interval=0.2)
     assert not other.renew()
-    restarted = Lease(engine, "a:7443", ttl=60)
-    assert restarted.renew()
+    restarted = Lease(engine, "a:7443", ttl=60, renew_interval=0.2)
+    started = time.monotonic()
+    # Not at once (its holder renewed a moment ago, as a live one would), but once nobody renewed it for
+    # one and a half intervals: long before its TTL of a minute.
+    wait_for("the lease taken back", WAIT, restarted.renew, interval=0.2)
+    assert time.monotonic() - started < 10, time.monotonic() - started
     assert not killed.renew()  # only a first try takes a lease by its address
 
 
+def test_a_live_controller_with_the_same_address_keeps_its_lease_and_the_other_says_what_to_set(engine, caplog):
+    live = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
+    twin = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
+    assert live.renew()
+    for _ in range(15):  # both renewing, every 0.2 s: the twin never takes it
+        time.sleep(0.2)
+        assert live.renew() and live.term == 1
+        assert not twin.renew() and not twin.held()
+    assert twin.leader_address() == "shared.internal:7443"
+    said = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(said) == 1 and "configured with the same controller.address" in said[0], said
+    # The live one dies: its twin takes over once the lease has gone unrenewed, as after a restart.
+    wait_for("the twin takes the dead one's lease", WAIT, twin.renew, interval=0.2)
+    assert not live.renew()
+
+
 def test_of_many_controllers_racing_for_the_lease_exactly_one_wins(engine):
-    leases = [Lease(engine, f"c{i}:7443", ttl=60) for i in range(8)]
+    leases = [Lease(engine, f"c{i}:7443", ttl=60, renew_interval=0.1) for i in range(8)]
     start = threading.Barrier(len(leases))
     won = []
 
@@ -94,7 +114,7 @@ def test_of_many_controllers_racing_for_the_lease_exactly_one_wins(engine):
 
 def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out(engine):
     clock = Clock()
-    lease = Lease(engine, "a:7443", ttl=10, clock=clock)
+    lease = Lease(engine, "a:7443", ttl=10, renew_interval=0.1, clock=clock)
     assert lease.renew()
     lease.engine = sa.create_engine(store_url_for("postgresql://llmgw@127.0.0.1:1/gone"))  # nothing listens there
     clock.now += 6
@@ -103,6 +123,29 @@ def test_a_leader_that_cannot_reach_the_store_leads_until_its_own_lease_runs_out
     assert not lease.renew() and not lease.held()
     lease.engine = engine  # the store is back: the lease expired there too, and this is a new term
     assert lease.renew() and lease.term == 2
+
+
+def test_a_renewal_behind_a_lock_gives_up_well_within_the_trusted_part_of_the_lease(engine):
+    from llmgw.control.lease import RENEW_WAIT, TRUSTED
+
+    lease = Lease(engine, "a:7443", ttl=4.0, renew_interval=0.1)
+    assert lease.renew()
+    blocker = engine.connect()
+    try:
+        blocker = blocker.execution_options(sqlite_immediate=True)
+        blocker.begin()
+        # Another writer holds the lock (SQLite's write lock; PostgreSQL's lock on the lease's row).
+        blocker.execute(store.leases.update().where(store.leases.c.name == "other").values(owner="x"))
+        blocker.execute(store.leases.update().where(store.leases.c.name == "controller").values(owner=lease.owner))
+        started = time.monotonic()
+        assert lease.renew()  # the store did not answer in time: the lease held so far still runs
+        waited = time.monotonic() - started
+        # The store's own wait (10 s on SQLite, forever on PostgreSQL) would outlive the lease.
+        assert 4.0 * RENEW_WAIT * 0.9 <= waited < 4.0 * TRUSTED / 2, waited
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert lease.renew()
 
 
 class FakeLease:
@@ -164,11 +207,11 @@ def pair(tmp_path, pg_url):
     wipe(pg_url)
     made = []
 
-    def controller(name):
+    def controller(name, **settings):
         folder = tmp_path / name
         folder.mkdir(exist_ok=True)
         c = Controller(folder, store_url=pg_url, models=[sim_model()], controller__keys_dir=str(tmp_path / "keys"),
-                       **LEASE)
+                       **{**LEASE, **settings})
         made.append(c)
         return c
 
@@ -215,6 +258,31 @@ def test_a_standby_refuses_agents_and_says_who_leads(pair, tmp_path):
     assert f"the controller at 127.0.0.1:{b.agent_port} stands by; the leader is {leader}" in n1.log()
     assert re.search(r'llmgw_agent_messages_refused_total\{why="standby"\} [1-9]', b.metrics())
     wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+
+
+def test_two_controllers_given_one_address_do_not_both_lead(pair):
+    controller, _ = pair
+    a = controller("a", controller__address="ctl.internal:7443")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b", controller__address="ctl.internal:7443")
+    wait_for("b to say why it stands by", WAIT, lambda: "configured with the same controller.address" in b.log())
+    for _ in range(10):  # it took the lease at its first try, and both led
+        assert role(b) == ("standby", "ctl.internal:7443") and role(a)[0] == "leader"
+        time.sleep(0.3)
+    assert "lost the leader lease" not in a.log()
+
+
+def test_a_killed_controller_restarted_leads_again_long_before_its_lease_runs_out(pair):
+    controller, _ = pair
+    a = controller("a", controller__lease_ttl=30.0)
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    a.stop(sig=signal.SIGKILL)
+    a.start()
+    restarted = time.monotonic()
+    wait_for("a leads again", WAIT, lambda: role(a)[0] == "leader")
+    # Its lease of 30 s is left under its address; nobody renews it, so the restart takes it within about
+    # one and a half renewal intervals (0.45 s), with room for a loaded machine.
+    assert time.monotonic() - restarted < 10.0, time.monotonic() - restarted
 
 
 def leader_standby_and_node(pair):
@@ -344,6 +412,126 @@ def test_two_gateways_following_both_serve_plain_and_streamed_through_a_failover
             g.stop()
 
 
+def test_a_new_leader_admits_budgeted_requests_at_once_while_it_waits_for_its_nodes(pair, tmp_path, pg_url):
+    from llmgw.people import keys, limits
+
+    controller, agent = pair
+    # The new leader waits for every node with a key, for up to 30 s: one of them will not come back.
+    slow = {"controller__unreachable_after": 30.0, "controller__lost_after": 60.0}
+    a = controller("a", **slow)
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b", **slow)
+    agent("n1", [a, b], a)
+    a.issue_key("gone")  # a node that was lost for good
+    wait_for("one replica ready", WAIT, lambda: len(a.ready("simmy")) == 1)
+    url = store_url_for(pg_url)
+    engine = store.open_store(url)
+    try:
+        _, free = keys.create_key(engine, "free")
+        record, budgeted = keys.create_key(engine, "budgeted")
+        limits.set_price(engine, "*", "1", "1", "test")
+        limits.set_limits(engine, "key", record.id, "test", budget=10**12, period="month")
+    finally:
+        engine.dispose()
+    gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file("gw"),
+                 gateway__controller=[f"127.0.0.1:{a.gateway_port}", f"127.0.0.1:{b.gateway_port}"])
+    try:
+        wait_for("a budgeted request admitted by a's accountant", WAIT,
+                 lambda: post(gw.url + "/v1/chat/completions", CHAT, budgeted)[0] == 200)
+        client = Traffic(gw.url, free)
+        client.more(5)
+        a.stop(sig=signal.SIGKILL)
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        led = time.monotonic()
+        # Budgeted requests get 503 while no accountant answers; b's answers as soon as the gateway knows it.
+        wait_for("a budgeted request admitted by b's accountant", WAIT,
+                 lambda: all(post(gw.url + "/v1/chat/completions", CHAT, budgeted)[0] == 200 for _ in range(4)))
+        took = time.monotonic() - led
+        # b still waits for the lost node and has published no snapshot: the gateway routes with a's replicas.
+        assert b.api("/api/v1/status")["role"] == "leader" and took < 20.0, took
+        client.more(10)
+        assert client.stop() == []
+        print(f"budgeted requests admitted again {took:.2f} s after b led")
+    finally:
+        gw.stop()
+
+
+def status_with(gw, key) -> int:
+    request = urllib.request.Request(gw.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        e.close()
+        return e.code
+
+
+def test_a_stale_leader_pushing_keys_from_before_a_revocation_last_does_not_bring_the_key_back(pair, tmp_path, pg_url):
+    import tomllib
+
+    import zmq
+
+    from llmgw.control import curvekeys
+    from llmgw.people import keys
+    from llmgw.principals import hash_secret
+    from llmgw.wire import gateways
+    from llmgw.wire.curve import ClientKeys, dial
+
+    controller, _ = pair
+    a = controller("a")
+    wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
+    b = controller("b")
+    url = store_url_for(pg_url)
+    engine = store.open_store(url)
+    record, secret = keys.create_key(engine, "leaked")
+    gw = Gateway(tmp_path, url, workers=2, gateway__key_file=a.gateway_key_file("gw"),
+                 gateway__controller=[f"127.0.0.1:{a.gateway_port}", f"127.0.0.1:{b.gateway_port}"])
+    context = zmq.Context()
+    spy = context.socket(zmq.SUB)
+    try:
+        wait_for("the key working on every worker", WAIT, lambda: all(status_with(gw, secret) == 200 for _ in range(8)))
+        # What a pushes now, before the revocation: the test keeps it, as a paused leader's sockets do.
+        with open(a.gateway_key_file("spy"), "rb") as f:
+            spy_key = tomllib.load(f)
+        spy.setsockopt(zmq.LINGER, 0)
+        dial(spy, ClientKeys(spy_key["controller_public_key"].encode(), spy_key["public_key"].encode(),
+                             spy_key["secret_key"].encode()))
+        spy.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
+        spy.connect(f"tcp://127.0.0.1:{a.gateway_port}")
+        assert spy.poll(int(WAIT * 1000)), "a pushes its keys every 10 s"
+        stale = spy.recv_multipart()
+        (pushed,) = [k for k in gateways.decode(stale[1])["keys"] if k["hash"] == hash_secret(secret)]
+        assert pushed["revoked_at"] is None
+        spy.close(0)
+
+        a.stop(sig=signal.SIGKILL)
+        wait_for("b leads", WAIT, lambda: role(b)[0] == "leader")
+        keys.revoke_key(engine, record.id)
+        wait_for("the revocation on every worker", WAIT, lambda: all(status_with(gw, secret) == 401 for _ in range(8)))
+
+        # a "wakes" and its keys from before the revocation reach the gateways last, from a's address and
+        # with the controller's key pair (the one both controllers hold).
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        curvekeys_pair = curvekeys.controller_keypair(str(tmp_path / "keys"))
+        pub.curve_secretkey, pub.curve_publickey = curvekeys_pair[1], curvekeys_pair[0]
+        pub.curve_server = True
+        pub.bind(f"tcp://127.0.0.1:{a.gateway_port}")
+        try:
+            deadline = time.monotonic() + 6.0
+            while time.monotonic() < deadline:
+                pub.send_multipart(stale)
+                assert all(status_with(gw, secret) == 401 for _ in range(4)), "the revoked key works again"
+                time.sleep(0.1)
+        finally:
+            pub.close(0)
+    finally:
+        spy.close(0)
+        context.term()
+        gw.stop()
+        engine.dispose()
+
+
 def test_a_key_issued_through_the_other_controller_is_admitted_at_its_first_try():
     from llmgw.control.authenticator import KeyRing
 
@@ -376,3 +564,51 @@ def test_keys_read_before_a_revocation_do_not_bring_the_revoked_key_back():
     assert not ring.callback("llmgw", b"unknown")
     assert ring.node_for(b"leaked") is None
 
+
+
+def test_cli_writes_beside_a_controller_renewing_its_lease_on_sqlite_never_meet_a_locked_database(tmp_path):
+    # A single controller on SQLite renews its lease every few seconds. Every such write once made a CLI
+    # transaction that read first (the tree, then the key's row) fail with "database is locked", as the
+    # gateway's usage writes once did in the suite.
+    from click.testing import CliRunner
+
+    from llmgw.cli.main import main as cli
+
+    url = f"sqlite:///{tmp_path}/one.db"
+    c = Controller(tmp_path, store_url=url, controller__lease_ttl=0.5, controller__lease_renew_interval=0.05)
+    try:
+        wait_for("the controller leads", WAIT, lambda: role(c)[0] == "leader")
+        runner = CliRunner()
+        failed = []
+        for i in range(150):
+            for argv in (["keys", "create", f"k{i}"], ["org", "add", "org", f"org{i}"]):
+                run = runner.invoke(cli, ["--store", url, *argv])
+                if run.exit_code != 0:
+                    failed.append((argv, run.output[-300:] or repr(run.exception)[:300]))
+        assert failed == [], f"{len(failed)} of 300 CLI writes failed, the first: {failed[0]}"
+        assert role(c)[0] == "leader"  # and the controller kept its lease all along
+    finally:
+        c.stop()
+
+
+def test_a_key_ring_waits_for_a_hung_store_once_and_then_not_at_all():
+    from llmgw.control import authenticator
+    from llmgw.control.authenticator import KeyRing
+
+    answered = threading.Event()
+
+    def hung_store():
+        answered.wait(WAIT)
+        return {b"late": "gw-late"}
+
+    ring = KeyRing({b"known": "gw"}, "gateway", reload=hung_store)
+    started = time.monotonic()
+    assert not ring.callback("llmgw-gateways", b"late")
+    assert time.monotonic() - started < authenticator.LOOKUP_WAIT + 1.0  # waited its share, no more
+    asked_at = ring.reloaded
+    ring.reloaded -= 2 * authenticator.RELOAD_EVERY  # a second later, the store still hung
+    started = time.monotonic()
+    assert not ring.callback("llmgw-gateways", b"other") and ring.callback("llmgw-gateways", b"known")
+    assert time.monotonic() - started < 0.2 and ring.reloaded < asked_at  # asked nothing more of it
+    answered.set()  # the store answers: the read under way brings the key in
+    wait_for("the late answer taken", WAIT, lambda: ring.node_for(b"late") == "gw-late")

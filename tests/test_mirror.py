@@ -267,15 +267,15 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
 
 
 def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
-    from llmgw.control.catalog import CatalogError, check_source
+    from llmgw.control.catalog import CatalogError, check_source, source_checks
 
     bad = tmp_path / "kev-0.5b.gguf"
     bad.write_bytes(gguf_bytes("ggmlc"))
     with pytest.raises(CatalogError, match="a 'ggmlc' model, an architecture the installed llama.cpp cannot load"):
-        check_source(str(bad))
+        check_source(str(bad), source_checks([], ""))
     good = tmp_path / "fine.gguf"
     good.write_bytes(gguf_bytes("llama"))
-    assert check_source(str(good)) is None
+    assert check_source(str(good), source_checks([], "")) is None
 
 
 def test_a_node_fetches_a_sharded_set_whole(tmp_path, source):
@@ -572,7 +572,7 @@ def test_a_redirect_to_an_address_the_mirror_may_not_fetch_from_is_refused(tmp_p
 def test_every_address_a_name_resolves_to_is_checked_when_connecting(tmp_path, monkeypatch, source):
     """DNS rebinding: a name that is public when the API checks it and loopback when the download connects,
     or public and loopback at once, never reaches loopback."""
-    from llmgw.mirror.egress import Egress, Refused
+    from llmgw.egress import Egress, Refused
 
     server, folder = source
     (folder / "w.bin").write_bytes(b"loopback secrets")
@@ -588,7 +588,7 @@ def test_every_address_a_name_resolves_to_is_checked_when_connecting(tmp_path, m
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     with pytest.raises(Refused, match=r"both.example \(127.0.0.1\) is a loopback address"):
-        Egress([]).check(f"http://both.example:{port}/w.bin")
+        Egress([], "mirror.fetch_allow", "the mirror").check(f"http://both.example:{port}/w.bin")
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
     manager.fetch(f"http://rebind.example:{port}/w.bin", "w", "v1")  # public when checked
     failed = wait_done(manager, "w", "v1")

@@ -94,7 +94,7 @@ def rig(tmp_path):
     hosts = HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")
     api = make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]), hosts), threaded=True)
     threading.Thread(target=api.serve_forever, daemon=True).start()
-    controller = Controller(tmp_path)
+    controller = Controller(tmp_path, mirror__base_url=base)  # its mirror, whose sources it checks
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
@@ -216,7 +216,7 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
     try:
         wait_for("the mirror", 20, lambda: http_status(f"http://127.0.0.1:{api_port}/api/v1/health") == 200)
         url = f"sqlite:///{tmp_path}/cluster.db"
-        controller = Controller(tmp_path, store_url=url)
+        controller = Controller(tmp_path, store_url=url, mirror__base_url=f"http://127.0.0.1:{files_port}")
         agent = Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], "n1", controller.issue_key("n1"))
         engine = store.open_store(url)
         accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
@@ -311,3 +311,33 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
     refused = CliRunner().invoke(main, ["--config", config, "mirror", "remove", "kept", "v1"])
     assert refused.exit_code == 1 and "still refers to kept/v1" in refused.output
     assert CliRunner().invoke(main, ["--config", config, "mirror", "remove", "spare", "v1"]).exit_code == 0
+
+
+def test_the_serve_form_bounds_what_it_sends_and_says_what_is_wrong_in_a_sentence(rig, tmp_path):
+    client, manager, controller, base, _ = rig
+    (tmp_path / "sources" / "m.gguf").write_bytes(gguf_bytes("llama", 3000))
+    post(client, "/admin/mirror/fetch", source=str(tmp_path / "sources" / "m.gguf"), model="m", version="v1")
+    wait_for("the fetch", 10, lambda: manager.status("m", "v1")["state"] == "present")
+    link = f"/admin/mirror/serve?model=m&source={base}/m/v1/m.gguf&size=2000"
+    good = {"name": "m", "source": f"{base}/m/v1/m.gguf", "engine": "llamacpp", "memory": "1",
+            "max_context": "2048", "mode": "stopped"}
+    for field, value, said in (
+            ("max_context", "0", "The context is a whole number of tokens from 1 to 2,147,483,647"),
+            ("max_context", "2147483648", "The context is a whole number of tokens from 1 to 2,147,483,647"),
+            ("max_context", "9" * 5000, "The context is a whole number of tokens from 1 to 2,147,483,647"),
+            ("max_context", "1_000", "The context is a whole number of tokens from 1 to 2,147,483,647"),
+            ("max_context", "-5", "The context is a whole number of tokens from 1 to 2,147,483,647"),
+            ("memory", "nan", "The memory is a number of GiB from 0 to 100,000"),
+            ("memory", "1e400", "The memory is a number of GiB from 0 to 100,000"),
+            ("name", "", "Give the model a name"),
+            ("name", "n" * 500, "The name is at most 128 characters"),
+            ("engine", "rm -rf", "The engine is one of llamacpp, vllm, sglang"),
+            ("mode", "sometimes", "The run mode is one of always, on_demand, stopped")):
+        answer = post(client, "/admin/mirror/serve", form_page=link, **{**good, field: value})
+        assert answer.status_code == 302, (field, value[:20])
+        page = client.get("/admin/mirror").data.decode()
+        assert said in page, (field, value[:20], page[page.find("problem"):][:300])
+        assert "Give the model a name, a source, and numbers" not in page
+    assert "m" not in [m["name"] for m in controller.api("/api/v1/models")["models"]]  # nothing reached the catalog
+    done = post(client, "/admin/mirror/serve", form_page=link, **good)
+    assert done.status_code == 302 and "m" in [m["name"] for m in controller.api("/api/v1/models")["models"]]

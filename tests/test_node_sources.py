@@ -8,10 +8,13 @@ shows. The controller cannot know a node's directories, so the node refuses, and
 
 from __future__ import annotations
 
+import http.server
+import threading
+
 import pytest
 
 from llmgw import settings
-from llmgw.control.catalog import CatalogError, check_source
+from llmgw.control.catalog import CatalogError, check_source, source_checks
 from llmgw.procs import wait_for
 from tests.cluster import Agent, Controller
 
@@ -56,8 +59,63 @@ def test_the_catalog_wants_a_url_or_an_absolute_path_and_the_node_absolute_direc
     # A relative path would be read from the engine's working directory (the agent's work_dir), where
     # `../../etc/shadow` leads anywhere.
     with pytest.raises(CatalogError, match="neither an http\\(s\\) URL nor an absolute path"):
-        check_source("../../etc/shadow")
+        check_source("../../etc/shadow", source_checks([], ""))
     with pytest.raises(CatalogError, match="agent.local_sources"):
-        check_source("models/m.gguf")
+        check_source("models/m.gguf", source_checks([], ""))
     with pytest.raises(settings.ConfigError, match="agent.local_sources: 'models' must be absolute paths"):
         settings.load(None, {"agent.local_sources": "models"})
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """A server inside the network: it answers every HEAD, and keeps what it was asked (in `server.asked`)."""
+
+    def do_HEAD(self):
+        self.server.asked.append(self.path)
+        if self.path.startswith("/to/"):  # a redirect to another server of this network
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{self.path.split('/')[2]}/secret")
+        else:
+            self.send_response(200)
+            self.send_header("Content-Length", "12345")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def inside():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    server.asked = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_controller_probes_no_address_inside_the_network_for_a_source(tmp_path):
+    # The check of a source once sent a HEAD to any URL an administrator gave, and said whether it answered:
+    # a probe of every port inside the network for whoever holds the admin token.
+    service, mirror = inside(), inside()
+    c = Controller(tmp_path, mirror__base_url=f"http://127.0.0.1:{mirror.server_port}")
+    try:
+        def add(name, source):
+            (tmp_path / f"{name}.toml").write_text(f'name = "{name}"\nsource = "{source}"\n'
+                                                   '[[profiles]]\nengine = "sim"\n')
+            return c.ctl("model", "add", "-f", str(tmp_path / f"{name}.toml"))
+
+        for name, source in (("probe", f"http://127.0.0.1:{service.server_port}/metrics"),
+                             ("spelt", f"http://2130706433:{service.server_port}/metrics"),
+                             ("bounced", f"http://127.0.0.1:{mirror.server_port}/to/{service.server_port}")):
+            refused = add(name, source)
+            assert refused.returncode == 1 and "is a loopback address" in refused.stderr, refused.stderr
+            assert "controller.source_allow" in refused.stderr and "--no-source-check" in refused.stderr
+        assert service.asked == []  # never reached, a redirect from the mirror's address included
+        # Its own mirror is where sources live: checked, and its size kept for placement.
+        added = add("mirrored", f"http://127.0.0.1:{mirror.server_port}/m/v1/m.gguf")
+        assert added.returncode == 0, added.stderr
+        assert [m["name"] for m in c.api("/api/v1/models")["models"]] == ["mirrored"]
+        # A network the operator lists is checked.
+        assert check_source(f"http://127.0.0.1:{service.server_port}/m", source_checks(["127.0.0.0/8"], "")) == 12345
+    finally:
+        c.stop()
+        for server in (service, mirror):
+            server.shutdown()
+            server.server_close()

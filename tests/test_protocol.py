@@ -89,3 +89,46 @@ def test_a_gateway_message_is_checked_before_anything_acts_on_it():
                        ({"type": "demand", "v": 1, "model": ["x"]}, "model must be a string")]:
         with pytest.raises(gateways.ProtocolError, match=words):
             gateways.decode(json.dumps(bad).encode())
+
+
+def test_a_gateway_of_the_first_version_never_hears_leading_and_a_new_one_keeps_its_replicas():
+    import time
+
+    import zmq
+
+    from llmgw.control.publisher import Publisher
+    from llmgw.gateway.follower import with_leader
+    from llmgw.gateway.snapshot import ReplicaSpec, Snapshot
+    from llmgw.procs import free_port
+
+    context = zmq.Context()
+    port = free_port()
+    publisher = Publisher(context, f"127.0.0.1:{port}")
+    old, new = context.socket(zmq.SUB), context.socket(zmq.SUB)
+    try:
+        for sock, topics in ((old, (gateways.SNAPSHOT, gateways.KEYS)),
+                             (new, (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING))):
+            sock.setsockopt(zmq.LINGER, 0)
+            for topic in topics:  # what each version's follower subscribes to
+                sock.setsockopt(zmq.SUBSCRIBE, topic)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 30
+        while not new.poll(100):  # a SUB hears only what is sent after it joined
+            assert time.monotonic() < deadline
+            publisher.leading_sent_at = 0.0
+            publisher.publish_leading(7445, 7446)
+        topic, body = new.recv_multipart()
+        assert topic == gateways.LEADING
+        assert not old.poll(500), "a gateway of the first version must not receive what it cannot read"
+        message = gateways.decode(body)
+        assert "replicas" not in message
+        current = Snapshot(version=5, models={}, replicas={"r1": ReplicaSpec("r1", "http://10.0.0.9:8000", ("m",))},
+                           demand="10.0.0.1:7445", accountant="10.0.0.1:7446", epoch="old")
+        moved = with_leader(message, current, "10.0.0.2")
+        assert (moved.demand, moved.accountant) == ("10.0.0.2:7445", "10.0.0.2:7446")
+        assert (moved.replicas, moved.epoch, moved.version) == (current.replicas, "old", 5)
+    finally:
+        old.close(0)
+        new.close(0)
+        publisher.close()
+        context.term()

@@ -399,7 +399,7 @@ def test_a_url_source_is_fetched_resumed_after_an_interruption_and_served(cluste
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        c = cluster.controller()
+        c = cluster.controller(controller__source_allow=["127.0.0.0/8"])  # the model's server here is on loopback
         a = cluster.agent("n1")
         url = f"http://127.0.0.1:{httpd.server_address[1]}/tiny/v1/tiny.gguf"
         (tmp_path / "m.toml").write_text(f'name = "fetched"\nsource = "{url}"\n[[profiles]]\nengine = "sim"\n')

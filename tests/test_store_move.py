@@ -111,7 +111,7 @@ def test_the_move_refuses_while_a_controller_leads_on_the_source(tmp_path, empty
     source, target = f"sqlite:///{tmp_path}/old.db", empty_pg(1)
     filled(source)
     engine = store.open_store(source)
-    lease = Lease(engine, "ctl-a.internal:7443", ttl=60)
+    lease = Lease(engine, "ctl-a.internal:7443", ttl=60, renew_interval=0.1)
     try:
         assert lease.renew()
         run = move(source, target)
@@ -165,3 +165,69 @@ def test_force_moves_past_the_mark_of_a_gateway_that_was_killed(tmp_path, empty_
     forced = subprocess.run([*LLMGW, "store", "move", "--from", source, "--to", target, "--force"],
                             capture_output=True, text=True, timeout=120)
     assert forced.returncode == 0, forced.stderr
+
+
+def test_a_standby_cannot_take_the_source_lease_while_the_move_copies(tmp_path, empty_pg):
+    from llmgw import storemove
+
+    source, target = f"sqlite:///{tmp_path}/old.db", empty_pg(1)
+    filled(source)
+    engine = store.open_engine(source)
+    standby = Lease(engine, "ctl-b.internal:7443", ttl=60, renew_interval=0.1)
+    tries = []
+    try:
+        # A standby renews every few seconds: here, as each table is copied (the move checked the lease first).
+        storemove.move(source, store_url_for(target), lambda table, rows: tries.append(standby.renew()))
+        assert tries and not any(tries), tries
+        assert standby.renew()  # the move is done and gave the lease back
+    finally:
+        standby.release()
+        engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_the_source_is_read_at_one_moment_and_a_write_during_the_move_refuses_it(tmp_path, empty_pg, kind):
+    from llmgw import storemove
+    from llmgw.people import orgtree
+
+    source = f"sqlite:///{tmp_path}/old.db" if kind == "sqlite" else empty_pg(1)
+    target = store_url_for(empty_pg(2))
+    filled(source)
+    engine = store.open_engine(store_url_for(source))
+    made = []
+
+    def write_meanwhile(table, rows):
+        if table == "projects" and not made:
+            # A project and its key, made once the projects were copied: read at another moment, the key
+            # arrived without its project (PostgreSQL's default reads each table afresh).
+            orgtree.add(engine, "project", "late", "default/default")
+            made.append(keys.create_key(engine, "late", project="default/default/late"))
+
+    try:
+        with pytest.raises(storemove.MoveRefused, match="changed while it was copied") as refused:
+            storemove.move(store_url_for(source), target, write_meanwhile)
+        assert "api_keys" in str(refused.value) and "the destination was left empty" in str(refused.value)
+        assert made and not storemove.holds_data(store.open_engine(target))
+        assert held(engine) == []  # the move's hold on the lease was given back
+    finally:
+        engine.dispose()
+
+
+def test_leases_are_not_copied_so_the_destination_is_neither_led_nor_used(tmp_path, empty_pg):
+    from llmgw.gateway import presence
+
+    source, target = f"sqlite:///{tmp_path}/old.db", empty_pg(1)
+    filled(source)
+    presence.mark(source, "127.0.0.1:8080")  # a killed gateway's mark, moved past with --force
+    forced = subprocess.run([*LLMGW, "store", "move", "--from", source, "--to", target, "--force"],
+                            capture_output=True, text=True, timeout=120)
+    assert forced.returncode == 0, forced.stderr
+    assert not [line for line in forced.stdout.splitlines() if line.split()[:1] == ["leases"]]
+    engine = store.open_engine(store_url_for(target))
+    try:
+        assert held(engine) == []
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(store.leases.c.name, store.leases.c.owner)).all() == [("controller", "")]
+    finally:
+        engine.dispose()
+    assert move(target, empty_pg(2)).returncode == 0  # and it can be moved on

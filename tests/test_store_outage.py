@@ -76,3 +76,57 @@ def test_a_controller_that_loses_its_store_stops_acting_and_leads_again_when_it_
             n1.stop()
         c.stop()
 
+
+
+def handshakes(port: int, server_public: bytes, keypair: tuple[bytes, bytes], context, wait: float) -> str | None:
+    """"ok" or "refused" for a CURVE handshake with KEYPAIR at PORT (a SUB, as a gateway dials snapshots), or
+    None when neither came within WAIT seconds."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock = context.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, *keypair
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        if not monitor.poll(int(wait * 1000)):
+            return None
+        event = recv_monitor_message(monitor)["event"]
+        return "ok" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def test_a_store_that_hangs_holds_up_no_handshake_of_a_known_key(tmp_path, own_pg):
+    import tomllib
+
+    import zmq
+
+    from llmgw.control import curvekeys
+
+    c = Controller(tmp_path, store_url=own_pg.url)
+    context = zmq.Context()
+    try:
+        with open(c.gateway_key_file("known"), "rb") as f:
+            known = tomllib.load(f)
+        server = curvekeys.controller_keypair(c.values["controller.keys_dir"])[0]
+        keypair = (known["public_key"].encode(), known["secret_key"].encode())
+        assert handshakes(c.gateway_port, server, keypair, context, WAIT) == "ok"
+
+        own_pg.pause()
+        # An unknown key makes the ring ask the store, which hangs; the ZAP handler answers one handshake at
+        # a time, and every handshake after it, a known key's too, waited for the store.
+        stranger = handshakes(c.gateway_port, server, zmq.curve_keypair(), context, 10.0)
+        assert stranger in ("refused", None)
+        assert handshakes(c.gateway_port, server, keypair, context, 10.0) == "ok"
+        assert handshakes(c.gateway_port, server, zmq.curve_keypair(), context, 10.0) == "refused"  # at once
+        wait_for("the warning", WAIT, lambda: "the store did not answer within 0.5 s" in c.log())
+        own_pg.resume()
+        assert handshakes(c.gateway_port, server, keypair, context, WAIT) == "ok"
+    finally:
+        own_pg.resume()
+        context.term()
+        c.stop()

@@ -43,7 +43,7 @@ class Context:
         if cfg.source == "defaults" and self.store_url is None:
             _refuse_a_new_default_store(url)
         try:
-            return store.open_store(url)
+            return store.writing_first(store.open_store(url))
         except Exception as e:
             raise click.ClickException(f"cannot open the store {store.describe(url)}: {e}") from None
 

@@ -28,6 +28,7 @@ from llmgw.control.catalog import Catalog, CatalogError, check_source, parse_mod
 from llmgw.control.fleet import LOST, STATES, UNREACHABLE, Fleet, FleetError
 from llmgw.control.loop import ReconcileReport
 from llmgw.control.reconciler import Replicas
+from llmgw.egress import Egress
 
 NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
@@ -68,10 +69,11 @@ class Access:
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
                plaintext: bool, catalog: Catalog, replicas: Replicas, report: ReconcileReport, ask_node,
-               access: Access, gateway_ring: KeyRing | None = None, lease=None) -> Flask:
+               access: Access, egress: Egress, gateway_ring: KeyRing | None = None, lease=None) -> Flask:
     """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None).
-    REPORT is what the controller's reconcile passes found, and how to ask for one now. LEASE
-    (llmgw/control/lease.py) says whether this controller leads: a standby answers its status only."""
+    REPORT is what the controller's reconcile passes found, and how to ask for one now. EGRESS is where a
+    model's source may be checked. LEASE (llmgw/control/lease.py) says whether this controller leads: a standby
+    answers its status only."""
     app = Flask("llmgw.admin")
 
     def error(status: int, message: str):
@@ -150,7 +152,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             return error(400, "send the model as a JSON object (llmgw ctl model add -f model.toml does)")
         model = parse_model(table, origin="runtime")
         if request.args.get("source_check", "1") != "0":
-            size = check_source(model.source)
+            size = check_source(model.source, egress)
             if size is not None and "size_bytes" not in table:
                 table["size_bytes"] = size  # placement skips nodes without the disk for it
         catalog.add(table)

@@ -26,6 +26,10 @@ log = logging.getLogger("llmgw.authenticator")
 AGENTS = "llmgw"  # the agents' ZAP domain (its name predates the gateways')
 GATEWAYS = "llmgw-gateways"
 RELOAD_EVERY = 1.0  # seconds: how often an unknown key may make a ring read the store
+# Seconds a handshake with an unknown key waits for that read. The ZAP handler answers one handshake at a
+# time, so a store that hung (a PostgreSQL server stopped, a network that drops without a reset) once held
+# up every handshake behind it, known keys too, for as long as it hung.
+LOOKUP_WAIT = 0.5
 
 
 class KeyRing:
@@ -35,7 +39,9 @@ class KeyRing:
     With RELOAD (the issued keys, read from the store), a key not in the ring is looked up there once more
     before it is refused, at most once a second: a key issued through another controller on the same store
     (the leader, while this one stands by) is admitted at its first try. A refused CURVE handshake is not
-    tried again by the client's socket, so a ring that catches up later would be too late."""
+    tried again by the client's socket, so a ring that catches up later would be too late. The look-up runs
+    in a thread of its own and is waited for LOOKUP_WAIT at most; while one has not come back, unknown
+    keys are refused at once and known ones admitted as ever."""
 
     def __init__(self, keys: dict[bytes, str], kind: str = "node", reload: Callable[[], dict] | None = None):
         self.keys = dict(keys)
@@ -44,6 +50,7 @@ class KeyRing:
         self.reloaded = 0.0
         self.generation = 0  # how many times the keys were replaced
         self.lock = threading.Lock()
+        self.lookup: threading.Thread | None = None  # the read of the store in progress, if any
 
     def replace(self, keys: dict[bytes, str], unless_replaced_since: int | None = None) -> None:
         """Take KEYS; with UNLESS_REPLACED_SINCE (a generation), only if nothing replaced them since: keys read
@@ -60,17 +67,34 @@ class KeyRing:
     # The credentials-provider interface of pyzmq's authenticator.
     def callback(self, domain: str, z85_key: bytes) -> bool:
         allowed = z85_key in self.keys
-        if not allowed and self.reload is not None and time.monotonic() - self.reloaded > RELOAD_EVERY:
-            self.reloaded = time.monotonic()
-            generation = self.generation
-            try:
-                self.replace(self.reload(), unless_replaced_since=generation)
-            except sa.exc.SQLAlchemyError as e:
-                log.warning("could not read the issued %s keys from the store: %s", self.kind, str(e).splitlines()[0])
+        if not allowed and self.reload is not None:
+            self._look_up()
             allowed = z85_key in self.keys
         if not allowed:
             log.warning("refused a connection with a key no %s was issued (%s...)", self.kind, z85_key[:8].decode())
         return allowed
+
+    def _look_up(self) -> None:
+        """Read the issued keys from the store again, unless a read is under way or one began within
+        RELOAD_EVERY; wait LOOKUP_WAIT for it at most."""
+        if self.lookup is not None and self.lookup.is_alive():
+            return  # the store has not answered the last one: ask nothing more of it, and wait for nothing
+        if time.monotonic() - self.reloaded <= RELOAD_EVERY:
+            return
+        self.reloaded = time.monotonic()
+        self.lookup = threading.Thread(target=self._reload, args=(self.generation,), name=f"{self.kind}-keys",
+                                       daemon=True)
+        self.lookup.start()
+        self.lookup.join(LOOKUP_WAIT)
+        if self.lookup.is_alive():
+            log.warning("the store did not answer within %.1f s when asked for the issued %s keys: keys this "
+                        "controller does not hold yet are refused until it does", LOOKUP_WAIT, self.kind)
+
+    def _reload(self, generation: int) -> None:
+        try:
+            self.replace(self.reload(), unless_replaced_since=generation)
+        except sa.exc.SQLAlchemyError as e:
+            log.warning("could not read the issued %s keys from the store: %s", self.kind, str(e).splitlines()[0])
 
 
 class Authenticator(ThreadAuthenticator):

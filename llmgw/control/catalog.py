@@ -20,6 +20,7 @@ import math
 import os
 import time
 import tomllib
+import urllib.parse
 import urllib.request
 
 import sqlalchemy as sa
@@ -27,6 +28,7 @@ from sqlalchemy.engine import Engine
 
 from llmgw import gguf, settings, store
 from llmgw.control import capacity
+from llmgw.egress import Egress, Refused
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
 
@@ -174,12 +176,29 @@ def read_model_file(path: str) -> dict:
         raise CatalogError(f"{path} is not valid TOML: {e}") from None
 
 
-def check_source(source: str, timeout: float = 10.0) -> int | None:
+def source_checks(allow: list[str], mirror_base_url: str) -> Egress:
+    """Where the controller may check a model's source: public addresses, ALLOW (`controller.source_allow`),
+    and its own mirror's files at MIRROR_BASE_URL, the usual home of sources, wherever that listens."""
+    try:
+        mirror = urllib.parse.urlsplit(mirror_base_url)
+        trusted = ((mirror.hostname, mirror.port or (443 if mirror.scheme == "https" else 80)),) \
+            if mirror.scheme in ("http", "https") and mirror.hostname else ()
+    except ValueError:
+        raise CatalogError(f"mirror.base_url is {mirror_base_url[:200]!r}, which is not an http(s) URL; give the "
+                           "address nodes fetch files at, such as http://models.internal:8081") from None
+    return Egress(allow, "controller.source_allow", "the controller", trusted)
+
+
+def check_source(source: str, egress: Egress, timeout: float = 10.0) -> int | None:
     """Refuse early a source that is not there, rather than failing later on every node.
 
     A URL must answer a HEAD request; a path must be absolute and exist here
     (a path only the nodes see cannot be checked, and `--no-source-check`
     skips the check). Returns the download's size when the server says it.
+    Both the HEAD and the GGUF header's read go through EGRESS
+    (`controller.source_allow`, llmgw/egress.py): whether a URL answered is
+    itself an answer, and an address inside the network is not the admin
+    API's caller's to probe.
 
     Which paths a node may read is the node's to say (`agent.local_sources`),
     so a path accepted here can still be refused there: the replica fails with
@@ -189,14 +208,20 @@ def check_source(source: str, timeout: float = 10.0) -> int | None:
     if not is_url and not os.path.isabs(source):
         raise CatalogError(f"the source {source} is neither an http(s) URL nor an absolute path; give the mirror's "
                            "URL for it, or a path inside a directory the nodes list in agent.local_sources")
+    if is_url:
+        try:
+            egress.check(source)
+        except Refused as e:
+            raise CatalogError(f"the controller does not check the source {source}: {e}; or add the model with "
+                               "--no-source-check if only the nodes can reach it") from None
     if source.split("?", 1)[0].endswith(".gguf"):
-        why = gguf.refusal(source)
+        why = gguf.refusal(source, urlopen=egress.open)
         if why:
             raise CatalogError(f"the source {source} cannot be served: {why}")
     if is_url:
         req = urllib.request.Request(source, method="HEAD")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with egress.open(req, timeout=timeout) as resp:
                 length = resp.headers.get("Content-Length")
                 return int(length) if length and length.isdigit() else None
         except Exception as e:

@@ -18,8 +18,15 @@ It leads while `held()`: a controller that cannot reach the store keeps acting
 until then, and stops; one that was paused (SIGSTOP) past its TTL finds on
 waking that `held()` is false before it does anything, because every action
 asks first. A clean stop releases the lease, so the standby takes over at its
-next renewal instead of after the TTL; so does a restart of a controller that
-was killed, since no other process can be listening at its address.
+next renewal instead of after the TTL.
+
+A controller that was killed leaves its lease held under its address, and its
+restart takes it back without waiting out the TTL: at its first tries a
+controller also takes a lease held under its own address, but only once the
+store's clock says nobody renewed it for one and a half renewal intervals. A
+live holder renews every interval, so the one found so is another controller
+configured with the same `controller.address` (two machines given one name):
+taking its lease at once made both lead. This one stands by and says so.
 
 Imported by: controller.py, llmgw/control/loop.py. Imports llmgw.store. Its `collect` is the
 controller's `llmgw_controller_leading` series.
@@ -45,15 +52,26 @@ NAME = "controller"
 # The share of the TTL a leader trusts its lease for: the rest covers what happens between asking `held()`
 # and acting on the answer (a poll, a pass), and a clock that stood still (a suspended VM).
 TRUSTED = 0.75
+# The share of the TTL one renewal may wait for a lock: the store's own wait (SQLite's busy timeout, 10 s) was
+# as long as the TTL, so a renewal stuck behind a writer outlived the lease it was renewing, and held up the
+# tries after it. Failing after this leaves room for three more tries within the trusted part.
+RENEW_WAIT = TRUSTED / 4
+# How long a lease under this controller's own address must have gone unrenewed, in renewal intervals, before
+# a first try takes it: more than one, since a live holder's renewal comes up to an interval apart and may be
+# late on a busy machine.
+STILL = 1.5
 
 
 class Lease:
-    def __init__(self, engine: Engine, address: str, ttl: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: Engine, address: str, ttl: float, renew_interval: float,
+                 clock: Callable[[], float] = time.monotonic):
         """ADDRESS is where this controller's agents connect, named by standbys to the agents they refuse; the
-        first renewal must come after the controller listens there (see `renew`)."""
+        first renewal must come after the controller listens there (see `renew`). RENEW_INTERVAL is how often
+        `renew` is called, here and (in one configuration) on every other controller."""
         self.engine = engine
         self.address = address
         self.ttl = ttl
+        self.renew_interval = renew_interval
         self.clock = clock
         self.owner = os.urandom(8).hex()
         self.valid_until = 0.0  # monotonic seconds: this controller leads until then
@@ -61,6 +79,8 @@ class Lease:
         self.term = 0  # how many times this controller came to lead; each is a fresh start for its state
         self._now = store.db_now(engine.dialect.name)
         self._lock = threading.Lock()
+        self._twin: tuple[str, float] | None = None  # (owner, expiry) of a lease last seen under our address
+        self._told = ""  # the owner of that lease once this controller said it is another controller's
 
     def held(self) -> bool:
         """Whether this controller leads now."""
@@ -79,11 +99,13 @@ class Lease:
             try:
                 takeable = [table.c.owner == self.owner, table.c.expires_at < self._now]
                 if self.term == 0:
-                    # At its first try a controller also takes a lease held under its own address: it listens
-                    # there now, so whoever held it was an earlier run of this controller, killed before it could
-                    # release it, and a restart need not wait out the TTL.
-                    takeable.append(table.c.address == self.address)
+                    # Until it first leads, a controller also takes a lease held under its own address whose
+                    # expiry was last set (renewed) over STILL intervals ago: an earlier run of this controller,
+                    # killed before it could release it. A restart need not wait out the TTL.
+                    takeable.append(sa.and_(table.c.address == self.address, table.c.expires_at <
+                                            self._now + self.ttl - STILL * self.renew_interval))
                 with self.engine.begin() as conn:
+                    store.bounded(conn, self.ttl * RENEW_WAIT)
                     taken = conn.execute(
                         table.update()
                         .where(table.c.name == NAME)
@@ -91,9 +113,12 @@ class Lease:
                         .values(owner=self.owner, address=self.address, expires_at=self._now + self.ttl)
                     ).rowcount == 1
                     if not taken:
-                        row = conn.execute(sa.select(table.c.address, table.c.expires_at >= self._now)
+                        row = conn.execute(sa.select(table.c.owner, table.c.address, table.c.expires_at,
+                                                     table.c.expires_at >= self._now)
                                            .where(table.c.name == NAME)).first()
-                        self.leader = row[0] if row is not None and row[1] else ""
+                        self.leader = row.address if row is not None and row[3] else ""
+                        if row is not None and row[3] and row.address == self.address and self.term == 0:
+                            self._same_address(row.owner, row.expires_at)
             except sa.exc.SQLAlchemyError as e:
                 if not self.held() and self.leader == self.address:
                     self.leader = ""  # no longer this controller, and the store cannot say who
@@ -116,6 +141,17 @@ class Lease:
                 self.valid_until = 0.0
             return taken
 
+    def _same_address(self, owner: str, expires_at: float) -> None:
+        """A live lease under this controller's own address, not yet taken: its holder renewed it lately. Said
+        once a renewal is seen, which proves the holder lives: another controller uses this address."""
+        seen, self._twin = self._twin, (owner, expires_at)
+        if seen is not None and seen[0] == owner and seen[1] != expires_at and owner != self._told:
+            self._told = owner
+            log.error("another controller leads under this controller's address %s, and renews its lease, so this "
+                      "one stands by: two controllers are configured with the same controller.address. Set "
+                      "controller.address on each to the HOST:PORT its own agents dial (its "
+                      "controller.agent_listen on its own machine), then restart this one", self.address)
+
     def release(self) -> None:
         """Give the lease up now (a clean stop), so a standby takes over at its next renewal."""
         with self._lock:
@@ -123,6 +159,7 @@ class Lease:
             table = store.leases
             try:
                 with self.engine.begin() as conn:
+                    store.bounded(conn, self.ttl * RENEW_WAIT)
                     conn.execute(table.update().where(table.c.name == NAME).where(table.c.owner == self.owner)
                                  .values(owner="", expires_at=0.0))
             except sa.exc.SQLAlchemyError as e:

@@ -231,9 +231,13 @@ class ControlLoop:
             key_set = self.key_pusher.take()
             if key_set is not None:
                 self.publisher.publish_keys(key_set)
-            if not self.fleet.settling(time.monotonic()):
-                # Until then gateways keep the last snapshot they had, with the replicas of nodes
-                # still on their way back, rather than one that lacks them.
+            if self.fleet.settling(time.monotonic()):
+                # Gateways keep the last snapshot they had, with the replicas of nodes still on their way
+                # back, rather than one that lacks them; but they ask this controller's accountant and tell
+                # it their demand from now on. Waiting for the nodes to say so cost every budgeted request
+                # a 503 until they were back, or unreachable_after passed.
+                self.publisher.publish_leading(self.inbox.port, self.account_server.port)
+            else:
                 self.publisher.publish(snapshot_body(self.catalog.models(), self.replicas.snapshot(),
                                                      self.inbox.port, self.account_server.port,
                                                      self.catalog.limits()))

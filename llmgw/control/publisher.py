@@ -93,6 +93,7 @@ class Publisher:
         self.epoch = os.urandom(8).hex()
         self.version = 0
         self.sent_at = 0.0
+        self.leading_sent_at = 0.0
 
     def publish(self, body: dict) -> None:
         """Send BODY if it changed, or if the last send is REPEAT seconds old."""
@@ -105,6 +106,17 @@ class Publisher:
         self.socket.send_multipart([gateways.SNAPSHOT, gateways.encode("snapshot", epoch=self.epoch,
                                                                        version=self.version, **body)])
         self.sent_at = now
+
+    def publish_leading(self, demand_port: int | None, accountant_port: int | None) -> None:
+        """Say that this controller leads, where its demand and accountant sockets are, and nothing of replicas:
+        at once, then every REPEAT seconds while the caller asks (a new leader, until it knows its nodes)."""
+        now = time.monotonic()
+        if now - self.leading_sent_at < REPEAT:
+            return
+        self.socket.send_multipart([gateways.LEADING, gateways.encode("leading", epoch=self.epoch,
+                                                                      demand_port=demand_port,
+                                                                      accountant_port=accountant_port)])
+        self.leading_sent_at = now
 
     def publish_keys(self, key_set: dict) -> None:
         """Send every key with what it is held to (people.keys.key_set); the caller decides when."""

@@ -13,12 +13,15 @@ With two controllers on one store, one SUB socket dials both: only the leader
 publishes, so what arrives is the leader's. A snapshot names the ports of its
 controller's demand and accountant sockets; the host is the address the
 snapshot came from (ZeroMQ's Peer-Address), so a gateway asks whichever
-controller leads, and moves with the leadership when the new leader's first
-snapshot arrives.
+controller leads. A new leader says where those sockets are at once
+(`leading`), before it knows its replicas: the worker keeps the replicas and
+models it routes with and takes only the two addresses, so budgeted requests
+are admitted again while the new leader waits for its nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import zmq.green as zmq
@@ -50,25 +53,34 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                     epoch=body.get("epoch"))
 
 
-def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, context=None,
+def with_leader(body: dict, current: Snapshot, host: str) -> Snapshot:
+    """CURRENT with the demand and accountant addresses of a `leading` message in BODY from HOST; its models,
+    replicas, epoch and version stay, so the new leader's first whole snapshot replaces it as any would."""
+    demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else current.demand
+    accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else current.accountant
+    return dataclasses.replace(current, demand=demand, accountant=accountant)
+
+
+def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, on_leading, context=None,
            dropped=None) -> None:
-    """Run forever: ON_SNAPSHOT(message, host) and ON_KEYS(message) for each message a controller of CONTROLLERS
-    publishes, checked against its schema; HOST is the address it came from. With KEYS, only a publisher
-    holding the controller's secret key is heard. CONTEXT: a worker's green one by default; the master passes a
-    plain one for its thread. DROPPED, a counter, counts what cannot be read."""
+    """Run forever: ON_SNAPSHOT(message, host), ON_KEYS(message) and ON_LEADING(message, host) for each message
+    a controller of CONTROLLERS publishes, checked against its schema; HOST is the address it came from. With
+    KEYS, only a publisher holding the controller's secret key is heard. CONTEXT: a worker's green one by
+    default; the master passes a plain one for its thread. DROPPED, a counter, counts what cannot be read."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
     sock.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
+    sock.setsockopt(zmq.SUBSCRIBE, gateways.LEADING)
     for address in controllers:
         sock.connect(addresses.zmq_connect(address, "gateway.controller"))
     try:
         while True:
             frames = sock.recv_multipart(copy=False)
             topic = frames[0].bytes
-            if len(frames) != 2 or topic not in (gateways.SNAPSHOT, gateways.KEYS):
+            if len(frames) != 2 or topic not in (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING):
                 log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
                             topic[:20])
                 if dropped is not None:
@@ -83,6 +95,8 @@ def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys
                 continue
             if topic == gateways.SNAPSHOT:
                 on_snapshot(message, frames[1].get("Peer-Address"))
+            elif topic == gateways.LEADING:
+                on_leading(message, frames[1].get("Peer-Address"))
             else:
                 on_keys(message)
     finally:

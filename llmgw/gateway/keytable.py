@@ -35,11 +35,9 @@ UNKNOWN = Refusal("This API key is not known here. Check that it was copied whol
 class KeyTable:
     def __init__(self, records: dict[str, KeyRecord], revision: int, ruleset: rules.Rules | None = None,
                  prices: rules.Prices | None = None, suspended: frozenset[str] = frozenset(),
-                 active_people: frozenset[str] = frozenset(), epoch: str | None = None,
-                 admins: frozenset[str] = frozenset()):
+                 active_people: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset()):
         self.by_hash = records
-        self.revision = revision
-        self.epoch = epoch  # the controller start that pushed it (None: read from the store)
+        self.revision = revision  # the store's key revision it was read at
         self.rules = ruleset or rules.Rules({}, {}, {})
         self.prices = prices or rules.Prices({})
         self.suspended = suspended
@@ -62,11 +60,14 @@ class KeyTable:
         ruleset = rules.Rules(limits, {p: tuple(up) for p, up in message["parents"].items()}, message["team_org"])
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),
-                   frozenset(message["active"]), message.get("epoch"), frozenset(message.get("admins", ())))
+                   frozenset(message["active"]), frozenset(message.get("admins", ())))
 
     def newer(self, other: "KeyTable") -> bool:
-        """Whether OTHER should replace this table: a later revision, or the first of a new controller epoch."""
-        return other.revision > self.revision or (other.epoch is not None and other.epoch != self.epoch)
+        """Whether OTHER should replace this table: read at a later revision of the store's keys. Whichever
+        controller pushed it: the revision is the shared store's, so it orders the pushes of every controller
+        and every start. Taking the first table of a new controller epoch whatever its revision let a leader
+        woken from a pause push the keys it had before a revocation, and the revoked key worked again."""
+        return other.revision > self.revision
 
     def person(self, user_id: str) -> rules.Access:
         """The access of a signed-in person using the chat page (no key: they spend as themselves)."""

@@ -72,13 +72,18 @@ def _keep_the_last_word(cfg: Config) -> None:
 
     def keep_snapshot(message: dict, host: str) -> None:
         cfg.last_word["snapshot"] = (message, host)
+        cfg.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
 
     def keep_keys(message: dict) -> None:
-        cfg.last_word["keys"] = message
+        if message["revision"] > cfg.last_word.get("keys", {}).get("revision", -1):  # as a worker would
+            cfg.last_word["keys"] = message
+
+    def keep_leading(message: dict, host: str) -> None:
+        cfg.last_word["leading"] = (message, host)
 
     # Its own context, never the green singleton the workers make after fork.
     threading.Thread(target=follow, name="last-word", daemon=True,
-                     args=(cfg["gateway.controller"], cfg.controller_keys, keep_snapshot, keep_keys,
+                     args=(cfg["gateway.controller"], cfg.controller_keys, keep_snapshot, keep_keys, keep_leading,
                            zmq.Context())).start()
 
 

@@ -106,7 +106,7 @@ class Runtime:
             self.router.apply(snapshot)
 
     def apply_keys(self, table: KeyTable) -> None:
-        """Take a newer key table (a later revision, or a new controller's first)."""
+        """Take a newer key table (a later revision of the store's keys, from whichever controller)."""
         if self.keys.newer(table):
             self.keys = table
 
@@ -114,29 +114,36 @@ class Runtime:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
                           gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.usage.flush)]
         if self.cfg["gateway.controller"]:
-            from llmgw.gateway.follower import follow, from_controller
+            from llmgw.gateway.follower import follow, from_controller, with_leader
 
             base = self.router.snapshot
 
             def on_snapshot(body: dict, host: str) -> None:
                 self.apply(from_controller(body, base, host))
 
+            def on_leading(body: dict, host: str) -> None:
+                # A new leader, not yet knowing its replicas: the ones routed to now stay.
+                self.router.apply(with_leader(body, self.router.snapshot, host))
+
             def on_keys(message: dict) -> None:
-                # Repeats of what is held already cost a comparison, not a rebuild.
-                if message["revision"] != self.keys.revision or message["epoch"] != self.keys.epoch:
+                # Repeats of what is held already, and older tables, cost a comparison, not a rebuild.
+                if message["revision"] > self.keys.revision:
                     self.apply_keys(KeyTable.from_message(message))
 
             # A worker that replaces a crashed one starts from what the master heard last, at once.
             last = self.cfg.last_word
             if "snapshot" in last:
                 on_snapshot(*last["snapshot"])
+            if "leading" in last:
+                on_leading(*last["leading"])
             if "keys" in last:
                 on_keys(last["keys"])
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
                          last.get("snapshot", ({},))[0].get("version"), last.get("keys", {}).get("revision"))
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
-                                               on_snapshot, on_keys, None, self.metrics.controller_dropped))
+                                               on_snapshot, on_keys, on_leading, None,
+                                               self.metrics.controller_dropped))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))

@@ -2,7 +2,7 @@
 
 Sources:
 - `https://host/path/file.gguf` (or http): downloaded with resume, from a
-  public address or a network `mirror.fetch_allow` lists (llmgw/mirror/egress.py).
+  public address or a network `mirror.fetch_allow` lists (llmgw/egress.py).
 - `hf:org/repo/path/file.gguf[@revision]`: a Hugging Face compatible registry
   (`mirror.hf_endpoint`), pinned to the commit the revision (default `main`)
   names when the fetch starts, so the version never changes under anyone.
@@ -41,7 +41,7 @@ import time
 import urllib.parse
 
 from llmgw import gguf
-from llmgw.mirror.egress import Egress, Refused
+from llmgw.egress import Egress, Refused
 from llmgw.mirror.store import ARRIVING, MirrorDir, MirrorError, check_name
 from llmgw.weights import FetchError, download, inside_listed, sha256_of
 
@@ -120,7 +120,7 @@ class Manager:
         self.hf_endpoint = hf_endpoint.rstrip("/")
         self.library = library  # for tests: the bytes to look architectures up in
         self.local_sources = local_sources
-        self.egress = Egress(fetch_allow)
+        self.egress = Egress(fetch_allow, "mirror.fetch_allow", "the mirror")
         self.jobs: dict[tuple[str, str], VersionJob] = {}
         self.lock = threading.Lock()
 
@@ -200,7 +200,7 @@ class Manager:
         return files
 
     def _check_destination(self, url: str) -> None:
-        """Refuse now a URL the download would be refused (llmgw/mirror/egress.py), so the caller hears 400."""
+        """Refuse now a URL the download would be refused (llmgw/egress.py), so the caller hears 400."""
         try:
             self.egress.check(url)
         except Refused as e:

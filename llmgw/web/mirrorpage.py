@@ -32,7 +32,6 @@ from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
 from llmgw.web.chatpage import render_markdown
 
-RUN_MODES = {"always": {"min": 1, "max": 1}, "on_demand": {"min": 0, "max": 1}, "stopped": {"min": 0, "max": 0}}
 REGISTRY_SORTS = {"trending": "trendingScore", "downloads": "downloads", "new": "createdAt"}
 REGISTRY_TIMEOUT = 10
 LARGEST_FILE = 1 << 50  # a PiB: "serve this" estimates memory from a size, which must be a number of bytes
@@ -131,21 +130,19 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
                          # Weights plus room for the context: a rule of thumb the form lets one change.
                          "memory": max(1, math.ceil(size * 1.2 / (1 << 30) + 0.5)), "max_context": 4096}
             return render_template("mirror_serve.html", s=suggested, action=form(forms.ActionForm),
-                                   modes=list(RUN_MODES))
+                                   engines=forms.ENGINES)
         checked()
-        f = request.form
-        try:
-            table = {"name": f["name"].strip(), "source": f["source"].strip(),
-                     "max_context": int(f.get("max_context") or 4096),
-                     "scaling": RUN_MODES.get(f.get("mode"), RUN_MODES["on_demand"]),
-                     "profiles": [{"engine": f.get("engine", "llamacpp"),
-                                   "min_memory_gb": float(f.get("memory") or 0)}]}
-        except (KeyError, ValueError):
-            flash("Give the model a name, a source, and numbers for memory and context.", "problem")
+        f = form(forms.ServeForm, request.form)
+        if not f.validate():
+            # The first thing wrong, in a sentence; nothing is sent to the controller.
+            flash(next(e for errors in f.errors.values() for e in errors), "problem")
             return redirect(safety.back("/admin/mirror"))
+        table = {"name": f.name.data.strip(), "source": f.source.data.strip(), "max_context": int(f.max_context.data),
+                 "scaling": forms.RUN_MODES[f.mode.data],
+                 "profiles": [{"engine": f.engine.data, "min_memory_gb": float(f.memory.data)}]}
         try:
             controller().call("POST", "/api/v1/models", table)
-            flash(f"{table['name']} is in the catalog ({f.get('mode', 'on_demand').replace('_', ' ')}).", "done")
+            flash(f"{table['name']} is in the catalog ({f.mode.data.replace('_', ' ')}).", "done")
         except ApiError as e:
             flash(sentence(e), "problem")
             return redirect(safety.back("/admin/mirror"))

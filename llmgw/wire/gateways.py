@@ -1,8 +1,13 @@
 """The messages between the controller and gateways: routing snapshots and keys pushed out, demand sent back.
 
-The controller's PUB carries two topics. `snapshot` is the whole routing
+The controller's PUB carries three topics. `snapshot` is the whole routing
 view (models, aliases, ready replicas, where demand and the accountant are),
-sent on change and every couple of seconds. `keys` is every API key with the
+sent on change and every couple of seconds. `leading` is where demand and
+the accountant are, alone: a controller that has just come to lead sends it
+while it waits for its nodes, so gateways ask its accountant at once and keep
+routing with the replicas they have (a snapshot without replicas would empty
+their routing, and gateways of the first version, which do not subscribe to
+`leading`, never see it). `keys` is every API key with the
 limits, tree and prices it is resolved by, sent when the store's key revision
 changes and again every `KEYS_REPEAT` seconds, so revoking a key reaches every
 worker within a second and a missed message heals. Each carries the
@@ -18,12 +23,13 @@ from __future__ import annotations
 from llmgw import rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Obj, ProtocolError, Row, Schema, Str
 
-__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "KEYS_REPEAT",
+__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
            "MAX_IN_FLIGHT"]
 
 VERSION = 1
 SNAPSHOT = b"snapshot"  # PUB topics
 KEYS = b"keys"
+LEADING = b"leading"  # no prefix of the others: a SUB's topic is a prefix, and no older gateway asks for it
 KEYS_REPEAT = 10.0  # seconds: keys can be many, so they are repeated less often than snapshots
 MAX_IN_FLIGHT = 100_000  # a replica's measured limit of requests at once: more than any engine runs
 
@@ -52,6 +58,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "snapshot": {"epoch": (Str(64), True), "version": (COUNT, True), "models": (ListOf(MODEL, MANY), True),
                  "replicas": (ListOf(REPLICA, MANY), True), "demand_port": (PORT, False),
                  "accountant_port": (PORT, False)},
+    "leading": {"epoch": (Str(64), True), "demand_port": (PORT, False), "accountant_port": (PORT, False)},
     "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
              "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
