@@ -517,6 +517,15 @@ def writing_first(engine: Engine) -> Engine:
     return engine.execution_options(sqlite_immediate=True)
 
 
+def writing(engine: Engine):
+    """A transaction that means to write: `with store.writing(engine) as conn:`. On SQLite it takes the write
+    lock at its BEGIN, so one that reads before it writes waits for another process's write instead of
+    failing with "database is locked" (see `writing_first`); elsewhere it is `engine.begin()`. Every change
+    to people, keys, limits and the catalog is made in one, wherever it runs: a gateway's pages, a test, a
+    command."""
+    return engine.execution_options(sqlite_immediate=True).begin()
+
+
 def bounded(conn: Connection, seconds: float) -> None:
     """Make CONN's statements give up after SECONDS waiting for a lock, where the store's usual wait is longer
     (SQLite's busy timeout of 10 s; PostgreSQL's, none). Call inside the transaction: on PostgreSQL it holds

@@ -404,7 +404,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
 
 def _remember_cordon(engine: Engine, node_id: str, cordoned: bool) -> None:
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         conn.execute(store.node_settings.delete().where(store.node_settings.c.node_id == node_id))
         conn.execute(store.node_settings.insert().values(node_id=node_id, cordoned=cordoned, updated_at=time.time()))
 

@@ -94,7 +94,7 @@ def read_all(engine: Engine) -> dict[tuple[str, str], Capacity]:
 def save(engine: Engine, capacity: Capacity) -> None:
     """Keep CAPACITY, replacing what was measured of that profile before."""
     c = store.capacities
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         conn.execute(c.delete().where(c.c.model == capacity.model, c.c.profile == capacity.profile))
         conn.execute(c.insert().values(model=capacity.model, profile=capacity.profile,
                                        fingerprint=capacity.fingerprint, max_in_flight=capacity.max_in_flight,
@@ -107,7 +107,7 @@ def forget(engine: Engine, model: str, profile: str | None) -> int:
     query = c.delete().where(c.c.model == model)
     if profile is not None:
         query = query.where(c.c.profile == profile)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         return conn.execute(query).rowcount
 
 

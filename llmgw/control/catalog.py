@@ -296,7 +296,7 @@ class Catalog:
         model = parse_model(table, origin="runtime")
         if model.name in self.config:
             raise CatalogError(f"{model.name} is defined in the configuration file; edit it there")
-        with self.engine.begin() as conn:
+        with store.writing(self.engine) as conn:
             conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == model.name))
             conn.execute(store.catalog_models.insert().values(name=model.name, spec=json.dumps(table),
                                                               updated_at=time.time()))
@@ -308,7 +308,7 @@ class Catalog:
             raise CatalogError(f"{name} is defined in the configuration file; remove it there and restart")
         if name not in self.runtime:
             raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
-        with self.engine.begin() as conn:
+        with store.writing(self.engine) as conn:
             conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == name))
         del self.runtime[name]
         self.forget_capacity(name)  # a model added again later is measured again

@@ -90,7 +90,7 @@ def read_node_key_file(path: str) -> dict[str, str]:
 def _issue(engine: Engine, table: sa.Table, column: str, name: str) -> tuple[bytes, bytes]:
     """A new key pair for NAME in TABLE, replacing any earlier one (which stops working)."""
     public, secret = zmq.curve_keypair()
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         conn.execute(table.delete().where(table.c[column] == name))
         conn.execute(table.insert().values({column: name, "public_key": public.decode(), "created_at": time.time()}))
     return public, secret
@@ -115,7 +115,7 @@ def revoke_node_key(engine: Engine, node_id: str) -> bool:
     """Withdraw NODE_ID's key, so it is refused from now on; False when it had none. Deleting the row is
     the whole revocation: a key is admitted only while issued, and the controller's ring is rebuilt from
     this table (the agent server then ends the session the key holds open)."""
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         return conn.execute(store.node_keys.delete().where(store.node_keys.c.node_id == node_id)).rowcount > 0
 
 

@@ -103,7 +103,7 @@ def create_user(engine: Engine, email: str, password: str, state: str = PENDING,
     user = User(new_id(), email, state, is_admin, time.time())
     password_hash = offload(hash_password, password)
     try:
-        with engine.begin() as conn:
+        with store.writing(engine) as conn:
             conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=password_hash,
                                                      state=state, is_admin=is_admin, created_at=user.created_at))
             store.bump_revision(conn, "keys")
@@ -155,7 +155,7 @@ def authenticate(engine: Engine, email: str, password: str, offload=inline) -> U
 def _update(engine: Engine, which: str, end_sessions: bool = False, **values) -> User:
     """Change WHICH's row; with END_SESSIONS, end every session of theirs in the same transaction."""
     user = find(engine, which)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         _one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE and (values.get("state", ACTIVE) != ACTIVE
                                                        or not values.get("is_admin", True)):
@@ -218,7 +218,7 @@ def change_password(engine: Engine, user_id: str, current: str, new: str, offloa
 def end_sessions(engine: Engine, which: str) -> tuple[User, int]:
     """End every session of WHICH (an administrator's doing); the account and how many ended."""
     user = find(engine, which)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         return user, sessions.end_all(conn, user.id)
 
 
@@ -226,7 +226,7 @@ def remove(engine: Engine, which: str) -> User:
     """Remove an account (rejecting a sign-up is removing it); its keys are revoked."""
     user = find(engine, which)
     now = time.time()
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         _one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE:
             _keep_an_administrator(conn, user)

@@ -81,7 +81,7 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
         raise KeyRefused(str(e)) from None
     secret = new_secret()
     now = time.time()
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         path, project_id = PERSONAL, None
         if project is not None:
@@ -138,7 +138,7 @@ def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRec
     from llmgw.people.orgtree import Tree
 
     k = store.api_keys
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         query = sa.select(*(k.c[c] for c in _COLUMNS)).where(sa.or_(k.c.id == which, k.c.prefix == which,
                                                                     k.c.name == which))
         if user_id is not None:
@@ -188,7 +188,7 @@ def make_claim(engine: Engine, key_id: str, secret: str, ttl: float = CLAIM_TTL)
     """A one-time token that shows SECRET to whoever opens /claim/<token> first."""
     token = secrets.token_urlsafe(24)
     now = time.time()
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         conn.execute(store.key_claims.insert().values(token_hash=hash_secret(token), key_id=key_id,
                                                       sealed=_seal(secret, token), created_at=now, expires_at=now + ttl))
     return token
@@ -197,7 +197,7 @@ def make_claim(engine: Engine, key_id: str, secret: str, ttl: float = CLAIM_TTL)
 def claim(engine: Engine, token: str) -> tuple[str, KeyRecord] | str:
     """Open a claim link: the secret and its key, once; afterwards (or when expired), why not."""
     c = store.key_claims
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         row = conn.execute(c.select().where(c.c.token_hash == hash_secret(token))).first()
         if row is None:
             return "This link is not known here. Check that it was copied whole."

@@ -31,7 +31,7 @@ def set_price(engine: Engine, model: str, input_units: str, output_units: str, w
         raise LimitError(f"a price is for a model named in 1 to {LONGEST_MODEL} characters, or * for every model")
     price = Price(parse_money(input_units, "the input price"), parse_money(output_units, "the output price"))
     p = store.prices
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         old = conn.execute(p.select().where(p.c.model == model)).first()
         values = dict(input_micros=price.input, output_micros=price.output, updated_at=time.time())
         if old:
@@ -90,7 +90,7 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
     changes = validate(changes)
     t = store.limits
     where = sa.and_(t.c.scope == scope, t.c.scope_id == scope_id)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         row = conn.execute(t.select().where(where)).first()
         before = _from_row(row) if row else Limits()
         after = dataclasses.replace(before, **changes)

@@ -57,7 +57,7 @@ def join(engine: Engine, who: str, kind: str, which: str, role: str = MEMBER) ->
         raise TreeError("managers are managers of an organisation; join the organisation with --role manager")
     user = accounts.find(engine, who)
     m = store.memberships
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         node = Tree.read(conn).find(kind, which)
         key = sa.and_(m.c.user_id == user.id, m.c.scope == kind, m.c.scope_id == node.id)
         if conn.execute(sa.select(m.c.role).where(key)).first():
@@ -73,7 +73,7 @@ def leave(engine: Engine, who: str, kind: str, which: str) -> tuple[Membership, 
     """End WHO's membership of the KIND named WHICH; returns it and how many keys were revoked."""
     user = accounts.find(engine, who)
     m, k = store.memberships, store.api_keys
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         key = sa.and_(m.c.user_id == user.id, m.c.scope == kind, m.c.scope_id == node.id)

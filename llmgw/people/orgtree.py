@@ -115,7 +115,7 @@ def _sibling_taken(tree: Tree, kind: str, parent_id: str | None, name: str, but:
 def add(engine: Engine, kind: str, name: str, parent: str | None = None) -> Node:
     """Add an organisation, or a team in PARENT (an organisation), or a project in PARENT (a team)."""
     name = _check_name(kind, name)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         values = {"id": new_id(), "name": name, "created_at": time.time()}
         parent_node = None
@@ -137,7 +137,7 @@ def add(engine: Engine, kind: str, name: str, parent: str | None = None) -> Node
 
 def rename(engine: Engine, kind: str, which: str, new_name: str) -> Node:
     new_name = _check_name(kind, new_name)
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         if _sibling_taken(tree, kind, node.parent_id, new_name, but=node.id):
@@ -153,7 +153,7 @@ def move(engine: Engine, kind: str, which: str, to: str) -> Node:
     if kind not in _PARENT:
         raise TreeError("an organisation has nothing above it to move to; rename it instead")
     parent_kind, column = _PARENT[kind]
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         target = tree.find(parent_kind, to)
@@ -166,7 +166,7 @@ def move(engine: Engine, kind: str, which: str, to: str) -> Node:
 
 def remove(engine: Engine, kind: str, which: str) -> Node:
     """Remove an empty thing: nothing under it, nobody in it, and (a project) never a key."""
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         inside = tree.children.get(node.id, [])

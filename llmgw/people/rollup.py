@@ -78,7 +78,7 @@ def roll_up(engine: Engine, now: float | None = None) -> int:
     """One pass; returns how many raw rows it counted."""
     now = time.time() if now is None else now
     u = store.usage
-    with engine.execution_options(sqlite_immediate=True).begin() as conn:
+    with store.writing(engine) as conn:
         start = watermark(conn, lock=True)
         end = conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
         if end is None:
@@ -111,7 +111,7 @@ def prune(engine: Engine, keep_days: int, now: float | None = None) -> int:
     u = store.usage
     deleted = 0
     while True:
-        with engine.execution_options(sqlite_immediate=True).begin() as conn:
+        with store.writing(engine) as conn:
             rolled = watermark(conn)
             ids = [r[0] for r in conn.execute(sa.select(u.c.id).where(u.c.at < now - keep_days * DAY, u.c.id <= rolled)
                                               .order_by(u.c.id).limit(DELETE_BATCH))]

@@ -42,7 +42,7 @@ def start(engine: Engine, user_id: str, lifetimes: Lifetimes) -> str:
     now = time.time()
     token = secrets.token_urlsafe(32)
     s = store.sessions
-    with engine.begin() as conn:
+    with store.writing(engine) as conn:
         conn.execute(s.delete().where(sa.or_(s.c.seen_at < now - lifetimes.idle,
                                              s.c.created_at < now - lifetimes.absolute)))
         conn.execute(s.insert().values(id=hash_secret(token), user_id=user_id, created_at=now, seen_at=now))
@@ -64,7 +64,7 @@ def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes)
         end(engine, token)
         return False
     if now - row.seen_at >= TOUCH_EVERY:
-        with engine.begin() as conn:
+        with store.writing(engine) as conn:
             conn.execute(s.update().where(s.c.id == key).values(seen_at=now))
     return True
 
@@ -72,7 +72,7 @@ def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes)
 def end(engine: Engine, token: str | None) -> None:
     """End the session TOKEN (sign-out); nothing to do when there is none."""
     if token:
-        with engine.begin() as conn:
+        with store.writing(engine) as conn:
             conn.execute(store.sessions.delete().where(store.sessions.c.id == hash_secret(token)))
 
 
