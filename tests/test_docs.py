@@ -73,3 +73,12 @@ def test_every_module_is_in_the_architecture_page():
         name = path.relative_to(ROOT).as_posix()
         assert f"`{name}`" in doc, f"{name} is not described in docs/architecture.md"
     assert "`llmgw/engines/`" in doc
+
+
+def test_the_house_table_names_the_arrows_between_packages_there_are():
+    # Lines and modules move with every change; which package imports which is the design, and must stay true.
+    from bench.house import measure
+
+    table = dict(re.findall(r"^\| `(\w+)` \| \d+ \| \d+ \| ([^|]*) \|$", read("docs/architecture.md"), re.M))
+    arrows = {package: ", ".join(sorted(room["imports"])) or "-" for package, room in measure().items()}
+    assert {p: d.strip() for p, d in table.items()} == arrows
