@@ -51,7 +51,10 @@ class Controller:
                        **{k.replace("__", "."): v for k, v in settings.items()}}
         self.config = write_config(tmp / "controller.toml", self.values, models=models)
 
-    def start(self):
+    def start(self, lead: bool = False):
+        """Start it; with LEAD, until it leads. A controller restarted after a kill leads only once its lease has
+        gone unrenewed for a while (another controller could be renewing under its address); a standby's admin
+        API answers 503 to all but the status."""
         self.log_path = self.tmp / f"controller-{self.admin_port}.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "controller.py"), "--config", self.config],
@@ -60,6 +63,9 @@ class Controller:
         wait_for("the controller's admin API", 20,
                  lambda: http_status(f"http://127.0.0.1:{self.admin_port}/api/v1/status") == 401,
                  alive=lambda: self.proc.poll() is None)
+        if lead:
+            wait_for("the controller to lead", 60, lambda: self.api("/api/v1/status")["role"] == "leader",
+                     alive=lambda: self.proc.poll() is None)
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -22,7 +22,7 @@ from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.breaker import Breaker
 from llmgw.gateway.follower import from_controller
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
-from llmgw.people import accounts
+from llmgw.people import accounts, keys, limits
 from llmgw.procs import wait_for
 from llmgw.wire import gateways
 from tests.conftest import make_key, post
@@ -241,3 +241,20 @@ def test_only_an_administrators_key_may_choose_the_replica(tmp_path, make_sim, m
     assert status == 404 and json.loads(raw)["error"]["code"] == "replica_not_found"
     assert "`llmgw ctl replicas --model m` lists the ready ones" in json.loads(raw)["error"]["message"]
     assert post(url, chat, person_key)[0] == 200  # without the header, anyone's request is routed as ever
+
+
+def test_a_refused_choice_of_replica_counts_against_the_keys_rate(tmp_path, make_sim, make_gateway):
+    # A key limited to 2 a minute that names a replica is refused each time, and each refusal counts: it
+    # cannot probe (or load the gateway) past its rate by asking for what it may not have.
+    sim = make_sim(model="m", replica="a", ttft_ms=1, tokens_per_s=0)
+    store_url = f"sqlite:///{tmp_path}/gw.db"
+    engine = store.open_store(store_url)
+    record, secret = keys.create_key(engine, "two-a-minute")
+    limits.set_limits(engine, "key", record.id, "test", rpm=2)
+    engine.dispose()
+    gw = make_gateway(store_url, workers=1, endpoints=[{"id": "a", "url": sim.url, "models": ["m"]}])
+    chat = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    statuses = [post(gw.url + "/v1/chat/completions", chat, secret, headers={"X-Llmgw-Replica": "a"})[0]
+                for _ in range(2)]
+    assert statuses == [403, 403]
+    assert post(gw.url + "/v1/chat/completions", chat, secret)[0] == 429

@@ -119,7 +119,7 @@ def test_cordon_holds_across_a_controller_restart_and_agents_register_again(clus
     assert c.ctl("cordon", "n1").returncode == 0
     assert c.state("n1") == "cordoned"
     c.stop()
-    c.start()  # same keys, same store, same port
+    c.start(lead=True)  # same keys, same store, same port
     wait_for("both nodes back", 10, lambda: len(c.nodes()) == 2)
     assert c.state("n1") == "cordoned" and c.state("n2") == "ready"
     assert c.ctl("uncordon", "n1").returncode == 0

@@ -3,6 +3,7 @@ and the configuration it writes, and the pages' rough edges."""
 
 import json
 import os
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -319,7 +320,8 @@ def cluster_client(tmp_path, monkeypatch):
 
 def test_the_cluster_page_names_nodes_and_explains_its_figures(cluster_client):
     page = cluster_client.get("/admin").data.decode()
-    assert "<td>full-1</td><td>full</td><td>gpu-a</td>" in page  # the Node column is filled
+    # The Node column is filled, and names the node's page.
+    assert re.search(r'<td><a [^>]*>full-1</a></td><td>full</td><td><a href="/admin/nodes/gpu-a">gpu-a</a></td>', page)
     assert "{" not in page.split("<h2>Models</h2>")[1].split("</table>")[0]  # no Python dict
     full = page.split("<td>full</td>")[1].split("</tr>")[0]
     assert "At its maximum (1)." in full and "80 GiB" not in full

@@ -142,7 +142,7 @@ def test_controller_restart_rebuilds_from_agents_and_places_nothing_twice(cluste
     wait_for("two ready", 20, lambda: len(c.ready("simmy")) == 2)
     shards = sorted(r["shard_id"] for r in c.ready("simmy"))
     c.stop()
-    c.start()
+    c.start(lead=True)
     wait_for("the replicas known again", 10, lambda: len(c.ready("simmy")) == 2)
     time.sleep(1.5)  # several reconcile passes
     assert sorted(r["shard_id"] for r in c.replicas("simmy")) == shards
@@ -461,7 +461,7 @@ def test_a_restarted_controller_places_nothing_until_a_late_agent_is_back(cluste
         cluster, controller__unreachable_after=10.0, controller__lost_after=20.0)
     n1.pause()  # its agent will be late; its engine goes on answering
     c.stop(sig=signal.SIGKILL)
-    c.start()
+    c.start(lead=True)
     wait_for("n2 registered with the new controller", 20, lambda: c.state("n2") == "ready")
     traffic.more(10)  # the gateways still route to n1's replica, which the controller does not know yet
     assert c.replicas("simmy") == []
@@ -478,7 +478,7 @@ def test_a_restarted_controller_keeps_a_late_agents_replica_over_the_one_placed_
     c, n1, n2, original, traffic = _one_replica_on_n1_and_traffic(cluster)
     n1.pause()
     c.stop(sig=signal.SIGKILL)
-    c.start()
+    c.start(lead=True)
     # n1 is later than the 1 s a node has to come back: a replica is placed on n2.
     wait_for("a replica placed on n2", 30, lambda: [r["node"] for r in c.ready("simmy")] == ["n2"])
     duplicate = c.ready("simmy")[0]["shard_id"]

@@ -120,7 +120,7 @@ def test_ctl_weights_lists_and_reclaims_only_unused_downloads(tmp_path, served):
 
     made = []
     try:
-        c = Controller(tmp_path)
+        c = Controller(tmp_path, controller__source_allow=["127.0.0.1"])  # the model server is on loopback
         made.append(c)
         a = Agent(tmp_path, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"))
         made.append(a)

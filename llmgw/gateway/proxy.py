@@ -204,6 +204,7 @@ class Proxy:
                 req.dialect = dialect
                 model = self._resolve(req.model)
                 req.bound_output(model.name, model.max_output)
+                pin = None if kind == "tokens" else self._pinned(environ.get(PIN_HEADER), caller, model)
             except ApiError:
                 # A refused request still counts against the key's rate: requests for a model that does not
                 # exist were answered before admission, so no rate limit held them.
@@ -211,7 +212,6 @@ class Proxy:
                 raise
             if kind == "tokens":
                 return self._count_tokens(start_response, caller, req, model, t0)
-            pin = self._pinned(environ.get(PIN_HEADER), caller, model)
             self._admit(caller, req, model)
             self.guard.check_prompt(req, model)
             return self._forward(environ, start_response, caller, req, model, t0, pin)

@@ -67,6 +67,7 @@ class Runtime:
         self.demand_socket = None
         self.demand_address: str | None = None
         self.told: dict[tuple[str, str], float] = {}
+        self.older_keys: set[int] = set()  # revisions of keys pushed below the one held, each said once
 
     def demand(self, model: str) -> None:
         """Tell the controller MODEL is wanted now (an on-demand model starts by this)."""
@@ -129,6 +130,13 @@ class Runtime:
                 # Repeats of what is held already, and older tables, cost a comparison, not a rebuild.
                 if message["revision"] > self.keys.revision:
                     self.apply_keys(KeyTable.from_message(message))
+                elif message["revision"] < self.keys.revision and message["revision"] not in self.older_keys:
+                    # A leader woken from a pause pushes its old keys once or twice; a store restored from a
+                    # backup has its revision go back for good, and nothing changed since is seen here.
+                    self.older_keys.add(message["revision"])
+                    log.warning("kept the keys at revision %d over a controller's keys at revision %d. If the "
+                                "store was restored from a backup, restart this gateway: until then no key "
+                                "revoked since is refused here", self.keys.revision, message["revision"])
 
             # A worker that replaces a crashed one starts from what the master heard last, at once.
             last = self.cfg.last_word
