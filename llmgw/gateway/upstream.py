@@ -321,6 +321,12 @@ class Pool:
     def _read_head(conn: Connection, first_byte: float, left: float, deadline: float) -> tuple[int, dict[str, str]]:
         buf = conn.buf
         while b"\r\n\r\n" not in buf:
+            # Each read gets only what is left of the deadline: a server sending its head a byte a second
+            # restarted a timeout set once, and held a page's query to Prometheus for as long as it liked.
+            now = time.monotonic()
+            if now >= deadline:
+                raise UpstreamError("total", "the engine took longer than the whole request may to send its head")
+            conn.sock.settimeout(max(0.001, min(first_byte, deadline - now)))
             try:
                 data = conn.sock.recv(RECV)
             except socket.timeout:
