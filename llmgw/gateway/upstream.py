@@ -10,9 +10,11 @@ reads.
 
 Phases, each with its own limit: connecting, waiting for the response to
 start (`first_byte`), silence between two pieces of a streamed body (`idle`),
-and the whole exchange (`deadline`). Closing a `Response` from another
-greenlet wakes a reader blocked on it; that is how a client's disconnect ends
-the engine's work.
+and the whole exchange (`deadline`), which each read is held to: no sender
+stretches it by sending slowly. Closing a `Response` from another greenlet
+wakes a reader blocked on it; that is how a client's disconnect ends the
+engine's work. The pages' history queries to Prometheus go through it too,
+for that deadline (llmgw/web/prometheus.py).
 """
 
 from __future__ import annotations
