@@ -22,6 +22,7 @@ from llmgw.apiclient import address_url
 from llmgw.web import prometheus, svgchart
 
 log = logging.getLogger("llmgw.history")
+
 WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
 POINTS = 60  # per series: a point every minute over the last hour
 SHORTEST_RATE = 60  # seconds a rate looks back at least: four scrapes at Prometheus' usual 15 s
