@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from llmgw.web import svgchart
 
 
@@ -36,3 +38,16 @@ def test_axes_are_round_numbers_bytes_in_binary_units():
     assert [svgchart.round_up(v) for v in (0, 0.7, 1, 13, 2100, 0.03)] == [1, 1, 1, 20, 2500, 0.05]
     assert svgchart.round_up(4.2 * 2**30, binary=True) == 5 * 2**30
     assert svgchart.round_up(300, binary=True) == 500
+
+
+def test_an_axis_is_found_for_any_finite_value_and_refused_for_what_no_float_holds():
+    tiny = svgchart.round_up(5e-324)  # its power of ten is 0 as a float: StopIteration once
+    assert 5e-324 <= tiny < 1e-300
+    assert svgchart.round_up(1e308) == 1e308 and svgchart.round_up(-5) == 1
+    for value in (float("inf"), float("nan"), float("-inf"), 1.7e308):
+        with pytest.raises(ValueError, match="no axis reaches"):
+            svgchart.round_up(value)
+    # Two of 1e308 stacked are infinite: the chart is refused (the history section says so in a sentence).
+    with pytest.raises(ValueError):
+        svgchart.stacked_bars([0.0], [("a", {0.0: 1e308}), ("b", {0.0: 1e308})], 60, "t")
+    assert "<circle" in svgchart.lines(0, 600, [("tiny", {60.0: 5e-324})], 60, "t")

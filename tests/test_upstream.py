@@ -1,5 +1,6 @@
 """The engine client against a scripted HTTP server on loopback: framings, keep-alive, each timeout."""
 
+import select
 import socket
 import threading
 import time
@@ -7,10 +8,12 @@ import time
 import pytest
 
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
+from llmgw.procs import wait_for
 
 
 class Scripted:
-    """A server that answers each connection's requests with the next scripted replies."""
+    """A server that answers each connection's requests with the next scripted replies: bytes to send, seconds
+    to pause, or "close". A pause ends early when the client hangs up, and `hangups` has the time it did."""
 
     def __init__(self, replies, host="127.0.0.1", name=None):
         self.replies = list(replies)
@@ -21,6 +24,7 @@ class Scripted:
         self.url = f"http://{name}:{self.sock.getsockname()[1]}"
         self.connections = 0
         self.requests = []
+        self.hangups: list[float] = []
         threading.Thread(target=self.serve, daemon=True).start()
 
     def serve(self):
@@ -35,10 +39,21 @@ class Scripted:
     def handle(self, conn):
         try:
             self.answer(conn)
+        except (ConnectionResetError, BrokenPipeError):
+            self.hangups.append(time.monotonic())
         except (OSError, ValueError, IndexError):
-            pass  # the client went away, or the test is over
+            pass  # the test is over
         finally:
             conn.close()
+
+    def pause(self, conn, seconds: float) -> bool:
+        """SECONDS of silence, or less when the client hangs up: then True."""
+        until = time.monotonic() + seconds
+        if select.select([conn], [], [], seconds)[0] and not conn.recv(1, socket.MSG_PEEK):
+            self.hangups.append(time.monotonic())
+            return True
+        time.sleep(max(0.0, until - time.monotonic()))  # what the client sent meanwhile waits its turn
+        return False
 
     def answer(self, conn):
         buf = b""
@@ -49,7 +64,8 @@ class Scripted:
                     return
                 buf += data
             head, buf = buf.split(b"\r\n\r\n", 1)
-            length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+            lengths = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+            length = int(lengths[0].split(b":")[1]) if lengths else 0  # a GET of urllib's has none
             while len(buf) < length:
                 buf += conn.recv(65536)
             self.requests.append(head + b"\r\n\r\n" + buf[:length])
@@ -57,7 +73,8 @@ class Scripted:
             reply = self.replies.pop(0)
             for part in reply if isinstance(reply, list) else [reply]:
                 if isinstance(part, (int, float)):
-                    time.sleep(part)
+                    if self.pause(conn, part):
+                        return
                 elif part == "close":
                     conn.close()
                     return
@@ -162,6 +179,17 @@ def test_idle_and_total_timeouts_while_streaming(pool):
         list(resp.iter_body(idle=5))
     assert e.value.phase == "total"
     resp.abort()
+    server.close()
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_deadline(pool):
+    trickle = [part for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100 for part in (bytes([byte]), 0.1)]
+    server = Scripted([trickle])
+    started = time.monotonic()
+    with pytest.raises(UpstreamError) as e:
+        pool.request(Target(server.url), "GET", "/", first_byte=5, deadline=time.monotonic() + 0.7)
+    assert e.value.phase == "total" and time.monotonic() - started < 2.5
+    wait_for("the server to see its client leave", 10, lambda: server.hangups)
     server.close()
 
 

@@ -10,9 +10,11 @@ reads.
 
 Phases, each with its own limit: connecting, waiting for the response to
 start (`first_byte`), silence between two pieces of a streamed body (`idle`),
-and the whole exchange (`deadline`). Closing a `Response` from another
-greenlet wakes a reader blocked on it; that is how a client's disconnect ends
-the engine's work.
+and the whole exchange (`deadline`), which each read is held to: no sender
+stretches it by sending slowly. Closing a `Response` from another greenlet
+wakes a reader blocked on it; that is how a client's disconnect ends the
+engine's work. The pages' history queries to Prometheus go through it too,
+for that deadline (llmgw/web/prometheus.py).
 """
 
 from __future__ import annotations
@@ -321,6 +323,12 @@ class Pool:
     def _read_head(conn: Connection, first_byte: float, left: float, deadline: float) -> tuple[int, dict[str, str]]:
         buf = conn.buf
         while b"\r\n\r\n" not in buf:
+            # Each read gets only what is left of the deadline: a server sending its head a byte a second
+            # restarted a timeout set once, and held a page's query to Prometheus for as long as it liked.
+            now = time.monotonic()
+            if now >= deadline:
+                raise UpstreamError("total", "the engine took longer than the whole request may to send its head")
+            conn.sock.settimeout(max(0.001, min(first_byte, deadline - now)))
             try:
                 data = conn.sock.recv(RECV)
             except socket.timeout:

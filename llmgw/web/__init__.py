@@ -3,8 +3,8 @@
 Imported by: `gateway.webapp`, in the gateway's gevent workers.
 Concurrency: gevent (a page's work is short; nothing here spawns greenlets).
 May import: the top-level modules, `gateway` (what a worker holds: its
-runtime, the accountant's client) and `people` (the pages manage people, keys
-and limits in the store). Never `control`, `node` or `mirror`: the
+runtime, the accountant's client, its HTTP client) and `people` (the pages
+manage people, keys and limits in the store). Never `control`, `node` or `mirror`: the
 controller's and the mirror's state is read through their HTTP APIs
 (`llmgw.apiclient`).
 """

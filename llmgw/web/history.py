@@ -6,16 +6,22 @@ or instance label is named: every query sums or takes the largest value over wha
 series, so it reads the same whatever the operator called the jobs, and two gateways' requests add up.
 The page keeps no history of its own. One query failing fails the section with one sentence: a page
 of charts that each say "Prometheus did not answer" tells nothing more, and each would wait its turn.
+So does a chart that cannot be drawn, whatever the cause: the page is still served, and the
+traceback goes to the log (odd but valid answers made the whole page a 500 before their values were
+bounded where they are read).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 
 from llmgw.apiclient import address_url
 from llmgw.web import prometheus, svgchart
+
+log = logging.getLogger("llmgw.history")
 
 WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
 POINTS = 60  # per series: a point every minute over the last hour
@@ -134,15 +140,27 @@ def charts(base: str, window: str, node: str | None = None) -> dict:
             return view
         if not found and chart.optional:
             continue
-        groups = [(_name(s.labels, chart.label), s.points) for s in found]
-        svg = None
-        if groups and chart.bars:
-            # The point at T is the rate over the step before it: its bar is that step's.
-            buckets = [start + step * i for i in range(POINTS)]
-            svg = svgchart.stacked_bars(buckets, [(label, {buckets[_slot(t, start, step)]: v for t, v in points.items()})
-                                                  for label, points in groups], step, chart.title, chart.fmt)
-        elif groups:
-            svg = svgchart.lines(start, end, groups, step, chart.title, chart.fmt, chart.top,
-                                 binary=chart.fmt is human_bytes)
+        try:
+            svg = _draw(chart, found, start, end, step)
+        except Exception:  # a fault of ours, or an answer no bound foresaw: the page is served all the same
+            log.exception("The chart %r could not be drawn from what Prometheus at %s answered to %r",
+                          chart.title, base, query)
+            view["problem"], view["charts"] = (
+                f"The chart \"{chart.title}\" could not be drawn from what Prometheus at {base} answered. "
+                "This gateway's log has the error with its traceback: a fault of llmgw's, worth reporting."), []
+            return view
         view["charts"].append({"title": chart.title, "svg": svg, "empty": chart.empty})
     return view
+
+
+def _draw(chart: Chart, found: list[prometheus.Series], start: int, end: int, step: int):
+    """CHART's SVG of the series FOUND, or None when there are none."""
+    groups = [(_name(s.labels, chart.label), s.points) for s in found]
+    if not groups:
+        return None
+    if chart.bars:
+        # The point at T is the rate over the step before it: its bar is that step's.
+        buckets = [start + step * i for i in range(POINTS)]
+        return svgchart.stacked_bars(buckets, [(label, {buckets[_slot(t, start, step)]: v for t, v in points.items()})
+                                               for label, points in groups], step, chart.title, chart.fmt)
+    return svgchart.lines(start, end, groups, step, chart.title, chart.fmt, chart.top, binary=chart.fmt is human_bytes)

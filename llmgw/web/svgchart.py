@@ -12,6 +12,7 @@ called their projects, models and nodes.
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 from markupsafe import Markup, escape
@@ -31,13 +32,22 @@ def short(value: float) -> str:
 
 def round_up(value: float, binary: bool = False) -> float:
     """The smallest of 1, 2, 2.5, 5 times a power of ten at or above VALUE: an axis a person reads at once.
-    BINARY: of bytes, counted in KiB, MiB, GiB, so that 5 GiB is a round number and 5e9 bytes is not."""
+    BINARY: of bytes, counted in KiB, MiB, GiB, so that 5 GiB is a round number and 5e9 bytes is not.
+    ValueError when no float is such a number: VALUE is NaN, infinite, or past 1e308 (two of 1e308 stacked)."""
+    if not math.isfinite(value):
+        raise ValueError(f"no axis reaches {value}")
     if value <= 0:
         return 1.0
+    # A subnormal's power of ten is 0 as a float (10.0 ** -324), and no step of 0 reached it: StopIteration.
+    value = max(value, sys.float_info.min)
     unit = 1024 ** math.floor(math.log(value, 1024)) if binary and value >= 1024 else 1
     value /= unit
-    power = 10 ** math.floor(math.log10(value))
-    return unit * next(step * power for step in (1, 2, 2.5, 5, 10) if step * power >= value * (1 - 1e-9))
+    # A float: 10 ** 308 as an int made an axis of 2 * 10 ** 308, which no float holds (OverflowError when drawn).
+    power = 10.0 ** math.floor(math.log10(value))
+    top = unit * next(step * power for step in (1, 2, 2.5, 5, 10) if step * power >= value * (1 - 1e-9))
+    if not math.isfinite(top):
+        raise ValueError(f"no axis reaches {value}")
+    return top
 
 
 def _frame(title: str, top: float, fmt) -> list[str]:
