@@ -53,6 +53,7 @@ sys.path.insert(0, ROOT)
 from bench import rivals  # noqa: E402
 from bench.procstat import settled_rss_kib  # noqa: E402
 from bench.rig import Rig, load  # noqa: E402
+from llmgw import settings  # noqa: E402
 from llmgw.procs import raise_fd_limit, wait_for  # noqa: E402
 
 LOADS = {  # name: (what it is, loadgen options)
@@ -62,6 +63,7 @@ LOADS = {  # name: (what it is, loadgen options)
     "stream32": ("16-token streams, 32 clients", dict(concurrency=32, stream=True)),
 }
 GATEWAY, LIMITED, ENGINE = "gateway", "gateway, 4 levels", "engine directly"
+VARIANT, VARIANT_LIMITED = "variant", "variant, 4 levels"  # --variant: the gateway with other settings
 RIVAL_KINDS = {"vllm-router": rivals.VllmRouter, "litellm": rivals.LiteLLM}
 ROUTER = rivals.VllmRouter.name
 HELD_AIM, HELD_KIB_AIM = 10_000, 24
@@ -180,6 +182,16 @@ def start_rivals(rig: Rig, names: list[str]) -> tuple[list[Subject], dict]:
     return subjects, status
 
 
+def parse_setting(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep or "." not in name:
+        raise ValueError(f"{text!r} is not SETTING=VALUE with a dotted setting, such as usage.flush_interval=3600")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, value
+
+
 def wait_calm(most: float, limit: float) -> None:
     """Wait (up to LIMIT seconds) for the 1-minute load average to fall to MOST or below."""
     deadline = time.monotonic() + limit
@@ -196,6 +208,9 @@ def main() -> int:
     parser.add_argument("--held-streams", type=int, help=f"streams held at once [{HELD_AIM:,}, or as many as "
                         "the open-file limit allows; --quick 300]; 0 skips it")
     parser.add_argument("--rivals", help="comma-separated, of: vllm-router, litellm [both; --quick vllm-router]")
+    parser.add_argument("--variant", action="append", default=[], metavar="SETTING=VALUE",
+                        help="also measure a second gateway with this setting (repeatable: all apply to it), "
+                             "e.g. usage.flush_interval=3600; VALUE is read as JSON, else as a string")
     parser.add_argument("--calm", type=float, help="first wait (up to 30 min) for the load average to fall to this")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gateway.json"))
     args = parser.parse_args()
@@ -204,6 +219,11 @@ def main() -> int:
     unknown = [n for n in names if n not in RIVAL_KINDS]
     if unknown:
         parser.error(f"--rivals: unknown {', '.join(unknown)}; choose from {', '.join(RIVAL_KINDS)}")
+    try:
+        variant = dict(parse_setting(v) for v in args.variant)
+        settings.load(None, variant)  # what the variant's gateway would refuse, refused before anything starts
+    except (ValueError, settings.ConfigError) as e:
+        parser.error(f"--variant: {str(e)[:300]}")
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (1.5 if args.quick else 6.0)
     fd_limit = raise_fd_limit()
@@ -214,15 +234,24 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="llmgw-bench-")
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "processor": platform.processor() or platform.machine(), "open_files": fd_limit},
-               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": rounds, "seconds": seconds}
-    rig = Rig(tmp)
+               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": rounds, "seconds": seconds,
+               "variant": variant}
+    rigs = [Rig(tmp)]
     try:
+        rig = rigs[0]
         subjects = [Subject(ENGINE, rig.engine_url), Subject(GATEWAY, rig.url, rig.key, rig.gateway_cpu),
                     Subject(LIMITED, rig.url, rig.limited_key, rig.gateway_cpu)]
+        if variant:
+            # A gateway of its own, on CPU 0 too (idle while the others are measured), with its own engine.
+            rigs.append(Rig(tmp, name="variant", gateway_settings=variant))
+            other = rigs[-1]
+            subjects += [Subject(VARIANT, other.url, other.key, other.gateway_cpu),
+                         Subject(VARIANT_LIMITED, other.url, other.limited_key, other.gateway_cpu)]
         found, results["rivals"] = start_rivals(rig, names)
         raw, results["load_average"] = measure_rounds(subjects + found, rounds, seconds)
     finally:
-        rig.stop()
+        for rig in rigs:
+            rig.stop()
     results["figures"], results["raw"] = medians(raw), raw
     if asked:
         results["held"] = measure_held_streams(tmp, min(asked, most_held))
@@ -293,7 +322,7 @@ def show(field: str, value: float | None) -> str:
 
 def report(r: dict) -> str:
     f = r["figures"]
-    columns = [s for s in (ENGINE, GATEWAY, LIMITED, ROUTER, rivals.LiteLLM.name) if s in f]
+    columns = [s for s in (ENGINE, GATEWAY, LIMITED, VARIANT, VARIANT_LIMITED, ROUTER, rivals.LiteLLM.name) if s in f]
     rows = []
     for name, (what, _) in LOADS.items():
         shown = [("p50 latency (ms)", "p50_ms"), ("p99 latency (ms)", "p99_ms"), ("added p50 (ms)", "added_p50_ms")]
@@ -316,6 +345,8 @@ def report(r: dict) -> str:
     avg = r["load_average"]
     lines += ["", f"{r['rounds']} round(s) of {r['seconds']:g} s a load and subject; medians. Load average (1 min) "
                   f"{min(avg):.1f} to {max(avg):.1f} over the run, on {r['machine']['cpus']} CPUs."]
+    if r.get("variant"):
+        lines.append("variant: " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in r["variant"].items()))
     lines += [f"{name}: {said}" for name, said in r["rivals"].items() if said != "measured"]
     lines += [f"FAILED: {line}" for line in failed]
     lines += ["", "Aims (issue 14):"] + [f"- {a['says']}" for a in r["aims"]]

@@ -143,8 +143,13 @@ class Rig(Procs):
         self.gateway = self.start(["taskset", "-c", SUBJECT_CPU, *gateway_command, "--config", config, *endpoints],
                                   f"{name}-gateway.log")
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_for("the gateway", 60, lambda: http_status(self.url + "/ready") == 200,
-                 alive=lambda: self.gateway.poll() is None)
+        try:
+            wait_for("the gateway", 60, lambda: http_status(self.url + "/ready") == 200,
+                     alive=lambda: self.gateway.poll() is None)
+        except (RuntimeError, TimeoutError) as e:
+            with open(os.path.join(tmp, f"{name}-gateway.log"), errors="replace") as f:
+                said = f.read()[-2000:]
+            raise RuntimeError(f"{e}; its log ends:\n{said}") from None
         wait_for("its worker", 20, lambda: children(self.gateway.pid))
         self.worker = children(self.gateway.pid)[0]
 
