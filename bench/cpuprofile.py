@@ -1,17 +1,19 @@
 """Where the gateway's CPU goes, by part, for a plain request, a 16-token stream and a limited request.
 
-    python bench/cpuprofile.py [--seconds 20] [--concurrency 1] [--only plain|stream|limited]
+    python bench/cpuprofile.py [--rounds 4] [--seconds 6] [--concurrency 1] [--only plain|stream|limited]
                                [--out bench/results/profile.json]
 
 It runs bench/rig.py's rig (one worker on CPU 0, the engine and the load on CPU 1), with the gateway started
-through bench/cpusampler.py, which samples the worker's main thread by the CPU it spends. While a load runs,
-the samples of SECONDS are taken, and each is put down to the innermost part of the request path its stack
-is in: JSON called while reading the request counts as JSON, a socket write made by gunicorn's response as
-gunicorn's response writing, a socket read by the engine client as the engine client. The CPU each thread
-of the worker and of the master (whose accountant answers the limited key) spent over the same seconds is
-read from /proc, and divided by the requests the engine answered meanwhile: so each part is given in
-milliseconds of CPU a request, and the threads the sampler does not see (ZeroMQ's I/O thread, the
-accountant's) are given whole. The functions with the most CPU of their own are listed too.
+through bench/probe.py, which samples the worker's main thread by the CPU it spends. The scenarios take
+turns, ROUNDS windows of SECONDS each with a load running through each, so that a machine getting busier
+weighs on all alike. Every sample is put down to the innermost part of the request path its stack is in
+(PARTS: JSON decoded while reading the request counts to reading the request, a socket write of gunicorn's
+response to gunicorn's response writing), and to every kind of work it holds (KINDS: JSON, socket calls,
+timeouts, across the parts). The CPU each thread of the worker and of the master (whose accountant answers
+the limited key) spent in the windows is read from /proc and divided by the requests the engine answered
+meanwhile, so each part is given in milliseconds of CPU a request, and the threads the sampler does not
+see (ZeroMQ's I/O threads, the accountant's) whole. The functions with the most CPU of their own, and where
+they are mostly called from, are listed too.
 """
 
 from __future__ import annotations
@@ -135,14 +137,14 @@ def summarise(samples: list[dict], cpu_ms: float) -> dict:
                      "mostly_via": via[f].most_common(1)[0][0]} for f, n in own.most_common(15)]}
 
 
-def threads_spent(before: dict, after: dict, main: int, requests: int) -> list[dict]:
-    """CPU milliseconds a request of the main thread, ZeroMQ's I/O threads and the others (in the master, the
-    accountant's and the metrics server's), between two readings."""
+def threads_spent(before: dict, after: dict, main: int) -> collections.Counter:
+    """CPU seconds of the main thread, ZeroMQ's I/O threads and the others (in the master, the accountant's
+    and the metrics server's), between two readings."""
     spent = collections.Counter()
     for tid, (name, seconds) in after.items():
         label = "main thread" if tid == main else "ZeroMQ I/O" if name.startswith("ZMQbg") else "other threads"
         spent[label] += seconds - before.get(tid, (name, 0.0))[1]
-    return [{"thread": label, "ms": round(s * 1000 / requests, 4)} for label, s in spent.most_common() if s > 0]
+    return spent
 
 
 def engine_requests(rig: Rig) -> int:
@@ -150,37 +152,54 @@ def engine_requests(rig: Rig) -> int:
         return int(re.search(r"^llmgw_sim_requests_total (\d+)", resp.read().decode(), re.M).group(1))
 
 
-def profile(rig: Rig, name: str, seconds: float, concurrency: int, prefix: str) -> dict:
-    _, options, key = SCENARIOS[name]
-    key = getattr(rig, key)
-    rig.load(rig.url, key, requests=300, concurrency=concurrency, max_tokens=16, **options)  # warm
-    running = rig.load(rig.url, key, background=True, duration=seconds + 6, concurrency=concurrency,
-                       max_tokens=16, **options)
-    wait_for("the load to start", 30, lambda: engine_requests(rig) > 300, interval=0.2)
-    pids = {"worker": rig.worker, "master": rig.gateway.pid}
-    out = f"{prefix}.{rig.worker}.json"
-    if os.path.exists(out):
-        os.remove(out)
-    before = {role: thread_cpu(pid) for role, pid in pids.items()}
-    answered = engine_requests(rig)
-    os.kill(rig.worker, signal.SIGUSR2)
-    time.sleep(seconds)  # the window sampled
-    os.kill(rig.worker, signal.SIGUSR2)
-    answered = engine_requests(rig) - answered
-    after = {role: thread_cpu(pid) for role, pid in pids.items()}
-    wait_for("the samples", 30, lambda: os.path.exists(out))
-    load, _ = running.communicate(timeout=seconds + 120)
-    with open(out) as f:
-        samples = json.load(f)
-    threads = {role: threads_spent(before[role], after[role], pid, answered) for role, pid in pids.items()}
-    main_ms = next(t["ms"] for t in threads["worker"] if t["thread"] == "main thread")
-    return {"what": SCENARIOS[name][0], "concurrency": concurrency, "requests": answered,
-            "failed": json.loads(load)["failed"], "threads": threads, "worker": summarise(samples, main_ms)}
+class Scenario:
+    """What SECONDS-long windows of one scenario have gathered: samples, threads' CPU, requests."""
+
+    def __init__(self, name: str, concurrency: int):
+        self.name, self.concurrency = name, concurrency
+        self.samples: collections.Counter = collections.Counter()
+        self.threads = {"worker": collections.Counter(), "master": collections.Counter()}
+        self.requests = self.failed = 0
+
+    def window(self, rig: Rig, seconds: float, prefix: str) -> None:
+        _, options, key = SCENARIOS[self.name]
+        key = getattr(rig, key)
+        started = engine_requests(rig)
+        running = rig.load(rig.url, key, background=True, duration=seconds + 4, concurrency=self.concurrency,
+                           max_tokens=16, **options)
+        wait_for("the load to start", 30, lambda: engine_requests(rig) > started + 50, interval=0.1)
+        pids = {"worker": rig.worker, "master": rig.gateway.pid}
+        out = f"{prefix}.{rig.worker}.json"
+        if os.path.exists(out):
+            os.remove(out)
+        before = {role: thread_cpu(pid) for role, pid in pids.items()}
+        answered = engine_requests(rig)
+        os.kill(rig.worker, signal.SIGUSR2)
+        time.sleep(seconds)  # the window sampled
+        os.kill(rig.worker, signal.SIGUSR2)
+        self.requests += engine_requests(rig) - answered
+        for role, pid in pids.items():
+            self.threads[role] += threads_spent(before[role], thread_cpu(pid), pid)
+        wait_for("the samples", 30, lambda: os.path.exists(out))
+        load, _ = running.communicate(timeout=seconds + 120)
+        self.failed += json.loads(load)["failed"]
+        with open(out) as f:
+            for s in json.load(f):
+                self.samples[tuple(map(tuple, s["stack"]))] += s["ns"]
+
+    def result(self) -> dict:
+        per_request = {role: [{"thread": label, "ms": round(s * 1000 / self.requests, 4)}
+                              for label, s in spent.most_common() if s > 0] for role, spent in self.threads.items()}
+        main_ms = next(t["ms"] for t in per_request["worker"] if t["thread"] == "main thread")
+        samples = [{"stack": stack, "ns": ns} for stack, ns in self.samples.items()]
+        return {"what": SCENARIOS[self.name][0], "concurrency": self.concurrency, "requests": self.requests,
+                "failed": self.failed, "threads": per_request, "worker": summarise(samples, main_ms)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds sampled a scenario [20]")
+    parser.add_argument("--seconds", type=float, default=6.0, help="seconds a window [6]")
+    parser.add_argument("--rounds", type=int, default=4, help="windows of each scenario, in turn [4]")
     parser.add_argument("--concurrency", type=int, default=1, help="clients at once [1]")
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="one scenario")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "profile.json"))
@@ -189,14 +208,22 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="llmgw-profile-")
     prefix = os.path.join(tmp, "samples")
     rig = Rig(tmp, name="profile",
-              gateway_command=(sys.executable, os.path.join(ROOT, "bench", "cpusampler.py"), prefix))
+              gateway_command=(sys.executable, os.path.join(ROOT, "bench", "probe.py"), "cpu", prefix))
+    scenarios = [Scenario(name, args.concurrency) for name in ([args.only] if args.only else SCENARIOS)]
+    loadavg = [os.getloadavg()[0]]
     try:
-        results = {"load_average": os.getloadavg()[0]}
-        for name in [args.only] if args.only else SCENARIOS:
-            results[name] = profile(rig, name, args.seconds, args.concurrency, prefix)
-        results["load_average"] = max(results["load_average"], os.getloadavg()[0])
+        for s in scenarios:  # warm every path
+            _, options, key = SCENARIOS[s.name]
+            rig.load(rig.url, getattr(rig, key), requests=300, concurrency=args.concurrency, max_tokens=16, **options)
+        # In turn, so that a machine getting busier weighs on every scenario alike.
+        for _ in range(args.rounds):
+            for s in scenarios:
+                s.window(rig, args.seconds, prefix)
+            loadavg.append(os.getloadavg()[0])
     finally:
         rig.stop()
+    results = {"load_average": [min(loadavg), max(loadavg)], "rounds": args.rounds, "seconds": args.seconds,
+               **{s.name: s.result() for s in scenarios}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
@@ -205,7 +232,9 @@ def main() -> int:
 
 
 def report(results: dict) -> str:
-    lines = [f"load average (1 min) up to {results['load_average']:.1f}"]
+    low, high = results["load_average"]
+    lines = [f"{results['rounds']} windows of {results['seconds']:g} s a scenario, in turn; load average (1 min) "
+             f"{low:.1f} to {high:.1f}"]
     for name in SCENARIOS:
         r = results.get(name)
         if r is None:

@@ -128,8 +128,10 @@ def medians(raw: dict) -> dict:
     return out
 
 
-def measure_held_streams(tmp: str, count: int) -> dict:
-    """COUNT streams open at once through one worker; its memory before and while they are held."""
+def measure_held_streams(tmp: str, count: int, gateway_command: tuple = (), at=lambda rig, when: None) -> dict:
+    """COUNT streams open at once through one worker; its memory before and while they are held.
+    GATEWAY_COMMAND runs the gateway (bench/rig.py); AT(rig, "idle" or "held") is called once the worker's
+    memory has been read idle and holding the streams (bench/memprofile.py takes its snapshots there)."""
     # The engine holds every stream's first token until all COUNT run (or HELD_OPEN_LIMIT has passed), then
     # each sends a token every five seconds. Opening 9,900 streams that trickled a token every two seconds
     # from the start took 97 s here, as long as the streams, and at 300 s a loaded machine had not opened
@@ -139,12 +141,13 @@ def measure_held_streams(tmp: str, count: int) -> dict:
     # the start reach (33.6 and 33.3 KiB a stream at 9,900, and 33 at 2,000).
     rig = Rig(tmp, tokens_per_s=HELD_TOKENS_PER_S, ttft_ms=HELD_OPEN_LIMIT * 1000, name="held",
               gateway_settings={"gateway.worker_connections": count + 64, "gateway.max_connections_per_address": 0},
-              sim_args=("--gather", str(count)), warm_model=True)
+              sim_args=("--gather", str(count)), warm_model=True, gateway_command=gateway_command)
     try:
         # Warmed through the other engine: the first would hold these, and stop gathering after.
         rig.load(rig.url, rig.key, requests=20, concurrency=1, max_tokens=1, model="warm")
         rig.load(rig.url, rig.key, requests=20, concurrency=1, max_tokens=4, model="warm", stream=True)
         idle = settled_rss_kib(rig.worker)
+        at(rig, "idle")
         started = time.monotonic()
         running = rig.load(rig.url, rig.key, background=True, stream=True, requests=count, concurrency=count,
                            max_tokens=HELD_TOKENS, timeout=HELD_OPEN_LIMIT + HELD_TOKENS / HELD_TOKENS_PER_S + 60)
@@ -158,6 +161,7 @@ def measure_held_streams(tmp: str, count: int) -> dict:
                  alive=lambda: running.poll() is None, interval=0.2)
         opened = time.monotonic() - started
         held = settled_rss_kib(rig.worker)
+        at(rig, "held")
         out, _ = running.communicate(timeout=HELD_TOKENS / HELD_TOKENS_PER_S + 120)
         result = json.loads(out)
         return {"streams": count, "completed": result["ok"], "failed": result["failed"],
