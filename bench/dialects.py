@@ -2,7 +2,7 @@
 
     python bench/dialects.py [--quick] [--out bench/results/dialects.json]
 
-It runs bench/gateway.py's rig (one gateway worker pinned to CPU 0; the
+It runs bench/rig.py's rig (one gateway worker pinned to CPU 0; the
 simulated engine, answering at once, and the load on CPU 1) and sends the
 same 16-token answer one request at a time through every API the load
 generator speaks (bench/loadgen.py's APIS: a new dialect is measured once it
@@ -24,8 +24,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.gateway import Rig  # noqa: E402
 from bench.loadgen import APIS  # noqa: E402
+from bench.rig import Rig  # noqa: E402
 from llmgw.procs import raise_fd_limit  # noqa: E402
 
 BASELINE = "chat"

@@ -34,11 +34,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.gateway import Rig  # noqa: E402
+from bench.rig import FOUR_LEVELS, Rig  # noqa: E402
 from llmgw import store  # noqa: E402
-from llmgw.people import keys, limits, orgtree, rollup, usagereport  # noqa: E402
-
-FOUR_LEVELS = dict(rpm=10_000_000, tpm=10_000_000_000, budget=10 ** 15)
+from llmgw.people import keys, orgtree, rollup, usagereport  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -102,25 +100,12 @@ def bench_round_trip(n: int) -> dict:
 def bench_gateway(tmp: str, n: int) -> dict:
     rig = Rig(tmp, name="limits")
     try:
-        url = f"sqlite:///{tmp}/limits.db"
-        engine = store.open_engine(url)
-        orgtree.add(engine, "org", "Acme")
-        orgtree.add(engine, "team", "ml", "Acme")
-        project = orgtree.add(engine, "project", "bench", "Acme/ml")
-        tree = orgtree.Tree.load(engine)
-        limited, secret = keys.create_key(engine, "limited", project.id)
-        for scope, scope_id in (("key", limited.id), ("project", project.id), ("team", tree.find("team", "Acme/ml").id),
-                                ("org", tree.find("org", "Acme").id)):
-            limits.set_limits(engine, scope, scope_id, "bench", **FOUR_LEVELS)
-        limits.set_price(engine, "sim", "0.1", "0.2", "bench")
-        engine.dispose()
-        time.sleep(2.5)  # the worker reloads keys and limits
         kw = dict(requests=n, concurrency=1, max_tokens=16)
         rig.load(rig.url, rig.key, **{**kw, "requests": 100})
-        rig.load(rig.url, secret, **{**kw, "requests": 100})
+        rig.load(rig.url, rig.limited_key, **{**kw, "requests": 100})
         plain = rig.load(rig.url, rig.key, **kw)
         before = rig.gateway_cpu()
-        held = rig.load(rig.url, secret, **kw)
+        held = rig.load(rig.url, rig.limited_key, **kw)
         cpu_limited = rig.gateway_cpu() - before
         return {"no_limits": plain, "four_levels": held,
                 "gateway_cpu_ms_per_limited_request": round(cpu_limited * 1000 / held["ok"], 3)}

@@ -13,6 +13,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """PID's threads now: thread id -> (its name, CPU seconds it has spent)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                name, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+        except OSError:
+            continue  # it ended
+        fields = rest.split()
+        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLK)
+    return out
+
+
 def children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
