@@ -67,6 +67,24 @@ def pg_url():
     return PG_TEST
 
 
+@pytest.fixture
+def empty_pg():
+    """empty_pg(n): the Nth empty database of this test (made afresh on the shared server), as a URL."""
+    import psycopg2
+
+    def make(n: int = 1) -> str:
+        name = f"llmgw_empty_test{WORKER}_{n}"
+        admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            cur.execute(f'CREATE DATABASE "{name}"')
+        admin.close()
+        return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
+
+    return make
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store_url(request, tmp_path):
     """An empty, migrated store: each test that takes this runs on SQLite and on PostgreSQL."""

@@ -6,13 +6,11 @@ import signal
 import subprocess
 import sys
 
-import psycopg2
-import pytest
 import sqlalchemy as sa
 
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status
-from tests.conftest import PG_ADMIN, WORKER, assert_units_valid, post, wait_until, write_config
+from tests.conftest import assert_units_valid, post, wait_until, write_config
 from tests.test_up import signs_in
 
 LLMGW = [sys.executable, "-m", "llmgw"]
@@ -108,20 +106,8 @@ def test_no_node_and_no_model(tmp_path):
     assert "llmgw-agent.service" not in os.listdir(root / "etc" / "systemd" / "system")
 
 
-@pytest.fixture
-def pg_move_url():
-    """An empty database of its own, so no other test's rows are in the way."""
-    name = f"llmgw_init_test{WORKER}"
-    admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        cur.execute(f'CREATE DATABASE "{name}"')
-    admin.close()
-    return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-
-
-def test_postgres_takes_the_sqlite_stores_rows(tmp_path, pg_move_url):
+def test_postgres_takes_the_sqlite_stores_rows(tmp_path, empty_pg):
+    pg_move_url = empty_pg()
     root = tmp_path / "root"
     config = base_config(tmp_path, free_port())
     init("--root", str(root), "--no-model", "--no-start", config=config)

@@ -7,7 +7,6 @@ empty databases of its own on the shared server.
 import subprocess
 import sys
 
-import psycopg2
 import pytest
 import sqlalchemy as sa
 
@@ -16,29 +15,10 @@ from llmgw.control.lease import Lease
 from llmgw.gateway.usage import UsageRecorder
 from llmgw.people import accounts, keys
 from llmgw.procs import wait_for
-from tests.conftest import PG_ADMIN, WORKER, Gateway, store_url_for
+from tests.conftest import Gateway, store_url_for
 
 LLMGW = [sys.executable, "-m", "llmgw"]
 WAIT = 40.0
-
-
-@pytest.fixture
-def empty_pg():
-    """empty_pg(n): an empty database of its own (made afresh), as a URL."""
-    made = []
-
-    def make(n: int) -> str:
-        name = f"llmgw_move_test{WORKER}_{n}"
-        admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
-        admin.autocommit = True
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            cur.execute(f'CREATE DATABASE "{name}"')
-        admin.close()
-        made.append(name)
-        return PG_ADMIN.rsplit("/", 1)[0] + "/" + name
-
-    return make
 
 
 def filled(url: str) -> dict[str, int]:
