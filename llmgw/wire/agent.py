@@ -47,7 +47,7 @@ LOAD = Obj({"load1": (FIGURE, False), "load5": (FIGURE, False), "load15": (FIGUR
             "cpu_percent": (PERCENT, False), "shards": (ListOf(SHARD_LOAD, 1024), False)})
 ENGINES = MapOf(NAME, VERSION_TEXT, 64)  # engine -> version
 # A TOML configuration may give a label a number or a boolean; placement's selectors compare strings.
-LABELS = MapOf(NAME, Either((Str(1000), Num(-2**53, 2**53), "bool")), 256)
+LABELS = MapOf(NAME, Either((Str(1000), Num(-1e15, 1e15), "bool")), 256)
 FINDING = Obj({"level": (Str(16), False), "area": (Str(64), False), "message": (TEXT, True), "fix": (TEXT, False)})
 DOCTOR = Obj({"failures": (ListOf(FINDING, 200), False), "warnings": (ListOf(FINDING, 200), False)})
 WEIGHTS = Obj({"bytes": (BYTES, False), "entries": (COUNT, False), "fetched_bytes": (BYTES, False)})

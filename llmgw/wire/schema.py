@@ -84,8 +84,8 @@ class Either:
                 check(value, of, where)
                 return
             except ProtocolError as e:
-                errors.append(str(e))
-        raise ProtocolError(" or ".join(errors))
+                errors.append(str(e).removeprefix(f"{where} "))
+        raise ProtocolError(f"{where} {' or '.join(errors)}")
 
 
 @dataclasses.dataclass(frozen=True)
