@@ -86,3 +86,13 @@ def test_gpus_through_nvml_replayed(monkeypatch):
     assert facts["gpus_probed"] and [g["class"] for g in gpus] == ["a100-80g"] * 4
     assert gpus[1]["utilization_percent"] == 88.0 and gpus[1]["compute_capability"] == "8.0"
     assert "utilization_percent" not in gpus[3]  # not supported: absent, not 0
+
+
+def test_cpu_use_stays_within_0_and_100_when_iowait_goes_back(tmp_path):
+    # proc(5): iowait may decrease; the controller refuses a heartbeat with a cpu_percent past 100.
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 1000 500 0 0 0 0 0\n")
+    sampler = discovery.CpuSampler(str(stat))
+    sampler.percent()
+    stat.write_text("cpu  200 0 100 1000 490 0 0 0 0 0\n")  # 90 ticks passed, idle and iowait 10 fewer: 111%
+    assert sampler.percent() == 100.0

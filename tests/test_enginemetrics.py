@@ -36,3 +36,9 @@ def test_counts_sum_over_label_sets():
 
 def test_longer_names_with_the_same_start_are_not_confused():
     assert parse_load("vllm:num_requests_running_total 9\nvllm:num_requests_waiting_by_reason 4\n") == {}
+
+
+def test_figures_the_controller_would_refuse_are_left_out():
+    # The controller drops a whole heartbeat with a figure that is not finite and non-negative.
+    text = 'vllm:num_requests_running{model_name="m"} +Inf\nvllm:num_requests_waiting{model_name="m"} -1\n'
+    assert parse_load(text) == {}

@@ -193,3 +193,20 @@ def test_a_gpu_that_fails_after_registration_is_no_longer_offered():
                                                          "gpus": [{"index": 0, "class": "h100-80g"}]}, {}))
     assert placement.place(model(gpus=1), [quiet], [])[1] == {"q": "needs 1 x any GPU, 0 free of 1; "
                                                                    "GPU 0's health is not known"}
+
+
+def test_a_model_whose_planning_raises_leaves_the_others_placed_and_is_logged_once(caplog):
+    # A fact no agent of this version can send (the wire refuses it), but one already held from an older
+    # agent: comparing it raises, for the one model that reads it.
+    odd = node("odd", disk={"free_bytes": "q"})
+    download = catalog.parse_model({"name": "b", "source": "http://mirror/b.gguf", "size_bytes": GiB,
+                                    "profiles": [{"engine": "sim"}]})
+    models = {"a": model("a"), "b": download, "c": model("c")}
+    replicas = Replicas()
+    with caplog.at_level("ERROR", logger="llmgw.controller"):
+        actions, _ = plan(models, [odd], replicas, now=0.0)
+        assert sorted(a.model for a in actions) == ["a", "c"]
+        plan(models, [odd], replicas, now=1.0)  # the same error again: not logged again
+    said = [r for r in caplog.records if "could not plan b" in r.getMessage()]
+    assert len(said) == 1 and "TypeError" in said[0].getMessage() and "Traceback" in said[0].getMessage()
+    assert replicas.plan_errors == {"b": "TypeError: '<' not supported between instances of 'str' and 'int'"}

@@ -132,3 +132,93 @@ def test_a_gateway_of_the_first_version_never_hears_leading_and_a_new_one_keeps_
         new.close(0)
         publisher.close()
         context.term()
+
+
+def test_what_this_machines_agent_finds_passes_the_deep_shapes():
+    from llmgw.node import discovery
+    cpu = discovery.CpuSampler()
+    cpu.percent()
+    register = dict(node_id="n1", agent_version="0.1", cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
+                    disk=discovery.disk_facts("/"), labels={"rack": "r1", "row": 3, "spare": True},
+                    engines={"sim": "0.1"}, installable={"vllm": "0.6"},
+                    installs={"vllm/0.6": {"state": "installing", "bytes_done": 5, "bytes_total": 9}},
+                    doctor={"failures": [], "warnings": [{"level": "warning", "area": "cpu", "message": "m", "fix": ""}]},
+                    weights={"bytes": 1, "entries": 1, "fetched_bytes": 0},
+                    shards=[{"node_id": "n1", "shard_id": "m-1", "state": "ready", "gpus": [0], "ready_s": 1.5,
+                             "fetch": {"source": "http://m/x", "bytes_done": 3}}],
+                    **discovery.gpu_facts())
+    assert protocol.decode(protocol.encode("register", **register))["cpu"] == register["cpu"]
+    load = {**discovery.load_facts(), "cpu_percent": cpu.percent() or 0.0,
+            "shards": [{"shard_id": "m-1", "memory_rss_bytes": 1, "cpu_cores": 0.5, "waiting": 0.0, "kv_cache": 0.2}]}
+    protocol.decode(protocol.encode("heartbeat", node_id="n1", seq=1, load=load, memory=register["memory"],
+                                    gpus=[{"index": 0, "memory_used_bytes": 0, "utilization_percent": 3.0}]))
+
+
+def beat(**fields) -> bytes:
+    return json.dumps({"v": 1, "type": "heartbeat", "node_id": "n", "seq": 1, **fields}).encode()
+
+
+@pytest.mark.parametrize("data, words", [
+    (beat(disk={"free_bytes": "q"}), r"heartbeat.disk.free_bytes must be an int from 0"),
+    (beat(disk={"free_bytes": -1}), r"heartbeat.disk.free_bytes must be an int from 0"),
+    (beat(memory={"total_bytes": 10**30}), r"heartbeat.memory.total_bytes must be an int from 0"),
+    (beat(load={"load1": "1.0"}), r"heartbeat.load.load1 must be a number from 0"),
+    (beat(load={"cpu_percent": 1e6}), r"heartbeat.load.cpu_percent must be a number from 0 to 100"),
+    (beat(load={"shards": [{"cpu_cores": True}]}), r"heartbeat.load.shards\[0\].cpu_cores must be a number"),
+    (beat(gpus=[{"index": "0"}]), r"heartbeat.gpus\[0\].index must be an int"),
+    (beat(gpus=[{"index": 0}] * 1025), r"heartbeat.gpus must be an array of at most 1024 items"),
+    (beat(gpus=[{"index": 0, "health": "x" * 65}]), r"heartbeat.gpus\[0\].health must be a string of at most 64"),
+    (beat(engines={"sim": 1}), r"heartbeat.engines\['sim'\] must be a string"),
+    (beat(engines={f"e{i}": "1" for i in range(65)}), "heartbeat.engines must be an object of at most 64 entries"),
+    (beat(engines={"x" * 201: "1"}), "heartbeat.engines key 'xxx"),
+    (beat(installs={"vllm/1": {"bytes_done": "lots"}}), r"heartbeat.installs\['vllm/1'\].bytes_done must be an int"),
+    (beat(weights={"bytes": 1.5}), "heartbeat.weights.bytes must be an int"),
+    (b'{"v": 1, "type": "register", "node_id": "n", "agent_version": "x", "labels": {"rack": [1]}}',
+     r"register.labels\['rack'\] must be a string .* or must be a number .* or must be bool"),
+    (b'{"v": 1, "type": "register", "node_id": "n", "agent_version": "x", "cpu": {"count": 0}}',
+     "register.cpu.count must be an int from 1"),
+    (b'{"v": 1, "type": "register", "node_id": "n", "agent_version": "x", "doctor": {"failures": [{}]}}',
+     r"register.doctor.failures\[0\] without message"),
+    (b'{"v": 1, "type": "register", "node_id": "n", "agent_version": "x", "shards": [{"shard_id": "s"}]}',
+     r"register.shards\[0\] without state"),
+    (b'{"v": 1, "type": "shard_status", "node_id": "n", "shard_id": "s", "state": "ready", "ready_s": -1}',
+     "shard_status.ready_s must be a number from 0"),
+    (beat(load={"load1": 1.0}).replace(b"1.0", b"NaN"), "NaN is not a number JSON has"),
+    (beat(load={"load1": 1.0}).replace(b"1.0", b"-Infinity"), "-Infinity is not a number JSON has"),
+    (beat(later=json.loads("[" * 17 + "]" * 17)), "nested more than 16 levels deep"),
+    (beat(later="x" * protocol.LARGEST), "more than the 16777216 any message here takes"),
+])
+def test_a_nodes_facts_are_checked_all_the_way_down(data, words):
+    with pytest.raises(protocol.ProtocolError, match=words):
+        protocol.decode(data)
+
+
+def test_facts_a_newer_agent_adds_inside_an_object_are_let_by():
+    message = protocol.decode(beat(disk={"free_bytes": 1, "inodes_free": 7}, gpus=[{"index": 0, "fan": "loud"}]))
+    assert message["disk"]["inodes_free"] == 7 and message["gpus"][0]["fan"] == "loud"
+
+
+@pytest.mark.parametrize("channel, data", [
+    (accounting, b'{"v": 1, "op": "settle", "r": 1, "tokens": 1, "cost": NaN}'),
+    (gateways, b'{"v": 1, "type": "demand", "model": "m", "at": Infinity}'),
+])
+def test_no_channel_reads_nan_or_infinity(channel, data):
+    with pytest.raises(channel.ProtocolError, match="is not a number JSON has"):
+        channel.decode(data)
+
+
+def test_the_bounded_shapes():
+    from llmgw.wire.schema import Either, MapOf, Num, ProtocolError, Str, check
+    for good in (0, 0.5, 10):
+        check(good, Num(0, 10), "x")
+    for bad in (-0.1, 10.5, float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(ProtocolError, match="x must be a number from 0 to 10"):
+            check(bad, Num(0, 10), "x")
+    check({"a": 1}, MapOf(Str(1), Num(0, 1), 1), "m")
+    for bad, words in (({"a": 1, "b": 1}, "at most 1 entries"), ({"ab": 1}, "m key 'ab'"), ([], "must be an object"),
+                       ({"a": 2}, r"m\['a'\] must be a number")):
+        with pytest.raises(ProtocolError, match=words):
+            check(bad, MapOf(Str(1), Num(0, 1), 1), "m")
+    check("s", Either((Num(0, 1), Str(1))), "e")
+    with pytest.raises(ProtocolError, match="e must be a number .* or must be a string"):
+        check([], Either((Num(0, 1), Str(1))), "e")

@@ -116,6 +116,7 @@ def test_ctl_weights_lists_and_reclaims_only_unused_downloads(tmp_path, served):
     from llmgw import settings, store
     from llmgw.gateway.webapp import GatewayApp
     from llmgw.people import accounts, keys
+    from llmgw.web import history
     from tests.test_pages import sign_in
 
     made = []
@@ -185,7 +186,7 @@ def test_ctl_weights_lists_and_reclaims_only_unused_downloads(tmp_path, served):
             client = app.pages.test_client()
             sign_in(client, "root@example.org", "a long enough password")
             page = client.get("/admin").data.decode()
-            assert "Weights on disk" in page and f"{round(held / 1048576, 1)} MiB" in page
+            assert "Weights on disk" in page and history.human_bytes(held) in page
         finally:
             app.runtime.engine.dispose()
             engine.dispose()

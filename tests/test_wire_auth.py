@@ -18,10 +18,11 @@ import urllib.request
 import pytest
 import zmq
 
+from llmgw.control import catalog
 from llmgw.control.agentserver import AgentServer
 from llmgw.control.authenticator import KeyRing
 from llmgw.control.fleet import Fleet
-from llmgw.control.reconciler import Replicas
+from llmgw.control.reconciler import Replicas, plan
 from llmgw.procs import free_port
 from llmgw.wire import agent as protocol
 from llmgw.wire import gateways
@@ -244,6 +245,44 @@ def test_a_session_whose_key_was_revoked_or_replaced_is_refused_and_counted():
         # The node's new key opens a session of its own.
         server.handle(b"new", "key-issued-again", protocol.encode("register", node_id="victim", agent_version="t"))
         assert "victim" in fleet.nodes
+    finally:
+        server.close()
+        context.term()
+
+
+BAD_FACTS = {
+    "a string for free bytes": protocol.encode("heartbeat", node_id="rogue", seq=2, disk={"free_bytes": "q"}),
+    "NaN": protocol.encode("heartbeat", node_id="rogue", seq=3, memory={"total_bytes": float("nan")}),
+    "negative memory": protocol.encode("heartbeat", node_id="rogue", seq=4, memory={"available_bytes": -1}),
+    "a huge array": protocol.encode("heartbeat", node_id="rogue", seq=5, gpus=[{"index": 0}] * 100_000),
+    "a long string": protocol.encode("heartbeat", node_id="rogue", seq=6, gpus=[{"index": 0, "class": "x" * 10**5}]),
+    # Stored as it came, it broke the admin API's JSON for every node (too deep to write out again).
+    "deep nesting": b'{"v":1,"type":"heartbeat","node_id":"rogue","seq":7,"later":' + b"[" * 985 + b"]" * 985 + b"}",
+    "a bad registration": protocol.encode("register", node_id="rogue", agent_version="t", cpu={"count": "all"}),
+}
+
+
+def test_a_node_with_a_valid_key_sending_bad_facts_is_refused_and_the_others_are_still_placed():
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context, _, server = curve_server(fleet, replicas)
+    facts = {"engines": {"sim": "1"}, "engines_probed": True, "memory": {"total_bytes": 64 << 30},
+             "disk": {"free_bytes": 100 << 30}}
+    try:
+        for node in ("victim", "rogue"):
+            server.handle(node.encode(), key_of(node), protocol.encode("register", node_id=node, agent_version="t",
+                                                                       **facts))
+        for attack in BAD_FACTS.values():
+            server.handle(b"rogue", key_of("rogue"), attack)
+        assert server.refused == {"malformed": len(BAD_FACTS)}
+        assert fleet.nodes["rogue"].status == {}  # nothing it sent was taken
+        json.dumps([view.to_dict() for view in fleet.describe(time.monotonic())])
+        # A pass reads every node's disk and memory for a download; with "q" held as the rogue's free
+        # bytes, the old code raised there, and placed nothing for any model on any node.
+        models = {name: catalog.parse_model({"name": name, "source": f"http://mirror/{name}.gguf",
+                                             "size_bytes": 1 << 30, "profiles": [{"engine": "sim"}]})
+                  for name in ("a", "b")}
+        actions, unplaced = plan(models, fleet.describe(time.monotonic()), replicas, time.monotonic())
+        assert sorted(a.model for a in actions) == ["a", "b"] and unplaced == {}
     finally:
         server.close()
         context.term()

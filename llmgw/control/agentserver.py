@@ -110,7 +110,7 @@ class AgentServer:
         try:
             message = protocol.decode(payload)
         except protocol.ProtocolError as e:
-            log.warning("dropped a message that cannot be read: %s", e)
+            log.warning("dropped a message from %s that cannot be read: %s", authenticated or "a node", e)
             self._count("malformed")
             return
         node_id = message.get("node_id")
@@ -126,7 +126,7 @@ class AgentServer:
         if message["type"] == "register":
             facts = {k: v for k, v in message.items() if k not in ("v", "type", "shards")}
             self.fleet.register(node_id, facts, identity, now)
-            shards = [s for s in message.get("shards", []) if isinstance(s, dict) and "shard_id" in s and "state" in s]
+            shards = message.get("shards", [])  # each with its shard_id and state: llmgw/wire/agent.py checked
             if self.replicas is not None:
                 # What the node runs: how a restarted controller learns its replicas, and how a restarted
                 # agent's adopted engines stay in the snapshot without a gap.

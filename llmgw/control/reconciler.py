@@ -22,12 +22,16 @@ last, so the replica already serving stays.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import traceback
 import uuid
 
 from llmgw.control import placement
 from llmgw.control.catalog import Model
 from llmgw.control.fleet import DRAINING, LOST, NodeView
+
+log = logging.getLogger("llmgw.controller")
 
 LIVE = ("pending", "fetching", "starting", "ready")
 MAX_BACKOFF = 300.0
@@ -83,6 +87,7 @@ class Replicas:
         self.retry_at: dict[str, float] = {}
         self.retired: dict[str, str] = {}  # shard id -> node id: replaced while its node was lost
         self.orders: list[Stop] = []  # stops decided between passes, sent by the next one
+        self.plan_errors: dict[str, str] = {}  # model -> what planning it last raised, while it still does
         self.lock = threading.RLock()
 
     def clear(self) -> None:
@@ -94,6 +99,7 @@ class Replicas:
             self.retry_at.clear()
             self.retired.clear()
             self.orders.clear()
+            self.plan_errors.clear()
 
     def registered(self, node_id: str, shards: list[dict], now: float) -> list[tuple[str, str]]:
         """Take a node's registration: SHARDS is everything it runs. A replica recorded there and not
@@ -173,6 +179,15 @@ class Replicas:
             self.orders = [order for order in self.orders if order.node_id != node_id]
             return gone
 
+    def plan_failed(self, model: str, error: Exception) -> str:
+        """Planning MODEL raised ERROR: logged with its traceback once for each distinct error, not at
+        every pass (a pass runs every few seconds); returns the error in words, for the next pass to compare."""
+        said = f"{type(error).__name__}: {error}"
+        if self.plan_errors.get(model) != said:
+            log.error("could not plan %s this pass (the other models were planned; this is logged again only "
+                      "if the error changes): %s", model, "".join(traceback.format_exception(error)).rstrip())
+        return said
+
     def retire(self, replica: Replica) -> None:
         del self.items[replica.shard_id]
         self.retired[replica.shard_id] = replica.node_id
@@ -243,46 +258,52 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
                 actions.append(Stop(replica.shard_id, replica.node_id, f"{replica.model} is no longer in the catalog"))
         draining = {n.node_id for n in nodes if n.state == DRAINING}
         moving = False  # a drain moves one replica at a time, across every model
+        errors: dict[str, str] = {}
         for name, model in sorted(models.items()):
-            live = [r for r in current if r.model == name and r.state in LIVE]
-            staying = [r for r in live if r.node_id not in draining]
-            leaving = [r for r in live if r.node_id in draining]
-            want = model.min_replicas if wanted is None or name not in wanted else \
-                max(model.min_replicas, min(model.max_replicas, wanted[name]))
-            # A lost node's replicas are counted as gone (so they are replaced) but stay in the
-            # snapshot until enough replacements are ready, the oldest kept longest.
-            replaced = sum(1 for r in staying if r.state == "ready")
-            for r in sorted((r for r in stranded if r.model == name), key=lambda r: r.since)[max(0, want - replaced):]:
-                replicas.retire(r)
-            if len(staying) > want or (len(staying) == want and leaving and
-                                       all(r.state == "ready" for r in staying)):
-                # Stop the least useful first: those on a draining node, not yet ready, the newest.
-                for r in sorted(live, key=lambda r: (r.node_id not in draining, r.state == "ready",
-                                                     -r.since))[:len(live) - want]:
-                    r.state = "stopping"
-                    why = f"{r.node_id} is draining" if r.node_id in draining else \
-                        f"{name} wants {want} replicas, had {len(live)}"
-                    actions.append(Stop(r.shard_id, r.node_id, why))
-                continue
-            if leaving and (moving or any(r.state != "ready" for r in staying)):
-                moving = True  # a replacement is on its way; the next one waits for it
-                continue
-            if len(staying) >= want or now < replicas.retry_at.get(name, 0.0):
-                continue
-            for _ in range(min(want - len(staying), 1 if leaving else want)):
-                decision, reasons = placement.place(model, nodes, claims)
-                if decision is None:
-                    unplaced[name] = reasons
-                    break
-                shard_id = f"{name}-{uuid.uuid4().hex[:8]}"
-                memory = placement.memory_claim(decision.profile)
-                claims.append(placement.Claim(decision.node_id, name, memory, decision.gpus))
-                replicas.items[shard_id] = Replica(shard_id, name, decision.node_id, "pending",
-                                                   profile_fp=model.fingerprint(decision.profile),
-                                                   engine=decision.profile.engine, gpus=decision.gpus,
-                                                   memory_bytes=memory, since=now)
-                actions.append(Start(name, shard_id, decision))
-                moving = moving or bool(leaving)
+            try:
+                live = [r for r in current if r.model == name and r.state in LIVE]
+                staying = [r for r in live if r.node_id not in draining]
+                leaving = [r for r in live if r.node_id in draining]
+                want = model.min_replicas if wanted is None or name not in wanted else \
+                    max(model.min_replicas, min(model.max_replicas, wanted[name]))
+                # A lost node's replicas are counted as gone (so they are replaced) but stay in the
+                # snapshot until enough replacements are ready, the oldest kept longest.
+                replaced = sum(1 for r in staying if r.state == "ready")
+                for r in sorted((r for r in stranded if r.model == name), key=lambda r: r.since)[max(0, want - replaced):]:
+                    replicas.retire(r)
+                if len(staying) > want or (len(staying) == want and leaving and
+                                           all(r.state == "ready" for r in staying)):
+                    # Stop the least useful first: those on a draining node, not yet ready, the newest.
+                    for r in sorted(live, key=lambda r: (r.node_id not in draining, r.state == "ready",
+                                                         -r.since))[:len(live) - want]:
+                        r.state = "stopping"
+                        why = f"{r.node_id} is draining" if r.node_id in draining else \
+                            f"{name} wants {want} replicas, had {len(live)}"
+                        actions.append(Stop(r.shard_id, r.node_id, why))
+                    continue
+                if leaving and (moving or any(r.state != "ready" for r in staying)):
+                    moving = True  # a replacement is on its way; the next one waits for it
+                    continue
+                if len(staying) >= want or now < replicas.retry_at.get(name, 0.0):
+                    continue
+                for _ in range(min(want - len(staying), 1 if leaving else want)):
+                    decision, reasons = placement.place(model, nodes, claims)
+                    if decision is None:
+                        unplaced[name] = reasons
+                        break
+                    shard_id = f"{name}-{uuid.uuid4().hex[:8]}"
+                    memory = placement.memory_claim(decision.profile)
+                    claims.append(placement.Claim(decision.node_id, name, memory, decision.gpus))
+                    replicas.items[shard_id] = Replica(shard_id, name, decision.node_id, "pending",
+                                                       profile_fp=model.fingerprint(decision.profile),
+                                                       engine=decision.profile.engine, gpus=decision.gpus,
+                                                       memory_bytes=memory, since=now)
+                    actions.append(Start(name, shard_id, decision))
+                    moving = moving or bool(leaving)
+            except Exception as e:
+                # One model's bad facts or bad bug must never stop the pass for every other model.
+                errors[name] = replicas.plan_failed(name, e)
+        replicas.plan_errors = errors  # a model planned without error this pass is logged afresh if it fails again
     return actions, unplaced
 
 

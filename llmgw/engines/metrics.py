@@ -9,6 +9,8 @@ differently.
 
 from __future__ import annotations
 
+import math
+
 from llmgw.engines import LOAD_METRICS
 
 _PREFIXES = tuple(LOAD_METRICS)
@@ -39,8 +41,8 @@ def parse_load(text: str) -> dict[str, float]:
             value = float(rest.split()[0])
         except (ValueError, IndexError):
             continue
-        if value != value:  # NaN: the engine does not know either
-            continue
+        if not math.isfinite(value) or value < 0:  # NaN: the engine does not know either; the controller
+            continue  # refuses a heartbeat with a figure that is not a finite, non-negative number
         if figure == "kv_cache":
             found[figure] = max(found.get(figure, 0.0), value)
         else:

@@ -90,7 +90,8 @@ class CpuSampler:
         previous, self.last = self.last, (idle, total)
         if previous is None or total == previous[1]:
             return None
-        return round(100.0 * (1 - (idle - previous[0]) / (total - previous[1])), 1)
+        # iowait, counted as idle, may go backwards (proc(5)): held to 0-100, which the controller takes.
+        return round(min(100.0, max(0.0, 100.0 * (1 - (idle - previous[0]) / (total - previous[1])))), 1)
 
 
 def route_address(host: str, port: int) -> str | None:

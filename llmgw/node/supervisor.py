@@ -155,7 +155,8 @@ class Supervisor:
             entry = {"shard_id": shard.shard_id, "memory_rss_bytes": rss}
             previous = self.cpu_samples.get(shard.shard_id)
             if previous is not None and now > previous[1]:
-                entry["cpu_cores"] = round((cpu - previous[0]) / (now - previous[1]), 2)
+                # A worker that exited takes its CPU seconds out of the sum: never a negative figure.
+                entry["cpu_cores"] = round(max(0.0, (cpu - previous[0]) / (now - previous[1])), 2)
             self.cpu_samples[shard.shard_id] = (cpu, now)
             if shard.state == "ready":
                 try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 
 from llmgw.apiclient import address_url
@@ -41,7 +42,21 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.3g} s"
 
 
+def _known(value) -> bool:
+    # What a node said about itself is shown as the agent sent it, and one of another version (or a bug)
+    # may send anything: a page says "unknown" for a figure that is not a number, rather than fail.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def rounded(value, digits: int = 0) -> str:
+    """VALUE to DIGITS decimals, or "unknown" where it is not a finite number."""
+    return f"{value:.{digits}f}" if _known(value) else "unknown"
+
+
 def human_bytes(value: float) -> str:
+    """VALUE bytes in the largest unit it fills, or "unknown" where it is not a finite number."""
+    if not _known(value):
+        return "unknown"
     for size, unit in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
         if value >= size:
             return f"{value / size:.1f}".rstrip("0").rstrip(".") + f" {unit}"

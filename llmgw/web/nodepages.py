@@ -30,6 +30,7 @@ NO_CONTROLLER = ("This gateway has no controller (gateway.controller is empty), 
 def install(app: Flask, runtime: Runtime) -> None:
     cfg = runtime.cfg
     app.add_template_filter(history.human_bytes, "bytes")
+    app.add_template_filter(history.rounded, "rounded")
 
     def admin():
         if not cfg["gateway.controller"]:

@@ -7,42 +7,83 @@ node that did not probe its GPUs sends no `gpus`, which is different from
 `"gpus": []` (probed, none found). `docs/protocol.md` describes every message;
 a test keeps that page and `MESSAGES` in step.
 
-Only the shape is checked here: required fields present with the right JSON
-types. What a message means is the controller's and the agent's business.
+Only the shape is checked here: required fields present with the right types. A node whose key leaked
+is an attacker, and placement compares and the pages format what it says about itself, so the facts of
+`register` and `heartbeat` (and every shard status) are checked all the way down: numbers finite and
+bounded, strings and lists of bounded length, maps of bounded size. Fields inside them that this
+version does not know are let by (a newer agent wrote them), within the message's size and depth.
+What a message means is the controller's and the agent's business.
 """
 
 from __future__ import annotations
 
-from llmgw.wire.schema import ProtocolError, Schema
+from llmgw.wire.schema import Either, Int, ListOf, MapOf, Num, Obj, ProtocolError, Schema, Str
 
 __all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode"]
 
 VERSION = 1
 
-# type -> {field: (json type, required)}. Add fields; never remove or retype one.
-MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
+LARGEST = 16 * 1024 * 1024  # bytes: a logs reply is at most 256 KiB of text, a weights listing far less
+DEEPEST = 16  # levels of arrays and objects: the deepest message here (a shard's fetch in a register) has 4
+BYTES = Int(0, 2**53)  # beyond this no JSON reader is exact; a petabyte-scale disk is still far within
+COUNT = Int(0, 2**53)
+FIGURE = Num(0, 1e12)  # a measured load, count or share: finite and non-negative
+PERCENT = Num(0, 100)
+NAME = Str(200)  # a shard id, an engine's or a label's name
+TEXT = Str(4000)  # a sentence: a detail, a fix, an error
+VERSION_TEXT = Str(500)  # an engine's version, as its binary says it
+
+CPU = Obj({"count": (Int(1, 1 << 20), False), "flags": (ListOf(Str(32), 64), False), "model": (Str(256), False)})
+MEMORY = Obj({"total_bytes": (BYTES, False), "available_bytes": (BYTES, False)})
+DISK = Obj({"path": (Str(4096), False), "total_bytes": (BYTES, False), "free_bytes": (BYTES, False)})
+GPU = Obj({"index": (Int(0, 1023), False), "name": (Str(256), False), "class": (Str(64), False),
+           "uuid": (Str(128), False), "memory_total_bytes": (BYTES, False), "memory_used_bytes": (BYTES, False),
+           "compute_capability": (Str(16), False), "utilization_percent": (PERCENT, False),
+           "health": (Str(64), False)})
+GPUS = ListOf(GPU, 1024)
+SHARD_LOAD = Obj({"shard_id": (NAME, False), "memory_rss_bytes": (BYTES, False), "cpu_cores": (FIGURE, False),
+                  "waiting": (FIGURE, False), "running": (FIGURE, False), "kv_cache": (FIGURE, False)})
+LOAD = Obj({"load1": (FIGURE, False), "load5": (FIGURE, False), "load15": (FIGURE, False),
+            "cpu_percent": (PERCENT, False), "shards": (ListOf(SHARD_LOAD, 1024), False)})
+ENGINES = MapOf(NAME, VERSION_TEXT, 64)  # engine -> version
+# A TOML configuration may give a label a number or a boolean; placement's selectors compare strings.
+LABELS = MapOf(NAME, Either((Str(1000), Num(-1e15, 1e15), "bool")), 256)
+FINDING = Obj({"level": (Str(16), False), "area": (Str(64), False), "message": (TEXT, True), "fix": (TEXT, False)})
+DOCTOR = Obj({"failures": (ListOf(FINDING, 200), False), "warnings": (ListOf(FINDING, 200), False)})
+WEIGHTS = Obj({"bytes": (BYTES, False), "entries": (COUNT, False), "fetched_bytes": (BYTES, False)})
+INSTALL = Obj({"state": (Str(16), False), "detail": (TEXT, False), "fix": (TEXT, False),
+               "bytes_done": (BYTES, False), "bytes_total": (BYTES, False)})
+INSTALLS = MapOf(Str(700), INSTALL, 256)  # ENGINE/VERSION -> its install's state
+FETCH = Obj({"source": (TEXT, False), "bytes_done": (BYTES, False), "bytes_total": (BYTES, False)})
+# A shard's status, as `shard_status` carries it and as `register` lists each shard the node runs.
+SHARD: dict[str, tuple[object, bool]] = {
+    "shard_id": (NAME, True), "state": (Str(32), True), "model": (Str(500), False),
+    "engine": (NAME, False), "port": (Int(0, 65535), False), "url": (Str(2000), False),
+    "profile_fp": (Str(200), False), "gpus": (ListOf(Int(0, 1023), 1024), False), "pid": (Int(0, 2**31), False),
+    "exit_code": (Int(-2**31, 2**31), False), "last_output": (ListOf(Str(4000), 1000), False),
+    "fetch": (FETCH, False), "detail": (TEXT, False), "ready_s": (Num(0, 1e12), False),
+    "api_key": (Str(500), False),
+}
+
+# type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same
+# JSON type is not a new type: it refuses only what no agent sends).
+MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     # agent -> controller
     "register": {
-        "node_id": ("str", True), "agent_version": ("str", True), "address": ("str", False),
-        "labels": ("object", False), "hostname": ("str", False),
-        "cpu": ("object", False), "memory": ("object", False), "disk": ("object", False),
-        "gpus": ("array", False), "gpus_probed": ("bool", False), "gpu_probe_error": ("str", False),
-        "engines": ("object", False), "engines_probed": ("bool", False), "shards": ("array", False),
-        "doctor": ("object", False), "weights": ("object", False),
-        "installable": ("object", False), "installs": ("object", False),
+        "node_id": ("str", True), "agent_version": ("str", True), "address": (Str(500), False),
+        "labels": (LABELS, False), "hostname": (Str(500), False),
+        "cpu": (CPU, False), "memory": (MEMORY, False), "disk": (DISK, False),
+        "gpus": (GPUS, False), "gpus_probed": ("bool", False), "gpu_probe_error": (TEXT, False),
+        "engines": (ENGINES, False), "engines_probed": ("bool", False), "shards": (ListOf(Obj(SHARD), 1024), False),
+        "doctor": (DOCTOR, False), "weights": (WEIGHTS, False),
+        "installable": (MapOf(NAME, VERSION_TEXT, 64), False), "installs": (INSTALLS, False),
     },
     "heartbeat": {
-        "node_id": ("str", True), "seq": ("int", True), "memory": ("object", False), "load": ("object", False),
-        "disk": ("object", False), "gpus": ("array", False), "engines": ("object", False),
-        "engines_changed": ("bool", False), "weights": ("object", False), "installs": ("object", False),
+        "node_id": ("str", True), "seq": ("int", True), "memory": (MEMORY, False), "load": (LOAD, False),
+        "disk": (DISK, False), "gpus": (GPUS, False), "engines": (ENGINES, False),
+        "engines_changed": ("bool", False), "weights": (WEIGHTS, False), "installs": (INSTALLS, False),
     },
-    "shard_status": {
-        "node_id": ("str", True), "shard_id": ("str", True), "state": ("str", True), "model": ("str", False),
-        "engine": ("str", False), "port": ("int", False), "url": ("str", False), "profile_fp": ("str", False),
-        "gpus": ("array", False), "pid": ("int", False), "exit_code": ("int", False),
-        "last_output": ("array", False), "fetch": ("object", False), "detail": ("str", False),
-        "ready_s": ("number", False), "api_key": ("str", False),
-    },
+    "shard_status": {"node_id": ("str", True), **SHARD},
     "ack": {"node_id": ("str", True), "request_id": ("str", True), "ok": ("bool", True), "error": ("str", False)},
     "logs_reply": {"node_id": ("str", True), "request_id": ("str", True), "lines": ("array", False),
                    "sources": ("array", False), "error": ("str", False), "cursor": ("int", False),
@@ -70,6 +111,6 @@ MESSAGES: dict[str, dict[str, tuple[str, bool]]] = {
     "refused": {"reason": ("str", True)},
 }
 
-_SCHEMA = Schema(MESSAGES, VERSION)
+_SCHEMA = Schema(MESSAGES, VERSION, largest=LARGEST, deepest=DEEPEST)
 encode = _SCHEMA.encode
 decode = _SCHEMA.decode

@@ -3,14 +3,16 @@
 A channel (agents, the accountant) describes each message type as
 {field: (type, required)}. A type is a JSON type's name ("str", "int",
 "number", "bool", "object", "array"), checked one level deep, or one of the
-shapes below (`Int`, `Str`, `Nullable`, `Row`, `ListOf`, `Obj`), checked all the way
-down with bounds, for channels where a peer's numbers move money.
+shapes below (`Int`, `Num`, `Str`, `Nullable`, `Either`, `Row`, `ListOf`, `MapOf`, `Obj`), checked all
+the way down with bounds, for what a peer may not be trusted with: numbers that move money, and the
+facts a node reports, which placement compares and pages format. No channel reads NaN or Infinity.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 _PY_TYPES = {"str": str, "int": int, "number": (int, float), "bool": bool, "object": dict, "array": list}
 
@@ -33,6 +35,18 @@ class Int:
     def check(self, value, where: str) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
             raise ProtocolError(f"{where} must be an int from {self.low} to {self.high}, not {_shown(value)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Num:
+    """A finite number, whole or not, from LOW to HIGH (a boolean is not one)."""
+    low: float
+    high: float
+
+    def check(self, value, where: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not self.low <= value <= self.high:
+            raise ProtocolError(f"{where} must be a number from {self.low:g} to {self.high:g}, not {_shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +73,22 @@ class Nullable:
 
 
 @dataclasses.dataclass(frozen=True)
+class Either:
+    """A value of one of these OPTIONS, the first that fits."""
+    options: tuple
+
+    def check(self, value, where: str) -> None:
+        errors = []
+        for of in self.options:
+            try:
+                check(value, of, where)
+                return
+            except ProtocolError as e:
+                errors.append(str(e).removeprefix(f"{where} "))
+        raise ProtocolError(f"{where} {' or '.join(errors)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Row:
     """An array of exactly these items, each of its own type."""
     items: tuple
@@ -81,6 +111,21 @@ class ListOf:
             raise ProtocolError(f"{where} must be an array of at most {self.longest} items, not {_shown(value)}")
         for i, item in enumerate(value):
             check(item, self.item, f"{where}[{i}]")
+
+
+@dataclasses.dataclass(frozen=True)
+class MapOf:
+    """A JSON object of at most LONGEST entries, each key a KEY (a `Str`) and each value a VALUE."""
+    key: Str
+    value: object
+    longest: int
+
+    def check(self, value, where: str) -> None:
+        if not isinstance(value, dict) or len(value) > self.longest:
+            raise ProtocolError(f"{where} must be an object of at most {self.longest} entries, not {_shown(value)}")
+        for name, item in value.items():
+            self.key.check(name, f"{where} key {_shown(name)}")
+            check(item, self.value, f"{where}[{_shown(name)}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,17 +156,40 @@ def check(value, of, where: str) -> None:
         raise ProtocolError(f"{where} must be {of}, not {type(value).__name__}")
 
 
+def _no_constant(name: str):
+    # Python's json reads NaN and Infinity, which no JSON peer should write: they pass every
+    # comparison a bound makes, and break whatever formats them.
+    raise ProtocolError(f"not JSON: {name} is not a number JSON has")
+
+
+def _nested_within(value, deepest: int) -> bool:
+    """Whether VALUE's arrays and objects nest at most DEEPEST levels (walked without recursion)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        inside = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if inside is None:
+            continue
+        if depth > deepest:
+            return False
+        pending.extend((child, depth + 1) for child in inside)
+    return True
+
+
 class Schema:
     """One channel: its MESSAGES, the VERSION it writes, the field naming a message's kind, the versions it
-    reads (None: any, since fields are only ever added) and the largest message it reads."""
+    reads (None: any, since fields are only ever added), the largest message it reads, and how deep its
+    arrays and objects may nest (None: as deep as the parser goes), for what is kept and written out again
+    (a message nested just short of the parser's limit is past the writer's, once stored inside another)."""
 
     def __init__(self, messages: dict[str, dict[str, tuple[object, bool]]], version: int, kind_field: str = "type",
-                 reads: frozenset[int] | None = None, largest: int | None = None):
+                 reads: frozenset[int] | None = None, largest: int | None = None, deepest: int | None = None):
         self.messages = messages
         self.version = version
         self.kind_field = kind_field
         self.reads = reads
         self.largest = largest
+        self.deepest = deepest
 
     def encode(self, kind: str, /, **fields) -> bytes:
         """One message, with absent (None) fields left out rather than sent as null."""
@@ -136,13 +204,15 @@ class Schema:
         if self.largest is not None and len(data) > self.largest:
             raise ProtocolError(f"{len(data)} bytes, more than the {self.largest} any message here takes")
         try:
-            message = json.loads(data)
+            message = json.loads(data, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"not JSON: {e}") from None
         except RecursionError:
             raise ProtocolError("not JSON: nested too deeply") from None
         if not isinstance(message, dict):
             raise ProtocolError("not a JSON object")
+        if self.deepest is not None and not _nested_within(message, self.deepest):
+            raise ProtocolError(f"nested more than {self.deepest} levels deep, which no message here is")
         kind = message.get(self.kind_field)
         schema = self.messages.get(kind) if isinstance(kind, str) else None
         if schema is None:
