@@ -14,9 +14,16 @@ from __future__ import annotations
 import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from llmgw import addresses, apiguard, settings
+
+
+def segment(value: str) -> str:
+    """VALUE as one segment of an API path, every character that means something in a URL quoted: a node
+    named `a?force=1` or `../models/x` once sent another request than the one its command names."""
+    return urllib.parse.quote(value, safe="")
 
 
 class ApiError(Exception):

@@ -139,7 +139,7 @@ def test_the_bench_refuses_clearly_what_it_cannot_measure(tmp_path, made):
         (["cap", "--slo-ttft", "0"], None, "0 is not a time to first token in seconds: give more than 0"),
         (["cap", "--slo-tpot", "-1"], None, "-1 is not a time per output token in seconds"),
         (["cap", "--slo-ttft", "7200"], None, "at most 3600"),
-        (["cap"], None, "give an administrator's API key with --key or $LLMGW_API_KEY"),
+        (["cap"], None, "give an administrator's API key in $LLMGW_API_KEY or in a file named by --key-file"),
         (["nope"], "sk-llmgw-x", "no model 'nope' in the catalog; `llmgw ctl models` lists them"),
         (["cap"], "sk-llmgw-x", "cap has no ready replica to measure (none is placed)"),
     ]

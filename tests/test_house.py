@@ -17,7 +17,7 @@ from bench.house import PACKAGES, imports, modules, package_of  # noqa: E402
 EVERY = set(PACKAGES) | {"top"}
 # package -> the llmgw packages it may import ("top" is the top-level modules).
 MAY_IMPORT = {
-    "wire": {"wire", "rules"},
+    "wire": {"wire", "rules", "modelnames"},
     "engines": {"engines", "top"},
     "node": {"node", "top", "wire", "engines"},
     "mirror": {"mirror", "top"},

@@ -20,6 +20,7 @@ profile to it. `llmgw ctl capacity` lists what was saved.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
@@ -27,8 +28,10 @@ import urllib.request
 
 import click
 
+from llmgw import filemodes
+from llmgw.apiclient import segment
 from llmgw.cli import benchload, ramp
-from llmgw.cli.tables import print_table
+from llmgw.cli.tables import print_table, printable
 from llmgw.wire.gateways import MAX_IN_FLIGHT
 
 SLO_MOST = 3600.0  # seconds: an SLO beyond an hour is a mistyped unit
@@ -89,6 +92,37 @@ def _check_gateway(url: str) -> None:
                                    "gateway.listen, of --config)") from None
 
 
+def _no_key_option(value) -> None:
+    """Refuse the --key of earlier versions saying what to use instead."""
+    if value is not None:
+        raise click.UsageError("--key is gone: a command line is shown to every user of this machine (ps). Put the "
+                               "key in $LLMGW_API_KEY, or in a file only you can read and give --key-file PATH")
+
+
+def _api_key(key_file: str | None) -> str:
+    """The administrator's API key: KEY_FILE's text (a file others may read is refused, as every llmgw file
+    holding a secret is), else $LLMGW_API_KEY. Never an option's value, which every local user sees in ps."""
+    if key_file is None:
+        key = os.environ.get("LLMGW_API_KEY", "").strip()
+        if not key:
+            raise click.UsageError("give an administrator's API key in $LLMGW_API_KEY or in a file named by "
+                                   "--key-file PATH (make one with `llmgw keys create bench --for ADMIN-EMAIL`): "
+                                   "only such a key may name the replica a request goes to")
+        return key
+    try:
+        filemodes.refuse_loose({key_file: filemodes.OTHERS})
+        with open(key_file, encoding="utf-8") as f:
+            key = f.read().strip()
+    except filemodes.LooseFiles as e:
+        raise click.ClickException(f"--key-file: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.ClickException(f"--key-file: cannot read {key_file} ({getattr(e, 'strerror', None) or e}); "
+                                   "give a file holding the key, or set $LLMGW_API_KEY") from None
+    if not key:
+        raise click.ClickException(f"--key-file: {key_file} is empty; write an administrator's API key into it")
+    return key
+
+
 def _ready_replicas(admin, model: str, only: str | None) -> list[dict]:
     if model not in {m["name"] for m in admin.call("GET", "/api/v1/models")["models"]}:
         raise click.ClickException(f"no model {model!r} in the catalog; `llmgw ctl models` lists them")
@@ -98,11 +132,11 @@ def _ready_replicas(admin, model: str, only: str | None) -> list[dict]:
         chosen = [r for r in ready if r["shard_id"] == only]
         if not chosen:
             raise click.ClickException(f"{only} is not a ready replica of {model}; ready: "
-                                       f"{', '.join(r['shard_id'] for r in ready) or 'none'}")
+                                       f"{printable(', '.join(r['shard_id'] for r in ready) or 'none')}")
         return chosen
     if not ready:
         states = ", ".join(f"{r['shard_id']} {r['state']}" for r in mine) or "none is placed"
-        raise click.ClickException(f"{model} has no ready replica to measure ({states}). Wait until `llmgw ctl "
+        raise click.ClickException(f"{model} has no ready replica to measure ({printable(states)}). Wait until `llmgw ctl "
                                    f"replicas --model {model}` shows one ready; `llmgw ctl models` says why none "
                                    "can be placed")
     return ready
@@ -144,8 +178,10 @@ def _ramp(target: benchload.Target, slo: ramp.SLO, most: int, samples: int) -> r
 @click.option("--replica", "only", help="Measure only this replica (default: every ready one, in turn).")
 @click.option("--gateway", "gateway_url", help="The gateway to send through [gateway.public_url, else "
                                                "gateway.listen, of --config].")
-@click.option("--key", envvar="LLMGW_API_KEY", help="An API key of an administrator ($LLMGW_API_KEY); its limits "
-                                                    "hold the bench and its usage records it.")
+@click.option("--key-file", type=click.Path(dir_okay=False),
+              help="A file holding an administrator's API key, yours alone (mode 0600); else $LLMGW_API_KEY. Its "
+                   "limits hold the bench and its usage records it.")
+@click.option("--key", hidden=True, expose_value=False, callback=lambda _ctx, _param, value: _no_key_option(value))
 @click.option("--max-concurrency", type=click.IntRange(1, MAX_IN_FLIGHT), default=256, show_default=True,
               help="The most requests at once tried.")
 @click.option("--samples", type=click.IntRange(3, 100_000), default=20, show_default=True,
@@ -158,15 +194,12 @@ def _ramp(target: benchload.Target, slo: ramp.SLO, most: int, samples: int) -> r
               help="Seconds one request may take before it counts as failed.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per replica.")
 @click.pass_obj
-def bench(obj, model, slo_ttft, slo_tpot, percentile, save, only, gateway_url, key, max_concurrency, samples,
+def bench(obj, model, slo_ttft, slo_tpot, percentile, save, only, gateway_url, key_file, max_concurrency, samples,
           max_tokens, prompt_words, timeout, as_json):
     """Ramp the requests at once sent to each replica of MODEL, through a gateway, until the service level
     breaks; report the last level that held, per replica. It loads each replica in turn: its users get
     slower answers meanwhile."""
-    if not key:
-        raise click.UsageError("give an administrator's API key with --key or $LLMGW_API_KEY (make one with "
-                               "`llmgw keys create bench --for ADMIN-EMAIL`): only such a key may name the "
-                               "replica a request goes to")
+    key = _api_key(key_file)
     gateway_url = (gateway_url or obj.config().public_url()).rstrip("/")
     chosen = _ready_replicas(obj.admin, model, only)
     _check_gateway(gateway_url)
@@ -177,14 +210,15 @@ def bench(obj, model, slo_ttft, slo_tpot, percentile, save, only, gateway_url, k
                f"{slo_tpot * 1000:g} ms. Ctrl-C stops (nothing is saved).", err=True)
     result = []
     for replica in chosen:
-        click.echo(f"{replica['shard_id']} on {replica['node']} (profile {replica['profile'] or 'stale'}):", err=True)
+        click.echo(printable(f"{replica['shard_id']} on {replica['node']} (profile {replica['profile'] or 'stale'}):"),
+                   err=True)
         try:
             target = benchload.Target(gateway_url, key, model, replica["shard_id"], max_tokens, prompt_words, timeout)
             search = _ramp(target, slo, max_concurrency, samples)
         except ValueError as e:
             raise click.ClickException(f"--gateway: {e}") from None
         except benchload.Refused as e:
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(printable(e)) from None  # it quotes the gateway's answer
         click.echo(f"  {search.conclusion()}", err=True)
         result.append({"model": model, "replica": replica["shard_id"], "node": replica["node"],
                        "profile": replica["profile"], "max_in_flight": search.capacity, "held": _figures(search.held),
@@ -204,10 +238,10 @@ def _save(admin, model: str, result: list[dict], gateway_url: str) -> None:
     by_profile: dict[str, dict] = {}
     for row in result:
         if row["profile"] is None:
-            click.echo(f"not saved for {row['replica']}: it runs a profile edited since it started; measure a "
+            click.echo(f"not saved for {printable(row['replica'])}: it runs a profile edited since it started; measure a "
                        "replica started from the profile as it is", err=True)
         elif row["max_in_flight"] == 0:
-            click.echo(f"not saved for {row['replica']}: not even one request at a time held the SLO, and a limit "
+            click.echo(f"not saved for {printable(row['replica'])}: not even one request at a time held the SLO, and a limit "
                        "of 0 would refuse everyone. Loosen the SLO or give the model a larger profile", err=True)
         elif row["profile"] not in by_profile or row["max_in_flight"] < by_profile[row["profile"]]["max_in_flight"]:
             by_profile[row["profile"]] = row
@@ -216,7 +250,7 @@ def _save(admin, model: str, result: list[dict], gateway_url: str) -> None:
                 "slo_ttft_s": row["slo"]["ttft_s"], "slo_tpot_s": row["slo"]["tpot_s"],
                 "percentile": row["slo"]["percentile"],
                 **{k: v for k, v in row["held"].items() if v is not None}}
-        saved = admin.call("PUT", f"/api/v1/models/{model}/capacity", body)
+        saved = admin.call("PUT", f"/api/v1/models/{segment(model)}/capacity", body)
         click.echo(f"saved: {model} on profile {profile} takes {saved['max_in_flight']} requests at once; gateways "
                    "hold each of its replicas to that from the controller's next snapshot", err=True)
 
@@ -253,6 +287,7 @@ def capacity(ctx, as_json):
 @click.pass_obj
 def capacity_forget(obj, model, profile):
     """Drop what was measured of MODEL: its replicas are admitted as if never measured."""
-    result = obj.admin.call("DELETE", f"/api/v1/models/{model}/capacity" + (f"?profile={urllib.parse.quote(profile)}" if profile else ""))
+    result = obj.admin.call("DELETE", f"/api/v1/models/{segment(model)}/capacity"
+                            + (f"?{urllib.parse.urlencode({'profile': profile})}" if profile else ""))
     click.echo(f"forgot {result['forgotten']} measurement(s) of {model}; gateways stop holding its replicas to them "
                "from the controller's next snapshot", err=True)

@@ -15,9 +15,9 @@ import urllib.parse
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, admin_client
+from llmgw.apiclient import ApiClient, ApiError, admin_client, segment
 from llmgw.cli.bench import bench, capacity
-from llmgw.cli.tables import human_bytes, print_table
+from llmgw.cli.tables import human_bytes, print_table, printable
 
 
 class Admin:
@@ -30,7 +30,7 @@ class Admin:
         try:
             return self.client.call(method, path, body)
         except ApiError as e:
-            raise click.ClickException(str(e)) from None
+            raise click.ClickException(printable(e)) from None  # the server's sentence, shown inert
 
 
 @click.group()
@@ -57,14 +57,14 @@ def status(obj, as_json):
         click.echo(json.dumps(result))
         return
     if result.get("role") == "standby":
-        click.echo(f"standby: this controller does not lead; the leader is {result['leader'] or 'not known yet'}")
+        click.echo(f"standby: this controller does not lead; the leader is {printable(result['leader'] or 'not known yet')}")
         return
     counts = result["nodes"]
     total = sum(counts.values())
     parts = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-    click.echo(f"{total} nodes{': ' + parts if parts else ''}")
+    click.echo(printable(f"{total} nodes{': ' + parts if parts else ''}"))
     if result.get("leader"):
-        click.echo(f"leader: this controller ({result['leader']})")
+        click.echo(f"leader: this controller ({printable(result['leader'])})")
     if result["plaintext"]:
         click.echo("warning: agents connect without keys (controller.plaintext)", err=True)
 
@@ -108,10 +108,10 @@ def _print_installs(result: list[dict]) -> None:
             if install.get("state") == "installing":
                 done, total = install.get("bytes_done"), install.get("bytes_total")
                 fetched = "" if done is None else f", {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
-                click.echo(f"{n['node_id']}: installing engine {key} ({install.get('detail', 'starting')}{fetched})")
+                click.echo(printable(f"{n['node_id']}: installing engine {key} ({install.get('detail', 'starting')}{fetched})"))
             elif install.get("state") == "failed":
-                click.echo(f"{n['node_id']}: installing engine {key} failed: {install.get('detail')}\n"
-                           f"  fix: {install.get('fix')}")
+                click.echo(printable(f"{n['node_id']}: installing engine {key} failed: {install.get('detail')}"))
+                click.echo(printable(f"  fix: {install.get('fix')}"))
 
 
 @ctl.command()
@@ -119,7 +119,7 @@ def _print_installs(result: list[dict]) -> None:
 @click.pass_obj
 def cordon(obj, node):
     """Place nothing new on NODE (what runs there stays)."""
-    obj.admin.call("POST", f"/api/v1/nodes/{node}/cordon")
+    obj.admin.call("POST", f"/api/v1/nodes/{segment(node)}/cordon")
     click.echo(f"cordoned {node}: nothing new is placed there; `llmgw ctl uncordon {node}` undoes it", err=True)
 
 
@@ -128,7 +128,7 @@ def cordon(obj, node):
 @click.pass_obj
 def uncordon(obj, node):
     """Let placement use NODE again."""
-    obj.admin.call("POST", f"/api/v1/nodes/{node}/uncordon")
+    obj.admin.call("POST", f"/api/v1/nodes/{segment(node)}/uncordon")
     click.echo(f"uncordoned {node}", err=True)
 
 
@@ -137,7 +137,7 @@ def uncordon(obj, node):
 @click.pass_obj
 def drain(obj, node):
     """Move NODE's replicas elsewhere, one at a time, each stopped only once its replacement is ready."""
-    obj.admin.call("POST", f"/api/v1/nodes/{node}/drain")
+    obj.admin.call("POST", f"/api/v1/nodes/{segment(node)}/drain")
     click.echo(f"draining {node}: `llmgw ctl replicas` shows the moves; `llmgw ctl uncordon {node}` ends it",
                err=True)
 
@@ -155,14 +155,14 @@ def node_group():
 def node_remove(obj, node, force):
     """Forget NODE, which must be lost (silent for controller.lost_after), unless --force."""
     if not force:
-        obj.admin.call("DELETE", f"/api/v1/nodes/{node}")
+        obj.admin.call("DELETE", f"/api/v1/nodes/{segment(node)}")
         click.echo(f"removed {node}", err=True)
         return
-    result = obj.admin.call("DELETE", f"/api/v1/nodes/{node}?force=1")
+    result = obj.admin.call("DELETE", f"/api/v1/nodes/{segment(node)}?force=1")
     click.echo(f"removed {node}: its key is revoked and its session ended; {len(result['stopped'])} replicas "
                "stopped there, the rest of the fleet takes their place.", err=True)
     if result["unconfirmed"]:
-        click.echo(f"warning: {node} did not confirm stopping {', '.join(result['unconfirmed'])}; their engines "
+        click.echo(f"warning: {node} did not confirm stopping {printable(', '.join(result['unconfirmed']))}; their engines "
                    "may still run there, unrouted. On that machine, stop the agent and its engines.", err=True)
     click.echo(f"To add it back: `llmgw ctl node-key issue {node}` and install the key there.", err=True)
 
@@ -191,7 +191,7 @@ def node_key_issue(obj, node):
 @click.pass_obj
 def node_key_revoke(obj, node):
     """Withdraw NODE's key: its session ends now, it cannot connect again, and its replicas are replaced elsewhere."""
-    obj.admin.call("DELETE", f"/api/v1/node-keys/{node}")
+    obj.admin.call("DELETE", f"/api/v1/node-keys/{segment(node)}")
     click.echo(f"revoked {node}'s key: its session is refused from now on and its replicas leave the gateways' "
                f"snapshot. Its engines are not told to stop: `llmgw ctl node remove --force {node}` stops them "
                "first, where the node still answers.", err=True)
@@ -233,15 +233,15 @@ def models(obj, as_json):
     print_table(rows)
     for m in result:
         if m["unplaced"]:
-            click.echo(f"\n{m['name']} cannot be placed:", err=True)
+            click.echo(f"\n{printable(m['name'])} cannot be placed:", err=True)
             for node, reason in m["unplaced"].items():
-                click.echo(f"  {node}: {reason}", err=True)
+                click.echo(printable(f"  {node}: {reason}"), err=True)
         if m["last_failure"] and m["ready"] == 0:
             failure = m["last_failure"]
-            click.echo(f"\n{m['name']} failed on {failure['node']} ({failure['count']} in a row): {failure['detail']}",
-                       err=True)
+            click.echo("\n" + printable(f"{m['name']} failed on {failure['node']} ({failure['count']} in a row): "
+                                        f"{failure['detail']}"), err=True)
             for line in failure["last_output"][-10:]:
-                click.echo(f"  | {line}", err=True)
+                click.echo(f"  | {printable(line, tabs=True)}", err=True)
 
 
 @ctl.command()
@@ -273,7 +273,7 @@ def replicas(obj, model, as_json):
 @click.pass_obj
 def explain_placement(obj, model):
     """For every node and profile: could MODEL run there, and if not, why."""
-    result = obj.admin.call("GET", f"/api/v1/models/{model}/placement")["nodes"]
+    result = obj.admin.call("GET", f"/api/v1/models/{segment(model)}/placement")["nodes"]
     if not result:
         click.echo("no node has registered", err=True)
         return
@@ -290,7 +290,7 @@ def scale(obj, model, low, high):
     """Change how many replicas of MODEL run (models added with `ctl model add`)."""
     if low is None and high is None:
         raise click.UsageError("give --min, --max or both")
-    result = obj.admin.call("POST", f"/api/v1/models/{model}/scale", {"min": low, "max": high})
+    result = obj.admin.call("POST", f"/api/v1/models/{segment(model)}/scale", {"min": low, "max": high})
     click.echo(f"{model}: min {result['min']}, max {result['max']}", err=True)
 
 
@@ -304,12 +304,12 @@ def scale(obj, model, low, high):
 def logs(obj, node, source, lines):
     """The last lines the agent on NODE logged, or an engine there printed."""
     query = urllib.parse.urlencode({"lines": lines, "source": source})
-    result = obj.admin.call("GET", f"/api/v1/nodes/{urllib.parse.quote(node, safe='')}/logs?{query}")
+    result = obj.admin.call("GET", f"/api/v1/nodes/{segment(node)}/logs?{query}")
     others = [s for s in result["sources"] if s != source]
-    click.echo(f"{source} on {node}; its other sources: {', '.join(others) or 'none'} (choose one with --source)",
+    click.echo(f"{source} on {node}; its other sources: {printable(', '.join(others) or 'none')} (choose one with --source)",
                err=True)
     for line in result["lines"]:
-        click.echo(line)
+        click.echo(printable(line, tabs=True))
 
 
 @ctl.group("model")
@@ -341,7 +341,7 @@ def model_add(obj, path, no_source_check):
 @click.pass_obj
 def model_remove(obj, model):
     """Remove MODEL from the catalog; its replicas are stopped."""
-    obj.admin.call("DELETE", f"/api/v1/models/{model}")
+    obj.admin.call("DELETE", f"/api/v1/models/{segment(model)}")
     click.echo(f"removed {model}; its replicas are stopping", err=True)
 
 
@@ -369,7 +369,7 @@ def weights(obj, node, reclaim, yes, as_json):
     """What each node (or NODE) holds in its weights directory: size, which models and replicas use each
     entry, whether llmgw fetched it. --reclaim removes, through each node's agent, the entries llmgw
     fetched that no catalog model, replica or local source uses, once you say yes."""
-    nodes = obj.admin.call("GET", "/api/v1/weights" + (f"?node={node}" if node else ""))["nodes"]
+    nodes = obj.admin.call("GET", "/api/v1/weights" + (f"?{urllib.parse.urlencode({'node': node})}" if node else ""))["nodes"]
     if as_json and not reclaim:
         for n in nodes:
             click.echo(json.dumps(n))
@@ -383,10 +383,10 @@ def weights(obj, node, reclaim, yes, as_json):
         print_table(rows)
     for n in nodes:
         if "error" in n:
-            click.echo(f"{n['node']}: {n['error']}", err=True)
+            click.echo(printable(f"{n['node']}: {n['error']}"), err=True)
             continue
         more = f" (only the largest {len(n['files'])} are listed)" if n["truncated"] else ""
-        click.echo(f"{n['node']}: {n['entries']} entries, {human_bytes(n['bytes'])} in {n['weights_dir']}{more}; "
+        click.echo(f"{printable(n['node'])}: {n['entries']} entries, {human_bytes(n['bytes'])} in {printable(n['weights_dir'])}{more}; "
                    f"{human_bytes(n['reclaimable_bytes'])} reclaimable", err=True)
     if not reclaim:
         return
@@ -398,14 +398,14 @@ def weights(obj, node, reclaim, yes, as_json):
     total = sum(n["reclaimable_bytes"] for n in listed)
     count = sum(len(v) for v in chosen.values())
     if not yes:
-        click.confirm(f"Remove these {count} entries ({human_bytes(total)}) from {', '.join(chosen)}?", abort=True,
+        click.confirm(f"Remove these {count} entries ({human_bytes(total)}) from {printable(', '.join(chosen))}?", abort=True,
                       err=True)
     for node_id, names in chosen.items():
-        result = obj.admin.call("POST", f"/api/v1/nodes/{node_id}/weights/reclaim", {"names": names})
+        result = obj.admin.call("POST", f"/api/v1/nodes/{segment(node_id)}/weights/reclaim", {"names": names})
         if as_json:
             click.echo(json.dumps(result))
-        click.echo(f"{node_id}: removed {len(result['removed'])} entries, {human_bytes(result['freed_bytes'])} freed",
+        click.echo(f"{printable(node_id)}: removed {len(result['removed'])} entries, {human_bytes(result['freed_bytes'])} freed",
                    err=True)
         for name, why in result["refused"].items():
             # Something began to use it since the listing: kept, and said, but no failure.
-            click.echo(f"{node_id}: kept {name}: {why}", err=True)
+            click.echo(printable(f"{node_id}: kept {name}: {why}"), err=True)

@@ -13,8 +13,8 @@ import time
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, Refused, address_url, admin_client
-from llmgw.cli.tables import human_bytes, print_table
+from llmgw.apiclient import ApiClient, ApiError, Refused, address_url, admin_client, segment
+from llmgw.cli.tables import human_bytes, print_table, printable
 
 
 def _mirror(obj) -> ApiClient:
@@ -32,7 +32,7 @@ def _catalog_sources(obj) -> list[str]:
 
 
 def _fail(e: Exception):
-    raise click.ClickException(str(e)) from None
+    raise click.ClickException(printable(e)) from None
 
 
 @click.group()
@@ -57,7 +57,7 @@ def mirror_fetch(obj, source, model, version, anyway, no_wait):
     except ApiError as e:
         _fail(e)
     # As the mirror shows it: a password or token in the URL stays out of terminals and captured logs.
-    click.echo(f"fetching {started['source']} into {model}/{version}", err=True)
+    click.echo(printable(f"fetching {started['source']} into {model}/{version}"), err=True)
     if no_wait:
         click.echo(started["url"])
         return
@@ -65,7 +65,7 @@ def mirror_fetch(obj, source, model, version, anyway, no_wait):
     with click.progressbar(length=started.get("total") or 0, label="  downloading", show_pos=True,
                            file=sys.stderr) as bar:
         while True:
-            status = client.call("GET", f"/api/v1/models/{model}/{version}")
+            status = client.call("GET", f"/api/v1/models/{segment(model)}/{segment(version)}")
             if status["state"] != "fetching":
                 break
             if status.get("total") and bar.length != status["total"]:
@@ -74,9 +74,9 @@ def mirror_fetch(obj, source, model, version, anyway, no_wait):
             shown = status.get("done", 0)
             time.sleep(0.5)
     if status["state"] == "failed":
-        raise click.ClickException(f"the fetch failed: {status.get('reason')}")
+        raise click.ClickException(f"the fetch failed: {printable(status.get('reason'))}")
     for f in status["files"]:
-        click.echo(f"{model}/{version}/{f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256']}", err=True)
+        click.echo(printable(f"{model}/{version}/{f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256']}"), err=True)
     # What a catalog entry's source should say: the file, or for a set the version's directory.
     click.echo(started["url"] if len(status["files"]) == 1 else status["url"])
 
@@ -113,7 +113,7 @@ def mirror_list(obj, as_json):
 def mirror_status(obj, model, version, as_json):
     """One version: present (with its files), fetching (with bytes), failed (with why), or absent."""
     try:
-        found = _mirror(obj).call("GET", f"/api/v1/models/{model}/{version}")
+        found = _mirror(obj).call("GET", f"/api/v1/models/{segment(model)}/{segment(version)}")
     except Refused as e:
         if e.status != 404:
             _fail(e)
@@ -124,7 +124,7 @@ def mirror_status(obj, model, version, as_json):
     if as_json:
         click.echo(json.dumps(found, indent=1))
         return
-    click.echo(_status_line(found), err=True)
+    click.echo(printable(_status_line(found)), err=True)
     if found.get("files"):
         print_table(_file_rows(found))
 
@@ -195,7 +195,7 @@ def mirror_remove(obj, model, version, force):
             raise click.ClickException(f"a model in the catalog still refers to {model}/{version}; "
                                        "retire the catalog entry first (llmgw ctl model remove)")
     try:
-        client.call("DELETE", f"/api/v1/models/{model}/{version}")
+        client.call("DELETE", f"/api/v1/models/{segment(model)}/{segment(version)}")
     except ApiError as e:
         _fail(e)
     click.echo(f"removed {model}/{version}", err=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -26,11 +27,12 @@ import urllib.request
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
-from llmgw import gguf, settings, store
+from llmgw import gguf, modelnames, settings, store
 from llmgw.control import capacity
 from llmgw.egress import Egress, Refused
 
 ENGINES = ("llamacpp", "vllm", "sglang", "sim")
+log = logging.getLogger(__name__)
 
 
 class CatalogError(Exception):
@@ -96,8 +98,11 @@ def _duration(value, where: str) -> float | None:
 def parse_model(table: dict, origin: str = "config") -> Model:
     """A Model from a `[[models]]` table (or a model file); raises CatalogError naming the field."""
     name = table.get("name")
-    if not isinstance(name, str) or not name:
+    if name is None or name == "":
         raise CatalogError("a model needs a name")
+    # Checked here, where every way in passes (the admin API, the serve form, model files, the configuration).
+    if why := modelnames.refusal(name):
+        raise CatalogError(f"the model's name {why}")
     where = f"model {name}"
     source = table.get("source")
     if not isinstance(source, str) or not source:
@@ -139,8 +144,11 @@ def parse_model(table: dict, origin: str = "config") -> Model:
             env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
             priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0))))
     aliases = table.get("aliases", [])
-    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
-        raise CatalogError(f"{where}: aliases must be a list of names")
+    if not isinstance(aliases, list) or len(aliases) > modelnames.MOST_ALIASES:
+        raise CatalogError(f"{where}: aliases must be a list of at most {modelnames.MOST_ALIASES} names")
+    for alias in aliases:
+        if why := modelnames.refusal(alias):
+            raise CatalogError(f"{where}: the alias {why}")
     # Checked here because they travel in every snapshot: one model's max_output of "abc" made every
     # gateway refuse every snapshot that followed.
     for key in ("max_context", "max_output"):
@@ -233,6 +241,33 @@ def check_source(source: str, egress: Egress, timeout: float = 10.0) -> int | No
     return None
 
 
+def _stored_model(row) -> Model | None:
+    """The runtime model a store row holds; None, logged, for one the rules of today refuse (a name from before
+    names had a rule, say): one bad row must not keep the controller from starting or reloading."""
+    name, spec = row
+    try:
+        return parse_model(json.loads(spec), origin="runtime")
+    except (CatalogError, ValueError, TypeError, AttributeError) as e:
+        log.error("catalog: skipped the stored model %r, which cannot be used: %s. Remove it with `llmgw ctl model "
+                  "remove NAME` (or delete its row in catalog_models) and add it again under a name that fits",
+                  name[:100], e)
+        return None
+
+
+def _check_clash(model: Model, models: dict[str, Model]) -> None:
+    """Refuse MODEL when one of its aliases is another model's name, or its name another model's alias: the
+    gateway would route that name to one of them silently."""
+    for other in models.values():
+        if other.name == model.name:
+            continue
+        if other.name in model.aliases:
+            raise CatalogError(f"model {model.name}: the alias {other.name} is the name of another model; "
+                               "choose another alias")
+        if model.name in other.aliases:
+            raise CatalogError(f"model {model.name}: {other.name} has it as an alias; choose another name or "
+                               f"remove the alias from {other.name}")
+
+
 class Catalog:
     """Configuration models plus runtime ones from the store; runtime changes are written through. Beside
     them, what each profile was measured to take (llmgw/control/capacity.py)."""
@@ -249,8 +284,8 @@ class Catalog:
         """Read the runtime models and the measured capacities from the store again (another controller may
         have changed them while this one stood by)."""
         with self.engine.connect() as conn:
-            self.runtime = {name: parse_model(json.loads(spec), origin="runtime") for name, spec in
-                            conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec))}
+            rows = conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec)).all()
+        self.runtime = {m.name: m for m in map(_stored_model, rows) if m is not None}
         self.capacities = capacity.read_all(self.engine)
 
     def profile_of(self, model: str, fingerprint: str | None) -> Profile | None:
@@ -296,6 +331,7 @@ class Catalog:
         model = parse_model(table, origin="runtime")
         if model.name in self.config:
             raise CatalogError(f"{model.name} is defined in the configuration file; edit it there")
+        _check_clash(model, self.models())
         with store.writing(self.engine) as conn:
             conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == model.name))
             conn.execute(store.catalog_models.insert().values(name=model.name, spec=json.dumps(table),
@@ -306,11 +342,13 @@ class Catalog:
     def remove(self, name: str) -> None:
         if name in self.config:
             raise CatalogError(f"{name} is defined in the configuration file; remove it there and restart")
-        if name not in self.runtime:
-            raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
+        # By its row, not by self.runtime: a stored model skipped on load (a name the rules now refuse) is
+        # removed this way too, as the log line says.
         with store.writing(self.engine) as conn:
-            conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == name))
-        del self.runtime[name]
+            removed = conn.execute(store.catalog_models.delete().where(store.catalog_models.c.name == name)).rowcount
+        if not removed and name not in self.runtime:
+            raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
+        self.runtime.pop(name, None)
         self.forget_capacity(name)  # a model added again later is measured again
 
     def scale(self, name: str, low: int | None, high: int | None) -> Model:

@@ -20,7 +20,7 @@ that page and `MESSAGES` in step.
 
 from __future__ import annotations
 
-from llmgw import rules
+from llmgw import modelnames, rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Obj, ProtocolError, Row, Schema, Str
 
 __all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
@@ -37,7 +37,10 @@ COUNT = Int(0, 2**53)
 NAME = Str(200)
 PORT = Nullable(Int(1, 65535))
 SECONDS = Nullable("number")
-MODEL = Obj({"name": (NAME, True), "aliases": (ListOf(NAME, 100), False), "description": ("str", False),
+# The catalog's own bounds (llmgw/modelnames.py), so the controller never sends what a gateway refuses.
+MODEL_NAME = Str(modelnames.LONGEST)
+MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnames.MOST_ALIASES), False),
+             "description": ("str", False),
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
              "on_demand": ("bool", False), "role": (Str(20), False),
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False)})
