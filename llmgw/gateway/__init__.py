@@ -3,7 +3,8 @@
 Imported by: `gateway.py`, whose gunicorn master and gevent workers run it.
 Concurrency: gevent. Each worker is patched by gunicorn before the app is
 built, so sockets are green; ZeroMQ is used through `zmq.green`. Nothing on
-the request path queries the database or blocks a worker.
+the request path queries the database or blocks a worker; background SQLite
+work runs in one native thread (`offloop`).
 May import: the top-level modules, `wire`, `engines` (reading an engine's
 load) and `web` (only `webapp`, which mounts the pages). Never `control`,
 `people`, `node`, `mirror` or `cli`: what a gateway knows of keys, limits and

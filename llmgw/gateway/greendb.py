@@ -2,8 +2,8 @@
 
 psycopg2 talks to the server in C and would block the whole worker while it
 waits; with a wait callback it hands each wait to gevent instead (the approach
-of the psycogreen package, in the few lines it takes). SQLite needs nothing:
-its work is local and short.
+of the psycogreen package, in the few lines it takes). SQLite cannot yield:
+a worker's background SQLite work runs in a thread instead (offloop.py).
 """
 
 from __future__ import annotations

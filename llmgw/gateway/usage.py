@@ -3,8 +3,8 @@
 A request appends a tuple to a deque (no lock, no I/O). A flusher greenlet
 writes what has gathered every `flush_interval`, up to `batch_size` rows a
 transaction. With PostgreSQL the driver yields to other greenlets while it
-waits (llmgw/gateway/greendb.py); with SQLite a batch holds the worker for the
-milliseconds its write takes, which is why rows are batched.
+waits (llmgw/gateway/greendb.py); with SQLite the worker runs the flush in a
+thread of its own (llmgw/gateway/offloop.py), so the loop serves meanwhile.
 
 What can go wrong, and what happens then:
 

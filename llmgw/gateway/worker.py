@@ -7,7 +7,8 @@ Background greenlets keep it true: one reads each engine's load, probes
 replicas whose breaker is open and sets the replicas' and the pools' gauges,
 one writes buffered usage, and one follows the controller's snapshots and
 keys (or, without a controller, notices changed keys in the store with one
-small query a second, never one per request).
+small query a second, never one per request). On SQLite their store work runs
+in a thread of its own (llmgw/gateway/offloop.py), so the loop serves on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.limiter import Limiter
 from llmgw.gateway.metrics import UNKNOWN, GatewayMetrics
+from llmgw.gateway.offloop import StoreJobs
 from llmgw.gateway.saturation import pool_saturation
 from llmgw.gateway.snapshot import Snapshot
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
@@ -39,7 +41,8 @@ log = logging.getLogger("llmgw.worker")
 PROBE_TIMEOUT = 2.0
 # Seconds a stopping worker tries to write its buffered usage before it spools the rest: a store that is down
 # or hung must not hold up the stop, nor run into the master's kill (see USAGE_CLOSE_MARGIN in server.py).
-# It bounds PostgreSQL's waits (cooperative); SQLite's are bounded by its busy timeout (store.py).
+# It bounds PostgreSQL's waits (cooperative); on SQLite the stop waits no longer for the flush, but the spool
+# waits for it to end (offloop.py: one thread), which its busy timeout bounds (store.py).
 CLOSE_WRITE_LIMIT = 5.0
 DEMAND_EVERY = 1.0  # seconds: a model wanted by many requests is said once
 USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any idle timeout
@@ -61,6 +64,7 @@ class Runtime:
         # Read once at start; then pushed by the controller, or (without one) read again when they change.
         self.keys = KeyTable.from_message(key_source.key_set(engine))
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics, cfg["usage.spool_dir"])
+        self.store_jobs = StoreJobs(engine)
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
                                cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
         self.greenlets: list[gevent.Greenlet] = []
@@ -113,7 +117,7 @@ class Runtime:
 
     def start(self) -> None:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
-                          gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.usage.flush)]
+                          gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.flush_usage)]
         if self.cfg["gateway.controller"]:
             from llmgw.gateway.follower import follow, from_controller, with_leader
 
@@ -164,16 +168,17 @@ class Runtime:
             self.demand_socket.close(0)
         self.limiter.close()
         self.save_usage()
+        self.store_jobs.close()
         self.pool.close()
 
     def save_usage(self) -> None:
         """Write the buffered usage rows within CLOSE_WRITE_LIMIT; spool what is left then for the next start."""
         written = 0
         with gevent.Timeout(CLOSE_WRITE_LIMIT, False):
-            written = self.usage.flush()
+            written = self.flush_usage()
         if written:
             log.info("wrote %d buffered usage rows before stopping", written)
-        path, spooled = self.usage.spool()
+        path, spooled = self.store_jobs.run(self.usage.spool)
         if path:
             log.warning("the store did not take %d usage rows before stopping; they are in %s, and the next start "
                         "writes them into the store", spooled, path)
@@ -188,9 +193,19 @@ class Runtime:
                 log.exception("background job %s failed; it runs again in %.1f s", job.__name__, interval)
             gevent.sleep(max(0.0, interval - (time.monotonic() - started)))
 
+    def flush_usage(self) -> int:
+        return self.store_jobs.run(self.usage.flush)
+
     def refresh_keys(self) -> None:
-        if self.key_source.current_revision(self.engine) != self.keys.revision:
-            self.keys = KeyTable.from_message(self.key_source.key_set(self.engine))
+        changed = self.store_jobs.run(self._changed_keys, self.keys.revision)
+        if changed is not None:
+            self.keys = KeyTable.from_message(changed)
+
+    def _changed_keys(self, held: int) -> dict | None:
+        """The store's key set if its revision is not HELD, else None."""
+        if self.key_source.current_revision(self.engine) == held:
+            return None
+        return self.key_source.key_set(self.engine)
 
     def watch_replicas(self) -> None:
         states = list(self.router.states.values())
