@@ -125,6 +125,42 @@ def test_chunked_body_streams_piece_by_piece(pool):
     server.close()
 
 
+CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_the_chunks_one_read_brings_come_out_as_one_piece(pool):
+    # An engine writes an event a chunk; what one read brings is handed on at once, for one write to the client.
+    events = [b"data: %d\n\n" % i for i in range(5)]
+    server = Scripted([[CHUNKED, b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events), 0.3, b"0\r\n\r\n"]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    assert list(resp.iter_body(idle=5)) == [b"".join(events)]
+    assert resp.done
+    resp.release()
+    server.close()
+
+
+def test_a_chunked_body_cut_anywhere_between_reads_comes_out_whole(pool):
+    cuts = [b"5\r", b"\nhel", b"lo\r", b"\n6;x=1\r\n wor", b"ld\r\n0\r", b"\nTrailer: t\r\n", b"\r\nnext"]
+    server = Scripted([[CHUNKED, *(part for cut in cuts for part in (cut, 0.05))]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    assert b"".join(resp.iter_body(idle=5)) == b"hello world"
+    assert resp.done and resp.conn.buf == b"next"  # past the trailers, and not a byte further
+    resp.abort()
+    server.close()
+
+
+def test_a_bad_chunk_size_is_a_protocol_error(pool):
+    server = Scripted([[CHUNKED, b"5\r\nhello\r\nzz\r\n"]])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    pieces = resp.iter_body(idle=5)
+    assert next(pieces) == b"hello"
+    with pytest.raises(UpstreamError) as e:
+        next(pieces)
+    assert e.value.phase == "protocol"
+    resp.abort()
+    server.close()
+
+
 def test_close_delimited_body(pool):
     server = Scripted([[b"HTTP/1.1 200 OK\r\n\r\nuntil the end", "close"]])
     resp = pool.request(Target(server.url), "POST", "/", b"")

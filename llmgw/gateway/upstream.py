@@ -43,6 +43,14 @@ class UpstreamError(Exception):
         self.nothing_received = nothing_received
 
 
+def _chunk_size(line: bytes) -> int | None:
+    """The size a chunk's size line gives (extensions ignored); None where it gives none."""
+    try:
+        return int(line.split(b";", 1)[0], 16)
+    except ValueError:
+        return None
+
+
 class Target:
     """Where an engine listens, parsed once per replica rather than per request."""
 
@@ -119,7 +127,7 @@ class Response:
         return data
 
     def iter_body(self, idle: float | None = None):
-        """The body's bytes as they arrive (chunk framing removed)."""
+        """The body's bytes as they arrive, a piece a read (chunk framing removed)."""
         conn = self.conn
         if self.framing == "length":
             while self.remaining > 0:
@@ -130,30 +138,7 @@ class Response:
                 self.remaining -= len(piece)
                 yield piece
         elif self.framing == "chunked":
-            while True:
-                while b"\r\n" not in conn.buf:
-                    conn.buf += self._recv(idle)
-                line, conn.buf = conn.buf.split(b"\r\n", 1)
-                try:
-                    size = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("protocol", f"the engine sent a bad chunk size {line[:20]!r}") from None
-                if size == 0:
-                    # Trailers, if any, end with an empty line.
-                    while not conn.buf.startswith(b"\r\n") and b"\r\n\r\n" not in conn.buf:
-                        conn.buf += self._recv(idle)
-                    conn.buf = conn.buf[2:] if conn.buf.startswith(b"\r\n") else conn.buf.split(b"\r\n\r\n", 1)[1]
-                    break
-                while size > 0:
-                    if not conn.buf:
-                        conn.buf = self._recv(idle)
-                    piece = conn.buf[:size]
-                    conn.buf = conn.buf[len(piece):]
-                    size -= len(piece)
-                    yield piece
-                while len(conn.buf) < 2:
-                    conn.buf += self._recv(idle)
-                conn.buf = conn.buf[2:]
+            yield from self._chunked_body(idle)
         else:
             while True:
                 try:
@@ -165,6 +150,69 @@ class Response:
                 conn.buf = b""
                 yield data
         self.done = True
+
+    def _chunked_body(self, idle: float | None):
+        """A chunked body's bytes, one piece for each read: every chunk, whole or begun, that the read brought.
+
+        An engine writes an event a chunk, so a read often brings several; handing them on together is what
+        lets the gateway write them to its client in one send (one a chunk cost a send each), and nothing
+        waits for a read that has not come.
+        """
+        left = -1
+        while True:
+            data, left = self._take_chunks(left)
+            if data:
+                yield data
+            if left == 0:
+                self._skip_trailers(idle)
+                return
+            if not data or not self.conn.buf:  # else the rest may be a bad size line, to fail on now
+                self.conn.buf += self._recv(idle)
+
+    def _take_chunks(self, left: int) -> tuple[bytes, int]:
+        """The data of every chunk, whole or begun, in the buffer, and LEFT for what follows.
+
+        LEFT: bytes of the current chunk still to come; -1 before a size line, -2 before a chunk's closing
+        CRLF; 0 once the last chunk's size line is read. The buffer is read by index and cut once: slicing it
+        a chunk at a time would copy the rest of a 64 KiB read for each of its chunks.
+        """
+        buf, at, pieces = self.conn.buf, 0, []
+        while True:
+            if left > 0:
+                piece = buf[at:at + left]
+                if not piece:
+                    break
+                at += len(piece)
+                left -= len(piece)
+                pieces.append(piece)
+                if not left:
+                    left = -2
+            elif left == -2:
+                if len(buf) - at < 2:
+                    break
+                at += 2
+                left = -1
+            else:
+                end = buf.find(b"\r\n", at)
+                if end < 0:
+                    break
+                size = _chunk_size(buf[at:end])
+                if size is None:
+                    if pieces:
+                        break  # the chunks before it go on first; the next call fails
+                    raise UpstreamError("protocol", f"the engine sent a bad chunk size {buf[at:end][:20]!r}")
+                left, at = size, end + 2
+                if left == 0:
+                    break
+        self.conn.buf = buf[at:]
+        return b"".join(pieces), left
+
+    def _skip_trailers(self, idle: float | None) -> None:
+        """Past the trailers after the last chunk, if any; they end with an empty line."""
+        conn = self.conn
+        while not conn.buf.startswith(b"\r\n") and b"\r\n\r\n" not in conn.buf:
+            conn.buf += self._recv(idle)
+        conn.buf = conn.buf[2:] if conn.buf.startswith(b"\r\n") else conn.buf.split(b"\r\n\r\n", 1)[1]
 
     def read(self, idle: float | None = None) -> bytes:
         return b"".join(self.iter_body(idle))
