@@ -12,8 +12,8 @@ set to `UNKNOWN`, and the master leaves it out. Left as it was, a replica
 removed with its breaker open showed open, and alerted, until the worker
 restarted.
 
-Counters, histograms and the in-flight gauge are counted in plain Python
-(`Tally`, one per labelled series) and folded into the library's files by
+Counters, histograms and the in-flight gauge are counted in plain Python (a
+tally per labelled series) and folded into the library's files by
 `GatewayMetrics.fold`, once every FOLD_EVERY seconds and when the worker stops.
 Each update of the library's own objects locked, checked the process id and
 wrote the memory-mapped file: 6% of a plain request's CPU (docs/performance.md).
