@@ -80,6 +80,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     # before the server module (and its workers) import it.
     metrics_dir = tempfile.mkdtemp(prefix="llmgw-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    master = os.getpid()
     try:
         from llmgw.control import standin
         from llmgw.gateway.server import GatewayServer
@@ -87,7 +88,11 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
 
         GatewayServer(cfg, key_source=keys, standin=standin.run).run()
     finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        # Workers are forked inside run() and leave through here too. One stopped alone (SIGTERM, SIGQUIT)
+        # removed the directory under the master and the other workers: its replacement failed to boot
+        # (exit code 3) and took the whole gateway down.
+        if os.getpid() == master:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import pytest
 import sqlalchemy as sa
 
 from llmgw import store
+from llmgw.gateway.metrics import FOLD_EVERY
 from llmgw.procs import free_port, http_status, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,10 +232,39 @@ class Gateway:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
             return resp.read().decode()
 
-    def metric_total(self, name: str) -> float:
-        """The sum of series NAME over its labels (and the gateway's workers)."""
-        return sum(float(line.rsplit(" ", 1)[1]) for line in self.metrics().splitlines()
+    def metric_total(self, name: str, text: str | None = None) -> float:
+        """The sum of series NAME over its labels (and the gateway's workers), in TEXT or a scrape now.
+
+        A worker folds what it counted into the files a scrape reads once every FOLD_EVERY seconds
+        (llmgw/gateway/metrics.py): a count read right after a request may not hold it yet. Wait for it
+        with metrics_once, or read a settled_total."""
+        return sum(float(line.rsplit(" ", 1)[1]) for line in (text or self.metrics()).splitlines()
                    if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "))
+
+    def metrics_once(self, what: str, check, limit: float = 30) -> str:
+        """The metrics text once CHECK(text) holds (the counts arrive up to FOLD_EVERY late)."""
+        seen = [""]
+
+        def done() -> bool:
+            seen[0] = self.metrics()
+            return check(seen[0])
+
+        wait_for(what, limit, done, alive=lambda: self.proc.poll() is None)
+        return seen[0]
+
+    def settled_total(self, name: str, limit: float = 30) -> float:
+        """metric_total(NAME) once it has held still for two fold intervals, so that it holds everything the
+        workers counted before the call: a figure to count on from, or one that must not have grown."""
+        last = [self.metric_total(name), time.monotonic()]
+
+        def still() -> bool:
+            value, now = self.metric_total(name), time.monotonic()
+            if value != last[0]:
+                last[:] = [value, now]
+            return now - last[1] >= 2 * FOLD_EVERY
+
+        wait_for(f"{name} to hold still", limit, still, alive=lambda: self.proc.poll() is None)
+        return last[0]
 
     def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
         return stop_process(self.proc, sig, timeout)
@@ -377,6 +407,14 @@ def assert_units_valid(paths) -> None:
     assert os.path.exists(tool), f"{tool} is missing: apt-get install systemd (make test installs it as root)"
     run = subprocess.run([tool, "verify", "--man=no", *map(str, paths)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and not (run.stdout + run.stderr).strip(), run.stdout + run.stderr
+
+
+def counted(metrics, series) -> float:
+    """What SERIES of a worker's METRICS (a tally: `metrics.x`, `metrics.x.labels(...)`, or one of the few the
+    library counts itself) has counted, as prometheus-client holds it once the worker has folded
+    (llmgw/gateway/metrics.py)."""
+    metrics.fold()
+    return getattr(series, "target", series)._value.get()
 
 
 def wait_until(what: str, limit: float, check, interval: float = 0.05):

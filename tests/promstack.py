@@ -191,6 +191,8 @@ def parsed(text: str) -> dict[str, set[str]]:
 def emitted(tmp) -> dict[str, set[str]]:
     """Every series the roles emit -> its labels (less SCRAPED): the gateway's metric objects, the mirror's
     collector, a real controller's exposition and a real node_exporter's filesystem series."""
+    from prometheus_client.metrics import MetricWrapperBase
+
     from llmgw.control.fleet import Fleet
     from llmgw.control.fleetmetrics import FleetCollector
     from llmgw.gateway.metrics import GatewayMetrics
@@ -200,7 +202,10 @@ def emitted(tmp) -> dict[str, set[str]]:
     from tests.cluster import Controller
 
     series = {"up": set()}
-    for metric in vars(GatewayMetrics()).values():
+    for held in vars(GatewayMetrics()).values():
+        metric = getattr(held, "metric", getattr(held, "target", held))  # a tally's own library object
+        if not isinstance(metric, MetricWrapperBase):
+            continue  # the list of what it folds
         labels, kind = set(metric._labelnames), type(metric).__name__
         if kind == "Histogram":
             series.update({metric._name + "_bucket": labels | {"le"}, metric._name + "_sum": labels,

@@ -134,6 +134,7 @@ def test_the_queue_its_refusals_and_the_pools_saturation_are_in_the_gateways_met
         first.result()
         jumped.result()
     assert answers["first"][0] == 200 and answers["high"][0] == 200
+    assert gw.settled_total("llmgw_admission_rejected_total") == 2
     metrics = gw.metrics()
     assert 'llmgw_admission_rejected_total{band="normal",model="sim",reason="displaced"} 1.0' in metrics
     assert 'llmgw_admission_rejected_total{band="normal",model="sim",reason="full"} 1.0' in metrics

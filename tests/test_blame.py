@@ -125,7 +125,7 @@ def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another
     assert [post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] for _ in range(10)] == [200] * 10
     watch_rounds(idle, workers=1)  # the watcher sets the breaker gauges
     assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
-    assert "llmgw_upstream_retries_total{" not in gw.metrics()
+    assert gw.settled_total("llmgw_upstream_retries_total") == 0
 
 
 def test_a_sick_replica_still_leaves_rotation_through_its_health_check(tmp_path, make_gateway, make_sim):
@@ -159,7 +159,7 @@ def test_an_unavailable_replica_is_tried_elsewhere_and_struck(tmp_path, make_gat
     gw = make_gateway(store_url=url, endpoints=[ep("loading", loading.url), ep("good", good.url)], workers=1,
                       breaker__failures=2, breaker__cooldown=60.0, routing__affinity_prefix_bytes=0)
     assert [post(gw.url + "/v1/chat/completions", CHAT, key)[0] for _ in range(20)] == [200] * 20
-    assert 'llmgw_upstream_retries_total{reason="status"}' in gw.metrics()
+    gw.metrics_once("the retries counted", lambda text: 'llmgw_upstream_retries_total{reason="status"}' in text)
     wait_until("the breaker gauge", 30, lambda: breaker_open(gw, "loading"))
 
 

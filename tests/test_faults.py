@@ -79,7 +79,7 @@ def test_a_failed_attempt_is_retried_on_another_replica(tmp_path, make_gateway, 
     for _ in range(20):
         status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
         assert status == 200 and json.loads(raw)["system_fingerprint"] == "sim-good"
-    assert "llmgw_upstream_retries_total" in gw.metrics()
+    gw.metrics_once("the retries counted", lambda text: gw.metric_total("llmgw_upstream_retries_total", text))
 
 
 def test_breaker_opens_and_a_probe_closes_it(tmp_path, make_gateway, make_sim):
@@ -92,7 +92,7 @@ def test_breaker_opens_and_a_probe_closes_it(tmp_path, make_gateway, make_sim):
         for _ in range(30):
             assert post(gw.url + "/v1/chat/completions", CHAT, key)[0] == 200
         # Three failures (each retried on the good replica) opened the breaker; nothing more was sent there.
-        assert 'llmgw_upstream_retries_total{reason="status"} 3.0' in gw.metrics()
+        assert gw.settled_total('llmgw_upstream_retries_total{reason="status"}') == 3
         wait_until("the breaker gauge", 30, lambda: 'llmgw_endpoint_breaker_open{replica="flaky"} 1.0' in gw.metrics())
         # The replica is mended; the probe after the cooldown brings it back.
         flaky.stop()
@@ -206,7 +206,7 @@ def test_connect_timeout(tmp_path, make_gateway, make_sim):
             started = time.monotonic()
             status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
             assert status == 200 and time.monotonic() - started < 1.5
-        assert "llmgw_upstream_retries_total{reason=\"connect\"}" in gw.metrics()
+        gw.metrics_once("the retries counted", lambda text: 'llmgw_upstream_retries_total{reason="connect"}' in text)
     finally:
         for s in fillers:
             s.close()
@@ -274,5 +274,5 @@ def test_a_request_an_engine_dies_of_is_not_sent_to_the_next(tmp_path, make_gate
     error = json.loads(raw)["error"]
     assert status == 502 and error["code"] == "engine_died" and "not sent to another replica" in error["message"]
     assert sum(s.proc.poll() is None for s in sims) == 2
-    assert 'llmgw_engine_deaths_on_request_total{model="sim"} 1.0' in gw.metrics()
+    assert gw.settled_total('llmgw_engine_deaths_on_request_total{model="sim"}') == 1
     wait_until("the usage row", 30, lambda: count_usage(url, status=502) == 1)

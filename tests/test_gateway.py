@@ -271,7 +271,8 @@ def test_landing_page_believes_forwarded_headers_only_from_trusted_proxies(env):
 def test_metrics_are_summed_over_workers_on_their_own_address(env):
     for _ in range(4):
         env.client.chat.completions.create(model="sim", max_tokens=1, messages=[{"role": "user", "content": "m"}])
-    text = env.gw.metrics()
+    text = env.gw.metrics_once("4 requests counted", lambda text: env.gw.metric_total(
+        'llmgw_requests_total{model="sim",status="200"}', text) >= 4)
     for name in ("llmgw_requests_total{model=\"sim\",status=\"200\"}", "llmgw_request_duration_seconds_bucket",
                  "llmgw_ttft_seconds_bucket", "llmgw_tokens_total{direction=\"out\",model=\"sim\"}",
                  "llmgw_requests_in_flight", "llmgw_endpoint_breaker_open{replica=\"s0\"}",

@@ -231,7 +231,8 @@ def test_fail_closed_with_the_judge_down_is_503_saying_why(env):
 def test_fail_open_passes_and_is_counted_and_logged(env):
     assert Chat.ask(env, "open", True) == ANSWER
     wait_for_row(env, "open", (200, "unjudged", None, True, "chat"))
-    assert 'llmgw_guard_unavailable_total{fail="open",judge="judge-dead"}' in env.gw.metrics()
+    env.gw.metrics_once("the unjudged check counted",
+                        lambda text: 'llmgw_guard_unavailable_total{fail="open",judge="judge-dead"}' in text)
     assert "passed unjudged (guard.fail = open)" in env.gw.log()
 
 
@@ -239,7 +240,7 @@ def test_verdicts_are_counted_by_category(env):
     Chat.ask(env, "plain", False)
     with pytest.raises(Refused):
         Chat.ask(env, "bad-prompt", False)
-    metrics = env.gw.metrics()
+    metrics = env.gw.metrics_once("the verdicts counted", lambda text: 'category="S1"' in text)
     assert ('llmgw_guard_verdicts_total{category="S1",checked="prompt",judge="judge-unsafe",verdict="unsafe"}'
             in metrics)
     assert 'llmgw_guard_verdicts_total{category="",checked="answer",judge="judge-safe",verdict="safe"}' in metrics
@@ -347,7 +348,8 @@ def test_pieces_judged_safe_before_are_not_asked_again(env):
     for _ in range(3):  # each worker asks once at most; the gateway has two
         assert post(f"{env.url}/v1/chat/completions", body, env.key)[0] == 200
     assert asked() - before <= 2 * pieces
-    assert 'llmgw_guard_remembered_total{judge="judge-word"}' in env.gw.metrics()
+    env.gw.metrics_once("the remembered pieces counted",
+                        lambda text: 'llmgw_guard_remembered_total{judge="judge-word"}' in text)
 
 
 def test_a_prompt_too_long_to_judge_is_refused_before_the_judge_is_asked(env):
@@ -366,6 +368,7 @@ def test_a_piece_the_judge_refuses_as_too_long_is_refused_even_with_fail_open(en
     error = raised.value
     assert error.status == 400 and error.code == "guard_too_long" and "guard.max_prompt_bytes" in error.message
     wait_for_row(env, "tiny-open", (400, "unjudged", None, False, "chat"))
+    env.gw.settled_total("llmgw_guard_unavailable_total")
     assert "judge-tiny" not in env.gw.metrics().split("llmgw_guard_unavailable_total", 1)[-1].split("\n# ")[0]
 
 

@@ -356,7 +356,7 @@ def served_until_refused(gw, key) -> int:
 
 def waived_so_far(gw) -> float:
     """Admissions the gateway's workers made without an accountant (it did not answer)."""
-    return gw.metric_total("llmgw_accountant_unavailable_total")
+    return gw.settled_total("llmgw_accountant_unavailable_total")
 
 
 def test_two_gateways_following_both_serve_plain_and_streamed_through_a_failover_then_ask_the_new_leader(pair, tmp_path, pg_url):

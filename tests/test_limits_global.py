@@ -3,7 +3,6 @@ holding the accountant, a simulated engine, requests fired at both gateways at o
 
 import concurrent.futures
 import json
-import re
 
 import sqlalchemy as sa
 
@@ -136,21 +135,19 @@ def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, ma
                                                                        gateways=1)
     try:
         assert post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] == 200
-        waived = unavailable(gw)  # the probe's, while the gateway had no snapshot yet
+        waived = gw.settled_total(UNAVAILABLE)  # the probe's, while the gateway had no snapshot yet
         controller.stop()
         # Rate limits protect capacity and are let through; money is not spent unchecked.
         assert [post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] for _ in range(3)] == [200] * 3
         status, headers, body = post(gw.url + "/v1/chat/completions", BODY, budgeted_secret)
         assert status == 503 and json.loads(body)["error"]["code"] == "limits_unavailable"
-        assert unavailable(gw) == waived + 4
+        assert gw.settled_total(UNAVAILABLE) == waived + 4
     finally:
         engine.dispose()
         controller.stop()
 
 
-def unavailable(gw) -> float:
-    found = re.search(r"^llmgw_accountant_unavailable_total (\S+)$", gw.metrics(), re.M)
-    return float(found.group(1)) if found else 0.0
+UNAVAILABLE = "llmgw_accountant_unavailable_total"
 
 
 def test_every_request_is_priced_limited_or_not(tmp_path, make_sim, make_gateway):

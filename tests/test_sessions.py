@@ -19,7 +19,7 @@ from llmgw.cli.main import main as cli
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys, sessions
 from llmgw.web import throttle
-from tests.conftest import wait_until
+from tests.conftest import counted, wait_until
 from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
 
 PASSWORD = "a long enough password"
@@ -232,7 +232,7 @@ def test_an_upgrade_takes_the_old_secret_out_of_the_store(tmp_path):
 
 def held_back(app, limit: str) -> float:
     """Attempts the throttle held back at LIMIT, as llmgw_sign_in_throttled_total counts them."""
-    return app.runtime.metrics.sign_in_throttled.labels(limit)._value.get()
+    return counted(app.runtime.metrics, app.runtime.metrics.sign_in_throttled.labels(limit))
 
 
 def test_after_five_failures_the_right_password_is_refused_until_the_window_passes(site, tmp_path):  # noqa: F811

@@ -11,6 +11,7 @@ from llmgw.cli.main import main
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.usage import FIELDS, UsageRecorder
 from llmgw.people import keys, orgtree, rollup, usagereport
+from tests.conftest import counted
 
 NOW = 1_800_000_000.0  # a fixed clock: 2027-01-15 08:00 UTC
 
@@ -124,7 +125,7 @@ def test_a_row_the_store_refuses_is_dropped_logged_and_counted_and_the_rest_writ
         recorder.record(usage_row(key_id=f"k{i}", endpoint=None if i == 3 else "chat"))  # endpoint is NOT NULL
     assert recorder.flush() == 6 and recorder.pending() == 0
     assert [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2", "k4", "k5"]
-    assert metrics.usage_dropped._value.get() == 1
+    assert counted(metrics, metrics.usage_dropped) == 1
     dropped = [r.getMessage() for r in caplog.records if "usage row dropped" in r.getMessage()]
     assert len(dropped) == 1 and '"key_id": "k3"' in dropped[0] and "the store refused it" in dropped[0]
     recorder.record(usage_row(key_id="k6"))
@@ -143,7 +144,7 @@ def test_rows_wait_while_the_store_cannot_take_them_and_none_is_dropped(engine):
     finally:
         with engine.begin() as conn:
             conn.execute(sa.text("ALTER TABLE usage_away RENAME TO usage"))
-    assert recorder.pending() == 3 and metrics.usage_dropped._value.get() == 0
+    assert recorder.pending() == 3 and counted(metrics, metrics.usage_dropped) == 0
     assert recorder.flush() == 3 and [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2"]
 
 
@@ -191,7 +192,7 @@ def test_rows_neither_store_nor_spool_takes_are_logged_with_their_content(tmp_pa
     recorder = UsageRecorder(engine, batch_size=10, metrics=GatewayMetrics(), spool_dir=str(blocked / "spool"))
     recorder.record(usage_row(key_id="lost"))
     assert recorder.spool() == (None, 1)
-    assert recorder.metrics.usage_dropped._value.get() == 1
+    assert counted(recorder.metrics, recorder.metrics.usage_dropped) == 1
     assert any('"key_id": "lost"' in r.getMessage() for r in caplog.records)
     engine.dispose()
 
@@ -207,5 +208,5 @@ def test_a_spool_line_that_holds_no_row_is_logged_and_the_others_written(engine,
     starting = UsageRecorder(engine, batch_size=10, metrics=GatewayMetrics(), spool_dir=str(spool))
     starting.flush()
     assert [r.key_id for r in stored(engine, "key_id")] == ["kept"] and os.listdir(spool) == []
-    assert starting.metrics.usage_dropped._value.get() == 2
+    assert counted(starting.metrics, starting.metrics.usage_dropped) == 2
     assert any("unreadable in the spool: not json" in r.getMessage() for r in caplog.records)

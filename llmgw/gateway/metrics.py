@@ -11,11 +11,20 @@ a worker no longer knows (a replica gone, a pool with nothing to measure) is
 set to `UNKNOWN`, and the master leaves it out. Left as it was, a replica
 removed with its breaker open showed open, and alerted, until the worker
 restarted.
+
+Counters, histograms and the in-flight gauge are counted in plain Python (a
+tally per labelled series) and folded into the library's files by
+`GatewayMetrics.fold`, once every FOLD_EVERY seconds and when the worker stops.
+Each update of the library's own objects locked, checked the process id and
+wrote the memory-mapped file: 6% of a plain request's CPU (docs/performance.md).
+A scrape therefore sees a worker's counts up to FOLD_EVERY late. The gauges
+set from background greenlets are set on the library's objects directly.
 """
 
 from __future__ import annotations
 
 import threading
+from bisect import bisect_left
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, multiprocess
@@ -26,10 +35,99 @@ from llmgw import addresses
 # Below every real figure, so that `livemax` takes any worker's known one over it; never served.
 UNKNOWN = float("-inf")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+# Seconds between folds of a worker's counts into prometheus-client's files: the most a scrape lags behind.
+FOLD_EVERY = 1.0
+
+
+class CounterTally:
+    """A counter series' increments since the last fold. Its greenlets share it without a lock: gevent
+    switches only where one waits, and no update or fold waits."""
+
+    __slots__ = ("target", "pending")
+
+    def __init__(self, target):
+        self.target = target
+        self.pending = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:  # refused here, at the caller, as prometheus-client refuses it
+            raise ValueError(f"a counter only goes up, and was given {amount}")
+        self.pending += amount
+
+    def fold(self) -> None:
+        if self.pending:
+            amount, self.pending = self.pending, 0.0
+            self.target.inc(amount)
+
+
+class GaugeTally(CounterTally):
+    """A gauge series moved up and down (requests in flight) since the last fold."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        self.pending += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.pending -= amount
+
+
+class HistogramTally:
+    """A histogram series' observations since the last fold: a count a bucket and their sum."""
+
+    __slots__ = ("target", "bounds", "counts", "sum")
+
+    def __init__(self, target):
+        self.target = target
+        self.bounds = target._upper_bounds  # ends with +Inf, so every figure has a bucket
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        # The first bucket whose bound is at or above AMOUNT, as prometheus-client's observe() finds it.
+        self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def fold(self) -> None:
+        counts, total = self.counts, self.sum
+        if not any(counts):
+            return
+        self.counts, self.sum = [0] * len(counts), 0.0
+        # The library's own per-bucket values (what observe() adds 1 to), each added to once a fold; a test
+        # holds the samples equal to observe()'s, so an upgrade that renames them fails there, not in service.
+        self.target._sum.inc(total)
+        for value, count in zip(self.target._buckets, counts):
+            if count:
+                value.inc(count)
+
+
+class Tallied:
+    """A labelled metric whose series are tallies: `labels(...)` finds the series in a dict, and makes the
+    library's child (checking the labels, as before) only the first time."""
+
+    def __init__(self, metric, tally):
+        self.metric = metric
+        self.tally = tally
+        self.series: dict[tuple, CounterTally | HistogramTally] = {}
+
+    def labels(self, *values):
+        found = self.series.get(values)
+        if found is None:
+            found = self.series[values] = self.tally(self.metric.labels(*values))
+        return found
+
+    def fold(self) -> None:
+        for series in self.series.values():
+            series.fold()
+
+
+def tallied(metric, tally):
+    """METRIC counted through TALLY: a Tallied when it has labels, else the one tally itself."""
+    return Tallied(metric, tally) if metric._labelnames else tally(metric)
 
 
 class GatewayMetrics:
-    """The metric objects one worker updates."""
+    """The metric objects one worker updates, and `fold`, which its Runtime calls."""
 
     def __init__(self):
         self.requests = Counter("llmgw_requests", "Requests answered, by model asked for and HTTP status.",
@@ -40,8 +138,8 @@ class GatewayMetrics:
                               ["model"], buckets=LATENCY_BUCKETS, registry=None)
         self.tokens = Counter("llmgw_tokens", "Tokens, by model served and direction (in: prompt, out: completion).",
                               ["model", "direction"], registry=None)
-        self.in_flight = Gauge("llmgw_requests_in_flight", "Requests being answered now.", ["model"],
-                               multiprocess_mode="livesum", registry=None)
+        self.in_flight = Tallied(Gauge("llmgw_requests_in_flight", "Requests being answered now.", ["model"],
+                                       multiprocess_mode="livesum", registry=None), GaugeTally)
         self.overhead = Histogram("llmgw_gateway_overhead_seconds",
                                   "Time the gateway itself added to a request (before the engine's first byte).",
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1), registry=None)
@@ -111,6 +209,20 @@ class GatewayMetrics:
         self.controller_dropped = Counter("llmgw_controller_messages_dropped", "Messages from the controller that "
                                           "could not be read (malformed, or of a protocol version this gateway does "
                                           "not know), and so were not acted on.", registry=None)
+        # Every counter and histogram is tallied too (the module's first lines say why); the gauges set from
+        # background greenlets stay the library's own, and so do the usage writer's counters: on SQLite it
+        # counts from a thread of its own (offloop.py), where a tally's += could race the fold, and the
+        # library's values take a lock. They count failures, rare enough for the library's cost.
+        tallies = {Counter: CounterTally, Histogram: HistogramTally}
+        for name, metric in list(vars(self).items()):
+            if type(metric) in tallies and name not in ("usage_failures", "usage_dropped"):
+                setattr(self, name, tallied(metric, tallies[type(metric)]))
+        self.folded = [m for m in vars(self).values() if isinstance(m, (Tallied, CounterTally, HistogramTally))]
+
+    def fold(self) -> None:
+        """Add what was counted since the last fold to prometheus-client's files, where scrapes read it."""
+        for metric in self.folded:
+            metric.fold()
 
 
 class _QuietHandler(WSGIRequestHandler):

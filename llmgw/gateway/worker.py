@@ -5,10 +5,12 @@ replica's load and breaker, the key table, the upstream connection pool, the
 admission queue.
 Background greenlets keep it true: one reads each engine's load, probes
 replicas whose breaker is open and sets the replicas' and the pools' gauges,
-one writes buffered usage, and one follows the controller's snapshots and
-keys (or, without a controller, notices changed keys in the store with one
-small query a second, never one per request). On SQLite their store work runs
-in a thread of its own (llmgw/gateway/offloop.py), so the loop serves on.
+one writes buffered usage, one folds the metrics counted in plain Python
+into prometheus-client's files once a second (llmgw/gateway/metrics.py), and
+one follows the controller's snapshots and keys (or, without a controller,
+notices changed keys in the store with one small query a second, never one
+per request). On SQLite their store work runs in a thread of its own
+(llmgw/gateway/offloop.py), so the loop serves on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from llmgw.gateway.admission import AdmissionQueue
 from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.limiter import Limiter
-from llmgw.gateway.metrics import UNKNOWN, GatewayMetrics
+from llmgw.gateway.metrics import FOLD_EVERY, UNKNOWN, GatewayMetrics
 from llmgw.gateway.offloop import StoreJobs
 from llmgw.gateway.saturation import pool_saturation
 from llmgw.gateway.snapshot import Snapshot
@@ -117,7 +119,8 @@ class Runtime:
 
     def start(self) -> None:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
-                          gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.flush_usage)]
+                          gevent.spawn(self._every, self.cfg["usage.flush_interval"], self.flush_usage),
+                          gevent.spawn(self._every, FOLD_EVERY, self.metrics.fold)]
         if self.cfg["gateway.controller"]:
             from llmgw.gateway.follower import follow, from_controller, with_leader
 
@@ -161,15 +164,21 @@ class Runtime:
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
 
     def close(self) -> None:
-        """Stop the background work and write every buffered usage row, or spool what the store will not take."""
-        gevent.killall(self.greenlets, block=True, timeout=2)
-        self.greenlets = []
-        if self.demand_socket is not None:
-            self.demand_socket.close(0)
-        self.limiter.close()
-        self.save_usage()
-        self.store_jobs.close()
-        self.pool.close()
+        """Stop the background work, write every buffered usage row (or spool what the store will not take)
+        and fold the metrics counted since the last fold."""
+        try:
+            gevent.killall(self.greenlets, block=True, timeout=2)
+            self.greenlets = []
+            if self.demand_socket is not None:
+                self.demand_socket.close(0)
+            self.limiter.close()
+            self.save_usage()
+            self.store_jobs.close()
+            self.pool.close()
+        finally:
+            # Last, after everything that counts (the usage writes do): what was counted since the last fold
+            # would otherwise go with the process.
+            self.metrics.fold()
 
     def save_usage(self) -> None:
         """Write the buffered usage rows within CLOSE_WRITE_LIMIT; spool what is left then for the next start."""
