@@ -14,8 +14,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -407,6 +409,56 @@ def assert_units_valid(paths) -> None:
     assert os.path.exists(tool), f"{tool} is missing: apt-get install systemd (make test installs it as root)"
     run = subprocess.run([tool, "verify", "--man=no", *map(str, paths)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and not (run.stdout + run.stderr).strip(), run.stdout + run.stderr
+
+
+class SocketStub:
+    """A server on a loopback socket of its own, written byte by byte where an HTTP library would hide what
+    is tested (chunk framing, pauses, hang-ups): each connection is handed to `answer` in a thread."""
+
+    def __init__(self, host: str = "127.0.0.1", name: str | None = None):
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.bind((host, 0))
+        self.sock.listen(16)
+        name = name or (f"[{host}]" if ":" in host else host)
+        self.url = f"http://{name}:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def read_head(conn: socket.socket) -> bytes | None:
+        """A request's head, up to its blank line (with what came after it in the same reads); None when the
+        client hung up first."""
+        head = b""
+        while b"\r\n\r\n" not in head:
+            if not (data := conn.recv(65536)):
+                return None
+            head += data
+        return head
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def send_json(handler, status: int, body) -> None:
+    """Answer an http.server request handler's request with BODY as JSON."""
+    data = json.dumps(body).encode()
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def counted(metrics, series) -> float:

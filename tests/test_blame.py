@@ -14,7 +14,7 @@ import time
 from llmgw import store
 from llmgw.people import keys, limits
 from llmgw.procs import http_status
-from tests.conftest import make_key, post, wait_until
+from tests.conftest import SocketStub, make_key, post, wait_until
 from tests.test_faults import stream_events
 
 CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
@@ -221,32 +221,16 @@ def test_requests_for_unknown_models_count_against_the_rate(tmp_path, make_gatew
     assert post(gw.url + "/v1/chat/completions", CHAT, secret)[0] == 429
 
 
-class LingeringEngine:
+class LingeringEngine(SocketStub):
     """An engine that sends its whole stream, `[DONE]` included, then holds the connection a while
     before ending the body, as an engine busy tidying up does."""
 
     EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 
-    def __init__(self):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self.serve, daemon=True).start()
-
-    def serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
-
     def answer(self, conn):
         try:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += conn.recv(65536)
+            if (head := self.read_head(conn)) is None:
+                return
             if not head.startswith(b"POST"):
                 conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 return
@@ -259,9 +243,6 @@ class LingeringEngine:
             pass
         finally:
             conn.close()
-
-    def close(self):
-        self.sock.close()
 
 
 def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway):

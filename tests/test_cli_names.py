@@ -8,7 +8,6 @@ record what the CLI asked; the CLI runs as the operator runs it, in its own proc
 from __future__ import annotations
 
 import http.server
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import threading
 import pytest
 
 from llmgw.cli.tables import printable
+from tests.conftest import send_json
 
 ESC_NODE = "n1\x1b]0;owned\x07"  # would retitle the terminal
 NODES = {"nodes": [{"node_id": ESC_NODE, "state": "ready", "last_heard_s": 1.0, "status": {},
@@ -35,14 +35,6 @@ class Stub(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-    def _answer(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def _any(self):
         length = int(self.headers.get("Content-Length") or 0)
         if length:
@@ -50,20 +42,20 @@ class Stub(http.server.BaseHTTPRequestHandler):
         self.server.seen.append((self.command, self.path, self.headers.get("Authorization")))
         path = self.path.split("?")[0]
         if path == "/api/v1/nodes":
-            return self._answer(200, NODES)
+            return send_json(self, 200, NODES)
         if path.endswith("/logs"):
-            return self._answer(200, LOGS)
+            return send_json(self, 200, LOGS)
         if path == "/api/v1/models":
-            return self._answer(200, MODELS)
+            return send_json(self, 200, MODELS)
         if path == "/api/v1/replicas":
-            return self._answer(200, REPLICAS)
+            return send_json(self, 200, REPLICAS)
         if path == "/health":
-            return self._answer(200, {"ok": True})
+            return send_json(self, 200, {"ok": True})
         if path == "/v1/chat/completions":
-            return self._answer(401, {"error": {"code": "invalid_api_key", "message": "no such key \x1b[2J"}})
+            return send_json(self, 401, {"error": {"code": "invalid_api_key", "message": "no such key \x1b[2J"}})
         if self.command == "DELETE":
-            return self._answer(200, {"stopped": [], "unconfirmed": []})
-        return self._answer(404, {"error": "no such thing \x1b[2J here"})
+            return send_json(self, 200, {"stopped": [], "unconfirmed": []})
+        return send_json(self, 404, {"error": "no such thing \x1b[2J here"})
 
     do_GET = do_POST = do_PUT = do_DELETE = _any
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from llmgw import settings, store
 from llmgw.cli.main import main
 from llmgw.people import accounts, keys, limits, orgtree
-from tests.conftest import write_config
+from tests.conftest import send_json, write_config
 from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
 
 PASSWORD = "a long enough password"
@@ -163,13 +163,7 @@ class FakeGateway(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        status, body = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, *(self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]))
 
     def log_message(self, *args):
         pass

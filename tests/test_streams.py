@@ -9,7 +9,7 @@ import threading
 
 from llmgw.gateway.sse import DONE
 from llmgw.procs import wait_for
-from tests.conftest import ROOT, count_usage, make_key
+from tests.conftest import ROOT, SocketStub, count_usage, make_key
 
 STREAMS = 1000
 
@@ -39,34 +39,19 @@ def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-class OneStreamEngine:
+class OneStreamEngine(SocketStub):
     """An engine that answers a chat stream with one event, waits until `sent_on` is set, then sends the rest,
     an HTTP chunk an event as engines write them, all in one packet. Anything else it answers with a 404."""
 
     def __init__(self, rest: list[bytes]):
         self.rest = rest
         self.sent_on = threading.Event()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self.serve, daemon=True).start()
-
-    def serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+        super().__init__()
 
     def answer(self, conn):
         with conn:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                if not (data := conn.recv(65536)):
-                    return
-                head += data
+            if (head := self.read_head(conn)) is None:
+                return
             if not head.startswith(b"POST /v1/chat/completions "):
                 conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 return
@@ -74,9 +59,6 @@ class OneStreamEngine:
                          + http_chunk(sse({"content": "a"})))
             if self.sent_on.wait(30):
                 conn.sendall(b"".join(http_chunk(event) for event in self.rest) + b"0\r\n\r\n")
-
-    def close(self):
-        self.sock.close()
 
 
 def read_chunks(sock: socket.socket):

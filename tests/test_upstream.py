@@ -9,36 +9,22 @@ import pytest
 
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
 from llmgw.procs import wait_for
+from tests.conftest import SocketStub
 
 
-class Scripted:
+class Scripted(SocketStub):
     """A server that answers each connection's requests with the next scripted replies: bytes to send, seconds
     to pause, or "close". A pause ends early when the client hangs up, and `hangups` has the time it did."""
 
     def __init__(self, replies, host="127.0.0.1", name=None):
         self.replies = list(replies)
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.bind((host, 0))
-        self.sock.listen(16)
-        name = name or (f"[{host}]" if ":" in host else host)
-        self.url = f"http://{name}:{self.sock.getsockname()[1]}"
-        self.connections = 0
         self.requests = []
         self.hangups: list[float] = []
-        threading.Thread(target=self.serve, daemon=True).start()
+        super().__init__(host, name)
 
-    def serve(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
-
-    def handle(self, conn):
+    def answer(self, conn):
         try:
-            self.answer(conn)
+            self.reply(conn)
         except (ConnectionResetError, BrokenPipeError):
             self.hangups.append(time.monotonic())
         except (OSError, ValueError, IndexError):
@@ -55,7 +41,7 @@ class Scripted:
         time.sleep(max(0.0, until - time.monotonic()))  # what the client sent meanwhile waits its turn
         return False
 
-    def answer(self, conn):
+    def reply(self, conn):
         buf = b""
         while self.replies:
             while b"\r\n\r\n" not in buf:
@@ -81,9 +67,6 @@ class Scripted:
                 else:
                     conn.sendall(part)
         conn.close()
-
-    def close(self):
-        self.sock.close()
 
 
 @pytest.fixture
