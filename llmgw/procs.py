@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 import resource
 import socket
 import time
 import urllib.error
 import urllib.request
 
+# Ports are handed out below the kernel's ephemeral range: a port bound there and let go can be taken as
+# the local end of any outgoing connection before the server it was chosen for binds it (seen under load,
+# as "Address already in use"). Each process walks the range from its own random start, so two processes
+# choosing at once rarely meet, and one never hands the same port out twice in a row.
+LOWEST_PORT = 10_000
+_offsets = itertools.count(random.randrange(1 << 16))  # next() on a count is atomic: threads share it
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A TCP port on HOST that nothing holds now and that no outgoing connection will be given."""
+    span = _ephemeral_low() - LOWEST_PORT
+    if span >= 1000:
+        for _ in range(200):
+            port = LOWEST_PORT + next(_offsets) % span
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:  # a machine whose ephemeral range leaves no room below it
         s.bind((host, 0))
         return s.getsockname()[1]
 

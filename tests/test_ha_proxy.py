@@ -46,8 +46,12 @@ def proxied(request, tmp_path, make_sim, make_gateway):
     start = start_nginx if request.param == "nginx" else start_caddy
     proc, host = start(tmp_path, port, gateways)
     try:
-        wait_for(f"{request.param} to answer", WAIT, lambda: status(port, "GET", "/health", host=host) == 200,
-                 alive=lambda: proc.poll() is None)
+        try:
+            wait_for(f"{request.param} to answer", WAIT, lambda: status(port, "GET", "/health", host=host) == 200,
+                     alive=lambda: proc.poll() is None)
+        except (RuntimeError, TimeoutError) as e:
+            logs = "".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob(f"{request.param}*.log"))
+            raise RuntimeError(f"{e}; its log ends:\n{logs}") from None
         yield port, host, gateways, key
     finally:
         stop_process(proc, signal.SIGQUIT if request.param == "nginx" else signal.SIGTERM)
@@ -89,6 +93,7 @@ http {{
 def start_caddy(tmp_path, port: int, gateways) -> tuple[subprocess.Popen, str]:
     # localhost gets a certificate from Caddy's own authority, with no network; its data stays in tmp_path.
     env = {**os.environ, "LLMGW_SITE": f"https://localhost:{port}", "CADDY_ADMIN": "off",
+           "CADDY_HTTP_PORT": str(free_port()),  # not the machine's port 80, which anything may hold
            "LLMGW_GATEWAYS": " ".join(f"127.0.0.1:{gw.port}" for gw in gateways),
            "XDG_DATA_HOME": str(tmp_path / "caddy-data"), "XDG_CONFIG_HOME": str(tmp_path / "caddy-config")}
     log = open(tmp_path / "caddy.log", "wb")

@@ -24,7 +24,7 @@ def fire(urls, key, count, body=BODY, threads=32):
         return list(pool.map(one, range(count)))
 
 
-def start(tmp_path, make_sim, make_gateway, prepare, gateways=2):
+def start(tmp_path, make_sim, make_gateway, prepare, gateways=2, accountant_timeout=20.0):
     """A controller, then PREPARE(engine) (keys, limits, prices), then the gateways: their workers read what
     PREPARE made at start, so no test waits for a reload. PREPARE's answer comes back last."""
     sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
@@ -34,7 +34,9 @@ def start(tmp_path, make_sim, make_gateway, prepare, gateways=2):
     made = prepare(engine)
     probe = limited_key("probe", rpm=1_000_000)(engine)
     endpoints = [{"id": "sim-1", "url": sim.url, "models": ["sim"]}]
-    gws = [make_gateway(store_url=url, endpoints=endpoints, workers=2,
+    # The accountant is waited on for long: a loaded machine answers 160 admits at once in over the default
+    # 0.5 s, and what is not answered in time is waived (as the test of a silent accountant shows).
+    gws = [make_gateway(store_url=url, endpoints=endpoints, workers=2, limits__accountant_timeout=accountant_timeout,
                         gateway__controller=f"127.0.0.1:{controller.gateway_port}",
                         gateway__key_file=controller.gateway_key_file(f"gw{i}")) for i in range(gateways)]
     # A gateway learns where the accountant is from the controller's first snapshot; until then it waives
@@ -132,7 +134,7 @@ def test_a_silent_accountant_waives_rate_limits_and_refuses_budgets(tmp_path, ma
         return limited_key("rated", rpm=1)(engine), limited_key("budgeted", budget=rules.parse_money("100"))(engine)
 
     controller, (gw,), engine, (rated_secret, budgeted_secret) = start(tmp_path, make_sim, make_gateway, prepare,
-                                                                       gateways=1)
+                                                                       gateways=1, accountant_timeout=0.5)
     try:
         assert post(gw.url + "/v1/chat/completions", BODY, rated_secret)[0] == 200
         waived = gw.settled_total(UNAVAILABLE)  # the probe's, while the gateway had no snapshot yet
