@@ -273,6 +273,8 @@ def test_a_request_an_engine_dies_of_is_not_sent_to_the_next(tmp_path, make_gate
     status, _, raw = post(gw.url + "/v1/chat/completions", CHAT, key)
     error = json.loads(raw)["error"]
     assert status == 502 and error["code"] == "engine_died" and "not sent to another replica" in error["message"]
+    # The gateway sees the connection drop before the engine's process is reaped: wait for that one exit.
+    wait_until("the engine that took the request to exit", 30, lambda: sum(s.proc.poll() is None for s in sims) < 3)
     assert sum(s.proc.poll() is None for s in sims) == 2
     assert gw.settled_total('llmgw_engine_deaths_on_request_total{model="sim"}') == 1
     wait_until("the usage row", 30, lambda: count_usage(url, status=502) == 1)
