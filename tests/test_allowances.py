@@ -152,3 +152,19 @@ def test_a_worker_near_a_limit_asks_for_each_request(worker):
     answers = [limiter.admit(address, ("k", False), chain, False, 0, 0) for _ in range(21)]
     assert [a["ok"] for a in answers] == [True] * 20 + [False]
     assert len(asked) == 21 and not limiter.allowances  # twenty is within sixteen times two of its limit
+
+
+def test_a_worker_that_stops_hands_back_its_allowances_with_requests_in_flight_at_their_estimates(worker):
+    limiter, server, address, asked = worker
+    chain = [level("key:k", rpm=100_000, tpm=10**8), level("team:t", budget=10**12)]
+    done = limiter.admit(address, ("k", True), chain, True, 100, 30)["r"]
+    limiter.settle(address, done, 10, 3)
+    running = limiter.admit(address, ("k", True), chain, True, 100, 30)["r"]
+    assert running is done and server.accountant.reservations
+    limiter.stop()  # before the allowance's second is up; one of its requests still runs
+    accountant = server.accountant
+    assert not accountant.reservations and not accountant.reserved  # confirmed before stop returned
+    now = accountant.clock()
+    assert accountant.requests["key:k"].used(now) == 2 and accountant.tokens["key:k"].used(now) == 110
+    assert accountant.spent("team:t", "month") == 33
+    limiter.settle(address, running, 10, 3)  # the request ends after: nothing more is sent

@@ -50,20 +50,22 @@ class Allowance:
     A request admitted from it takes one request, its token estimate and its cost estimate, all of which
     must fit in what is left, so its requests together never spend more than the accountant granted."""
 
-    __slots__ = ("address", "reservation", "size", "requests", "tokens", "cost", "until", "answer", "in_flight",
-                 "used_tokens", "used_cost", "closed")
+    __slots__ = ("address", "reservation", "size", "granted_tokens", "granted_cost", "requests", "tokens", "cost",
+                 "until", "answer", "in_flight", "used_tokens", "used_cost", "closed", "handed")
 
     def __init__(self, address: str, reservation: int, size: int, tokens: int, cost: int, until: float,
                  status: dict):
         self.address = address  # the accountant that granted it, and the only one it is handed back to
         self.reservation = reservation
         self.size = size
+        self.granted_tokens, self.granted_cost = tokens, cost
         self.requests, self.tokens, self.cost = size, tokens, cost  # what is left
         self.until = until  # time.monotonic() past which it admits nothing more
         self.answer = {"ok": True, "r": self, "status": status}  # what each request it admits is told
         self.in_flight = 0
         self.used_tokens = self.used_cost = 0
-        self.closed = False
+        self.closed = False  # admits nothing more
+        self.handed = False  # settled with the accountant
 
     def take(self, estimate: int, cost: int, now: float) -> bool:
         """Admit one request of ESTIMATE tokens and COST from what is left; False when it does not fit."""
@@ -95,6 +97,7 @@ class Limiter:
         self.waiting: dict[int, AsyncResult] = {}
         self.ids = itertools.count(1)
         self.allowances: dict[tuple, Allowance] = {}  # (levels, priced): the allowance requests are admitted from
+        self.closing: set[Allowance] = set()  # closed, with requests still in flight
         self.asking: set[tuple] = set()  # levels an allowance is being asked for, so that only one is
         self.sweeper: gevent.Greenlet | None = None
 
@@ -188,6 +191,7 @@ class Limiter:
             reservation.used_tokens += tokens
             reservation.used_cost += cost
             if reservation.closed and reservation.in_flight == 0:
+                self.closing.discard(reservation)
                 self._hand_back(reservation)
             return
         if address is None:
@@ -208,11 +212,19 @@ class Limiter:
             allowance.closed = True
             if allowance.in_flight == 0:
                 self._hand_back(allowance)
+            else:
+                self.closing.add(allowance)
 
     def _hand_back(self, allowance: Allowance) -> None:
-        if allowance.address == self.address:
-            self._settle(self.address, allowance.reservation, allowance.used_tokens, allowance.used_cost,
-                         allowance.used)
+        """Settle ALLOWANCE: what its requests used, those still in flight (a worker stopping) at their
+        estimates."""
+        if allowance.handed or allowance.address != self.address:
+            return
+        allowance.handed = True
+        running = allowance.in_flight
+        tokens = allowance.used_tokens + running * (allowance.granted_tokens // allowance.size)
+        cost = allowance.used_cost + running * (allowance.granted_cost // allowance.size)
+        self._settle(self.address, allowance.reservation, tokens, cost, allowance.used)
 
     def _sweep(self) -> None:
         """Close the allowances whose time is up, and forget them, so a key gone quiet holds nothing."""
@@ -225,12 +237,29 @@ class Limiter:
                     if self.allowances.get(key) is allowance:
                         del self.allowances[key]
 
+    def stop(self) -> None:
+        """Hand back every allowance, then close: the accountant would hold what they hold for an hour (it
+        forgets a reservation then), and keep it from the other workers meanwhile. One question answered
+        says the hand-backs before it were taken (one DEALER's messages are taken in order)."""
+        held = [a for a in self.allowances.values() if not a.handed] + list(self.closing)
+        for allowance in held:
+            allowance.closed = True
+            self._hand_back(allowance)
+        if held and self.address is not None:
+            try:
+                self.ask(self.address, {"op": "status", "levels": []})
+            except Unavailable:
+                log.warning("the accountant did not confirm the allowances handed back as this worker stopped; "
+                            "what they hold is freed within the hour")
+        self.close()
+
     def close(self) -> None:
         # What was granted belongs to the accountant this worker leaves: it forgets it after an hour, or
         # sooner when it is a standby that comes to lead again (llmgw/control/accountserver.py).
         for allowance in self.allowances.values():
             allowance.closed = True
         self.allowances.clear()
+        self.closing.clear()
         for greenlet in (self.reader, self.sweeper):
             if greenlet is not None:
                 greenlet.kill(block=False)
