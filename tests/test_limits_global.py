@@ -65,7 +65,8 @@ def test_a_key_limited_to_100_a_minute_gets_at_most_101_across_two_gateways(tmp_
         assert statuses.count(200) <= 101 and statuses.count(200) >= 100, statuses
         assert statuses.count(429) == 160 - statuses.count(200)
         refused = next(h for s, h in results if s == 429)
-        assert 1 <= int(refused["Retry-After"]) <= 60
+        # A minute, and the second in which the requests of a worker's allowance may have been made.
+        assert 1 <= int(refused["Retry-After"]) <= 61
         served = next(h for s, h in results if s == 200)
         assert served["X-RateLimit-Limit-Requests"] == "100"
     finally:

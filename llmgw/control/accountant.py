@@ -18,6 +18,18 @@ The rules, in the order they are checked:
 3. Tokens a minute: the same, with the estimate; a refusal here hands back
    the tokens but not the request (it did arrive).
 
+An admit may ask for an allowance of up to `grant` requests: the accountant
+then charges that many requests, tokens and cost at once (each as many times
+the request's own estimate), if every pool has sixteen times as much headroom
+left (`SHARE`), and the worker admits its next requests from it without
+asking; what it does not use is handed back when it settles the allowance.
+Allowances only ever hold what the pools had left, so all workers together
+never pass a limit; near a limit there is no room for one and every request is
+asked for, so the rules above hold to the request. An allowance is spent
+within `accounting.GRANT_SECONDS` of being asked for, so its requests are
+counted in the requests-a-minute windows from that time on: a minute that
+holds one of them holds the whole allowance.
+
 Settling replaces each token estimate with the real count in every pool that
 took it, and adds the cost to every budget. Only the gateway that admitted a
 request may settle it, once, with amounts that are not negative; any other
@@ -41,12 +53,16 @@ from sqlalchemy.engine import Engine
 
 from llmgw import rules
 from llmgw.people import limits as lim
+from llmgw.wire.accounting import GRANT_SECONDS, LARGEST_GRANT
 
 log = logging.getLogger("llmgw.accountant")
 
 WINDOW = 60.0  # seconds: "a minute" is any sixty seconds, not the clock's minute
 ADJECTIVE = {"day": "daily", "month": "monthly"}
 RESERVATION_TTL = 3600.0  # a reservation never settled (its gateway died) is forgotten after this
+# An allowance takes at most a SHARE-th of what any pool it is counted in has left: the allowances of many
+# workers then leave most of a limit to be asked for, and none is granted within SHARE requests of one.
+SHARE = 16
 
 
 class Window:
@@ -63,14 +79,15 @@ class Window:
         while entries and entries[0][0] <= now - WINDOW:
             self.total -= entries.popleft()[1]
 
-    def allow(self, limit: int, amount: int, now: float) -> list | None:
+    def allow(self, limit: int, amount: int, now: float, at: float | None = None) -> list | None:
         """Charge AMOUNT if it fits under LIMIT; the entry (to hand back or settle later), or None.
         An empty window takes any one request, so a single estimate larger than the limit is not
-        refused forever."""
+        refused forever. AT dates the charge later than NOW (an allowance spent until then): it counts
+        from now until a minute after AT, and the charges after it leave no sooner than it does."""
         self._expire(now)
         if self.total + amount > limit and (self.total > 0 or limit == 0):
             return None
-        entry = [now, amount]
+        entry = [now if at is None else at, amount]
         self.entries.append(entry)
         self.total += amount
         return entry
@@ -85,6 +102,9 @@ class Window:
     def used(self, now: float) -> int:
         self._expire(now)
         return self.total
+
+    def left(self, limit: int, now: float) -> int:
+        return limit - self.used(now)
 
     def retry_after(self, now: float) -> int:
         """Seconds until the oldest charge leaves the window."""
@@ -101,11 +121,13 @@ class Reservation:
     budgets: list[tuple[str, str, float]]  # (counter, period, period start) of every level with a budget
     cost: int  # the estimated cost held in each budget's reserve until settled
     owner: object = None  # who admitted it, and so the only one who may settle it
+    size: int = 1  # the requests it admits: more than one for a worker's allowance
+    requests: list[tuple[Window, list]] = dataclasses.field(default_factory=list)  # an allowance's, settled to use
 
     @property
     def held(self) -> bool:
-        """Whether it waits for a settle: it took tokens or reserved a budget's cost."""
-        return bool(self.tokens or self.budgets)
+        """Whether it waits for a settle: it took tokens, reserved a budget's cost, or is an allowance."""
+        return bool(self.tokens or self.budgets or self.size > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +155,10 @@ class Accountant:
         return self.spend.get((counter, period, rules.period_start(period, now)), 0)
 
     def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0,
-              owner: object = None) -> Reservation | Refused:
+              owner: object = None, grant: int = 1) -> Reservation | Refused:
         """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
-        that may cost up to COST micro-units; only OWNER may settle what it reserves."""
+        that may cost up to COST micro-units; only OWNER may settle what it reserves. With GRANT above
+        one, the reservation may be an allowance for up to GRANT such requests (its `size`)."""
         now = self.clock()
         budgets = [(counter, period, rules.period_start(period, now))
                    for counter, _r, _t, budget, period in levels if budget is not None]
@@ -147,12 +170,14 @@ class Accountant:
                 if self.spend.get(pool, 0) + self.reserved.get(pool, 0) >= budget:
                     return Refused("budget", counter, _until_next(period, now),
                                    f"the {ADJECTIVE.get(period, period)} budget of {_scope_words(counter)} is spent")
+        size = self._allowance(levels, priced, estimate, cost, min(grant, LARGEST_GRANT), now) if grant > 1 else 1
+        at = now + GRANT_SECONDS if size > 1 else None
         taken: list[tuple[Window, list]] = []
         for counter, rpm, _tpm, _budget, _period in levels:
             if rpm is None:
                 continue
             window = self.requests[counter]
-            entry = window.allow(rpm, 1, now)
+            entry = window.allow(rpm, size, now, at)
             if entry is None:
                 _hand_back(taken, now)
                 return Refused("rpm", counter, window.retry_after(now),
@@ -163,13 +188,14 @@ class Accountant:
             if tpm is None:
                 continue
             window = self.tokens[counter]
-            entry = window.allow(tpm, estimate, now)
+            entry = window.allow(tpm, estimate * size, now, at)
             if entry is None:
                 _hand_back(tokens, now)
                 return Refused("tpm", counter, window.retry_after(now),
                                f"{_scope_words(counter)} may use {tpm} tokens a minute")
             tokens.append((window, entry))
-        reservation = Reservation(self.next_id, now, tokens, budgets, cost if priced else 0, owner)
+        reservation = Reservation(self.next_id, now, tokens, budgets, cost * size if priced else 0, owner, size,
+                                  taken if size > 1 else [])
         self.next_id += 1
         for pool in budgets:
             self.reserved[pool] += reservation.cost
@@ -177,9 +203,25 @@ class Accountant:
             self.reservations[reservation.id] = reservation
         return reservation
 
-    def settle(self, reservation_id: int, tokens: int, cost: int, owner: object = None) -> str | None:
-        """The request is over: TOKENS were used and it cost COST micro-units. None when settled; else
-        why it was refused, with nothing changed."""
+    def _allowance(self, levels: list[list], priced: bool, estimate: int, cost: int, want: int,
+                   now: float) -> int:
+        """How many requests like this one an allowance may hold: up to WANT, and a SHARE-th of what every
+        pool has left; 1 (no allowance) when that is fewer than two."""
+        size = want
+        for counter, rpm, tpm, budget, period in levels:
+            if rpm is not None:
+                size = min(size, self.requests[counter].left(rpm, now) // SHARE)
+            if tpm is not None and estimate:
+                size = min(size, self.tokens[counter].left(tpm, now) // (SHARE * estimate))
+            if budget is not None and priced and cost:
+                pool = (counter, period, rules.period_start(period, now))
+                size = min(size, (budget - self.spend.get(pool, 0) - self.reserved.get(pool, 0)) // (SHARE * cost))
+        return size if size > 1 else 1
+
+    def settle(self, reservation_id: int, tokens: int, cost: int, owner: object = None,
+               requests: int | None = None) -> str | None:
+        """The request is over: TOKENS were used and it cost COST micro-units (an allowance: its REQUESTS
+        together). None when settled; else why it was refused, with nothing changed."""
         if tokens < 0 or cost < 0:
             return f"a settle of {tokens} tokens and cost {cost}: neither may be negative"
         reservation = self.reservations.get(reservation_id)
@@ -188,9 +230,15 @@ class Accountant:
                     "before a restart, or forgotten after an hour)")
         if reservation.owner != owner:
             return f"reservation {reservation_id} was admitted by another gateway, which alone may settle it"
+        if reservation.size > 1 and (requests is None or not 0 <= requests <= reservation.size):
+            return (f"reservation {reservation_id} is an allowance of {reservation.size} requests, settled as "
+                    f"{requests}: say how many of them were used")
         del self.reservations[reservation_id]
+        now = self.clock()
+        for window, entry in reservation.requests:
+            window.adjust(entry, requests, now)
         for window, entry in reservation.tokens:
-            window.adjust(entry, tokens, self.clock())
+            window.adjust(entry, tokens, now)
         self._release(reservation)
         if cost:
             for pool in reservation.budgets:

@@ -55,19 +55,20 @@ def handle(accountant: Accountant, peer: object, msg: dict) -> bytes | None:
     """The answer to MSG (decoded, so its shape is checked) from PEER, or None when it needs none."""
     op = msg["op"]
     if op == "settle":
-        refusal = accountant.settle(msg["r"], msg["tokens"], msg["cost"], owner=peer)
+        refusal = accountant.settle(msg["r"], msg["tokens"], msg["cost"], owner=peer, requests=msg.get("n"))
         if refusal is not None:
             raise Dropped("settle", refusal)
         return None
     if op == "admit":
         levels = msg["levels"]
-        result = accountant.admit(levels, msg["priced"], msg["tokens"], msg["cost"], owner=peer)
+        result = accountant.admit(levels, msg["priced"], msg["tokens"], msg["cost"], owner=peer,
+                                  grant=msg.get("grant", 1))
         if isinstance(result, Refused):
             return accounting.encode("refused", id=msg["id"], ok=False, limit=result.limit, counter=result.counter,
                                      retry_after=result.retry_after, message=result.message,
                                      status=_status(accountant, levels))
         return accounting.encode("admitted", id=msg["id"], ok=True, r=result.id if result.held else None,
-                                 status=_status(accountant, levels))
+                                 status=_status(accountant, levels), n=result.size if result.size > 1 else None)
     if op == "status":
         return accounting.encode("status_reply", id=msg["id"], status=_status(accountant, msg["levels"]))
     raise Dropped("malformed", f"{op!r} is an answer, not something the accountant is asked")

@@ -6,6 +6,16 @@ reads the answers and wakes the request waiting for each. The accountant lets
 only the connection that admitted a request settle it. A key that nothing limits never gets here, so it pays no
 round trip.
 
+Most limited requests pay none either: each admit asks for an allowance of
+requests like it at the same levels (`Allowance`), which the accountant grants
+while the pools are far from their limits. The worker admits the next requests
+at those levels from it, without asking, for `accounting.GRANT_SECONDS`, and
+settles it once, with what its requests used, when it is spent or its time is
+up and its last request has ended. It asks for twice as many as the last one
+used (from `FIRST_GRANT` up to `LARGEST_GRANT`), so a key sending one request
+a minute holds no more than it needs. Near a limit the accountant grants none
+and every request is asked for, so limits hold exactly as without allowances.
+
 When the accountant does not answer within `limits.accountant_timeout`:
 requests and tokens a minute are let through (they protect capacity, which
 the engines also protect, and an outage is short), but a request a budget
@@ -18,6 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import gevent
 from gevent.event import AsyncResult
@@ -25,10 +36,50 @@ from zmq import NOBLOCK, Again
 
 from llmgw import addresses
 from llmgw.wire import accounting
-from llmgw.wire.accounting import ProtocolError
+from llmgw.wire.accounting import GRANT_SECONDS, LARGEST_GRANT, ProtocolError
 from llmgw.wire.curve import ClientKeys, dial
 
 log = logging.getLogger("llmgw.limiter")
+
+FIRST_GRANT = 4  # requests: the first allowance asked for at a set of levels
+
+
+class Allowance:
+    """Requests, tokens and cost the accountant set aside for this worker's requests at one set of levels.
+
+    A request admitted from it takes one request, its token estimate and its cost estimate, all of which
+    must fit in what is left, so its requests together never spend more than the accountant granted."""
+
+    __slots__ = ("address", "reservation", "size", "granted_tokens", "granted_cost", "requests", "tokens", "cost",
+                 "until", "answer", "in_flight", "used_tokens", "used_cost", "closed", "handed")
+
+    def __init__(self, address: str, reservation: int, size: int, tokens: int, cost: int, until: float,
+                 status: dict):
+        self.address = address  # the accountant that granted it, and the only one it is handed back to
+        self.reservation = reservation
+        self.size = size
+        self.granted_tokens, self.granted_cost = tokens, cost
+        self.requests, self.tokens, self.cost = size, tokens, cost  # what is left
+        self.until = until  # time.monotonic() past which it admits nothing more
+        self.answer = {"ok": True, "r": self, "status": status}  # what each request it admits is told
+        self.in_flight = 0
+        self.used_tokens = self.used_cost = 0
+        self.closed = False  # admits nothing more
+        self.handed = False  # settled with the accountant
+
+    def take(self, estimate: int, cost: int, now: float) -> bool:
+        """Admit one request of ESTIMATE tokens and COST from what is left; False when it does not fit."""
+        if self.closed or now >= self.until or self.requests < 1 or estimate > self.tokens or cost > self.cost:
+            return False
+        self.requests -= 1
+        self.tokens -= estimate
+        self.cost -= cost
+        self.in_flight += 1
+        return True
+
+    @property
+    def used(self) -> int:
+        return self.size - self.requests
 
 
 class Unavailable(Exception):
@@ -45,6 +96,10 @@ class Limiter:
         self.reader: gevent.Greenlet | None = None
         self.waiting: dict[int, AsyncResult] = {}
         self.ids = itertools.count(1)
+        self.allowances: dict[tuple, Allowance] = {}  # (levels, priced): the allowance requests are admitted from
+        self.closing: set[Allowance] = set()  # closed, with requests still in flight
+        self.asking: set[tuple] = set()  # levels an allowance is being asked for, so that only one is
+        self.sweeper: gevent.Greenlet | None = None
 
     def _connect(self, address: str) -> None:
         import zmq.green as zmq
@@ -60,6 +115,7 @@ class Limiter:
         self.socket.connect(addresses.zmq_connect(address, "the accountant's address"))
         self.address = address
         self.reader = gevent.spawn(self._read, self.socket)
+        self.sweeper = gevent.spawn(self._sweep)
 
     def _read(self, sock) -> None:
         while True:
@@ -98,24 +154,124 @@ class Limiter:
         finally:
             self.waiting.pop(msg_id, None)
 
-    def admit(self, address: str | None, levels: list, priced: bool, estimate: int, cost: int) -> dict:
-        return self.ask(address, {"op": "admit", "levels": levels, "priced": priced, "tokens": estimate,
-                                  "cost": cost})
+    def admit(self, address: str | None, key: tuple, levels: list, priced: bool, estimate: int, cost: int) -> dict:
+        """Admit a request of ESTIMATE tokens and COST at LEVELS (KEY names them, with PRICED): from this
+        worker's allowance when it has one that fits, else by asking the accountant, for an allowance too.
+        The answer's `r` is what `settle` takes: an allowance, a reservation's id, or None."""
+        now = time.monotonic()
+        held = self.allowances.get(key) if address == self.address else None
+        if held is not None:
+            if held.take(estimate, cost, now):
+                return held.answer
+            self._close(held)
+        msg = {"op": "admit", "levels": levels, "priced": priced, "tokens": estimate, "cost": cost}
+        if key in self.asking:  # another request asks for this key's allowance: this one asks for itself
+            return self.ask(address, msg)
+        self.asking.add(key)
+        try:
+            answer = self.ask(address, {**msg, "grant": _next_size(held)})
+        finally:
+            self.asking.discard(key)
+        size = answer.get("n") or 1
+        if size > 1 and answer.get("ok") and address == self.address:
+            allowance = Allowance(address, answer["r"], size, estimate * size, cost * size, now + GRANT_SECONDS,
+                                  answer.get("status") or {})
+            allowance.take(estimate, cost, now)
+            previous = self.allowances.get(key)
+            if previous is not None:
+                self._close(previous)
+            self.allowances[key] = allowance
+            return allowance.answer
+        return answer
 
-    def settle(self, address: str | None, reservation: int, tokens: int, cost: int) -> None:
+    def settle(self, address: str | None, reservation: int | Allowance, tokens: int, cost: int) -> None:
+        """A request admitted with RESERVATION is over: it used TOKENS and cost COST."""
+        if isinstance(reservation, Allowance):
+            reservation.in_flight -= 1
+            reservation.used_tokens += tokens
+            reservation.used_cost += cost
+            if reservation.closed and reservation.in_flight == 0:
+                self.closing.discard(reservation)
+                self._hand_back(reservation)
+            return
         if address is None:
             return
+        self._settle(address, reservation, tokens, cost)
+
+    def _settle(self, address: str, reservation: int, tokens: int, cost: int, used: int | None = None) -> None:
         try:
-            self._send(address, "settle", r=reservation, tokens=tokens, cost=cost)
+            self._send(address, "settle", r=reservation, tokens=tokens, cost=cost, n=used)
         except Unavailable:
-            log.warning("could not settle a request with the accountant (%d tokens, cost %d); "
-                        "it is rebuilt from usage rows when it restarts", tokens, cost)
+            log.warning("could not settle %s with the accountant (%d tokens, cost %d); "
+                        "it is rebuilt from usage rows when it restarts",
+                        "a request" if used is None else f"an allowance of {used} requests", tokens, cost)
+
+    def _close(self, allowance: Allowance) -> None:
+        """Admit nothing more from ALLOWANCE; it is handed back once its last request has settled."""
+        if not allowance.closed:
+            allowance.closed = True
+            if allowance.in_flight == 0:
+                self._hand_back(allowance)
+            else:
+                self.closing.add(allowance)
+
+    def _hand_back(self, allowance: Allowance) -> None:
+        """Settle ALLOWANCE: what its requests used, those still in flight (a worker stopping) at their
+        estimates."""
+        if allowance.handed or allowance.address != self.address:
+            return
+        allowance.handed = True
+        running = allowance.in_flight
+        tokens = allowance.used_tokens + running * (allowance.granted_tokens // allowance.size)
+        cost = allowance.used_cost + running * (allowance.granted_cost // allowance.size)
+        self._settle(self.address, allowance.reservation, tokens, cost, allowance.used)
+
+    def _sweep(self) -> None:
+        """Close the allowances whose time is up, and forget them, so a key gone quiet holds nothing."""
+        while True:
+            gevent.sleep(GRANT_SECONDS)
+            now = time.monotonic()
+            for key, allowance in list(self.allowances.items()):
+                if allowance.closed or now >= allowance.until:
+                    self._close(allowance)
+                    if self.allowances.get(key) is allowance:
+                        del self.allowances[key]
+
+    def stop(self) -> None:
+        """Hand back every allowance, then close: the accountant would hold what they hold for an hour (it
+        forgets a reservation then), and keep it from the other workers meanwhile. One question answered
+        says the hand-backs before it were taken (one DEALER's messages are taken in order)."""
+        held = [a for a in self.allowances.values() if not a.handed] + list(self.closing)
+        for allowance in held:
+            allowance.closed = True
+            self._hand_back(allowance)
+        if held and self.address is not None:
+            try:
+                self.ask(self.address, {"op": "status", "levels": []})
+            except Unavailable:
+                log.warning("the accountant did not confirm the allowances handed back as this worker stopped; "
+                            "what they hold is freed within the hour")
+        self.close()
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.kill(block=False)
-            self.reader = None
+        # What was granted belongs to the accountant this worker leaves: it forgets it after an hour, or
+        # sooner when it is a standby that comes to lead again (llmgw/control/accountserver.py).
+        for allowance in self.allowances.values():
+            allowance.closed = True
+        self.allowances.clear()
+        self.closing.clear()
+        for greenlet in (self.reader, self.sweeper):
+            if greenlet is not None:
+                greenlet.kill(block=False)
+        self.reader = self.sweeper = None
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
         self.address = None
+
+
+def _next_size(previous: Allowance | None) -> int:
+    """How many requests to ask an allowance for: twice what the last one was used for."""
+    if previous is None:
+        return FIRST_GRANT
+    return min(LARGEST_GRANT, max(FIRST_GRANT, 2 * previous.used))

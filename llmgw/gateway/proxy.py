@@ -280,7 +280,8 @@ class Proxy:
     def _reserve(self, caller: Caller, priced: bool, estimate: int, cost: int, model: str | None) -> None:
         """Ask the accountant for ESTIMATE tokens and COST for CALLER; raises ApiError when refused."""
         try:
-            answer = self.rt.limiter.admit(self._accountant(), caller.wire, priced, estimate, cost)
+            answer = self.rt.limiter.admit(self._accountant(), (caller.access.levels, priced), caller.wire, priced,
+                                           estimate, cost)
         except Unavailable:
             if priced and any(lv.budget is not None for lv in caller.access.levels):
                 log.warning("refused a request of key %s for %s: a budget limits it and the accountant did not "

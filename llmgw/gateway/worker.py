@@ -171,7 +171,7 @@ class Runtime:
             self.greenlets = []
             if self.demand_socket is not None:
                 self.demand_socket.close(0)
-            self.limiter.close()
+            self.limiter.stop()
             self.save_usage()
             self.store_jobs.close()
             self.pool.close()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from llmgw import rules
 from llmgw.wire.schema import Int, ListOf, Nullable, ProtocolError, Row, Schema, Str
 
-__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode"]
+__all__ = ["GRANT_SECONDS", "LARGEST_GRANT", "MESSAGES", "VERSION", "ProtocolError", "decode", "encode"]
 
 VERSION = 1
 
@@ -24,6 +24,11 @@ ID = Int(0, JSON_INT)
 TOKENS = Int(0, 10**9)
 COST = Int(0, 10**15)  # micro-units: a thousand million units of money, far beyond any one request
 COUNTER = Str(300)
+# A worker's allowance (llmgw/control/accountant.py): at most this many requests, admitted by the worker
+# within this many seconds of asking for it (by its own clock, from before it asked).
+LARGEST_GRANT = 1024
+GRANT_SECONDS = 1.0
+GRANT = Int(0, LARGEST_GRANT)
 LIMIT = Nullable(Int(0, JSON_INT))
 LEVELS = ListOf(Row((COUNTER, LIMIT, LIMIT, LIMIT, Str(8, rules.PERIODS))), 64)
 
@@ -31,11 +36,12 @@ LEVELS = ListOf(Row((COUNTER, LIMIT, LIMIT, LIMIT, Str(8, rules.PERIODS))), 64)
 MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     # gateway -> accountant
     "admit": {"id": (ID, True), "levels": (LEVELS, True), "priced": ("bool", True), "tokens": (TOKENS, True),
-              "cost": (COST, True)},
-    "settle": {"r": (ID, True), "tokens": (TOKENS, True), "cost": (COST, True)},
+              "cost": (COST, True), "grant": (GRANT, False)},
+    "settle": {"r": (ID, True), "tokens": (TOKENS, True), "cost": (COST, True), "n": (GRANT, False)},
     "status": {"id": (ID, True), "levels": (LEVELS, True)},
     # accountant -> gateway
-    "admitted": {"id": (ID, True), "ok": ("bool", True), "r": (ID, False), "status": ("object", True)},
+    "admitted": {"id": (ID, True), "ok": ("bool", True), "r": (ID, False), "status": ("object", True),
+                 "n": (GRANT, False)},
     "refused": {"id": (ID, True), "ok": ("bool", True), "limit": (Str(8, ("budget", "rpm", "tpm")), True),
                 "counter": (COUNTER, True), "retry_after": (Int(0, JSON_INT), True), "message": ("str", True),
                 "status": ("object", True)},
