@@ -10,7 +10,7 @@ import pytest
 
 from llmgw.control.accountant import SHARE, Accountant, Reservation
 from llmgw.control.accountserver import AccountServer
-from llmgw.gateway.limiter import FIRST_GRANT, Allowance, Limiter
+from llmgw.gateway.limiter import FIRST_GRANT, Allowance, Limiter, Unavailable
 from llmgw.wire.accounting import GRANT_SECONDS
 from tests.test_accountant import Clock, level
 
@@ -90,10 +90,41 @@ def test_an_allowance_is_settled_only_with_how_many_of_its_requests_were_made():
 
 def test_a_request_that_does_not_fit_an_allowance_takes_nothing_from_it():
     allowance = Allowance("tcp://a", 1, 4, 40, 20, time.monotonic() + 60, {})
-    assert not allowance.take(41, 1, time.monotonic())  # more tokens than are left
-    assert not allowance.take(1, 21, time.monotonic())  # more cost
-    assert allowance.take(10, 5, time.monotonic()) and (allowance.requests, allowance.tokens) == (3, 30)
-    assert not allowance.take(1, 1, allowance.until)  # its time is up
+    assert allowance.take(41, 1, time.monotonic()) is None  # more tokens than are left
+    assert allowance.take(1, 21, time.monotonic()) is None  # more cost
+    assert allowance.take(10, 5, time.monotonic())["ok"] and (allowance.requests, allowance.tokens) == (3, 30)
+    assert allowance.take(1, 1, allowance.until) is None  # its time is up
+
+
+def test_a_charge_waiting_behind_an_allowance_to_expire_is_settled_into_the_total_it_is_in():
+    # A request admitted alone just after an allowance was granted expires behind it, up to a second late.
+    # Settled in that second, its new count must replace its estimate in the total, or the total drifts
+    # for good: up when requests use less than their estimates, below zero when more.
+    clock = Clock()
+    a = Accountant(clock)
+    team = level("team:t", tpm=100_000)
+    a.admit([level("key:a", rpm=10_000), team], False, 10, grant=64)
+    clock.t += 0.5
+    alone = a.admit([level("key:b"), team], False, 1000)
+    clock.t += 60.2  # past its own minute, not past the allowance's
+    assert a.settle(alone.id, 10, 0) is None
+    clock.t += 5
+    assert a.tokens["team:t"].used(clock.t) == 0
+    again = a.admit([level("key:b"), team], False, 10)
+    clock.t += 0.3
+    assert a.settle(again.id, 50_000, 0) is None  # more than its estimate: counted, never below zero
+    assert a.tokens["team:t"].used(clock.t) == 50_000
+
+
+def test_a_window_already_past_its_tokens_grants_no_allowance():
+    # Requests refused before admission count with no token estimate; a tokens window a settle took past its
+    # limit must not hand them an allowance of requests it would then refuse, keeping all of them charged.
+    a = Accountant(Clock())
+    chain = [level("key:k", rpm=10_000, tpm=100)]
+    r = a.admit(chain, False, 10)
+    assert a.settle(r.id, 500, 0) is None
+    refused = a.admit(chain, False, 0, grant=64)
+    assert not isinstance(refused, Reservation) and a.requests["key:k"].used(a.clock()) == 2
 
 
 @pytest.fixture
@@ -136,12 +167,12 @@ def test_a_worker_asks_once_for_many_requests_and_settles_what_they_used_when_it
 def test_requests_in_flight_keep_an_allowance_until_the_last_of_them_settles(worker):
     limiter, server, address, asked = worker
     chain = [level("key:k", rpm=100_000)]
-    first = limiter.admit(address, ("k", False), chain, False, 0, 0)
-    held = first["r"]
+    ticket = limiter.admit(address, ("k", False), chain, False, 0, 0)["r"]
+    held = ticket[0]
     assert isinstance(held, Allowance) and held.size == FIRST_GRANT
     gevent.sleep(GRANT_SECONDS * 2.5)  # past its time: closed by the sweep, but a request is still in flight
     assert held.closed and server.accountant.reservations
-    limiter.settle(address, held, 0, 0)
+    limiter.settle(address, ticket, 0, 0)
     wait_green("the allowance handed back", lambda: not server.accountant.reservations)
     assert server.accountant.requests["key:k"].used(server.accountant.clock()) == 1
 
@@ -159,12 +190,35 @@ def test_a_worker_that_stops_hands_back_its_allowances_with_requests_in_flight_a
     chain = [level("key:k", rpm=100_000, tpm=10**8), level("team:t", budget=10**12)]
     done = limiter.admit(address, ("k", True), chain, True, 100, 30)["r"]
     limiter.settle(address, done, 10, 3)
-    running = limiter.admit(address, ("k", True), chain, True, 100, 30)["r"]
-    assert running is done and server.accountant.reservations
+    running = limiter.admit(address, ("k", True), chain, True, 60, 20)["r"]  # its own, smaller estimates
+    assert running[0] is done[0] and server.accountant.reservations
     limiter.stop()  # before the allowance's second is up; one of its requests still runs
     accountant = server.accountant
     assert not accountant.reservations and not accountant.reserved  # confirmed before stop returned
     now = accountant.clock()
-    assert accountant.requests["key:k"].used(now) == 2 and accountant.tokens["key:k"].used(now) == 110
-    assert accountant.spent("team:t", "month") == 33
+    assert accountant.requests["key:k"].used(now) == 2 and accountant.tokens["key:k"].used(now) == 70
+    assert accountant.spent("team:t", "month") == 23
     limiter.settle(address, running, 10, 3)  # the request ends after: nothing more is sent
+
+
+def test_an_allowance_granted_after_its_request_stopped_waiting_is_handed_back_at_once(worker):
+    limiter, server, address, asked = worker
+    limiter.timeout = 0.2
+    chain = [level("key:k", rpm=100_000), level("team:t", budget=10**12)]
+    admit = server.accountant.admit
+
+    granted = []
+
+    def slow(*args, **kw):
+        time.sleep(0.6)  # the accountant's thread, busy past the worker's wait
+        granted.append(admit(*args, **kw))
+        return granted[-1]
+
+    server.accountant.admit = slow
+    with pytest.raises(Unavailable):
+        limiter.admit(address, ("k", True), chain, True, 100, 30)
+    wait_green("the accountant to answer late", lambda: granted)
+    assert granted[0].size == FIRST_GRANT
+    wait_green("the late allowance handed back", lambda: not server.accountant.reservations
+               and not server.accountant.reserved)
+    assert server.accountant.requests["key:k"].used(server.accountant.clock()) == 0

@@ -71,13 +71,17 @@ class Window:
     __slots__ = ("entries", "total")
 
     def __init__(self):
-        self.entries: collections.deque[list] = collections.deque()  # [time, amount]
+        # [time, amount, counted]: counted until expired. An allowance's charge is dated ahead, so the
+        # charges after it wait behind it to expire; whether one is still in the total is its flag's to say.
+        self.entries: collections.deque[list] = collections.deque()
         self.total = 0
 
     def _expire(self, now: float) -> None:
         entries = self.entries
         while entries and entries[0][0] <= now - WINDOW:
-            self.total -= entries.popleft()[1]
+            entry = entries.popleft()
+            self.total -= entry[1]
+            entry[2] = False
 
     def allow(self, limit: int, amount: int, now: float, at: float | None = None) -> list | None:
         """Charge AMOUNT if it fits under LIMIT; the entry (to hand back or settle later), or None.
@@ -87,7 +91,7 @@ class Window:
         self._expire(now)
         if self.total + amount > limit and (self.total > 0 or limit == 0):
             return None
-        entry = [now if at is None else at, amount]
+        entry = [now if at is None else at, amount, True]
         self.entries.append(entry)
         self.total += amount
         return entry
@@ -95,7 +99,7 @@ class Window:
     def adjust(self, entry: list, amount: int, now: float) -> None:
         """Make ENTRY count AMOUNT (0 hands it back); it keeps its time."""
         self._expire(now)
-        if entry[0] > now - WINDOW:  # still in the window, so part of the total
+        if entry[2]:  # not expired yet, so part of the total
             self.total += amount - entry[1]
         entry[1] = amount
 
@@ -211,8 +215,8 @@ class Accountant:
         for counter, rpm, tpm, budget, period in levels:
             if rpm is not None:
                 size = min(size, self.requests[counter].left(rpm, now) // SHARE)
-            if tpm is not None and estimate:
-                size = min(size, self.tokens[counter].left(tpm, now) // (SHARE * estimate))
+            if tpm is not None:  # a window already past its limit (tokens beyond estimates) grants none
+                size = min(size, self.tokens[counter].left(tpm, now) // (SHARE * max(estimate, 1)))
             if budget is not None and priced and cost:
                 pool = (counter, period, rules.period_start(period, now))
                 size = min(size, (budget - self.spend.get(pool, 0) - self.reserved.get(pool, 0)) // (SHARE * cost))

@@ -31,7 +31,7 @@ class Caller:
         self.access = access
         self.wire = access.wire
         self.price: Price | None = None
-        self.reservation = None  # what the limiter settles: a reservation's id, or the worker's allowance
+        self.reservation = None  # what the limiter settles: a reservation's id, or a ticket of an allowance
         self.status: dict = {}
 
     def limit_headers(self) -> list[tuple[str, str]]:

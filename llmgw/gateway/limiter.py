@@ -48,34 +48,47 @@ class Allowance:
     """Requests, tokens and cost the accountant set aside for this worker's requests at one set of levels.
 
     A request admitted from it takes one request, its token estimate and its cost estimate, all of which
-    must fit in what is left, so its requests together never spend more than the accountant granted."""
+    must fit in what is left, so its requests together never spend more than the accountant granted. Each
+    is given a ticket, (the allowance, its estimate, its cost), that `Limiter.settle` takes back."""
 
-    __slots__ = ("address", "reservation", "size", "granted_tokens", "granted_cost", "requests", "tokens", "cost",
-                 "until", "answer", "in_flight", "used_tokens", "used_cost", "closed", "handed")
+    __slots__ = ("address", "reservation", "size", "requests", "tokens", "cost", "until", "status", "in_flight",
+                 "held_tokens", "held_cost", "used_tokens", "used_cost", "closed", "handed")
 
     def __init__(self, address: str, reservation: int, size: int, tokens: int, cost: int, until: float,
                  status: dict):
         self.address = address  # the accountant that granted it, and the only one it is handed back to
         self.reservation = reservation
         self.size = size
-        self.granted_tokens, self.granted_cost = tokens, cost
         self.requests, self.tokens, self.cost = size, tokens, cost  # what is left
         self.until = until  # time.monotonic() past which it admits nothing more
-        self.answer = {"ok": True, "r": self, "status": status}  # what each request it admits is told
+        self.status = status  # what each request it admits is told
         self.in_flight = 0
-        self.used_tokens = self.used_cost = 0
+        self.held_tokens = self.held_cost = 0  # the estimates of the requests in flight
+        self.used_tokens = self.used_cost = 0  # what the requests that ended used
         self.closed = False  # admits nothing more
         self.handed = False  # settled with the accountant
 
-    def take(self, estimate: int, cost: int, now: float) -> bool:
-        """Admit one request of ESTIMATE tokens and COST from what is left; False when it does not fit."""
+    def take(self, estimate: int, cost: int, now: float) -> dict | None:
+        """Admit one request of ESTIMATE tokens and COST from what is left: its answer, or None when it
+        does not fit."""
         if self.closed or now >= self.until or self.requests < 1 or estimate > self.tokens or cost > self.cost:
-            return False
+            return None
         self.requests -= 1
         self.tokens -= estimate
         self.cost -= cost
         self.in_flight += 1
-        return True
+        self.held_tokens += estimate
+        self.held_cost += cost
+        return {"ok": True, "r": (self, estimate, cost), "status": self.status}
+
+    def end(self, ticket: tuple, tokens: int, cost: int) -> None:
+        """The request TICKET admitted used TOKENS and cost COST."""
+        _allowance, estimate, held = ticket
+        self.in_flight -= 1
+        self.held_tokens -= estimate
+        self.held_cost -= held
+        self.used_tokens += tokens
+        self.used_cost += cost
 
     @property
     def used(self) -> int:
@@ -127,6 +140,10 @@ class Limiter:
             waiter = self.waiting.pop(answer["id"], None)
             if waiter is not None:
                 waiter.set(answer)
+            elif answer.get("n") and answer.get("r") is not None:
+                # An allowance granted after its request stopped waiting (and was waived or refused): nothing
+                # was admitted from it, and the accountant would hold it for an hour.
+                self._settle(self.address, answer["r"], 0, 0, 0)
 
     def _send(self, address: str, op: str, **fields) -> None:
         if address != self.address:
@@ -157,12 +174,13 @@ class Limiter:
     def admit(self, address: str | None, key: tuple, levels: list, priced: bool, estimate: int, cost: int) -> dict:
         """Admit a request of ESTIMATE tokens and COST at LEVELS (KEY names them, with PRICED): from this
         worker's allowance when it has one that fits, else by asking the accountant, for an allowance too.
-        The answer's `r` is what `settle` takes: an allowance, a reservation's id, or None."""
+        The answer's `r` is what `settle` takes: a ticket of an allowance, a reservation's id, or None."""
         now = time.monotonic()
         held = self.allowances.get(key) if address == self.address else None
         if held is not None:
-            if held.take(estimate, cost, now):
-                return held.answer
+            answer = held.take(estimate, cost, now)
+            if answer is not None:
+                return answer
             self._close(held)
         msg = {"op": "admit", "levels": levels, "priced": priced, "tokens": estimate, "cost": cost}
         if key in self.asking:  # another request asks for this key's allowance: this one asks for itself
@@ -173,26 +191,26 @@ class Limiter:
         finally:
             self.asking.discard(key)
         size = answer.get("n") or 1
-        if size > 1 and answer.get("ok") and address == self.address:
-            allowance = Allowance(address, answer["r"], size, estimate * size, cost * size, now + GRANT_SECONDS,
-                                  answer.get("status") or {})
-            allowance.take(estimate, cost, now)
-            previous = self.allowances.get(key)
-            if previous is not None:
-                self._close(previous)
-            self.allowances[key] = allowance
-            return allowance.answer
-        return answer
+        if size == 1 or not answer.get("ok"):
+            return answer
+        if address != self.address:  # another request moved this worker to another accountant meanwhile
+            return {**answer, "r": None}  # which leaves this one's allowance to be forgotten by the old one
+        allowance = Allowance(address, answer["r"], size, estimate * size, cost * size, now + GRANT_SECONDS,
+                              answer.get("status") or {})
+        previous = self.allowances.get(key)
+        if previous is not None:
+            self._close(previous)
+        self.allowances[key] = allowance
+        return allowance.take(estimate, cost, now)
 
-    def settle(self, address: str | None, reservation: int | Allowance, tokens: int, cost: int) -> None:
+    def settle(self, address: str | None, reservation: int | tuple, tokens: int, cost: int) -> None:
         """A request admitted with RESERVATION is over: it used TOKENS and cost COST."""
-        if isinstance(reservation, Allowance):
-            reservation.in_flight -= 1
-            reservation.used_tokens += tokens
-            reservation.used_cost += cost
-            if reservation.closed and reservation.in_flight == 0:
-                self.closing.discard(reservation)
-                self._hand_back(reservation)
+        if type(reservation) is tuple:
+            allowance = reservation[0]
+            allowance.end(reservation, tokens, cost)
+            if allowance.closed and allowance.in_flight == 0:
+                self.closing.discard(allowance)
+                self._hand_back(allowance)
             return
         if address is None:
             return
@@ -221,10 +239,8 @@ class Limiter:
         if allowance.handed or allowance.address != self.address:
             return
         allowance.handed = True
-        running = allowance.in_flight
-        tokens = allowance.used_tokens + running * (allowance.granted_tokens // allowance.size)
-        cost = allowance.used_cost + running * (allowance.granted_cost // allowance.size)
-        self._settle(self.address, allowance.reservation, tokens, cost, allowance.used)
+        self._settle(self.address, allowance.reservation, allowance.used_tokens + allowance.held_tokens,
+                     allowance.used_cost + allowance.held_cost, allowance.used)
 
     def _sweep(self) -> None:
         """Close the allowances whose time is up, and forget them, so a key gone quiet holds nothing."""

@@ -222,6 +222,11 @@ class Proxy:
             # A bug must cost one request, never the worker, and the client
             # still gets an error it can parse.
             log.exception("unexpected failure answering %s", path)
+            if caller is not None and caller.reservation is not None:
+                # What it was admitted with is let go (a worker's allowance is handed back only once all of
+                # its requests have settled).
+                self.rt.limiter.settle(self.rt.router.snapshot.accountant, caller.reservation, 0, 0)
+                caller.reservation = None
             body, headers = dialect.error(ApiError(500, "The gateway failed to handle this request. It has been "
                                                         "logged; try again.", "internal_error"))
             start_response(REASONS[500], headers)
