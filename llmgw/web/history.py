@@ -26,7 +26,7 @@ log = logging.getLogger("llmgw.history")
 
 WINDOWS = {"1h": 3600, "6h": 6 * 3600, "24h": 86400, "7d": 7 * 86400}
 POINTS = 60  # per series: a point every minute over the last hour
-SHORTEST_RATE = 60  # seconds a rate looks back at least: four scrapes at Prometheus' usual 15 s
+SCRAPE = 15  # seconds between scrapes: Prometheus' default, and deploy/monitoring's
 
 SETUP = ("History charts need Prometheus: have it scrape the gateways' metrics (gateway.metrics_listen) and the "
          "controller's (controller.metrics_listen), then set monitoring.prometheus to its address, such as "
@@ -145,7 +145,9 @@ def charts(base: str, window: str, node: str | None = None) -> dict:
     end = int(time.time())
     start = end - span
     matcher = "{node=" + json.dumps(node) + "}" if node is not None else ""  # a JSON string is a PromQL one
-    rate_range = f"{max(step, SHORTEST_RATE)}s"
+    # A rate looks back over its step and one scrape more (four scrapes at least): rates over exactly a step
+    # tile time, and a rise between the last scrape of one step and the first of the next was in none of them.
+    rate_range = f"{max(step + SCRAPE, 4 * SCRAPE)}s"
     for chart in NODE if node is not None else CLUSTER:
         query = chart.query.replace("{range}", rate_range).replace("{node}", matcher)
         try:
