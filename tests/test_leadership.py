@@ -577,7 +577,9 @@ def test_cli_writes_beside_a_controller_renewing_its_lease_on_sqlite_never_meet_
     from llmgw.cli.main import main as cli
 
     url = f"sqlite:///{tmp_path}/one.db"
-    c = Controller(tmp_path, store_url=url, controller__lease_ttl=0.5, controller__lease_renew_interval=0.05)
+    # Renewed every 50 ms, so the writes meet; a lease of 5 s, so a loaded machine's stall of a second
+    # does not cost it (with 0.5 s it stood by once under load, which is not what this test is about).
+    c = Controller(tmp_path, store_url=url, controller__lease_ttl=5, controller__lease_renew_interval=0.05)
     try:
         wait_for("the controller leads", WAIT, lambda: role(c)[0] == "leader")
         runner = CliRunner()
