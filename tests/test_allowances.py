@@ -170,8 +170,8 @@ def test_requests_in_flight_keep_an_allowance_until_the_last_of_them_settles(wor
     ticket = limiter.admit(address, ("k", False), chain, False, 0, 0)["r"]
     held = ticket[0]
     assert isinstance(held, Allowance) and held.size == FIRST_GRANT
-    gevent.sleep(GRANT_SECONDS * 2.5)  # past its time: closed by the sweep, but a request is still in flight
-    assert held.closed and server.accountant.reservations
+    wait_green("the sweep to close the allowance once its time is up", lambda: held.closed)
+    assert not held.handed and server.accountant.reservations  # a request is still in flight
     limiter.settle(address, ticket, 0, 0)
     wait_green("the allowance handed back", lambda: not server.accountant.reservations)
     assert server.accountant.requests["key:k"].used(server.accountant.clock()) == 1

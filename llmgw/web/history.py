@@ -128,6 +128,14 @@ def _slot(t: float, start: float, step: int) -> int:
     return min(POINTS - 1, max(0, round((t - start) / step) - 1))
 
 
+def query_of(chart: Chart, step: int, matcher: str = "") -> str:
+    """CHART's query for points STEP seconds apart, of the node MATCHER picks (all where it is empty)."""
+    # A rate looks back over its step and one scrape more (four scrapes at least): rates over exactly a step
+    # tile time, and a rise between the last scrape of one step and the first of the next was in none of them.
+    rate_range = f"{max(step + SCRAPE, 4 * SCRAPE)}s"
+    return chart.query.replace("{range}", rate_range).replace("{node}", matcher)
+
+
 def charts(base: str, window: str, node: str | None = None) -> dict:
     """The history section: the cluster's charts (or NODE's) over WINDOW, from the Prometheus at BASE (a URL,
     or `HOST:PORT`).
@@ -145,11 +153,8 @@ def charts(base: str, window: str, node: str | None = None) -> dict:
     end = int(time.time())
     start = end - span
     matcher = "{node=" + json.dumps(node) + "}" if node is not None else ""  # a JSON string is a PromQL one
-    # A rate looks back over its step and one scrape more (four scrapes at least): rates over exactly a step
-    # tile time, and a rise between the last scrape of one step and the first of the next was in none of them.
-    rate_range = f"{max(step + SCRAPE, 4 * SCRAPE)}s"
     for chart in NODE if node is not None else CLUSTER:
-        query = chart.query.replace("{range}", rate_range).replace("{node}", matcher)
+        query = query_of(chart, step, matcher)
         try:
             found = prometheus.query_range(base, query, start + step, end, step)
         except prometheus.Unavailable as e:
