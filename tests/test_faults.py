@@ -158,6 +158,32 @@ def test_client_disconnect_closes_the_engines_request_within_a_second(tmp_path, 
     wait_until("the usage row", 30, lambda: count_usage(url, status=499) == 1)
 
 
+def test_a_client_that_sends_its_next_request_during_a_stream_has_not_left(tmp_path, make_gateway, make_sim):
+    # Its socket turns readable mid-stream, as a client's that hung up does: the stream is still served whole,
+    # and the next request after it.
+    slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=50, default_tokens=10)
+    gw, key, url = setup(tmp_path, make_gateway, [ep("slow", slow.url)])
+    payload = json.dumps({**CHAT, "max_tokens": 10, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    received = b""
+    while b"tok0" not in received:
+        more = sock.recv(65536)
+        assert more, received
+        received += more
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    while received.count(b"HTTP/1.1 200") < 2:
+        more = sock.recv(65536)
+        assert more, received
+        received += more
+    stream, health = received.split(b"HTTP/1.1 200", 2)[1:]
+    assert b"tok9" in stream and b"data: [DONE]" in stream
+    sock.close()
+    assert slow.metrics()["llmgw_sim_cancelled_total"] == 0
+    wait_until("the usage row", 30, lambda: count_usage(url, status=200) == 1)
+
+
 def test_first_byte_timeout_is_504(tmp_path, make_gateway, make_sim):
     stalled = make_sim(replica="stalled", ttft_ms=5000)
     gw, key, _ = setup(tmp_path, make_gateway, [ep("stalled", stalled.url)], timeouts__first_byte=0.5,

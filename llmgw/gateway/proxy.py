@@ -50,15 +50,14 @@ import http
 import json
 import logging
 import re
-import socket
 import time
 
 import gevent
-from gevent.socket import wait_read
 from gunicorn.http.errors import ParseException
 
 from llmgw.gateway import admission, apirequest, guard, metering, promptcount, routes
 from llmgw.gateway.caller import Caller, duration
+from llmgw.gateway.clientwatch import ClientWatch
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI, encode
 from llmgw.gateway.errors import REASONS, ApiError
@@ -141,22 +140,6 @@ def _retry_after(value: str | None) -> int:
         return max(1, int(value)) if value else 1
     except ValueError:
         return 1
-
-
-def _watch_client(sock: socket.socket, resp: Response) -> None:
-    """Abort RESP as soon as the client hangs up.
-
-    Without this, a client gone mid-stream is only noticed on the second write
-    after it left, which with slow tokens is many seconds of the engine
-    generating for nobody. Closing the engine's connection stops its work.
-    """
-    try:
-        wait_read(sock.fileno())
-        if sock.recv(1, socket.MSG_PEEK):
-            return  # the client sent more (a pipelined request), it did not leave
-    except OSError:
-        pass
-    resp.abort()
 
 
 class Proxy:
@@ -767,7 +750,7 @@ class Proxy:
         held = self.guard.hold(req, model)  # the answer, kept back until judged; None: not judged
         translator = req.dialect.stream(req)
         sock = environ.get("gunicorn.socket")
-        watcher = gevent.spawn(_watch_client, sock, resp) if sock is not None else None
+        watcher = ClientWatch(sock, resp) if sock is not None else None
         status, ttft = 200, None
         try:
             for piece in resp.iter_body(self.idle):
@@ -814,7 +797,7 @@ class Proxy:
             raise
         finally:
             if watcher is not None:
-                watcher.kill(block=False)
+                watcher.stop()
             if resp.done and status == 200:
                 resp.release()
             else:
