@@ -19,7 +19,7 @@ import pytest
 from conftest import counted, make_key
 
 from llmgw.addresses import AddressList
-from llmgw.gateway.connguard import Connection, Limits, Registry, client_key
+from llmgw.gateway.connguard import Connection, Limits, Registry, client_key, settle
 from llmgw.gateway.metrics import GatewayMetrics
 
 LOGIN_SLOW_BODY = (b"POST /login HTTP/1.1\r\nHost: gw\r\nContent-Type: application/x-www-form-urlencoded\r\n"
@@ -316,6 +316,21 @@ def _raise_fd_limit(need: int) -> None:
         if hard != resource.RLIM_INFINITY and hard < need:
             pytest.skip(f"needs {need} open files; the hard limit is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def test_a_worker_reads_gunicorns_settings_once():
+    from gunicorn.config import Config
+
+    cfg = Config()
+    cfg.set("keepalive", 7)
+    settle(cfg)
+    asked = []
+    type(cfg).__getattr__, real = (lambda self, name: asked.append(name)), type(cfg).__getattr__
+    try:
+        assert cfg.keepalive == 7 and cfg.limit_request_line == 4094 and cfg.forwarded_allow_ips
+        assert not asked  # none was looked up through gunicorn's __getattr__
+    finally:
+        type(cfg).__getattr__ = real
 
 
 def test_5000_slow_connections_from_one_address_leave_health_answering(make_gateway, tmp_path):
