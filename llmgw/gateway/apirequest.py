@@ -23,6 +23,7 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embe
 # max_tokens; vLLM: max_completion_tokens, then max_tokens), so each is held to
 # the model's limit, and a null one counts as absent, as the engines take it.
 OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens", "n_predict")
+_DECODER = json.JSONDecoder()  # made once, not for each answer read
 
 
 class ParsedRequest:
@@ -171,7 +172,7 @@ def usage_of(body: bytes) -> dict | None:
     try:
         # The object is small; decoding only what can hold it keeps this cheap.
         text = body[colon + 1:colon + 4097].decode("utf-8", "replace").lstrip()
-        value, _ = json.JSONDecoder().raw_decode(text)
+        value, _ = _DECODER.raw_decode(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
