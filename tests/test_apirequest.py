@@ -26,6 +26,12 @@ def tool(**function):
     return {**CHAT, "tools": [{"type": "function", "function": function}]}
 
 
+def test_a_body_with_a_byte_order_mark_is_refused_saying_so():
+    with pytest.raises(ApiError) as refused:
+        jsonbound.loads(b'\xef\xbb\xbf{"model": "m"}')
+    assert refused.value.status == 400 and "byte order mark" in refused.value.message
+
+
 @pytest.mark.parametrize("kind, body, param", [
     ("chat", b"{not json", None),
     ("chat", b"\xff\xfe", None),

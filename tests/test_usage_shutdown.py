@@ -151,3 +151,29 @@ def test_a_hung_store_holds_up_no_stop_and_loses_no_row(pg_url, tmp_path, make_g
 def test_the_master_waits_for_a_stopping_worker_to_write_its_usage():
     # The worker drains for gateway.graceful_timeout, then stops its greenlets (2 s) and writes its usage.
     assert server.USAGE_CLOSE_MARGIN >= 1 + 1 + 2 + worker.CLOSE_WRITE_LIMIT
+
+
+def test_a_stopping_worker_drains_for_the_gateways_graceful_timeout_then_writes_its_streams_row(
+        tmp_path, make_gateway, make_sim):
+    # The master waits USAGE_CLOSE_MARGIN longer than its workers drain. A worker that read gunicorn's settings
+    # before its start hook set its own graceful_timeout drained for the master's, and was killed before it
+    # wrote the row of the stream it was still serving.
+    url = f"sqlite:///{tmp_path}/gateway.db"
+    key = make_key(url)
+    sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=2, default_tokens=400)  # a stream of 200 s
+    gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1,
+                      gateway__graceful_timeout=1)
+    payload = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                       b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        received = b""
+        while b"tok0" not in received:
+            more = client.recv(65536)
+            assert more, received
+            received += more
+        started = time.monotonic()
+        assert gw.stop(signal.SIGTERM, timeout=60) == 0
+        took = time.monotonic() - started
+    assert count_usage(url) == 1, gw.log()[-4000:]
+    assert took < 1 + server.USAGE_CLOSE_MARGIN, f"the stop took {took:.1f} s"

@@ -344,8 +344,9 @@ def settle(cfg) -> None:
 
     gunicorn finds a setting through `Config.__getattr__` and the setting's `get`, and reads a dozen a
     request while parsing, building the environ and answering: 5.3% of a plain request's CPU. A worker's
-    configuration is fixed once it has forked (a reload starts new workers), so each value is read once
-    here. `__getattr__` is only asked for what an instance does not hold."""
+    configuration is fixed once its start's hooks have run (a reload starts new workers), so each value is
+    read once then; a `cfg.set` after it would not be seen. `__getattr__` is only asked for what an instance
+    does not hold."""
     for name, setting in cfg.settings.items():
         cfg.__dict__[name] = setting.get()
 
@@ -354,7 +355,6 @@ class GuardedWorker(GeventWorker):
     """gunicorn's gevent worker, with each connection's reads bounded and each address's connections counted."""
 
     def init_process(self):
-        settle(self.cfg)
         cfg = self.app.llmgw_cfg
         self.limits = Limits(cfg, self.cfg.keepalive, self.worker_connections)
         self.registry = Registry(self.limits)
@@ -364,6 +364,12 @@ class GuardedWorker(GeventWorker):
         super().load_wsgi()
         # The counters the app made in this worker (prometheus-client's multi-process files are per process).
         self.registry.metrics = self.wsgi.runtime.metrics
+
+    def run(self):
+        # Once every hook has run: post_worker_init sets the worker's own graceful_timeout (gateway/server.py),
+        # and a copy taken before it drained for the master's, which kills the worker before it writes its usage.
+        settle(self.cfg)
+        super().run()
 
     def handle(self, listener, client, addr):
         client.setblocking(1)

@@ -58,6 +58,9 @@ def loads(raw: bytes):
     cost = structure + _text_cost(sys.getsizeof(text))
     if cost > allowed:
         raise _too_costly(len(raw), cost, allowed, "text whose characters take up to four bytes each once read")
+    if text.startswith("\ufeff"):  # which json.loads names, and the decoder alone takes for no value at all
+        raise _bad("The request body is not valid JSON: it begins with a byte order mark (U+FEFF). Send the JSON "
+                   "object without one, encoded as UTF-8, with Content-Type: application/json.")
     try:
         return _DECODER.decode(text)
     except ValueError as e:
