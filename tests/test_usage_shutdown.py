@@ -5,6 +5,7 @@ hang (connections held open, nothing passed), which is how a dead store looks
 from a gateway: neither an error nor an answer.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ class Relay:
         self.port = self.listener.getsockname()[1]
         self.flowing = threading.Event()
         self.flowing.set()
+        self.closed = False
         self.sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -41,8 +43,14 @@ class Relay:
         self.flowing.set()
 
     def close(self) -> None:
+        self.closed = True
         self.listener.close()
         for sock in self.sockets:
+            # Shut down, not only closed: a socket closed while a pump's thread waits in recv on it stays
+            # connected, and PostgreSQL kept the gateway's transaction behind it open, holding its tables
+            # against the next test's DROP (tests/conftest.py wipe) until the suite was killed.
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         self.flowing.set()  # lets the pumps find their sockets closed and end
 
@@ -56,6 +64,9 @@ class Relay:
 
     def _relay(self, client: socket.socket) -> None:
         self.flowing.wait()
+        if self.closed:  # accepted while hung, and the relay closed since: nothing to open upstream
+            client.close()
+            return
         upstream = socket.create_connection(self.target)
         self.sockets += [client, upstream]
         threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
