@@ -429,8 +429,9 @@ def test_health_stays_fast_during_a_burst_of_sign_ins(tmp_path, make_gateway):
         t.join()
     print(f"40 sign-ins on one worker took {burst:.2f} s; the slowest /health meanwhile {slowest * 1000:.0f} ms")
     # Hashed on the event loop, /health waited for the whole burst (7.5 s of 7.6 on a loaded two-core machine);
-    # in the hashing threads it waited 0.47 s of 4.3. Relative, so that a machine's load moves both alike.
-    assert slowest < burst / 4, (slowest, burst)
+    # in the hashing threads it waited 0.47 s of 4.3, and once 0.63 s of a burst of 1.7 on a loaded machine.
+    # Relative, so that a machine's load moves both alike: on the loop it waits for all of the burst.
+    assert slowest < burst / 2, (slowest, burst)
 
 
 # --- the last administrator ----------------------------------------------------------------------
