@@ -73,7 +73,7 @@ def _holders(engine, name: str, mine: int) -> list[dict]:
 
 
 def _process_on(port) -> str:
-    """The command line of this machine's process with a TCP socket on local PORT, or "?"."""
+    """The command line of this machine's process with a TCP socket on local PORT, or why there is none."""
     if not port:
         return "?"
     inodes = set()
@@ -91,7 +91,8 @@ def _process_on(port) -> str:
                     return f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
         except OSError:
             continue
-    return "?"
+    # Seen once: a relay's socket closed while one of its threads waited in recv on it stays connected.
+    return "no process has this socket open: closed while a thread still waits on it?"
 
 
 def store_url_for(url: str) -> str:
