@@ -534,6 +534,25 @@ def post(url: str, body, key: str | None = None, headers=None, timeout=30):
             return e.code, dict(e.headers), e.read()
 
 
+def open_stream(port: int, key: str, body: dict, timeout: float = 30) -> socket.socket:
+    """A raw keep-alive connection to the gateway on PORT that has asked for BODY as a streamed chat
+    completion: for tests that hang up, pipeline or stop the gateway mid-stream."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return sock
+
+
+def read_until(sock: socket.socket, done, received: bytes = b"") -> bytes:
+    """What SOCK sends, after RECEIVED, until DONE(all of it) holds; fails if the connection closes first."""
+    while not done(received):
+        more = sock.recv(65536)
+        assert more, f"the connection closed after {received[-2000:]!r}"
+        received += more
+    return received
+
+
 @pytest.fixture(autouse=True)
 def no_stray_children():
     """Fail a test that leaves a child process of ours running."""

@@ -7,14 +7,13 @@ every request counts against its key's rate.
 
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 
 from llmgw import store
 from llmgw.people import keys, limits
 from llmgw.procs import http_status
-from tests.conftest import SocketStub, make_key, post, wait_until
+from tests.conftest import SocketStub, make_key, open_stream, post, read_until, wait_until
 from tests.test_faults import stream_events
 
 CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
@@ -196,13 +195,8 @@ def test_every_prompt_of_a_list_is_billed(tmp_path, make_gateway, make_sim):
 def test_a_stream_the_client_cut_bills_what_was_delivered(tmp_path, make_gateway, make_sim):
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=100)
     gw, key, url = keyed_gateway(tmp_path, make_gateway, sim)
-    payload = json.dumps({**CHAT, "max_tokens": 2000, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    received = b""
-    while received.count(b"data: ") < 190:
-        received += sock.recv(65536)
+    sock = open_stream(gw.port, key, {**CHAT, "max_tokens": 2000})
+    received = read_until(sock, lambda received: received.count(b"data: ") >= 190)
     sock.close()
     wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
     row = rows(url)[0]
@@ -251,13 +245,8 @@ def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway
     key = make_key(url)
     try:
         gw = make_gateway(store_url=url, endpoints=[ep("s", engine.url)], workers=1)
-        payload = json.dumps({**CHAT, "stream": True}).encode()
-        sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-                     b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        received = b""
-        while b"[DONE]" not in received:
-            received += sock.recv(65536)
+        sock = open_stream(gw.port, key, CHAT)
+        read_until(sock, lambda received: b"[DONE]" in received)
         sock.close()
         wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
         assert rows(url)[0].status == 200

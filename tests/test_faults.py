@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from llmgw.procs import free_port, http_status
-from tests.conftest import Sim, count_usage, make_key, post, wait_until
+from tests.conftest import Sim, count_usage, make_key, open_stream, post, read_until, wait_until
 
 CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
 
@@ -143,11 +143,8 @@ def test_client_disconnect_closes_the_engines_request_within_a_second(tmp_path, 
     # Twenty tokens a second: the engine notices a closed connection on its next write, 50 ms later.
     slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=20, default_tokens=200)
     gw, key, url = setup(tmp_path, make_gateway, [ep("slow", slow.url)])
-    payload = json.dumps({**CHAT, "max_tokens": 200, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    assert b"tok0" in sock.recv(65536) or b"tok0" in sock.recv(65536)
+    sock = open_stream(gw.port, key, {**CHAT, "max_tokens": 200}, timeout=10)
+    read_until(sock, lambda received: b"tok0" in received)
     assert slow.metrics()["vllm:num_requests_running"] == 1
     sock.close()
     left = time.monotonic()
@@ -163,22 +160,13 @@ def test_a_client_that_sends_its_next_request_during_a_stream_has_not_left(tmp_p
     # and the next request after it.
     slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=50, default_tokens=10)
     gw, key, url = setup(tmp_path, make_gateway, [ep("slow", slow.url)])
-    payload = json.dumps({**CHAT, "max_tokens": 10, "stream": True}).encode()
-    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=30)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-                 b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    received = b""
-    while b"tok0" not in received:
-        more = sock.recv(65536)
-        assert more, received
-        received += more
+    sock = open_stream(gw.port, key, {**CHAT, "max_tokens": 10})
+    received = read_until(sock, lambda received: b"tok0" in received)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    while received.count(b"HTTP/1.1 200") < 2:
-        more = sock.recv(65536)
-        assert more, received
-        received += more
+    received = read_until(sock, lambda received: received.count(b"HTTP/1.1 200") == 2 and b"\r\n\r\n" in
+                          received.rsplit(b"HTTP/1.1 200", 1)[1], received)
     stream, health = received.split(b"HTTP/1.1 200", 2)[1:]
-    assert b"tok9" in stream and b"data: [DONE]" in stream
+    assert b"tok9" in stream and b"data: [DONE]" in stream and b"Content-Length: 0" in health
     sock.close()
     assert slow.metrics()["llmgw_sim_cancelled_total"] == 0
     wait_until("the usage row", 30, lambda: count_usage(url, status=200) == 1)

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from llmgw import store
 from llmgw.gateway import server, worker
-from tests.conftest import count_usage, make_key, post, store_url_for, wait_until, wipe
+from tests.conftest import count_usage, make_key, open_stream, post, read_until, store_url_for, wait_until, wipe
 
 CHAT = {"model": "sim", "max_tokens": 1, "messages": [{"role": "user", "content": "hello"}]}
 REQUESTS = 10
@@ -174,15 +174,8 @@ def test_a_stopping_worker_drains_for_the_gateways_graceful_timeout_then_writes_
     sim = make_sim(replica="s", ttft_ms=1, tokens_per_s=2, default_tokens=400)  # a stream of 200 s
     gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1,
                       gateway__graceful_timeout=1)
-    payload = json.dumps({**CHAT, "max_tokens": 400, "stream": True}).encode()
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=30) as client:
-        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
-                       b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-        received = b""
-        while b"tok0" not in received:
-            more = client.recv(65536)
-            assert more, received
-            received += more
+    with open_stream(gw.port, key, {**CHAT, "max_tokens": 400}) as client:
+        read_until(client, lambda received: b"tok0" in received)
         started = time.monotonic()
         assert gw.stop(signal.SIGTERM, timeout=60) == 0
         took = time.monotonic() - started
