@@ -108,10 +108,11 @@ def svg_of(page: str, title: str) -> str:
 def what_prometheus_holds(ops) -> dict:
     """The gateway's request counts and scrapes over the last minutes, and the requests chart's own query as
     the page asks it: what a failing chart test prints."""
-    prom, end = ops["prom"], int(time.time())
-    query = history.query_of(history.CLUSTER[0], history.WINDOWS["1h"] // history.POINTS)
+    prom, end, span = ops["prom"], int(time.time()), history.WINDOWS["1h"]
+    step = span // history.POINTS
+    query = history.query_of(history.CLUSTER[0], step)
     return {"at": end, "samples": prom.query("llmgw_requests_total[5m]"), "up": prom.query("up[5m]"),
-            "chart": prom.api("query_range", query=query, start=end - 3540, end=end, step=60)["result"]}
+            "chart": prom.api("query_range", query=query, start=end - span + step, end=end, step=step)["result"]}
 
 
 def test_the_cluster_page_draws_its_history_from_prometheus(ops, client):

@@ -343,7 +343,7 @@ def settle(cfg) -> None:
     """Make each of gunicorn's settings an attribute of CFG, read as any attribute is.
 
     gunicorn finds a setting through `Config.__getattr__` and the setting's `get`, and reads a dozen a
-    request while parsing, building the environ and answering: 5.3% of a plain request's CPU. A worker's
+    request while parsing, building the environ and answering: 3.5 to 5.3% of a plain request's CPU. A worker's
     configuration is fixed once its start's hooks have run (a reload starts new workers), so each value is
     read once then; a `cfg.set` after it would not be seen. `__getattr__` is only asked for what an instance
     does not hold."""
