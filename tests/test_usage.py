@@ -1,5 +1,6 @@
 """Usage roll-ups and reports, on SQLite and PostgreSQL."""
 
+import itertools
 import json
 import os
 
@@ -116,6 +117,25 @@ def test_a_long_model_name_is_stored_cut_and_holds_up_no_other_row(engine):
     rows = stored(engine, "key_id", "model_asked", "model_served")
     assert [r.key_id for r in rows] == [f"k{i}" for i in range(13)]
     assert rows[2].model_asked == "m" * 200 and rows[2].model_served == "m" * 200
+
+
+def test_a_flush_writes_what_was_buffered_when_it_began_and_leaves_what_comes_meanwhile(engine):
+    # Chasing the rows that came in while it wrote, a flush on a store slow to commit never ended, writing
+    # batch after small batch, each with its own transaction.
+    recorder = UsageRecorder(engine, batch_size=2)
+    for i in range(3):
+        recorder.record(usage_row(key_id=f"k{i}"))
+    write, late = recorder._write, iter(range(5))
+
+    def write_while_requests_come(rows):
+        for i in itertools.islice(late, 1):
+            recorder.record(usage_row(key_id=f"late{i}"))
+        write(rows)
+
+    recorder._write = write_while_requests_come
+    assert recorder.flush() == 3 and recorder.pending() == 2
+    assert [r.key_id for r in stored(engine, "key_id")] == ["k0", "k1", "k2"]
+    assert recorder.flush() == 2 and recorder.pending() == 1
 
 
 def test_a_row_the_store_refuses_is_dropped_logged_and_counted_and_the_rest_written(engine, caplog):

@@ -114,14 +114,19 @@ class UsageRecorder:
         Safe from any thread; a flush cut short (its greenlet killed, a deadline) loses no row."""
         written = 0
         with self.write_lock:
+            # Only what is buffered now: rows that come in meanwhile wait for the next flush. A flush that chased
+            # them, on a store slower to commit than requests came, never ended, and wrote one small batch after
+            # another, each with its transaction's fsyncs: 0.37 ms of CPU a row at 1,000 requests a second.
+            left = len(self.rows)
             try:
-                while self.rows:
+                while left:
                     # Rows leave the buffer only once their transaction has committed.
-                    batch = list(itertools.islice(self.rows, self.batch_size))
+                    batch = list(itertools.islice(self.rows, min(left, self.batch_size)))
                     self._write(batch)
                     for _ in batch:
                         self.rows.popleft()
                     written += len(batch)
+                    left -= len(batch)
                 self._write_spooled()
             except Exception:
                 if self.metrics:
