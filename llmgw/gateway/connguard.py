@@ -40,7 +40,9 @@ import logging
 import socket
 import time
 
+import gevent
 from gunicorn.http import errors as http_errors
+from gunicorn.http import wsgi
 from gunicorn.http.body import ChunkedReader, LengthReader
 from gunicorn.http.errors import ParseException
 from gunicorn.workers.base_async import AsyncWorker
@@ -48,7 +50,7 @@ from gunicorn.workers.ggevent import GeventWorker
 from werkzeug.exceptions import RequestTimeout
 
 from llmgw.addresses import AddressList
-from llmgw.gateway import routes
+from llmgw.gateway import httpout, routes
 from llmgw.gateway.dialect import OPENAI
 from llmgw.gateway.errors import REASONS, ApiError
 
@@ -404,9 +406,49 @@ class GuardedWorker(GeventWorker):
     def handle_request(self, listener_name, req, sock, addr):
         sock.begin(req)
         try:
-            return super().handle_request(listener_name, req, sock, addr)
+            self._serve(listener_name, req, sock, addr)
+        except (gevent.GreenletExit, SystemExit):
+            pass  # as gunicorn's gevent worker: a killed request ends its connection quietly
         finally:
             sock.end()
+
+    def _serve(self, listener_name, req, sock, addr) -> None:
+        """gunicorn's AsyncWorker.handle_request with llmgw's response (httpout.py: the head goes out with the first
+        body bytes), and without what the gateway's configuration never sets (server.py): no access log (its
+        clock read twice a request), no pre_request or post_request hook."""
+        resp, environ = wsgi.create(req, sock, addr, listener_name, self.cfg, response_class=httpout.Response)
+        environ["wsgi.multithread"] = True
+        self.nr += 1
+        if self.nr >= self.max_requests and self.alive:
+            self.log.info("Autorestarting worker after current request.")
+            self.alive = False
+        if not self.alive or not self.cfg.keepalive:
+            resp.force_close()
+        try:
+            respiter = self.wsgi(environ, resp.start_response)
+            try:
+                if isinstance(respiter, environ["wsgi.file_wrapper"]):
+                    resp.write_file(respiter)
+                else:
+                    for item in respiter:
+                        resp.write(item)
+                resp.close()
+            finally:
+                if hasattr(respiter, "close"):
+                    respiter.close()
+        except OSError:
+            raise  # the connection's: handle() tells a client that left from a fault
+        except (Exception, SystemExit):
+            if not resp.headers_sent:
+                raise  # handle_error answers it
+            # Part of the response is out (or fixed, its head built): a 500 now would corrupt it.
+            self.log.exception("Error handling request")
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            raise StopIteration() from None
+        if resp.should_close():
+            raise StopIteration()
 
     def handle_error(self, req, client, addr, exc):
         if isinstance(exc, HeadTimeout):
