@@ -9,6 +9,7 @@ import openai
 import pytest
 from click.testing import CliRunner
 
+from bench.procstat import children
 from llmgw import store
 from llmgw.cli.main import main as cli
 from llmgw.people import keys
@@ -136,6 +137,23 @@ def test_every_response_says_what_the_gateway_added(env):
     status, headers, _ = post(env.url + "/v1/chat/completions", b"{", env.key)
     assert status == 400 and "X-Llmgw-Overhead-Ms" in headers
     assert "x-llmgw-overhead-ms" in env.client.models.with_raw_response.list().headers
+
+
+def test_the_workers_parse_request_heads_with_gunicorns_c_parser(env):
+    # server.py asks for it ("fast"); this checks it is the one each worker loads (at its first request's parse).
+    workers = children(env.gw.proc.pid)
+    assert len(workers) == 2
+
+    def loaded(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as f:
+            return "gunicorn_h1c" in f.read()
+
+    def every_worker_has_it() -> bool:
+        post(env.url + "/v1/chat/completions", {"model": "sim", "max_tokens": 1,
+                                                "messages": [{"role": "user", "content": "x"}]}, env.key)
+        return all(loaded(pid) for pid in workers)
+
+    wait_until("every worker loading gunicorn_h1c", 60, every_worker_has_it)
 
 
 @pytest.mark.parametrize("body, param", [
