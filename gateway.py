@@ -55,6 +55,13 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
                                    "Check store.url, and that the database is running.") from None
     if applied:
         log.info("store %s: applied migrations %s", store.describe(cfg["store.url"]), applied)
+    try:
+        import gunicorn_h1c  # noqa: F401  (the workers parse request heads with it: llmgw/gateway/server.py)
+    except ImportError:
+        # gunicorn looks for it at each request, not at start: without it every request would get a 500.
+        raise click.ClickException("gunicorn's C parser (gunicorn_h1c), which the gateway parses requests with, is "
+                                   "not installed: pip install gunicorn_h1c (built from source where PyPI has no "
+                                   "wheel for this machine, so it needs a C compiler).") from None
     limit = raise_fd_limit()
     if limit < 2 * cfg["gateway.worker_connections"] + 64:
         log.warning("open files are limited to %d: each stream holds two, so a worker holds at most about %d "

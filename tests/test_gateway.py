@@ -2,7 +2,10 @@
 
 import http.client
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import openai
@@ -13,7 +16,8 @@ from bench.procstat import children
 from llmgw import store
 from llmgw.cli.main import main as cli
 from llmgw.people import keys
-from tests.conftest import Gateway, Sim, make_key, post, wait_until
+from llmgw.procs import free_port
+from tests.conftest import ROOT, Gateway, Sim, make_key, post, wait_until, write_config
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +158,21 @@ def test_the_workers_parse_request_heads_with_gunicorns_c_parser(env):
         return all(loaded(pid) for pid in workers)
 
     wait_until("every worker loading gunicorn_h1c", 60, every_worker_has_it)
+
+
+def test_a_gateway_without_gunicorns_c_parser_refuses_to_start_saying_what_to_install(tmp_path):
+    # gunicorn looks for the parser at each request: started without it, every request got a 500.
+    shim = tmp_path / "shim" / "gunicorn_h1c"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('not built on this machine')\n")
+    config = write_config(tmp_path / "gateway.toml", {
+        "gateway.listen": f"127.0.0.1:{free_port()}", "gateway.metrics_listen": f"127.0.0.1:{free_port()}",
+        "store.url": f"sqlite:///{tmp_path}/gw.db"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim.parent), ROOT])}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "gateway.py"), "--config", config], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "gunicorn_h1c" in run.stderr and "pip install gunicorn_h1c" in run.stderr
 
 
 @pytest.mark.parametrize("body, param", [

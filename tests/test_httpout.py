@@ -1,8 +1,10 @@
 """The worker's responses (llmgw/gateway/httpout.py): the head goes out with the first body bytes, and never later
 than the app's first write, over a real socket pair."""
 
+import email.utils
 import os
 import socket
+import time
 
 import pytest
 from gunicorn.config import Config
@@ -125,6 +127,11 @@ def test_a_file_answer_sends_its_head_before_the_file(pair, tmp_path):
     assert ours.sent[1] == b"<file>" and received(theirs).endswith(b"\r\n\r\nbody { color: red }")
 
 
-def test_the_date_is_the_current_second():
-    date = httpout.http_date()
-    assert date.endswith(" GMT") and date == httpout.http_date()
+def test_the_date_is_formatted_again_once_its_second_has_passed():
+    date = httpout.HttpDate()
+    date.second, date.value = 0, "Thu, 01 Jan 1970 00:00:00 GMT"  # formatted at the epoch's first second
+    now = time.time()
+    value = date()
+    assert value in (email.utils.formatdate(now, usegmt=True), email.utils.formatdate(now + 1, usegmt=True))
+    second = date.second
+    assert date() is value or date.second != second  # within the same second it is not formatted again

@@ -136,8 +136,8 @@ class GatewayServer(BaseApplication):
             # idle connection is closed after this, or sooner when its address
             # or its worker needs the room (llmgw/gateway/connguard.py).
             "keepalive": 75,
-            # gunicorn's C parser for request heads (gunicorn_h1c, picohttpparser); "fast" fails the start
-            # rather than fall back, unseen, to the Python parser, which costs a fifth of a plain request.
+            # gunicorn's C parser for request heads (gunicorn_h1c, picohttpparser), never the Python parser
+            # unseen: gateway.py refuses to start without it ("fast" alone would answer every request 500).
             "http_parser": "fast",
             "backlog": 4096,
             # gunicorn 27 otherwise opens one control socket per user, shared

@@ -184,7 +184,12 @@ class Runtime:
         """Write the buffered usage rows within CLOSE_WRITE_LIMIT; spool what is left then for the next start."""
         written = 0
         with gevent.Timeout(CLOSE_WRITE_LIMIT, False):
-            written = self.flush_usage()
+            # A flush writes what was buffered when it began: again, for rows a request ending meanwhile added.
+            while self.usage.pending():
+                flushed = self.flush_usage()
+                if not flushed:
+                    break  # the store takes nothing now: what is left is spooled
+                written += flushed
         if written:
             log.info("wrote %d buffered usage rows before stopping", written)
         path, spooled = self.store_jobs.run(self.usage.spool)
