@@ -23,6 +23,8 @@ set from background greenlets are set on the library's objects directly.
 
 from __future__ import annotations
 
+import glob
+import os
 import threading
 from bisect import bisect_left
 from wsgiref.simple_server import WSGIRequestHandler, make_server
@@ -233,20 +235,30 @@ class _QuietHandler(WSGIRequestHandler):
 class _Known:
     """The workers' summed metrics, less the gauges they set to UNKNOWN."""
 
-    def __init__(self):
-        self.summed = multiprocess.MultiProcessCollector(None)
+    def __init__(self, path: str):
+        self.path = path  # prometheus-client's multi-process directory, where each worker writes its files
 
     def collect(self):
-        for family in self.summed.collect():
+        # A worker booting creates its files empty before it maps them: read then, the library's collect raised
+        # (struct.error) and the scrape got a 500. Such a file holds nothing yet; it is read at the next scrape.
+        files = [path for path in glob.glob(os.path.join(self.path, "*.db")) if _size(path) >= 8]
+        for family in multiprocess.MultiProcessCollector.merge(files, accumulate=True):
             if family.type == "gauge":
                 family.samples = [s for s in family.samples if s.value != UNKNOWN]
             yield family
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # gone since it was listed: a worker's files are removed when it is marked dead
+        return 0
+
+
 def serve(listen: str) -> None:
     """Serve the gateway workers' summed metrics on LISTEN (`host:port`) from the master."""
     registry = CollectorRegistry()
-    registry.register(_Known())
+    registry.register(_Known(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
     serve_registry(listen, registry)
 
 
