@@ -71,6 +71,6 @@ def test_a_stop_while_a_flush_waits_for_the_store_writes_each_row_once(tmp_path,
     assert count_usage(url) + spooled == REQUESTS
     again = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1,
                          usage__flush_interval=0.2, usage__spool_dir=str(spool))
-    wait_until("the spooled rows written by the next start", 30, lambda: os.listdir(spool) == [])
+    wait_until("the spooled rows written by the next start", 30, lambda: not spool.exists() or os.listdir(spool) == [])
     assert again.stop() == 0
     assert count_usage(url) == REQUESTS
