@@ -23,8 +23,9 @@ refusing lists of prompts, which clients batch with for good reason.
 The floor, used where the tokenizer cannot be asked (an engine without
 `/tokenize`, a cut stream), is counted without one: every prompt and every
 answer is at least one token, a streamed delta carries at least one, text
-runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four), and
-a choice that stopped at its limit as the first did generated as many.
+runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four).
+Neither is needed for a choice that stopped at its limit as the first did: it
+generated as many tokens as the usage says the first did (`settle`).
 Erring low keeps an engine's exact count the one billed wherever it is whole.
 """
 
@@ -117,20 +118,28 @@ def _choice_text(choice: dict) -> str | None:
     return "".join(texts) if texts else None
 
 
-def answer_floor(choices: list[dict], usage: dict | None) -> int:
-    """Completion tokens at least in a whole answer's CHOICES (`answer_choices`), every one counted.
+def settle(choices: list[dict], usage: dict | None) -> tuple[int, list[dict]]:
+    """(completion tokens the engine's USAGE settles among a whole answer's CHOICES, the choices it leaves).
 
-    A choice that stopped for "length" generated as many as the first did when that one stopped so
-    too, and the engine's USAGE speaks for the first. That counts what its text cannot show: tokens
-    that render as nothing (an end-of-text token forced under `ignore_eos`). It errs high only for a
-    list of prompts where a longer one filled the context before its limit.
+    The usage speaks for the first choice. When that one stopped for "length", every choice that stopped
+    so too generated as many tokens, exactly: counting them again would miss tokens that render as
+    nothing (an end-of-text token forced under `ignore_eos`: 113 of 120) and overcount where the text
+    tokenizes longer than it was generated (121 of 120). It errs high only for a list of prompts where a
+    longer one filled the context before its limit.
     """
     first = _int((usage or {}).get("completion_tokens")) if choices and _stopped(choices[0]) else None
+    if not first:
+        return 0, choices
+    rest = [c for c in choices if not _stopped(c)]
+    return first * (len(choices) - len(rest)), rest
+
+
+def answer_floor(choices: list[dict]) -> int:
+    """Completion tokens at least in CHOICES of a whole answer (`answer_choices`), every one counted."""
     total = 0
     for choice in choices:
         text = _choice_text(choice)
-        floor = text_floor(text) if text is not None else 1
-        total += max(floor, first) if first and _stopped(choice) else floor
+        total += text_floor(text) if text is not None else 1
     return total
 
 
@@ -139,11 +148,12 @@ def _stopped(choice: dict) -> bool:
     return choice.get("finish_reason") == "length"
 
 
-def to_tokenize(req, choices: list[dict]) -> tuple[list[str], list[str]]:
+def to_tokenize(req, choices: list[dict], rest: list[dict]) -> tuple[list[str], list[str]]:
     """What to ask the engine's tokenizer for a whole answer whose usage is partial: the text prompts
-    when there are several, the texts of the CHOICES when there are several (nothing when either is one)."""
+    when there are several, and the texts of REST, the CHOICES the usage does not settle (`settle`), when
+    there are several choices (nothing when either is one: the usage speaks for it)."""
     prompts = [p for p in _inputs(req) if isinstance(p, str)] if prompt_count(req) > 1 else []
-    texts = [t for c in choices if (t := _choice_text(c)) is not None] if len(choices) > 1 else []
+    texts = [t for c in rest if (t := _choice_text(c)) is not None] if len(choices) > 1 else []
     return prompts, texts
 
 

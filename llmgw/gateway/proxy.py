@@ -639,9 +639,10 @@ class Proxy:
         if req.kind == "embeddings":  # one usage covers every input; the answer is megabytes of numbers
             return metering.billed(req, usage, 0)
         choices = metering.answer_choices(data)
-        prompts, answers = metering.to_tokenize(req, choices)
+        settled, rest = metering.settle(choices, usage)
+        prompts, answers = metering.to_tokenize(req, choices, rest)
         counted = self._tokens(replica, answers, False) if answers else None
-        served = max(metering.answer_floor(choices, usage), counted or 0)
+        served = settled + max(metering.answer_floor(rest), counted or 0)
         prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts))
         return metering.billed(req, usage, served, prompt)
 
