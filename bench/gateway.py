@@ -1,7 +1,8 @@
 """What the gateway costs a request, beside vllm-router (Rust), LiteLLM's proxy and the engine itself, in one run.
 
     python bench/gateway.py [--quick] [--rounds N] [--seconds S] [--held-streams N] [--rivals vllm-router,litellm]
-                            [--calm LOAD] [--out bench/results/gateway.json]
+                            [--variant SETTING=VALUE] [--baseline CHECKOUT] [--calm LOAD]
+                            [--out bench/results/gateway.json]
 
 Every gateway measured runs pinned to CPU 0, alone there; the simulated engine (`llmgw sim`, no delay: it
 answers as fast as it can write) and the closed-loop load generator (bench/loadgen.py) share CPU 1, so CPU 0
@@ -14,7 +15,9 @@ engine, with the same loads:
   usage rows and metrics on, as in service;
 - vllm-router 0.1.17, round robin, and LiteLLM 1.108.7's proxy, each installed, pinned, into a virtual
   environment of its own (bench/rivals.py says what each does a request). A rival that cannot be installed
-  or started here is reported as such, with why, and the rest is measured.
+  or started here is reported as such, with why, and the rest is measured;
+- with `--variant`, the gateway again with other settings; with `--baseline`, the gateway of another
+  checkout (a change's before, measured beside its after), each in front of an engine of its own.
 
 The loads, each for S seconds a subject: plain requests one at a time (p50 and p99 latency, CPU per
 request); 32 clients (requests a second, p99, CPU per request); 16-token streams one at a time (time to
@@ -64,6 +67,7 @@ LOADS = {  # name: (what it is, loadgen options)
 }
 GATEWAY, LIMITED, ENGINE = "gateway", "gateway, 4 levels", "engine directly"
 VARIANT, VARIANT_LIMITED = "variant", "variant, 4 levels"  # --variant: the gateway with other settings
+BASELINE, BASELINE_LIMITED = "baseline", "baseline, 4 levels"  # --baseline: another checkout's gateway
 RIVAL_KINDS = {"vllm-router": rivals.VllmRouter, "litellm": rivals.LiteLLM}
 ROUTER = rivals.VllmRouter.name
 HELD_AIM, HELD_KIB_AIM = 10_000, 24
@@ -215,6 +219,9 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="SETTING=VALUE",
                         help="also measure a second gateway with this setting (repeatable: all apply to it), "
                              "e.g. usage.flush_interval=3600; VALUE is read as JSON, else as a string")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also measure the gateway of another checkout of llmgw (its gateway.py, run with this "
+                             "one's Python): a change's before and after from one run")
     parser.add_argument("--calm", type=float, help="first wait (up to 30 min) for the load average to fall to this")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gateway.json"))
     args = parser.parse_args()
@@ -228,6 +235,9 @@ def main() -> int:
         settings.load(None, variant)  # what the variant's gateway would refuse, refused before anything starts
     except (ValueError, settings.ConfigError) as e:
         parser.error(f"--variant: {str(e)[:300]}")
+    baseline = os.path.join(os.path.abspath(args.baseline), "gateway.py") if args.baseline else None
+    if baseline and not os.path.isfile(baseline):
+        parser.error(f"--baseline: {baseline} does not exist")
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (1.5 if args.quick else 6.0)
     fd_limit = raise_fd_limit()
@@ -239,18 +249,21 @@ def main() -> int:
     results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "processor": platform.processor() or platform.machine(), "open_files": fd_limit},
                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rounds": rounds, "seconds": seconds,
-               "variant": variant}
+               "variant": variant, "baseline": args.baseline}
     rigs = [Rig(tmp)]
     try:
         rig = rigs[0]
         subjects = [Subject(ENGINE, rig.engine_url), Subject(GATEWAY, rig.url, rig.key, rig.gateway_cpu),
                     Subject(LIMITED, rig.url, rig.limited_key, rig.gateway_cpu)]
-        if variant:
-            # A gateway of its own, on CPU 0 too (idle while the others are measured), with its own engine.
-            rigs.append(Rig(tmp, name="variant", gateway_settings=variant))
-            other = rigs[-1]
-            subjects += [Subject(VARIANT, other.url, other.key, other.gateway_cpu),
-                         Subject(VARIANT_LIMITED, other.url, other.limited_key, other.gateway_cpu)]
+        # Each other gateway has a rig of its own, on CPU 0 too (idle while the others are measured).
+        for wanted, (plain, limited), options in (
+                (variant, (VARIANT, VARIANT_LIMITED), dict(gateway_settings=variant)),
+                (baseline, (BASELINE, BASELINE_LIMITED), dict(gateway_command=(sys.executable, baseline or "")))):
+            if wanted:
+                rigs.append(Rig(tmp, name=plain, **options))
+                other = rigs[-1]
+                subjects += [Subject(plain, other.url, other.key, other.gateway_cpu),
+                             Subject(limited, other.url, other.limited_key, other.gateway_cpu)]
         found, results["rivals"] = start_rivals(rig, names)
         raw, results["load_average"] = measure_rounds(subjects + found, rounds, seconds)
     finally:
@@ -326,7 +339,8 @@ def show(field: str, value: float | None) -> str:
 
 def report(r: dict) -> str:
     f = r["figures"]
-    columns = [s for s in (ENGINE, GATEWAY, LIMITED, VARIANT, VARIANT_LIMITED, ROUTER, rivals.LiteLLM.name) if s in f]
+    columns = [s for s in (ENGINE, GATEWAY, LIMITED, VARIANT, VARIANT_LIMITED, BASELINE, BASELINE_LIMITED, ROUTER,
+                           rivals.LiteLLM.name) if s in f]
     rows = []
     for name, (what, _) in LOADS.items():
         shown = [("p50 latency (ms)", "p50_ms"), ("p99 latency (ms)", "p99_ms"), ("added p50 (ms)", "added_p50_ms")]
@@ -351,6 +365,11 @@ def report(r: dict) -> str:
                   f"{min(avg):.1f} to {max(avg):.1f} over the run, on {r['machine']['cpus']} CPUs."]
     if r.get("variant"):
         lines.append("variant: " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in r["variant"].items()))
+    if r.get("baseline"):
+        lines.append(f"baseline: the gateway of {r['baseline']}. CPU, this checkout / baseline (no limits, 4 levels): "
+                     + "; ".join(f"{what} x{ratio(f[GATEWAY][name].get('cpu_ms'), f[BASELINE][name].get('cpu_ms'))}, "
+                                 f"x{ratio(f[LIMITED][name].get('cpu_ms'), f[BASELINE_LIMITED][name].get('cpu_ms'))}"
+                                 for name, (what, _) in LOADS.items()))
     lines += [f"{name}: {said}" for name, said in r["rivals"].items() if said != "measured"]
     lines += [f"FAILED: {line}" for line in failed]
     lines += ["", "Aims (issue 14):"] + [f"- {a['says']}" for a in r["aims"]]
