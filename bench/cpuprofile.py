@@ -68,6 +68,8 @@ PARTS = [
     ("WSGI app dispatch (webapp, Flask)",
      lambda f, fn: f.endswith("gateway/webapp.py") or f.startswith(("flask/", "werkzeug/"))),
     ("connection guard (connguard.py)", lambda f, fn: f.endswith("gateway/connguard.py")),
+    ("llmgw's HTTP layer (fastpath.py, httpout.py)", lambda f, fn: f.endswith(("gateway/fastpath.py",
+                                                                                "gateway/httpout.py"))),
     ("background: replica checks, key refresh (worker.py, follower.py)",
      lambda f, fn: f.endswith(("gateway/worker.py", "gateway/follower.py"))),
     ("gunicorn: HTTP parsing", lambda f, fn: f.startswith("gunicorn/http/") and not f.endswith("wsgi.py")),
@@ -77,13 +79,15 @@ PARTS = [
 ]
 # Wrappers whose callees count as their caller's: the guard's bounded read is gunicorn reading the request
 # (or whatever reads), and only the wrapper's own time is the guard's.
-THIN = {("llmgw/gateway/connguard.py", "recv"), ("llmgw/gateway/connguard.py", "__getattr__")}
+THIN = {("llmgw/gateway/connguard.py", "recv"), ("llmgw/gateway/connguard.py", "__getattr__"),
+        ("llmgw/gateway/sockio.py", "send_all")}
 # A stack with none of the parts above: gevent's hub between greenlets (waking them, its timers, callbacks).
 HUB = "gevent's hub and greenlet switches, outside any request part"
 # (kind, test): a sample counts to every kind one of its frames passes; the kinds overlap the parts.
 KINDS = [
     ("JSON (json module)", lambda f, fn: f.startswith("json/")),
-    ("socket calls (gevent's socket: send, recv, and their waits)", lambda f, fn: f.startswith("gevent/_socket")),
+    ("socket calls (gevent's socket: send, recv, and their waits)",
+     lambda f, fn: f.startswith("gevent/_socket") or f.endswith("gateway/sockio.py")),
     ("gevent timeouts (made and cancelled around socket calls)", lambda f, fn: f.startswith("gevent/timeout.py")),
     ("logging (getLogger, filters)", lambda f, fn: f.startswith("logging/")),
     ("prometheus_client", lambda f, fn: f.startswith("prometheus_client/")),

@@ -41,6 +41,7 @@ import socket
 import time
 
 import gevent
+from gunicorn import util
 from gunicorn.http import errors as http_errors
 from gunicorn.http import wsgi
 from gunicorn.http.body import ChunkedReader, LengthReader
@@ -53,6 +54,7 @@ from llmgw.addresses import AddressList
 from llmgw.gateway import httpout, routes
 from llmgw.gateway.dialect import OPENAI
 from llmgw.gateway.errors import REASONS, ApiError
+from llmgw.gateway.fastpath import FastPath
 
 log = logging.getLogger("llmgw.connguard")
 
@@ -235,6 +237,7 @@ class Connection:
         self.req = None
         self.received = 0
         self.answered = False
+        self.pending = b""  # what llmgw/gateway/fastpath.py read and left to gunicorn, read first
 
     def __getattr__(self, name):
         return getattr(self.sock, name)
@@ -242,6 +245,9 @@ class Connection:
     def recv(self, size: int, flags: int = 0) -> bytes:
         if flags:
             return self.sock.recv(size, flags)
+        if self.pending:
+            data, self.pending = self.pending[:size], self.pending[size:]
+            return data
         phase = self.phase
         if phase is BODY:
             if self.answered and body_done(self.req):
@@ -366,6 +372,7 @@ class GuardedWorker(GeventWorker):
         super().load_wsgi()
         # The counters the app made in this worker (prometheus-client's multi-process files are per process).
         self.registry.metrics = self.wsgi.runtime.metrics
+        self.fast = FastPath(self)
 
     def run(self):
         # Once every hook has run: post_worker_init sets the worker's own graceful_timeout (gateway/server.py),
@@ -381,8 +388,11 @@ class GuardedWorker(GeventWorker):
             return
         conn = Connection(client, key, self.registry, self.limits)
         try:
-            # GeventWorker.handle only sets the socket blocking, which is done above.
-            AsyncWorker.handle(self, listener, conn, addr)
+            if self.fast.serve(conn, addr, listener.getsockname()):
+                util.close(conn)
+            else:
+                # The rest is gunicorn's (GeventWorker.handle only sets the socket blocking, done above).
+                AsyncWorker.handle(self, listener, conn, addr)
         finally:
             self.registry.release(conn)
 

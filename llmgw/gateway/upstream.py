@@ -25,6 +25,8 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
+from llmgw.gateway.sockio import send_all
+
 HEAD_LIMIT = 64 * 1024
 RECV = 65536
 
@@ -342,10 +344,10 @@ class Pool:
         sock.settimeout(max(0.001, min(first_byte, left)))
         try:
             if len(body) <= 65536:
-                sock.sendall(head + body)
+                send_all(sock, head + body)
             else:
-                sock.sendall(head)
-                sock.sendall(body)
+                send_all(sock, head)
+                send_all(sock, body)
         except socket.timeout:
             raise UpstreamError("first_byte", "the engine did not take the request in time") from None
         except OSError as e:
