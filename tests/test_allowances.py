@@ -222,3 +222,21 @@ def test_an_allowance_granted_after_its_request_stopped_waiting_is_handed_back_a
     wait_green("the late allowance handed back", lambda: not server.accountant.reservations
                and not server.accountant.reserved)
     assert server.accountant.requests["key:k"].used(server.accountant.clock()) == 0
+
+
+def test_the_rate_limit_headers_of_requests_sharing_a_status_are_made_once_and_stay_right():
+    from llmgw.gateway.caller import Caller
+    from llmgw.rules import Access, Price
+
+    def caller(status, price):
+        c = Caller("k", None, None, Access(levels=(), models=None, band="standard"))
+        c.status, c.price = status, price
+        return c
+
+    shared = {"rpm": (100, 40), "budget": (10_000_000, 2_500_000)}
+    first = caller(shared, Price(1, 1)).limit_headers()
+    assert ("X-RateLimit-Remaining-Requests", "40") in first and ("X-Llmgw-Budget-Remaining", "2.5") in first
+    assert caller(shared, Price(1, 1)).limit_headers() is first  # the allowance's next request
+    assert ("X-Llmgw-Budget-Remaining", "2.5") not in caller(shared, Price()).limit_headers()  # a free model
+    assert ("X-RateLimit-Remaining-Requests", "7") in caller({"rpm": (100, 7)}, Price()).limit_headers()
+    assert caller({}, Price(1, 1)).limit_headers() == []
