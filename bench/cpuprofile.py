@@ -80,7 +80,8 @@ PARTS = [
 # Wrappers whose callees count as their caller's: the guard's bounded read is gunicorn reading the request
 # (or whatever reads), and only the wrapper's own time is the guard's.
 THIN = {("llmgw/gateway/connguard.py", "recv"), ("llmgw/gateway/connguard.py", "__getattr__"),
-        ("llmgw/gateway/sockio.py", "send_all")}
+        ("llmgw/gateway/sockio.py", "send_all"), ("llmgw/gateway/sockio.py", "recv"),
+        ("llmgw/gateway/sockio.py", "_wait_readable"), ("llmgw/gateway/sockio.py", "_expire")}
 # A stack with none of the parts above: gevent's hub between greenlets (waking them, its timers, callbacks).
 HUB = "gevent's hub and greenlet switches, outside any request part"
 # (kind, test): a sample counts to every kind one of its frames passes; the kinds overlap the parts.
@@ -88,7 +89,8 @@ KINDS = [
     ("JSON (json module)", lambda f, fn: f.startswith("json/")),
     ("socket calls (gevent's socket: send, recv, and their waits)",
      lambda f, fn: f.startswith("gevent/_socket") or f.endswith("gateway/sockio.py")),
-    ("gevent timeouts (made and cancelled around socket calls)", lambda f, fn: f.startswith("gevent/timeout.py")),
+    ("gevent timeouts (made and cancelled around socket calls)",
+     lambda f, fn: f.startswith("gevent/timeout.py") or (f.endswith("gateway/sockio.py") and fn == "_wait_readable")),
     ("logging (getLogger, filters)", lambda f, fn: f.startswith("logging/")),
     ("prometheus_client", lambda f, fn: f.startswith("prometheus_client/")),
     ("ZeroMQ (pyzmq)", lambda f, fn: f.startswith("zmq/")),

@@ -1,11 +1,15 @@
-"""Sends tried on the system socket first (llmgw/gateway/sockio.py): what it does not take still goes, whole
-and in order, through gevent's wait for room."""
+"""Socket calls without gevent's detours (llmgw/gateway/sockio.py): what a send does not take still goes, whole
+and in order, through gevent's wait for room; a read's wait is bounded by its timer, and a socket closed from
+another greenlet wakes it."""
+
+import socket
+import time
 
 import gevent
 import gevent.socket
 import pytest
 
-from llmgw.gateway.sockio import send_all
+from llmgw.gateway.sockio import recv, send_all
 
 
 def test_a_send_larger_than_the_buffer_arrives_whole():
@@ -33,4 +37,32 @@ def test_a_wait_for_room_is_bounded_by_the_sockets_timeout():
     with pytest.raises(TimeoutError):
         send_all(ours, b"x" * 50_000_000)  # nobody reads
     ours.close()
+    theirs.close()
+
+
+@pytest.mark.parametrize("wait_first", [False, True])
+def test_a_read_takes_what_comes_and_waits_no_longer_than_its_timeout(wait_first):
+    ours, theirs = gevent.socket.socketpair()
+    gevent.spawn_later(0.05, theirs.sendall, b"answer")
+    assert recv(ours, 100, 10, wait_first) == b"answer"
+    started = time.monotonic()
+    with pytest.raises(socket.timeout):
+        recv(ours, 100, 0.2, wait_first)
+    assert 0.15 < time.monotonic() - started < 5
+    theirs.sendall(b"late")  # the timed-out wait left nothing behind to miss it
+    assert recv(ours, 100, 10, wait_first) == b"late"
+    theirs.close()
+    assert recv(ours, 100, None) == b""  # the other end closed
+    ours.close()
+
+
+def test_a_read_waiting_on_a_socket_closed_elsewhere_fails_at_once():
+    ours, theirs = gevent.socket.socketpair()
+    gevent.spawn_later(0.05, ours.close)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        recv(ours, 100, 30, wait_first=True)
+    assert time.monotonic() - started < 5
+    with pytest.raises(OSError):
+        recv(ours, 100, 30, wait_first=True)  # and every read after
     theirs.close()

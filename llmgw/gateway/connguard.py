@@ -51,7 +51,7 @@ from gunicorn.workers.ggevent import GeventWorker
 from werkzeug.exceptions import RequestTimeout
 
 from llmgw.addresses import AddressList
-from llmgw.gateway import httpout, routes
+from llmgw.gateway import httpout, routes, sockio
 from llmgw.gateway.dialect import OPENAI
 from llmgw.gateway.errors import REASONS, ApiError
 from llmgw.gateway.fastpath import FastPath
@@ -258,14 +258,10 @@ class Connection:
                 deadline = self.since + self.limits.body + self.received * self.limits.per_byte
         else:
             deadline = self.deadline
-        sock = self.sock
-        sock.timeout = max(deadline - time.monotonic(), 0.0)
         try:
-            data = sock.recv(size)
-        except (TimeoutError, BlockingIOError):
+            data = sockio.recv(self.sock, size, deadline - time.monotonic())
+        except TimeoutError:
             return self._late(phase)
-        finally:
-            sock.timeout = None
         if phase is BODY:
             self.received += len(data)
         elif phase is HEAD:

@@ -25,7 +25,7 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
-from llmgw.gateway.sockio import send_all
+from llmgw.gateway import sockio
 
 HEAD_LIMIT = 64 * 1024
 RECV = 65536
@@ -114,9 +114,8 @@ class Response:
         if left <= 0:
             raise UpstreamError("total", "the engine took longer than the whole request may")
         timeout = left if idle is None else min(idle, left)
-        self.conn.sock.settimeout(None if timeout == float("inf") else timeout)
         try:
-            data = self.conn.sock.recv(RECV)
+            data = sockio.recv(self.conn.sock, RECV, None if timeout == float("inf") else timeout)
         except socket.timeout:
             phase = "total" if time.monotonic() >= self.deadline else "idle"
             raise UpstreamError(phase, f"the engine sent nothing for {timeout:.1f} s") from None
@@ -344,10 +343,10 @@ class Pool:
         sock.settimeout(max(0.001, min(first_byte, left)))
         try:
             if len(body) <= 65536:
-                send_all(sock, head + body)
+                sockio.send_all(sock, head + body)
             else:
-                send_all(sock, head)
-                send_all(sock, body)
+                sockio.send_all(sock, head)
+                sockio.send_all(sock, body)
         except socket.timeout:
             raise UpstreamError("first_byte", "the engine did not take the request in time") from None
         except OSError as e:
@@ -378,9 +377,9 @@ class Pool:
             now = time.monotonic()
             if now >= deadline:
                 raise UpstreamError("total", "the engine took longer than the whole request may to send its head")
-            conn.sock.settimeout(max(0.001, min(first_byte, deadline - now)))
             try:
-                data = conn.sock.recv(RECV)
+                # The first read waits first: the engine cannot have answered a request just sent.
+                data = sockio.recv(conn.sock, RECV, max(0.001, min(first_byte, deadline - now)), wait_first=not buf)
             except socket.timeout:
                 phase = "total" if time.monotonic() >= deadline else "first_byte"
                 raise UpstreamError(phase, f"the engine did not start its answer within {min(first_byte, left):.1f} s") from None
