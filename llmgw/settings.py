@@ -98,6 +98,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.body_timeout", "float", 20.0,
             "Seconds a request body may take to arrive, plus one for every `gateway.body_min_rate` bytes that "
             "arrive; a body slower than that is answered 408 and its connection closed.", minimum=0.1),
+    Setting("gateway.send_timeout", "float", 60.0,
+            "Seconds a client may take to make room for any part of its answer (a send waits at most this long for "
+            "the client to read); past it the connection is closed, and a stream's engine stops generating for it.",
+            minimum=0.1),
     Setting("gateway.body_min_rate", "int", 500,
             "Bytes a second a request body must keep up, on average, once `gateway.body_timeout` has passed. "
             "0: the body must arrive whole within `gateway.body_timeout`.", minimum=0),

@@ -4,11 +4,12 @@ and an engine's header that would split the response."""
 
 import json
 import socket
+import time
 
 import pytest
 
-from llmgw.gateway.fastpath import Answer
-from tests.conftest import Gateway, Sim, SocketStub, make_key
+from llmgw.gateway.fastpath import Answer, Body
+from tests.conftest import Gateway, Sim, SocketStub, count_usage, make_key
 
 CHAT = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
@@ -20,8 +21,9 @@ def env(tmp_path_factory):
     key = make_key(url)
     sim = Sim(model="sim", replica="s", ttft_ms=0, tokens_per_s=0)
     liar = HeaderSplitter()
-    endpoints = [{"id": "s", "url": sim.url, "models": ["sim"]}, {"id": "liar", "url": liar.url, "models": ["liar"]}]
-    gw = Gateway(tmp, url, endpoints=endpoints, workers=1, gateway__max_body_bytes=100_000)
+    endpoints = [{"id": "s", "url": sim.url, "models": ["sim"]}, {"id": "liar", "url": liar.url, "models": ["liar", "nul"]}]
+    gw = Gateway(tmp, url, endpoints=endpoints, workers=1, gateway__max_body_bytes=100_000, gateway__header_timeout=2,
+                 gateway__send_timeout=2)
     yield gw, key
     gw.stop()
     sim.stop()
@@ -29,15 +31,19 @@ def env(tmp_path_factory):
 
 
 class HeaderSplitter(SocketStub):
-    """An engine whose Content-Type carries a bare LF and a header after it."""
+    """An engine whose Content-Type carries a bare LF and a header after it (model "liar"), or control
+    characters (model "nul")."""
 
     def answer(self, conn):
         with conn:
-            if self.read_head(conn) is None:
+            request = self.read_head(conn)
+            if request is None:
                 return
+            kind = b"application/json\x00\x0b\x7fX-Evil: 1" if b'"nul"' in request else \
+                b"application/json\nSet-Cookie: stolen=1"
             body = b'{"choices": []}'
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\nSet-Cookie: stolen=1\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nContent-Length: " +
+                         str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 def chat(key: str, body: bytes = CHAT, version: bytes = b"1.1", more: bytes = b"") -> bytes:
@@ -145,16 +151,21 @@ def test_what_the_fast_path_does_not_take_gunicorn_answers_as_before(env, case):
     assert got.startswith(b"HTTP/1.1 %d " % status), got[:300]
 
 
-def test_a_body_left_unread_closes_the_connection(env):
-    # Refused before its body was read: what it sent is not read as a next request.
+def test_a_body_left_unread_is_read_away_and_never_read_as_a_request(env):
+    # Refused before its body was read: the body, which holds a whole request, is read away (closing with it
+    # unread would have the kernel reset the connection under the 413), and the request after it is answered.
     gw, key = env
     inner = chat(key)
+    body = inner + b"x" * (200_000 - len(inner))
+    models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() + b"\r\n\r\n"
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-        sock.sendall(chat(key, b"x" * 200_000)[:-200_000] + inner)
-        head, body, _ = read_answer(sock)
-        assert head.startswith(b"HTTP/1.1 413") and b"\r\nConnection: close\r\n" in head
-        assert json.loads(body)["error"]["code"] == "body_too_large"
-        assert closed(sock)
+        sock.sendall(chat(key, body) + models)
+        head, answer, rest = read_answer(sock)
+        assert head.startswith(b"HTTP/1.1 413") and b"\r\nConnection: keep-alive\r\n" in head
+        assert json.loads(answer)["error"]["code"] == "body_too_large"
+        head, answer, rest = read_answer(sock, rest)
+        assert head.startswith(b"HTTP/1.1 200") and json.loads(answer)["object"] == "list"
+        assert rest == b""
 
 
 def test_http_1_0_and_connection_close(env):
@@ -169,11 +180,24 @@ def test_http_1_0_and_connection_close(env):
         head, _, rest = read_answer(sock)
         assert b"\r\nConnection: keep-alive\r\n" in head
         assert read_answer(sock, rest)[0].startswith(b"HTTP/1.0 200")
-    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
-        sock.sendall(chat(key, more=b"Connection: close\r\n") + chat(key))
-        head, _, _ = read_answer(sock)
-        assert b"\r\nConnection: close\r\n" in head
-        assert closed(sock)
+    for said in (b"Connection: close\r\n", b"Connection: close\r\nConnection: x\r\n", b"Connection: x, Close\r\n"):
+        with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
+            sock.sendall(chat(key, more=said) + chat(key))
+            head, _, _ = read_answer(sock)
+            assert b"\r\nConnection: close\r\n" in head, said
+            assert closed(sock)
+
+
+def test_a_pipelined_head_that_stops_short_is_cut_at_the_header_timeout(env):
+    # Not at the keep-alive timeout (75 s): the next request began with the last one's bytes.
+    gw, key = env
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
+        sock.sendall(chat(key) + b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        _, _, rest = read_answer(sock)
+        started = time.monotonic()
+        head, body, _ = read_answer(sock, rest)
+        assert time.monotonic() - started < 40
+    assert head.startswith(b"HTTP/1.1 408") and json.loads(body)["error"]["code"] == "request_timeout"
 
 
 def test_a_stream_is_chunked_and_the_connection_kept(env):
@@ -194,13 +218,40 @@ def test_a_stream_is_chunked_and_the_connection_kept(env):
         assert read_answer(sock, after)[0].startswith(b"HTTP/1.1 200")
 
 
-def test_an_engines_header_cannot_split_the_response(env):
+@pytest.mark.parametrize("path", ["fast", "gunicorn's"])
+def test_a_client_that_stops_reading_its_stream_is_closed_and_the_engine_stopped(env, path):
     gw, key = env
-    body = json.dumps({"model": "liar", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    sent = 'llmgw_client_timeouts_total{phase="send"}'
+    before = sum(float(line.rsplit(" ", 1)[1]) for line in gw.metrics().splitlines() if line.startswith(sent))
+    rows = count_usage(gw.store_url, status=499)
+    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300_000,
+                       "stream": True}).encode()
+    request = chat(key, body) if path == "fast" else \
+        odd(key, framing=b"Transfer-Encoding: chunked\r\n", body=chunked(body))  # gunicorn reads a chunked body
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # full at once: the gateway's sends wait
+        sock.connect(("127.0.0.1", gw.port))
+        sock.sendall(request)
+        # Never read: once a send has waited gateway.send_timeout (2 s) the connection is closed.
+        gw.metrics_once("a send timeout", lambda text: sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sent)) > before, limit=90)
+    wait_for_row = time.monotonic() + 60
+    while count_usage(gw.store_url, status=499) <= rows:  # the stream ended as a client that left
+        assert time.monotonic() < wait_for_row, "no usage row with status 499"
+        time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:  # the worker serves on
+        sock.sendall(chat(key))
+        assert read_answer(sock)[0].startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("model", ["liar", "nul"])
+def test_an_engines_header_cannot_split_the_response(env, model):
+    gw, key = env
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:
         sock.sendall(chat(key, body))
         head, _, _ = read_answer(sock)
-    assert head.startswith(b"HTTP/1.1 500") and b"stolen" not in head
+    assert head.startswith(b"HTTP/1.1 500") and b"stolen" not in head and b"\x00" not in head
     with socket.create_connection(("127.0.0.1", gw.port), timeout=10) as sock:  # the worker serves on
         sock.sendall(chat(key))
         assert read_answer(sock)[0].startswith(b"HTTP/1.1 200")
@@ -245,3 +296,49 @@ def test_the_head_goes_out_with_the_first_bytes_of_the_body():
     answer.write(b"hello")
     answer.close()
     assert len(sent.data) == 1 and sent.data[0].endswith(b"\r\n\r\nhello")
+
+
+def test_an_answer_keeps_the_connections_own_headers_and_its_length():
+    data, answer = answered(1, "200 OK", [("Content-Length", "3"), ("Connection", "upgrade"), ("X-A", "1"),
+                                          ("transfer-encoding", "gzip")], b"abcdef")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"upgrade" not in head and b"gzip" not in head and b"\r\nX-A: 1" in head and body == b"abc"
+    data, answer = answered(1, "200 OK", [("Content-Length", "9")], b"abc")
+    assert not answer.keep  # short of its length: the connection cannot serve another
+
+
+@pytest.mark.parametrize("status", ["99 Odd", "200", "abc OK", "200 OK\r\nX: 1", 200])
+def test_a_status_that_is_not_one_is_the_apps_error(status):
+    answer = Answer(Sent(), 1, True)
+    if status == "200":
+        answer.start_response(status, [])  # a code alone is one
+        return
+    with pytest.raises(ValueError):
+        answer.start_response(status, [])
+
+
+@pytest.mark.parametrize("headers", [[("X-A", "a\x00b")], [("X A", "b")], [("X-A", "a\x7f")]])
+def test_a_header_that_is_not_one_is_the_apps_error(headers):
+    from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName
+
+    with pytest.raises((InvalidResponseHeader, InvalidResponseHeaderName)):
+        answered(1, "200 OK", headers, b"")
+
+
+class Feed:
+    """A connection's reads: the pieces given, then the end."""
+
+    def __init__(self, *pieces: bytes):
+        self.pieces = list(pieces)
+        self.answered = False
+
+    def recv(self, size: int) -> bytes:
+        return self.pieces.pop(0) if self.pieces else b""
+
+
+def test_a_body_is_read_from_what_came_with_the_head_then_the_connection():
+    body = Body(Feed(b"lo\nwor", b"ld\nNEXT"), b"hel", 12)
+    assert body.readline() == b"hello\n" and list(body) == [b"world\n"] and body.read() == b""
+    assert body.left == 0 and body.buf == b"NEXT"  # the next request's, left to the connection
+    short = Body(Feed(b"ab"), b"", 10)
+    assert short.read(5) == b"ab" and not short.drain()  # the client stopped sending

@@ -282,6 +282,7 @@ def test_an_address_is_an_ip_or_an_ipv6_64_and_trusted_proxies_are_not_counted()
 
 def test_the_registry_closes_the_longest_idle_connection_before_it_refuses():
     settings = {"gateway.header_timeout": 20.0, "gateway.body_timeout": 20.0, "gateway.body_min_rate": 500,
+                "gateway.send_timeout": 60.0,
                 "gateway.max_connections_per_address": 3, "gateway.trusted_proxies": []}
     limits = Limits(settings, keepalive=75, worker_connections=100)
     registry = Registry(limits)

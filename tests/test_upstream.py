@@ -241,6 +241,25 @@ def test_not_http(pool):
     server.close()
 
 
+@pytest.mark.parametrize("line", [b"HTTP/1.1 099 Odd", b"HTTP/1.1 -1 Odd", b"HTTP/1.1 600 Odd", b"HTTP/1.1 2000 OK",
+                                  b"HTTP/1.1 101 Switching Protocols"])
+def test_a_status_outside_https_is_a_protocol_error(pool, line):
+    # Passed on, it broke the client's reading: a 99 carries no body, and the client took the next answer for it.
+    server = Scripted([[line + b"\r\nContent-Length: 2\r\n\r\nhi", "close"]])
+    with pytest.raises(UpstreamError) as e:
+        pool.request(Target(server.url), "POST", "/", b"")
+    assert e.value.phase == "protocol"
+    server.close()
+
+
+def test_interim_answers_are_passed_over(pool):
+    server = Scripted([b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 100 Continue\r\n\r\n" + ok(b"real")])
+    resp = pool.request(Target(server.url), "POST", "/", b"")
+    assert resp.status == 200 and resp.read() == b"real"
+    resp.release()
+    server.close()
+
+
 @pytest.mark.parametrize("host,name", [("127.0.0.1", None), ("::1", None), ("127.0.0.1", "localhost")])
 def test_an_engine_at_an_address_or_a_name(pool, host, name):
     """Addresses are connected to without a lookup (see Pool._open), names through one."""

@@ -54,11 +54,11 @@ from llmgw.addresses import AddressList
 from llmgw.gateway import httpout, routes, sockio
 from llmgw.gateway.dialect import OPENAI
 from llmgw.gateway.errors import REASONS, ApiError
-from llmgw.gateway.fastpath import FastPath
+from llmgw.gateway.fastpath import Body, FastPath
 
 log = logging.getLogger("llmgw.connguard")
 
-HEAD, BODY, IDLE = "head", "body", "idle"
+HEAD, BODY, IDLE, SEND = "head", "body", "idle", "send"
 HEAD_KEPT = 256  # bytes of a request head kept to tell, on a timeout, whether it was for /v1
 WARN_EVERY = 60.0  # seconds between two warnings about refused connections
 WRITE_TIMEOUT = 1.0  # seconds to hand a refusal or a 408 to a client that may not read it
@@ -96,6 +96,7 @@ class Limits:
         self.header = float(cfg["gateway.header_timeout"])
         self.body = float(cfg["gateway.body_timeout"])
         self.rate = int(cfg["gateway.body_min_rate"])
+        self.send = float(cfg["gateway.send_timeout"])
         self.per_byte = 1.0 / self.rate if self.rate else 0.0
         self.idle = float(keepalive)
         bound = int(cfg["gateway.max_connections_per_address"])
@@ -125,7 +126,9 @@ def client_key(addr, exempt: AddressList) -> str | None:
 
 
 def body_done(req) -> bool:
-    """Whether the body of gunicorn request REQ has been read to its end."""
+    """Whether the body of REQ, a gunicorn request or the fast path's body, has been read to its end."""
+    if type(req) is Body:
+        return req.left == 0
     reader = getattr(getattr(req, "body", None), "reader", None)
     if isinstance(reader, LengthReader):
         return reader.length == 0
@@ -268,11 +271,15 @@ class Connection:
             if len(self.head) < HEAD_KEPT:
                 self.head += data[:HEAD_KEPT]
         elif data:  # IDLE: the next request has begun
-            self.registry.busy(self)
-            self.phase = HEAD
-            self.deadline = time.monotonic() + self.limits.header
-            self.head = data[:HEAD_KEPT]
+            self.begun(data)
         return data
+
+    def begun(self, data: bytes) -> None:
+        """The next request has begun with DATA: its head must be whole within the header timeout from now."""
+        self.registry.busy(self)
+        self.phase = HEAD
+        self.deadline = time.monotonic() + self.limits.header
+        self.head = data[:HEAD_KEPT]
 
     def _late(self, phase: str) -> bytes:
         """The wait in PHASE ran out: b"" (an end of stream gunicorn closes quietly) or an exception."""
@@ -377,7 +384,9 @@ class GuardedWorker(GeventWorker):
         super().run()
 
     def handle(self, listener, client, addr):
-        client.setblocking(1)
+        # Every send to the client waits at most gateway.send_timeout for room: one that stopped reading its
+        # stream held a greenlet, and the engine generating for it, for as long as it liked.
+        client.settimeout(self.limits.send)
         key = client_key(addr, self.limits.exempt)
         if not self.registry.admit(key):
             self._refuse(client)
@@ -442,6 +451,10 @@ class GuardedWorker(GeventWorker):
             finally:
                 if hasattr(respiter, "close"):
                     respiter.close()
+        except TimeoutError:
+            self.registry.metrics.client_timeouts.labels(SEND).inc()
+            log.debug("closed the connection of %s: it did not read its answer (gateway.send_timeout)", addr)
+            raise StopIteration() from None  # a client that did not read its answer: closed, as one that left
         except OSError:
             raise  # the connection's: handle() tells a client that left from a fault
         except (Exception, SystemExit):

@@ -22,14 +22,18 @@ The connection guard's deadlines and counts hold here as there: every read goes 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import re
 import socket
+import sys
 
 import gevent
 import gunicorn_h1c
-from gunicorn import SERVER, SERVER_SOFTWARE
-from gunicorn.http.errors import InvalidResponseHeader
-from gunicorn.http.wsgi import FileWrapper
+from gunicorn import SERVER, SERVER_SOFTWARE, util
+from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName
+from gunicorn.http.message import TOKEN_RE
+from gunicorn.http.wsgi import HEADER_VALUE_RE, STATUS_RE, FileWrapper
 
 from llmgw.gateway.httpout import JOIN_AT, LAST_CHUNK, http_date
 from llmgw.gateway.sockio import send_all
@@ -42,6 +46,8 @@ BODY_RECV = 262144  # bytes asked of one read while a large body arrives
 METHODS = ("GET", "POST")
 # A request with any of these goes to gunicorn: each asks the connection for more than a body of known length.
 ASKS_MORE = ("HTTP_TRANSFER_ENCODING", "HTTP_EXPECT", "HTTP_UPGRADE")
+# A client that left: not worth a line in the log (gunicorn's worker says nothing of these either).
+QUIET_ERRNOS = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 
 
 class Body:
@@ -72,11 +78,64 @@ class Body:
         self.left -= len(piece)
         return piece
 
+    # The rest of PEP 3333's input stream: the `/v1` pipeline reads a body whole, with `read`.
+    def readline(self, size: int | None = -1) -> bytes:
+        rest = self.read()
+        line, _, after = rest.partition(b"\n")
+        line = line + b"\n" if len(line) < len(rest) else line
+        if size is not None and 0 <= size < len(line):
+            line = line[:size]
+        unread = rest[len(line):]
+        self.buf, self.left = unread + self.buf, self.left + len(unread)
+        return line
+
+    def readlines(self, hint=None) -> list[bytes]:
+        return list(iter(self.readline, b""))
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+    def drain(self) -> bool:
+        """Read away what the app left of the body; whether it all came (within the body's deadline)."""
+        self.conn.answered = True  # a deadline passed now ends the connection quietly
+        try:
+            while self.left:
+                if not self.read(BODY_RECV):
+                    return False
+        except OSError:
+            return False
+        return True
+
+
+# The app's header lines at once: each name a token that is not one of the connection's own headers (gunicorn
+# drops those: framing and the connection are the server's to say), each value visible characters, spaces and
+# tabs, as gunicorn's TOKEN_RE and HEADER_VALUE_RE check them one at a time. One match of the whole block
+# costs a little more than one header's; a block that does not match is looked at header by header.
+FIELDS_RE = re.compile(r"(?:(?!(?i:connection|keep-alive|proxy-authenticate|proxy-authorization|te|trailers|"
+                       r"transfer-encoding|upgrade|server|date):)[!#$%&'*+\-.^_`|~0-9a-zA-Z]+: "
+                       r"[ \t\x21-\x7e\x80-\xff]*\r\n)*")
+
+
+def _fields(headers: list) -> str:
+    """HEADERS as header lines, checked (`FIELDS_RE`); raises gunicorn's InvalidResponseHeader(Name)."""
+    text = "".join([f"{name}: {value}\r\n" for name, value in headers])
+    if FIELDS_RE.fullmatch(text):
+        return text
+    kept = []
+    for name, value in headers:
+        if not isinstance(name, str) or not TOKEN_RE.fullmatch(name):
+            raise InvalidResponseHeaderName(repr(name))
+        if not isinstance(value, str) or not HEADER_VALUE_RE.fullmatch(value):
+            raise InvalidResponseHeader(repr(name))  # the name only: the value may hold what is not to be logged
+        if not util.is_hoppish(name):
+            kept.append(f"{name}: {value}\r\n")
+    return "".join(kept)
+
 
 class Answer:
     """One response: `start_response` for the app, then its body written with the head in the first send."""
 
-    __slots__ = ("sock", "minor", "keep", "status", "headers", "length", "chunked", "omits", "head")
+    __slots__ = ("sock", "minor", "keep", "status", "headers", "length", "sent", "chunked", "omits", "head")
 
     def __init__(self, sock, minor: int, keep: bool):
         self.sock = sock  # the gevent socket under the connection
@@ -86,6 +145,7 @@ class Answer:
         self.head = b""  # built, and not yet sent
         self.headers: list = []
         self.length = None
+        self.sent = 0  # body bytes written, of LENGTH
         self.chunked = False
         self.omits = False
 
@@ -98,6 +158,8 @@ class Answer:
                 exc_info = None
         elif self.status is not None:
             raise AssertionError("Response headers already set!")
+        if not isinstance(status, str) or not STATUS_RE.fullmatch(status):
+            raise ValueError(f"Invalid status {status!r}")
         self.status = status
         self.headers = headers
         self.length = None
@@ -116,28 +178,24 @@ class Answer:
         return self.write
 
     def build(self) -> None:
-        """Build the head, checked: the app's headers are its own, but a value may carry what an engine or
-        a client said, and a CR or LF in one would end the head there."""
+        """Build the head, its headers checked: the app's are its own, but a value may carry what an engine
+        or a client said, and a CR or LF in one would end the head there."""
         if self.head:
             return
         if self.status is None:
             raise AssertionError("The app wrote a body before it called start_response")
-        lines = [f"HTTP/1.{self.minor} {self.status}\r\nServer: {SERVER}\r\nDate: {http_date()}\r\nConnection: "
-                 f"{'keep-alive' if self.keep else 'close'}\r\n"]
-        if self.chunked:
-            lines.append("Transfer-Encoding: chunked\r\n")
-        lines += [f"{name}: {value}\r\n" for name, value in self.headers]
-        lines.append("\r\n")
-        text = "".join(lines)
-        ends = 5 + self.chunked + len(self.headers)  # the lines above, each with one CR and one LF
-        if text.count("\n") != ends or text.count("\r") != ends:
-            raise InvalidResponseHeader("a response header holds a CR or LF")
-        self.head = text.encode("latin-1")
+        framing = "Transfer-Encoding: chunked\r\n" if self.chunked else ""
+        self.head = (f"HTTP/1.{self.minor} {self.status}\r\nServer: {SERVER}\r\nDate: {http_date()}\r\nConnection: "
+                     f"{'keep-alive' if self.keep else 'close'}\r\n{framing}{_fields(self.headers)}\r\n"
+                     ).encode("latin-1")
 
     def write(self, data: bytes) -> None:
         self.build()
         if self.omits:
             data = b""
+        elif self.length is not None:
+            data = data[:self.length - self.sent]  # never more than the length said: the rest would be a response
+            self.sent += len(data)
         elif self.chunked and data:  # an empty chunk would end the body: nothing is sent for one but the head
             data = b"%X\r\n%b\r\n" % (len(data), data)
         head, self.head = self.head, b"sent"
@@ -158,6 +216,8 @@ class Answer:
         tail = LAST_CHUNK if self.chunked else b""
         if head or tail:
             send_all(self.sock, head + tail)
+        if self.length is not None and self.sent < self.length:
+            self.keep = False  # the body came short of its length: the client reads on into what comes next
 
     @property
     def headers_sent(self) -> bool:
@@ -210,6 +270,8 @@ class FastPath:
             if not self._answer(conn, environ, body, addr):
                 return True
             buf = body.buf
+            if buf:
+                conn.begun(buf)  # the next request came with this one: its head's clock runs from now
 
     def _environ(self, buf: bytes, addr, server) -> dict | None:
         """The environ of the request whose head BUF begins with, or None when it is not one for this path."""
@@ -219,18 +281,20 @@ class FastPath:
             environ = gunicorn_h1c.parse_to_wsgi_environ(buf, server, addr, **self.limits)
         except Exception:  # anything it refuses, gunicorn refuses in its own words
             return None
-        path = environ["PATH_INFO"]
+        path, query = environ["PATH_INFO"], environ["QUERY_STRING"]
         if (not path.startswith("/v1/") or environ["REQUEST_METHOD"] not in METHODS or "%" in path or "#" in path
-                or not path.isascii() or not environ["QUERY_STRING"].isascii()
+                or "#" in query or not path.isascii() or not query.isascii()
                 or any(name in environ for name in ASKS_MORE)):
             return None
-        environ["RAW_URI"] = path if not environ["QUERY_STRING"] else f"{path}?{environ['QUERY_STRING']}"
+        environ["RAW_URI"] = f"{path}?{query}" if query else path
         environ["SCRIPT_NAME"] = ""
         environ["SERVER_SOFTWARE"] = SERVER_SOFTWARE
         environ["wsgi.version"] = (1, 0)
+        environ["wsgi.errors"] = sys.stderr  # gunicorn's error log, which the gateway writes to standard error
         environ["wsgi.multithread"] = True
         environ["wsgi.multiprocess"] = True
         environ["wsgi.run_once"] = False
+        environ["wsgi.input_terminated"] = True
         environ["wsgi.file_wrapper"] = FileWrapper
         return environ
 
@@ -247,19 +311,26 @@ class FastPath:
         try:
             respiter = self.app(environ, answer.start_response)
             try:
-                # A body left unread (a refusal before it was read) would be read as the next request.
-                answer.keep = answer.keep and worker.alive and body.left == 0 and not body.must_close
+                answer.keep = answer.keep and worker.alive and not body.must_close
                 for item in respiter:
                     answer.write(item)
                 answer.close()
             finally:
                 if hasattr(respiter, "close"):
                     respiter.close()
+            # What the app did not read of the body (a refusal before it) is read away, as gunicorn does:
+            # closing with it unread would have the kernel reset the connection, and the client miss the answer.
+            return answer.keep and body.drain()
         except (gevent.GreenletExit, SystemExit):
             return False  # as gunicorn's gevent worker: a killed request ends its connection quietly
-        except OSError:
-            return False  # the client left; what it was sent is moot
-        except Exception as e:
+        except OSError as e:
+            if isinstance(e, TimeoutError):  # the client did not take its answer within gateway.send_timeout
+                conn.registry.metrics.client_timeouts.labels("send").inc()
+                log.debug("closed the connection of %s: it did not read its answer (gateway.send_timeout)", addr)
+            elif e.errno not in QUIET_ERRNOS:
+                log.exception("socket error answering %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
+            return False  # the client left (or its socket failed): what it was sent is moot
+        except BaseException as e:
             if not answer.headers_sent:
                 worker.handle_error(None, conn, addr, e)  # logged, and answered 500 as gunicorn answers
                 return False
@@ -270,16 +341,16 @@ class FastPath:
             return False
         finally:
             conn.end()
-        return answer.keep
 
     @staticmethod
     def _keeps(environ: dict, minor: int) -> bool:
-        """Whether the client lets the connection serve another request (gunicorn's `should_close`, turned)."""
+        """Whether the client lets the connection serve another request: not when any Connection header says
+        close (two are read as one, joined by a comma), else by its word or its version (gunicorn's rule)."""
         value = environ.get("HTTP_CONNECTION")
         if value is not None:
-            value = value.lower().strip(" \t")
-            if value == "close":
+            tokens = [token.strip(" \t") for token in value.lower().split(",")]
+            if "close" in tokens:
                 return False
-            if value == "keep-alive":
+            if "keep-alive" in tokens:
                 return True
         return minor >= 1

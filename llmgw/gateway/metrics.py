@@ -186,9 +186,11 @@ class GatewayMetrics:
                                 "limit: the worse of requests in flight and queued over the admission limit, and "
                                 "the engines' mean KV cache use (the worst worker's; absent when neither is known).",
                                 ["model"], multiprocess_mode="livemax", registry=None)
-        self.client_timeouts = Counter("llmgw_client_timeouts", "Requests answered 408 because the client sent "
-                                       "them too slowly, by phase (head: gateway.header_timeout; body: "
-                                       "gateway.body_timeout and gateway.body_min_rate).", ["phase"], registry=None)
+        self.client_timeouts = Counter("llmgw_client_timeouts", "Requests cut short because the client was too "
+                                       "slow, by phase: answered 408 when it sent them too slowly (head: "
+                                       "gateway.header_timeout; body: gateway.body_timeout and "
+                                       "gateway.body_min_rate), closed when it did not read its answer (send: "
+                                       "gateway.send_timeout).", ["phase"], registry=None)
         self.connections_refused = Counter("llmgw_client_connections_refused", "Connections refused (429, then "
                                            "closed) because their address already held "
                                            "gateway.max_connections_per_address in one worker, none of them idle.",

@@ -240,10 +240,9 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
         raise UpstreamError("protocol", f"the engine did not answer in HTTP/1.1: {lines[0][:60]!r}")
-    try:
-        status = int(parts[1])
-    except ValueError:
-        raise UpstreamError("protocol", f"the engine sent a bad status line: {lines[0][:60]!r}") from None
+    status = int(parts[1]) if len(parts[1]) == 3 and parts[1].isdigit() else 0
+    if not 100 <= status <= 599:  # passed on, a status outside HTTP's would break the client's reading
+        raise UpstreamError("protocol", f"the engine sent a bad status line: {lines[0][:60]!r}")
     headers = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
@@ -353,7 +352,9 @@ class Pool:
             raise UpstreamError("closed", f"sending to the engine failed: {e}", nothing_received=True) from None
         while True:
             status, headers = self._read_head(conn, first_byte, left, deadline)
-            if status != 100:  # a stray "continue": the real head follows
+            if status == 101:
+                raise UpstreamError("protocol", "the engine switched protocols on a request")
+            if not 100 <= status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real head follows
                 break
         if method == "HEAD" or status in (204, 304):
             framing, length = "length", 0
