@@ -433,10 +433,7 @@ class GuardedWorker(GeventWorker):
         clock read twice a request), no pre_request or post_request hook."""
         resp, environ = wsgi.create(req, sock, addr, listener_name, self.cfg, response_class=httpout.Response)
         environ["wsgi.multithread"] = True
-        self.nr += 1
-        if self.nr >= self.max_requests and self.alive:
-            self.log.info("Autorestarting worker after current request.")
-            self.alive = False
+        self.count_request()
         if not self.alive or not self.cfg.keepalive:
             resp.force_close()
         try:
@@ -452,8 +449,7 @@ class GuardedWorker(GeventWorker):
                 if hasattr(respiter, "close"):
                     respiter.close()
         except TimeoutError:
-            self.registry.metrics.client_timeouts.labels(SEND).inc()
-            log.debug("closed the connection of %s: it did not read its answer (gateway.send_timeout)", addr)
+            self.send_timed_out(addr)
             raise StopIteration() from None  # a client that did not read its answer: closed, as one that left
         except OSError:
             raise  # the connection's: handle() tells a client that left from a fault
@@ -468,6 +464,19 @@ class GuardedWorker(GeventWorker):
             raise StopIteration() from None
         if resp.should_close():
             raise StopIteration()
+
+    def count_request(self) -> None:
+        """One more request: past gunicorn's max_requests, the worker restarts once the request is answered."""
+        self.nr += 1
+        if self.nr >= self.max_requests and self.alive:
+            self.log.info("Autorestarting worker after current request.")
+            self.alive = False
+
+    def send_timed_out(self, addr) -> None:
+        """The client at ADDR did not make room for its answer within gateway.send_timeout: its connection is
+        closed (a stream's engine stops with it)."""
+        self.registry.metrics.client_timeouts.labels(SEND).inc()
+        log.debug("closed the connection of %s: it did not read its answer (gateway.send_timeout)", addr)
 
     def handle_error(self, req, client, addr, exc):
         if isinstance(exc, HeadTimeout):

@@ -303,10 +303,7 @@ class FastPath:
         worker = self.worker
         minor = 0 if environ["SERVER_PROTOCOL"] == "HTTP/1.0" else 1
         answer = Answer(conn.sock, minor, self._keeps(environ, minor))
-        worker.nr += 1
-        if worker.nr >= worker.max_requests and worker.alive:
-            worker.log.info("Autorestarting worker after current request.")
-            worker.alive = False
+        worker.count_request()
         conn.begin(body)
         try:
             respiter = self.app(environ, answer.start_response)
@@ -325,8 +322,7 @@ class FastPath:
             return False  # as gunicorn's gevent worker: a killed request ends its connection quietly
         except OSError as e:
             if isinstance(e, TimeoutError):  # the client did not take its answer within gateway.send_timeout
-                conn.registry.metrics.client_timeouts.labels("send").inc()
-                log.debug("closed the connection of %s: it did not read its answer (gateway.send_timeout)", addr)
+                worker.send_timed_out(addr)
             elif e.errno not in QUIET_ERRNOS:
                 log.exception("socket error answering %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
             return False  # the client left (or its socket failed): what it was sent is moot
