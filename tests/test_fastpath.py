@@ -136,6 +136,9 @@ ODD = {
     "an empty line first": (lambda k: b"\r\n" + odd(k), 200),
     "a HEAD": (lambda k: odd(k, line=b"HEAD /v1/models HTTP/1.1", body=b""), 405),
     "a request line too long": (lambda k: odd(k, line=b"POST /v1/" + b"a" * 5000 + b" HTTP/1.1"), 414),
+    # Never whole as CRLF ends heads: answered at once, not cut at the header timeout with a 408.
+    "bare LF line ends": (lambda k: odd(k).replace(b"\r\n", b"\n"), 400),
+    "a TLS hello on the plain port": (lambda k: b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40, 400),
 }
 
 
@@ -317,7 +320,9 @@ def test_a_status_that_is_not_one_is_the_apps_error(status):
         answer.start_response(status, [])
 
 
-@pytest.mark.parametrize("headers", [[("X-A", "a\x00b")], [("X A", "b")], [("X-A", "a\x7f")]])
+@pytest.mark.parametrize("headers", [[("X-A", "a\x00b")], [("X A", "b")], [("X-A", "a\x7f")],
+                                     [("X-A", "a\r\nSet-Cookie: s=1")], [("Set-Cookie: s=1\r\nX-A", "a")],
+                                     [("X-A: b", "c")], [("", "c")], [("X-A", 5)], [(b"X-A", "c")]])
 def test_a_header_that_is_not_one_is_the_apps_error(headers):
     from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderName
 

@@ -9,17 +9,19 @@ import gevent
 import gevent.socket
 import pytest
 
-from llmgw.gateway.sockio import recv, send_all
+from llmgw.gateway.sockio import SendTimeout, recv, send_all
 
 
 def test_a_send_larger_than_the_buffer_arrives_whole():
     ours, theirs = gevent.socket.socketpair()
     data = bytes(range(256)) * 40_000  # 10 MB: far more than a socket buffer takes at once
-    got = []
+    got, left = [], len(data)
 
     def read():
-        while len(b"".join(got)) < len(data):
+        nonlocal left
+        while left > 0:
             got.append(theirs.recv(65536))
+            left -= len(got[-1])
             gevent.sleep(0)
 
     reader = gevent.spawn(read)
@@ -31,10 +33,33 @@ def test_a_send_larger_than_the_buffer_arrives_whole():
     theirs.close()
 
 
+def test_the_sockets_timeout_bounds_each_wait_for_room_not_the_whole_send():
+    # A reader that takes a little every 10 ms gets all of 6 MB, which takes it longer than the timeout.
+    ours, theirs = gevent.socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    ours.settimeout(1.0)
+    data = b"x" * 6_000_000
+    got = [0]
+
+    def read():
+        while got[0] < len(data):
+            got[0] += len(theirs.recv(65536))
+            gevent.sleep(0.01)
+
+    reader = gevent.spawn(read)
+    started = time.monotonic()
+    send_all(ours, data)
+    reader.join(timeout=60)
+    assert got[0] == len(data) and time.monotonic() - started > 1.0
+    ours.close()
+    theirs.close()
+
+
 def test_a_wait_for_room_is_bounded_by_the_sockets_timeout():
     ours, theirs = gevent.socket.socketpair()
     ours.settimeout(0.2)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(SendTimeout):
         send_all(ours, b"x" * 50_000_000)  # nobody reads
     ours.close()
     theirs.close()

@@ -36,8 +36,14 @@ class ClientWatch:
         if self.resp is None:
             return  # the stream ended first
         try:
-            if self.sock.recv(1, socket.MSG_PEEK):
+            # The system socket's own peek (under the connection's gevent socket), which never waits: a wake-up
+            # with nothing to read after all watches on.
+            if self.sock.sock._sock.recv(1, socket.MSG_PEEK):
                 return  # the client sent more (a pipelined request): it did not leave
+        except BlockingIOError:
+            if self.resp is not None:
+                self.watcher.start(self._readable)
+            return
         except OSError:
             pass
         if self.resp is not None:

@@ -15,12 +15,17 @@ every wait by the phase the connection is in:
   (the proxy answers OpenAI's 408, the pages werkzeug's);
 - between requests a connection may idle for gunicorn's `keepalive`.
 
+Every send to a client waits at most `gateway.send_timeout` for room each time it waits
+(llmgw/gateway/sockio.py): one that stops reading its answer is closed, and a stream's
+engine stops with it. A connection is served by llmgw/gateway/fastpath.py while its requests
+are plain `/v1` ones, then by gunicorn's parser and this worker's `handle_request`.
+
 One address (an IPv6 /64) holds at most `gateway.max_connections_per_address`
 connections in one worker. A new connection beyond it first closes the
 address's longest-idle kept-alive connection, so idle connections never hold
 a client's slots against its own new ones; only when none is idle is it
-refused (429, then closed). Each refusal and each 408 is counted in the
-worker's metrics (`llmgw_client_connections_refused_total`,
+refused (429, then closed). Each refusal, each 408 and each send timeout is counted
+in the worker's metrics (`llmgw_client_connections_refused_total`,
 `llmgw_client_timeouts_total`). Likewise, a worker whose connections are all taken
 closes its longest-idle one to keep room, and a stopping worker closes every
 idle one at once rather than wait for it to its graceful timeout. Addresses in
@@ -35,6 +40,7 @@ the bound is per worker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -229,8 +235,9 @@ class Connection:
         self.registry = registry
         self.limits = limits
         self.counted = True
-        # What gunicorn calls while answering, bound here rather than found through __getattr__.
-        self.sendall = sock.sendall
+        # What gunicorn calls while answering, bound here rather than found through __getattr__; a send waits for
+        # room at most the socket's timeout (gateway.send_timeout) each time it waits (llmgw/gateway/sockio.py).
+        self.sendall = functools.partial(sockio.send_all, sock)
         self.send = sock.send
         self.fileno = sock.fileno
         self.phase = HEAD
@@ -315,6 +322,7 @@ class Connection:
     def _rest(self) -> None:
         self.phase = IDLE
         self.req = None
+        self.answered = False  # a malformed next request is answered (a 400), not closed on as a drained body
         self.deadline = time.monotonic() + self.limits.idle
         if self.counted:
             self.registry.rest(self)
@@ -393,9 +401,13 @@ class GuardedWorker(GeventWorker):
             return
         conn = Connection(client, key, self.registry, self.limits)
         try:
-            if self.fast.serve(conn, addr, listener.getsockname()):
-                util.close(conn)
-            else:
+            done = True
+            try:
+                done = self.fast.serve(conn, addr, listener.getsockname())
+            finally:
+                if done:
+                    util.close(conn)
+            if not done:
                 # The rest is gunicorn's (GeventWorker.handle only sets the socket blocking, done above).
                 AsyncWorker.handle(self, listener, conn, addr)
         finally:
@@ -448,7 +460,7 @@ class GuardedWorker(GeventWorker):
             finally:
                 if hasattr(respiter, "close"):
                     respiter.close()
-        except TimeoutError:
+        except sockio.SendTimeout:
             self.send_timed_out(addr)
             raise StopIteration() from None  # a client that did not read its answer: closed, as one that left
         except OSError:

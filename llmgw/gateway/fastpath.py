@@ -36,7 +36,7 @@ from gunicorn.http.message import TOKEN_RE
 from gunicorn.http.wsgi import HEADER_VALUE_RE, STATUS_RE, FileWrapper
 
 from llmgw.gateway.httpout import JOIN_AT, LAST_CHUNK, http_date
-from llmgw.gateway.sockio import send_all
+from llmgw.gateway.sockio import SendTimeout, send_all
 
 log = logging.getLogger("llmgw.fastpath")
 
@@ -107,19 +107,24 @@ class Body:
         return True
 
 
-# The app's header lines at once: each name a token that is not one of the connection's own headers (gunicorn
-# drops those: framing and the connection are the server's to say), each value visible characters, spaces and
-# tabs, as gunicorn's TOKEN_RE and HEADER_VALUE_RE check them one at a time. One match of the whole block
-# costs a little more than one header's; a block that does not match is looked at header by header.
-FIELDS_RE = re.compile(r"(?:(?!(?i:connection|keep-alive|proxy-authenticate|proxy-authorization|te|trailers|"
-                       r"transfer-encoding|upgrade|server|date):)[!#$%&'*+\-.^_`|~0-9a-zA-Z]+: "
-                       r"[ \t\x21-\x7e\x80-\xff]*\r\n)*")
+# The app's header names at once, a line each: each a token (gunicorn's TOKEN_RE) that is not one of the
+# connection's own headers (gunicorn drops those: framing and the connection are the server's to say).
+NAMES_RE = re.compile(r"(?:(?!(?i:connection|keep-alive|proxy-authenticate|proxy-authorization|te|trailers|"
+                      r"transfer-encoding|upgrade|server|date)(?:\n|$))[!#$%&'*+\-.^_`|~0-9a-zA-Z]+(?:\n|$))*")
+# Its header lines at once: each value visible characters, spaces and tabs (gunicorn's HEADER_VALUE_RE). With
+# as many line ends as headers, no value holds one. Two matches of the whole block cost about what one
+# header's checks do; a block that does not match is looked at header by header.
+FIELDS_RE = re.compile(r"(?:[^:\r\n]+: [ \t\x21-\x7e\x80-\xff]*\r\n)*")
 
 
 def _fields(headers: list) -> str:
-    """HEADERS as header lines, checked (`FIELDS_RE`); raises gunicorn's InvalidResponseHeader(Name)."""
-    text = "".join([f"{name}: {value}\r\n" for name, value in headers])
-    if FIELDS_RE.fullmatch(text):
+    """HEADERS as header lines, checked (`NAMES_RE`, `FIELDS_RE`); raises gunicorn's InvalidResponseHeader(Name)."""
+    try:
+        text = "".join([name + ": " + value + "\r\n" for name, value in headers])  # a name or value not a str: raises
+        names = "\n".join([name for name, _ in headers])
+    except TypeError:
+        text = names = ""
+    if text.count("\n") == len(headers) and NAMES_RE.fullmatch(names) and FIELDS_RE.fullmatch(text):
         return text
     kept = []
     for name, value in headers:
@@ -216,7 +221,7 @@ class Answer:
         tail = LAST_CHUNK if self.chunked else b""
         if head or tail:
             send_all(self.sock, head + tail)
-        if self.length is not None and self.sent < self.length:
+        if self.length is not None and self.sent < self.length and not self.omits:
             self.keep = False  # the body came short of its length: the client reads on into what comes next
 
     @property
@@ -231,9 +236,11 @@ class FastPath:
         self.worker = worker
         cfg = worker.cfg
         self.app = worker.wsgi
-        self.limits = dict(limit_request_line=cfg.limit_request_line or 1 << 30,
+        self.multiprocess = cfg.workers > 1
+        # As gunicorn gives them to the same parser: 0 is no limit, which the parser takes as a large one.
+        self.limits = dict(limit_request_line=cfg.limit_request_line or 1 << 20,
                            limit_request_fields=cfg.limit_request_fields,
-                           limit_request_field_size=cfg.limit_request_field_size or 1 << 30,
+                           limit_request_field_size=cfg.limit_request_field_size or 8190,
                            permit_unconventional_http_method=cfg.permit_unconventional_http_method,
                            permit_unconventional_http_version=cfg.permit_unconventional_http_version)
 
@@ -258,6 +265,9 @@ class FastPath:
                     return True  # the client left between requests, or before its first
                 buf += data
                 end = buf.find(b"\r\n\r\n", max(0, len(buf) - len(data) - 3))
+                if end < 0 and not self._may_end(buf):
+                    conn.pending = buf  # not HTTP gunicorn takes (a bare LF, a TLS hello): its 400, now
+                    return False
             environ = self._environ(buf, addr, server)
             if environ is None:
                 conn.pending = buf
@@ -272,6 +282,17 @@ class FastPath:
             buf = body.buf
             if buf:
                 conn.begun(buf)  # the next request came with this one: its head's clock runs from now
+
+    def _may_end(self, buf: bytes) -> bool:
+        """Whether BUF, a head not yet whole, may still become one gunicorn takes: what it refuses at once is
+        handed to it at once, not waited on for the header timeout."""
+        try:
+            gunicorn_h1c.parse_request(buf, **self.limits)
+        except gunicorn_h1c.IncompleteError:
+            return True
+        except Exception:
+            return False
+        return True
 
     def _environ(self, buf: bytes, addr, server) -> dict | None:
         """The environ of the request whose head BUF begins with, or None when it is not one for this path."""
@@ -292,7 +313,7 @@ class FastPath:
         environ["wsgi.version"] = (1, 0)
         environ["wsgi.errors"] = sys.stderr  # gunicorn's error log, which the gateway writes to standard error
         environ["wsgi.multithread"] = True
-        environ["wsgi.multiprocess"] = True
+        environ["wsgi.multiprocess"] = self.multiprocess
         environ["wsgi.run_once"] = False
         environ["wsgi.input_terminated"] = True
         environ["wsgi.file_wrapper"] = FileWrapper
@@ -321,7 +342,7 @@ class FastPath:
         except (gevent.GreenletExit, SystemExit):
             return False  # as gunicorn's gevent worker: a killed request ends its connection quietly
         except OSError as e:
-            if isinstance(e, TimeoutError):  # the client did not take its answer within gateway.send_timeout
+            if isinstance(e, SendTimeout):  # the client did not make room for its answer within gateway.send_timeout
                 worker.send_timed_out(addr)
             elif e.errno not in QUIET_ERRNOS:
                 log.exception("socket error answering %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])

@@ -240,7 +240,7 @@ def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1."):
         raise UpstreamError("protocol", f"the engine did not answer in HTTP/1.1: {lines[0][:60]!r}")
-    status = int(parts[1]) if len(parts[1]) == 3 and parts[1].isdigit() else 0
+    status = int(parts[1]) if len(parts[1]) == 3 and parts[1].isascii() and parts[1].isdigit() else 0
     if not 100 <= status <= 599:  # passed on, a status outside HTTP's would break the client's reading
         raise UpstreamError("protocol", f"the engine sent a bad status line: {lines[0][:60]!r}")
     headers = {}

@@ -83,7 +83,7 @@ def insert_rows(conn: Connection, rows: list[tuple]) -> list[tuple[tuple, Except
     try:
         # A savepoint, because on PostgreSQL a refused statement spoils the rest of its transaction.
         with conn.begin_nested():
-            if conn.dialect.paramstyle == "qmark":
+            if conn.dialect.name == "sqlite":
                 conn.exec_driver_sql(QMARK_INSERT, [tuple(map(values.get, FIELDS)) for values in map(bounded, rows)])
             else:
                 conn.execute(store.usage.insert(), [bounded(row) for row in rows])
