@@ -46,12 +46,7 @@ class Relay:
         self.closed = True
         self.listener.close()
         for sock in self.sockets:
-            # Shut down, not only closed: a socket closed while a pump's thread waits in recv on it stays
-            # connected, and PostgreSQL kept the gateway's transaction behind it open, holding its tables
-            # against the next test's DROP (tests/conftest.py wipe) until the suite was killed.
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+            _end(sock)
         self.flowing.set()  # lets the pumps find their sockets closed and end
 
     def _accept(self) -> None:
@@ -80,8 +75,19 @@ class Relay:
         except OSError:
             pass
         finally:
-            source.close()
-            sink.close()
+            # One side ended: end both, so the pump the other way, waiting in recv, ends too.
+            _end(source)
+            _end(sink)
+
+
+def _end(sock: socket.socket) -> None:
+    """Shut SOCK down, then close it. Closed alone while the other pump's thread waits in recv on it, a socket
+    stays connected: PostgreSQL kept the gateway's transaction behind it open, holding its tables against a later
+    test's DROP (tests/conftest.py wipe). It happened twice: once when the relay closed the sockets, once when a
+    pump did, on its side's end, under the other pump's recv."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def serve(make_gateway, make_sim, url: str, spool, flush_interval=60.0, workers=2) -> object:
