@@ -68,7 +68,7 @@ def recv(sock, size: int, timeout: float | None, wait_first: bool = False) -> by
             pass
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        _wait_readable(sock, None if deadline is None else deadline - time.monotonic())
+        _wait(sock, sock._read_event, None if deadline is None else deadline - time.monotonic(), socket.timeout)
         try:
             return raw.recv(size)
         except BlockingIOError:
@@ -77,10 +77,6 @@ def recv(sock, size: int, timeout: float | None, wait_first: bool = False) -> by
 
 def _expire(greenlet, error) -> None:
     greenlet.throw(error("timed out"))
-
-
-def _wait_readable(sock, timeout: float | None) -> None:
-    _wait(sock, sock._read_event, timeout, socket.timeout)
 
 
 def _wait(sock, watcher, timeout: float | None, error) -> None:
