@@ -76,6 +76,12 @@ def main(config_path, controllers, node_id, key_file):
     host, port = addresses.parse(cfg["agent.controllers"][0], "agent.controllers")
     route = discovery.route_address(addresses.dial_host(host), port)
     address = route or "127.0.0.1"
+    engine_host = cfg["agent.engine_host"]
+    if route and engine_host not in addresses.WILDCARDS and not addresses.same_machine(engine_host, route):
+        # The controller takes an engine only on the address the node connects from (llmgw/control/claims.py).
+        raise click.ClickException(f"agent.engine_host is {engine_host}, but this node reaches the controller from "
+                                   f"{route}, and the controller accepts engines only on that address: leave "
+                                   "agent.engine_host empty, or set it to that address")
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"])
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],

@@ -110,7 +110,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         raise click.ClickException(f"{e} (in {cfg.source})") from None
     replicas = Replicas(base_backoff=cfg["controller.base_backoff"])
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
-                         heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas, lease=lease)
+                         heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas, lease=lease,
+                         models=catalog.models)
     publisher = Publisher(context, cfg["controller.gateway_listen"], gateway_keys)
 
     def restored_accountant() -> Accountant:

@@ -116,6 +116,39 @@ def _is_ipv6(text: str) -> bool:
         return False
 
 
+def _ip(text: str | None):
+    """TEXT as an IP address, an IPv4 one seen as `::ffff:a.b.c.d` as itself; None when it is not one."""
+    try:
+        ip = ipaddress.ip_address((text or "").strip("[]"))
+    except ValueError:
+        return None
+    return ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip
+
+
+def same_machine(host: str | None, address: str | None) -> bool:
+    """Whether HOST, written in a URL, is ADDRESS, a peer's IP as a socket reports it. Both must be IP
+    addresses: a name could be pointed anywhere. Loopback matches loopback whatever its form (127.0.0.1,
+    ::1): a peer on this machine may be dialled on any of them, and nothing else may be dialled there."""
+    ip, peer = _ip(host), _ip(address)
+    if ip is None or peer is None:
+        return False
+    return ip == peer or (ip.is_loopback and peer.is_loopback)
+
+
+def url_host(url: str) -> str | None:
+    """The host of an `http://HOST:PORT/...` URL, without brackets; None for anything else."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return None
+    authority = rest.split("/", 1)[0]
+    if "@" in authority:
+        return None  # credentials in an engine's URL: nothing a node has reason to send
+    try:
+        return parse(authority, "a URL")[0] or None
+    except ValueError:
+        return None
+
+
 class AddressList:
     """Addresses and networks (CIDR), parsed once; `contains(ip)` for a client's address."""
 
@@ -134,13 +167,8 @@ class AddressList:
     def contains(self, address: str | None) -> bool:
         """Whether ADDRESS (a client's IP, as a server reports it) is in the list; anything that is not an
         IP address is not."""
-        try:
-            ip = ipaddress.ip_address(address or "")
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-            ip = ip.ipv4_mapped
-        return any(ip in net for net in self.networks)
+        ip = _ip(address)
+        return ip is not None and any(ip in net for net in self.networks)
 
 
 def check_listen(value: str, setting: str) -> None:

@@ -55,10 +55,13 @@ def test_the_node_view_is_typed_from_the_messages_and_not_known_stays_none():
                     "gpus": [{"index": 0, "class": "l40s-45g", "name": "NVIDIA L40S", "memory_total_bytes": 48,
                               "memory_used_bytes": 1, "health": "ok"},
                              {"index": 1, "class": "l40s-45g", "health": "ok"}]}
-    fleet.register("n1", registration, b"i", 0.0)
+    fleet.register("n1", registration, b"i", 0.0, "10.0.0.5")
     fleet.heartbeat("n1", {"seq": 1, "disk": {"free_bytes": 7},
-                           "gpus": [{"index": 0, "memory_used_bytes": 30, "utilization_percent": 95.0}]}, b"i", 1.0)
-    fleet.heartbeat("n1", {"seq": 2, "gpus": [{"index": 1, "health": "failed"}]}, b"i", 2.0)
+                           "gpus": [{"index": 0, "memory_used_bytes": 30, "utilization_percent": 95.0}]}, b"i", 1.0,
+                    "10.0.0.5")
+    # From another address than it registered from: not taken.
+    assert not fleet.heartbeat("n1", {"seq": 2, "disk": {"free_bytes": 1}}, b"i", 1.5, "10.6.6.6")
+    fleet.heartbeat("n1", {"seq": 2, "gpus": [{"index": 1, "health": "failed"}]}, b"i", 2.0, "10.0.0.5")
     view = fleet.describe(2.0)[0]
     facts = view.facts
     assert (facts.cpu_count, facts.memory_total_bytes, facts.disk_free_bytes, facts.disk_total_bytes) == (8, 64, 7, 100)
@@ -70,7 +73,7 @@ def test_the_node_view_is_typed_from_the_messages_and_not_known_stays_none():
         None, None, "failed", False)
     # The admin API's JSON is the messages as sent, the heartbeats' GPUs merged by index.
     assert view.to_dict() == {"node_id": "n1", "state": READY, "last_heard_s": 0.0, "registered_s": 2.0,
-                              "facts": registration,
+                              "address": "10.0.0.5", "facts": registration,
                               "status": {"disk": {"free_bytes": 7}, "gpus": [
                                   {"index": 0, "memory_used_bytes": 30, "utilization_percent": 95.0},
                                   {"index": 1, "health": "failed"}]}}

@@ -18,11 +18,13 @@ import urllib.request
 import pytest
 import zmq
 
-from llmgw.control import catalog
+from llmgw.control import catalog, publisher
 from llmgw.control.agentserver import AgentServer
 from llmgw.control.authenticator import KeyRing
 from llmgw.control.fleet import Fleet
-from llmgw.control.reconciler import Replicas, plan
+from llmgw.control.reconciler import Replica, Replicas, plan
+from llmgw.gateway import follower
+from llmgw.gateway.snapshot import Snapshot
 from llmgw.procs import free_port
 from llmgw.wire import agent as protocol
 from llmgw.wire import gateways
@@ -135,28 +137,42 @@ def curve_server(fleet, replicas, nodes=("victim", "rogue")):
                                       replicas=replicas)
 
 
+ADDRESS = {"victim": "10.0.0.1", "rogue": "10.6.6.6"}  # where each node's connection comes from
+
+
+def placed(replicas, shard_id: str, model: str, node: str) -> None:
+    """Record SHARD_ID as the controller's placement plan does: sent to NODE, not yet reported."""
+    replicas.items[shard_id] = Replica(shard_id, model, node, "pending")
+
+
 def test_a_node_speaks_only_for_its_own_shards():
     fleet, replicas = Fleet(15, 60), Replicas()
     context, _, server = curve_server(fleet, replicas)
     try:
         for node in ("victim", "rogue"):
-            server.handle(node.encode(), key_of(node), protocol.encode("register", node_id=node, agent_version="t"))
+            server.handle(node.encode(), key_of(node), protocol.encode("register", node_id=node, agent_version="t"),
+                          ADDRESS[node])
+        placed(replicas, "m-1", "m", "victim")
         server.handle(b"victim", key_of("victim"), protocol.encode(
-            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"))
+            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"),
+            ADDRESS["victim"])
         # A node holding a valid key claims the victim's shard, with its own address.
         server.handle(b"rogue", key_of("rogue"), protocol.encode(
-            "shard_status", node_id="rogue", shard_id="m-1", state="ready", model="m", url="http://10.6.6.6:8000"))
+            "shard_status", node_id="rogue", shard_id="m-1", state="ready", model="m", url="http://10.6.6.6:8000"),
+            ADDRESS["rogue"])
         server.handle(b"rogue", key_of("rogue"), protocol.encode(
-            "shard_status", node_id="rogue", shard_id="m-1", state="stopped", model="m"))
+            "shard_status", node_id="rogue", shard_id="m-1", state="stopped", model="m"), ADDRESS["rogue"])
         (replica,) = replicas.snapshot()
         assert (replica.node_id, replica.url, replica.state) == ("victim", "http://10.0.0.1:8000", "ready")
         assert server.refused == {"not_its_own": 2}
         # An ack for a request sent to the victim is not the rogue's to give.
         waiter = {"event": __import__("threading").Event(), "reply": None, "node": "victim"}
         server.waiting["r1"] = waiter
-        server.handle(b"rogue", key_of("rogue"), protocol.encode("ack", node_id="rogue", request_id="r1", ok=True))
+        server.handle(b"rogue", key_of("rogue"), protocol.encode("ack", node_id="rogue", request_id="r1", ok=True),
+                      ADDRESS["rogue"])
         assert not waiter["event"].is_set() and server.refused["not_its_own"] == 3
-        server.handle(b"victim", key_of("victim"), protocol.encode("ack", node_id="victim", request_id="r1", ok=True))
+        server.handle(b"victim", key_of("victim"), protocol.encode("ack", node_id="victim", request_id="r1", ok=True),
+                      ADDRESS["victim"])
         assert waiter["event"].is_set()
         metrics = "".join(f"{s.name}{s.labels} {s.value}\n" for fam in server.collect() for s in fam.samples)
         assert "llmgw_agent_messages_refused_total{'why': 'not_its_own'} 3" in metrics
@@ -229,9 +245,12 @@ def test_a_session_whose_key_was_revoked_or_replaced_is_refused_and_counted():
     fleet, replicas = Fleet(15, 60), Replicas()
     context, ring, server = curve_server(fleet, replicas, nodes=("victim",))
     try:
-        server.handle(b"old", key_of("victim"), protocol.encode("register", node_id="victim", agent_version="t"))
+        server.handle(b"old", key_of("victim"), protocol.encode("register", node_id="victim", agent_version="t"),
+                      ADDRESS["victim"])
+        placed(replicas, "m-1", "m", "victim")
         server.handle(b"old", key_of("victim"), protocol.encode(
-            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"))
+            "shard_status", node_id="victim", shard_id="m-1", state="ready", model="m", url="http://10.0.0.1:8000"),
+            ADDRESS["victim"])
         assert [r.shard_id for r in replicas.snapshot()] == ["m-1"]
         ring.replace({b"key-issued-again": "victim"})
         server.forget_revoked()  # what the loop's next poll does
@@ -286,3 +305,137 @@ def test_a_node_with_a_valid_key_sending_bad_facts_is_refused_and_the_others_are
     finally:
         server.close()
         context.term()
+
+
+ROGUE_MODELS = {
+    # Needs eight H100s: no node here has one.
+    "big": catalog.parse_model({"name": "big", "source": "/dev/null", "profiles": [
+        {"engine": "sim", "gpus": 8, "gpu_class": "h100-80g"}]}),
+    "small": catalog.parse_model({"name": "small", "source": "/dev/null", "profiles": [{"engine": "sim"}]}),
+}
+
+
+def shard(shard_id: str, model: str, url: str, **fields) -> dict:
+    return {"shard_id": shard_id, "state": "ready", "model": model, "engine": "sim", "url": url,
+            "profile_fp": ROGUE_MODELS[model].fingerprint(ROGUE_MODELS[model].profiles[0]), **fields}
+
+
+def test_a_rogue_node_gets_nothing_published_in_or_out_of_the_adoption_window():
+    # A third node with an issued key has not come back yet: the controller is settling, the window in which
+    # a node may bring back replicas placed before it started.
+    fleet = Fleet(15, 60, started=time.monotonic(), expected={"victim", "rogue", "late"})
+    replicas = Replicas()
+    context, _, server = curve_server(fleet, replicas, nodes=("victim", "rogue", "late"))
+    server.claims.models = lambda: ROGUE_MODELS
+    sent = []
+    server.send = lambda identity, kind, **fields: sent.append((identity, kind, fields))
+    facts = {"engines": {"sim": "1"}, "engines_probed": True, "gpus": []}
+    try:
+        assert fleet.settling(time.monotonic())
+        server.handle(b"rogue", key_of("rogue"), protocol.encode("register", node_id="rogue", agent_version="t", shards=[
+            shard("big-1", "big", "http://10.9.9.9:8000"),  # a model it cannot run, at another address
+            shard("big-2", "big", "http://10.6.6.6:8000"),  # a model it cannot run, at its own address
+            shard("small-1", "small", "http://10.9.9.9:8000"),  # a model it can run, at another address
+            shard("small-2", "small", "http://127.0.0.1:8000"),  # the gateways' own machine
+            shard("small-3", "small", "http://10.6.6.6.nip.io:8000"),  # a name, which could point anywhere
+        ], **facts), ADDRESS["rogue"])
+        assert replicas.snapshot() == [] and server.refused == {"not_its_own": 5}
+        # Each of those engines is told to stop: no controller accounts for it.
+        assert sorted(f["shard_id"] for _, kind, f in sent if kind == "stop_shard") == \
+            ["big-1", "big-2", "small-1", "small-2", "small-3"]
+        # What a restarted controller must still take in its window: an engine on the node's own address,
+        # of a model its profile would place there.
+        server.handle(b"victim", key_of("victim"), protocol.encode(
+            "register", node_id="victim", agent_version="t", shards=[shard("small-9", "small", "http://10.0.0.1:81")],
+            **facts), ADDRESS["victim"])
+        assert [(r.shard_id, r.node_id, r.address) for r in replicas.snapshot()] == [("small-9", "victim", "10.0.0.1")]
+
+        # The window closes when the last expected node is back; from then on only placed shards are taken.
+        server.handle(b"late", key_of("late"), protocol.encode("register", node_id="late", agent_version="t", **facts),
+                      "10.0.0.3")
+        assert not fleet.settling(time.monotonic())
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
+            "shard_status", node_id="rogue", **shard("small-4", "small", "http://10.6.6.6:8000")), ADDRESS["rogue"])
+        assert [r.shard_id for r in replicas.snapshot()] == ["small-9"]
+        # A shard this controller placed on the rogue is its own to report, on its own address only.
+        placed(replicas, "small-5", "small", "rogue")
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
+            "shard_status", node_id="rogue", **shard("small-5", "small", "http://10.9.9.9:8000")), ADDRESS["rogue"])
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
+            "shard_status", node_id="rogue", **shard("small-5", "small", "http://10.6.6.6:8000")), ADDRESS["rogue"])
+        body = publisher.snapshot_body(ROGUE_MODELS, replicas.snapshot())
+        assert sorted((r["id"], r["url"], r["address"]) for r in body["replicas"]) == [
+            ("small-5", "http://10.6.6.6:8000", "10.6.6.6"), ("small-9", "http://10.0.0.1:81", "10.0.0.1")]
+        assert server.refused == {"not_its_own": 7}
+
+        # A node's messages from another address than it registered from are not taken: it must register again.
+        sent.clear()
+        server.handle(b"rogue", key_of("rogue"), protocol.encode("heartbeat", node_id="rogue", seq=1), "10.9.9.9")
+        assert [kind for _, kind, _ in sent] == ["register_again"]
+    finally:
+        server.close()
+        context.term()
+
+
+def test_a_gateway_dials_no_replica_off_its_node():
+    body = {"version": 1, "models": [{"name": "m"}], "replicas": [
+        {"id": "on", "url": "http://10.0.0.1:8000", "models": ["m"], "address": "10.0.0.1"},
+        {"id": "off", "url": "http://10.9.9.9:8000", "models": ["m"], "address": "10.0.0.1"},
+        {"id": "loop", "url": "http://127.0.0.1:8000", "models": ["m"], "address": "::1"},
+        {"id": "named", "url": "http://evil.example:8000", "models": ["m"], "address": "10.0.0.1"}]}
+    snapshot = follower.from_controller(body, Snapshot(version=0, models={}, replicas={}))
+    assert sorted(snapshot.replicas) == ["loop", "on"]
+
+
+def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(tmp_path):
+    models = [{"name": "big", "source": "/dev/null", "profiles": [{"engine": "sim", "gpus": 1, "gpu_class": "h100-80g"}]},
+              {"name": "small", "source": "/dev/null", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]}]
+    fingerprint = {m["name"]: (lambda parsed: parsed.fingerprint(parsed.profiles[0]))(catalog.parse_model(m))
+                   for m in models}
+    # The controller waits for the one node it issued a key to for up to 30 s after it starts: the rogue's
+    # first registration comes in that window, and closes it.
+    c = Controller(tmp_path, models=models, controller__unreachable_after=30.0, controller__lost_after=60.0)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        text = c.issue_key("rogue")
+        c.stop()
+        c.start()  # which now expects the rogue, the one node with an issued key
+
+        def field(name):
+            return next(line.split('"')[1] for line in text.splitlines() if line.startswith(name + " "))
+
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_serverkey = field("controller_public_key").encode()
+        sock.curve_publickey = field("public_key").encode()
+        sock.curve_secretkey = field("secret_key").encode()
+        sock.connect(f"tcp://127.0.0.1:{c.agent_port}")
+
+        def register(*shards) -> list[dict]:
+            """Register as the rogue listing SHARDS; the controller's replies, up to its `registered`."""
+            sock.send(protocol.encode("register", node_id="rogue", agent_version="t", engines={"sim": "1"},
+                                      engines_probed=True, gpus=[], shards=[
+                                          {"state": "ready", "engine": "sim", "profile_fp": fingerprint[s["model"]], **s}
+                                          for s in shards]))
+            replies = []
+            while not replies or replies[-1]["type"] != "registered":
+                assert sock.poll(30000), f"the controller did not answer the registration: {replies}"
+                replies.append(protocol.decode(sock.recv()))
+            return replies
+
+        replies = register({"shard_id": "big-1", "model": "big", "url": "http://10.9.9.9:8000"},
+                           {"shard_id": "big-2", "model": "big", "url": "http://127.0.0.1:8000"},
+                           {"shard_id": "small-1", "model": "small", "url": "http://10.9.9.9:8000"})
+        assert c.replicas() == []
+        assert sorted(r["shard_id"] for r in replies if r["type"] == "stop_shard") == ["big-1", "big-2", "small-1"]
+        log = c.log()
+        assert "big could not have been placed there" in log and "is not on the node's own address" in log
+        # Out of the window: a shard this controller did not place is refused, whatever it looks like.
+        replies = register({"shard_id": "small-2", "model": "small", "url": "http://127.0.0.1:8000"})
+        assert c.replicas() == [] and [r["shard_id"] for r in replies if r["type"] == "stop_shard"] == ["small-2"]
+        assert "this controller did not place small-2" in c.log()
+        assert 'llmgw_agent_messages_refused_total{why="not_its_own"} 4.0' in c.metrics()
+    finally:
+        sock.close(0)
+        context.term()
+        c.stop()

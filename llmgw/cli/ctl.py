@@ -93,7 +93,9 @@ def nodes(obj, as_json):
         flags = facts.get("cpu", {}).get("flags")
         cpus = str(facts.get("cpu", {}).get("count", "?")) + ("" if flags is None or "avx2" in flags or "asimd" in flags
                                                             else " (no AVX2)")
-        rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago", facts.get("address") or "-",
+        rows.append((n["node_id"], n["state"], f"{n['last_heard_s']:.0f}s ago",
+                     # Where its connection comes from, which its engines are on; an older controller's: what it said.
+                     n.get("address") or facts.get("address") or "-",
                      cpus, human_bytes(memory.get("total_bytes")), human_bytes(disk.get("free_bytes")), gpu_text))
     print_table(rows)
     _print_installs(result)

@@ -15,18 +15,27 @@ message, and a message on a session whose key is no longer issued is refused
 and counted; and when keys leave the ring, their nodes and replicas are
 forgotten here, on the thread that handles their messages, so that none
 handled a moment earlier can bring them back.
+
+A node speaks from the address it registered from (the connection's peer, as
+ZeroMQ saw it): a message from another address is answered `register_again`.
+What it says of its shards is judged by llmgw/control/claims.py first (its
+engines on that address, only shards this controller placed once it has
+settled); a shard it may not claim is refused, counted, and, when no other
+node holds it, stopped, as an engine that no controller accounts for.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import zmq
 from prometheus_client.core import CounterMetricFamily
 
 from llmgw import addresses
 from llmgw.control.authenticator import AGENTS, KeyRing, serve_curve
+from llmgw.control.claims import ShardClaims
 from llmgw.control.fleet import Fleet
 from llmgw.wire import agent as protocol
 
@@ -35,13 +44,15 @@ log = logging.getLogger("llmgw.agentserver")
 
 class AgentServer:
     def __init__(self, context: zmq.Context, listen: str, fleet: Fleet, ring: KeyRing | None,
-                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None, lease=None):
+                 keypair: tuple[bytes, bytes] | None, heartbeat_interval: float = 5.0, replicas=None, lease=None,
+                 models=dict):
         """RING is None only in plaintext mode; then no key is asked for. The controller's `Authenticator`
         must be running on CONTEXT with RING as its agents' domain. LEASE (llmgw/control/lease.py) says
-        whether this controller leads; None: it always does."""
+        whether this controller leads; None: it always does. MODELS: the catalog's models now."""
         self.fleet = fleet
         self.lease = lease
         self.replicas = replicas
+        self.claims = ShardClaims(fleet, replicas, models) if replicas is not None else None
         self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply", "node"}, for replies someone waits on
         self.ring = ring
         self.keys_seen = ring.keys if ring is not None else None  # the ring as of the last look for revocations
@@ -77,7 +88,7 @@ class AgentServer:
                 continue
             identity = frames[0].bytes
             key = frames[1].get("User-Id") if self.ring is not None else None
-            self.handle(identity, key, frames[1].bytes)
+            self.handle(identity, key, frames[1].bytes, frames[1].get("Peer-Address"))
 
     def forget_revoked(self) -> None:
         """Forget the nodes whose keys left the ring since the last look (revoked, or replaced by a new
@@ -92,8 +103,9 @@ class AgentServer:
                 log.warning("node %s: its key was revoked or replaced; its session is refused, and it is "
                             "forgotten with its replicas (%s)", node_id, ", ".join(gone) or "none")
 
-    def handle(self, identity: bytes, key: str | None, payload: bytes) -> None:
-        """Act on one message; KEY is the z85 public key its session was opened with (None: plaintext)."""
+    def handle(self, identity: bytes, key: str | None, payload: bytes, peer: str | None = None) -> None:
+        """Act on one message; KEY is the z85 public key its session was opened with (None: plaintext), PEER
+        the address it came from."""
         authenticated = self.ring.node_for(key.encode()) if key is not None else None
         if key is not None and authenticated is None:
             self._count("revoked")
@@ -125,25 +137,30 @@ class AgentServer:
         now = time.monotonic()
         if message["type"] == "register":
             facts = {k: v for k, v in message.items() if k not in ("v", "type", "shards")}
-            self.fleet.register(node_id, facts, identity, now)
+            settling = self.fleet.settling(now)
+            self.fleet.register(node_id, facts, identity, now, peer)
             shards = message.get("shards", [])  # each with its shard_id and state: llmgw/wire/agent.py checked
             if self.replicas is not None:
                 # What the node runs: how a restarted controller learns its replicas, and how a restarted
                 # agent's adopted engines stay in the snapshot without a gap.
-                for shard_id, reason in self.replicas.registered(node_id, shards, now):
+                taken = [shard for shard in shards if self._may_claim(node_id, identity, shard, now, settling)]
+                for shard_id, reason in self.replicas.registered(node_id, taken, now, peer):
                     self._refuse_if(node_id, shard_id, reason)
-            log.info("node %s registered (agent %s, %s, %d shards running)", node_id, message["agent_version"],
-                     message.get("address"), len(shards))
+            log.info("node %s registered from %s (agent %s, %d shards running)", node_id, peer,
+                     message["agent_version"], len(shards))
             self.send(identity, "registered", node_id=node_id, heartbeat_interval=self.heartbeat_interval)
         elif message["type"] == "heartbeat":
-            if self.fleet.heartbeat(node_id, message, identity, now):
+            if self.fleet.heartbeat(node_id, message, identity, now, peer):
                 self.send(identity, "heartbeat_ack", seq=message["seq"])
             else:
                 self.send(identity, "register_again", reason="this controller does not know the node (it restarted), "
-                                                             "or lost it: say again what runs there")
+                                                             "lost it, or heard it from another address: say again "
+                                                             "what runs there")
         elif message["type"] == "shard_status":
-            if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now):
-                self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now))
+            if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now, peer) and \
+                    self._may_claim(node_id, identity, message, now, self.fleet.settling(now)):
+                self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now,
+                                                                                   address=peer))
         elif message["type"] in ("ack", "logs_reply", "weights_reply"):
             waiter = self.waiting.get(message["request_id"])
             if waiter is not None and waiter.get("node", node_id) != node_id:
@@ -156,6 +173,17 @@ class AgentServer:
                 log.warning("node %s could not carry out a command: %s", node_id, message.get("error"))
         else:
             log.warning("dropped a %s message: agents do not send those", message["type"])
+
+    def _may_claim(self, node_id: str, identity: bytes, shard: dict, now: float, settling: bool) -> bool:
+        """Whether NODE_ID may say SHARD (llmgw/control/claims.py); when not, it is refused, counted, and an
+        engine of a shard no other node holds is stopped: no controller accounts for it."""
+        reason = self.claims.judge(node_id, shard, now, settling)
+        if reason is None:
+            return True
+        self._refuse_if(node_id, shard["shard_id"], reason)
+        if not self.replicas.knows(shard["shard_id"]) and shard["state"] not in ("stopped", "failed"):
+            self.send(identity, "stop_shard", request_id=uuid.uuid4().hex, shard_id=shard["shard_id"])
+        return False
 
     def _refuse_if(self, node_id: str, about: str, reason: str | None) -> None:
         """Log and count a claim NODE_ID may not make (REASON None: it was accepted)."""

@@ -160,11 +160,12 @@ class NodeView:
     last_heard_s: float
     registered_s: float
     facts: NodeFacts
+    address: str | None = None  # where its connection comes from (None: not known)
 
     def to_dict(self) -> dict:
         """The admin API's JSON for the node (`llmgw ctl nodes`, the cluster page): the messages as sent."""
         return {"node_id": self.node_id, "state": self.state, "last_heard_s": self.last_heard_s,
-                "registered_s": self.registered_s, "facts": self.facts.registration,
+                "registered_s": self.registered_s, "address": self.address, "facts": self.facts.registration,
                 # A copy: the node's status changes under a later heartbeat, and this may be written out then.
                 "status": dict(self.facts.status)}
 
@@ -178,6 +179,9 @@ class Node:
     node_id: str
     facts: dict  # the registration, as the node sent it
     identity: bytes  # its ZeroMQ routing identity, to send it commands
+    # The address its connection comes from, as the socket saw it: what it may speak for (its engines listen
+    # there). Not the `address` it says it has, which a node whose key leaked would write as it pleased.
+    peer: str | None
     registered_at: float
     last_heard: float
     status: dict = dataclasses.field(default_factory=dict)  # the latest of each heartbeat field
@@ -219,9 +223,10 @@ class Fleet:
             return DRAINING
         return CORDONED if node.cordoned else READY
 
-    def register(self, node_id: str, facts: dict, identity: bytes, now: float) -> Node:
+    def register(self, node_id: str, facts: dict, identity: bytes, now: float, peer: str | None = None) -> Node:
+        """PEER: the address the registration came from."""
         with self.lock:
-            node = Node(node_id, facts, identity, now, now, cordoned=node_id in self.cordoned)
+            node = Node(node_id, facts, identity, peer, now, now, cordoned=node_id in self.cordoned)
             previous = self.nodes.get(node_id)
             if previous is not None:
                 # Its earlier heartbeats are older than this registration (a GPU they called failed may
@@ -230,12 +235,13 @@ class Fleet:
             self.nodes[node_id] = node
             return node
 
-    def heartbeat(self, node_id: str, fields: dict, identity: bytes, now: float) -> bool:
-        """Record a heartbeat; False when the node must register again: it is not known, or was lost
-        (while it was silent, its replicas may have been replaced; its registration says what it runs)."""
+    def heartbeat(self, node_id: str, fields: dict, identity: bytes, now: float, peer: str | None = None) -> bool:
+        """Record a heartbeat; False when the node must register again: it is not known, speaks from another
+        connection or address than it registered from, or was lost (while it was silent, its replicas may
+        have been replaced; its registration says what it runs)."""
         with self.lock:
             node = self.nodes.get(node_id)
-            if node is None or node.identity != identity or self.state(node, now) == LOST:
+            if node is None or node.identity != identity or node.peer != peer or self.state(node, now) == LOST:
                 return False
             node.last_heard = now
             # Heartbeats carry only what changed: absent fields keep their last value.
@@ -304,9 +310,16 @@ class Fleet:
     def describe(self, now: float) -> list[NodeView]:
         """Every node, by id: state, seconds since heard and since registered, and its facts."""
         with self.lock:
-            nodes = sorted(self.nodes.values(), key=lambda n: n.node_id)
-            for n in nodes:
-                if n.typed is None:
-                    n.typed = node_facts(n.facts, n.status)
-            return [NodeView(n.node_id, self.state(n, now), round(now - n.last_heard, 1),
-                             round(now - n.registered_at, 1), n.typed) for n in nodes]
+            return [self._view(n, now) for n in sorted(self.nodes.values(), key=lambda n: n.node_id)]
+
+    def view(self, node_id: str, now: float) -> NodeView | None:
+        """One node as `describe` shows it; None when it is not known."""
+        with self.lock:
+            node = self.nodes.get(node_id)
+            return None if node is None else self._view(node, now)
+
+    def _view(self, n: Node, now: float) -> NodeView:
+        if n.typed is None:
+            n.typed = node_facts(n.facts, n.status)
+        return NodeView(n.node_id, self.state(n, now), round(now - n.last_heard, 1), round(now - n.registered_at, 1),
+                        n.typed, n.peer)

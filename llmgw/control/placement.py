@@ -76,10 +76,9 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
             installed = ", ".join(sorted(facts.engines)) or "none"
             return (f"engine {profile.engine} is not installed there (installed: {installed}), and its engine "
                     "catalogue ([[engines]]) has none to install"), ()
-    labels = facts.labels or {}
-    for key, value in profile.node_selector:
-        if labels.get(key) != value:
-            return f"label {key}={value} wanted, node has {key}={labels.get(key, '(unset)')}", ()
+    label = _label_refusal(facts, profile)
+    if label is not None:
+        return label, ()
     gpus: tuple[int, ...] = ()
     if profile.gpus:
         if facts.gpus is None:
@@ -111,6 +110,48 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
             return (f"needs {need / GiB:.1f} GiB of memory, {max(0, unclaimed) / GiB:.1f} GiB unclaimed "
                     f"of {total / GiB:.1f} GiB"), ()
     return None, gpus
+
+
+def _label_refusal(facts, profile: Profile) -> str | None:
+    labels = facts.labels or {}
+    for key, value in profile.node_selector:
+        if labels.get(key) != value:
+            return f"label {key}={value} wanted, node has {key}={labels.get(key, '(unset)')}"
+    return None
+
+
+def _running_refusal(node: NodeView, profile: Profile, gpus: list[int]) -> str | None:
+    """Why NODE cannot be running a replica of PROFILE on the GPUs GPUS, or None when it can."""
+    facts = node.facts
+    if facts.engines is None or profile.engine not in facts.engines:
+        return f"engine {profile.engine} is not installed there"
+    label = _label_refusal(facts, profile)
+    if label is not None:
+        return label
+    if len(gpus) != profile.gpus:
+        return f"the profile takes {profile.gpus} GPUs, and the shard says it holds {len(gpus)}"
+    cards = {g.index: g for g in facts.gpus or ()}
+    for index in gpus:
+        card = cards.get(index)
+        if card is None:
+            return f"the node has no GPU {index}"
+        if profile.gpu_class not in (None, card.gpu_class):
+            return f"GPU {index} is {card.gpu_class}, and the profile wants {profile.gpu_class}"
+    return None
+
+
+def may_run(model: Model, node: NodeView, shard: dict) -> str | None:
+    """Why NODE cannot be running SHARD (a shard status naming MODEL), or None when placement would have put
+    it there: by the profile its fingerprint names, or, for a profile edited since it started (its replica
+    then shows a stale profile), by any profile of the same engine. What other replicas hold and the node's
+    state (cordoned, draining) are left out: the replica exists already, and holds its share."""
+    fingerprint, engine = shard.get("profile_fp"), shard.get("engine")
+    profiles = ([p for p in model.profiles if model.fingerprint(p) == fingerprint]
+                or [p for p in model.profiles if p.engine == engine])
+    if not profiles:
+        return f"{model.name} has no profile for engine {engine!r}"
+    reasons = [_running_refusal(node, profile, list(shard.get("gpus") or ())) for profile in profiles]
+    return None if None in reasons else reasons[0]
 
 
 def place(model: Model, nodes: list[NodeView], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:

@@ -68,9 +68,12 @@ def _model(m: Model) -> dict:
 
 
 def _replica(replica: Replica, weight: float, max_in_flight: int | None) -> dict:
-    """A ready replica as gateways see it: with its engine's key when it has one, and the requests in flight
-    its profile was measured to take when it was (each absent otherwise, not sent as null)."""
+    """A ready replica as gateways see it: with its node's address (which its URL is on), its engine's key when
+    it has one, and the requests in flight its profile was measured to take when it was (each absent
+    otherwise, not sent as null)."""
     row = {"id": replica.shard_id, "url": replica.url, "models": [replica.model], "weight": weight}
+    if replica.address is not None:
+        row["address"] = replica.address
     if replica.api_key is not None:
         row["api_key"] = replica.api_key
     if max_in_flight is not None:

@@ -50,6 +50,7 @@ class Replica:
     memory_bytes: int = 0
     fetch: dict | None = None
     api_key: str | None = None  # what its engine wants in `Authorization: Bearer`; told to gateways only
+    address: str | None = None  # its node's address, which its URL is on; gateways dial nothing else
     since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
 
 
@@ -101,9 +102,15 @@ class Replicas:
             self.orders.clear()
             self.plan_errors.clear()
 
-    def registered(self, node_id: str, shards: list[dict], now: float) -> list[tuple[str, str]]:
-        """Take a node's registration: SHARDS is everything it runs. A replica recorded there and not
-        listed is gone (its engine died while the agent was away), unless it was only just placed:
+    def knows(self, shard_id: str) -> bool:
+        """Whether this controller placed SHARD_ID, or took it from its node since it started."""
+        with self.lock:
+            return shard_id in self.items or shard_id in self.retired
+
+    def registered(self, node_id: str, shards: list[dict], now: float,
+                   address: str | None = None) -> list[tuple[str, str]]:
+        """Take a node's registration from ADDRESS: SHARDS is everything it runs. A replica recorded there
+        and not listed is gone (its engine died while the agent was away), unless it was only just placed:
         its start_shard may still be on its way. Returns (shard id, reason) for each listed shard
         that is another node's."""
         with self.lock:
@@ -113,13 +120,16 @@ class Replicas:
                     del self.items[r.shard_id]
             for shard_id in [k for k, v in self.retired.items() if v == node_id and k not in listed]:
                 del self.retired[shard_id]
-            refused = [(shard["shard_id"], self.report(node_id, shard, now)) for shard in shards]
+            refused = [(shard["shard_id"], self.report(node_id, shard, now, address=address)) for shard in shards]
             return [(shard_id, reason) for shard_id, reason in refused if reason is not None]
 
-    def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None) -> str | None:
-        """Take one shard_status (or a shard listed at registration) from NODE_ID; the reason it was refused,
-        or None. A node speaks only for shards placed on it: once a node with a valid key took over another's
-        replica this way, and gateways sent that replica's prompts to it."""
+    def report(self, node_id: str, status: dict, now: float, memory_bytes: int | None = None,
+               address: str | None = None) -> str | None:
+        """Take one shard_status (or a shard listed at registration) from NODE_ID at ADDRESS; the reason it was
+        refused, or None. A node speaks only for shards placed on it: once a node with a valid key took over
+        another's replica this way, and gateways sent that replica's prompts to it. Whether it may speak of a
+        shard at all (its engine's address, a shard this controller did not place) is judged before
+        (llmgw/control/claims.py)."""
         with self.lock:
             shard_id, state = status["shard_id"], status["state"]
             current = self.items.get(shard_id)
@@ -151,6 +161,8 @@ class Replicas:
                 self.items[shard_id] = current
             if current.state != "stopping":
                 current.state = state
+            if address is not None:
+                current.address = address
             for field in ("profile_fp", "engine", "url", "fetch", "api_key"):
                 if field in status:
                     setattr(current, field, status[field])

@@ -44,6 +44,11 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                                       role=m.get("role") or "", guard=tuple(sorted((m.get("guard") or {}).items())))
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
+        if "address" in r and not addresses.same_machine(addresses.url_host(r["url"]), r["address"]):
+            # The controller checks this when the node reports it; a gateway dials nothing off a node either.
+            log.warning("left out replica %s: its URL %s is not on its node's address %s", r["id"], r["url"],
+                        r["address"])
+            continue
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
                                         weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"),
                                         max_in_flight=r.get("max_in_flight"))

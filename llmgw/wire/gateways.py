@@ -46,7 +46,7 @@ MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnam
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
                "weight": ("number", False), "api_key": (Str(200), False),
-               "max_in_flight": (Int(1, MAX_IN_FLIGHT), False)})
+               "max_in_flight": (Int(1, MAX_IN_FLIGHT), False), "address": (Str(100), False)})
 KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "project_id": (Nullable(NAME), True),
            "project": ("str", True), "prefix": (Str(40), True), "created_at": ("number", True),
            "expires_at": (SECONDS, True), "revoked_at": (SECONDS, True), "user_id": (Nullable(NAME), True)})
