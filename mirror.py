@@ -4,9 +4,10 @@
 
 Files are served read-only to nodes (`mirror.listen`); the management API
 (`mirror.api_listen`) fetches sources into MODEL/VERSION, lists, and removes,
-for this machine and `mirror.api_allow` only. It is not a cache: it fetches
-only what it is asked to. Wiring only: the directory is llmgw/mirrorstore.py,
-fetching llmgw/mirrorfetch.py, the HTTP faces llmgw/mirrorserver.py.
+for this machine and `mirror.api_allow` only, with the token it makes on its
+first start (`mirror.token_file`). It is not a cache: it fetches only what it
+is asked to. Wiring only: the directory is llmgw/mirror/store.py, fetching
+llmgw/mirror/fetch.py, the HTTP faces llmgw/mirror/server.py.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, filemodes, settings
-from llmgw.apiguard import HostCheck
 from llmgw.gateway.metrics import serve_registry
-from llmgw.mirror.fetch import Manager
-from llmgw.mirror.server import Allowed, MirrorCollector, api_app, files_app
+from llmgw.mirror.fetch import GiB, Manager
+from llmgw.mirror.server import Access, MirrorCollector, api_app, files_app
 from llmgw.mirror.store import MirrorDir
 
 log = logging.getLogger("llmgw.mirror")
@@ -72,22 +72,25 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
     store = MirrorDir(root)
     if not store.readable():
         raise click.ClickException(f"{root} is not a directory this user can read")
+    try:
+        access = Access.from_config(cfg)  # the token made now, before anything answers
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
     base = base_url(cfg)
-    allowed = Allowed(cfg["mirror.api_allow"])  # checked by settings.load
     manager = Manager(store, cfg["mirror.hf_endpoint"], local_sources=cfg["mirror.local_sources"],
-                      fetch_allow=cfg["mirror.fetch_allow"])
+                      fetch_allow=cfg["mirror.fetch_allow"], max_fetches=cfg["mirror.max_fetches"],
+                      min_free=int(cfg["mirror.min_free_gb"] * GiB))
     collector = MirrorCollector(manager)
     registry = CollectorRegistry()
     registry.register(collector)
     serve_registry(cfg["mirror.metrics_listen"], registry)
     files = _serve(cfg["mirror.listen"], files_app(store, base, collector), "mirror-files")
-    hosts = HostCheck(cfg["mirror.api_listen"], cfg["mirror.api_names"], "mirror.api_names")
-    api = _serve(cfg["mirror.api_listen"], api_app(manager, base, allowed, hosts), "mirror-api")
+    api = _serve(cfg["mirror.api_listen"], api_app(manager, base, access), "mirror-api")
     who = (f"this machine and {', '.join(cfg['mirror.api_allow'])}" if cfg["mirror.api_allow"]
            else "this machine only")
-    log.info("serving %s read-only on %s; management API on %s, for %s; metrics on http://%s/metrics; "
-             "catalog sources should point at %s", store.root, cfg["mirror.listen"], cfg["mirror.api_listen"], who,
-             cfg["mirror.metrics_listen"], base)
+    log.info("serving %s read-only on %s; management API on %s, for %s, with the token in %s; metrics on "
+             "http://%s/metrics; catalog sources should point at %s", store.root, cfg["mirror.listen"],
+             cfg["mirror.api_listen"], who, access.token_file, cfg["mirror.metrics_listen"], base)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())

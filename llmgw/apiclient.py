@@ -1,8 +1,8 @@
 """A small client for llmgw's own JSON APIs (the controller's admin API, the mirror's management API).
 
 The one client of both, for `llmgw ctl`, `llmgw mirror`, `llmgw up` and the gateway's pages alike;
-`admin_client` gives it the admin API's token from the configuration, and `leader_client` finds, of two
-controllers sharing a store, the one that leads (a standby's admin API answers its status only).
+`admin_client` and `mirror_client` give it each API's token from the configuration, and `leader_client`
+finds, of two controllers sharing a store, the one that leads (a standby's admin API answers its status only).
 
 Errors keep the server's own sentence ("the source answered 404"), not "HTTP 400": that sentence is
 what says what to do. A server that does not answer is a different error from one that refuses,
@@ -80,20 +80,33 @@ def address_url(listen: str, setting: str) -> str:
     return addresses.url(listen, setting)
 
 
+def _read_token(path: str) -> tuple[str | None, str]:
+    """(the token in PATH, or None; why there is none, for the server's 401). Read at each client's making,
+    so a token made again is picked up."""
+    path = os.path.abspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as e:
+        return None, f"no token was sent: {path} could not be read ({e.strerror})"
+    return (token, "") if token else (None, f"{path} is empty")
+
+
 def admin_client(cfg: settings.Config, address: str, hint: str = "") -> ApiClient:
     """A client of the controller's admin API at ADDRESS (`HOST:PORT` or a URL), with its token:
     `controller.admin_token` when set, else the file the controller made in `controller.keys_dir`,
-    which is there on the controller's machine. The file is read each time, so a new token is picked up."""
+    which is there on the controller's machine."""
     token, note = cfg["controller.admin_token"], ""
     if not token:
-        path = os.path.abspath(apiguard.token_path(cfg["controller.keys_dir"]))
-        try:
-            with open(path, encoding="utf-8") as f:
-                token = f.read().strip()
-            note = "" if token else f"{path} is empty"
-        except OSError as e:
-            note = f"no token was sent: {path} could not be read ({e.strerror})"
+        token, note = _read_token(apiguard.token_path(cfg["controller.keys_dir"]))
     return ApiClient(address_url(address, "the controller's admin API address"), "the controller's admin API", hint, token or None, note)
+
+
+def mirror_client(cfg: settings.Config, hint: str = "") -> ApiClient:
+    """A client of the mirror's management API (`mirror.api`), with the token in `mirror.token_file`: the file
+    the mirror made on its machine, or a copy of it elsewhere."""
+    token, note = _read_token(apiguard.mirror_token_path(cfg))
+    return ApiClient(address_url(cfg["mirror.api"], "mirror.api"), "the mirror's management API", hint, token, note)
 
 
 def leader_client(cfg: settings.Config, addresses_: list[str], hint: str = "") -> ApiClient:

@@ -5,24 +5,32 @@ a little. A web page open in an operator's browser can reach loopback too: it
 points a name it controls at 127.0.0.1 (DNS rebinding), and its requests then
 arrive from this machine, carrying that name in `Host`. `HostCheck` answers
 only to the addresses an API listens on and the names an operator lists, so
-such a request is refused whatever else it carries. The admin API also wants
-its token (`TOKEN_FILE`, beside the controller's CURVE keys), which no page
-can know. `json_body` reads what either is sent, bounded in size and depth.
+such a request is refused whatever else it carries. Both also want a token
+that no page can know and no other local user can read: the admin API's in
+`TOKEN_FILE` beside the controller's CURVE keys, the mirror's in
+`mirror.token_file` (`ensure_token` makes either). `json_body` reads what
+either is sent, bounded in size and depth.
 
 Used by the servers (llmgw/control/adminapi.py, llmgw/mirror/server.py) and,
-for the token's file name, by llmgw/apiclient.py. Imports llmgw.addresses only.
+for the tokens' files, by llmgw/apiclient.py. Imports llmgw.addresses and
+llmgw.filemodes only.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import ipaddress
 import json
 import os
+import secrets
 
-from llmgw import addresses
+from llmgw import addresses, filemodes
 
 TOKEN_FILE = "admin.token"
+# The mirror's token, in a directory of its own inside mirror.dir: the one place its systemd unit may write,
+# and a name (leading dot) its file server never serves. The directory is 0700 whatever mirror.dir's mode.
+MIRROR_TOKEN_FILE = os.path.join(".keys", "api.token")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # A model's table or a fetch order is a few kilobytes; nothing sent here needs more.
 MAX_BODY = 1 << 20
@@ -31,6 +39,30 @@ MAX_BODY = 1 << 20
 def token_path(keys_dir: str) -> str:
     """Where the controller keeps the admin API's token: KEYS_DIR/admin.token."""
     return os.path.join(keys_dir, TOKEN_FILE)
+
+
+def mirror_token_path(cfg) -> str:
+    """Where the mirror keeps its management API's token: `mirror.token_file`, or .keys/api.token in
+    `mirror.dir`. Absolute, so a refusal names the file whatever the reader's working directory."""
+    return os.path.abspath(cfg["mirror.token_file"] or os.path.join(cfg["mirror.dir"], MIRROR_TOKEN_FILE))
+
+
+def ensure_token(path: str) -> str:
+    """The token kept in PATH, made on first use: the file 0600 from the moment it exists, in a directory made
+    0700. An empty file counts as none (an empty token would let an empty `Bearer` in). Refused
+    (filemodes.LooseFiles, with the chmod that fixes it) while others may read the file or its directory: a
+    token any local user can read keeps nobody out."""
+    folder = os.path.dirname(os.path.abspath(path))
+    filemodes.make_private_dir(folder)
+    filemodes.create_private(path)
+    filemodes.refuse_loose({folder: filemodes.OTHERS, path: filemodes.OTHERS})
+    with open(path, "r+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # two first starts at once must agree on one token
+        token = f.read().strip()
+        if not token:
+            token = secrets.token_urlsafe(32)
+            f.write(token + "\n")
+    return token
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:

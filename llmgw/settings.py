@@ -339,7 +339,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Where the mirror serves files, read-only, with Range requests (resume), to nodes.",
             check=addresses.check_listen),
     Setting("mirror.api_listen", "str", ":8082",
-            "Where the mirror's management API listens (fetch, list, status, remove).",
+            "Where the mirror's management API listens (fetch, list, status, remove), for this machine and "
+            "`mirror.api_allow` only, with its token (`mirror.token_file`).",
             check=addresses.check_listen),
     Setting("mirror.metrics_listen", "str", "127.0.0.1:9093",
             "The mirror's Prometheus endpoint, which serves nothing else. Loopback by default.",
@@ -351,6 +352,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("mirror.api_names", "list", [],
             "Names besides its own address that the management API answers to in `Host` (the name in "
             "`mirror.api` elsewhere). Any other name is refused with 421, against DNS rebinding."),
+    Setting("mirror.token_file", "str", "",
+            "The management API's token, which every request but `GET /api/v1/health` must carry (`Authorization: "
+            "Bearer`). The mirror makes it on its first start (mode 0600, in a directory of mode 0700) and refuses "
+            "to start while others may read either; `llmgw mirror` and the mirror page read it there. Empty: "
+            "`.keys/api.token` inside `mirror.dir`. Where the mirror runs on another machine, a copy of its file."),
+    Setting("mirror.max_fetches", "int", 4,
+            "Versions the mirror fetches at once; one more is refused with 429 until one finishes or fails.",
+            minimum=1),
+    Setting("mirror.min_free_gb", "float", 5.0,
+            "GiB the mirror leaves free on its disk. A fetch is refused with 507 when the free space, less what "
+            "the fetches in progress still expect and what this one is known to need, would fall below it; a "
+            "download stops, and its partial files are removed, when the free space falls below it. 0: fetch "
+            "until the disk is full.", minimum=0),
     Setting("mirror.local_sources", "list", [],
             "Directories on the mirror's machine it may copy local sources from (`/path/file.gguf`, "
             "`file:///path`), symlinks and `..` resolved first. Empty: it reads no local file; `pkg:` sources "

@@ -137,8 +137,9 @@ def test_the_mirrors_management_api_refuses_a_rebinding_host(tmp_path):
         assert status == 421 and "mirror.api_names" in body["error"]
         assert ask(api, "GET", "/api/v1/models", {"Host": f"evil.example:{api}"})[0] == 421
         assert not os.path.exists(tmp_path / "models" / "x")
+        token = (tmp_path / "models" / ".keys" / "api.token").read_text().strip()
         for host in (f"localhost:{api}", "models.example:8443"):
-            assert ask(api, "GET", "/api/v1/models", {"Host": host})[0] == 200, host
+            assert ask(api, "GET", "/api/v1/models", {"Host": host, "Authorization": f"Bearer {token}"})[0] == 200, host
     finally:
         stop_process(proc)
 

@@ -173,8 +173,20 @@ def loose_mirror(tmp_path):
     return "mirror.py", config, f"chmod 600 {config}"
 
 
+def loose_mirror_token(tmp_path):
+    keys = tmp_path / "models" / ".keys"
+    keys.mkdir(parents=True, mode=0o755)
+    keys.chmod(0o755)
+    (keys / "api.token").write_text("readable-by-every-local-user\n")
+    (keys / "api.token").chmod(0o644)
+    config = write_config(tmp_path / "mirror.toml", {
+        "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{free_port()}",
+        "mirror.api_listen": f"127.0.0.1:{free_port()}", "mirror.metrics_listen": f"127.0.0.1:{free_port()}"})
+    return "mirror.py", config, f"chmod 700 {keys}; chmod 600 {keys / 'api.token'}"
+
+
 @pytest.mark.parametrize("loose", [loose_controller, loose_controller_keys, loose_gateway, loose_gateway_key, loose_agent,
-                                   loose_mirror])
+                                   loose_mirror, loose_mirror_token])
 def test_each_role_refuses_to_start_on_files_others_can_read(tmp_path, loose, umask_022):
     script, config, fix = loose(tmp_path)
     run = start(tmp_path, script, config)

@@ -398,25 +398,34 @@ def test_a_local_file_swapped_after_its_check_is_not_copied(tmp_path, secret):
     assert not os.path.exists(tmp_path / "target") and not os.path.exists(tmp_path / "target.part")
 
 
+def access(manager, listen: str):
+    """What mirror.py lets in for MANAGER's directory, its API on LISTEN: this machine, by its own address, with
+    the token it makes in the directory (.keys/api.token), where `llmgw mirror` and the pages find it."""
+    from llmgw.mirror.server import Access
+
+    return Access.from_config(settings.load(None, {"mirror.dir": manager.store.root, "mirror.api_listen": listen}))
+
+
 def mirror_api(manager, tmp_path):
-    """The mirror's two HTTP faces for MANAGER, on free ports: (files URL, API URL, servers)."""
-    from llmgw.apiguard import HostCheck
+    """The mirror's two HTTP faces for MANAGER, on free ports: (files URL, API URL, servers, the API's token)."""
     from llmgw.mirror.server import api_app, files_app
 
     files_port, api_port = free_port(), free_port()
     base = f"http://127.0.0.1:{files_port}"
+    allowed = access(manager, f"127.0.0.1:{api_port}")
     servers = [make_server("127.0.0.1", files_port, files_app(manager.store, base), threaded=True),
-               make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]),
-                                                          HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")),
-                           threaded=True)]
+               make_server("127.0.0.1", api_port, api_app(manager, base, allowed), threaded=True)]
     for server in servers:
         threading.Thread(target=server.serve_forever, daemon=True).start()
-    return base, f"http://127.0.0.1:{api_port}", servers
+    return base, f"http://127.0.0.1:{api_port}", servers, allowed.token
 
 
-def post_json(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+def call(url, method="GET", body=None, token=None, headers=None):
+    """(status, JSON answer) of one request, with TOKEN as the bearer token when given."""
+    sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {}),
+            **(headers or {})}
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(), method=method,
+                                 headers=sent)
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.load(resp)
@@ -425,15 +434,20 @@ def post_json(url, body):
             return e.code, json.load(e)
 
 
+def post_json(url, body, token):
+    return call(url, "POST", body, token)
+
+
 def test_the_api_refuses_what_the_mirror_may_not_read_and_logs_it(tmp_path, secret, caplog):
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, local_sources=[str(tmp_path / "none")])
-    files, api, servers = mirror_api(manager, tmp_path)
+    files, api, servers, token = mirror_api(manager, tmp_path)
     try:
         for source in ("pkg:llmgw/../../../../etc/shadow", "/etc/shadow", str(secret), f"file://{secret}",
                        "relative/shadow"):
             caplog.clear()
             with caplog.at_level("WARNING", logger="llmgw.mirror"):
-                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"})
+                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"},
+                                         token)
             assert status == 400, body
             assert any("refused a fetch asked by 127.0.0.1" in r.getMessage() for r in caplog.records), source
         assert http_status(f"{files}/loot/v1/") == 404
@@ -456,27 +470,27 @@ def test_credentials_in_a_source_never_show(tmp_path, caplog):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_port
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=LOOPBACK)
-    files, api, servers = mirror_api(manager, tmp_path)
+    files, api, servers, token = mirror_api(manager, tmp_path)
     secrets = ("hunter2", "tok-123", "ghp_abc")
     try:
         with caplog.at_level("INFO", logger="llmgw.mirror"):
             # A source that downloads: while it arrives, and once it is in.
             running = f"http://127.0.0.1:{port}/w.bin?token=tok-123&download=true"
-            status, started = post_json(f"{api}/api/v1/models", {"source": running, "model": "w", "version": "v1"})
+            status, started = post_json(f"{api}/api/v1/models", {"source": running, "model": "w", "version": "v1"},
+                                        token)
             assert status == 202 and started["source"] == f"http://127.0.0.1:{port}/w.bin?token=***&download=***"
-            with urllib.request.urlopen(f"{api}/api/v1/models") as resp:
-                listing = resp.read().decode()
+            listing = json.dumps(call(f"{api}/api/v1/models", token=token)[1])
             assert "token=***" in listing
             release.set()
             assert wait_done(manager, "w", "v1")["state"] == "present"
             # Sources that fail, and are remembered with their reason.
             for model, source in (("a", "https://user:hunter2@127.0.0.1:1/x.bin"),
                                   ("b", f"http://ghp_abc@127.0.0.1:{port}:99/x.bin?sig=tok-123")):
-                post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"})
+                post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"}, token)
                 assert wait_done(manager, model, "v1")["state"] == "failed"
-            with urllib.request.urlopen(f"{api}/api/v1/models") as resp:
-                listing = resp.read().decode()
-            config = write_config(tmp_path / "cli.toml", {"mirror.api": api})
+            listing = json.dumps(call(f"{api}/api/v1/models", token=token)[1])
+            # As an operator's configuration says it: the mirror's directory, where the CLI finds the token.
+            config = write_config(tmp_path / "cli.toml", {"mirror.api": api, "mirror.dir": str(tmp_path / "models")})
             said = CliRunner().invoke(main, ["--config", config, "mirror", "fetch", "--no-wait", "--model", "c",
                                              "--version", "v1", "https://user:hunter2@127.0.0.1:1/c.bin"]).output
             assert "fetching https://user:***@127.0.0.1:1/c.bin into c/v1" in said
@@ -517,7 +531,7 @@ class Secret:
 def test_the_api_refuses_sources_on_this_machine_and_its_networks_and_logs_it(tmp_path, caplog):
     secret = Secret()
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY)
-    files, api, servers = mirror_api(manager, tmp_path)
+    files, api, servers, token = mirror_api(manager, tmp_path)
     port = secret.port
     try:
         for source in (f"http://127.0.0.1:{port}/metrics", f"http://localhost:{port}/metrics",
@@ -528,7 +542,8 @@ def test_the_api_refuses_sources_on_this_machine_and_its_networks_and_logs_it(tm
                        f"http://user:hunter2@127.0.0.1:{port}/metrics.gguf"):
             caplog.clear()
             with caplog.at_level("WARNING", logger="llmgw.mirror"):
-                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"})
+                status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": "loot", "version": "v1"},
+                                         token)
             assert status == 400 and "mirror.fetch_allow" in body["error"], (source, body)
             assert "hunter2" not in body["error"]
             assert any("refused a fetch asked by 127.0.0.1" in r.getMessage() for r in caplog.records), source
@@ -550,11 +565,12 @@ def test_a_redirect_to_an_address_the_mirror_may_not_fetch_from_is_refused(tmp_p
     allowed = make_server("127.0.0.2", 0, redirect, threaded=True)  # an allowed model server that redirects
     threading.Thread(target=allowed.serve_forever, daemon=True).start()
     manager = Manager(MirrorDir(str(tmp_path / "models")), library=LIBRARY, fetch_allow=["127.0.0.2/32"])
-    files, api, servers = mirror_api(manager, tmp_path)
+    files, api, servers, token = mirror_api(manager, tmp_path)
     try:
         for model, name in (("bin", "w.bin"), ("gguf", "w.gguf")):  # a GGUF's header is read first
             source = f"http://127.0.0.2:{allowed.server_port}/{name}"
-            status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"})
+            status, body = post_json(f"{api}/api/v1/models", {"source": source, "model": model, "version": "v1"},
+                                     token)
             assert status == 202, body  # the host itself is allowed
             with caplog.at_level("WARNING", logger="llmgw.mirror"):
                 failed = wait_done(manager, model, "v1")

@@ -18,17 +18,16 @@ from werkzeug.serving import make_server
 from werkzeug.wrappers import Request, Response
 
 from llmgw import settings, store
-from llmgw.apiguard import HostCheck
 from llmgw.cli import starter
 from llmgw.gateway.webapp import GatewayApp
 from llmgw.mirror.fetch import Manager
-from llmgw.mirror.server import Allowed, api_app, files_app
+from llmgw.mirror.server import api_app, files_app
 from llmgw.mirror.store import MirrorDir
 from llmgw.people import accounts, keys
 from llmgw.procs import free_port, http_status, wait_for
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
-from tests.test_mirror import LIBRARY, gguf_bytes
+from tests.test_mirror import LIBRARY, access, gguf_bytes
 from tests.test_pages import sign_in, token
 
 PASSWORD = "a long enough password"
@@ -91,14 +90,16 @@ def rig(tmp_path):
     files = make_server("127.0.0.1", files_port, files_app(mirror_dir, base), threaded=True)
     threading.Thread(target=files.serve_forever, daemon=True).start()
     api_port = free_port()
-    hosts = HostCheck(f"127.0.0.1:{api_port}", [], "mirror.api_names")
-    api = make_server("127.0.0.1", api_port, api_app(manager, base, Allowed([]), hosts), threaded=True)
+    api = make_server("127.0.0.1", api_port, api_app(manager, base, access(manager, f"127.0.0.1:{api_port}")),
+                      threaded=True)
     threading.Thread(target=api.serve_forever, daemon=True).start()
     controller = Controller(tmp_path, mirror__base_url=base)  # its mirror, whose sources it checks
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
+    # The gateway's configuration names the mirror's directory, where the page reads the API's token.
     cfg = settings.load(None, {"store.url": url, "mirror.api": f"127.0.0.1:{api.server_port}",
+                               "mirror.dir": str(tmp_path / "models"),
                                "mirror.hf_endpoint": registry.url,
                                "gateway.controller_admin": f"127.0.0.1:{controller.admin_port}",
                                "controller.keys_dir": controller.values["controller.keys_dir"]})
@@ -225,6 +226,7 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
         gw = Gateway(tmp_path, url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
                      gateway__key_file=controller.gateway_key_file(),
                      gateway__controller_admin=f"127.0.0.1:{controller.admin_port}", mirror__api=f"127.0.0.1:{api_port}",
+                     mirror__dir=str(tmp_path / "models"),
                      controller__keys_dir=controller.values["controller.keys_dir"])
         browser = requests.Session()
         login = browser.get(gw.url + "/login").text
@@ -302,7 +304,7 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
         wait_for(model, 10, lambda m=model: manager.status(m, "v1")["state"] == "present")
     post(client, "/admin/mirror/serve", name="kept", source=f"{base}/kept/v1/kept.gguf", engine="llamacpp",
          memory="1", max_context="2048", mode="stopped")
-    config = write_config(tmp_path / "cli.toml", {"mirror.api": api,
+    config = write_config(tmp_path / "cli.toml", {"mirror.api": api, "mirror.dir": str(tmp_path / "models"),
                                                   "controller.admin_listen": f"127.0.0.1:{controller.admin_port}",
                                                   "controller.keys_dir": controller.values["controller.keys_dir"]})
     result = CliRunner().invoke(main, ["--config", config, "mirror", "unused"])

@@ -17,7 +17,7 @@ import sys
 
 import click
 
-from llmgw import addresses, filemodes, settings, store, storemove
+from llmgw import addresses, apiguard, filemodes, settings, store, storemove
 from llmgw.cli import bringup, machine, starter
 from llmgw.cli.bringup import Steps, say
 
@@ -241,7 +241,9 @@ def mirror_init(obj, root, plan, controllers, address):
         click.echo(f"\nThe mirror serves {layout.models_dir} on {wanted['mirror.base_url']}; its management API "
                    f"answers {', '.join(controllers)} only. On the control plane, set mirror.api to this machine's "
                    f"{base['mirror.api_listen']} port and catalog sources to {wanted['mirror.base_url']}/MODEL/"
-                   "VERSION/FILE.")
+                   f"VERSION/FILE, and copy {apiguard.mirror_token_path({**base.values, **wanted})} (made at the "
+                   "mirror's first start) there, mode 0600, as mirror.token_file: the management API answers only "
+                   "with it.")
 
 
 # What a mirror host's unit adds to deploy/systemd/llmgw-mirror.service: it runs there alone, serving files

@@ -1,8 +1,10 @@
 """`llmgw mirror`: fetch, list, status, unused, remove, through the mirror's management API.
 
-`unused` and `remove` read the running catalog from the controller first, and
-refuse when they cannot: an unreachable catalog would otherwise look like an
-empty one, and the next step is deleting weights a node still needs.
+Each call carries the management API's token from `mirror.token_file`, which
+only the mirror's user can read. `unused` and `remove` read the running catalog
+from the controller first, and refuse when they cannot: an unreachable catalog
+would otherwise look like an empty one, and the next step is deleting weights a
+node still needs.
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ import time
 
 import click
 
-from llmgw.apiclient import ApiClient, ApiError, Refused, address_url, admin_client, segment
+from llmgw.apiclient import ApiClient, ApiError, Refused, admin_client, mirror_client, segment
 from llmgw.cli.tables import human_bytes, print_table, printable
 
 
 def _mirror(obj) -> ApiClient:
-    address = obj.config()["mirror.api"]
-    if not address:
+    cfg = obj.config()
+    if not cfg["mirror.api"]:
         raise click.ClickException("no mirror is configured (mirror.api)")
-    return ApiClient(address_url(address, "mirror.api"), "the mirror's management API",
-                     "Is mirror.py running? Set mirror.api to its management address.")
+    return mirror_client(cfg, "Is mirror.py running? Set mirror.api to its management address.")
 
 
 def _catalog_sources(obj) -> list[str]:

@@ -14,7 +14,6 @@ import concurrent.futures
 import dataclasses
 import os
 import re
-import secrets
 import time
 
 from flask import Flask, jsonify, request
@@ -37,17 +36,8 @@ LOG_LINES = 2000  # lines one logs answer holds at most: what the agent keeps of
 
 
 def ensure_token(keys_dir: str) -> str:
-    """The admin API's token, made on first use and kept in KEYS_DIR/admin.token (mode 0600).
-    An empty file counts as none: an empty token would let an empty `Bearer` in."""
-    path = apiguard.token_path(keys_dir)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-        if token:
-            return token
-    token = secrets.token_urlsafe(32)
-    curvekeys.write_private(path, token + "\n")
-    return token
+    """The admin API's token, made on first use and kept in KEYS_DIR/admin.token (apiguard.ensure_token)."""
+    return apiguard.ensure_token(apiguard.token_path(keys_dir))
 
 
 @dataclasses.dataclass(frozen=True)

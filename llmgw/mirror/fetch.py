@@ -25,6 +25,12 @@ Before a GGUF is fetched its header is read (the first 64 KiB) and its
 architecture checked against the installed llama.cpp; one it cannot load is
 refused with the reason, unless fetched anyway. Failures are kept, with their
 reason, until the version is fetched again or removed.
+
+What arrives at once is bounded, so that fetching cannot fill the disk the
+mirror (and often the controller's store) lives on: at most `max_fetches`
+versions (`Busy`, 429), and never past `min_free` bytes left free (`NoRoom`,
+507), checked when a fetch is asked for and again as each download runs,
+since an http(s) source's size is known only once it answers.
 """
 
 from __future__ import annotations
@@ -36,23 +42,41 @@ import logging
 import os
 import posixpath
 import re
+import shutil
 import threading
 import time
 import urllib.parse
 
 from llmgw import gguf
 from llmgw.egress import Egress, Refused
-from llmgw.mirror.store import ARRIVING, MirrorDir, MirrorError, check_name
+from llmgw.mirror.store import ARRIVING, Conflict, MirrorDir, MirrorError, check_name
 from llmgw.weights import FetchError, download, inside_listed, sha256_of
 
 log = logging.getLogger("llmgw.mirror")
 
 SHARD = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-(?P<total>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
 FAILED = ".failed.json"
+GiB = 1 << 30
 
 
 class SourceRefused(MirrorError):
     """A source the mirror will not read: answered 400 and logged, as someone may be probing."""
+
+
+class Busy(MirrorError):
+    """As many versions arrive as the mirror fetches at once."""
+
+    status = 429
+
+
+class NoRoom(MirrorError):
+    """The fetch would leave the mirror's disk with less free than it keeps."""
+
+    status = 507
+
+
+def _gib(size: int) -> str:
+    return f"{size / GiB:.1f} GiB"
 
 
 @dataclasses.dataclass
@@ -114,9 +138,14 @@ def _redact_text(text: str, urls: list[str]) -> str:
 
 
 class Manager:
+    """MAX_FETCHES (None: no bound) and MIN_FREE (bytes) bound what arrives at once, as the module says."""
+
     def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None,
-                 local_sources: list[str] = (), fetch_allow: list[str] = ()):
+                 local_sources: list[str] = (), fetch_allow: list[str] = (), max_fetches: int | None = None,
+                 min_free: int = 0):
         self.store = store
+        self.max_fetches = max_fetches
+        self.min_free = min_free
         self.hf_endpoint = hf_endpoint.rstrip("/")
         self.library = library  # for tests: the bytes to look architectures up in
         self.local_sources = local_sources
@@ -134,11 +163,13 @@ class Manager:
             running = self.jobs.get((model, version))
             if running is not None:
                 if running.source != source:
-                    raise MirrorError(f"{model}/{version} is already being fetched from {redact(running.source)}")
+                    raise Conflict(f"{model}/{version} is already being fetched from {redact(running.source)}")
                 return running.view()
             if self.store.exists(model, version):
-                raise MirrorError(f"{model}/{version} already exists; a version is never overwritten. "
-                                  "Fetch into a new version, or remove this one first")
+                # Not "or remove it first": a version is the pin nodes and the catalog rely on, and deleting it to
+                # fetch other bytes under the same name is the one way to change what it means.
+                raise Conflict(f"{model}/{version} already exists, and a version is never overwritten (nodes "
+                               "that fetched it must keep getting the same bytes): fetch into a new version")
         files = self._resolve(source)
         if not anyway:
             self._check_architecture(files[0])
@@ -146,6 +177,7 @@ class Manager:
         with self.lock:
             if (model, version) in self.jobs:  # someone started it while we resolved
                 return self.jobs[(model, version)].view()
+            self._check_bounds(job)
             self.jobs[(model, version)] = job
             self._forget_failure(model, version)
         threading.Thread(target=self._run, args=(job,), name=f"fetch {model}/{version}", daemon=True).start()
@@ -175,12 +207,42 @@ class Manager:
     def remove(self, model: str, version: str) -> None:
         with self.lock:
             if (model, version) in self.jobs:
-                raise MirrorError(f"{model}/{version} is downloading; wait for it to finish or fail, then remove it")
+                raise Conflict(f"{model}/{version} is downloading; wait for it to finish or fail, then remove it")
             if self._forget_failure(model, version) and not self.store.exists(model, version):
                 return
         if not self.store.exists(model, version):
             raise MirrorError(f"there is no {model}/{version} here")
         self.store.remove(model, version)
+
+    # --- bounds -----------------------------------------------------------------------------------
+
+    def _check_bounds(self, job: VersionJob) -> None:
+        """Refuse JOB (Busy, NoRoom) past what may arrive at once. Called holding the lock."""
+        if self.max_fetches is not None and len(self.jobs) >= self.max_fetches:
+            raise Busy(f"{len(self.jobs)} versions are being fetched, as many as this mirror fetches at once "
+                       "(mirror.max_fetches): ask again when one has finished (llmgw mirror list shows them)")
+        if not self.min_free:
+            return
+        owed = sum(f.total - f.done for j in self.jobs.values() for f in j.files if f.total is not None)
+        needed = sum(f.total for f in job.files if f.total is not None)
+        free = shutil.disk_usage(self.store.root).free
+        if free - owed - needed < self.min_free:
+            wants = f", {job.model}/{job.version} needs {_gib(needed)}" if needed else ""
+            raise NoRoom(f"the mirror's disk has {_gib(free)} free, the fetches in progress still expect "
+                         f"{_gib(owed)}{wants}, and it keeps {_gib(self.min_free)} free (mirror.min_free_gb): "
+                         "remove versions nobody uses (llmgw mirror unused, then llmgw mirror remove), or wait "
+                         "for the fetches in progress")
+
+    def _check_room(self, job: VersionJob, done: int) -> None:
+        """Stop JOB (NoRoom) once the disk has less free than the mirror keeps: an http(s) source's size is not
+        known when it is asked for, and a fetch that filled the disk would stop the store beside it too."""
+        if not self.min_free:
+            return
+        free = shutil.disk_usage(self.store.root).free
+        if free < self.min_free:
+            raise NoRoom(f"stopped after {done} bytes of {job.model}/{job.version}: the mirror's disk has "
+                         f"{_gib(free)} free, under the {_gib(self.min_free)} it keeps (mirror.min_free_gb); "
+                         "remove versions nobody uses (llmgw mirror unused), then fetch it again")
 
     # --- sources ------------------------------------------------------------------------------
 
@@ -196,7 +258,8 @@ class Manager:
                 files.append(FileJob(name, one))
                 continue
             path = _package_file(one[4:]) if one.startswith("pkg:") else self._listed_file(one)
-            files.append(FileJob(name, path, _identity(os.stat(path))))
+            st = os.stat(path)
+            files.append(FileJob(name, path, _identity(st), total=st.st_size))
         return files
 
     def _check_destination(self, url: str) -> None:
@@ -262,6 +325,7 @@ class Manager:
 
                 def progress(done, total, f=f):
                     f.done, f.total = done, total
+                    self._check_room(job, done)
 
                 if f.identity is not None:
                     _copy(f.url, f.identity, target, progress)
@@ -276,6 +340,8 @@ class Manager:
             self.store.publish(job.model, job.version, sums)
             log.info("fetched %s/%s from %s (%d files)", job.model, job.version, redact(job.source), len(job.files))
         except (FetchError, MirrorError, OSError) as e:
+            if isinstance(e, NoRoom):
+                shutil.rmtree(folder, ignore_errors=True)  # the space it took is what is short; no resume
             job.error = _redact_text(str(e), [job.source] + [f.url for f in job.files])
             log.warning("fetching %s/%s from %s failed: %s", job.model, job.version, redact(job.source), job.error)
             self._remember_failure(job)

@@ -8,22 +8,32 @@ node can check what it got. Paths are matched against strict names: nothing
 outside the directory can be reached.
 
 Management (`mirror.api_listen`), for this machine and the addresses in
-`mirror.api_allow` only, and only by its own address or a name in
-`mirror.api_names` in `Host` (421 otherwise: a web page on this machine could
-otherwise reach it by DNS rebinding, and fetch or delete models):
+`mirror.api_allow` only (403), only by its own address or a name in
+`mirror.api_names` in `Host` (421: a web page on this machine could otherwise
+reach it by DNS rebinding), and only with its token (401). Every local account
+reaches loopback, and before the token any of them could delete a version
+nodes fetch, fill the disk, or delete one and fetch other bytes under its name.
+The token (`mirror.token_file`, 0600) is read by `llmgw mirror` and the mirror
+page. Listings need it too: they name sources, local paths and failure reasons
+that the file port never tells. Only the health check is open, for `llmgw up`
+and monitors to wait on.
 
     GET    /api/v1/models                    held, arriving (with bytes), failed (with reasons)
     POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202; a source
-                                             the mirror may not read -> 400, logged (llmgw/mirror/fetch.py)
+                                             the mirror may not read -> 400, logged (llmgw/mirror/fetch.py);
+                                             too many arriving -> 429, too little disk -> 507
     GET    /api/v1/models/MODEL/VERSION      present | fetching | failed | absent
     DELETE /api/v1/models/MODEL/VERSION      refused (409) while it downloads
-    GET    /api/v1/health                    up, and able to read its directory
+    GET    /api/v1/health                    up, and able to read its directory (no token)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import pwd
 
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
@@ -31,7 +41,7 @@ from werkzeug.utils import send_file
 from werkzeug.wrappers import Request, Response
 from werkzeug.wsgi import FileWrapper
 
-from llmgw import apiguard
+from llmgw import apiguard, settings
 from llmgw.addresses import AddressList
 from llmgw.apiguard import HostCheck
 from llmgw.mirror.fetch import Manager, SourceRefused
@@ -100,8 +110,47 @@ class Allowed:
         return self.listed.contains(address)
 
 
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who the management API answers: ALLOWED addresses, by a Host HOSTS answers to, with TOKEN (kept in
+    TOKEN_FILE, which only OWNER may read)."""
+
+    allowed: Allowed
+    hosts: HostCheck
+    token: str
+    token_file: str
+    owner: str
+
+    @classmethod
+    def from_config(cls, cfg: settings.Config) -> "Access":
+        """The allowed addresses and names from CFG, and the token, made on the first start."""
+        path = apiguard.mirror_token_path(cfg)
+        token = apiguard.ensure_token(path)
+        uid = os.stat(path).st_uid
+        try:
+            owner = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            owner = f"uid {uid}"
+        return cls(Allowed(cfg["mirror.api_allow"]),
+                   HostCheck(cfg["mirror.api_listen"], cfg["mirror.api_names"], "mirror.api_names"),
+                   token, path, owner)
+
+    def refusal(self, authorization: str | None) -> str | None:
+        """None when AUTHORIZATION (the request's header) carries the token; else the sentence that refuses it."""
+        if apiguard.bearer_matches(authorization, self.token):
+            return None
+        where = f"{self.token_file} (mode 0600: only {self.owner} may read it)"
+        if authorization:
+            return (f"that is not this mirror's token: use the one in {where}; it changes when the file is removed "
+                    "and the mirror restarts")
+        return (f"the mirror's management API wants its token: send Authorization: Bearer TOKEN. The mirror keeps it "
+                f"in {where}, where llmgw mirror and the mirror page on its machine read it; elsewhere, set "
+                "mirror.token_file to a copy of it")
+
+
+HEALTH = "/api/v1/health"
 API = Map([
-    Rule("/api/v1/health", endpoint="health", methods=["GET"]),
+    Rule(HEALTH, endpoint="health", methods=["GET"]),
     Rule("/api/v1/models", endpoint="listing", methods=["GET"]),
     Rule("/api/v1/models", endpoint="fetch", methods=["POST"]),
     Rule("/api/v1/models/<model>/<version>", endpoint="status", methods=["GET"]),
@@ -109,18 +158,24 @@ API = Map([
 ])
 
 
-def api_app(manager: Manager, base_url: str, allowed: Allowed, hosts: HostCheck):
-    """The management API, for the addresses ALLOWED lets in, by the Host names HOSTS answers to."""
+def api_app(manager: Manager, base_url: str, access: Access):
+    """The management API, for whom ACCESS lets in."""
 
     def app(environ, start_response):
         request = Request(environ)
-        if not allowed(request.remote_addr or ""):
+        if not access.allowed(request.remote_addr or ""):
             response = _json({"error": "this mirror is managed from its own machine and the addresses in "
                                        "mirror.api_allow only"}, 403)
             return response(environ, start_response)
-        refused = hosts.refusal(request.headers.get("Host"))
+        # The Host first: a request by a name that is not ours is refused whatever it carries, a right token too.
+        refused = access.hosts.refusal(request.headers.get("Host"))
         if refused:
             return _json({"error": refused}, 421)(environ, start_response)
+        unauthorised = request.path != HEALTH and access.refusal(request.headers.get("Authorization"))
+        if unauthorised:
+            response = _json({"error": unauthorised}, 401)
+            response.headers["WWW-Authenticate"] = 'Bearer realm="llmgw mirror"'
+            return response(environ, start_response)
         try:
             endpoint, args = API.bind_to_environ(environ).match()
             response = _handle(manager, base_url, endpoint, args, request)
@@ -128,7 +183,7 @@ def api_app(manager: Manager, base_url: str, allowed: Allowed, hosts: HostCheck)
             log.warning("refused a fetch asked by %s: %s", request.remote_addr, e)
             response = _json({"error": str(e)}, 400)
         except MirrorError as e:
-            response = _json({"error": str(e)}, 409 if "downloading" in str(e) or "already" in str(e) else 400)
+            response = _json({"error": str(e)}, e.status)
         except HTTPException as e:
             response = _json({"error": e.description or e.name}, e.code or 500)
         return response(environ, start_response)

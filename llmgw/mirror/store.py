@@ -25,7 +25,15 @@ ARRIVING = ".arriving"
 
 
 class MirrorError(Exception):
-    """A request the mirror refuses; the message says why."""
+    """A request the mirror refuses; the message says why, `status` is the management API's answer."""
+
+    status = 400
+
+
+class Conflict(MirrorError):
+    """A request that clashes with what the mirror holds or is doing: a version that exists, one that arrives."""
+
+    status = 409
 
 
 def check_name(what: str, value: str) -> str:
@@ -111,7 +119,7 @@ class MirrorDir:
         target = self.version_dir(model, version)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         if os.path.exists(target):
-            raise MirrorError(f"{model}/{version} already exists; a version is never overwritten")
+            raise Conflict(f"{model}/{version} already exists; a version is never overwritten")
         os.rename(source, target)
 
     def remove(self, model: str, version: str) -> None:

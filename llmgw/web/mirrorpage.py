@@ -1,11 +1,12 @@
 """The mirror's administration page: what it holds and is fetching, fetch, retry, remove, serve this,
 and an explorer of the configured registry.
 
-The page speaks to the mirror's management API (`mirror.api`) and, for what
-the catalog uses and to add a model, to the controller's admin API
-(`gateway.controller_admin`). An unreachable mirror or catalog is said
-outright, never shown as an empty table. The page refreshes itself only while
-something downloads, so a half-typed form is not lost otherwise.
+The page speaks to the mirror's management API (`mirror.api`, with the token
+in `mirror.token_file`) and, for what the catalog uses and to add a model, to
+the controller's admin API (`gateway.controller_admin`). An unreachable mirror
+or catalog is said outright, never shown as an empty table. The page refreshes
+itself only while something downloads, so a half-typed form is not lost
+otherwise.
 
 "Serve this" fills a form from the file: a name, the mirror URL as source,
 the engine (llama.cpp for GGUF, vLLM otherwise), memory estimated from the
@@ -26,7 +27,7 @@ import urllib.request
 
 from flask import Flask, abort, flash, redirect, render_template, request
 
-from llmgw.apiclient import ApiClient, ApiError, Unreachable, address_url, leader_client
+from llmgw.apiclient import ApiClient, ApiError, Unreachable, leader_client, mirror_client
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
@@ -44,7 +45,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         require_token(form)
 
     def mirror() -> ApiClient:
-        return ApiClient(address_url(cfg["mirror.api"], "mirror.api"), "the mirror's management API")
+        return mirror_client(cfg)
 
     def mirror_problem(e: ApiError) -> str:
         """What the page says when the mirror cannot be used: the mirror's own sentence when it refused."""
