@@ -117,8 +117,9 @@ def _record(row, tree) -> KeyRecord:
                      row.created_at, row.expires_at, row.revoked_at, row.user_id)
 
 
-def list_keys(engine: Engine, user_id: str | None = None, project_ids: set[str] | None = None) -> list[KeyRecord]:
-    """Every key; or only USER_ID's; or only those in PROJECT_IDS."""
+def list_keys(engine: Engine, user_id: str | None = None, project_ids: set[str] | None = None,
+              ownerless: bool = False) -> list[KeyRecord]:
+    """Every key; or only USER_ID's; or only those in PROJECT_IDS; with OWNERLESS, only those of no person."""
     from llmgw.people.orgtree import Tree
 
     k = store.api_keys
@@ -127,6 +128,8 @@ def list_keys(engine: Engine, user_id: str | None = None, project_ids: set[str] 
         query = query.where(k.c.user_id == user_id)
     if project_ids is not None:
         query = query.where(k.c.project_id.in_(project_ids))
+    if ownerless:
+        query = query.where(k.c.user_id.is_(None))
     with engine.connect() as conn:
         tree = Tree.read(conn)
         return [_record(row, tree) for row in conn.execute(query)]

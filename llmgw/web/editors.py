@@ -5,11 +5,13 @@ sign-in (curl has no session) and holds no secret: the tools read the key from a
 What it writes comes from llmgw/web/editorconfig.py, the same text the account page shows. The script is
 run as whoever fetched it, so every value in it is checked first (the model must be one the catalog
 lists, the gateway's address a plain URL) and shell-quoted where it is put: a `model=` of `$(rm -rf ~)`
-is refused, and would be inert if it were not.
+is refused, and would be inert if it were not. Without `gateway.public_url` the address is the request's
+Host, which pages.py has already checked with plain_host; a Host it refused never reaches this module.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shlex
@@ -24,7 +26,8 @@ from llmgw.web import editorconfig
 TOOLS = {"codex": "Codex", "claude": "Claude Code", "continue": "Continue", "cline": "Cline"}
 # A gateway address a script may name: scheme, host (a name, IPv4 or [IPv6]), port, path. Nothing that a
 # shell, TOML, JSON or YAML would read specially, even where it stands unquoted in a comment.
-PLAIN_URL = re.compile(r"https?://[A-Za-z0-9.\-]+(:\d+)?|https?://\[[0-9A-Fa-f:.]+\](:\d+)?")
+HOST_PORT = re.compile(r"(\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(:(?P<port>[1-9][0-9]{0,4}))?")
+LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 PLAIN_PATH = re.compile(r"(/[A-Za-z0-9._~\-]+)*")
 
 
@@ -35,9 +38,25 @@ def gateway_url(runtime: Runtime) -> str:
 
 def plain(url: str) -> bool:
     """Whether URL is a plain `scheme://host[:port][/path]`, with nothing any of the files would read specially."""
-    head, sep, rest = url.partition("://")
+    scheme, sep, rest = url.partition("://")
     host, slash, path = rest.partition("/")
-    return bool(PLAIN_URL.fullmatch(head + sep + host) and PLAIN_PATH.fullmatch(slash + path))
+    return scheme in ("http", "https") and bool(sep) and plain_host(host) and bool(PLAIN_PATH.fullmatch(slash + path))
+
+
+def plain_host(host: str) -> bool:
+    """Whether HOST (a Host header, or the host of a URL) is a DNS name, IPv4 or [IPv6] address, with an optional
+    port from 1 to 65535: what Werkzeug can build a URL from, and nothing a file or a shell reads specially."""
+    parts = HOST_PORT.fullmatch(host)
+    if not parts or parts["port"] and int(parts["port"]) > 65535:
+        return False
+    if parts["ipv6"]:
+        try:
+            ipaddress.IPv6Address(parts["ipv6"])
+        except ValueError:
+            return False
+        return True
+    name = parts["name"].removesuffix(".")  # "example.org." is the same name, fully qualified
+    return len(name) <= 253 and all(LABEL.fullmatch(label) for label in name.split("."))
 
 
 def usable_models(runtime: Runtime, user_id: str, key_records) -> list[str]:
@@ -90,8 +109,8 @@ def install(app: Flask, runtime: Runtime) -> None:
         if tool not in TOOLS:
             abort(404, f"There is no setup script for {tool!r}. There are: {', '.join(TOOLS)}.")
         url = gateway_url(runtime)
-        if not plain(url):
-            return _refuse(500, f"This gateway's address ({url!r}) is not one a setup script can name safely. "
+        if not plain(url):  # gateway.public_url: pages.py refuses a Host that is not plain before it gets here
+            return refusal(500, f"This gateway's address ({url!r}) is not one a setup script can name safely. "
                                 "An operator should set gateway.public_url to a plain https:// address.")
         listed = [name for name, _ in runtime.router.snapshot.listed_ids()]
         model = request.args.get("model", "")
@@ -100,7 +119,7 @@ def install(app: Flask, runtime: Runtime) -> None:
             if given not in listed:
                 # No list here: this page needs no sign-in, and the catalog is for key holders (/v1/models).
                 what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
-                return _refuse(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
+                return refusal(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
                                     "the ones your keys may use.")
         values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
                   "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
@@ -111,7 +130,7 @@ def install(app: Flask, runtime: Runtime) -> None:
         return Response(script, mimetype="text/plain", headers={"Cache-Control": "no-store"})
 
 
-def _refuse(status: int, text: str) -> Response:
+def refusal(status: int, text: str) -> Response:
     """A refusal the way `curl -fsSL ... | sh` shows it: plain text (curl -f prints the status; without
     -f, sh runs the answer, so every line is a comment and the last exits)."""
     body = "".join(f"# {line}\n" for line in text.splitlines()) + f"echo {shlex.quote(text)} >&2\nexit 1\n"

@@ -32,7 +32,7 @@ from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, sessions, usagereport
 from llmgw.people.orgtree import Tree
-from llmgw.web import adminpages, budgets, chatpage, editors, errorpages, forms, mirrorpage, nodepages, safety, throttle
+from llmgw.web import adminpages, budgets, chatpage, editorconfig, editors, errorpages, forms, mirrorpage, nodepages, safety, throttle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
@@ -58,11 +58,36 @@ class Person(flask_login.UserMixin):
 HASHING_THREADS = 2
 
 
+def checked_host(wsgi_app):
+    """WSGI_APP behind a check of the Host header (after a trusted proxy's X-Forwarded-Host has replaced it).
+
+    Werkzeug builds the URLs a page shows from the Host, and routes by it. One it could not read (a space,
+    a non-ASCII letter, port 99999) it took as empty, and `/setup/<tool>` answered 500, blaming the operator;
+    one it refused (`..`, a 5,000-character name) it refused with a 400 that then failed to draw, so the
+    client got gunicorn's bare 500. Only a client sends a Host, so this refusal is a 400, in plain text that
+    is inert when piped to sh, as `/setup/<tool>` answers are. A request without one (HTTP/1.0) is left to
+    Werkzeug, which takes the server's own address."""
+
+    def app(environ, start_response):
+        host = environ.get("HTTP_HOST")
+        if host is None or editors.plain_host(host):
+            return wsgi_app(environ, start_response)
+        text = (f"This request's Host header ({ascii(host[:100])}) is not a host name this gateway can answer to. "
+                "Send the gateway's own address (a DNS name, an IPv4 address or an [IPv6] address, with a port "
+                "if it needs one), as curl and browsers do when given its URL.")
+        answer = editors.refusal(400, text)
+        answer.headers["X-Content-Type-Options"] = "nosniff"
+        return answer(environ, start_response)
+
+    return app
+
+
 def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     engine = runtime.engine
     cfg = runtime.cfg
     app = Flask("llmgw", template_folder=os.path.join(ROOT, "templates"),
                 static_folder=os.path.join(ROOT, "static"))
+    app.wsgi_app = checked_host(app.wsgi_app)
     hashing = ThreadPool(HASHING_THREADS)
 
     def offload(function, *args):
@@ -140,7 +165,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         snapshot = runtime.router.snapshot
         models = [(spec, bool(runtime.router.available(spec.name))) for spec in snapshot.offered()]
         base_url = request.host_url.rstrip("/") + "/v1"
-        return render_template("landing.html", models=models, base_url=base_url, contact=cfg["gateway.contact"])
+        return render_template("landing.html", models=models, base_url=base_url, contact=cfg["gateway.contact"],
+                               variable=editorconfig.KEY_VARIABLE)
 
     @app.route("/login", methods=["GET", "POST"])
     def sign_in():
@@ -230,12 +256,14 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
         tree, projects = my_projects(me)
         mine = keys.list_keys(engine, user_id=me.id)
         own = [k for k in mine if k.revoked_at is None]
-        ids = [k.id for k in mine]
+        # An administrator who ran `llmgw up` looks here for the key it printed, which is a project's, nobody's.
+        unowned = [k for k in keys.list_keys(engine, ownerless=True) if k.revoked_at is None] if me.is_admin else []
+        ids = [k.id for k in mine + unowned]
         use = usagereport.report(engine, "model", time.time() - 29 * usagereport.DAY, user_id=me.id)
         days = [sum(line.series.get(b, (0, 0, 0))[0] for line in use.lines) for b in use.buckets]
         with engine.connect() as conn:
             priced = limits.read_prices(conn).anything_priced()
-        return render_template("account.html", keys=own, key_form=f or key_form(me, projects),
+        return render_template("account.html", keys=own, unowned=unowned, key_form=f or key_form(me, projects),
                                revoke=form(forms.ActionForm), new_secret=new_secret, problem=problem,
                                last_used=usagereport.last_used(engine, ids), use=use, days=days,
                                day_names=[time.strftime("%Y-%m-%d", time.gmtime(b)) for b in use.buckets],
