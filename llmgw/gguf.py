@@ -32,8 +32,12 @@ class NotGGUF(ValueError):
     """The bytes are not a GGUF header (or too few of it were read)."""
 
 
-def architecture(head: bytes) -> str | None:
-    """`general.architecture` from the first bytes of a GGUF file (None when it is not among them)."""
+_NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def _entries(head: bytes):
+    """Each metadata entry of a GGUF header HEAD, in order: (key, type, value, offset of the value). VALUE is
+    the string or number for those types, None for an array. Raises NotGGUF."""
     if head[:4] != MAGIC:
         raise NotGGUF("the file does not start with GGUF")
     version = struct.unpack_from("<I", head, 4)[0]
@@ -59,12 +63,13 @@ def architecture(head: bytes) -> str | None:
             kind = struct.unpack_from("<I", head, pos)[0]
             pos += 4
             if kind == _STRING:
-                value, pos = string(pos)
-                if key == "general.architecture":
-                    return value
+                value, end = string(pos)
+                yield key, kind, value, pos
+                pos = end
             elif kind == _ARRAY:
                 item = struct.unpack_from("<I", head, pos)[0]
                 n = struct.unpack_from(count_fmt, head, pos + 4)[0]
+                yield key, kind, None, pos
                 pos += 4 + count_size
                 if item == _STRING:
                     for _ in range(n):
@@ -73,13 +78,54 @@ def architecture(head: bytes) -> str | None:
                     pos += _SIZES[item] * n
                 else:
                     raise NotGGUF(f"an array of type {item} in the header")
-            elif kind in _SIZES:
+            elif kind in _NUMBERS:
+                yield key, kind, struct.unpack_from(_NUMBERS[kind], head, pos)[0], pos
                 pos += _SIZES[kind]
             else:
                 raise NotGGUF(f"a value of type {kind} in the header")
     except struct.error:
         raise NotGGUF("the header is longer than what was read") from None
+
+
+def architecture(head: bytes) -> str | None:
+    """`general.architecture` from the first bytes of a GGUF file (None when it is not among them)."""
+    for key, _, value, _ in _entries(head):
+        if key == "general.architecture":
+            return value
     return None
+
+
+def context_length(head: bytes) -> int | None:
+    """The context the model was trained for (`ARCH.context_length`) from the first bytes of a GGUF file; None
+    when it is not among them."""
+    found = _context_entry(head)
+    return found and found[0]
+
+
+def _context_entry(head: bytes) -> tuple[int, int, int] | None:
+    """(`ARCH.context_length`, its type, the offset of its value), or None."""
+    arch = None
+    for key, kind, value, offset in _entries(head):
+        if key == "general.architecture":
+            arch = value
+        elif arch is not None and key == f"{arch}.context_length" and isinstance(value, int):
+            return value, kind, offset
+    return None
+
+
+def raise_context_length(path: str, tokens: int) -> int:
+    """Write TOKENS as the context the GGUF file at PATH says it was trained for, in place; returns what it
+    said before. llama.cpp holds each slot to that figure whatever --ctx-size asks; this is how a model is
+    made to take longer prompts than it was trained on (at some cost in quality far past it)."""
+    with open(path, "r+b") as f:
+        head = f.read(HEAD_BYTES)
+        found = _context_entry(head)
+        if found is None:
+            raise NotGGUF(f"{path} says no context length in its first {HEAD_BYTES} bytes")
+        before, kind, offset = found
+        f.seek(offset)
+        f.write(struct.pack(_NUMBERS[kind], tokens))
+    return before
 
 
 def read_head(source: str, urlopen=None) -> bytes | None:

@@ -344,7 +344,9 @@ def run_cli(argv: list, cwd, env: dict) -> subprocess.CompletedProcess:
     """One CLI run with only ENV (and PATH) in its environment, stdin closed (Codex otherwise waits to read
     it), and a deadline; it must exit 0. The time it took is printed for `pytest -s`."""
     started = time.monotonic()
-    run = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    # A coding agent's own prompt is some 4,500 tokens, which llama.cpp reads at about 100 a second on two
+    # busy cores: the deadline leaves room for a few such requests.
+    run = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
                          env={"PATH": os.environ["PATH"], **env})
     print(f"{os.path.basename(argv[0])} {argv[1]}: {time.monotonic() - started:.1f} s")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -405,6 +407,44 @@ def make_gateway(tmp_path):
     yield make
     for gw in gateways:
         gw.stop()
+
+
+class Up:
+    """`llmgw up`, what `make run` runs, as a process in TMP (its var/ there) with every port a free one, and
+    MODELS added to its configuration beside the starter model; up once it printed how to call it. Its
+    output so far is in `out` and `err`, the key it made in `key`, the gateway at `url`."""
+
+    PORTS = ("gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen",
+             "controller.metrics_listen", "controller.gateway_listen", "controller.demand_listen",
+             "controller.accountant_listen", "mirror.listen", "mirror.api_listen", "mirror.metrics_listen")
+    LIMIT = 240  # seconds: a mirror, a controller, an agent, a gateway and llama.cpp, on a busy machine
+
+    def __init__(self, tmp, models=(), **settings):
+        self.tmp = tmp
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        values = {**{name: f"127.0.0.1:{free_port()}" for name in self.PORTS},
+                  **{k.replace("__", "."): v for k, v in settings.items()}}
+        self.config = write_config(tmp / "llmgw.toml", values, models=models)
+        self.start()
+
+    def start(self) -> None:
+        with open(self.tmp / "up.out", "w") as out, open(self.tmp / "up.err", "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmgw", "--config", self.config, "up",
+                                          "--listen", f"127.0.0.1:{self.port}"], cwd=self.tmp, stdout=out, stderr=err)
+        deadline = time.monotonic() + self.LIMIT
+        while "Ctrl-C stops" not in (self.tmp / "up.out").read_text():
+            assert self.proc.poll() is None, (self.tmp / "up.err").read_text()
+            assert time.monotonic() < deadline, f"llmgw up did not come up in {self.LIMIT} s"
+            time.sleep(0.2)
+        self.out, self.err = (self.tmp / "up.out").read_text(), (self.tmp / "up.err").read_text()
+        self.key = (self.tmp / "var" / "starter-key").read_text().strip()
+
+    def stop(self) -> None:
+        """What Ctrl-C does: everything stops, engines included."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(timeout=60) == 0, (self.tmp / "up.err").read_text()
 
 
 @contextlib.contextmanager

@@ -1,11 +1,13 @@
-"""The real coding agents and SDKs against one real gateway: Codex CLI and Claude Code (pinned in tests/clients,
-installed by `make clients`) and the official openai and anthropic SDKs, with the starter model behind
-llama.cpp, a sim scripted to call Claude Code's shell tool, and a sim that says one line; and the files the
-`/setup/<tool>` scripts write, driving the real CLIs with nothing else.
+"""The real coding agents and SDKs against what `make run` starts: Codex CLI and Claude Code (pinned in
+tests/clients, installed by `make clients`) and the official openai and anthropic SDKs, through `llmgw up`'s
+gateway to the starter model on llama.cpp as `llmgw up` places it, with two sims beside it in its catalog (one
+scripted to call Claude Code's shell tool, one that says one line); and the files the `/setup/<tool>` scripts
+write, driving the real CLIs with nothing else.
 
-The CLIs' own prompts are replaced for the starter model: Claude Code's is some 9,000 tokens, more than
-SmolLM2's 8,192-token context (llama.cpp answers 400 "exceeds the available context size"), and Codex's
-~4,600 tokens take 30-40 s to read on two busy cores. Codex still offers all its tools, Claude Code its Bash.
+The CLIs run with their own default prompts and tools (Claude Code's about 4,100 tokens, Codex's about
+4,500): once llama.cpp was started with the catalog's 4,096 tokens split over four slots, each request got
+1,024, and both CLIs failed at once against the model `make run` served, while these tests passed on an
+engine of their own with one slot of 8,192.
 """
 
 import json
@@ -18,33 +20,24 @@ import openai
 import pytest
 
 from llmgw.cli import starter
-from tests.conftest import Sim, codex, gateway_over, llamacpp_engine, make_key, run_cli, run_setup_script
+from tests.conftest import Up, codex, run_cli, run_setup_script
 
 QUESTION = "What is the capital of France? Answer in one sentence."
-BRIEF = "You are a helpful assistant. Answer in one sentence."
 BASH_COMMAND = "echo hello-from-bash > out.txt; cat out.txt"
 REPLY = "Hello from the gateway."
+SIMS = [{"name": "bash", "source": "/dev/null", "profiles": [{"engine": "sim", "args": [
+            "--ttft-ms", "1", "--tokens-per-s", "500", "--tool-call", "Bash", json.dumps({"command": BASH_COMMAND})]}]},
+        {"name": "echo", "source": "/dev/null", "profiles": [{"engine": "sim", "args": [
+            "--ttft-ms", "1", "--tokens-per-s", "500", "--reply", REPLY]}]}]
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("agents")
-    url = f"sqlite:///{tmp}/gw.db"
-    key = make_key(url)
-    # One slot: llama.cpp caps a slot at the model's 8,192 training tokens, and these tests take turns.
-    # Greedy sampling (top-k 1, which the CLIs do not send; Claude Code sends temperature 1): at temperature 1
-    # SmolLM2 sometimes rambled to max_output, and Claude Code fails an answer that stops at its limit.
-    with llamacpp_engine(tmp, ctx_size=8192, parallel=1, extra=("--top-k", "1")) as engine_url:
-        sims = {"bash": Sim(model="bash", replica="b", ttft_ms=1, tokens_per_s=500,
-                            tool_call=("Bash", json.dumps({"command": BASH_COMMAND}))),
-                "echo": Sim(model="echo", replica="e", ttft_ms=1, tokens_per_s=500, reply=REPLY)}
-        # Claude Code asks for claude-* names: its main model and a small one, which the operator aliases.
-        models = [{"name": starter.NAME, "aliases": ["starter", "claude-sonnet-4-6", "claude-haiku-4-5"],
-                   "max_output": 256},
-                  {"name": "bash"}, {"name": "echo"}]
-        cpu = {"id": "cpu", "url": engine_url, "models": [starter.NAME]}
-        with gateway_over(tmp, url, sims, models, more_endpoints=[cpu], workers=2) as gw:
-            yield SimpleNamespace(gw=gw, url=gw.url, key=key)
+    up = Up(tmp_path_factory.mktemp("agents"), models=SIMS)
+    try:
+        yield SimpleNamespace(url=up.url, key=up.key)
+    finally:
+        up.stop()
 
 
 def claude(cli: str, env, cwd, model: str, prompt: str, *flags) -> subprocess.CompletedProcess:
@@ -54,16 +47,20 @@ def claude(cli: str, env, cwd, model: str, prompt: str, *flags) -> subprocess.Co
     home.mkdir(exist_ok=True)
     return run_cli([cli, "-p", prompt, *flags], cwd,
                    {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home), "ANTHROPIC_BASE_URL": env.url,
-                    "ANTHROPIC_API_KEY": env.key, "ANTHROPIC_MODEL": model,
-                    "ANTHROPIC_DEFAULT_HAIKU_MODEL": "claude-haiku-4-5",
+                    "ANTHROPIC_API_KEY": env.key, "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
                     "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "0"})
 
 
-# --- the CLIs -------------------------------------------------------------------------------------
+# --- the CLIs, with their own prompts, against the starter model -------------------------------------
 
 
-def test_claude_code_answers_a_question_with_the_starter_model(claude_cli, env, tmp_path):
-    run = claude(claude_cli, env, tmp_path, "claude-sonnet-4-6", QUESTION, "--system-prompt", BRIEF, "--tools", "Bash")
+def test_claude_code_answers_with_its_own_prompt_and_tools(claude_cli, env, tmp_path):
+    run = claude(claude_cli, env, tmp_path, starter.NAME, QUESTION)
+    assert run.stdout.strip(), run.stderr
+
+
+def test_codex_answers_with_its_own_prompt_and_tools(codex_cli, env, tmp_path):
+    run = codex(codex_cli, env.url, env.key, tmp_path, starter.NAME, QUESTION)
     assert run.stdout.strip(), run.stderr
 
 
@@ -72,14 +69,6 @@ def test_claude_code_runs_a_bash_tool_loop(claude_cli, env, tmp_path):
     run = claude(claude_cli, env, tmp_path, "bash", "Create out.txt", "--allowedTools", "Bash")
     assert (tmp_path / "out.txt").read_text() == "hello-from-bash\n"
     assert "The tool said: " in run.stdout and "hello-from-bash" in run.stdout
-
-
-def test_codex_answers_a_question_with_the_starter_model(codex_cli, env, tmp_path):
-    instructions = tmp_path / "instructions.md"
-    instructions.write_text(BRIEF + "\n")
-    run = codex(codex_cli, env.url, env.key, tmp_path, "starter", QUESTION,
-                f"model_instructions_file={json.dumps(str(instructions))}")
-    assert run.stdout.strip(), run.stderr
 
 
 # --- the setup scripts' files, and nothing else, drive the real CLIs ----------------------------------
@@ -129,12 +118,12 @@ def anthropic_client(env):
 
 
 def test_openai_sdk_responses(openai_client):
-    reply = openai_client.responses.create(model="starter", input=QUESTION, max_output_tokens=40)
+    reply = openai_client.responses.create(model=starter.NAME, input=QUESTION, max_output_tokens=40)
     assert reply.output_text.strip() and reply.usage.input_tokens > 5 and reply.usage.output_tokens > 0
 
 
 def test_openai_sdk_responses_streamed(openai_client):
-    events = list(openai_client.responses.create(model="starter", input=QUESTION, max_output_tokens=40,
+    events = list(openai_client.responses.create(model=starter.NAME, input=QUESTION, max_output_tokens=40,
                                                  stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
@@ -143,16 +132,16 @@ def test_openai_sdk_responses_streamed(openai_client):
 
 
 def test_anthropic_sdk_messages(anthropic_client):
-    message = anthropic_client.messages.create(model="claude-sonnet-4-6", max_tokens=40,
+    message = anthropic_client.messages.create(model=starter.NAME, max_tokens=40,
                                                messages=[{"role": "user", "content": QUESTION}])
     assert message.content[0].text.strip() and prompt_tokens(message.usage) > 5 and message.usage.output_tokens > 0
-    counted = anthropic_client.messages.count_tokens(model="claude-sonnet-4-6",
+    counted = anthropic_client.messages.count_tokens(model=starter.NAME,
                                                      messages=[{"role": "user", "content": QUESTION}])
     assert counted.input_tokens > 5
 
 
 def test_anthropic_sdk_messages_streamed(anthropic_client):
-    with anthropic_client.messages.stream(model="claude-haiku-4-5", max_tokens=40,
+    with anthropic_client.messages.stream(model=starter.NAME, max_tokens=40,
                                           messages=[{"role": "user", "content": QUESTION}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()

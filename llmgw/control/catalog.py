@@ -51,6 +51,13 @@ class Profile:
     env: tuple[tuple[str, str], ...] = ()
     priority: int = 100
     weight: float = 1.0
+    start_limit: float | None = None  # seconds its engine may take to answer /health; None: the agent's default
+
+
+# How a profile is supervised, not how its engine runs: left out of the fingerprint, so changing it marks no
+# running replica stale.
+_SUPERVISION = ("start_limit",)
+MOST_START_LIMIT = 24 * 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +79,14 @@ class Model:
 
     def fingerprint(self, profile: Profile) -> str:
         """What a running engine was started from; a change means its replicas run a stale profile."""
-        data = json.dumps([self.source, self.max_context, dataclasses.asdict(profile)], sort_keys=True)
+        fields = {k: v for k, v in dataclasses.asdict(profile).items() if k not in _SUPERVISION}
+        data = json.dumps([self.source, self.max_context, fields], sort_keys=True)
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 
 
 _PROFILE_KEYS = {"name": str, "engine": str, "gpu_class": str, "gpus": int, "min_memory_gb": (int, float),
-                 "node_selector": dict, "args": list, "env": dict, "priority": int, "weight": (int, float)}
+                 "node_selector": dict, "args": list, "env": dict, "priority": int, "weight": (int, float),
+                 "start_limit": (int, float)}
 
 
 def _duration(value, where: str) -> float | None:
@@ -136,13 +145,17 @@ def parse_model(table: dict, origin: str = "config") -> Model:
         for key in ("min_memory_gb", "weight"):
             if key in raw and not (math.isfinite(raw[key]) and raw[key] >= 0):
                 raise CatalogError(f"{label}: {key} is a number, 0 or more, not {raw[key]!r}")
+        if "start_limit" in raw and not (math.isfinite(raw["start_limit"]) and 0 < raw["start_limit"] <= MOST_START_LIMIT):
+            raise CatalogError(f"{label}: start_limit is the seconds its engine may take to answer its health check, "
+                               f"more than 0 and at most {MOST_START_LIMIT:.0f}, not {raw['start_limit']!r}")
         profiles.append(Profile(
             name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
             gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
             node_selector=tuple(sorted((str(k), str(v)) for k, v in raw.get("node_selector", {}).items())),
             args=tuple(str(a) for a in raw.get("args", [])),
             env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
-            priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0))))
+            priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0)),
+            start_limit=float(raw["start_limit"]) if "start_limit" in raw else None))
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or len(aliases) > modelnames.MOST_ALIASES:
         raise CatalogError(f"{where}: aliases must be a list of at most {modelnames.MOST_ALIASES} names")

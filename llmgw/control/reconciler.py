@@ -51,6 +51,7 @@ class Replica:
     fetch: dict | None = None
     api_key: str | None = None  # what its engine wants in `Authorization: Bearer`; told to gateways only
     address: str | None = None  # its node's address, which its URL is on; gateways dial nothing else
+    context: int | None = None  # tokens a request may use there, as its engine says once ready
     since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
 
 
@@ -163,7 +164,7 @@ class Replicas:
                 current.state = state
             if address is not None:
                 current.address = address
-            for field in ("profile_fp", "engine", "url", "fetch", "api_key"):
+            for field in ("profile_fp", "engine", "url", "fetch", "api_key", "context"):
                 if field in status:
                     setattr(current, field, status[field])
             if "gpus" in status:
@@ -322,7 +323,10 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
 def start_message(model: Model, action: Start) -> dict:
     """The fields of the start_shard command that carries out ACTION."""
     profile = action.decision.profile
-    return {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
-            "engine": profile.engine, "source": model.source, "args": list(profile.args), "env": dict(profile.env),
-            "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
-            "max_context": model.max_context}
+    message = {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
+               "engine": profile.engine, "source": model.source, "args": list(profile.args), "env": dict(profile.env),
+               "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
+               "max_context": model.max_context}
+    if profile.start_limit is not None:
+        message["start_limit"] = profile.start_limit
+    return message

@@ -68,8 +68,12 @@ def command(engine: str, source: str, name: str, host: str, port: int, gpus: lis
     kind, path = launch or (None, None)
     binary, python = (path, None) if kind == "binary" else (None, path)
     if engine == "llamacpp":
-        return llamacpp.command(source, port, name, ctx_size=max_context or 4096, host=host, binary=binary,
-                                python=python) + list(args)
+        # llama.cpp divides --ctx-size among its slots; a request may use one slot's share, so that is what
+        # max_context names. Once it started with the model's 4,096 and four slots: 1,024 a request, while
+        # the catalog, /v1/models and the gateway's own refusals said 4,096.
+        slots = llamacpp.slots(args)
+        return llamacpp.command(source, port, name, ctx_size=(max_context or llamacpp.CONTEXT) * slots, host=host,
+                                parallel=slots, binary=binary, python=python) + list(args)
     if engine == "vllm":
         return vllm.command(source, name, host, port, gpus, max_context, args, binary=binary, python=python)
     if engine == "sglang":
@@ -78,3 +82,22 @@ def command(engine: str, source: str, name: str, host: str, port: int, gpus: lis
         return [sys.executable, "-m", "llmgw", "sim", "--listen", addresses.join(host, port), "--model", name,
                 "--replica", replica] + list(args)
     raise ValueError(f"unknown engine {engine!r}")
+
+
+# A context no engine serves; what an engine says past it is not believed.
+MOST_CONTEXT = 1 << 24
+
+
+def served_context(engine: str, get_json) -> int | None:
+    """The tokens one request may use on ENGINE's running server, as the server itself says: llama.cpp a slot's
+    context (`/props`, which is capped at what the model was trained on whatever --ctx-size asked), vLLM and
+    the others `max_model_len` in `/v1/models`. GET_JSON(path) is the server's JSON answer there (it may
+    raise OSError or ValueError); None when it does not say."""
+    if engine == "llamacpp":
+        value = (get_json("/props").get("default_generation_settings") or {}).get("n_ctx")
+    else:
+        data = get_json("/v1/models").get("data") or [{}]
+        value = data[0].get("max_model_len") if isinstance(data[0], dict) else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 < value <= MOST_CONTEXT:
+        return value
+    return None

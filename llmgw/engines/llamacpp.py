@@ -28,6 +28,23 @@ LOAD_METRICS = {
 }
 
 
+CONTEXT = 4096  # tokens a request may use where the catalog names no max_context
+SLOTS = 4  # requests llama.cpp runs at once where the profile's arguments do not say (--parallel)
+
+
+def slots(args: list[str]) -> int:
+    """The slots a profile's ARGS ask for (`--parallel N`, `-np N`, `--parallel=N`; the last wins, as it does
+    for llama.cpp), else SLOTS."""
+    found = SLOTS
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag in ("--parallel", "-np"):
+            value = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if value.isdigit() and int(value) > 0:
+                found = int(value)
+    return found
+
+
 # Run by a path, with `-I`, from an interpreter that may not have llmgw: it imports only the standard library and
 # xllamacpp, and `-I` keeps this folder (whose module names are common ones) off that interpreter's path.
 SERVER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xllamacpp_server.py")

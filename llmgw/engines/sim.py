@@ -136,7 +136,10 @@ class SimEngine:
         if path == "/tokenize":
             return self._tokenize(start_response, environ)
         if path == "/v1/models":
-            body = {"object": "list", "data": [{"id": self.o.model, "object": "model", "owned_by": "sim"}]}
+            model = {"id": self.o.model, "object": "model", "owned_by": "sim"}
+            if self.o.max_context:
+                model["max_model_len"] = self.o.max_context  # as vLLM says it
+            body = {"object": "list", "data": [model]}
             return self._json(start_response, "200 OK", body)
         kinds = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
         if path not in kinds or method != "POST":

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     # The model's own chat template, which parses tool calls; the last of --jinja and --no-jinja wins.
     # A request's own sampling fields win; these are the defaults for the fields it leaves out.
     parser.add_argument("--top-k", type=int, default=40)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--temp", type=float, default=0.8)
     parser.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     params.pooling_type = xllamacpp.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     params.use_jinja = args.jinja
     params.sampling.top_k = args.top_k
+    params.sampling.top_p = args.top_p
+    params.sampling.temp = args.temp
     if os.environ.get("LLAMA_API_KEY"):
         params.api_keys = [os.environ["LLAMA_API_KEY"]]
     server = xllamacpp.Server(params)

@@ -9,9 +9,12 @@ body framed by Content-Length, by chunks, or by closing. That is all this
 reads.
 
 Phases, each with its own limit: connecting, waiting for the response to
-start (`first_byte`), silence between two pieces of a streamed body (`idle`),
-and the whole exchange (`deadline`), which each read is held to: no sender
-stretches it by sending slowly. Closing a `Response` from another greenlet
+start (`first_byte`: its head, and then its first body byte), silence between
+two pieces of a streamed body (`idle`), and the whole exchange (`deadline`),
+which each read is held to: no sender stretches it by sending slowly. A
+streaming engine sends its head at once and its first event only once it has
+read the prompt: a coding agent's 10,000 tokens took llama.cpp on two CPU cores
+over a minute, and were cut off at `idle` as if it had stalled mid-answer. Closing a `Response` from another greenlet
 wakes a reader blocked on it; that is how a client's disconnect ends the
 engine's work. The pages' history queries to Prometheus go through it too,
 for that deadline (llmgw/web/prometheus.py).
@@ -97,7 +100,8 @@ class Response:
     """An engine's response: status and headers read, body still on the wire."""
 
     def __init__(self, pool: "Pool", target: Target, conn: Connection, status: int, headers: dict[str, str],
-                 framing: str, length: int, deadline: float):
+                 framing: str, length: int, deadline: float, first_deadline: float = 0.0):
+        """FIRST_DEADLINE: when the first body byte must have come (the request's first_byte limit)."""
         self.pool = pool
         self.target = target
         self.conn = conn
@@ -106,18 +110,23 @@ class Response:
         self.framing = framing  # "length", "chunked" or "close"
         self.remaining = length
         self.deadline = deadline
+        self.first_deadline = first_deadline
+        self.started = bool(conn.buf)  # a body byte has come
         self.done = framing == "length" and length == 0
         self.closed_by_other = False
 
     def _recv(self, idle: float | None) -> bytes:
-        left = self.deadline - time.monotonic()
+        now = time.monotonic()
+        left = self.deadline - now
         if left <= 0:
             raise UpstreamError("total", "the engine took longer than the whole request may")
         timeout = left if idle is None else min(idle, left)
+        if not self.started:
+            timeout = min(left, max(timeout, self.first_deadline - now))
         try:
             data = sockio.recv(self.conn.sock, RECV, None if timeout == float("inf") else timeout)
         except socket.timeout:
-            phase = "total" if time.monotonic() >= self.deadline else "idle"
+            phase = "total" if time.monotonic() >= self.deadline else "idle" if self.started else "first_byte"
             raise UpstreamError(phase, f"the engine sent nothing for {timeout:.1f} s") from None
         except OSError as e:
             if self.closed_by_other:
@@ -125,6 +134,7 @@ class Response:
             raise UpstreamError("closed", f"the engine's connection failed: {e}") from None
         if not data:
             raise UpstreamError("closed", "the engine closed the connection before the answer was complete")
+        self.started = True
         return data
 
     def iter_body(self, idle: float | None = None):
@@ -338,7 +348,8 @@ class Pool:
     def _exchange(self, conn: Connection, target: Target, method: str, head: bytes, body: bytes,
                   first_byte: float, deadline: float) -> Response:
         sock = conn.sock
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         sock.settimeout(max(0.001, min(first_byte, left)))
         try:
             if len(body) <= 65536:
@@ -367,7 +378,7 @@ class Pool:
                 raise UpstreamError("protocol", "the engine sent a bad Content-Length") from None
         else:
             framing, length = "close", 0
-        return Response(self, target, conn, status, headers, framing, length, deadline)
+        return Response(self, target, conn, status, headers, framing, length, deadline, now + first_byte)
 
     @staticmethod
     def _read_head(conn: Connection, first_byte: float, left: float, deadline: float) -> tuple[int, dict[str, str]]:

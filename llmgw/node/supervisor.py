@@ -39,7 +39,9 @@ from llmgw.procs import free_port
 
 log = logging.getLogger("llmgw.supervisor")
 
-START_LIMIT = 600.0  # seconds an engine may take to answer /health (a 70B model loads slowly)
+# Seconds an engine may take to answer /health, unless its profile says (`start_limit`): a 70B model loads
+# slowly, and vLLM compiling a large one takes longer still.
+START_LIMIT = 600.0
 HEALTH_INTERVAL = 0.5
 STOP_TIMEOUT = 30.0
 LAST_LINES = 40
@@ -60,6 +62,7 @@ class Shard:
         self.fetch: dict | None = None
         self.detail: str | None = None
         self.ready_at: float | None = None  # wall clock: kept in the state file, so it survives the agent
+        self.context: int | None = None  # tokens a request may use, as the engine says once ready
 
 
 def _alive(pid: int) -> bool:
@@ -121,7 +124,8 @@ class Supervisor:
                       url=f"http://{addresses.join(self.url_host, shard.port)}", api_key=shard.api_key,
                       profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
                       exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail,
-                      ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None)
+                      ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None,
+                      context=shard.context)
         if shard.state == "failed":
             fields["last_output"] = tail(shard.log_path, LAST_LINES)
         return {k: v for k, v in fields.items() if v is not None}
@@ -195,7 +199,8 @@ class Supervisor:
                 pass
             return
         data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
-                "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key}
+                "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key,
+                "context": shard.context}
         tmp = self._state_path(shard.shard_id) + ".tmp"
         # Mode 0600 from the start: it holds the engine's key.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -224,6 +229,7 @@ class Supervisor:
             shard.pid = pid
             shard.state = data["state"] if data["state"] in ("starting", "ready") else "starting"
             shard.ready_at = data.get("ready_at") if shard.state == "ready" else None
+            shard.context = data.get("context") if isinstance(data.get("context"), int) else None
             with self.lock:
                 self.shards[shard.shard_id] = shard
             adopted.append(shard.shard_id)
@@ -316,7 +322,8 @@ class Supervisor:
         return weights.fetch(spec["source"], self.weights_dir, progress, self.local_sources)
 
     def _wait_ready(self, shard: Shard) -> None:
-        deadline = time.monotonic() + START_LIMIT
+        limit = shard.spec.get("start_limit") or START_LIMIT
+        deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             if shard.state != "starting":
                 return
@@ -326,12 +333,25 @@ class Supervisor:
             try:
                 with self._get(shard, "/health", timeout=2) as resp:
                     if resp.status == 200:
+                        shard.context = self._served_context(shard)
                         self._set(shard, "ready")
                         return
             except OSError:
                 pass
             time.sleep(HEALTH_INTERVAL)
-        self.stop(shard.shard_id, reason=f"it did not answer /health within {START_LIMIT:.0f} s")
+        self.stop(shard.shard_id, reason=f"it did not answer /health within {limit:.0f} s (its profile's "
+                                          "start_limit, or the agent's default)")
+
+    def _served_context(self, shard: Shard) -> int | None:
+        """What the engine says a request may use (engines.served_context); None when it does not say."""
+        def get_json(path: str):
+            with self._get(shard, path, timeout=5) as resp:
+                return json.loads(resp.read(1 << 20))
+
+        try:
+            return engines.served_context(shard.spec["engine"], get_json)
+        except (OSError, ValueError, AttributeError, IndexError):
+            return None
 
     def _running(self, shard: Shard) -> bool:
         if shard.proc is not None:

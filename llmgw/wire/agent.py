@@ -62,7 +62,7 @@ SHARD: dict[str, tuple[object, bool]] = {
     "profile_fp": (Str(200), False), "gpus": (ListOf(Int(0, 1023), 1024), False), "pid": (Int(0, 2**31), False),
     "exit_code": (Int(-2**31, 2**31), False), "last_output": (ListOf(Str(4000), 1000), False),
     "fetch": (FETCH, False), "detail": (TEXT, False), "ready_s": (Num(0, 1e12), False),
-    "api_key": (Str(500), False),
+    "api_key": (Str(500), False), "context": (Int(1, 1 << 24), False),
 }
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same
@@ -97,7 +97,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "start_shard": {
         "request_id": ("str", True), "shard_id": ("str", True), "model": ("str", True), "engine": ("str", True),
         "source": ("str", True), "args": ("array", False), "env": ("object", False), "gpus": ("array", False),
-        "profile_fp": ("str", False), "max_context": ("int", False),
+        "profile_fp": ("str", False), "max_context": ("int", False), "start_limit": (Num(0, 86400), False),
     },
     "stop_shard": {"request_id": ("str", True), "shard_id": ("str", True)},
     "drain_shard": {"request_id": ("str", True), "shard_id": ("str", True), "timeout": ("number", False)},
