@@ -251,7 +251,9 @@ def test_replicas_get_their_gpus_and_logs_come_back(cluster):
     shard = c.ready("g")[0]["shard_id"]
     pid = a.engines()[shard]
     with open(f"/proc/{pid}/environ", "rb") as f:
-        assert b"CUDA_VISIBLE_DEVICES=0" in f.read().split(b"\0")
+        environ = f.read().split(b"\0")
+    # NVML's indices, in PCI bus order: CUDA's own order puts the fastest card first.
+    assert b"CUDA_VISIBLE_DEVICES=0" in environ and b"CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ
     # The agent reports what the engine itself says about its load, and its CPU and memory.
     wait_for("the engine's own figures", 30,
              lambda: f'llmgw_shard_requests_running{{node="gpu-a",shard="{shard}"}} 0.0' in c.metrics())

@@ -283,6 +283,9 @@ class Supervisor:
         env.update(spec.get("env") or {})
         env.update(engines.key_environment(spec["engine"], shard.api_key))
         if spec.get("gpus") is not None:
+            # The indices are NVML's, which counts cards in PCI bus order; CUDA counts the fastest first unless
+            # told otherwise, so on a node of mixed cards an engine landed on another GPU than placement counted.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec["gpus"])
         with open(shard.log_path, "ab") as out:
             # The log is shown to operators (`llmgw ctl logs`): never the key, where the command carries it.
