@@ -32,6 +32,7 @@ class Setting:
     secret: bool = False  # may be given as "@/path/to/file"
     minimum: float | None = None
     check: Callable[[Any, str], None] | None = None  # raises ValueError naming the setting (llmgw.addresses)
+    path: bool = False  # a file or directory: relative in a configuration file, it is relative to the file
 
 
 MiB = 1024 * 1024
@@ -120,7 +121,7 @@ SETTINGS: tuple[Setting, ...] = (
             check=addresses.check_dial_list),
     Setting("gateway.key_file", "str", "/etc/llmgw/gateway.key",
             "This gateway's CURVE key file, from `llmgw ctl gateway-key issue NAME` on the controller: it opens "
-            "the controller's snapshots, demand and accountant sockets to this gateway and to no one else."),
+            "the controller's snapshots, demand and accountant sockets to this gateway and to no one else.", path=True),
     Setting("gateway.plaintext", "bool", False,
             "Follow the controller without CURVE (the controller must run with controller.plaintext too)."),
     Setting("gateway.controller_admin", "str or list", ["127.0.0.1:9090"],
@@ -151,7 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.session_key_file", "str", "",
             "The file holding the key that signs session cookies (made at first start, mode 0600; the gateway "
             "refuses to start while others may read it). Empty: `session.key` beside a SQLite store, or "
-            "`var/session.key`. Gateways sharing one PostgreSQL store behind one name need copies of one file."),
+            "`var/session.key`. Gateways sharing one PostgreSQL store behind one name need copies of one file.", path=True),
     Setting("gateway.sign_in_failures_per_account", "int", 5,
             "Wrong passwords one account may be given from one client address within `gateway.sign_in_window`, "
             "at sign-in or to change its password; past them, its password is refused from that address, right "
@@ -239,7 +240,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Usage rows written in one statement.", minimum=1),
     Setting("usage.spool_dir", "str", "var/usage-spool",
             "Where a stopping gateway worker leaves the usage rows the store would not take (files of mode 0600, "
-            "in a directory of mode 0700); the next start writes them into the store, once, and removes them."),
+            "in a directory of mode 0700); the next start writes them into the store, once, and removes them.", path=True),
     Setting("controller.agent_listen", "str", ":7443",
             "Where agents connect (ZeroMQ ROUTER). Nodes dial out to it; it needs to be reachable from every node.",
             check=addresses.check_listen),
@@ -275,7 +276,7 @@ SETTINGS: tuple[Setting, ...] = (
             "up to 5 minutes.", minimum=0.01),
     Setting("controller.keys_dir", "str", "var/keys",
             "Where the controller keeps its CURVE key pair and the admin API's token, `admin.token` (made on "
-            "first start, mode 0600)."),
+            "first start, mode 0600).", path=True),
     Setting("controller.plaintext", "bool", False,
             "Let agents and gateways connect without CURVE encryption and keys. Only for a closed test network: "
             "any machine that reaches its sockets can then claim to be any node, publish routing snapshots to "
@@ -334,7 +335,7 @@ SETTINGS: tuple[Setting, ...] = (
             "is about 900 KB of conversation). Each piece is a call to the judge that no limit of the caller's "
             "pays for; a longer prompt is refused with 400 before any is made.", minimum=1),
     Setting("mirror.dir", "str", "var/models",
-            "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten."),
+            "The mirror's directory: MODEL/VERSION/FILES. A version is never overwritten.", path=True),
     Setting("mirror.listen", "str", ":8081",
             "Where the mirror serves files, read-only, with Range requests (resume), to nodes.",
             check=addresses.check_listen),
@@ -356,7 +357,7 @@ SETTINGS: tuple[Setting, ...] = (
             "The management API's token, which every request but `GET /api/v1/health` must carry (`Authorization: "
             "Bearer`). The mirror makes it on its first start (mode 0600, in a directory of mode 0700) and refuses "
             "to start while others may read either; `llmgw mirror` and the mirror page read it there. Empty: "
-            "`.keys/api.token` inside `mirror.dir`. Where the mirror runs on another machine, a copy of its file."),
+            "`.keys/api.token` inside `mirror.dir`. Where the mirror runs on another machine, a copy of its file.", path=True),
     Setting("mirror.max_fetches", "int", 4,
             "Versions the mirror fetches at once; one more is refused with 429 until one finishes or fails.",
             minimum=1),
@@ -389,7 +390,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Controller addresses (`HOST:PORT`), tried in turn with backoff when one does not answer.",
             check=addresses.check_dial_list),
     Setting("agent.key_file", "str", "/etc/llmgw/node.key",
-            "The node's CURVE key file from `llmgw ctl node-key issue NODE`. Secret: keep it mode 0600."),
+            "The node's CURVE key file from `llmgw ctl node-key issue NODE`. Secret: keep it mode 0600.", path=True),
     Setting("agent.plaintext", "bool", False,
             "Connect without CURVE (the controller must allow plaintext too)."),
     Setting("agent.node_id", "str", "",
@@ -397,27 +398,29 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent.labels", "dict", {},
             "Labels placement can select on, such as `{rack = \"r12\", gpu = \"h100\"}`."),
     Setting("agent.work_dir", "str", "/var/lib/llmgw-agent",
-            "Where the agent keeps each engine's log and state file, which let a restarted agent adopt its engines."),
+            "Where the agent keeps each engine's log and state file, which let a restarted agent adopt its engines.", path=True),
     Setting("agent.engine_host", "str", "",
             "Address engines listen on. Empty: the node's address on its route to the controller, which is where "
-            "gateways reach them (loopback when the controller is on this machine). Whatever it is, each engine "
-            "answers only requests with its replica's key, which only gateways are told."),
+            "gateways reach them (loopback when the controller is on this machine). Otherwise that same address, "
+            "or a wildcard: the controller takes an engine only on the address the node connects from, and the "
+            "agent refuses to start with another. Whatever it is, each engine answers only requests with its "
+            "replica's key, which only gateways are told."),
     Setting("agent.weights_dir", "str", "/var/lib/llmgw-weights",
-            "Where the node keeps model weights it fetched (created at start, so its disk is reported)."),
+            "Where the node keeps model weights it fetched (created at start, so its disk is reported).", path=True),
     Setting("agent.local_sources", "list", [],
             "Directories on this node whose files a catalog source may name as a path (`/srv/models/m.gguf`), "
             "symlinks and `..` resolved first; `agent.weights_dir` is always one. A path elsewhere fails the "
             "replica with the reason, and no engine is started on it. Empty: only downloaded weights.",
             check=_absolute_paths),
     Setting("agent.nvidia_smi", "str", "",
-            "Path of `nvidia-smi` to ask about GPUs. Empty: ask NVML first, then `nvidia-smi` on the PATH."),
+            "Path of `nvidia-smi` to ask about GPUs. Empty: ask NVML first, then `nvidia-smi` on the PATH.", path=True),
     Setting("agent.heartbeat_interval", "float", 5.0,
             "Seconds between heartbeats to the controller.", minimum=0.05),
     Setting("agent.reconnect_max", "float", 30.0,
             "Longest wait between attempts to reach a controller; waits start at 1 s and double.", minimum=0.05),
     Setting("agent.engines_dir", "str", "/var/lib/llmgw-engines",
             "Where the node installs engines from its engine catalogue (`[[engines]]`): ENGINE/VERSION/, each "
-            "checked (its libraries resolve, it reports its version) before it counts as installed."),
+            "checked (its libraries resolve, it reports its version) before it counts as installed.", path=True),
     Setting("agent.mirror_url", "str", "",
             "The mirror's file address (`http://mirror:8081`) that an `[[engines]]` source written as a mirror "
             "path (`MODEL/VERSION/FILE`) is fetched from."),
@@ -427,10 +430,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent.llama_server", "str", "",
             "A `llama-server` binary to use, named explicitly: the agent runs no engine binary it finds on the "
             "PATH. Empty: one the node installed from its engine catalogue, else llama.cpp from the `xllamacpp` "
-            "wheel installed with llmgw."),
+            "wheel installed with llmgw.", path=True),
     Setting("agent.vllm", "str", "",
             "A `vllm` command to use, named explicitly (never looked up on the PATH). Empty: one the node "
-            "installed from its engine catalogue, if any."),
+            "installed from its engine catalogue, if any.", path=True),
     Setting("monitoring.prometheus", "str", "",
             "The Prometheus that scrapes this cluster's gateways and controller (`http://prometheus:9090`, a "
             "path after it if a proxy serves it there), whose query API the cluster and node pages read for their "
@@ -666,11 +669,13 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
+    base = os.path.dirname(os.path.abspath(path)) if path else ""
     for table, content in data.items():
         if not isinstance(content, dict):
             raise ConfigError(f"{table} in {where}: expected a table such as [{table}]")
         for key, value in content.items():
             name = f"{table}.{key}"
+            value = _relative_to(name, value, base)
             values[name] = coerce(name, value, where)
             given[name] = value
             written[name] = _as_written(name, value, values[name])
@@ -689,6 +694,29 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     config = Config(values, eps, models, where, path, secret_files, holds_secret, written)
     config.engines = validate_engines(file_engines, where)
     return config
+
+
+def _relative_to(name: str, value: Any, base: str) -> Any:
+    """VALUE of NAME as written in a configuration file in BASE, a relative path in it made one from BASE.
+    Relative to the working directory, `--config var/up.toml` from elsewhere once opened another, empty store:
+    `keys create` succeeded into it and the gateway refused the key."""
+    setting = BY_NAME.get(name)
+    if setting is None or not isinstance(value, str) or not value:
+        return value
+    if setting.secret and value.startswith("@") and not os.path.isabs(value[1:]):
+        return "@" + os.path.join(base, value[1:])
+    if name == "store.url":
+        return absolute_store_url(value, base)
+    return os.path.join(base, value) if setting.path else value
+
+
+def absolute_store_url(url: str, base: str) -> str:
+    """URL with a relative SQLite file made one from BASE; any other URL as it is."""
+    prefix = "sqlite:///"
+    file = url[len(prefix):] if url.startswith(prefix) else ""
+    if not file or file.startswith((":memory:", "/", "?")):
+        return url
+    return prefix + os.path.join(base, file)
 
 
 def _as_written(name: str, given: Any, value: Any) -> Any:
@@ -716,7 +744,9 @@ def reference_markdown() -> str:
         "",
         "llmgw reads one TOML file, given with `--config FILE` or `LLMGW_CONFIG`. Flags override the file. A secret "
         "(marked below) may be written as `@/path/to/file`, and the file's content is used, so the secret stays out "
-        "of the configuration.",
+        "of the configuration. A relative path written in the file (a path setting, marked below, a SQLite "
+        "`store.url`, a secret's `@file`) is relative to the file's own directory, whatever directory a role runs "
+        "in; a relative default, or a relative path in a flag, is relative to the working directory.",
         "",
     ]
     table = None
@@ -726,7 +756,7 @@ def reference_markdown() -> str:
             lines += [f"## [{section}]", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
             table = section
         default = repr(s.default).replace("'", '"') if s.kind != "bool" else str(s.default).lower()
-        note = " Secret: may be `@/path`." if s.secret else ""
+        note = (" Secret: may be `@/path`." if s.secret else "") + (" A path." if s.path else "")
         lines.append(f"| `{key}` | {s.kind} | `{default}` | {s.help}{note} |")
         if s is SETTINGS[-1] or SETTINGS[SETTINGS.index(s) + 1].name.split(".", 1)[0] != section:
             lines.append("")

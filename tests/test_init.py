@@ -32,6 +32,23 @@ def init(*args, config=None):
     return ran
 
 
+def config_of(root) -> str:
+    return str(root / "etc" / "llmgw" / "llmgw.toml")
+
+
+def role_pid(role: str, config: str) -> int:
+    """The process id of ROLE running with CONFIG (`python ROLE.py --config CONFIG`), from /proc."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(f"/{role}.py".encode()) for arg in argv) and config.encode() in argv:
+            return int(pid)
+    raise AssertionError(f"no {role} runs with {config}")
+
+
 def mode(path) -> str:
     return oct(os.stat(path).st_mode & 0o777)
 
@@ -60,7 +77,9 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
         said, told = (tmp_path / "init.err").read_text(), (tmp_path / "init.out").read_text()
         assert "done  store" in said and "done  administrator admin@localhost" in said
         assert "Paris" in said  # init asked the model itself through the gateway
-        password = re.search(r"\| password (\S+)", told).group(1)
+        password_file = root / "var" / "lib" / "llmgw" / "admin-password"
+        password = password_file.read_text().strip()
+        assert password not in told + said and str(password_file) in told
         key = re.search(r"key: (sk-llmgw-\S+)", told).group(1)
         assert "node add" in told
         # The test asks too, as a client would, and signs in as the first administrator.
@@ -80,7 +99,19 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
         assert sorted(os.listdir(units)) == [f"llmgw-{r}.service" for r in ("agent", "controller", "gateway", "mirror")]
         assert f"LLMGW_CONFIG={etc / 'llmgw.toml'}" in (units / "llmgw-gateway.service").read_text()
         assert_units_valid(sorted(units.iterdir()))
-        assert len(running_engines(str(root / "var" / "lib" / "llmgw-agent"))) == 1
+        engines = running_engines(str(root / "var" / "lib" / "llmgw-agent"))
+        assert len(engines) == 1
+        # Nothing else supervises the roles here (no systemd): one that dies is started again, and the engine
+        # keeps running under the agent started again, which adopts it.
+        for role in ("controller", "agent"):
+            os.kill(role_pid(role, config_of(root)), signal.SIGKILL)
+        wait_until("the roles started again", 60, lambda: "the agent stopped (exit -9); starting it again" in
+                   (tmp_path / "init.err").read_text() and "the controller stopped" in (tmp_path / "init.err").read_text())
+        wait_until("the model to answer again", 120, lambda: post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "smollm2-135m-instruct", "max_tokens": 2,
+                                                             "messages": [{"role": "user", "content": "Hi"}]},
+            key)[0] == 200, interval=0.5)
+        assert running_engines(str(root / "var" / "lib" / "llmgw-agent")) == engines and proc.poll() is None
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert proc.wait(timeout=90) == 0, (tmp_path / "init.err").read_text()

@@ -94,3 +94,28 @@ def test_every_setting_has_help_and_a_default_of_its_type():
 def test_reference_document_is_generated_from_the_settings():
     with open("docs/reference.md", encoding="utf-8") as f:
         assert f.read() == settings.reference_markdown(), "docs/reference.md is stale: run `make docs`"
+
+
+def test_a_relative_path_in_a_file_is_relative_to_the_file(tmp_path, monkeypatch):
+    # Read from another directory, `--config var/up.toml` once meant another, empty store.
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "db.secret").write_text("sqlite:///elsewhere.db")
+    (tmp_path / "conf" / "llmgw.toml").write_text(
+        '[store]\nurl = "sqlite:///data/llmgw.db"\n[controller]\nkeys_dir = "keys"\n'
+        '[agent]\nwork_dir = "/srv/agent"\nweights_dir = "../weights"\n'
+        '[mirror]\ndir = "models"\n[gateway]\nlisten = "127.0.0.1:8080"\n')
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "conf"
+    cfg = settings.load("conf/llmgw.toml")
+    assert cfg["store.url"] == f"sqlite:///{conf}/data/llmgw.db"
+    assert (cfg["controller.keys_dir"], cfg["mirror.dir"]) == (f"{conf}/keys", f"{conf}/models")
+    assert (cfg["agent.work_dir"], cfg["agent.weights_dir"]) == ("/srv/agent", f"{conf}/../weights")
+    assert cfg.written["store.url"] == f"sqlite:///{conf}/data/llmgw.db"  # what `llmgw up` writes on
+    assert cfg["gateway.listen"] == "127.0.0.1:8080"  # not a path
+    # A secret's file too; defaults and flags stay relative to the working directory.
+    (conf / "llmgw.toml").write_text('[store]\nurl = "@db.secret"\n')
+    assert settings.load("conf/llmgw.toml")["store.url"] == "sqlite:///elsewhere.db"
+    cfg = settings.load("conf/llmgw.toml", {"mirror.dir": "flagged"})
+    assert (cfg["mirror.dir"], cfg["controller.keys_dir"]) == ("flagged", "var/keys")
+    for url in ("sqlite:///:memory:", "sqlite://", "sqlite:////abs.db", "postgresql://h/db"):
+        assert settings.absolute_store_url(url, "/base") == url

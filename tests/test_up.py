@@ -8,7 +8,7 @@ import sys
 
 from llmgw.cli import starter
 from llmgw.node.supervisor import running_engines
-from llmgw.procs import http_status, wait_for
+from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import Up, post
 
 
@@ -33,9 +33,33 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
     try:
         assert "done  key" in err and "said: " in err and "Paris" in err
         key = re.search(r"key: (sk-llmgw-\S+)", out).group(1)
-        admin_password = re.search(r"as admin@localhost with password (\S+)", out).group(1)
+        # The administrator's password is in a file of its own, never in what was printed (redirected, that
+        # was a file of mode 0644).
+        assert "with the password in var/admin-password" in out
+        admin_password = (tmp_path / "var" / "admin-password").read_text().strip()
+        assert admin_password not in out + err
         assert signs_in(f"http://127.0.0.1:{port}", "admin@localhost", admin_password)
-        assert oct(os.stat(tmp_path / "var" / "starter-key").st_mode & 0o777) == "0o600"
+        for secret in ("starter-key", "admin-password"):
+            assert oct(os.stat(tmp_path / "var" / secret).st_mode & 0o777) == "0o600"
+        # A second `llmgw up` beside this one is refused at once, naming it, and changes nothing.
+        before = sorted(os.listdir(tmp_path / "var"))
+        second = subprocess.run([sys.executable, "-m", "llmgw", "--config", up.config, "up", "--listen",
+                                 f"127.0.0.1:{free_port()}"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and f"another llmgw up runs from {tmp_path / 'var'} (pid {up.proc.pid}" in \
+            second.stderr, second.stderr
+        assert "done " not in second.stderr and "kept " not in second.stderr
+        assert sorted(os.listdir(tmp_path / "var")) == before and up.proc.poll() is None
+        # The configuration it wrote names the same store whatever directory it is used from.
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        made = subprocess.run([sys.executable, "-m", "llmgw", "--config", str(tmp_path / "var" / "up.toml"), "keys",
+                               "create", "from-elsewhere"], cwd=elsewhere, capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        other_key = re.search(r"sk-llmgw-\S+", made.stdout).group(0)
+        wait_for("the key made elsewhere to work", 10, lambda: post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", {"model": starter.NAME, "max_tokens": 2, "messages": [
+                {"role": "user", "content": "Hi"}]}, other_key)[0] == 200, interval=0.2)
+        assert not os.listdir(elsewhere)
         # The printed curl command, run as printed.
         curl = out[out.index("curl http"):out.index("}]}'") + 4].replace("\\\n", " ")
         answer = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)

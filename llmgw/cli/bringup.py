@@ -36,6 +36,9 @@ START_LIMIT = 60.0
 SERVE_LIMIT = 300.0
 ASK_TIMEOUT = 60.0  # one answer of 40 tokens from the starter model takes about a second on a CPU
 STOP_LIMIT = 40.0
+# A role that exits is started again after RESTART_FIRST seconds, doubling to RESTART_MOST while it exits within
+# STEADY seconds of each start (Roles.watch, where nothing else supervises the roles).
+RESTART_FIRST, RESTART_MOST, STEADY = 1.0, 60.0, 60.0
 
 
 def say(line: str) -> None:
@@ -175,20 +178,26 @@ def ensure_api_key(steps: Steps, engine, path: str, name: str = "starter") -> st
     return secret
 
 
-def ensure_admin(steps: Steps, engine, email: str) -> str | None:
-    """The first administrator, to sign in to the pages with; its password is returned once, when it is made."""
+def ensure_admin(steps: Steps, engine, email: str, password_file: str) -> None:
+    """The first administrator, to sign in to the pages with; its password, when it is made, is written to
+    PASSWORD_FILE (mode 0600), never to standard output: printed, it went wherever the output was redirected,
+    a file of mode 0644."""
     if engine is not None:
         try:
             accounts.find(engine, email)
-            steps.kept(f"administrator {email} (its password was shown when it was made; "
+            steps.kept(f"administrator {email} (its password was written to {password_file} when it was made; "
                        f"`llmgw users remove {email}` and run again for a new one)")
-            return None
+            return
         except accounts.AccountError:
             pass
-    password = secrets.token_urlsafe(12)
-    made = steps.do(f"administrator {email}", lambda: accounts.create_user(
-        engine, email, password, state=accounts.ACTIVE, is_admin=True))
-    return password if made else None
+
+    def make() -> str:
+        password = secrets.token_urlsafe(12)
+        accounts.create_user(engine, email, password, state=accounts.ACTIVE, is_admin=True)
+        curvekeys.write_private(password_file, password + "\n")
+        return f"its password is in {password_file}, mode 0600"
+
+    steps.do(f"administrator {email}", make)
 
 
 def ensure_starter_in_mirror(steps: Steps, models_dir: str) -> None:
@@ -225,13 +234,17 @@ class NotYet(Exception):
 
 class Roles:
     """The mirror, the controller, an agent and a gateway as processes of this one, all reading CONFIG (a
-    loaded settings.Config of it is CFG), their logs in LOGS."""
+    loaded settings.Config of it is CFG), their logs in LOGS. With RESTART, a role that exits is started again
+    (`watch`): where nothing else supervises them (`llmgw init` without systemd, in a container), one role
+    exiting once stopped all four and the engines."""
 
-    def __init__(self, config: str, cfg, logs: str):
+    def __init__(self, config: str, cfg, logs: str, restart: bool = False):
         self.config = config
         self.cfg = cfg
         self.logs = logs
+        self.restart = restart
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self.started: dict[str, float] = {}  # role -> when it was last started (monotonic)
         self.admin_api = ApiClient(f"http://{self.dial('controller.admin_listen')}", "the controller's admin API",
                                    token=adminapi.ensure_token(cfg["controller.keys_dir"]))
 
@@ -242,11 +255,16 @@ class Roles:
         return os.path.join(self.logs, f"{name}.log")
 
     def spawn(self, name: str) -> subprocess.Popen:
+        proc = self._popen(name)
+        self.children.append((name, proc))
+        return proc
+
+    def _popen(self, name: str) -> subprocess.Popen:
         with open(self.log(name), "ab") as log:
             # A session of its own: Ctrl-C reaches us, and we stop the children in order.
             proc = subprocess.Popen([sys.executable, os.path.join(ROOT, f"{name}.py"), "--config", self.config],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.children.append((name, proc))
+        self.started[name] = time.monotonic()
         return proc
 
     def admin(self, path: str) -> dict:
@@ -322,11 +340,27 @@ class Roles:
         return answers[0]
 
     def watch(self, stopping: list) -> None:
-        """Return when STOPPING is not empty; raise when a role stops by itself."""
+        """Return when STOPPING is not empty. A role that stops by itself raises; with `restart`, it is started
+        again after RESTART_FIRST seconds, doubling up to RESTART_MOST while it keeps stopping within STEADY
+        seconds of its start. Engines outlive their agent, and the agent started again adopts them."""
+        waits: dict[str, float] = {}  # role -> the last wait before starting it again
+        due: dict[str, float] = {}  # role -> when it is started again
         while not stopping:
-            for name, proc in self.children:
-                if proc.poll() is not None:
+            now = time.monotonic()
+            for i, (name, proc) in enumerate(self.children):
+                if proc.poll() is None:
+                    continue
+                if not self.restart:
                     raise click.ClickException(f"the {name} stopped (exit {proc.returncode}); see {self.log(name)}")
+                if name not in due:
+                    steady = now - self.started[name] >= STEADY
+                    waits[name] = RESTART_FIRST if steady or name not in waits else min(RESTART_MOST, 2 * waits[name])
+                    due[name] = now + waits[name]
+                    say(f"the {name} stopped (exit {proc.returncode}); starting it again in {waits[name]:.0f} s "
+                        f"(see {self.log(name)})")
+                elif now >= due[name]:
+                    del due[name]
+                    self.children[i] = (name, self._popen(name))
             time.sleep(0.5)
 
     def stop(self) -> None:
@@ -373,12 +407,13 @@ class Roles:
                 self.stop()
 
 
-def how_to_call(base: str, secret: str, key_file: str, admin: str, admin_password: str | None, llmgw: str) -> str:
+def how_to_call(base: str, secret: str, key_file: str, admin: str, password_file: str, llmgw: str) -> str:
     """What to tell a person once the starter model answers at BASE: the key, how to sign in, curl and Python.
-    LLMGW is the command line that reaches this cluster (`llmgw --config FILE`)."""
-    sign_in = (f"  sign in at {base}/login as {admin} with password {admin_password}\n"
-               f"       (shown only now), then chat at {base}/chat\n" if admin_password
-               else f"  sign in at {base}/login as {admin}, then chat at {base}/chat\n")
+    PASSWORD_FILE holds the administrator's password while nobody removed it; LLMGW is the command line that
+    reaches this cluster (`llmgw --config FILE`)."""
+    sign_in = (f"  sign in at {base}/login as {admin} with the password in {password_file}\n"
+               f"       (mode 0600; change it on your account page and remove the file), then chat at {base}/chat\n"
+               if os.path.exists(password_file) else f"  sign in at {base}/login as {admin}, then chat at {base}/chat\n")
     return f"""
 llmgw is up: {starter.NAME} answers on {base}/v1
 
@@ -399,13 +434,6 @@ or with the openai client ({sys.executable}):
       messages=[{{"role": "user", "content": "Tell me a joke"}}])
   print(reply.choices[0].message.content)
 """
-
-
-def boxed(lines: list[str]) -> str:
-    """LINES in a box, for what is shown only once (a password)."""
-    width = max(map(len, lines))
-    return "\n".join(["+" + "-" * (width + 2) + "+", *(f"| {line.ljust(width)} |" for line in lines),
-                      "+" + "-" * (width + 2) + "+"])
 
 
 def ask_once(base: str, secret: str, gateway_log: str) -> str:

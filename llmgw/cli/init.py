@@ -111,12 +111,10 @@ def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin,
                                 layout.keys_dir)
         key_file = os.path.join(layout.state_dir, "starter-key")
         secret = bringup.ensure_api_key(steps, engine, key_file)
-        password = bringup.ensure_admin(steps, engine, admin)
+        password_file = os.path.join(layout.state_dir, "admin-password")
+        bringup.ensure_admin(steps, engine, admin, password_file)
         if engine is not None:
             engine.dispose()
-        if password:
-            click.echo(bringup.boxed([f"administrator {admin}", f"password {password}",
-                                      "shown only now: keep it somewhere safe"]))
         wanted = wanted_settings(base, layout, store_url, node, address)
         models = [] if no_model else [bringup.starter_model(wanted["mirror.base_url"])]
         if not no_model:
@@ -138,10 +136,10 @@ def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin,
     llmgw = f"{os.path.join(os.path.dirname(sys.executable), 'llmgw')} --config {config}"
 
     def explain() -> None:
-        click.echo((bringup.how_to_call(base_url, secret, key_file, admin, None, llmgw) if serve else
+        click.echo((bringup.how_to_call(base_url, secret, key_file, admin, password_file, llmgw) if serve else
                     f"\nllmgw is up: the gateway answers on {base_url}/v1 (key: {secret}, kept in {key_file})\n")
                    + f"""
-Sign in at {base_url}/login as {admin} (its password was shown when it was made).
+Sign in at {base_url}/login as {admin} (its password was written to {password_file} when it was made).
 The cluster: {llmgw} ctl nodes | models | replicas
 Add a node: {llmgw} node add [USER@]HOST
 Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
@@ -161,8 +159,9 @@ Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
         return
     logs = os.path.join(layout.state_dir, "logs")
     filemodes.make_private_dir(logs)
-    say("...   systemd does not run the units here: running the roles as children of this command until Ctrl-C")
-    bringup.Roles(config, cfg, logs).run(node, serve, base_url, secret, explain)
+    say("...   systemd does not run the units here: running the roles as children of this command until Ctrl-C, "
+        "each started again when it exits")
+    bringup.Roles(config, cfg, logs, restart=True).run(node, serve, base_url, secret, explain)
 
 
 def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool) -> None:

@@ -14,7 +14,9 @@ reuses the store, the keys and the downloaded state in `var/`.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import time
 
 import click
 
@@ -64,7 +66,10 @@ class Up:
             # it is for; a secret given as @/path stays a path, so this file never holds a secret's content.
             **self.cfg.written,
             **{name: self.listen_at(name) for name in LISTENS},
-            "store.url": self.cfg.written.get("store.url", self.cfg["store.url"]),
+            # Absolute: a relative path in up.toml would be relative to var/, where up.toml is. (A secret's
+            # `@file` is one already: the configuration it was written in made it so.)
+            "store.url": settings.absolute_store_url(self.cfg.written.get("store.url", self.cfg["store.url"]),
+                                                     os.getcwd()),
             "gateway.key_file": os.path.join(self.var, "gateway.key"),
             "gateway.listen": self.listen, "gateway.workers": self.workers,
             "gateway.controller": self.dial("controller.gateway_listen"),
@@ -87,15 +92,34 @@ class Up:
                                                    + list(self.cfg.models)))
         return path
 
+    def hold(self):
+        """The lock on var/ that one `llmgw up` holds while it runs, kept until it exits; refuses when another
+        holds it, before anything is changed. A second `make run` beside a running one once replaced the
+        running cluster's replicas, said the other's steps were its own, and failed with an unrelated error."""
+        path = os.path.join(self.var, "up.lock")
+        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock.read().strip() or "its process id is not known"
+            lock.close()
+            raise click.ClickException(f"another llmgw up runs from {self.var} ({holder}); nothing was changed. "
+                                       "Use that one, or stop it first (Ctrl-C where it runs, or kill -INT PID).") from None
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        lock.flush()
+        return lock  # the children it starts do not inherit it (subprocess closes their other descriptors)
+
     def run(self) -> None:
         filemodes.make_private_dir(self.var)
+        self.lock = self.hold()  # held until this process exits
         steps = bringup.Steps()
         keys_dir = os.path.join(self.var, "keys")
         key_file = os.path.join(self.var, "starter-key")
         try:
             engine = bringup.ensure_store(steps, self.cfg["store.url"])
             secret = bringup.ensure_api_key(steps, engine, key_file)
-            admin_password = bringup.ensure_admin(steps, engine, ADMIN)
+            bringup.ensure_admin(steps, engine, ADMIN, os.path.join(self.var, "admin-password"))
             bringup.ensure_controller_secrets(steps, keys_dir)
             bringup.ensure_session_key(steps, sessions.secret_path(self.cfg))
             bringup.ensure_peer_key(steps, engine, "node", NODE, os.path.join(self.var, "node.key"), keys_dir)
@@ -110,10 +134,10 @@ class Up:
             raise click.ClickException(str(e)) from None
         base = addresses.url(self.listen, "--listen")
         bringup.Roles(config, cfg, self.var).run(NODE, True, base, secret,
-                                                 lambda: self.explain(base, secret, admin_password))
+                                                 lambda: self.explain(base, secret))
 
-    def explain(self, base: str, secret: str, admin_password: str | None) -> None:
-        click.echo(bringup.how_to_call(base, secret, "var/starter-key", ADMIN, admin_password,
+    def explain(self, base: str, secret: str) -> None:
+        click.echo(bringup.how_to_call(base, secret, "var/starter-key", ADMIN, "var/admin-password",
                                        ".venv/bin/llmgw --config var/up.toml") + f"""
 The cluster: .venv/bin/llmgw --config var/up.toml ctl nodes | models | replicas
 Metrics: http://{self.dial('gateway.metrics_listen')}/metrics (gateway), \
