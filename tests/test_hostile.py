@@ -84,7 +84,7 @@ def system(tmp_path_factory):
         # Short read deadlines, so a case that leaves a body unfinished gets its 408 well within the client's wait.
         gateway = Gateway(tmp, url, endpoints=endpoints, models=models, workers=1, gateway__signup_open=True,
                           gateway__header_timeout=5, gateway__body_timeout=5,
-                          mirror__api=f"127.0.0.1:{mirror.api}",
+                          mirror__api=f"127.0.0.1:{mirror.api}", mirror__dir=str(mirror.dir),
                           gateway__controller_admin=f"127.0.0.1:{controller.admin_port}",
                           controller__keys_dir=controller.values["controller.keys_dir"])
         parts.append(gateway)
@@ -536,7 +536,9 @@ def test_the_mirrors_two_ports(system):
                        "bytes=-99999999999999999999", "items=0-1", "bytes=" + "0-1," * 1000, "bytes= 1 - 2"):
         verdicts.run(f"files range {rng_header[:30]}", files, "GET", "/tiny/v1/weights.gguf", b"",
                      {"Range": rng_header})
-    json_type = {"Content-Type": "application/json"}
+    # With the token, as the operator's own tools send it: what is attacked is the API past its door.
+    token = (system.mirror.dir / ".keys" / "api.token").read_text().strip()
+    json_type = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
     for value in HOSTILE_VALUES + ["pkg:llmgw/../../../../etc/shadow", "/etc/shadow", "file:///etc/passwd",
                                    "pkg:", "pkg:nosuchpackage/x", "http://user:secret@127.0.0.1:1/x",
                                    "../../etc/passwd", "ftp://127.0.0.1/x", "gopher://x"]:
@@ -549,7 +551,7 @@ def test_the_mirrors_two_ports(system):
     for path in ("/api/v1/models/x/y", "/api/v1/models/%00/%00", "/api/v1/models/../..", "/api/v1/models/" + "m" * 4000 + "/v",
                  "/api/v1/nothing", "/api/v1/models/a/b/c"):
         for method in ("GET", "DELETE", "PUT"):
-            verdicts.run(f"api {method} {path[:40]}", api, method, path)
+            verdicts.run(f"api {method} {path[:40]}", api, method, path, b"", json_type)
     still_serving(system)
     # No request read a file outside the mirror: the shadow file's first line is not in any answer.
     verdicts.assert_none_wrong(280)
