@@ -50,6 +50,8 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         engine = store.open_engine(cfg["store.url"])
         applied = store.migrate(engine)
         engine.dispose()
+    except store.NewerSchema as e:
+        raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}") from None
     except Exception as e:
         raise click.ClickException(f"cannot open the store {store.describe(cfg['store.url'])}: {e}. "
                                    "Check store.url, and that the database is running.") from None

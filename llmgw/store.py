@@ -5,6 +5,14 @@ sharing one store) hold the same schema. Migrations are numbered steps run at
 start, inside one transaction, so no separate command is ever needed and two
 processes starting together cannot both apply one. Nothing here is on the
 request path: gateways serve from memory and write usage in batches.
+
+A store that holds a migration this code does not know was migrated by a newer
+llmgw, and every role refuses to start on it (`migrate` raises NewerSchema,
+naming both versions): older code once used such a store silently, blind to
+what the newer schema means. A role already running when a newer one migrates
+keeps running, and keeps writing: that is how an upgrade goes, one machine at a
+time (docs/operations.md, "Upgrades"), and why a migration must leave what
+older code writes valid.
 """
 
 from __future__ import annotations
@@ -421,6 +429,9 @@ def _leases(conn: Connection) -> None:
 # Append only. A released step never changes: databases out there have run it.
 # (Steps 1 and 2 were reshaped for the tree before any release, which is why
 # step 8 must also bring databases made by their first form up to date.)
+# A step adds and never takes away: a new column is nullable or has a default,
+# and nothing older code reads or writes is renamed or dropped, because roles of
+# the previous version keep running on the migrated store until each is upgraded.
 MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (1, "projects, api keys, revisions", _create([orgs, teams, projects, api_keys, revisions])),
     (2, "the default project", _seed_default_project),
@@ -437,6 +448,32 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (13, "the controllers' leader lease", _leases),
     (14, "measured capacities of models' profiles", _create([capacities])),
 ]
+KNOWN = {version for version, _, _ in MIGRATIONS}
+
+
+class NewerSchema(RuntimeError):
+    """The store holds migrations this code does not know: a newer llmgw migrated it. The message names the
+    store's newest migration and this code's, and what to do."""
+
+
+def applied_versions(conn: Connection) -> set[int]:
+    """The migrations applied to the store on CONN (which has its schema_migrations table); raises NewerSchema
+    where one is not among this code's."""
+    applied = dict(conn.execute(sa.select(schema_migrations.c.version, schema_migrations.c.description)).all())
+    unknown = sorted(set(applied) - KNOWN)
+    if unknown:
+        from llmgw import __version__
+
+        newest, mine = max(applied), MIGRATIONS[-1]
+        # No URL: each caller says which store ("cannot open the store URL: ...").
+        raise NewerSchema(
+            f"a newer llmgw migrated it, adding migration {', '.join(str(v) for v in unknown)}, which this llmgw "
+            f"({__version__}) does not know. The store's newest migration is {newest} ({applied[newest]}); this "
+            f"llmgw's is {mine[0]} ({mine[1]}). Nothing was changed. Run this with the llmgw that migrated the "
+            'store (upgrade this machine: docs/operations.md, "Upgrades"), or, to go back to this version, stop '
+            "every role and restore the backup taken before the upgrade.")
+    return set(applied)
+
 
 
 def _sqlite_connect(dbapi_conn, _record) -> None:
@@ -475,7 +512,8 @@ def open_engine(url: str) -> Engine:
 
 
 def migrate(engine: Engine) -> list[int]:
-    """Apply every migration not yet applied; returns the versions applied now."""
+    """Apply every migration not yet applied; returns the versions applied now. Raises NewerSchema, changing
+    nothing, where the store holds a migration this code does not know: every role calls this as it starts."""
     with engine.connect() as conn:
         if engine.dialect.name == "sqlite":
             # SQLite rewrites or enforces references while a table is rebuilt
@@ -488,7 +526,7 @@ def migrate(engine: Engine) -> list[int]:
                 # finds the work done.
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(7306241)"))
             metadata.create_all(conn, tables=[schema_migrations])
-            done = {row[0] for row in conn.execute(sa.select(schema_migrations.c.version))}
+            done = applied_versions(conn)
             applied_now = []
             for version, description, step in MIGRATIONS:
                 if version in done:
@@ -501,9 +539,13 @@ def migrate(engine: Engine) -> list[int]:
 
 
 def open_store(url: str) -> Engine:
-    """Open the store at URL and bring its schema up to date."""
+    """Open the store at URL and bring its schema up to date; raises NewerSchema where newer code migrated it."""
     engine = open_engine(url)
-    migrate(engine)
+    try:
+        migrate(engine)
+    except Exception:
+        engine.dispose()
+        raise
     return engine
 
 

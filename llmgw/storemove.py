@@ -112,6 +112,15 @@ def _state(conn) -> dict[str, int]:
     return found
 
 
+def _opened(which: str, url: str) -> sa.engine.Engine:
+    """The store at URL, migrated; MoveRefused where a newer llmgw migrated it: this code would leave behind
+    what it does not know of, or write into a schema it does not know."""
+    try:
+        return store.open_store(url)
+    except store.NewerSchema as e:
+        raise MoveRefused(f"cannot open the {which} {store.describe(url)}: {e}") from None
+
+
 def move(source_url: str, target_url: str, progress: Callable[[str, int], None] = lambda table, rows: None,
          force: bool = False) -> dict[str, int]:
     """Copy every row of the store at SOURCE_URL into the empty store at TARGET_URL; the rows copied, by table.
@@ -120,8 +129,12 @@ def move(source_url: str, target_url: str, progress: Callable[[str, int], None] 
     leading controller's lease still refuses, since it runs out on its own."""
     if store.describe(source_url) == store.describe(target_url):
         raise MoveRefused("the source and the destination are the same database")
-    source = store.open_store(source_url)
-    target = store.open_store(target_url)
+    source = _opened("source", source_url)
+    try:
+        target = _opened("destination", target_url)
+    except MoveRefused:
+        source.dispose()
+        raise
     hold = Hold(source)
     try:
         if not hold.take():

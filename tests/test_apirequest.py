@@ -189,6 +189,31 @@ def test_streams_always_ask_the_engine_for_usage():
     assert asked.client_wants_usage and asked.upstream_body("m") is asked.raw
 
 
+def test_a_named_tool_is_asked_for_as_its_arguments():
+    # llama.cpp took the object for "auto" (and with the starter's template left tools out altogether).
+    shell = {"name": "shell", "parameters": {"type": "object", "properties": {"c": {"type": "string"}}}}
+    bare = {"name": "bare"}
+    body = {**CHAT, "tools": [{"type": "function", "function": f} for f in (shell, bare)],
+            "response_format": {"type": "json_object"}}
+    forced = sent(parse("chat", {**body, "tool_choice": {"type": "function", "function": {"name": "shell"}}}))
+    assert forced["tool_choice"] == "none" and forced["tools"] == body["tools"]  # still shown to the model
+    assert forced["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "shell", "schema": shell["parameters"]}}
+    without = sent(parse("chat", {**body, "tool_choice": {"type": "function", "function": {"name": "bare"}}}))
+    assert without["response_format"]["json_schema"]["schema"] == {"type": "object"}
+    for choice in ("auto", "required", "none"):
+        req = parse("chat", {**body, "tool_choice": choice})
+        assert req.forced_tool is None and req.upstream_body("m") is req.raw
+
+
+@pytest.mark.parametrize("body", [CHAT, tool(name="other")])
+def test_a_named_tool_not_offered_is_refused(body):
+    with pytest.raises(ApiError) as refused:
+        parse("chat", {**body, "tool_choice": {"type": "function", "function": {"name": "shell"}}})
+    assert refused.value.status == 400 and refused.value.param == "tool_choice"
+    assert "'shell', but no tool of that name is offered" in refused.value.message
+
+
 def test_a_conversation_is_named_by_its_messages_up_to_the_first_user_message():
     system = {"role": "system", "content": "s" * 5000}
     first = parse("chat", {"model": "m", "messages": [system, {"role": "user", "content": "x"}]}, prefix=100)

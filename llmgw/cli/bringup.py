@@ -82,7 +82,7 @@ def store_is_current(url: str) -> bool:
         with engine.connect() as conn:
             if not sa.inspect(conn).has_table("schema_migrations"):
                 return False
-            done = {row[0] for row in conn.execute(sa.select(store.schema_migrations.c.version))}
+            done = store.applied_versions(conn)
         return all(version in done for version, _, _ in store.MIGRATIONS)
     finally:
         engine.dispose()
@@ -91,7 +91,11 @@ def store_is_current(url: str) -> bool:
 def ensure_store(steps: Steps, url: str) -> sa.engine.Engine | None:
     """The store at URL, made or brought up to date; None when planning and it is not ready yet."""
     shown = store.describe(url)
-    if store_is_current(url):
+    try:
+        current = store_is_current(url)
+    except store.NewerSchema as e:
+        raise click.ClickException(f"cannot open the store {shown}: {e}") from None
+    if current:
         steps.kept(f"store {shown}")
         return store.open_engine(url)
     if steps.plan:

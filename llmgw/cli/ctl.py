@@ -325,17 +325,39 @@ def model_group():
 @click.option("--no-source-check", is_flag=True, help="Accept a source the controller cannot see.")
 @click.pass_obj
 def model_add(obj, path, no_source_check):
-    """Add (or replace) a model in the catalog; the reconciler places it."""
+    """Add (or replace) a model in the catalog; the reconciler places it (an on-demand one, at its first request)."""
     from llmgw.control.catalog import CatalogError, parse_model, read_model_file
 
     try:
         table_ = read_model_file(path)
-        parse_model(table_)
+        model = parse_model(table_)
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
     query = "?source_check=0" if no_source_check else ""
     obj.admin.call("POST", f"/api/v1/models{query}", table_)
-    click.echo(f"added {table_['name']}; `llmgw ctl replicas --model {table_['name']}` shows it starting", err=True)
+    if model.min_replicas > 0:
+        click.echo(f"added {model.name}; `llmgw ctl replicas --model {model.name}` shows it starting", err=True)
+        return
+    # "shows it starting" sent operators looking for a replica that an on-demand model never has until asked for.
+    from llmgw.control.reconciler import DEFAULT_IDLE_TIMEOUT
+
+    idle = model.idle_timeout if model.idle_timeout is not None else DEFAULT_IDLE_TIMEOUT
+    wait = obj.config()["gateway.load_wait"]
+    click.echo(f"added {model.name}, on demand (scaling.min = 0): nothing starts now. The first request for it "
+               "starts a replica: a node fetches the weights (only the first time, and that can take minutes for "
+               f"large ones) and the engine loads them. That request waits up to gateway.load_wait ({wait:g} s in "
+               "this configuration) and then gets 503 with Retry-After while the start goes on. The replica stops "
+               f"after {_duration(idle)} without requests. `llmgw ctl replicas --model {model.name}` shows it once "
+               f"asked for; `llmgw ctl scale {model.name} --min 1` keeps one running from now on.", err=True)
+
+
+def _duration(seconds: float) -> str:
+    """SECONDS as a person says it: 15 minutes, 2 hours, 90 s."""
+    for unit, size in (("hour", 3600), ("minute", 60)):
+        if seconds >= size and seconds % size == 0:
+            count = seconds / size
+            return f"{count:g} {unit}{'' if count == 1 else 's'}"
+    return f"{seconds:g} s"
 
 
 @model_group.command("remove")

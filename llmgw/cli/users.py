@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import click
@@ -47,10 +48,28 @@ def users_list(obj, pending, as_json):
     print_table(rows)
 
 
+def _password(ctx, param, value: str | None) -> str:
+    """The password: --password's value; else asked for twice at a terminal; else the first line of
+    standard input. click's password_option asks twice wherever it is: with a pipe (`echo PW | llmgw users
+    create ...`) getpass warned it could not hide the input, read the one line, and the second asking met
+    the end of the input and aborted."""
+    if value is not None:
+        return value
+    if sys.stdin.isatty():
+        return click.prompt("Password", hide_input=True, confirmation_prompt=True, err=True)
+    password = sys.stdin.readline().rstrip("\r\n")
+    if not password:
+        raise click.UsageError("no password came on standard input: pipe it as one line "
+                               "(echo \"$PASSWORD\" | llmgw users create EMAIL), or run the command at a terminal "
+                               "to be asked for it")
+    return password
+
+
 @users.command("create")
 @click.argument("email")
 @click.option("--admin", is_flag=True, help="An administrator.")
-@click.password_option(help="Asked for when not given (read from standard input when it is not a terminal).")
+@click.option("--password", callback=_password,
+              help="Asked for twice when not given at a terminal; otherwise the first line of standard input.")
 @click.pass_obj
 def users_create(obj, email, admin, password):
     """Make an active account for EMAIL."""

@@ -6,7 +6,23 @@ that a wrong type earns a clear 400 here rather than a 500 from the engine.
 Fields the gateway does not know pass through untouched. The body is changed
 only when the gateway must (an alias resolved to the engine's name, usage
 asked for in a stream, the model's output limit where the request named
-none); otherwise the client's bytes are sent on as they came.
+none, a tool the client forces the model to call); otherwise the client's
+bytes are sent on as they came.
+
+A `tool_choice` naming one function is not sent as it came: llama.cpp reads
+only the strings "auto", "none" and "required", and took the object for
+"auto" (a warning in its log: a forced call became optional). "required"
+with only that tool left would not do either: llama.cpp lets text come
+before the call (under a template that shows tools, SmolLM2-135M wrote 400
+tokens of text and no call), and with a chat template that has no place for
+tools (the starter model's) it leaves the tools out, and "required" with them. Asked instead for an answer in the
+function's argument schema (`response_format`, which llama.cpp, vLLM and
+SGLang all enforce while decoding), with `tool_choice: "none"` so that the
+tools stay in the prompt of a template that shows them, every engine writes
+the call's arguments and nothing else; the dialect turns them back into a
+call of that tool (llmgw/gateway/dialect.py). That is what vLLM does itself
+with a named choice, so a replica of either engine answers alike, and the
+gateway, which does not know which engine a replica runs, need not.
 """
 
 from __future__ import annotations
@@ -28,7 +44,7 @@ _DECODER = json.JSONDecoder()  # made once, not for each answer read
 
 class ParsedRequest:
     __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
-                 "added_limit", "affinity", "follows", "output_field", "clamp_output", "guard")
+                 "added_limit", "affinity", "follows", "output_field", "clamp_output", "guard", "forced_tool")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -50,6 +66,7 @@ class ParsedRequest:
         self.output_field: str | None = None
         self.clamp_output = False
         self.guard: tuple[str, str | None] | None = None  # the guard's (verdict, categories), llmgw/gateway/guard.py
+        self.forced_tool: dict | None = None  # the function tool_choice names (its `function` object), if one
 
     def bound_output(self, model_name: str, max_output: int | None) -> None:
         """Hold the request to its model's MAX_OUTPUT: refuse asking for more, and ask for
@@ -92,6 +109,11 @@ class ParsedRequest:
             if not named:
                 changes["max_tokens"] = self.added_limit
             changes.update((field, self.added_limit) for field, asked in named.items() if asked > self.added_limit)
+        if self.forced_tool is not None:
+            # The client's own response_format, if any, is replaced: a call has no text for it to shape.
+            changes["tool_choice"] = "none"
+            changes["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": self.forced_tool["name"], "schema": self.forced_tool.get("parameters") or {"type": "object"}}}
         if not changes:
             return self.raw
         if not any(name in self.body for name in changes):
@@ -129,6 +151,21 @@ def _leading(messages: list, prefix_bytes: int) -> list[bytes]:
     return pieces
 
 
+def _named_tool(body: dict) -> dict:
+    """The `function` of the tool BODY's tool_choice names (bodycheck made both well formed); raises
+    ApiError(400) where no tool offered has that name. The message names no field of one API: a
+    Messages or Responses request's tool_choice came here translated."""
+    name = body["tool_choice"]["function"]["name"]
+    offered = [tool["function"] for tool in body.get("tools") or ()]
+    for function in offered:
+        if function["name"] == name:
+            return function
+    names = ", ".join(repr(f["name"][:60]) for f in offered[:20]) or "none"
+    raise bodycheck.bad(f"tool_choice names the tool {name[:60]!r}, but no tool of that name is offered to the model "
+                        f"(offered: {names}; tools that run on a provider's own servers are left out here). Name one "
+                        "of the tools offered, or leave tool_choice out.", "tool_choice")
+
+
 def read_object(raw: bytes) -> dict:
     """RAW parsed at a bounded cost as a JSON object; raises ApiError (400, or 413 for a body too costly to parse)."""
     body = jsonbound.loads(raw)
@@ -147,6 +184,8 @@ def checked(kind: str, body: dict, raw: bytes, prefix_bytes: int, make=ParsedReq
     of it that carries what its answer needs (the dialect built BODY from its own request)."""
     bodycheck.check(kind, body)
     parsed = make(kind, body, raw)
+    if kind == "chat" and isinstance(body.get("tool_choice"), dict):
+        parsed.forced_tool = _named_tool(body)
     if prefix_bytes:
         if kind == "chat":
             leading = _leading(body["messages"], prefix_bytes)

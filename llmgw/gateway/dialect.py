@@ -10,7 +10,11 @@ its own shape. Translating at the edge keeps one pipeline: a limit, a metric
 or a fix to routing holds for every API at once.
 
 `OpenAI` is the dialect of the routes engines serve themselves: nothing is
-translated, and a stream's bytes go out as the engine sent them.
+translated, and a stream's bytes go out as the engine sent them, but for one
+thing every dialect shares: a request whose tool_choice named a function was
+sent as a request for that function's arguments (llmgw/gateway/apirequest.py),
+and what the engine wrote is made a call of that function here, whole or
+streamed, before the dialect reads it as any other chat answer.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 
 from llmgw.gateway import apirequest
+from llmgw.gateway.chatout import a_list, a_string, new_id
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.sse import DONE
 
@@ -58,10 +63,24 @@ class Dialect:
 
     def answer(self, req: apirequest.ParsedRequest, data: bytes) -> bytes:
         """A whole (2xx) chat answer DATA from the engine, in this API's shape."""
-        return data
+        if req.forced_tool is not None:
+            data = forced_answer(data, req.forced_tool["name"])
+        return self.shape(req, data)
 
     def stream(self, req: apirequest.ParsedRequest) -> StreamTranslator | None:
         """What turns the engine's events into this API's; None where they go out as they are."""
+        translator = self.translator(req)
+        if req.forced_tool is not None:
+            return ForcedCall(req.forced_tool["name"], translator)
+        return translator
+
+    def shape(self, req: apirequest.ParsedRequest, data: bytes) -> bytes:
+        """A whole chat answer DATA, a forced call already made one, in this API's shape."""
+        return data
+
+    def translator(self, req: apirequest.ParsedRequest) -> StreamTranslator | None:
+        """What turns chat events, a forced call already made one, into this API's; None: they go out as
+        they are."""
         return None
 
     def tokens(self, req: apirequest.ParsedRequest, count: int) -> bytes:
@@ -90,6 +109,91 @@ class StreamTranslator:
     def fail(self, e: ApiError) -> bytes:
         """The events that end the stream with E after the engine failed mid-way."""
         raise NotImplementedError
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _finish(choice: dict) -> None:
+    # The message holds a call, as "tool_calls" says (OpenAI says "stop" for a named choice; Anthropic's
+    # stop_reason, "tool_use", is read from this). "length" stays: the arguments were cut short.
+    if choice.get("finish_reason") == "stop":
+        choice["finish_reason"] = "tool_calls"
+
+
+def forced_answer(data: bytes, name: str) -> bytes:
+    """DATA, a whole chat answer whose text is the arguments of a call of NAME, with each choice's text
+    made that call; DATA as it came where it is no chat answer (the dialect's reader refuses it)."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return data
+    choices = a_list(answer.get("choices")) if isinstance(answer, dict) else []
+    messages = [(c, c["message"]) for c in choices if isinstance(c, dict) and isinstance(c.get("message"), dict)]
+    if not messages:
+        return data
+    for choice, message in messages:
+        message["tool_calls"] = [_call(name, a_string(message.get("content")))]
+        message["content"] = None
+        _finish(choice)
+    return encode(answer)
+
+
+class ForcedCall(StreamTranslator):
+    """A stream whose text is the arguments of a call of one tool, as that call's pieces: the first
+    piece of each choice names the tool, as an engine's own streamed call does. INNER, where there is
+    one, takes the events so made (a dialect's translator)."""
+
+    def __init__(self, name: str, inner: StreamTranslator | None):
+        self.name = name
+        self.inner = inner
+        self.started: set[int] = set()  # the choices whose call has begun
+
+    @property
+    def failure(self) -> ApiError | None:
+        return self.inner.failure if self.inner is not None else None
+
+    def feed(self, events: bytes) -> bytes:
+        out = b"\n\n".join(self._event(event) for event in events.split(b"\n\n"))
+        return self.inner.feed(out) if self.inner is not None else out
+
+    def end(self) -> bytes:
+        return self.inner.end() if self.inner is not None else b""
+
+    def fail(self, e: ApiError) -> bytes:
+        return self.inner.fail(e) if self.inner is not None else e.sse_event() + DONE
+
+    def _event(self, event: bytes) -> bytes:
+        """EVENT with its text made call pieces; as it came where it has no choices (a comment, usage,
+        `[DONE]`, an error)."""
+        if not event.startswith(b"data:"):
+            return event
+        try:
+            chunk = json.loads(event[5:])
+        except ValueError:
+            return event
+        choices = a_list(chunk.get("choices")) if isinstance(chunk, dict) else []
+        if not choices:
+            return event
+        for choice in choices:
+            if isinstance(choice, dict) and isinstance(choice.get("delta"), dict):
+                self._piece(choice, choice["delta"])
+        return b"data: " + encode(chunk)
+
+    def _piece(self, choice: dict, delta: dict) -> None:
+        text = a_string(delta.pop("content", None))
+        index = choice.get("index", 0)
+        which = index if type(index) is int else 0  # an index that is not one counts as the one choice asked for
+        # A choice that ends without having begun its call still gets one: the client asked for a call.
+        if text or (choice.get("finish_reason") is not None and which not in self.started):
+            if which in self.started:
+                piece = {"index": 0, "function": {"arguments": text}}
+            else:
+                self.started.add(which)
+                piece = {"index": 0, **_call(self.name, text)}
+            delta["tool_calls"] = [piece]
+        _finish(choice)
 
 
 OPENAI = Dialect()

@@ -237,7 +237,9 @@ def to_chat(body: dict, needs_limit: bool) -> dict:
         chat["tools"] = tools
     if body.get("tool_choice") is not None:
         choice, parallel = _tool_choice(body["tool_choice"], "tool_choice")
-        if "tools" in chat or choice == "none":
+        # A named tool goes on even with none offered, to be refused (llmgw/gateway/apirequest.py): dropped,
+        # the call the client forced would silently have become text.
+        if "tools" in chat or choice == "none" or isinstance(choice, dict):
             chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
@@ -511,10 +513,10 @@ class Messages(Dialect):
             headers.append(("x-should-retry", "false"))
         return body, headers
 
-    def answer(self, req: MessagesRequest, data: bytes) -> bytes:
+    def shape(self, req: MessagesRequest, data: bytes) -> bytes:
         return answer(req, data)
 
-    def stream(self, req: MessagesRequest) -> Stream:
+    def translator(self, req: MessagesRequest) -> Stream:
         return Stream(req)
 
     def stream_error(self, req, e: ApiError) -> bytes:

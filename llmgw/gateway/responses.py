@@ -83,10 +83,10 @@ class Responses(Dialect):
         req.tools = tools
         return req
 
-    def answer(self, req: ResponsesRequest, data: bytes) -> bytes:
+    def shape(self, req: ResponsesRequest, data: bytes) -> bytes:
         return responsesout.answer(req, data)
 
-    def stream(self, req: ResponsesRequest) -> StreamTranslator:
+    def translator(self, req: ResponsesRequest) -> StreamTranslator:
         return responsesout.EventStream(req)
 
     def stream_error(self, req: ResponsesRequest, e: ApiError) -> bytes:
@@ -116,10 +116,13 @@ def to_chat(body: dict) -> tuple[dict, dict, dict]:
     _input(body["input"], messages)
     chat["messages"] = _merge_system(messages)
     offered, tools, kinds, left_out = _tools(body.get("tools"))
+    # Read even with no tool offered: a choice naming one is refused then, not dropped (a forced call would
+    # silently have become text).
+    choice = _tool_choice(body["tool_choice"], kinds) if body.get("tool_choice") is not None else None
     if tools:
         chat["tools"] = tools
-        if body.get("tool_choice") is not None:
-            chat["tool_choice"] = _tool_choice(body["tool_choice"], kinds)
+        if choice is not None:
+            chat["tool_choice"] = choice
         if body.get("parallel_tool_calls") is not None:
             bodycheck.BOOLEAN(body["parallel_tool_calls"], "parallel_tool_calls")
             chat["parallel_tool_calls"] = body["parallel_tool_calls"]
