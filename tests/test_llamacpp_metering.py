@@ -1,8 +1,9 @@
-"""What the real llama.cpp is billed for: several choices, lists of dense prompts, and answers that outlast
-timeouts.first_byte, through a real gateway (SmolLM2-135M on the CPU)."""
+"""What the real llama.cpp is billed for: several choices, lists of dense prompts, streams cut short, and
+answers that outlast timeouts.first_byte, through a real gateway (SmolLM2-135M on the CPU)."""
 
 import concurrent.futures
 import json
+import socket
 
 import pytest
 
@@ -61,6 +62,35 @@ def test_lists_of_dense_prompts_are_billed_exactly(real):
     assert streamed(gw.url + "/v1/completions", body, key)[-1] == b"[DONE]"
     row = last_row(url, before + 2)
     assert (row.prompt_tokens, row.completion_tokens) == (3 * 599, 3)
+
+
+def cut(port: int, path: str, key: str, body: dict, started: bytes) -> None:
+    """Ask for BODY streamed on PATH, and hang up once the stream holds STARTED (the answer has begun)."""
+    payload = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: "
+                     f"application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        received = b""
+        while started not in received:
+            more = sock.recv(65536)
+            assert more, received
+            received += more
+
+
+@pytest.mark.parametrize("path, started", [("/v1/chat/completions", b'"content"'),
+                                           ("/v1/messages", b"content_block_delta")], ids=["chat", "messages"])
+def test_a_stream_cut_short_bills_its_prompt_with_the_template(real, path, started):
+    gw, key, url = real
+    messages = [{"role": "user", "content": "Write a long story about the sea."}]
+    before = len(rows(url))
+    status, _, raw = post(gw.url + "/v1/chat/completions", {"model": starter.NAME, "messages": messages,
+                                                            "max_tokens": 1}, key)
+    whole = json.loads(raw)["usage"]["prompt_tokens"]
+    cut(gw.port, path, key, {"model": starter.NAME, "messages": messages, "max_tokens": 400, "ignore_eos": True},
+        started)
+    row = last_row(url, before + 2)
+    # Counted from its text alone, without the chat template's markup and default system prompt: 6 of 38.
+    assert row.status == 499 and row.prompt_tokens == whole > 30 and row.completion_tokens >= 1
 
 
 def test_answers_that_outlast_first_byte_leave_the_replica_in_rotation(real, starter_engine, tmp_path):

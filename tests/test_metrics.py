@@ -17,6 +17,7 @@ from tests.conftest import make_key, post, wait_until
 
 CHAT = {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]}
 SERVED = 'llmgw_requests_total{model="sim",status="200"}'
+REQUESTS = "llmgw_requests_total"
 
 
 def samples(registry: CollectorRegistry, name: str) -> list[str]:
@@ -104,3 +105,22 @@ def test_a_worker_stopped_right_after_requests_has_them_all_counted(tmp_path, ma
     wait_until("the replacement worker", 60, lambda: gw.log().count("Booting worker with pid") == 2)
     assert gw.settled_total(SERVED) == 20
     assert gw.metric_total('llmgw_request_duration_seconds_count{model="sim"}') == 20
+
+
+def test_a_refusal_is_counted_under_the_model_it_named_when_the_catalog_holds_it(tmp_path, make_gateway, make_sim):
+    # A new user's 400s for a model that exists were all counted as model="unknown", and their dashboards
+    # showed no errors for the model they were using.
+    gw, key = serving(tmp_path, make_gateway, make_sim)
+    hello = [{"role": "user", "content": "hi"}]
+    refused = [("/v1/messages", {"model": "sim", "messages": hello}),  # Anthropic's max_tokens is required
+               ("/v1/responses", {"model": "sim", "input": "hi", "previous_response_id": "resp_1"}),
+               ("/v1/chat/completions", {"model": "sim", "messages": hello, "max_tokens": "many"}),
+               # A name the catalog does not hold is never a label: the client chose it.
+               ("/v1/messages", {"model": "client-chosen-name", "messages": hello}),
+               ("/v1/chat/completions", {"model": "another-client-name", "messages": hello})]
+    assert [post(gw.url + path, body, key)[0] for path, body in refused] == [400, 400, 400, 400, 404]
+    text = gw.metrics_once("the refusals counted", lambda text: gw.metric_total(REQUESTS, text) == 5)
+    assert 'llmgw_requests_total{model="sim",status="400"} 3.0' in text
+    assert 'llmgw_requests_total{model="unknown",status="400"} 1.0' in text
+    assert 'llmgw_requests_total{model="unknown",status="404"} 1.0' in text
+    assert "client-chosen-name" not in text and "another-client-name" not in text

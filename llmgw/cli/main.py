@@ -87,10 +87,12 @@ def keys():
 @click.option("--for", "owner", metavar="EMAIL", help="The person the key belongs to; alone, a personal key.")
 @click.option("--expires-in", metavar="DURATION", help="Lifetime such as 30d, 12h or 2w; none by default.")
 @click.option("--band", type=click.Choice(["high", "normal", "low"]), help="Admission band when replicas are full.")
-@click.option("--models", help="Comma-separated models the key may use (default: every model its scopes allow).")
+@click.option("--models", help="Comma-separated models the key may use (default: every model its scopes allow); "
+              "each a name or alias the catalog holds.")
+@click.option("--allow-unknown-models", is_flag=True, help="Take --models names the catalog does not hold (yet).")
 @click.option("--claim", is_flag=True, help="Print a one-time link that shows the key, instead of the key.")
 @click.pass_obj
-def keys_create(obj: Context, name, project, owner, expires_in, band, models, claim):
+def keys_create(obj: Context, name, project, owner, expires_in, band, models, allow_unknown_models, claim):
     """Make a key called NAME and print its secret (on standard output, alone; it is shown only now)."""
     from llmgw.people import accounts
     from llmgw.people import keys as keymod
@@ -100,11 +102,16 @@ def keys_create(obj: Context, name, project, owner, expires_in, band, models, cl
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--expires-in") from None
     engine = obj.engine()
+    allowed = models.split(",") if models else None
+    if allowed and not allow_unknown_models:
+        from llmgw.cli.keys import check_models
+
+        check_models(obj.config(), engine, allowed)
     try:
         user_id = accounts.find(engine, owner).id if owner else None
         where = project if project else (None if owner else store.DEFAULT_PATH)
         record, secret = keymod.create_key(engine, name, where, lifetime, user_id=user_id, band=band,
-                                           models=models.split(",") if models else None)
+                                           models=allowed)
     except (keymod.KeyRefused, accounts.AccountError) as e:
         raise click.ClickException(str(e)) from None
     expiry = f", expires {_when(record.expires_at)} UTC" if record.expires_at else ""

@@ -21,6 +21,7 @@ import logging
 import os
 from typing import Iterator, NamedTuple
 
+from llmgw.gateway import metering
 from llmgw.gateway.errors import ApiError
 
 log = logging.getLogger("llmgw.chatout")
@@ -49,7 +50,9 @@ def a_string(value) -> str:
 
 
 def a_count(value) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    """VALUE as a client is shown it: a count an engine can have made (metering.count), else 0; a hostile
+    engine's -5 once reached a Messages client as input_tokens."""
+    return metering.count(value) or 0
 
 
 def reasoning(fields: dict) -> str:

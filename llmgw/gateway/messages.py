@@ -31,9 +31,9 @@ the client's view):
   so) stays where it is, as a chat system message.
 - A stream's `message_start` must carry `input_tokens`, but an engine counts
   the prompt only at the end of its answer: message_start carries an
-  estimate (the translated request's bytes over four, as admission
-  estimates), and `message_delta` carries the engine's count, which the SDK
-  puts in the final message's usage.
+  estimate (the translated request's bytes over four, `promptcount.estimate`),
+  and `message_delta` carries the engine's count, which the SDK puts in the
+  final message's usage.
 - An engine that fails mid-stream (its connection cut, or an error event)
   ends the stream with Anthropic's `error` event; a whole answer that cannot
   be read is a 502 in Anthropic's shape. What the engine sent is read with
@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import logging
 
-from llmgw.gateway import apirequest, bodycheck, chatout, requestid
+from llmgw.gateway import apirequest, bodycheck, chatout, promptcount, requestid
 from llmgw.gateway.bodycheck import bad, need
 from llmgw.gateway.chatout import a_list, new_id
 from llmgw.gateway.dialect import Dialect, StreamTranslator, chat_content, encode
@@ -362,7 +362,7 @@ class Stream(StreamTranslator):
         self.started = True
         message = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": self.req.model,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": len(self.req.raw) // 4, "output_tokens": 0}}
+                   "usage": {"input_tokens": promptcount.estimate(self.req.raw), "output_tokens": 0}}
         return event("message_start", {"type": "message_start", "message": message}) + \
             event("ping", {"type": "ping"})
 

@@ -21,23 +21,40 @@ common one (one prompt, one choice), which is why it is done rather than
 refusing lists of prompts, which clients batch with for good reason.
 
 The floor, used where the tokenizer cannot be asked (an engine without
-`/tokenize`, a cut stream), is counted without one: every prompt and every
-answer is at least one token, a streamed delta carries at least one, text
-runs to at most `BYTES_PER_TOKEN` bytes a token (English averages four).
+`/tokenize`, what a cut stream delivered; its prompt the replica counts,
+template included, in `proxy.Proxy._billed`), is counted without one: every
+prompt and every answer is at least one token, a streamed delta carries at
+least one, text runs to at most `BYTES_PER_TOKEN` bytes a token (English
+averages four).
 Neither is needed for a choice that stopped at its limit as the first did: it
 generated as many tokens as the usage says the first did (`settle`).
 Erring low keeps an engine's exact count the one billed wherever it is whole.
+
+An engine's figures are believed only within what the request could have
+used (`capped`): its prompt no more than the bound admission held it to
+(`promptcount.bound`), its completion no more than its output limit for every
+prompt and choice. A count that is not one (negative, a fraction, a boolean,
+past what the usage table holds) is taken as not said, and the gateway's own
+count is billed. A hostile or broken engine reported 1,000,000 completion
+tokens for `max_tokens: 2`, which were billed; and -5, which the metrics'
+counter refused after the answer had started: the client got a 500 page and
+the usage row was lost.
 """
 
 from __future__ import annotations
 
 import json
 
+from llmgw.gateway import promptcount
+
 BYTES_PER_TOKEN = 6
+MOST_TOKENS = 2**31 - 1  # what the usage table's token columns hold (32 bits on PostgreSQL)
 
 
-def _int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def count(value) -> int | None:
+    """VALUE when it is a token count an engine can have made, a whole number from 0 to MOST_TOKENS;
+    None otherwise, which callers take as not said."""
+    return value if type(value) is int and 0 <= value <= MOST_TOKENS else None
 
 
 def text_floor(text) -> int:
@@ -60,6 +77,16 @@ def _inputs(req) -> list:
     return [value]
 
 
+def text_prompts(req) -> list[str]:
+    """REQ's prompts given as text (a completion's or an embedding's), for a tokenizer to count."""
+    return [p for p in _inputs(req) if isinstance(p, str)]
+
+
+def id_prompts(req) -> int:
+    """The tokens of REQ's prompts given as token ids (a completion's or an embedding's), which count themselves."""
+    return sum(len(p) for p in _inputs(req) if isinstance(p, list))
+
+
 def prompt_count(req) -> int:
     return 1 if req.kind == "chat" else len(_inputs(req))
 
@@ -67,7 +94,7 @@ def prompt_count(req) -> int:
 def choices(req) -> int:
     """Answers asked for each prompt (`n`); an embedding has one."""
     n = req.body.get("n") if req.kind != "embeddings" else None
-    return n if _int(n) and n > 1 else 1
+    return n if type(n) is int and n > 1 else 1
 
 
 def answers(req) -> int:
@@ -127,7 +154,7 @@ def settle(choices: list[dict], usage: dict | None) -> tuple[int, list[dict]]:
     tokenizes longer than it was generated (121 of 120). It errs high only for a list of prompts where a
     longer one filled the context before its limit.
     """
-    first = _int((usage or {}).get("completion_tokens")) if choices and _stopped(choices[0]) else None
+    first = count((usage or {}).get("completion_tokens")) if choices and _stopped(choices[0]) else None
     if not first:
         return 0, choices
     rest = [c for c in choices if not _stopped(c)]
@@ -152,7 +179,7 @@ def to_tokenize(req, choices: list[dict], rest: list[dict]) -> tuple[list[str], 
     """What to ask the engine's tokenizer for a whole answer whose usage is partial: the text prompts
     when there are several, and the texts of REST, the CHOICES the usage does not settle (`settle`), when
     there are several choices (nothing when either is one: the usage speaks for it)."""
-    prompts = [p for p in _inputs(req) if isinstance(p, str)] if prompt_count(req) > 1 else []
+    prompts = text_prompts(req) if prompt_count(req) > 1 else []
     texts = [t for c in rest if (t := _choice_text(c)) is not None] if len(choices) > 1 else []
     return prompts, texts
 
@@ -162,25 +189,39 @@ def counted_prompts(req, tokenized: int) -> int:
     (`to_tokenize`): a prompt of token ids counts itself. 0 for one prompt, which the usage speaks for."""
     if prompt_count(req) == 1:
         return 0
-    return tokenized + sum(len(p) for p in _inputs(req) if isinstance(p, list))
+    return tokenized + id_prompts(req)
 
 
-def trusted(req, usage: dict | None, reports: int = 1) -> tuple[int | None, int | None] | None:
-    """The engine's (prompt, completion) when its USAGE speaks for the whole request; else None.
+def trusted(req, usage: dict | None, reports: int = 1) -> tuple[int, int | None] | None:
+    """The engine's (prompt, completion), `capped`, when its USAGE speaks for the whole request; else None.
 
     REPORTS: how many usage reports USAGE sums. One per answer (prompt and choice) is the whole
-    request; each choice reports its prompt again, which is billed once, as OpenAI does."""
+    request; each choice reports its prompt again, which is billed once, as OpenAI does. A figure
+    missing or not a count leaves it to `billed`."""
     if not usage or reports != answers(req):
         return None
-    prompt = _int(usage.get("prompt_tokens"))
-    return (prompt // choices(req) if prompt is not None else None), _int(usage.get("completion_tokens"))
+    prompt = count(usage.get("prompt_tokens"))
+    completion = count(usage.get("completion_tokens")) if req.kind != "embeddings" else None
+    if prompt is None or (completion is None and req.kind != "embeddings"):
+        return None
+    return capped(req, prompt // choices(req), completion)
 
 
 def billed(req, usage: dict | None, served: int, prompt: int = 0) -> tuple[int, int | None]:
     """(prompt, completion) to bill when the engine's USAGE is missing or partial: the larger of what
-    it said and what was served (SERVED: completion tokens, PROMPT: prompt tokens counted by the gateway)."""
+    it said and what was served (SERVED: completion tokens, PROMPT: prompt tokens counted by the gateway),
+    `capped`."""
     usage = usage or {}
-    prompt = max(_int(usage.get("prompt_tokens")) or 0, prompt_floor(req), prompt)
+    prompt = max(count(usage.get("prompt_tokens")) or 0, prompt_floor(req), prompt)
     if req.kind == "embeddings":
-        return prompt, None
-    return prompt, max(_int(usage.get("completion_tokens")) or 0, served)
+        return capped(req, prompt, None)
+    return capped(req, prompt, max(count(usage.get("completion_tokens")) or 0, served))
+
+
+def capped(req, prompt: int, completion: int | None) -> tuple[int, int | None]:
+    """PROMPT and COMPLETION held to what REQ could have used: no more prompt than the bound it was
+    admitted with, no more completion than its output limit (where known) for each of its answers."""
+    prompt = min(prompt, promptcount.bound(req.raw))
+    if completion is not None and req.max_tokens is not None:
+        completion = min(completion, req.max_tokens * answers(req))
+    return prompt, completion

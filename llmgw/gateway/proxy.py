@@ -163,7 +163,7 @@ class Proxy:
         """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
         t0 = time.perf_counter()
         path = environ.get("PATH_INFO", "")
-        req = None
+        req = raw = None
         model: ModelSpec | None = None
         kind, dialect = routes.ROUTES.get(path) or (None, OPENAI)
         try:
@@ -177,15 +177,15 @@ class Proxy:
                 if method != "GET":
                     raise ApiError(405, f"Use GET for {path}.", "method_not_allowed")
                 if path == routes.MODELS:
-                    return self._models(start_response, t0)
-                return self._model(path[len(MODEL_PATH):], start_response, t0)
+                    return self._models(caller, start_response, t0)
+                return self._model(path[len(MODEL_PATH):], caller, start_response, t0)
             if method != "POST":
                 raise ApiError(405, f"Use POST for {path}.", "method_not_allowed")
             raw = self._read_body(environ)
             try:
                 req = dialect.parse(kind, raw, self.prefix_bytes)
                 req.dialect = dialect
-                model = self._resolve(req.model)
+                model = self._resolve(req.model, caller)
                 req.bound_output(model.name, model.max_output)
                 pin = None if kind == "tokens" else self._pinned(environ.get(PIN_HEADER), caller, model)
             except ApiError:
@@ -199,6 +199,8 @@ class Proxy:
             self.guard.check_prompt(req, model)
             return self._forward(environ, start_response, caller, req, model, t0, pin)
         except ApiError as e:
+            if req is None and raw is not None and e.status == 400 and e.param is not None:
+                model = self._named_model(raw)  # a field of the body was at fault, so it is JSON
             self._account(t0, caller, req, model, None, e.status, None, None)
             return self._refuse(start_response, dialect, caller, e, t0)
         except Exception:
@@ -242,34 +244,78 @@ class Proxy:
         caller.price = self.rt.keys.prices.of(model.name)
         if not access.levels:
             return
-        # Bytes over four overstates the prompt's tokens for text (the JSON around it counts too), and the
-        # output is what the request may generate at most, for every prompt and choice: an estimate on the
-        # high side, so that the budgets' reserve covers what requests in flight can still spend.
-        prompt = len(req.raw) // 4
+        # The most the prompt can be (llmgw/gateway/promptcount.py) and what the request may generate at most,
+        # for every prompt and choice: what requests in flight hold then covers what they can spend, and no
+        # more than one request's error escapes a limit. Bytes over four, held before, let a prompt of
+        # symbols spend three times what it held.
+        prompt = promptcount.bound(req.raw)
         output = req.max_tokens or model.max_output or self.output_estimate
         if req.kind != "embeddings":
             output *= metering.answers(req)
-        self._reserve(caller, not caller.price.zero(), prompt + output, caller.price.cost(prompt, output),
-                      model.name)
+        priced = not caller.price.zero()
+        answer = self._ask(caller, priced, prompt + output, caller.price.cost(prompt, output), model.name)
+        if answer is not None and not answer.get("ok") and answer.get("limit") == "tpm":
+            answer = self._recounted(caller, req, model, priced, prompt, output, answer)
+        self._admitted(caller, answer)
+
+    def _recounted(self, caller: Caller, req, model: ModelSpec, priced: bool, bound: int, output: int,
+                   refusal: dict) -> dict:
+        """REFUSAL, by a tokens-a-minute pool, of a request held at its prompt's BOUND, asked again with the
+        prompt counted by a replica, where the count may let it in; else REFUSAL.
+
+        A bound is bytes, four times an English prompt's tokens: a prompt whose bytes pass the limit was let
+        in only by a minute with nothing in it, and near the limit requests that fit were refused. Counting
+        costs a round trip to a replica (two on llama.cpp) on a request already refused, never on one
+        admitted, and none where the prompt's text alone (`metering.prompt_floor`) cannot fit: a client past
+        its limit does not get megabytes tokenized for each refusal. The refused admit counted the request
+        in every requests-a-minute pool, so the second one leaves them out (and their figures for the
+        headers are the first answer's)."""
+        said = refusal.get("status") or {}
+        room = said.get("tpm", (0, 0))[1]  # what the fullest tokens-a-minute pool has left
+        if metering.prompt_floor(req) + output > room:
+            return refusal
+        replica = self.rt.router.pick(model.name, time.monotonic(), None, set())
+        prompt = self._counted_prompt(req, model, replica) if replica is not None else None
+        if prompt is None or prompt >= bound or prompt + output > room:
+            return refusal
+        levels = [[counter, None, tpm, budget, period] for counter, _rpm, tpm, budget, period in caller.wire]
+        try:
+            answer = self.rt.limiter.ask(self._accountant(), {"op": "admit", "levels": levels, "priced": priced,
+                                                              "tokens": prompt + output,
+                                                              "cost": caller.price.cost(prompt, output)})
+        except Unavailable:
+            return refusal
+        if "rpm" in said:
+            answer["status"] = {**(answer.get("status") or {}), "rpm": said["rpm"]}
+        return answer
 
     def _check_allowlist(self, caller: Caller, model: ModelSpec) -> None:
-        access = caller.access
-        if access.models is not None and not self.rt.router.snapshot.allows(access.models, model.name):
+        if not self._may_use(caller, model.name):
             self.rt.metrics.limited.labels("model").inc()
-            shown = ", ".join(sorted(access.models)) or "none"
-            raise ApiError(403, f"This key may not use {model.name}. It may use: {shown}. Ask an operator "
-                                "if you need another model.", "model_not_allowed", "model")
+            raise self._not_allowed(caller, model.name)
+
+    def _may_use(self, caller: Caller, name: str) -> bool:
+        """Whether CALLER's allowlist lets it use the served model NAME (an alias on the list allows its model)."""
+        models = caller.access.models
+        return models is None or self.rt.router.snapshot.allows(models, name)
+
+    @staticmethod
+    def _not_allowed(caller: Caller, name: str) -> ApiError:
+        shown = ", ".join(sorted(caller.access.models)) or "none"
+        return ApiError(403, f"This key may not use {name}. It may use: {shown}. Ask an operator if you need "
+                             "another model.", "model_not_allowed", "model")
 
     def _count(self, caller: Caller) -> None:
         """Count a request refused before admission against CALLER's rates; raises ApiError(429) past one."""
         if caller.access.levels:
-            self._reserve(caller, False, 0, 0, None)
+            self._admitted(caller, self._ask(caller, False, 0, 0, None))
 
-    def _reserve(self, caller: Caller, priced: bool, estimate: int, cost: int, model: str | None) -> None:
-        """Ask the accountant for ESTIMATE tokens and COST for CALLER; raises ApiError when refused."""
+    def _ask(self, caller: Caller, priced: bool, estimate: int, cost: int, model: str | None) -> dict | None:
+        """The accountant's answer to admitting ESTIMATE tokens and COST for CALLER; None where it did not
+        answer and the limits are waived. Raises ApiError where it did not answer and a budget could refuse."""
         try:
-            answer = self.rt.limiter.admit(self._accountant(), (caller.access.levels, priced), caller.wire, priced,
-                                           estimate, cost)
+            return self.rt.limiter.admit(self._accountant(), (caller.access.levels, priced), caller.wire, priced,
+                                         estimate, cost)
         except Unavailable:
             if priced and any(lv.budget is not None for lv in caller.access.levels):
                 log.warning("refused a request of key %s for %s: a budget limits it and the accountant did not "
@@ -277,6 +323,12 @@ class Proxy:
                 raise ApiError(503, "Limits cannot be checked right now (the accountant does not answer), and a "
                                     "budget applies to this key. Try again shortly.", "limits_unavailable",
                                retry_after=5) from None
+            return None
+
+    def _admitted(self, caller: Caller, answer: dict | None) -> None:
+        """Take the accountant's ANSWER for CALLER (None: it did not answer, and the limits were waived);
+        raises ApiError when it refused."""
+        if answer is None:
             return
         caller.status = answer.get("status") or {}
         if not answer.get("ok"):
@@ -329,7 +381,7 @@ class Proxy:
                            "body_too_large")
         return data
 
-    def _resolve(self, name: str) -> ModelSpec:
+    def _resolve(self, name: str, caller: Caller) -> ModelSpec:
         """The model NAME stands for. A worker that has not yet had the controller's catalog waits for
         it (up to `gateway.load_wait`): 404 is for names the catalog does not hold, not for names this
         worker has not heard of yet."""
@@ -346,24 +398,46 @@ class Proxy:
                                 f"{self.load_wait:.0f} s, so it cannot tell whether {name!r} exists. Retry "
                                 "shortly; an operator should check that the controller runs.", "catalog_unknown",
                            retry_after=5)
-        raise ApiError(404, self._unknown_model(name), "model_not_found", "model")
+        raise ApiError(404, self._unknown_model(name, caller), "model_not_found", "model")
 
-    def _unknown_model(self, name: str) -> str:
-        names = [n for n, _ in self.rt.router.snapshot.listed_ids()]
+    def _named_model(self, raw: bytes) -> ModelSpec | None:
+        """The model a body refused for one of its fields names, where the catalog holds it: the refusal is
+        counted under it in the metrics (a missing `max_tokens` on Messages was counted as model "unknown").
+        Read again only on that refusal; a name the catalog does not hold stays "unknown", so no label is
+        ever a client's own words."""
+        try:
+            name = apirequest.read_object(raw).get("model")
+        except ApiError:
+            return None
+        model = self.rt.router.snapshot.resolve(name) if isinstance(name, str) else None
+        return model if model is not None and model.role != "guard" else None
+
+    def _unknown_model(self, name: str, caller: Caller) -> str:
+        names = [n for n, _ in self._listed(caller)]
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         return (f"The model {name!r} does not exist here. Models: {shown or 'none yet'}. "
                 "GET /v1/models lists them.")
 
-    def _models(self, start_response, t0):
-        snapshot = self.rt.router.snapshot
-        data = [self._model_object(name, spec) for name, spec in snapshot.listed_ids()]
+    def _listed(self, caller: Caller) -> list[tuple[str, ModelSpec]]:
+        """What `GET /v1/models` lists to CALLER: every name a client may ask for that its allowlist allows."""
+        listed = self.rt.router.snapshot.listed_ids()
+        if caller.access.models is None:
+            return listed
+        return [(name, spec) for name, spec in listed if self._may_use(caller, spec.name)]
+
+    def _models(self, caller: Caller, start_response, t0):
+        data = [self._model_object(name, spec) for name, spec in self._listed(caller)]
         return self._json(start_response, {"object": "list", "data": data}, t0)
 
-    def _model(self, name: str, start_response, t0):
-        """`GET /v1/models/NAME`: one entry of the list, an alias its own."""
+    def _model(self, name: str, caller: Caller, start_response, t0):
+        """`GET /v1/models/NAME`: one entry of the list, an alias its own. A model the key may not use is
+        403, as a request for it is: the same question gets the same answer, which says what it may use
+        (a 404 would send its holder looking for a typo in a name that exists)."""
         spec = dict(self.rt.router.snapshot.listed_ids()).get(name)
         if spec is None:
-            raise ApiError(404, self._unknown_model(name), "model_not_found", "model")
+            raise ApiError(404, self._unknown_model(name, caller), "model_not_found", "model")
+        if not self._may_use(caller, spec.name):
+            raise self._not_allowed(caller, spec.name)
         return self._json(start_response, self._model_object(name, spec), t0)
 
     def _model_object(self, name: str, spec: ModelSpec) -> dict:
@@ -434,7 +508,7 @@ class Proxy:
         if data is None:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
             return self._relay(environ, resp, replica, caller, req, model, t0)
-        tokens = self._answer_tokens(req, replica, data)
+        tokens = self._answer_tokens(req, model, replica, data)
         if resp.status < 300:
             try:
                 self.guard.check_answer(req, model, data)
@@ -630,30 +704,48 @@ class Proxy:
 
     # --- metering (see llmgw/gateway/metering.py) ---------------------------------------
 
-    def _answer_tokens(self, req, replica, data: bytes) -> tuple[int | None, int | None]:
+    def _answer_tokens(self, req, model: ModelSpec, replica, data: bytes) -> tuple[int | None, int | None]:
         """(prompt, completion) billed for a whole answer DATA from REPLICA."""
         usage = apirequest.usage_of(data)
         tokens = metering.trusted(req, usage)
         if tokens is not None:
             return tokens
         if req.kind == "embeddings":  # one usage covers every input; the answer is megabytes of numbers
-            return metering.billed(req, usage, 0)
+            return self._billed(req, model, replica, usage, 0)
         choices = metering.answer_choices(data)
         settled, rest = metering.settle(choices, usage)
         prompts, answers = metering.to_tokenize(req, choices, rest)
         counted = self._tokens(replica, answers, False) if answers else None
         served = settled + max(metering.answer_floor(rest), counted or 0)
-        prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts))
+        prompt = metering.counted_prompts(req, self._prompt_tokens(replica, prompts) or 0)
+        return self._billed(req, model, replica, usage, served, prompt)
+
+    def _billed(self, req, model: ModelSpec, replica, usage: dict | None, served: int,
+                prompt: int = 0) -> tuple[int, int | None]:
+        """`metering.billed`, with the prompt counted by REPLICA (where there is one) when USAGE does not say it:
+        a stream cut before its usage came (the client left, the engine died), an engine that sends none, or
+        one whose figure is not a count. Floored from its text alone, a chat's prompt lacked its template: 7
+        tokens billed where the whole answer's usage said 44."""
+        if replica is not None and metering.count((usage or {}).get("prompt_tokens")) is None:
+            prompt = max(prompt, self._counted_prompt(req, model, replica) or 0)
         return metering.billed(req, usage, served, prompt)
 
-    def _prompt_tokens(self, replica, prompts: list[str]) -> int:
-        """Tokens in PROMPTS as REPLICA processes them, each with its special tokens (a BOS); 0 when it
+    def _counted_prompt(self, req, model: ModelSpec, replica) -> int | None:
+        """REQ's prompt tokens, template included, as REPLICA of MODEL counts them; None where it cannot
+        (llmgw/gateway/promptcount.py)."""
+        if req.kind in ("completions", "embeddings"):
+            counted = self._prompt_tokens(replica, metering.text_prompts(req))
+            return counted + metering.id_prompts(req) if counted is not None else None
+        return promptcount.count(lambda path, value: self._engine_json(replica, path, value), req.body, model.name)
+
+    def _prompt_tokens(self, replica, prompts: list[str]) -> int | None:
+        """Tokens in PROMPTS as REPLICA processes them, each with its special tokens (a BOS); None when it
         cannot say. The tokenizer adds those to the first item of a list only, so they are asked apart."""
         if not prompts:
             return 0
         text = self._tokens(replica, prompts, False)
         special = self._tokens(replica, "", True)
-        return text + special * len(prompts) if text is not None and special is not None else 0
+        return text + special * len(prompts) if text is not None and special is not None else None
 
     def _tokens(self, replica, content, add_special: bool) -> int | None:
         """How many tokens REPLICA's tokenizer makes of CONTENT, a text or a list of them counted one after
@@ -693,10 +785,7 @@ class Proxy:
         self._check_allowlist(caller, model)
         self._count(caller)
         replica = self.rt.router.pick(model.name, time.monotonic(), None, set())
-        counted = None
-        if replica is not None:
-            counted = promptcount.count(lambda path, value: self._engine_json(replica, path, value), req.body,
-                                        model.name)
+        counted = self._counted_prompt(req, model, replica) if replica is not None else None
         if counted is None:
             counted = promptcount.estimate(req.raw)
         body = req.dialect.tokens(req, counted)
@@ -804,8 +893,11 @@ class Proxy:
             else:
                 resp.abort()
             replica.outstanding -= 1
+            # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
+            counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
+                                                                       {replica.spec.id})
             tokens = (metering.trusted(req, relay.usage, relay.reports)
-                      or metering.billed(req, relay.usage, relay.deltas))
+                      or self._billed(req, model, counter, relay.usage, relay.deltas))
             self._account(t0, caller, req, model, replica.spec.id, status, tokens, ttft, in_flight=True)
 
     # --- accounting ----------------------------------------------------------------------
