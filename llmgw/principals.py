@@ -11,6 +11,8 @@ import dataclasses
 import hashlib
 
 SECRET_PREFIX = "sk-llmgw-"
+SECRET_CHARS = 43  # after the prefix: secrets.token_urlsafe(32)
+_URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 PERSONAL = "personal"  # a key's project when it belongs to a person rather than a project
 
 
@@ -29,3 +31,9 @@ class KeyRecord:
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def well_formed(secret: str) -> bool:
+    """Whether SECRET has the shape of a key llmgw makes (whether or not it is one)."""
+    return (len(secret) == len(SECRET_PREFIX) + SECRET_CHARS and secret.startswith(SECRET_PREFIX)
+            and _URLSAFE.issuperset(secret[len(SECRET_PREFIX):]))

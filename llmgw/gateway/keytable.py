@@ -16,7 +16,7 @@ import dataclasses
 import time
 
 from llmgw import rules
-from llmgw.principals import KeyRecord, hash_secret
+from llmgw.principals import KeyRecord, hash_secret, well_formed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,9 @@ MISSING = Refusal("No API key was given. Send it as `Authorization: Bearer sk-ll
                   "an operator makes one with `llmgw keys create NAME`.", "missing_api_key")
 UNKNOWN = Refusal("This API key is not known here. Check that it was copied whole; "
                   "an operator can list keys with `llmgw keys list`.", "invalid_api_key")
+# A key of the shape llmgw makes that this table does not hold: it may have been made a moment ago, and be
+# on its way to this worker (llmgw/gateway/worker.py, Runtime.newer_keys).
+NOT_YET = dataclasses.replace(UNKNOWN)
 
 
 class KeyTable:
@@ -84,7 +87,7 @@ class KeyTable:
             return Refusal("The Authorization header must be `Bearer <key>`.", "invalid_api_key")
         record = self.by_hash.get(hash_secret(secret.strip()))
         if record is None:
-            return UNKNOWN
+            return NOT_YET if well_formed(secret.strip()) else UNKNOWN
         if record.revoked_at is not None:
             return Refusal(f"This API key ({record.prefix}...) was revoked. Ask an operator for a new one.",
                            "revoked_api_key")

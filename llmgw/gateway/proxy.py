@@ -61,7 +61,7 @@ from llmgw.gateway.clientwatch import ClientWatch
 from llmgw.gateway.connguard import BodyTimeout
 from llmgw.gateway.dialect import OPENAI, encode
 from llmgw.gateway.errors import REASONS, ApiError
-from llmgw.gateway.keytable import Refusal
+from llmgw.gateway.keytable import NOT_YET, Refusal
 from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.sse import DONE, EventRelay
@@ -90,6 +90,10 @@ CONTEXT_EXCEEDED = re.compile(rb"exceed_context_size|exceeds the available conte
 ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
 PIN_HEADER = "HTTP_X_LLMGW_REPLICA"  # a replica's id: an administrator's request for that replica alone
 PIN_MOST = 200  # characters of it read (a replica id is at most that)
+# Seconds a well-formed key this worker does not hold waits for the next key table before it is refused: the
+# controller looks for new keys four times a second, and a worker without one reads the store's revision once
+# a second. Only a 401 waits, and only for a secret of the shape llmgw makes.
+NEW_KEY_WAIT = 2.0
 
 
 def _status_line(status: int) -> str:
@@ -232,6 +236,11 @@ class Proxy:
     def _authenticate(self, credential: str | None) -> Caller:
         table = self.rt.keys
         result = table.authenticate(credential, time.time())
+        if result is NOT_YET and self.rt.newer_keys(NEW_KEY_WAIT):
+            # A key made a moment ago reaches this worker within a second or so (pushed by the controller, or
+            # read from the store's revision): it works on its first request, not after a 401.
+            table = self.rt.keys
+            result = table.authenticate(credential, time.time())
         if isinstance(result, Refusal):
             raise ApiError(401, result.message, result.code)
         return Caller(result.id, result.project_id, result.user_id, table.access[result.id])

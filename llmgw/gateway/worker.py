@@ -19,6 +19,7 @@ import logging
 import time
 
 import gevent
+import gevent.event
 from sqlalchemy.engine import Engine
 from zmq import NOBLOCK, Again
 
@@ -74,6 +75,7 @@ class Runtime:
         self.demand_address: str | None = None
         self.told: dict[tuple[str, str], float] = {}
         self.older_keys: set[int] = set()  # revisions of keys pushed below the one held, each said once
+        self.keys_replaced = gevent.event.Event()  # set when `keys` is replaced; a new one waits for the next
 
     def demand(self, model: str) -> None:
         """Tell the controller MODEL is wanted now (an on-demand model starts by this)."""
@@ -115,7 +117,16 @@ class Runtime:
     def apply_keys(self, table: KeyTable) -> None:
         """Take a newer key table (a later revision of the store's keys, from whichever controller)."""
         if self.keys.newer(table):
-            self.keys = table
+            self._replace_keys(table)
+
+    def _replace_keys(self, table: KeyTable) -> None:
+        self.keys = table
+        replaced, self.keys_replaced = self.keys_replaced, gevent.event.Event()
+        replaced.set()
+
+    def newer_keys(self, timeout: float) -> bool:
+        """Wait up to TIMEOUT seconds for the key table to be replaced; whether it was."""
+        return self.keys_replaced.wait(timeout)
 
     def start(self) -> None:
         self.greenlets = [gevent.spawn(self._every, self.cfg["routing.metrics_interval"], self.watch_replicas),
@@ -213,7 +224,7 @@ class Runtime:
     def refresh_keys(self) -> None:
         changed = self.store_jobs.run(self._changed_keys, self.keys.revision)
         if changed is not None:
-            self.keys = KeyTable.from_message(changed)
+            self._replace_keys(KeyTable.from_message(changed))
 
     def _changed_keys(self, held: int) -> dict | None:
         """The store's key set if its revision is not HELD, else None."""
