@@ -155,6 +155,25 @@ def test_client_disconnect_closes_the_engines_request_within_a_second(tmp_path, 
     wait_until("the usage row", 30, lambda: count_usage(url, status=499) == 1)
 
 
+def test_a_client_that_leaves_before_a_whole_answer_cancels_it(tmp_path, make_gateway, make_sim):
+    # The engine takes ten seconds to begin its answer. The request used to stay in flight, the engine
+    # working for nobody, until it answered or timeouts.first_byte passed.
+    slow = make_sim(replica="slow", ttft_ms=10_000)
+    gw, key, url = setup(tmp_path, make_gateway, [ep("slow", slow.url)])
+    body = json.dumps(CHAT).encode()
+    sock = socket.create_connection(("127.0.0.1", gw.port), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+                 + body)
+    wait_until("the engine to have the request", 10, lambda: slow.metrics()["vllm:num_requests_running"] == 1)
+    sock.close()
+    left = time.monotonic()
+    wait_until("the request to end as one whose client left", 10, lambda: count_usage(url, status=499) == 1)
+    assert time.monotonic() - left < 3.0
+    # The gateway holds nothing for it: a request that comes now is served at once by the same worker.
+    assert slow.metrics()["vllm:num_requests_running"] in (0, 1)
+
+
 def test_a_client_that_sends_its_next_request_during_a_stream_has_not_left(tmp_path, make_gateway, make_sim):
     # Its socket turns readable mid-stream, as a client's that hung up does: the stream is still served whole,
     # and the next request after it.

@@ -65,7 +65,7 @@ from llmgw.gateway.keytable import NOT_YET, Refusal
 from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.sse import DONE, EventRelay
-from llmgw.gateway.upstream import Response, UpstreamError
+from llmgw.gateway.upstream import Cancel, Response, UpstreamError
 from llmgw.gateway.worker import Runtime
 
 log = logging.getLogger("llmgw.proxy")
@@ -146,6 +146,16 @@ def _retry_after(value: str | None) -> int:
         return 1
 
 
+class ClientLeft(ApiError):
+    """The client closed its connection before its answer came: nothing more is done for it. REPLICA and
+    TOKENS: the replica that had it and what is billed for the prompt it read (None where none had it)."""
+
+    def __init__(self, replica: str | None, tokens: tuple[int, int | None] | None):
+        super().__init__(499, "The client closed the connection before the answer came.", "client_closed_request")
+        self.replica = replica
+        self.tokens = tokens
+
+
 class Proxy:
     def __init__(self, runtime: Runtime):
         self.rt = runtime
@@ -205,7 +215,8 @@ class Proxy:
         except ApiError as e:
             if req is None and raw is not None and e.status == 400 and e.param is not None:
                 model = self._named_model(raw)  # a field of the body was at fault, so it is JSON
-            self._account(t0, caller, req, model, None, e.status, None, None)
+            replica, tokens = (e.replica, e.tokens) if isinstance(e, ClientLeft) else (None, None)
+            self._account(t0, caller, req, model, replica, e.status, tokens, None)
             return self._refuse(start_response, dialect, caller, e, t0)
         except Exception:
             # A bug must cost one request, never the worker, and the client
@@ -509,11 +520,19 @@ class Proxy:
             if not rt.router.available(model.name):
                 raise self._still_loading(model)
         rt.metrics.in_flight.labels(model.name).inc()
+        # Until the answer is whole (a stream: until its head), a client that leaves cancels the request: the
+        # engine stops, as for a stream, rather than generating for nobody until it ends or first_byte passes.
+        sock = environ.get("gunicorn.socket")
+        cancel = Cancel()
+        watch = ClientWatch(sock, cancel) if sock is not None else None
         try:
-            resp, replica, data, overhead = self._connect_in_turn(req, model, t0, caller, pin)
+            resp, replica, data, overhead = self._connect_in_turn(req, model, t0, caller, pin, cancel)
         except ApiError:
             rt.metrics.in_flight.labels(model.name).dec()
             raise
+        finally:
+            if watch is not None:
+                watch.stop()
         if data is None:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
             return self._relay(environ, resp, replica, caller, req, model, t0)
@@ -538,20 +557,23 @@ class Proxy:
         self._account(t0, caller, req, model, replica.spec.id, resp.status, tokens, None, in_flight=True)
         return [data]
 
-    def _connect_in_turn(self, req, model, t0, caller, pin=None):
+    def _connect_in_turn(self, req, model, t0, caller, pin=None, cancel: Cancel | None = None):
         """`_connect`, but a request for a saturated model waits its turn in the admission queue
         rather than being refused at once (see llmgw/admission.py). A request that names its replica
-        (PIN) waits for nothing: it is a measurement of that replica, answered or refused by it."""
+        (PIN) waits for nothing: it is a measurement of that replica, answered or refused by it. CANCEL: as
+        for `_connect`; a request whose client left while it waited its turn goes no further."""
         if pin is not None:
-            return self._connect(req, model, t0, pin)
+            return self._connect(req, model, t0, pin, cancel)
         deadline = time.monotonic() + self.queue.wait
         band = caller.access.band
         router = self.rt.router
         while True:
             if router.limited(model.name):
                 self._turn(model, band, lambda: router.has_room(model.name, time.monotonic()))
+            if cancel is not None and cancel.cancelled:
+                raise ClientLeft(None, None)
             try:
-                return self._connect(req, model, t0)
+                return self._connect(req, model, t0, None, cancel)
             except ApiError as e:
                 if e.code != "engine_at_capacity" or time.monotonic() >= deadline:
                     raise
@@ -566,9 +588,10 @@ class Proxy:
             raise ApiError(429, f"Every replica of {model.name} is busy and this request could not wait: {e.reason}. "
                                 "Retry shortly.", "model_saturated", retry_after=2) from None
 
-    def _connect(self, req, model, t0, pin=None):
+    def _connect(self, req, model, t0, pin=None, cancel: Cancel | None = None):
         """Try replicas until one answers: (response, replica, whole body or None for a stream, overhead ms);
-        only PIN, once, when the request named it.
+        only PIN, once, when the request named it. CANCEL (upstream.Cancel), aborted when the client leaves,
+        ends the attempt; the request then goes to no other replica (ClientLeft).
 
         Raises ApiError when every attempt failed or no replica is in rotation.
         """
@@ -590,7 +613,7 @@ class Proxy:
             replica.outstanding += 1
             sent = time.perf_counter()
             try:
-                resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline)
+                resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline, cancel=cancel)
                 if resp.status == 429:
                     # The engine is full, not broken: another replica may
                     # have room, and the breaker is left alone.
@@ -606,9 +629,14 @@ class Proxy:
                 # engine fails halfway, nothing has reached the client yet and
                 # another replica can still be tried.
                 data = None if req.stream and resp.status < 400 else resp.read(self.idle)
+                if cancel is not None:
+                    cancel.conn = None  # the answer is in (or the stream's own watch takes over): nothing to abort
             except UpstreamError as e:
                 engine_time += time.perf_counter() - sent
                 replica.outstanding -= 1
+                if cancel is not None and cancel.cancelled:
+                    # The engine read the prompt, maybe more: billed as a stream cut before its first token.
+                    raise ClientLeft(replica.spec.id, self._billed(req, model, replica, None, 0)) from None
                 # A full engine is routine under load (and queued for, below); a failure is worth a line.
                 log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
                         "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,

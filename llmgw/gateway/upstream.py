@@ -96,6 +96,29 @@ class Connection:
             pass
 
 
+class Cancel:
+    """Lets another greenlet end an exchange whose client has left, before or after its answer began to come:
+    `abort` marks it cancelled and closes the connection it is on (the pool sets `conn`), which wakes its
+    reader; the exchange then fails with phase "cancelled". Whoever is done with the connection sets `conn`
+    to None first, so an abort after that never closes one the pool holds for another request."""
+
+    __slots__ = ("conn", "cancelled")
+
+    def __init__(self) -> None:
+        self.conn: Connection | None = None
+        self.cancelled = False
+
+    def abort(self) -> None:
+        self.cancelled = True
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
 class Response:
     """An engine's response: status and headers read, body still on the wire."""
 
@@ -312,10 +335,11 @@ class Pool:
 
     def request(self, target: Target, method: str, path: str, body: bytes = b"",
                 first_byte: float = 300.0, deadline: float | None = None,
-                content_type: bytes = b"application/json", headers: bytes = b"") -> Response:
+                content_type: bytes = b"application/json", headers: bytes = b"", cancel: Cancel | None = None) -> Response:
         """Send a request and wait for the response's head; the body is read by the caller.
 
-        HEADERS are extra header lines, each ending in CRLF.
+        HEADERS are extra header lines, each ending in CRLF. CANCEL, when given, is told the connection the
+        exchange runs on, so that another greenlet can end it.
         """
         deadline = deadline if deadline is not None else float("inf")
         head = b"".join((method.encode(), b" ", target.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
@@ -324,6 +348,8 @@ class Pool:
         conns = self.idle.get(target.key)
         stale: UpstreamError | None = None
         while True:
+            if cancel is not None and cancel.cancelled:
+                raise UpstreamError("cancelled", "the request was cancelled before it was sent")
             try:
                 conn = conns.pop() if conns else self._connect(target, deadline)
             except UpstreamError:
@@ -332,10 +358,14 @@ class Pool:
                 if stale is not None:
                     raise stale from None
                 raise
+            if cancel is not None:
+                cancel.conn = conn
             try:
                 return self._exchange(conn, target, method, head, body, first_byte, deadline)
             except UpstreamError as e:
                 conn.close()
+                if cancel is not None and cancel.cancelled:
+                    raise UpstreamError("cancelled", "the request was cancelled while the engine had it") from None
                 # A kept-alive connection the engine closed while idle fails
                 # with nothing received: that is not the engine failing, so the
                 # request goes again on a fresh connection.
