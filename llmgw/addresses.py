@@ -135,6 +135,12 @@ def same_machine(host: str | None, address: str | None) -> bool:
     return ip == peer or (ip.is_loopback and peer.is_loopback)
 
 
+def is_loopback(address: str | None) -> bool:
+    """Whether ADDRESS, an IP address as a socket reports it, is one of this machine's loopback ones."""
+    ip = _ip(address)
+    return ip is not None and ip.is_loopback
+
+
 def url_host(url: str) -> str | None:
     """The host of an `http://HOST:PORT/...` URL, without brackets; None for anything else."""
     scheme, sep, rest = url.partition("://")

@@ -56,7 +56,16 @@ def ensure_token(path: str) -> str:
     filemodes.make_private_dir(folder)
     filemodes.create_private(path)
     filemodes.refuse_loose({folder: filemodes.OTHERS, path: filemodes.OTHERS})
-    with open(path, "r+", encoding="utf-8") as f:
+    # Made by another user before this one could (in a directory they could write), the token is theirs. Root
+    # may use one the service's own user keeps (`llmgw init` hands its directories to it): the owner of the
+    # directory the token's directory is in.
+    trusted = {os.geteuid()} | ({os.stat(os.path.dirname(folder)).st_uid} if os.geteuid() == 0 else set())
+    for held in (folder, path):
+        owner = os.lstat(held).st_uid
+        if owner not in trusted:
+            raise filemodes.LooseFiles(f"{held} belongs to another user (uid {owner}), so a token there is not this "
+                                       f"one's secret: remove it, and start again as the user it is for")
+    with os.fdopen(os.open(path, os.O_RDWR | os.O_NOFOLLOW), "r+", encoding="utf-8") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # two first starts at once must agree on one token
         token = f.read().strip()
         if not token:

@@ -99,6 +99,12 @@ def role_files(cfg: settings.Config, role: str) -> dict[str, int]:
     if cfg.path:
         # Anyone who can change a role's configuration can point it anywhere; one that holds a secret is a secret.
         found[cfg.path] = OTHERS if cfg.holds_secret else OTHERS_WRITE
+        # Its relative paths are its directory's (keys, secrets' files): a stranger who could put files there
+        # could choose them.
+        found.setdefault(os.path.dirname(os.path.abspath(cfg.path)), OTHERS_WRITE)
+    if role == "mirror":
+        # A stranger who can write the mirror's directory swaps the versions nodes fetch and plants its token.
+        found[cfg["mirror.dir"]] = OTHERS_WRITE
     return found
 
 

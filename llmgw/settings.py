@@ -707,7 +707,12 @@ def _relative_to(name: str, value: Any, base: str) -> Any:
         return "@" + os.path.join(base, value[1:])
     if name == "store.url":
         return absolute_store_url(value, base)
+    if name in COMMANDS and "/" not in value:
+        return value  # a command's bare name means what it meant before: the file next to the configuration is not it
     return os.path.join(base, value) if setting.path else value
+
+
+COMMANDS = ("agent.nvidia_smi", "agent.llama_server", "agent.vllm")  # path settings that name a program
 
 
 def absolute_store_url(url: str, base: str) -> str:

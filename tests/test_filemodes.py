@@ -66,8 +66,9 @@ def test_what_each_role_holds_secrets_in(tmp_path):
                                         str(tmp_path / "keys" / "admin.token"), str(token), config}
     assert set(files["gateway"]) == {str(tmp_path), db, f"{db}-wal", f"{db}-shm", str(tmp_path / "gw.key"),
                                      str(tmp_path / "keys" / "admin.token"), str(token), config}
-    assert set(files["agent"]) == {str(tmp_path / "node.key"), str(token), config}
-    assert set(files["mirror"]) == {str(token), config}
+    # And the configuration's own directory, which its relative paths are in; and the mirror's directory.
+    assert set(files["agent"]) == {str(tmp_path / "node.key"), str(token), config, str(tmp_path)}
+    assert set(files["mirror"]) == {str(token), config, str(tmp_path), cfg["mirror.dir"]}
     # A configuration without a secret in it may be read by others, never changed by them.
     assert files["mirror"][config] == filemodes.OTHERS_WRITE and files["mirror"][str(token)] == filemodes.OTHERS
     os.chmod(token, 0o644)
@@ -193,3 +194,19 @@ def test_each_role_refuses_to_start_on_files_others_can_read(tmp_path, loose, um
     assert run.returncode == 1, run.stderr
     assert "other users of this machine can read or change files that hold secrets" in run.stderr
     assert fix in run.stderr, run.stderr
+
+
+def test_a_secret_is_written_in_place_of_a_link_never_through_it(tmp_path):
+    from llmgw.control.curvekeys import write_private
+
+    theirs = tmp_path / "theirs"
+    theirs.write_text("their own\n")
+    (tmp_path / "secret").symlink_to(theirs)
+    hard = tmp_path / "hard"
+    os.link(theirs, hard)
+    write_private(str(tmp_path / "secret"), "s3cret\n")
+    write_private(str(hard), "s3cret\n")
+    assert theirs.read_text() == "their own\n"
+    for path in (tmp_path / "secret", hard):
+        assert not path.is_symlink() and path.read_text() == "s3cret\n" and oct(path.stat().st_mode & 0o777) == "0o600"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hard", "secret", "theirs"]  # no temporary left

@@ -8,6 +8,7 @@ pushed past."""
 
 import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -300,3 +301,19 @@ def test_mirror_py_applies_the_bounds_it_is_configured_with(tmp_path):
         assert not os.path.exists(tmp_path / "models" / "s")
     finally:
         stop_process(proc)
+
+
+def test_a_token_another_user_made_first_is_refused(tmp_path):
+    # A stranger who could write the mirror's directory made .keys/ and a token of their own before it started.
+    from llmgw import apiguard, filemodes
+
+    models = tmp_path / "models"
+    (models / ".keys").mkdir(parents=True, mode=0o700)
+    token = models / ".keys" / "api.token"
+    token.write_text("the stranger's\n")
+    token.chmod(0o600)
+    nobody = pwd.getpwnam("nobody").pw_uid
+    os.chown(models / ".keys", nobody, -1)
+    os.chown(token, nobody, -1)
+    with pytest.raises(filemodes.LooseFiles, match="belongs to another user"):
+        apiguard.ensure_token(str(token))

@@ -119,3 +119,18 @@ def test_a_relative_path_in_a_file_is_relative_to_the_file(tmp_path, monkeypatch
     assert (cfg["mirror.dir"], cfg["controller.keys_dir"]) == ("flagged", "var/keys")
     for url in ("sqlite:///:memory:", "sqlite://", "sqlite:////abs.db", "postgresql://h/db"):
         assert settings.absolute_store_url(url, "/base") == url
+
+
+def test_a_commands_bare_name_stays_a_name_and_the_files_directory_must_be_its_owners(tmp_path, monkeypatch):
+    from llmgw import filemodes
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "agent.toml").write_text('[agent]\nnvidia_smi = "nvidia-smi"\nllama_server = "bin/llama-server"\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = settings.load("conf/agent.toml")
+    assert (cfg["agent.nvidia_smi"], cfg["agent.llama_server"]) == ("nvidia-smi", f"{conf}/bin/llama-server")
+    # Its relative paths are its directory's: a directory others may write is refused, as the file would be.
+    conf.chmod(0o777)
+    with pytest.raises(filemodes.LooseFiles, match=f"chmod go-w {conf}"):
+        filemodes.check_roles(cfg, "agent")

@@ -106,3 +106,17 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
         assert status == 200
     finally:
         up.stop()
+
+
+def test_up_refuses_a_var_others_may_change_before_writing_anything(tmp_path):
+    # Another user who can write var/ plants links where the keys and the administrator's password go.
+    var = tmp_path / "var"
+    var.mkdir()
+    var.chmod(0o777)
+    planted = tmp_path / "theirs"
+    planted.write_text("")
+    (var / "admin-password").symlink_to(planted)
+    ran = subprocess.run([sys.executable, "-m", "llmgw", "up", "--listen", f"127.0.0.1:{free_port()}"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode != 0 and f"chmod 700 {var}" in ran.stderr, ran.stderr
+    assert sorted(os.listdir(var)) == ["admin-password"] and planted.read_text() == ""

@@ -370,10 +370,12 @@ def test_a_rogue_node_gets_nothing_published_in_or_out_of_the_adoption_window():
             **facts), ADDRESS["victim"])
         assert [(r.shard_id, r.node_id, r.address) for r in replicas.snapshot()] == [("small-9", "victim", "10.0.0.1")]
 
-        # The window closes when the last expected node is back; from then on only placed shards are taken.
+        # The window closes a lost_after (60 s here) after the start, once every expected node is back; from
+        # then on only placed shards are taken.
         server.handle(b"late", key_of("late"), protocol.encode("register", node_id="late", agent_version="t", **facts),
                       "10.0.0.3")
-        assert not fleet.settling(time.monotonic())
+        fleet.started -= 61  # a minute later
+        assert not fleet.adopting(time.monotonic())
         server.handle(b"rogue", key_of("rogue"), protocol.encode(
             "shard_status", node_id="rogue", **shard("small-4", "small", "http://10.6.6.6:8000")), ADDRESS["rogue"])
         assert [r.shard_id for r in replicas.snapshot()] == ["small-9"]
@@ -402,9 +404,58 @@ def test_a_gateway_dials_no_replica_off_its_node():
         {"id": "on", "url": "http://10.0.0.1:8000", "models": ["m"], "address": "10.0.0.1"},
         {"id": "off", "url": "http://10.9.9.9:8000", "models": ["m"], "address": "10.0.0.1"},
         {"id": "loop", "url": "http://127.0.0.1:8000", "models": ["m"], "address": "::1"},
-        {"id": "named", "url": "http://evil.example:8000", "models": ["m"], "address": "10.0.0.1"}]}
-    snapshot = follower.from_controller(body, Snapshot(version=0, models={}, replicas={}))
-    assert sorted(snapshot.replicas) == ["loop", "on"]
+        {"id": "named", "url": "http://evil.example:8000", "models": ["m"], "address": "10.0.0.1"},
+        {"id": "unsaid", "url": "http://169.254.169.254:80", "models": ["m"]}]}
+    empty = Snapshot(version=0, models={}, replicas={})
+    # A controller on this machine: its loopback nodes are this machine's.
+    assert sorted(follower.from_controller(body, empty, "127.0.0.1").replicas) == ["loop", "on"]
+    # A controller elsewhere: 127.0.0.1 there is not 127.0.0.1 here.
+    assert sorted(follower.from_controller(body, empty, "10.0.0.9").replicas) == ["on"]
+
+
+def test_a_node_fails_only_its_own_placed_model_and_says_a_bounded_amount():
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context, _, server = curve_server(fleet, replicas)
+    try:
+        server.handle(b"rogue", key_of("rogue"), protocol.encode("register", node_id="rogue", agent_version="t"),
+                      ADDRESS["rogue"])
+        placed(replicas, "small-1", "small", "rogue")
+        server.handle(b"rogue", key_of("rogue"), protocol.encode(
+            "shard_status", node_id="rogue", shard_id="small-1", state="failed", model="victim",
+            detail="victim's weights are corrupt: remove it from the catalog", last_output=["x" * 4000] * 1000),
+            ADDRESS["rogue"])
+        # The failure is the placed model's, whatever the node calls it, and only its last lines are kept.
+        assert set(replicas.failures) == {"small"} and "victim" not in replicas.retry_at
+        kept = replicas.failures["small"].last_output
+        assert len(kept) == 50 and {len(line) for line in kept} == {500}
+    finally:
+        server.close()
+        context.term()
+
+
+def test_a_node_listing_many_refused_shards_writes_a_bounded_log(caplog):
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context, _, server = curve_server(fleet, replicas)
+    server.send = lambda *args, **fields: None
+    try:
+        with caplog.at_level("WARNING", logger="llmgw.agentserver"):
+            for i in range(5):
+                server.handle(b"rogue", key_of("rogue"), protocol.encode("register", node_id="rogue", agent_version="t",
+                              shards=[shard(f"s-{i}-{j}", "small", "http://10.9.9.9:8000") for j in range(200)]),
+                              ADDRESS["rogue"])
+        lines = [r for r in caplog.records if "refused what node rogue said" in r.getMessage()]
+        assert server.refused["not_its_own"] == 1000 and len(lines) == 20
+    finally:
+        server.close()
+        context.term()
+
+
+def test_one_replica_cannot_shrink_its_models_context():
+    model = catalog.parse_model({"name": "m", "source": "/m", "max_context": 16384, "profiles": [{"engine": "sim"}]})
+    honest = Replica("m-1", "m", "a", "ready", url="http://10.0.0.1:1", context=8192)
+    rogue = Replica("m-2", "m", "b", "ready", url="http://10.6.6.6:1", context=1)
+    (row,) = publisher.snapshot_body({"m": model}, [honest, rogue])["models"]
+    assert row["max_context"] == 8192  # what llama.cpp serves of the 16,384 asked; not the rogue's 1
 
 
 def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(tmp_path):
@@ -412,15 +463,16 @@ def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(t
               {"name": "small", "source": "/dev/null", "scaling": {"min": 0, "max": 1}, "profiles": [{"engine": "sim"}]}]
     fingerprint = {m["name"]: (lambda parsed: parsed.fingerprint(parsed.profiles[0]))(catalog.parse_model(m))
                    for m in models}
-    # The controller waits for the one node it issued a key to for up to 30 s after it starts: the rogue's
-    # first registration comes in that window, and closes it.
-    c = Controller(tmp_path, models=models, controller__unreachable_after=30.0, controller__lost_after=60.0)
+    # A node may bring back replicas for lost_after (6 s) after the controller starts: the rogue's first
+    # registration comes in that window, its second after it.
+    c = Controller(tmp_path, models=models, controller__unreachable_after=3.0, controller__lost_after=6.0)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     try:
         text = c.issue_key("rogue")
         c.stop()
         c.start()  # which now expects the rogue, the one node with an issued key
+        started = time.monotonic()  # a little after the controller's own start
 
         def field(name):
             return next(line.split('"')[1] for line in text.splitlines() if line.startswith(name + " "))
@@ -450,7 +502,9 @@ def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(t
         assert sorted(r["shard_id"] for r in replies if r["type"] == "stop_shard") == ["big-1", "big-2", "small-1"]
         log = c.log()
         assert "big could not have been placed there" in log and "is not on the node's own address" in log
+        assert time.monotonic() - started < 6.0, "the first registration came after the window; rerun on a quieter machine"
         # Out of the window: a shard this controller did not place is refused, whatever it looks like.
+        time.sleep(max(0.0, started + 6.5 - time.monotonic()))  # the window is time, not a state to wait on
         replies = register({"shard_id": "small-2", "model": "small", "url": "http://127.0.0.1:8000"})
         assert c.replicas() == [] and [r["shard_id"] for r in replies if r["type"] == "stop_shard"] == ["small-2"]
         assert "this controller did not place small-2" in c.log()

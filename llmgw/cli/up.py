@@ -92,12 +92,21 @@ class Up:
                                                    + list(self.cfg.models)))
         return path
 
+    def refuse_shared_var(self) -> None:
+        """Refuse, before anything is written there, a var/ another user owns or may change: they could plant
+        links where the keys and the administrator's password go, and read them (a review did)."""
+        owner = os.stat(self.var).st_uid
+        if owner != os.geteuid():
+            raise settings.ConfigError(f"{self.var} belongs to another user (uid {owner}), and llmgw up keeps its "
+                                       "keys and store there: run it as that user, or from a checkout of your own")
+        filemodes.refuse_loose({self.var: filemodes.OTHERS})
+
     def hold(self):
         """The lock on var/ that one `llmgw up` holds while it runs, kept until it exits; refuses when another
         holds it, before anything is changed. A second `make run` beside a running one once replaced the
         running cluster's replicas, said the other's steps were its own, and failed with an unrelated error."""
         path = os.path.join(self.var, "up.lock")
-        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
+        lock = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600), "r+")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -112,6 +121,10 @@ class Up:
 
     def run(self) -> None:
         filemodes.make_private_dir(self.var)
+        try:
+            self.refuse_shared_var()
+        except settings.ConfigError as e:
+            raise click.ClickException(str(e)) from None
         self.lock = self.hold()  # held until this process exits
         steps = bringup.Steps()
         keys_dir = os.path.join(self.var, "keys")

@@ -19,8 +19,8 @@ handled a moment earlier can bring them back.
 A node speaks from the address it registered from (the connection's peer, as
 ZeroMQ saw it): a message from another address is answered `register_again`.
 What it says of its shards is judged by llmgw/control/claims.py first (its
-engines on that address, only shards this controller placed once it has
-settled); a shard it may not claim is refused, counted, and, when no other
+engines on that address, only shards this controller placed once its
+adoption window is over); a shard it may not claim is refused, counted, and, when no other
 node holds it, stopped, as an engine that no controller accounts for.
 """
 
@@ -40,6 +40,7 @@ from llmgw.control.fleet import Fleet
 from llmgw.wire import agent as protocol
 
 log = logging.getLogger("llmgw.agentserver")
+LOGGED_A_MINUTE = 20  # refusals logged for one node in a minute; the rest are counted
 
 
 class AgentServer:
@@ -58,6 +59,8 @@ class AgentServer:
         self.keys_seen = ring.keys if ring is not None else None  # the ring as of the last look for revocations
         self.heartbeat_interval = heartbeat_interval
         self.refused: dict[str, int] = {}  # why -> messages dropped or refused, for llmgw_agent_messages_refused_total
+        self.told: dict[str, list] = {}  # node -> [minute it began, lines logged in it, refusals not logged]
+        self.context_warned: set[str] = set()  # shards whose short context was logged
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent may reuse its identity
@@ -137,13 +140,13 @@ class AgentServer:
         now = time.monotonic()
         if message["type"] == "register":
             facts = {k: v for k, v in message.items() if k not in ("v", "type", "shards")}
-            settling = self.fleet.settling(now)
+            adopting = self.fleet.adopting(now)
             self.fleet.register(node_id, facts, identity, now, peer)
             shards = message.get("shards", [])  # each with its shard_id and state: llmgw/wire/agent.py checked
             if self.replicas is not None:
                 # What the node runs: how a restarted controller learns its replicas, and how a restarted
                 # agent's adopted engines stay in the snapshot without a gap.
-                taken = [shard for shard in shards if self._may_claim(node_id, identity, shard, now, settling)]
+                taken = [shard for shard in shards if self._may_claim(node_id, identity, shard, now, adopting)]
                 for shard_id, reason in self.replicas.registered(node_id, taken, now, peer):
                     self._refuse_if(node_id, shard_id, reason)
             log.info("node %s registered from %s (agent %s, %d shards running)", node_id, peer,
@@ -158,7 +161,7 @@ class AgentServer:
                                                              "what runs there")
         elif message["type"] == "shard_status":
             if self.replicas is not None and self.fleet.heartbeat(node_id, {}, identity, now, peer) and \
-                    self._may_claim(node_id, identity, message, now, self.fleet.settling(now)):
+                    self._may_claim(node_id, identity, message, now, self.fleet.adopting(now)):
                 refused = self.replicas.report(node_id, message, now, address=peer)
                 self._refuse_if(node_id, message["shard_id"], refused)
                 if refused is None and message["state"] == "ready":
@@ -176,10 +179,10 @@ class AgentServer:
         else:
             log.warning("dropped a %s message: agents do not send those", message["type"])
 
-    def _may_claim(self, node_id: str, identity: bytes, shard: dict, now: float, settling: bool) -> bool:
+    def _may_claim(self, node_id: str, identity: bytes, shard: dict, now: float, adopting: bool) -> bool:
         """Whether NODE_ID may say SHARD (llmgw/control/claims.py); when not, it is refused, counted, and an
         engine of a shard no other node holds is stopped: no controller accounts for it."""
-        reason = self.claims.judge(node_id, shard, now, settling)
+        reason = self.claims.judge(node_id, shard, now, adopting)
         if reason is None:
             return True
         self._refuse_if(node_id, shard["shard_id"], reason)
@@ -192,16 +195,34 @@ class AgentServer:
         engine's figure (publisher.snapshot_body), and the operator should know why."""
         model = self.claims.models().get(shard.get("model"))
         context = shard.get("context")
+        if shard["shard_id"] in self.context_warned:
+            return
+        if len(self.context_warned) > 10_000:  # shards come and go; this only keeps a line from repeating
+            self.context_warned.clear()
         if model is not None and model.max_context and context is not None and context < model.max_context:
+            self.context_warned.add(shard["shard_id"])
             log.warning("replica %s of %s serves %d tokens a request, not the %d its max_context asks (llama.cpp "
                         "caps a slot at what the model was trained on); requests are held to %d",
                         shard["shard_id"], model.name, context, model.max_context, context)
 
     def _refuse_if(self, node_id: str, about: str, reason: str | None) -> None:
-        """Log and count a claim NODE_ID may not make (REASON None: it was accepted)."""
-        if reason is not None:
-            self._count("not_its_own")
-            log.warning("refused what node %s said about %s: %s", node_id, about, reason)
+        """Log and count a claim NODE_ID may not make (REASON None: it was accepted). At most LOGGED_A_MINUTE
+        lines a node a minute, the rest counted into the next: a node whose key leaked once wrote 17 MB of
+        log a second by listing a thousand refused shards in each registration."""
+        if reason is None:
+            return
+        self._count("not_its_own")
+        now = time.monotonic()
+        told = self.told.get(node_id)
+        if told is None or now - told[0] >= 60:
+            told = self.told[node_id] = [now, 0, told[2] if told else 0]
+        if told[1] >= LOGGED_A_MINUTE:
+            told[2] += 1
+            return
+        told[1] += 1
+        more = f" ({told[2]} more refused before this, not logged)" if told[2] else ""
+        told[2] = 0
+        log.warning("refused what node %s said about %s: %s%s", node_id, about[:200], reason, more)
 
     def _count(self, why: str) -> None:
         self.refused[why] = self.refused.get(why, 0) + 1

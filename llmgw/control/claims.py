@@ -11,9 +11,10 @@ So a shard status is held to three rules here:
   only for a node that connects over loopback: anything else pointed at
   127.0.0.1 would have gateways dial their own machine's services.
 - A shard this controller did not place is taken only while the controller
-  has just started (`Fleet.settling`): that is when a node brings back the
-  replicas a controller placed before it restarted. Later, a shard it does
-  not know is no replica of its own, and is refused.
+  has just started (`Fleet.adopting`: `controller.lost_after`, or while it
+  settles): that is when a node brings back the replicas a controller placed
+  before it restarted. Later, a shard it does not know is no replica of its
+  own, and is refused.
 - Even then, only a model in the catalog, run the way one of its profiles
   would run it on that node (`placement.may_run`).
 
@@ -39,10 +40,10 @@ class ShardClaims:
         self.replicas = replicas
         self.models = models
 
-    def judge(self, node_id: str, shard: dict, now: float, settling: bool) -> str | None:
-        """Why NODE_ID may not say SHARD (a shard status, or a shard listed at registration), or None. SETTLING:
-        whether the controller was settling when the message came (asked before a registration is taken,
-        since the last expected node's own registration ends it)."""
+    def judge(self, node_id: str, shard: dict, now: float, adopting: bool) -> str | None:
+        """Why NODE_ID may not say SHARD (a shard status, or a shard listed at registration), or None. ADOPTING:
+        whether a node could bring back replicas when the message came (`Fleet.adopting`, asked before a
+        registration is taken, since the last expected node's own registration ends its settling)."""
         node = self.fleet.view(node_id, now)
         if node is None:
             return "the node is not registered"
@@ -54,7 +55,7 @@ class ShardClaims:
         shard_id = shard["shard_id"]
         if self.replicas.knows(shard_id):
             return None
-        if not settling:
+        if not adopting:
             return (f"this controller did not place {shard_id}, and a node brings back the replicas placed "
                     "before the controller started only while it starts")
         model = self.models().get(shard.get("model"))

@@ -28,13 +28,24 @@ class KeyFileError(Exception):
 
 
 def write_private(path: str, text: str) -> None:
-    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists, even over a looser file;
-    a directory made for it is 0700."""
-    filemodes.make_private_dir(os.path.dirname(os.path.abspath(path)))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists; a directory made for it
+    is 0700. Written to a new file that then takes PATH's place, so whatever PATH was (a looser file, a link
+    another user planted to a file of theirs or of root's) is replaced, never written through: opened and
+    truncated in place, a password went into another user's file, and root's own files were overwritten."""
+    folder = os.path.dirname(os.path.abspath(path))
+    filemodes.make_private_dir(folder)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.new")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def controller_keypair(keys_dir: str) -> tuple[bytes, bytes]:

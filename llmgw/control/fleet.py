@@ -213,6 +213,14 @@ class Fleet:
         with self.lock:
             return self.expected is None or not self.expected <= self.nodes.keys()
 
+    def adopting(self, now: float) -> bool:
+        """True while a node may bring back replicas placed before this controller started (or came to lead):
+        while it settles, and for `lost_after` after its start, past which a node silent since would count
+        as lost and its replicas be replaced anyway. Later, a shard it did not place is no replica of its own
+        (llmgw/control/claims.py). Ended at settling, a node a few seconds late (its agent trying the old
+        leader first) had its engines stopped and loaded again elsewhere."""
+        return now - self.started < self.lost_after or self.settling(now)
+
     def state(self, node: Node, now: float) -> str:
         silent = now - node.last_heard
         if silent > self.lost_after:

@@ -47,10 +47,10 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
         for profile in model.profiles:
             weights[(name, model.fingerprint(profile))] = profile.weight
     limits = limits or {}
-    served: dict[str, int] = {}  # model -> the least context a ready replica of it serves
+    served: dict[str, int] = {}  # model -> the largest context a ready replica of it serves
     for r in ready:
         if r.context is not None:
-            served[r.model] = min(r.context, served.get(r.model, r.context))
+            served[r.model] = max(r.context, served.get(r.model, r.context))
     return {
         "models": [_model(m, served.get(m.name)) for m in sorted(models.values(), key=lambda m: m.name)],
         "demand_port": demand_port,
@@ -62,9 +62,10 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
 
 def _model(m: Model, served: int | None) -> dict:
     """A model as gateways see it; a role and a guard override only where set (absent: none). Its context is
-    what a request may use: the catalog's, or less where a replica's engine serves less (SERVED, the least
-    of its ready replicas': llama.cpp holds a slot to what the model was trained on, whatever it was asked),
-    so /v1/models and the gateway's refusals name the number the engine enforces."""
+    what a request may use: the catalog's, or less where its engines serve less (SERVED, the largest of its
+    ready replicas': llama.cpp holds a slot to what the model was trained on, whatever it was asked), so
+    /v1/models and the gateway's refusals name the number the engines enforce. The largest, not the least:
+    one replica on a node whose key leaked, saying 1, once held every request of the model to 1 token."""
     context = m.max_context if served is None else min(served, m.max_context or served)
     row = {"name": m.name, "aliases": list(m.aliases), "description": m.description, "max_context": context,
            "max_output": m.max_output, "on_demand": m.min_replicas == 0}

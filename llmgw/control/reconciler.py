@@ -35,6 +35,7 @@ log = logging.getLogger("llmgw.controller")
 
 LIVE = ("pending", "fetching", "starting", "ready")
 MAX_BACKOFF = 300.0
+LINES_MOST, LINE_MOST = 50, 500  # of a failed engine's last output, kept for the operator
 
 
 @dataclasses.dataclass
@@ -149,11 +150,13 @@ class Replicas:
                 return None
             if state in ("failed", "stopped"):
                 self.items.pop(shard_id, None)
-                if state == "failed" and status.get("model"):
-                    model = status["model"]
+                # The model placed, not the one the node names: a node once put any model it liked into
+                # backoff this way, with words of its own as the failure an operator reads.
+                model = current.model if current is not None else status.get("model")
+                if state == "failed" and model:
                     count = self.failures[model].count + 1 if model in self.failures else 1
-                    self.failures[model] = Failure(shard_id, node_id, now, status.get("detail"),
-                                                   list(status.get("last_output") or []), count)
+                    output = [line[:LINE_MOST] for line in (status.get("last_output") or [])[-LINES_MOST:]]
+                    self.failures[model] = Failure(shard_id, node_id, now, status.get("detail"), output, count)
                     self.retry_at[model] = now + min(self.base_backoff * 2 ** (count - 1), MAX_BACKOFF)
                 return None
             if current is None:

@@ -44,10 +44,9 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                                       role=m.get("role") or "", guard=tuple(sorted((m.get("guard") or {}).items())))
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
-        if "address" in r and not addresses.same_machine(addresses.url_host(r["url"]), r["address"]):
-            # The controller checks this when the node reports it; a gateway dials nothing off a node either.
-            log.warning("left out replica %s: its URL %s is not on its node's address %s", r["id"], r["url"],
-                        r["address"])
+        why = _off_node(r, host)
+        if why is not None:
+            log.warning("left out replica %s (%s): %s", r["id"], r["url"], why)
             continue
         replicas[r["id"]] = ReplicaSpec(id=r["id"], url=r["url"].rstrip("/"), models=tuple(r["models"]),
                                         weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"),
@@ -56,6 +55,23 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
                     epoch=body.get("epoch"))
+
+
+def _off_node(replica: dict, host: str) -> str | None:
+    """Why a gateway must not dial REPLICA (from the controller at HOST), or None. The controller checks a
+    node's engines are on the node's own address as it reports them; a gateway dials nothing off it either.
+    Loopback is each machine's own: a node on the controller's machine that dials it over loopback is
+    reached at 127.0.0.1 only by a gateway on that machine, and any other would send prompts, with the
+    engine's key, to whatever listens on that port of its own. A controller that sends no address (older
+    than the check) is not followed into the unknown."""
+    address = replica.get("address")
+    if address is None:
+        return "the controller did not say its node's address (upgrade the controller first)"
+    if not addresses.same_machine(addresses.url_host(replica["url"]), address):
+        return f"its URL is not on its node's address {address}"
+    if addresses.is_loopback(address) and not addresses.is_loopback(host):
+        return f"its node is on the controller's machine ({host}), which is not this one"
+    return None
 
 
 def with_leader(body: dict, current: Snapshot, host: str) -> Snapshot:
