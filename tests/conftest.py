@@ -382,6 +382,15 @@ def codex(cli: str, url: str, key: str, cwd, model: str, prompt: str, *config) -
 
 
 @pytest.fixture
+def made():
+    """A list a test appends what it starts to; each is stopped, last first, when the test ends."""
+    things = []
+    yield things
+    for thing in reversed(things):
+        thing.stop()
+
+
+@pytest.fixture
 def make_sim():
     sims = []
 

@@ -53,14 +53,6 @@ def sim_figures(agent: Agent, replica: dict) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
-@pytest.fixture
-def made():
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
-
-
 def test_the_bench_finds_a_replicas_capacity_and_save_makes_admission_hold_it(tmp_path, made):
     store_url = f"sqlite:///{tmp_path}/cluster.db"
     c = Controller(tmp_path, store_url=store_url)

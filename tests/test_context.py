@@ -72,14 +72,6 @@ def test_start_limit_is_the_profiles_and_leaves_the_fingerprint_alone():
             catalog.parse_model({**table, "profiles": [{"engine": "sim", "start_limit": bad}]})
 
 
-@pytest.fixture
-def made():
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
-
-
 def test_every_part_names_the_context_the_engine_serves(tmp_path, made):
     # "fits": 2,048 a request over two slots. "capped": 16,384 asked of the wheel's own file, which says it
     # was trained on 8,192: llama.cpp serves 8,192, and that is the number every part must name.

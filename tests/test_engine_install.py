@@ -315,14 +315,6 @@ class Mirror:
         stop_process(self.proc)
 
 
-@pytest.fixture
-def made():
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
-
-
 LLAMACPP_ARGS = ["--ctx-size", "512", "--threads", "1", "--parallel", "1"]
 CHAT = {"model": "smol", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 

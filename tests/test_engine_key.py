@@ -52,14 +52,6 @@ def listening_hosts(port: int) -> set[str]:
     return hosts
 
 
-@pytest.fixture
-def made():
-    things = []
-    yield things
-    for thing in reversed(things):
-        thing.stop()
-
-
 @pytest.mark.parametrize("engine", ["sim", "llamacpp"])
 def test_an_engine_answers_only_its_replicas_key_which_the_gateway_holds(tmp_path, made, engine):
     if engine == "llamacpp" and not starter.model_path():
