@@ -170,8 +170,9 @@ def test_a_saved_capacity_survives_a_restart_and_reaches_the_replicas_of_its_pro
     assert saved.profile == "cpu" and saved.measured == {"ttft_s": 0.2, "replica": "m-1"}
     again = catalog.Catalog(engine, [MODEL])  # a controller started again on the store
     assert again.limits() == {("m", cpu): 6}
-    replicas = [Replica("m-1", "m", "n1", "ready", cpu, url="http://a"), Replica("m-2", "m", "n1", "ready", cpu,
-                url="http://b"), Replica("m-3", "m", "n2", "ready", gpu, url="http://c")]
+    replicas = [Replica("m-1", "m", "n1", "ready", cpu, url="http://10.0.0.1:1", address="10.0.0.1"),
+                Replica("m-2", "m", "n1", "ready", cpu, url="http://10.0.0.1:2", address="10.0.0.1"),
+                Replica("m-3", "m", "n2", "ready", gpu, url="http://10.0.0.2:1", address="10.0.0.2")]
     body = publisher.snapshot_body(again.models(), replicas, limits=again.limits())
     assert [r.get("max_in_flight") for r in body["replicas"]] == [6, 6, None]  # absent where not measured
     message = gateways.decode(gateways.encode("snapshot", epoch="e", version=1, **body))
