@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from llmgw.cli import starter
-from tests.conftest import Up, codex, run_cli, run_setup_script
+from tests.conftest import Up, codex, count_usage, run_cli, run_setup_script
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 BASH_COMMAND = "echo hello-from-bash > out.txt; cat out.txt"
@@ -35,28 +35,34 @@ SIMS = [{"name": "bash", "source": "/dev/null", "profiles": [{"engine": "sim", "
 def env(tmp_path_factory):
     up = Up(tmp_path_factory.mktemp("agents"), models=SIMS)
     try:
-        yield SimpleNamespace(url=up.url, key=up.key)
+        yield SimpleNamespace(url=up.url, key=up.key, store_url=f"sqlite:///{up.tmp}/var/llmgw.db")
     finally:
         up.stop()
 
 
-def claude(cli: str, env, cwd, model: str, prompt: str, *flags) -> subprocess.CompletedProcess:
+def claude(cli: str, env, cwd, model: str, prompt: str, *flags, check: bool = True) -> subprocess.CompletedProcess:
     """`claude -p` once against the gateway, in a home of its own under CWD, with no traffic but the gateway's
     and retries off (a failure is then one request, not eleven over three minutes)."""
     home = cwd / "claude-home"
     home.mkdir(exist_ok=True)
-    return run_cli([cli, "-p", prompt, *flags], cwd,
-                   {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home), "ANTHROPIC_BASE_URL": env.url,
-                    "ANTHROPIC_API_KEY": env.key, "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-                    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "0"})
+    variables = {"HOME": str(home), "CLAUDE_CONFIG_DIR": str(home), "ANTHROPIC_BASE_URL": env.url,
+                 "ANTHROPIC_API_KEY": env.key, "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "CLAUDE_CODE_MAX_RETRIES": "0"}
+    return run_cli([cli, "-p", prompt, *flags], cwd, variables, check=check)
 
 
 # --- the CLIs, with their own prompts, against the starter model -------------------------------------
 
 
 def test_claude_code_answers_with_its_own_prompt_and_tools(claude_cli, env, tmp_path):
-    run = claude(claude_cli, env, tmp_path, starter.NAME, QUESTION)
-    assert run.stdout.strip(), run.stderr
+    # Its request is served whole, its own prompt and tools in the starter's context. What the 135M model
+    # makes of a prompt that long is not always an answer Claude Code takes: about one time in four it runs
+    # to its output limit, and Claude Code fails it as longer than it allows; anything else is a failure here.
+    served = count_usage(env.store_url, endpoint="messages", status=200)
+    run = claude(claude_cli, env, tmp_path, starter.NAME, QUESTION, check=False)
+    assert run.stdout.strip() and (run.returncode == 0 or "output token maximum" in run.stdout), run.stdout + run.stderr
+    assert count_usage(env.store_url, endpoint="messages", status=200) > served
+    assert count_usage(env.store_url, endpoint="messages", status=400) == 0  # never "does not fit its context"
 
 
 def test_codex_answers_with_its_own_prompt_and_tools(codex_cli, env, tmp_path):

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=40)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--temp", type=float, default=0.8)
+    parser.add_argument("--repeat-penalty", type=float, default=1.0)
     parser.add_argument("--jinja", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
 
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     params.sampling.top_k = args.top_k
     params.sampling.top_p = args.top_p
     params.sampling.temp = args.temp
+    params.sampling.penalty_repeat = args.repeat_penalty
     if os.environ.get("LLAMA_API_KEY"):
         params.api_keys = [os.environ["LLAMA_API_KEY"]]
     server = xllamacpp.Server(params)
