@@ -340,13 +340,12 @@ def claude_cli() -> str:
     return client_cli("claude")
 
 
-def run_cli(argv: list, cwd, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(argv: list, cwd, env: dict, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """One CLI run with only ENV (and PATH) in its environment, stdin closed (Codex otherwise waits to read
-    it), and a deadline; with CHECK, it must exit 0. The time it took is printed for `pytest -s`."""
+    it), and a deadline of TIMEOUT seconds; with CHECK, it must exit 0. The time it took is printed for
+    `pytest -s`."""
     started = time.monotonic()
-    # A coding agent's own prompt is some 4,500 tokens, which llama.cpp reads at about 100 a second on two
-    # busy cores: the deadline leaves room for a few such requests.
-    run = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300,
+    run = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
                          env={"PATH": os.environ["PATH"], **env})
     print(f"{os.path.basename(argv[0])} {argv[1]}: {time.monotonic() - started:.1f} s")
     assert run.returncode == 0 or not check, run.stdout + run.stderr
