@@ -286,7 +286,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
 
     @app.get("/api/v1/status")
     def status():
-        nodes = fleet.describe(time.monotonic())
+        now = time.monotonic()
+        nodes = fleet.describe(now)
         counts = {state: sum(1 for n in nodes if n.state == state) for state in STATES}
         rows = replica_rows()
         models_ = catalog.models()
@@ -298,7 +299,10 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
                         "nodes": counts, "models": len(models_),
                         "models_serving": serving, "replicas": len(rows),
                         "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
-                        "reconcile_seconds": took, "reconcile_seconds_max": took_max})
+                        "reconcile_seconds": took, "reconcile_seconds_max": took_max,
+                        # Whether a node may still bring back replicas placed before this controller led
+                        # (llmgw/control/claims.py): while it does, a node late to register keeps its engines.
+                        "adopting": role == "leader" and fleet.adopting(now)})
 
     @app.get("/api/v1/nodes")
     def nodes():
