@@ -31,7 +31,7 @@ from llmgw.node.controllerlink import ControllerLink
 from llmgw.node.installer import Installer
 from llmgw.node.logsources import LogRing, LogSources
 from llmgw.node.reporter import Reporter
-from llmgw.node.supervisor import Supervisor
+from llmgw.node.supervisor import Health, Supervisor
 
 log = logging.getLogger("llmgw.agent")
 LOG_FORMAT = "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"
@@ -87,7 +87,7 @@ def main(config_path, controllers, node_id, key_file):
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
                             address, report=lambda fields: outbox.put(("shard_status", fields)),
                             local_sources=cfg["agent.local_sources"], named=engines.named(cfg),
-                            installer=installer)
+                            installer=installer, health=Health.from_settings(cfg))
     adopted = supervisor.adopt()
     if adopted:
         log.info("adopted %d engines left running: %s", len(adopted), ", ".join(adopted))

@@ -427,6 +427,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("agent.engine_recheck_interval", "float", 600.0,
             "Seconds between checks of the engines the node installed (libraries, version); one that fails is "
             "reported with its reason and installed again when next needed.", minimum=1.0),
+    Setting("agent.health_interval", "float", 2.0,
+            "Seconds between probes of each ready engine's `/health`. An engine that fails "
+            "`agent.unhealthy_after` probes in a row is reported unhealthy and leaves every gateway's rotation "
+            "until a probe passes again.", minimum=0.1),
+    Setting("agent.health_timeout", "float", 3.0,
+            "Seconds an engine has to answer a health probe; a stopped or deadlocked engine takes the connection "
+            "and never answers.", minimum=0.1),
+    Setting("agent.unhealthy_after", "int", 2,
+            "Health probes failed in a row that make a ready engine unhealthy.", minimum=1),
+    Setting("agent.restart_unhealthy_after", "float", 60.0,
+            "Seconds an engine may stay unhealthy before the agent restarts it in place (as Kubernetes' liveness "
+            "probe does), with the reason in `llmgw ctl replicas`. 0: never restart; it stays out of rotation.",
+            minimum=0.0),
     Setting("agent.llama_server", "str", "",
             "A `llama-server` binary to use, named explicitly: the agent runs no engine binary it finds on the "
             "PATH. Empty: one the node installed from its engine catalogue, else llama.cpp from the `xllamacpp` "

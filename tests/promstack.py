@@ -224,7 +224,7 @@ def emitted(tmp) -> dict[str, set[str]]:
     finally:
         controller.stop()
     for family in FleetCollector(Fleet(15, 60)).collect():
-        series[family.name] = set(family._labelnames)
+        series[family.name + ("_total" if family.type == "counter" else "")] = set(family._labelnames)
     exporter = NodeExporter(tmp)
     try:
         series.update((name, labels) for name, labels in parsed(read(exporter.url + "/metrics")).items()

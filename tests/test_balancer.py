@@ -177,6 +177,40 @@ def test_router_keeps_state_across_snapshots_and_skips_open_breakers():
     assert router.states["a"] is not state_a  # a new address is a new replica
 
 
+def test_only_a_replica_found_hung_has_its_waiting_requests_moved():
+    from llmgw.gateway.upstream import Cancel
+
+    class Conn:  # what a Cancel closes: the connection its request waits on
+        closed = False
+
+        class sock:
+            @staticmethod
+            def shutdown(how):
+                pass
+
+        def close(self):
+            self.closed = True
+
+    spec = lambda rid: ReplicaSpec(rid, f"http://{rid}", ("m",))  # noqa: E731
+    router = Router(Snapshot(1, {"m": ModelSpec("m")}, {r: spec(r) for r in "abc"}), 2, 10.0, STALE, 1.25, seed=1)
+    waiting = {}
+    for rid in "abc":
+        cancel = Cancel()
+        cancel.conn = Conn()
+        router.states[rid].unanswered.add(cancel)
+        waiting[rid] = cancel
+    # b is stopped or drained (it finishes what it has); c's node found its engine hung.
+    router.apply(Snapshot(2, {"m": ModelSpec("m")}, {"a": spec("a")}, unhealthy=frozenset({"c"})))
+    assert [rid for rid, cancel in waiting.items() if cancel.abandoned] == ["c"]
+    assert not waiting["c"].cancelled  # the client is still there: the request goes to another replica
+    # A breaker that opens does the same (its health checks failed: hung as far as this worker can tell).
+    cancel = Cancel()
+    cancel.conn = Conn()
+    router.states["a"].unanswered.add(cancel)
+    router.states["a"].leave()
+    assert cancel.abandoned
+
+
 def test_snapshot_names_and_aliases():
     snap = Snapshot(1, {"m": ModelSpec("m", aliases=("fast", "n")), "n": ModelSpec("n")},
                     {"r": ReplicaSpec("r", "http://r", ("m", "n"))})

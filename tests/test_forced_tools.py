@@ -42,7 +42,7 @@ def gw(tmp_path_factory, starter_engine):
 
 @pytest.fixture(scope="module")
 def chat(gw):
-    client = openai.OpenAI(base_url=gw[0].url + "/v1", api_key=gw[1], max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=gw[0].url + "/v1", api_key=gw[1], max_retries=0, timeout=240)
     yield client
     client.close()
 
@@ -94,7 +94,7 @@ def test_chat_naming_a_tool_not_offered_is_refused(chat):
 
 
 def test_messages_forced_tool_use(gw):
-    client = anthropic.Anthropic(base_url=gw[0].url, api_key=gw[1], max_retries=0, timeout=60)
+    client = anthropic.Anthropic(base_url=gw[0].url, api_key=gw[1], max_retries=0, timeout=240)
     tools = [{"name": "get_weather", "description": "Weather in a city", "input_schema": CITY},
              {"name": "get_time", "description": "Time in a zone", "input_schema": ZONE}]
     ask = [{"role": "user", "content": ASK}]

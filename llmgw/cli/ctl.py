@@ -266,8 +266,16 @@ def replicas(obj, model, as_json):
         if r["state"] == "fetching" and r["fetch"]:
             done, total = r["fetch"].get("bytes_done", 0), r["fetch"].get("bytes_total")
             state += f" {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
+        if r.get("restarts"):
+            state += f" (restarted {r['restarts']}x)"
         rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
     print_table(rows)
+    # Why a replica is out of rotation, and why its node last restarted it: the operator's next question.
+    for r in result:
+        if r["state"] == "unhealthy" and r.get("detail"):
+            click.echo(printable(f"{r['shard_id']} is unhealthy: {r['detail']}"), err=True)
+        if r.get("restart_reason"):
+            click.echo(printable(f"{r['shard_id']} was last restarted because {r['restart_reason']}"), err=True)
 
 
 @ctl.command("explain-placement")

@@ -116,7 +116,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             rows.append({"shard_id": r.shard_id, "model": r.model, "node": r.node_id, "state": r.state,
                          "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
                          "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1), "context": r.context,
-                         "profile": profile.name if profile else None})
+                         "profile": profile.name if profile else None, "detail": r.detail, "restarts": r.restarts,
+                         "restart_reason": r.restart_reason})
         return rows
 
     @app.get("/api/v1/models")

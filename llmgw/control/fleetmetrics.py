@@ -11,9 +11,10 @@ here and alert for nodes that are fine.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmgw.control.fleet import STATES, Fleet
 
@@ -98,14 +99,17 @@ class FleetCollector:
         ready = GaugeMetricFamily("llmgw_model_replicas_ready",
                                   "Ready replicas of each model that should be running (absent for a stopped one).",
                                   labels=["model"])
+        restarts = CounterMetricFamily("llmgw_engine_restarts", "Engines their nodes restarted for failing their "
+                                       "health probes (agent.restart_unhealthy_after), since this controller led.",
+                                       labels=["model"])
         where = GaugeMetricFamily("llmgw_replica_info", "1 for each replica the controller knows, with its model "
                                   "and node: joined on `replica`, it tells the gateways' replica series their node.",
                                   labels=["replica", "model", "node"])
         if not leading:
-            yield from (by_state, ready, where)
+            yield from (by_state, ready, where, restarts)
             return
         shards = self.replicas.snapshot() if self.replicas is not None else []
-        for state in ("pending", "fetching", "starting", "ready", "stopping"):
+        for state in ("pending", "fetching", "starting", "ready", "unhealthy", "stopping"):
             by_state.add_metric([state], sum(1 for r in shards if r.state == state))
         for r in shards:
             where.add_metric([r.shard_id, r.model, r.node_id], 1)
@@ -115,6 +119,11 @@ class FleetCollector:
             live = any(r.model == name for r in shards)
             if live or model.min_replicas > 0:
                 ready.add_metric([name], count)
+        with self.replicas.lock if self.replicas is not None else contextlib.nullcontext():
+            counts = dict(self.replicas.restarted) if self.replicas is not None else {}
+        for name in sorted(set(counts) | set(models)):
+            restarts.add_metric([name], counts.get(name, 0))
         yield by_state
         yield ready
         yield where
+        yield restarts

@@ -1,7 +1,8 @@
 """Telling gateways where each model can be served: the routing snapshot, pushed over ZeroMQ PUB.
 
-The whole snapshot (the catalog's names, aliases and limits, and the ready
-replicas with their addresses) goes out whenever it changes and again every
+The whole snapshot (the catalog's names, aliases and limits, the ready
+replicas with their addresses, and the ids of those whose node found their
+engine unhealthy) goes out whenever it changes and again every
 `REPEAT` seconds. Sending it whole, and repeating it, is what makes PUB/SUB
 safe here: a gateway that joined late, or missed a message across a restart,
 is right again within seconds, with no request for a full copy.
@@ -57,6 +58,9 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
         "accountant_port": accountant_port,
         "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0), limits.get((r.model, r.profile_fp)))
                      for r in ready],
+        # Out of rotation like any replica not listed, but named: a request a gateway sent one before its node
+        # found it hung is moved to another replica (a replica merely stopping or drained finishes its own).
+        "unhealthy": sorted(r.shard_id for r in replicas if r.state == "unhealthy"),
     }
 
 

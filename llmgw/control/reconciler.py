@@ -33,7 +33,9 @@ from llmgw.control.fleet import DRAINING, LOST, NodeView
 
 log = logging.getLogger("llmgw.controller")
 
-LIVE = ("pending", "fetching", "starting", "ready")
+# Unhealthy: its engine fails its node's health probes. It is out of the snapshot (so out of every gateway's
+# rotation) but still the model's replica, which its node restarts in place if it does not recover.
+LIVE = ("pending", "fetching", "starting", "ready", "unhealthy")
 MAX_BACKOFF = 300.0
 LINES_MOST, LINE_MOST = 50, 500  # of a failed engine's last output, kept for the operator
 
@@ -43,7 +45,7 @@ class Replica:
     shard_id: str
     model: str
     node_id: str
-    state: str  # pending (sent, not yet reported), fetching, starting, ready, stopping
+    state: str  # pending (sent, not yet reported), fetching, starting, ready, unhealthy, stopping
     profile_fp: str | None = None
     engine: str | None = None
     url: str | None = None
@@ -54,6 +56,9 @@ class Replica:
     address: str | None = None  # its node's address, which its URL is on; gateways dial nothing else
     context: int | None = None  # tokens a request may use there, as its engine says once ready
     since: float = 0.0  # when it was placed, or first heard of; once ready, when it became ready
+    detail: str | None = None  # its node's words on its state (why it is unhealthy)
+    restarts: int = 0  # by its node, for failing its health probes
+    restart_reason: str | None = None  # the last one
 
 
 @dataclasses.dataclass
@@ -91,6 +96,7 @@ class Replicas:
         self.retired: dict[str, str] = {}  # shard id -> node id: replaced while its node was lost
         self.orders: list[Stop] = []  # stops decided between passes, sent by the next one
         self.plan_errors: dict[str, str] = {}  # model -> what planning it last raised, while it still does
+        self.restarted: dict[str, int] = {}  # model -> engines its nodes restarted, since this controller started
         self.lock = threading.RLock()
 
     def clear(self) -> None:
@@ -159,6 +165,7 @@ class Replicas:
                     self.failures[model] = Failure(shard_id, node_id, now, status.get("detail"), output, count)
                     self.retry_at[model] = now + min(self.base_backoff * 2 ** (count - 1), MAX_BACKOFF)
                 return None
+            heard_before = current is not None
             if current is None:
                 current = Replica(shard_id, status.get("model", "?"), node_id, state, since=now,
                                   memory_bytes=memory_bytes or 0)
@@ -167,9 +174,15 @@ class Replicas:
                 current.state = state
             if address is not None:
                 current.address = address
-            for field in ("profile_fp", "engine", "url", "fetch", "api_key", "context"):
+            for field in ("profile_fp", "engine", "url", "fetch", "api_key", "context", "restart_reason"):
                 if field in status:
                     setattr(current, field, status[field])
+            current.detail = status.get("detail")
+            restarts = status.get("restarts", 0)
+            if restarts > current.restarts:
+                if heard_before:  # restarts from before this controller heard of it are not counted again
+                    self.restarted[current.model] = self.restarted.get(current.model, 0) + restarts - current.restarts
+                current.restarts = restarts
             if "gpus" in status:
                 current.gpus = tuple(status["gpus"])
             if state == "ready":

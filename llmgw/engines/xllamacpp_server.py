@@ -57,14 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     params.sampling.penalty_repeat = args.repeat_penalty
     if os.environ.get("LLAMA_API_KEY"):
         params.api_keys = [os.environ["LLAMA_API_KEY"]]
+    # Blocked before llama.cpp starts its threads, which inherit the mask, and taken by this thread alone.
+    # Handled with signal.pause(), a SIGTERM sent to an engine that was stopped (SIGSTOP, then SIGCONT: how
+    # a hung one is restarted) went to whichever llama.cpp thread ran first, and the pause never ended.
+    stopping = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stopping)
     server = xllamacpp.Server(params)
     print(f"llama.cpp (xllamacpp) serving {args.alias} on {server.listening_address}", flush=True)
-
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
-    while not stop:
-        signal.pause()
+    signal.sigwait(stopping)
     return 0
 
 

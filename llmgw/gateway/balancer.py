@@ -55,7 +55,7 @@ class ReplicaState:
     """What one worker knows about one replica."""
 
     __slots__ = ("spec", "target", "outstanding", "breaker", "waiting", "running", "kv_cache", "metrics_at",
-                 "outstanding_at_metrics", "seed", "checked_at", "turn")
+                 "outstanding_at_metrics", "seed", "checked_at", "turn", "unanswered")
 
     def __init__(self, spec: ReplicaSpec, breaker: Breaker, target=None):
         self.spec = spec
@@ -70,6 +70,17 @@ class ReplicaState:
         self.seed = int.from_bytes(hashlib.blake2b(spec.id.encode(), digest_size=8).digest(), "big")
         self.checked_at: float | None = None  # the last health check an engine error prompted
         self.turn = 0.0  # round-robin's running credit
+        # This worker's requests sent here and not yet answered (their upstream.Cancel): abandoned, and sent
+        # elsewhere, when the replica is found hung (`leave`).
+        self.unanswered: set = set()
+
+    def leave(self) -> None:
+        """The replica was found hung (its node says so, or its breaker opened): end each request still waiting
+        for its answer here, so that it goes to another replica rather than waiting out timeouts.first_byte on an
+        engine known not to answer. A replica that merely leaves the snapshot (stopped, drained, replaced)
+        finishes what it has."""
+        for cancel in list(self.unanswered):
+            cancel.abandon()
 
     def fresh(self, now: float, stale_after: float) -> bool:
         return self.metrics_at is not None and now - self.metrics_at <= stale_after
@@ -229,6 +240,10 @@ class Router:
             else:
                 state.spec = spec
             states[rid] = state
+        for rid in snapshot.unhealthy:
+            state = self.states.get(rid)
+            if state is not None:
+                state.leave()
         self.states = states
         self.measured = frozenset(m for spec in snapshot.replicas.values() if spec.max_in_flight is not None
                                   for m in spec.models)

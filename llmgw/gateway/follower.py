@@ -54,7 +54,7 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else None
     accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
-                    epoch=body.get("epoch"))
+                    epoch=body.get("epoch"), unhealthy=frozenset(body.get("unhealthy") or ()))
 
 
 def _off_node(replica: dict, host: str) -> str | None:

@@ -114,6 +114,7 @@ FAILURES = {
     "closed": "it closed the connection before the answer was complete",
     "status": "it is unavailable",
     "protocol": "its answer could not be read",
+    "abandoned": "its replica was taken out of rotation while the request waited on it",
 }
 
 
@@ -612,6 +613,9 @@ class Proxy:
             tried.add(replica.spec.id)
             replica.outstanding += 1
             sent = time.perf_counter()
+            if cancel is not None:
+                cancel.abandoned = False
+                replica.unanswered.add(cancel)
             try:
                 resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline, cancel=cancel)
                 if resp.status == 429:
@@ -637,6 +641,13 @@ class Proxy:
                 if cancel is not None and cancel.cancelled:
                     # The engine read the prompt, maybe more: billed as a stream cut before its first token.
                     raise ClientLeft(replica.spec.id, self._billed(req, model, replica, None, 0)) from None
+                if cancel is not None and cancel.abandoned:
+                    # The replica left rotation while this waited on it: nothing reached the client, and
+                    # the replica is already out, so the request goes to another one, with no strike.
+                    log.warning("a request on replica %s (%s) for %s was moved: the replica left rotation while "
+                                "it waited for an answer", replica.spec.id, replica.spec.url, model.name)
+                    failure = UpstreamError("abandoned", "the replica left rotation while the engine had the request")
+                    continue
                 # A full engine is routine under load (and queued for, below); a failure is worth a line.
                 log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
                         "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
@@ -650,6 +661,9 @@ class Proxy:
                 if e.phase == "closed" and self.rt._get(replica, "/health") is None:
                     raise self._fatal_request(model.name, replica) from None
                 continue
+            finally:
+                if cancel is not None:
+                    replica.unanswered.discard(cancel)
             engine_time += time.perf_counter() - sent
             if resp.status >= 400:
                 resp.release()
@@ -688,6 +702,7 @@ class Proxy:
         if replica.breaker.failure(time.monotonic()):
             log.warning("replica %s is out of rotation after %d failures in a row (last: %s)",
                         replica.spec.id, replica.breaker.failures, e)
+            replica.leave()
 
     def _engine_refusal(self, spec: ModelSpec, replica, status: int, detail: bytes) -> ApiError:
         """The client's error for an engine's answer to the request itself (a 4xx, or a 500 and kin).

@@ -51,6 +51,7 @@ class Snapshot:
     accountant: str | None = None  # where requests are admitted against limits
     epoch: str | None = None  # the controller start that published it (None: the gateway's own configuration)
     awaiting_catalog: bool = False  # True until the controller's first snapshot: a name missing may yet exist
+    unhealthy: frozenset[str] = frozenset()  # replicas out of the snapshot because their engine is hung
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)

@@ -100,16 +100,29 @@ class Cancel:
     """Lets another greenlet end an exchange whose client has left, before or after its answer began to come:
     `abort` marks it cancelled and closes the connection it is on (the pool sets `conn`), which wakes its
     reader; the exchange then fails with phase "cancelled". Whoever is done with the connection sets `conn`
-    to None first, so an abort after that never closes one the pool holds for another request."""
+    to None first, so an abort after that never closes one the pool holds for another request.
 
-    __slots__ = ("conn", "cancelled")
+    `abandon` ends it the same way for the replica's sake, not the client's: the replica left rotation (its
+    node found its engine hung) while the request waited for an answer. The exchange then fails with phase
+    "abandoned", and the request may go to another replica."""
+
+    __slots__ = ("conn", "cancelled", "abandoned")
 
     def __init__(self) -> None:
         self.conn: Connection | None = None
         self.cancelled = False
+        self.abandoned = False
 
     def abort(self) -> None:
         self.cancelled = True
+        self._close()
+
+    def abandon(self) -> None:
+        if self.conn is not None:
+            self.abandoned = True
+            self._close()
+
+    def _close(self) -> None:
         conn, self.conn = self.conn, None
         if conn is not None:
             try:
@@ -366,6 +379,9 @@ class Pool:
                 conn.close()
                 if cancel is not None and cancel.cancelled:
                     raise UpstreamError("cancelled", "the request was cancelled while the engine had it") from None
+                if cancel is not None and cancel.abandoned:
+                    raise UpstreamError("abandoned", "the replica left rotation while the engine had the "
+                                                     "request") from None
                 # A kept-alive connection the engine closed while idle fails
                 # with nothing received: that is not the engine failing, so the
                 # request goes again on a fresh connection.

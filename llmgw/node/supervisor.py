@@ -17,10 +17,20 @@ told to the controller in the shard's status over the CURVE channel, which
 gives it to gateways only. Before, engines listened on every address with no
 key, and anyone who reached the node used them past every key, limit and
 budget.
+
+A ready engine's `/health` is probed every `agent.health_interval`. One that
+fails `agent.unhealthy_after` probes in a row is reported `unhealthy`, which
+takes it out of every gateway's rotation at the controller's next snapshot;
+a probe that passes brings it back. One unhealthy for longer than
+`agent.restart_unhealthy_after` is restarted in place: the same replica and
+key (on a new port), its restarts counted and the reason kept. Before, a hung engine (stopped,
+deadlocked in a collective) stayed ready, and each request sent to it waited
+for `timeouts.first_byte` (300 s) before anything noticed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +39,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from llmgw import addresses, engines, weights
@@ -45,7 +56,23 @@ START_LIMIT = 600.0
 HEALTH_INTERVAL = 0.5
 STOP_TIMEOUT = 30.0
 LAST_LINES = 40
-ALIVE = ("fetching", "starting", "ready")
+ALIVE = ("fetching", "starting", "ready", "unhealthy")
+SERVING = ("ready", "unhealthy")  # started, and probed: an unhealthy engine is only out of rotation
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """How engines are probed once ready, and when one is restarted (the `agent.health_*` settings)."""
+
+    interval: float = 2.0
+    timeout: float = 3.0
+    unhealthy_after: int = 2
+    restart_after: float = 60.0  # 0: never
+
+    @classmethod
+    def from_settings(cls, cfg) -> "Health":
+        return cls(cfg["agent.health_interval"], cfg["agent.health_timeout"], cfg["agent.unhealthy_after"],
+                   cfg["agent.restart_unhealthy_after"])
 
 
 class Shard:
@@ -63,6 +90,11 @@ class Shard:
         self.detail: str | None = None
         self.ready_at: float | None = None  # wall clock: kept in the state file, so it survives the agent
         self.context: int | None = None  # tokens a request may use, as the engine says once ready
+        self.failed_probes = 0  # health probes failed in a row
+        self.unhealthy_since: float | None = None  # monotonic
+        self.restarts = 0  # by this node, for failing its probes; kept in the state file
+        self.restart_reason: str | None = None  # the last one
+        self.stop_asked = False  # a stop that came while it was being restarted is carried out once it runs
 
 
 def _alive(pid: int) -> bool:
@@ -93,13 +125,16 @@ def tail(path: str, lines: int) -> list[str]:
 
 class Supervisor:
     def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report,
-                 local_sources: list[str] = (), named: dict[str, tuple[str, str]] | None = None, installer=None):
+                 local_sources: list[str] = (), named: dict[str, tuple[str, str]] | None = None, installer=None,
+                 health: Health = Health()):
         """REPORT(fields) is called (from any thread) with each shard_status to send. Engines listen on
         ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty. An engine is given a
         local source only inside WEIGHTS_DIR or LOCAL_SOURCES (`agent.local_sources`). An engine runs from
         what the configuration NAMED (`engines.named`), else from what INSTALLER (llmgw/node/installer.py)
-        installed, installing it first when its catalogue has it, else from llmgw's own environment."""
+        installed, installing it first when its catalogue has it, else from llmgw's own environment. HEALTH:
+        how ready engines are probed and when one is restarted."""
         self.node_id = node_id
+        self.health = health
         self.named = named or {}
         self.installer = installer
         self.work_dir = work_dir
@@ -125,7 +160,7 @@ class Supervisor:
                       profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
                       exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail,
                       ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None,
-                      context=shard.context)
+                      context=shard.context, restarts=shard.restarts or None, restart_reason=shard.restart_reason)
         if shard.state == "failed":
             fields["last_output"] = tail(shard.log_path, LAST_LINES)
         return {k: v for k, v in fields.items() if v is not None}
@@ -200,7 +235,7 @@ class Supervisor:
             return
         data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
                 "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key,
-                "context": shard.context}
+                "context": shard.context, "restarts": shard.restarts, "restart_reason": shard.restart_reason}
         tmp = self._state_path(shard.shard_id) + ".tmp"
         # Mode 0600 from the start: it holds the engine's key.
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -227,16 +262,19 @@ class Supervisor:
                 continue
             shard = Shard(data["spec"], data["port"], data["log_path"], data.get("api_key"))
             shard.pid = pid
-            shard.state = data["state"] if data["state"] in ("starting", "ready") else "starting"
+            # An unhealthy engine is taken back as ready: its probes start again, and say within a few seconds.
+            shard.state = "ready" if data["state"] in SERVING else "starting"
             shard.ready_at = data.get("ready_at") if shard.state == "ready" else None
             shard.context = data.get("context") if isinstance(data.get("context"), int) else None
+            shard.restarts = data.get("restarts") if isinstance(data.get("restarts"), int) else 0
+            shard.restart_reason = data.get("restart_reason") if isinstance(data.get("restart_reason"), str) else None
             with self.lock:
                 self.shards[shard.shard_id] = shard
             adopted.append(shard.shard_id)
             log.info("adopted shard %s (%s), pid %d, still running from before this agent started",
                      shard.shard_id, shard.spec["model"], pid)
-            if shard.state == "starting":
-                threading.Thread(target=self._wait_ready, args=(shard,), daemon=True).start()
+            threading.Thread(target=self._wait_ready if shard.state == "starting" else self._watch_health,
+                             args=(shard,), daemon=True).start()
         return adopted
 
     # --- commands --------------------------------------------------------------------------
@@ -301,6 +339,9 @@ class Supervisor:
                 return
         shard.pid = shard.proc.pid
         self._set(shard, "starting")
+        if shard.stop_asked:  # while it was being restarted
+            self._stop(shard, None)
+            return
         self._wait_ready(shard)
 
     def _launch(self, shard: Shard) -> tuple[str, str] | None:
@@ -338,6 +379,8 @@ class Supervisor:
                     if resp.status == 200:
                         shard.context = self._served_context(shard)
                         self._set(shard, "ready")
+                        threading.Thread(target=self._watch_health, args=(shard,), daemon=True,
+                                         name=f"health-{shard.shard_id}").start()
                         return
             except OSError:
                 pass
@@ -365,12 +408,73 @@ class Supervisor:
             return True
         return shard.pid is not None and _alive(shard.pid)
 
+    # --- health: probed once ready, out of rotation when it fails, restarted when it goes on failing ----------
+
+    def _probe(self, shard: Shard) -> str | None:
+        """Why SHARD's engine fails its health probe now, or None when it passes."""
+        try:
+            with self._get(shard, "/health", timeout=self.health.timeout) as resp:
+                return None if resp.status == 200 else f"it answered {resp.status}"
+        except urllib.error.HTTPError as e:
+            e.close()
+            return f"it answered {e.code}"
+        except OSError as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, TimeoutError) or "timed out" in str(reason):
+                return f"it did not answer within {self.health.timeout:g} s"
+            return f"it could not be reached ({reason})"
+
+    def _watch_health(self, shard: Shard) -> None:
+        """Probe SHARD for as long as it serves (ready or unhealthy) under this agent."""
+        health = self.health
+        while True:
+            time.sleep(health.interval)
+            with self.lock:
+                if self.shards.get(shard.shard_id) is not shard or shard.state not in SERVING:
+                    return
+            problem = self._probe(shard)
+            if shard.state not in SERVING:
+                return  # stopped or failed while the probe waited
+            if problem is None:
+                shard.failed_probes = 0
+                if shard.state == "unhealthy":
+                    shard.unhealthy_since = None
+                    self._set(shard, "ready")
+                continue
+            shard.failed_probes += 1
+            now = time.monotonic()
+            if shard.state == "ready" and shard.failed_probes >= health.unhealthy_after:
+                shard.unhealthy_since = now
+                self._set(shard, "unhealthy", f"its /health failed {shard.failed_probes} probes in a row: {problem}")
+            elif shard.state == "unhealthy":
+                if health.restart_after and now - shard.unhealthy_since >= health.restart_after:
+                    self._restart(shard, f"its /health failed for {now - shard.unhealthy_since:.0f} s "
+                                         f"(agent.restart_unhealthy_after): {problem}")
+                    return
+
+    def _restart(self, shard: Shard, reason: str) -> None:
+        """Stop SHARD's engine and start it again in place: the same replica and key on a new port (the old one
+        may linger in TIME_WAIT with the gateways' connections); the controller sees it start, become ready
+        again, and gateways take its new address from the next snapshot."""
+        shard.restarts += 1
+        shard.restart_reason = reason
+        log.warning("restarting shard %s (%s), restart %d: %s", shard.shard_id, shard.spec["model"],
+                    shard.restarts, reason)
+        shard.state = "restarting"  # no probe, no second restart, while it goes; not reported
+        self._kill(shard)
+        shard.proc, shard.pid, shard.exit_code, shard.ready_at = None, None, None, None
+        shard.failed_probes, shard.unhealthy_since = 0, None
+        shard.port = free_port(self.probe_host)
+        with open(shard.log_path, "ab") as out:
+            out.write(f"--- llmgw: restarting the engine: {reason}\n".encode())
+        threading.Thread(target=self._run, args=(shard,), name=f"shard-{shard.shard_id}", daemon=True).start()
+
     def check(self) -> None:
         """Notice engines that died (called every second or so by the agent's loop)."""
         with self.lock:
             shards = list(self.shards.values())
         for shard in shards:
-            if shard.state == "ready" and not self._running(shard):
+            if shard.state in SERVING and not self._running(shard):
                 hint = " (SIGKILL: out of memory?)" if shard.exit_code == -signal.SIGKILL else ""
                 self._set(shard, "failed", f"the engine exited with status {shard.exit_code}{hint}")
 
@@ -381,6 +485,7 @@ class Supervisor:
             shard = self.shards.get(shard_id)
         if shard is None:
             return False
+        shard.stop_asked = True
         if shard.state not in ALIVE:
             return True
         shard.state = "stopping"
@@ -401,21 +506,31 @@ class Supervisor:
         self._stop(shard, None)
 
     def _stop(self, shard: Shard, reason: str | None) -> None:
-        if shard.pid:
+        self._kill(shard)
+        self._set(shard, "failed" if reason else "stopped", reason)
+
+    def _kill(self, shard: Shard) -> None:
+        """SIGTERM to SHARD's process group (continued first: a stopped engine would not see it until then),
+        SIGKILL after STOP_TIMEOUT; returns once it has gone."""
+        if not shard.pid:
+            return
+        for sig in (signal.SIGCONT, signal.SIGTERM):
             try:
-                os.killpg(shard.pid, signal.SIGTERM)
+                os.killpg(shard.pid, sig)
             except ProcessLookupError:
-                pass
+                return
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while self._running(shard) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._running(shard):
+            log.warning("shard %s did not stop within %.0f s of SIGTERM; killing it", shard.shard_id, STOP_TIMEOUT)
+            try:
+                os.killpg(shard.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
             deadline = time.monotonic() + STOP_TIMEOUT
             while self._running(shard) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if self._running(shard):
-                log.warning("shard %s did not stop within %.0f s of SIGTERM; killing it", shard.shard_id, STOP_TIMEOUT)
-                try:
-                    os.killpg(shard.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self._set(shard, "failed" if reason else "stopped", reason)
 
     def weights_in_use(self) -> dict[str, list[str]]:
         """Entry of the weights directory -> the shards (fetching, starting or ready) that use it."""

@@ -63,6 +63,7 @@ SHARD: dict[str, tuple[object, bool]] = {
     "exit_code": (Int(-2**31, 2**31), False), "last_output": (ListOf(Str(4000), 1000), False),
     "fetch": (FETCH, False), "detail": (TEXT, False), "ready_s": (Num(0, 1e12), False),
     "api_key": (Str(500), False), "context": (Int(1, 1 << 24), False),
+    "restarts": (Int(0, 2**31), False), "restart_reason": (TEXT, False),
 }
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same

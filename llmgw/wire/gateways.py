@@ -60,7 +60,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     # controller -> gateways
     "snapshot": {"epoch": (Str(64), True), "version": (COUNT, True), "models": (ListOf(MODEL, MANY), True),
                  "replicas": (ListOf(REPLICA, MANY), True), "demand_port": (PORT, False),
-                 "accountant_port": (PORT, False)},
+                 "accountant_port": (PORT, False), "unhealthy": (ListOf(NAME, MANY), False)},
     "leading": {"epoch": (Str(64), True), "demand_port": (PORT, False), "accountant_port": (PORT, False)},
     "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
              "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
