@@ -28,7 +28,7 @@ from llmgw.control import curvekeys
 from llmgw.node import discovery
 from llmgw.node.commands import commands
 from llmgw.node.controllerlink import ControllerLink
-from llmgw.node.installer import Installer
+from llmgw.node.installer import Installer, host_facts
 from llmgw.node.logsources import LogRing, LogSources
 from llmgw.node.reporter import Reporter
 from llmgw.node.supervisor import Health, Supervisor
@@ -83,7 +83,8 @@ def main(config_path, controllers, node_id, key_file):
                                    f"{route}, and the controller accepts engines only on that address: leave "
                                    "agent.engine_host empty, or set it to that address")
     outbox: queue.SimpleQueue = queue.SimpleQueue()
-    installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"])
+    installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"],
+                          host=lambda: host_facts(cfg["agent.engines_dir"], cfg["agent.nvidia_smi"]))
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
                             address, report=lambda fields: outbox.put(("shard_status", fields)),
                             local_sources=cfg["agent.local_sources"], named=engines.named(cfg),

@@ -51,7 +51,8 @@ def main(config_path, as_json, root):
     known = {"engines": engines_here(engines.installed(named), named, installer),
              "installable": installer.installable()}
     facts = doctor.collect(root, cfg["agent.nvidia_smi"], cfg["agent.weights_dir"],
-                           cfg["agent.controllers"] if key_problem is None else (), keys, known)
+                           cfg["agent.controllers"] if key_problem is None else (), keys, known,
+                           engines_dir=cfg["agent.engines_dir"])
     findings = doctor.evaluate(facts)
     if key_problem:
         findings.insert(0, doctor.Finding(doctor.FAIL, "agent", key_problem,

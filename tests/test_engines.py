@@ -1,5 +1,7 @@
 """Engine command lines, exactly as their documentation gives them."""
 
+import os
+import re
 import sys
 
 from llmgw import engines
@@ -7,14 +9,36 @@ from llmgw.engines import llamacpp, sglang, vllm
 
 
 def test_vllm_serve():
-    assert vllm.command("/models/qwen", "qwen2.5-7b", "0.0.0.0", 8001, [2, 3], 32768, ["--enable-prefix-caching"],
+    assert vllm.command("/models/qwen", "qwen2.5-7b", "0.0.0.0", 8001, [2, 3], 32768, ["--enforce-eager"],
                         binary="/opt/vllm/bin/vllm") == [
         "/opt/vllm/bin/vllm", "serve", "/models/qwen", "--served-model-name", "qwen2.5-7b", "--host", "0.0.0.0",
-        "--port", "8001", "--tensor-parallel-size", "2", "--max-model-len", "32768", "--enable-prefix-caching"]
+        "--port", "8001", "--tensor-parallel-size", "2", "--max-model-len", "32768", "--enable-prefix-caching",
+        "--enforce-eager"]
     assert "--tensor-parallel-size" not in vllm.command("/m", "m", "0.0.0.0", 1, [0], None, [], binary="vllm")
     # Installed into an environment of its own: its command-line module, from its interpreter.
     assert vllm.command("/m", "m", "0.0.0.0", 1, [], None, [], python="/e/venv/bin/python")[:4] == [
         "/e/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]
+
+
+def test_every_flag_llmgw_gives_vllm_is_in_its_own_help():
+    # The help of a real vLLM (tests/fixtures/README.md): a flag it does not know stops it at once.
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "vllm-0.32.0-serve-help.txt")) as f:
+        known = set(re.findall(r"^\s+(--?[a-zA-Z][\w-]*)", f.read(), re.M))
+    assert {"--served-model-name", "--api-key", "--enforce-eager"} <= known  # the capture is the real one
+    argv = engines.command("vllm", "/models/m", "m", "10.0.0.5", 8001, [0, 1], 4096, [], "r1", api_key="k",
+                           launch=("python", "/e/venv/bin/python"))
+    assert argv[:4] == ["/e/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]
+    given = [a for a in argv[4:] if a.startswith("-")]
+    assert given and set(given) <= known, set(given) - known
+    assert "k" not in argv  # the key goes by environment, where no other user of the node reads it
+
+
+def test_vllm_is_started_quiet_and_on_its_nodes_address():
+    env = engines.environment("vllm", "secret", "10.0.0.5")
+    assert env == {"VLLM_API_KEY": "secret", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                   "VLLM_HOST_IP": "10.0.0.5"}
+    assert "VLLM_HOST_IP" not in engines.environment("vllm", "secret", "0.0.0.0")  # a wildcard is no address
+    assert engines.environment("llamacpp", "secret", "10.0.0.5") == {"LLAMA_API_KEY": "secret"}
 
 
 def test_sglang_launch_server():

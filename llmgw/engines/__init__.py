@@ -51,10 +51,14 @@ def installed(given: dict[str, tuple[str, str]] | None = None) -> dict[str, str]
 KEY_ENVIRONMENT = {"llamacpp": "LLAMA_API_KEY", "vllm": "VLLM_API_KEY", "sim": "LLMGW_SIM_API_KEY"}
 
 
-def key_environment(engine: str, api_key: str) -> dict[str, str]:
-    """The environment variables that give ENGINE its API KEY (none for an engine that takes it as a flag)."""
+def environment(engine: str, api_key: str, host: str) -> dict[str, str]:
+    """The environment variables ENGINE is started with besides the node's: its API KEY (none for an engine that
+    takes it as a flag), and what it needs to listen at HOST only and tell nobody about itself (vLLM)."""
     variable = KEY_ENVIRONMENT.get(engine)
-    return {variable: api_key} if variable else {}
+    found = {variable: api_key} if variable else {}
+    if engine == "vllm":
+        found.update(vllm.environment(host))
+    return found
 
 
 def command(engine: str, source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,

@@ -11,6 +11,8 @@ vLLM reports KV cache use as a fraction; the name changed in its V1 engine
 
 import subprocess
 
+from llmgw import addresses
+
 
 def probe(binary: str) -> str | None:
     """The version BINARY (a `vllm` named by the configuration) reports, or None when it does not run."""
@@ -30,12 +32,24 @@ LOAD_METRICS = {
 }
 
 
+def environment(host: str) -> dict[str, str]:
+    """What vLLM is started with: no usage statistics (on by default, sent to vLLM's servers; DO_NOT_TRACK for
+    the libraries it uses), and its internal sockets (ZeroMQ, gloo: about 13 of them) on HOST, the address
+    gateways reach it at; without VLLM_HOST_IP they bind the machine's first non-loopback address."""
+    found = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if host and host not in addresses.WILDCARDS:
+        found["VLLM_HOST_IP"] = host
+    return found
+
+
 def command(source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
             args: list[str], binary: str | None = None, python: str | None = None) -> list[str]:
     """`vllm serve` as its documentation gives it: the model, the name clients use, where to listen,
-    one tensor-parallel rank per GPU given. BINARY: the `vllm` command; PYTHON: an interpreter that has vLLM
-    (its command-line module is run, as the `vllm` script would: a script's first line names the directory
-    it was installed in, which an install renames)."""
+    one tensor-parallel rank per GPU given, and prefix caching on (the gateway's prefix routing sends a
+    conversation where its history is cached; a profile's `--no-enable-prefix-caching`, later, wins). BINARY:
+    the `vllm` command; PYTHON: an interpreter that has vLLM (its command-line module is run, as the `vllm`
+    script would: a script's first line names the directory it was installed in, which an install renames).
+    Every flag is checked against the `--help` of a real vLLM (tests/fixtures/vllm-0.32.0-serve-help.txt)."""
     if not (binary or python):
         raise RuntimeError("no vLLM on this node: name it with agent.vllm, or give the node an [[engines]] entry")
     program = [binary] if binary else [python, "-m", "vllm.entrypoints.cli.main"]
@@ -45,4 +59,4 @@ def command(source: str, name: str, host: str, port: int, gpus: list[int], max_c
         argv += ["--tensor-parallel-size", str(len(gpus))]
     if max_context:
         argv += ["--max-model-len", str(max_context)]
-    return argv + list(args)
+    return argv + ["--enable-prefix-caching"] + list(args)

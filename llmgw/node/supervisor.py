@@ -319,7 +319,7 @@ class Supervisor:
                                replica=shard.shard_id, api_key=shard.api_key, launch=launch)
         env = dict(os.environ)
         env.update(spec.get("env") or {})
-        env.update(engines.key_environment(spec["engine"], shard.api_key))
+        env.update(engines.environment(spec["engine"], shard.api_key, self.engine_host))
         if spec.get("gpus") is not None:
             # The indices are NVML's, which counts cards in PCI bus order; CUDA counts the fastest first unless
             # told otherwise, so on a node of mixed cards an engine landed on another GPU than placement counted.

@@ -39,7 +39,7 @@ DISK = Obj({"path": (Str(4096), False), "total_bytes": (BYTES, False), "free_byt
 GPU = Obj({"index": (Int(0, 1023), False), "name": (Str(256), False), "class": (Str(64), False),
            "uuid": (Str(128), False), "memory_total_bytes": (BYTES, False), "memory_used_bytes": (BYTES, False),
            "compute_capability": (Str(16), False), "utilization_percent": (PERCENT, False),
-           "health": (Str(64), False)})
+           "health": (Str(64), False), "driver_version": (Str(64), False)})
 GPUS = ListOf(GPU, 1024)
 SHARD_LOAD = Obj({"shard_id": (NAME, False), "memory_rss_bytes": (BYTES, False), "cpu_cores": (FIGURE, False),
                   "waiting": (FIGURE, False), "running": (FIGURE, False), "kv_cache": (FIGURE, False)})

@@ -13,11 +13,18 @@ class NVMLError(Exception):
 
 
 _devices = []
+_driver = []
 
 
 def nvmlInit():
     with open(os.environ["LLMGW_FAKE_NVML"]) as f:
-        _devices[:] = json.load(f)["devices"]
+        data = json.load(f)
+    _devices[:] = data["devices"]
+    _driver[:] = [data.get("driver", "580.65.06")]
+
+
+def nvmlSystemGetDriverVersion():
+    return _driver[0]
 
 
 def nvmlShutdown():
