@@ -27,6 +27,7 @@ from llmgw.control import adminapi, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.agentserver import AgentServer
+from llmgw.control.autoscale import Scaler
 from llmgw.control.catalog import Catalog, CatalogError, source_checks
 from llmgw.control.fleet import Fleet
 from llmgw.control.fleetmetrics import FleetCollector
@@ -125,6 +126,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                                    lease=lease, fresh=restored_accountant).start()
     roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"], leading=lease.held).start()
     demand = Demand()
+    scaler = Scaler(cfg["controller.scale_up_after"], cfg["controller.scale_down_after"])
     inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
     key_pusher = KeyPusher(engine)
     outbox = Outbox(server)
@@ -132,7 +134,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
     app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, outbox.ask_node,
                               adminapi.Access.from_config(cfg), egress, gateway_ring=gateway_ring,
-                              lease=lease)
+                              lease=lease, scaler=scaler)
 
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)
@@ -160,6 +162,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         fleet.begin(time.monotonic(), adminapi.cordoned_nodes(engine), expected_nodes())
         replicas.clear()
         demand.clear()
+        scaler.clear()
         catalog.reload()
 
     loop = ControlLoop(context=context, engine=engine, auth=auth, fleet=fleet, catalog=catalog, replicas=replicas,
@@ -167,7 +170,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                        publisher=publisher, account_server=account_server, roller=roller, admin=admin,
                        report=report, reconcile_interval=cfg["controller.reconcile_interval"], lease=lease,
                        renew_interval=cfg["controller.lease_renew_interval"], on_lead=on_lead,
-                       on_standby=reload_keys)
+                       on_standby=reload_keys, scaler=scaler)
 
     # The lease is first tried now that every socket is bound: a start that failed took none, and a lease
     # held under the agents' address, where this controller now listens, can only be its own. The admin API

@@ -271,6 +271,12 @@ SETTINGS: tuple[Setting, ...] = (
             check=addresses.check_listen),
     Setting("controller.reconcile_interval", "float", 5.0,
             "Seconds between passes of the reconciler, which starts, stops and replaces replicas.", minimum=0.05),
+    Setting("controller.scale_up_after", "float", 30.0,
+            "Seconds every ready replica of a model must stay busy (requests waiting in its engine, or its measured "
+            "limit reached) before the controller adds one, up to the model's scaling.max.", minimum=0.0),
+    Setting("controller.scale_down_after", "float", 300.0,
+            "Seconds a model's replicas must stay quiet (nothing waiting, and what runs would fit in one replica "
+            "fewer at half their capacity) before the controller stops one it added for load.", minimum=0.0),
     Setting("controller.base_backoff", "float", 10.0,
             "Seconds before a model whose replica failed is tried again; doubles with each failure in a row, "
             "up to 5 minutes.", minimum=0.01),

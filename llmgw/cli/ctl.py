@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.parse
 
 import click
@@ -282,13 +283,21 @@ def replicas(obj, model, as_json):
 @click.argument("model")
 @click.pass_obj
 def explain_placement(obj, model):
-    """For every node and profile: could MODEL run there, and if not, why."""
-    result = obj.admin.call("GET", f"/api/v1/models/{segment(model)}/placement")["nodes"]
+    """For every node and profile: could MODEL run there, and if not, why; and what load scaling sees and decided."""
+    answer = obj.admin.call("GET", f"/api/v1/models/{segment(model)}/placement")
+    result = answer["nodes"]
     if not result:
         click.echo("no node has registered", err=True)
-        return
-    print_table([("NODE", "PROFILE", "FITS", "WHY")] + [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"])
-                                                  for r in result])
+    else:
+        print_table([("NODE", "PROFILE", "FITS", "WHY")] +
+                    [(r["node"], r["profile"], "yes" if r["fits"] else "no", r["reason"]) for r in result])
+    scaling = answer.get("scaling")
+    if scaling is not None:
+        click.echo(printable(f"\nscaling: {scaling['state']}, {scaling['extra']} replicas added for load; "
+                             f"{scaling['now']}"), err=True)
+        for decision in scaling["decisions"][-5:]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(decision["at"]))
+            click.echo(printable(f"  {when}  {decision['reason']}"), err=True)
 
 
 @ctl.command()

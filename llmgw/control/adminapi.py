@@ -59,8 +59,10 @@ class Access:
 
 def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_public: bytes | None,
                plaintext: bool, catalog: Catalog, replicas: Replicas, report: ReconcileReport, ask_node,
-               access: Access, egress: Egress, gateway_ring: KeyRing | None = None, lease=None) -> Flask:
+               access: Access, egress: Egress, gateway_ring: KeyRing | None = None, lease=None,
+               scaler=None) -> Flask:
     """ASK_NODE(node_id, kind, fields, timeout) sends a request to a node and returns its reply (or None).
+    SCALER (llmgw/control/autoscale.py) says what load scaling sees and decided.
     REPORT is what the controller's reconcile passes found, and how to ask for one now. EGRESS is where a
     model's source may be checked. LEASE (llmgw/control/lease.py) says whether this controller leads: a standby
     answers its status only."""
@@ -133,7 +135,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
                         "ready": sum(1 for r in mine if r["state"] == "ready"), "replicas": len(mine),
                         "last_failure": failure and {"node": failure.node_id, "detail": failure.detail,
                                                      "last_output": failure.last_output, "count": failure.count},
-                        "unplaced": report.unplaced_for(m.name)})
+                        "unplaced": report.unplaced_for(m.name),
+                        "load_scaling": scaler.explain(m.name) if scaler is not None else None})
         return jsonify({"models": out})
 
     @app.post("/api/v1/models")
@@ -202,7 +205,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         if model is None:
             return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
         return jsonify({"model": name, "nodes": placement.explain(model, fleet.describe(time.monotonic()),
-                                                                   replicas.claims())})
+                                                                   replicas.claims()),
+                        "scaling": scaler.explain(name) if scaler is not None else None})
 
     @app.get("/api/v1/replicas")
     def replica_list():

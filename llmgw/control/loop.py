@@ -27,6 +27,7 @@ import sqlalchemy as sa
 from apscheduler.schedulers.background import BackgroundScheduler
 
 from llmgw.control.agentserver import AgentServer
+from llmgw.control.autoscale import Scaler
 from llmgw.control.fleet import Fleet
 from llmgw.control.lease import Lease
 from llmgw.control.publisher import snapshot_body
@@ -124,7 +125,7 @@ class ControlLoop:
     def __init__(self, *, context, engine, auth, fleet: Fleet, catalog, replicas, demand, server: AgentServer,
                  outbox: Outbox, inbox, key_pusher, publisher, account_server, roller, admin,
                  report: ReconcileReport, reconcile_interval: float, lease: Lease, renew_interval: float,
-                 on_lead: Callable[[], None], on_standby: Callable[[], None]):
+                 on_lead: Callable[[], None], on_standby: Callable[[], None], scaler: Scaler):
         """LEASE says whether this controller leads; it is renewed every RENEW_INTERVAL seconds. ON_LEAD starts
         a term afresh (what a standby knew is stale), in this thread before it acts; ON_STANDBY runs after each
         renewal that did not lead (a standby keeps the keys it admits current)."""
@@ -135,6 +136,7 @@ class ControlLoop:
         self.catalog = catalog
         self.replicas = replicas
         self.demand = demand
+        self.scaler = scaler
         self.server = server
         self.outbox = outbox
         self.inbox = inbox
@@ -189,8 +191,12 @@ class ControlLoop:
             # and placing them again would run them twice.
             return
         models = self.catalog.models()
-        actions, unplaced = plan(models, self.fleet.describe(now), self.replicas, now,
-                                 wanted=self.demand.wanted(models, now))
+        nodes = self.fleet.describe(now)
+        wanted = {name: model.min_replicas for name, model in models.items()}
+        wanted.update(self.demand.wanted(models, now))
+        loads = {shard["shard_id"]: shard for n in nodes for shard in n.facts.shard_loads or ()}
+        wanted.update(self.scaler.wanted(models, self.replicas.snapshot(), loads, self.catalog.limits(), wanted, now))
+        actions, unplaced = plan(models, nodes, self.replicas, now, wanted=wanted)
         self.report.record_pass(round(time.monotonic() - now, 6), unplaced)
         for action in actions:
             if isinstance(action, Start):
