@@ -41,10 +41,28 @@ def test_vllm_is_started_quiet_and_on_its_nodes_address():
     assert engines.environment("llamacpp", "secret", "10.0.0.5") == {"LLAMA_API_KEY": "secret"}
 
 
+def test_every_flag_llmgw_gives_sglang_is_in_its_own_parser():
+    # SGLang's parser, printed from its own module (tests/fixtures/README.md); it cannot run here.
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "sglang-0.5.23-launch-server-help.txt")) as f:
+        known = set(re.findall(r"(?:^\s+|, )(--?[a-zA-Z][\w-]*)", f.read(), re.M))
+    assert {"--model-path", "--enable-metrics", "--api-key"} <= known
+    argv = engines.command("sglang", "/models/m", "m", "10.0.0.5", 30000, [0, 1], 8192, [], "r1", api_key="k",
+                           launch=("python", "/e/venv/bin/python"))
+    assert argv[:3] == ["/e/venv/bin/python", "-m", "sglang.launch_server"]
+    given = [a for a in argv[3:] if a.startswith("-")]
+    assert set(given) <= known, set(given) - known
+
+
+def test_sglangs_load_figures_are_names_it_registers():
+    with open(os.path.join(os.path.dirname(__file__), "fixtures", "sglang-0.5.23-metric-names.txt")) as f:
+        registered = set(f.read().split())
+    assert set(sglang.LOAD_METRICS) <= registered
+
+
 def test_sglang_launch_server():
     assert sglang.command("/models/llama", "llama", "0.0.0.0", 30000, [0, 1, 2, 3], 8192, []) == [
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/llama", "--served-model-name",
-        "llama", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics", "--tp", "4", "--context-length", "8192"]
+        "llama", "--host", "0.0.0.0", "--port", "30000", "--enable-metrics", "--tp-size", "4", "--context-length", "8192"]
 
 
 def test_llama_server_binary():

@@ -26,13 +26,15 @@ def command(source: str, name: str, host: str, port: int, gpus: list[int], max_c
             args: list[str], api_key: str | None = None, python: str | None = None) -> list[str]:
     """SGLang's server as its documentation gives it, with metrics on (routing reads them). With API_KEY,
     it answers only requests that carry it: SGLang reads its key from this flag only. PYTHON: an interpreter
-    that has SGLang (a virtual environment the node installed); else llmgw's own."""
+    that has SGLang (a virtual environment the node installed); else llmgw's own. Every flag is checked against
+    SGLang 0.5.23's own parser (tests/fixtures/sglang-0.5.23-launch-server-help.txt): it has no CPU build, so it
+    has never run here."""
     argv = [python or sys.executable, "-m", "sglang.launch_server", "--model-path", source, "--served-model-name", name,
             "--host", host, "--port", str(port), "--enable-metrics"]
     if api_key:
         argv += ["--api-key", api_key]
     if len(gpus) > 1:
-        argv += ["--tp", str(len(gpus))]
+        argv += ["--tp-size", str(len(gpus))]
     if max_context:
         argv += ["--context-length", str(max_context)]
     return argv + list(args)
