@@ -126,3 +126,7 @@ def test_a_replica_whose_load_is_not_measured_yet_holds_every_decision():
     rs = replicas("ready", "ready")
     assert passes(scaler, 0, 100, 1, rs, busy("r0"), base={"m": 2}) == {}
     assert "waiting for every ready replica's load" in scaler.explain("m")["now"]
+    # Measured by its node, but without the engine's figures (its /metrics did not answer): no measure either.
+    unread = {"r1": {"shard_id": "r1", "memory_rss_bytes": 1 << 30}}
+    assert passes(scaler, 101, 200, 1, rs, {**busy("r0"), **unread}, base={"m": 2}) == {}
+    assert "waiting for every ready replica's load" in scaler.explain("m")["now"]

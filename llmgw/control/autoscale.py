@@ -105,7 +105,9 @@ class Scaler:
     def _judge(self, scaling: ModelScaling, name: str, model: Model, floor: int, mine: list[Replica],
                ready: list[Replica], loads: dict[str, dict], limits: dict[tuple[str, str], int], now: float) -> None:
         seen = [(r, loads.get(r.shard_id)) for r in ready]
-        if not ready or any(load is None for _, load in seen):
+        # A load without the engine's figures (its /metrics did not answer that heartbeat) is no measure:
+        # read as nothing running, it would count toward stopping a replica that is serving.
+        if not ready or any(load is None or not ({"waiting", "running"} & load.keys()) for _, load in seen):
             scaling.state, scaling.said = "steady", "waiting for every ready replica's load to be measured"
             scaling.busy_since = scaling.quiet_since = None
             return

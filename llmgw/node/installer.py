@@ -327,8 +327,7 @@ class Installer:
         self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT)
         shutil.rmtree(os.path.dirname(wheel_name))
         distribution = entry.get("distribution") or PYTHON_ENGINES.get(entry["name"], entry["name"])
-        if distribution in ALSO_KNOWN_AS:
-            _also_known_as(venv, distribution, *ALSO_KNOWN_AS[distribution], entry["version"])
+        add_alias_metadata(venv, distribution, entry["version"])
         return {"kind": "python", "path": "venv/bin/python", "distribution": distribution,
                 "module": MODULES.get(entry["name"], entry["name"].replace("-", "_"))}
 
@@ -430,9 +429,13 @@ def _elf_files(folder: str) -> list[str]:
     return found
 
 
-def _also_known_as(venv: str, distribution: str, name: str, local: str, version: str) -> None:
-    """Give VENV the metadata of a distribution NAME at VERSION+LOCAL beside DISTRIBUTION's own (see
-    ALSO_KNOWN_AS): a folder with METADATA only, which pip lists and would remove, and nothing imports."""
+def add_alias_metadata(venv: str, distribution: str, version: str) -> None:
+    """Where DISTRIBUTION is published under another name than its code looks itself up by (ALSO_KNOWN_AS), give
+    VENV that name's metadata at VERSION and the local part: a folder with METADATA only, which pip lists and
+    would remove, and nothing imports. Nothing for any other distribution."""
+    if distribution not in ALSO_KNOWN_AS:
+        return
+    name, local = ALSO_KNOWN_AS[distribution]
     found = [os.path.join(root, d) for root, dirs, _ in os.walk(os.path.join(venv, "lib")) for d in dirs
              if d == "site-packages"]
     if not found:
