@@ -1,0 +1,140 @@
+"""A real vLLM (its CPU build, tests/realvllm.py) serving the starter model, started by a real agent for a real
+controller, behind a real gateway: the five APIs through it with the official SDKs, metered; vLLM's own load
+figures read; the engine adopted, not restarted, across an agent restart; and drained when its model goes.
+
+One replica for the whole module: vLLM takes about 30 s to start here and 4 GB of memory.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import anthropic
+import openai
+import pytest
+
+from llmgw.procs import wait_for
+from tests import realvllm
+from tests.cluster import Agent, Controller
+from tests.conftest import Gateway, count_usage, make_key, open_stream, read_until
+
+NAME = "smol-vllm"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        env, folder = realvllm.environment(), realvllm.starter_folder()
+    except realvllm.Unavailable as e:
+        pytest.fail(f"vLLM's CPU build could not be made ready: {e}")
+    tmp = tmp_path_factory.mktemp("vllm")
+    store_url = f"sqlite:///{tmp}/cluster.db"
+    # Added as an operator adds one (a runtime model), so that removing it drains its replica.
+    env_table = ", ".join(f'{k} = "{v}"' for k, v in realvllm.ENV.items())
+    (tmp / "model.toml").write_text(
+        f'name = "{NAME}"\nsource = "{folder}"\nmax_context = 2048\nmax_output = 256\n'
+        'scaling = {min = 1, max = 1}\n[[profiles]]\nengine = "vllm"\n'
+        f'args = ["--enforce-eager", "--max-num-seqs", "4"]\nenv = {{{env_table}}}\nstart_limit = 600\n')
+    made = []
+    try:
+        c = Controller(tmp, store_url=store_url)
+        made.append(c)
+        agent = Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"),
+                      agent__vllm=f"{env}/bin/vllm", agent__local_sources=[realvllm.cache()])
+        made.append(agent)
+        gw = Gateway(tmp, store_url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}",
+                     gateway__key_file=c.gateway_key_file())
+        made.append(gw)
+        wait_for("the node, with vLLM", 180,
+                 lambda: "vllm" in ((c.nodes().get("n1") or {}).get("facts") or {}).get("engines", {}))
+        added = c.ctl("model", "add", "-f", str(tmp / "model.toml"))
+        assert added.returncode == 0, added.stderr
+        wait_for("vLLM ready", 600, lambda: c.ready(NAME), interval=0.5)
+        key = make_key(store_url)
+        yield c, agent, gw, key, store_url
+    finally:
+        for thing in reversed(made):
+            thing.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    c, agent, gw, key, _ = cluster
+    with openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=300) as client:
+        wait_for("an answer through the gateway", 120, lambda: _answers(client))
+        yield client
+
+
+def _answers(client) -> bool:
+    try:
+        client.chat.completions.create(model=NAME, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        return True
+    except openai.APIError:
+        return False
+
+
+ASK = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+
+
+def test_chat_whole_and_streamed_is_metered_with_vllms_own_usage(cluster, client):
+    c, agent, gw, key, store_url = cluster
+    before = count_usage(store_url)
+    reply = client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=ASK)
+    assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
+    assert reply.usage.prompt_tokens > 10  # the chat template's tokens too: vLLM counted them
+    chunks = list(client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=ASK, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+    wait_for("both requests metered", 30, lambda: count_usage(store_url) >= before + 2)
+
+
+def test_completions_responses_and_messages(cluster, client):
+    c, agent, gw, key, _ = cluster
+    text = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert text.choices[0].text and text.usage.completion_tokens <= 4
+    response = client.responses.create(model=NAME, input="Say hello.", max_output_tokens=16)
+    # A 135M model often says more than 16 tokens: then the response is incomplete, and says why.
+    assert response.output_text and (response.status == "completed" or
+                                     response.incomplete_details.reason == "max_output_tokens")
+    with anthropic.Anthropic(base_url=gw.url, api_key=key, max_retries=0, timeout=300) as claude:
+        message = claude.messages.create(model=NAME, max_tokens=16, messages=[{"role": "user", "content": "Say hi."}])
+        assert message.content[0].text and message.usage.output_tokens <= 16
+        with claude.messages.stream(model=NAME, max_tokens=8, messages=ASK) as stream:
+            assert "".join(stream.text_stream)
+
+
+def test_the_gateway_routes_on_vllms_own_load_figures(cluster, client):
+    c, agent, gw, key, _ = cluster
+    (replica,) = c.ready(NAME)
+    wait_for("the gateway reading vLLM's /metrics", 60,
+             lambda: f'llmgw_endpoint_metrics_stale{{replica="{replica["shard_id"]}"}} 0.0' in gw.metrics())
+    # The node reads them too, for the controller (load scaling, the cluster page).
+    wait_for("the node's measure of it", 60,
+             lambda: f'llmgw_shard_requests_running{{node="n1",shard="{replica["shard_id"]}"}}' in c.metrics())
+
+
+def test_an_agent_restart_adopts_the_engine_and_a_removed_model_is_drained(cluster, client):
+    c, agent, gw, key, _ = cluster
+    (replica,) = c.ready(NAME)
+    pid = agent.engines()[replica["shard_id"]]
+    agent.stop(sig=signal.SIGKILL, engines=False)
+    agent.start()
+    wait_for("the agent back, its engine adopted", 120,
+             lambda: "adopted shard" in agent.log() and c.ready(NAME))
+    assert agent.engines()[replica["shard_id"]] == pid  # the same process: nothing restarted
+    assert [r["shard_id"] for r in c.ready(NAME)] == [replica["shard_id"]]
+    assert _answers(client)
+
+    # A stream in flight when its model is removed ends whole: the engine is drained, then stopped.
+    sock = open_stream(gw.port, key, {"model": NAME, "max_tokens": 64, "temperature": 0, "messages": ASK}, timeout=300)
+    try:
+        read_until(sock, lambda got: b"data: {" in got)
+        removed = c.ctl("model", "remove", NAME)
+        assert removed.returncode == 0, removed.stderr
+        read_until(sock, lambda got: b"data: [DONE]" in got)
+    finally:
+        sock.close()
+    wait_for("the engine stopped", 120, lambda: agent.engines() == {})
+    assert c.replicas(NAME) == []
+    agent.stop()  # the agent this test started again: no test leaves a process of its own behind
