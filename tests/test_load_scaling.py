@@ -78,7 +78,7 @@ def test_replicas_follow_the_load_between_min_and_max_and_say_why(tmp_path, made
     assert "ready replicas are busy" in scaling["decisions"][0]["reason"]
     shown = c.ctl("explain-placement", "ramp")
     assert "one replica more: all 1 ready replicas are busy" in shown.stderr
-    assert "scaling: saturated, 2 replicas added for load" in shown.stderr
+    assert "2 replicas added for load" in shown.stderr  # saturated or not by now: the clients come and go
 
     # Quiet: back to the minimum, one replica at a time, each drained, with no request failed throughout.
     assert heavy.stop() == [] and light.stop() == []

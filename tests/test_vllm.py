@@ -136,5 +136,5 @@ def test_an_agent_restart_adopts_the_engine_and_a_removed_model_is_drained(clust
     finally:
         sock.close()
     wait_for("the engine stopped", 120, lambda: agent.engines() == {})
-    assert c.replicas(NAME) == []
+    wait_for("the controller told it stopped", 60, lambda: c.replicas(NAME) == [])
     agent.stop()  # the agent this test started again: no test leaves a process of its own behind
