@@ -104,7 +104,7 @@ def test_completions_responses_and_messages(cluster, client):
             assert "".join(stream.text_stream)
 
 
-def test_the_gateway_routes_on_vllms_own_load_figures(cluster, client):
+def test_the_gateway_and_the_node_read_vllms_own_load_figures(cluster, client):
     c, agent, gw, key, _ = cluster
     (replica,) = c.ready(NAME)
     wait_for("the gateway reading vLLM's /metrics", 60,

@@ -104,6 +104,14 @@ def route_address(host: str, port: int) -> str | None:
         return None
 
 
+def existing_folder(folder: str) -> str:
+    """FOLDER, or the nearest folder above it that exists: the disk it will be on (the doctor's and the engine
+    installer's measure of free space before anything is made there)."""
+    while folder and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    return folder
+
+
 def gpu_class(name: str, memory_mib: int | None) -> str:
     """A short class placement can match: "NVIDIA H100 80GB HBM3", 81559 MiB -> "h100-80g"."""
     words = [w for w in re.split(r"[\s_-]+", name.lower()) if w not in ("nvidia", "geforce", "tesla", "rtx")]

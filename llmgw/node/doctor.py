@@ -110,13 +110,6 @@ def parse_topology(text: str) -> dict:
     return matrix
 
 
-def _existing(folder: str) -> str:
-    """FOLDER, or the nearest folder above it that exists: the disk it will be on."""
-    while folder and not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    return folder
-
-
 def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/llmgw/weights",
             controllers: list[str] = (), keys: dict | None = None, known: dict | None = None,
             engines_dir: str = "") -> dict:
@@ -130,11 +123,11 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
         facts["cpu"] = discovery.cpu_facts(os.path.join(root, "proc/cpuinfo"))
     if "memory" not in facts:
         facts["memory"] = discovery.memory_facts(os.path.join(root, "proc/meminfo"))
-    folder = _existing(weights_dir)
+    folder = discovery.existing_folder(weights_dir)
     if folder and "disk" not in facts:
         facts["disk"] = discovery.disk_facts(folder)
-    if engines_dir and _existing(engines_dir) and "engines_disk" not in facts:
-        facts["engines_disk"] = discovery.disk_facts(_existing(engines_dir))
+    if engines_dir and discovery.existing_folder(engines_dir) and "engines_disk" not in facts:
+        facts["engines_disk"] = discovery.disk_facts(discovery.existing_folder(engines_dir))
     if "gpu" not in facts:
         facts["gpu"] = discovery.gpu_facts(nvidia_smi)
     facts["pci_nvidia"] = pci_nvidia(root)

@@ -406,11 +406,8 @@ class Installer:
 def host_facts(engines_dir: str, nvidia_smi: str = "") -> dict:
     """What the engine gates judge, read from this machine: its GPUs (as discovery reports them), the bytes free
     where engines are installed, and whether it has a C compiler."""
-    folder = engines_dir
-    while folder and not os.path.exists(folder):
-        folder = os.path.dirname(folder)
     try:
-        free = shutil.disk_usage(folder or "/").free
+        free = shutil.disk_usage(discovery.existing_folder(engines_dir) or "/").free
     except OSError:
         free = None
     return {"gpus": discovery.gpu_facts(nvidia_smi).get("gpus") or [], "free_bytes": free,
