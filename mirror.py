@@ -79,7 +79,7 @@ def main(config_path, directory, listen, api_listen, base_url_flag, metrics_list
     base = base_url(cfg)
     manager = Manager(store, cfg["mirror.hf_endpoint"], local_sources=cfg["mirror.local_sources"],
                       fetch_allow=cfg["mirror.fetch_allow"], max_fetches=cfg["mirror.max_fetches"],
-                      min_free=int(cfg["mirror.min_free_gb"] * GiB))
+                      min_free=int(cfg["mirror.min_free_gb"] * GiB), convert_python=cfg["mirror.convert_python"])
     collector = MirrorCollector(manager)
     registry = CollectorRegistry()
     registry.register(collector)

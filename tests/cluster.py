@@ -120,6 +120,40 @@ class Controller:
         return stop_process(self.proc, sig or signal.SIGTERM)
 
 
+class Mirror:
+    """`python mirror.py` on free ports, copying local sources only from LOCAL_SOURCES; SETTINGS as Agent's."""
+
+    def __init__(self, tmp, local_sources: list[str] = (), **settings):
+        files, api = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{files}"
+        self.config = write_config(tmp / "mirror.toml", {
+            "mirror.dir": str(tmp / "models"), "mirror.listen": f"127.0.0.1:{files}",
+            "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
+            "mirror.metrics_listen": f"127.0.0.1:{free_port()}", "mirror.local_sources": list(local_sources),
+            "controller.admin_listen": f"127.0.0.1:{free_port()}",
+            **{k.replace("__", "."): v for k, v in settings.items()}})
+        self.log_path = tmp / "mirror.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", self.config],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        wait_for("the mirror", 30, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200,
+                 alive=lambda: self.proc.poll() is None)
+
+    def llmgw(self, *args: str, timeout: float = 300) -> str:
+        """What an operator types, `llmgw mirror ARGS...`, against this mirror; what it printed on stdout."""
+        run = subprocess.run([sys.executable, "-m", "llmgw", "--config", self.config, "mirror", *args],
+                             capture_output=True, text=True, timeout=timeout)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    def publish(self, source: str, model: str, version: str) -> str:
+        """`llmgw mirror fetch SOURCE --model MODEL --version VERSION`: the URL a catalog source names."""
+        return self.llmgw("fetch", source, "--model", model, "--version", version)
+
+    def stop(self):
+        stop_process(self.proc)
+
+
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
                  nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False,

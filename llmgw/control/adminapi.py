@@ -130,6 +130,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
             mine = [r for r in live if r["model"] == m.name]
             failure = replicas.failures.get(m.name)
             out.append({"name": m.name, "aliases": list(m.aliases), "origin": m.origin, "source": m.source,
+                        "sources": m.sources(),
                         "scaling": {"min": m.min_replicas, "max": m.max_replicas, "idle_timeout": m.idle_timeout},
                         "profiles": [p.name for p in m.profiles],
                         "ready": sum(1 for r in mine if r["state"] == "ready"), "replicas": len(mine),
@@ -147,6 +148,8 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         model = parse_model(table, origin="runtime")
         if request.args.get("source_check", "1") != "0":
             size = check_source(model.source, egress)
+            for other in model.sources()[1:]:
+                check_source(other, egress)
             if size is not None and "size_bytes" not in table:
                 table["size_bytes"] = size  # placement skips nodes without the disk for it
         catalog.add(table)
@@ -234,7 +237,7 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
         if reply is None:
             return {"node": node_id, "error": f"{node_id} did not answer within {WEIGHTS_WAIT:.0f} s; `llmgw ctl "
                                               "nodes` shows when it was last heard"}
-        sources = {name: m.source for name, m in catalog.models().items()}
+        sources = {name: m.sources() for name, m in catalog.models().items()}
         mine = [(r.shard_id, r.model) for r in replicas.snapshot() if r.node_id == node_id]
         return {**weightsview.annotate(node_id, reply, sources, mine),
                 "removed": reply.get("removed"), "refused": reply.get("refused")}

@@ -52,6 +52,9 @@ class Profile:
     priority: int = 100
     weight: float = 1.0
     start_limit: float | None = None  # seconds its engine may take to answer /health; None: the agent's default
+    # The weights in the form this engine loads, where it is not the model's source: vLLM a Hugging Face folder
+    # (a mirror version's directory), llama.cpp a GGUF; None: the model's source.
+    source: str | None = None
 
 
 # How a profile is supervised, not how its engine runs: left out of the fingerprint, so changing it marks no
@@ -77,6 +80,14 @@ class Model:
     role: str = ""  # "guard": a judge of other models' traffic, never offered to clients
     guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) of model, check, fail
 
+    def source_of(self, profile: Profile) -> str:
+        """What PROFILE's engine is started from."""
+        return profile.source or self.source
+
+    def sources(self) -> list[str]:
+        """Every source the model's replicas may be started from: its own, then its profiles' own."""
+        return list(dict.fromkeys([self.source, *(p.source for p in self.profiles if p.source)]))
+
     def fingerprint(self, profile: Profile) -> str:
         """What a running engine was started from; a change means its replicas run a stale profile."""
         fields = {k: v for k, v in dataclasses.asdict(profile).items() if k not in _SUPERVISION}
@@ -86,7 +97,7 @@ class Model:
 
 _PROFILE_KEYS = {"name": str, "engine": str, "gpu_class": str, "gpus": int, "min_memory_gb": (int, float),
                  "node_selector": dict, "args": list, "env": dict, "priority": int, "weight": (int, float),
-                 "start_limit": (int, float)}
+                 "start_limit": (int, float), "source": str}
 
 
 def _duration(value, where: str) -> float | None:
@@ -148,6 +159,9 @@ def parse_model(table: dict, origin: str = "config") -> Model:
         if "start_limit" in raw and not (math.isfinite(raw["start_limit"]) and 0 < raw["start_limit"] <= MOST_START_LIMIT):
             raise CatalogError(f"{label}: start_limit is the seconds its engine may take to answer its health check, "
                                f"more than 0 and at most {MOST_START_LIMIT:.0f}, not {raw['start_limit']!r}")
+        if "source" in raw and not raw["source"]:
+            raise CatalogError(f"{label}: source, where given, is the weights this engine loads (a mirror version's "
+                               "URL for a Hugging Face folder); leave it out to use the model's")
         profiles.append(Profile(
             name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
             gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
@@ -155,7 +169,7 @@ def parse_model(table: dict, origin: str = "config") -> Model:
             args=tuple(str(a) for a in raw.get("args", [])),
             env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
             priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0)),
-            start_limit=float(raw["start_limit"]) if "start_limit" in raw else None))
+            start_limit=float(raw["start_limit"]) if "start_limit" in raw else None, source=raw.get("source")))
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or len(aliases) > modelnames.MOST_ALIASES:
         raise CatalogError(f"{where}: aliases must be a list of at most {modelnames.MOST_ALIASES} names")

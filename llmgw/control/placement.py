@@ -95,7 +95,7 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
         gpus = tuple(sorted(free)[:profile.gpus])
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
-    if model.size_bytes and model.source.startswith(("http://", "https://")):
+    if model.size_bytes and not profile.source and model.source.startswith(("http://", "https://")):
         free = facts.disk_free_bytes
         if free is not None and free < model.size_bytes:
             return (f"needs {model.size_bytes / GiB:.1f} GiB of disk for the weights, "

@@ -39,9 +39,9 @@ def why_kept(entry: dict) -> str | None:
     return None
 
 
-def annotate(node_id: str, reply: dict, sources: dict[str, str], replicas: list[tuple[str, str]]) -> dict:
+def annotate(node_id: str, reply: dict, sources: dict[str, list[str]], replicas: list[tuple[str, str]]) -> dict:
     """The node's REPLY to `weights_request`, each entry with the catalog `models` and `replicas` that use it,
-    `reclaimable`, and `kept` (why not). SOURCES: model name -> its source; REPLICAS: (shard id, model) on
+    `reclaimable`, and `kept` (why not). SOURCES: model name -> its sources; REPLICAS: (shard id, model) on
     this node, as the controller knows them."""
     weights_dir = reply.get("weights_dir", "")
     files = []
@@ -49,7 +49,8 @@ def annotate(node_id: str, reply: dict, sources: dict[str, str], replicas: list[
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not isinstance(raw.get("bytes"), int):
             continue  # the node's word, read as data: what cannot be read is left out
         entry = {k: raw.get(k) for k in ("name", "bytes", "fetched", "source", "partial", "local_source")}
-        entry["models"] = sorted(name for name, source in sources.items() if holds(source, entry, weights_dir))
+        entry["models"] = sorted(name for name, its in sources.items()
+                                 if any(holds(source, entry, weights_dir) for source in its))
         mine = [str(s) for s in raw.get("shards", []) if isinstance(s, str)]
         entry["replicas"] = sorted(set(mine) | {shard for shard, model in replicas if model in entry["models"]})
         entry["kept"] = why_kept(entry)

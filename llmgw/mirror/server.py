@@ -2,7 +2,9 @@
 
 Files (`mirror.listen`): GET and HEAD only, anything else 405. `/MODEL/VERSION/`
 answers a JSON manifest of the version's files (so a sharded model is fetched
-as a set), `/MODEL/VERSION/FILE` the file with Range support (206), so an
+as a set), and with `?format=links` the same files as an HTML page of links
+with their sha256 (`FILE#sha256=...`), the page `pip --find-links` reads, so a
+node installs an engine's wheels from the mirror; `/MODEL/VERSION/FILE` the file with Range support (206), so an
 interrupted download resumes, and its sha256 in `X-Llmgw-Sha256`, so the
 node can check what it got. Paths are matched against strict names: nothing
 outside the directory can be reached.
@@ -19,7 +21,8 @@ that the file port never tells. Only the health check is open, for `llmgw up`
 and monitors to wait on.
 
     GET    /api/v1/models                    held, arriving (with bytes), failed (with reasons)
-    POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202; a source
+    POST   /api/v1/models                    {"source", "model", "version", "anyway"} -> 202 (a source
+                                             `convert:MODEL/VERSION` converts a held GGUF); a source
                                              the mirror may not read -> 400, logged (llmgw/mirror/fetch.py);
                                              too many arriving -> 429, too little disk -> 507
     GET    /api/v1/models/MODEL/VERSION      present | fetching | failed | absent
@@ -30,10 +33,12 @@ and monitors to wait on.
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
 import logging
 import os
 import pwd
+import urllib.parse
 
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 from werkzeug.routing import Map, Rule
@@ -44,7 +49,7 @@ from werkzeug.wsgi import FileWrapper
 from llmgw import apiguard, settings
 from llmgw.addresses import AddressList
 from llmgw.apiguard import HostCheck
-from llmgw.mirror.fetch import Manager, SourceRefused
+from llmgw.mirror.fetch import CONVERT, Manager, SourceRefused
 from llmgw.mirror.store import NAME, MirrorDir, MirrorError
 from llmgw.weights import SHA_HEADER
 
@@ -78,7 +83,10 @@ def files_app(store: MirrorDir, base_url: str, collector: "MirrorCollector | Non
             if len(parts) == 2:
                 if not request.path.endswith("/"):
                     raise NotFound()
-                response = _json(store.manifest(model, version, base_url))
+                if request.args.get("format") == "links":
+                    response = _links(store, model, version)
+                else:
+                    response = _json(store.manifest(model, version, base_url))
             else:
                 path = store.file_path(model, version, parts[2])
                 # werkzeug reads files 8 KiB at a time by default; weights are gigabytes.
@@ -98,6 +106,16 @@ def files_app(store: MirrorDir, base_url: str, collector: "MirrorCollector | Non
         return response(environ, start_response)
 
     return app
+
+
+def _links(store: MirrorDir, model: str, version: str) -> Response:
+    """A version's files as the HTML page of links pip reads (`--find-links`), each with its sha256. A file
+    copied in by hand may have any name: each is quoted and escaped."""
+    rows = "".join(f'<a href="{html.escape(urllib.parse.quote(f["name"]))}#sha256='
+                   f'{store.sha256(model, version, f["name"])}">{html.escape(f["name"])}</a><br>\n'
+                   for f in store.files(model, version))
+    return Response(f"<!DOCTYPE html>\n<html><head><title>{model}/{version}</title></head><body>\n{rows}"
+                    "</body></html>\n", mimetype="text/html")
 
 
 class Allowed:
@@ -210,7 +228,8 @@ def _handle(manager: Manager, base_url: str, endpoint: str, args: dict, request:
         raise MirrorError('send {"source": ..., "model": ..., "version": ...}')
     view = manager.fetch(body["source"], body["model"], body["version"], anyway=bool(body.get("anyway")))
     files = view["files"]
-    one = files[0]["name"] if len(files) == 1 else ""
+    # A conversion's one file is what it reads; what it writes is a folder, named by its directory.
+    one = files[0]["name"] if len(files) == 1 and not body["source"].startswith(CONVERT) else ""
     return _json({**view, "url": f"{base_url}/{body['model']}/{body['version']}/{one}"}, 202)
 
 

