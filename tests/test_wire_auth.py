@@ -181,6 +181,48 @@ def test_a_node_speaks_only_for_its_own_shards():
         context.term()
 
 
+def test_what_a_node_says_of_its_engines_health_is_bounded_and_about_its_own_shards_only():
+    # Engine health's fields (an unhealthy state takes a replica out of every gateway's rotation; restarts and
+    # their reason reach a metric, `llmgw ctl replicas` and the cluster page), said by a node whose key leaked.
+    from llmgw.cli.tables import printable
+
+    fleet, replicas = Fleet(15, 60), Replicas()
+    context, _, server = curve_server(fleet, replicas)
+
+    def say(node: str, **status) -> None:
+        server.handle(node.encode(), key_of(node), protocol.encode("shard_status", node_id=node, shard_id="m-1",
+                                                                    model="m", **status), ADDRESS[node])
+
+    try:
+        for node in ("victim", "rogue"):
+            server.handle(node.encode(), key_of(node), protocol.encode("register", node_id=node, agent_version="t"),
+                          ADDRESS[node])
+        placed(replicas, "m-1", "m", "victim")
+        say("victim", state="ready", url="http://10.0.0.1:8000")
+        # Another node calls the victim's replica unhealthy, restarted, or stopped: none of it is taken.
+        say("rogue", state="unhealthy", url="http://10.6.6.6:8000", detail="hung", restarts=99,
+            restart_reason="it hung")
+        (replica,) = replicas.snapshot()
+        assert (replica.state, replica.restarts, replica.restart_reason) == ("ready", 0, None)
+        assert replicas.restarted == {} and server.refused == {"not_its_own": 1}
+        # Its own node's count only rises: saying fewer later takes none back from the metric.
+        hostile = "\x1b[2J\x1b]0;owned\x07 stopped answering\nERROR fake log line"
+        say("victim", state="unhealthy", url="http://10.0.0.1:8000", restarts=3, restart_reason=hostile)
+        say("victim", state="ready", url="http://10.0.0.1:8000", restarts=1)
+        (replica,) = replicas.snapshot()
+        assert replica.restarts == 3 and replicas.restarted == {"m": 3}
+        # Past the wire's bounds, a message is dropped whole: over a million restarts, a reason of a megabyte.
+        say("victim", state="ready", url="http://10.0.0.1:8000", restarts=10**6 + 1)
+        say("victim", state="ready", url="http://10.0.0.1:8000", restart_reason="x" * (1 << 20))
+        (replica,) = replicas.snapshot()
+        assert replica.restarts == 3 and replica.restart_reason == hostile and server.refused["malformed"] == 2
+        # Where an operator reads the reason, a terminal is told nothing to do (ctl prints it so).
+        assert "\x1b" not in printable(replica.restart_reason) and "\n" not in printable(replica.restart_reason)
+    finally:
+        server.close()
+        context.term()
+
+
 def status_of(gateway, key) -> int:
     request = urllib.request.Request(gateway.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
     try:

@@ -63,7 +63,9 @@ SHARD: dict[str, tuple[object, bool]] = {
     "exit_code": (Int(-2**31, 2**31), False), "last_output": (ListOf(Str(4000), 1000), False),
     "fetch": (FETCH, False), "detail": (TEXT, False), "ready_s": (Num(0, 1e12), False),
     "api_key": (Str(500), False), "context": (Int(1, 1 << 24), False),
-    "restarts": (Int(0, 2**31), False), "restart_reason": (TEXT, False),
+    # At most one restart a probe window (a minute by default): a million is two years of them, and a node
+    # saying more would only inflate its models' restart counter, which alerts read.
+    "restarts": (Int(0, 10**6), False), "restart_reason": (TEXT, False),
 }
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same
