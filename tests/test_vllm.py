@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import anthropic
 import openai
@@ -157,11 +158,15 @@ def test_a_hung_vllm_leaves_rotation_and_is_restarted_whole(cluster, client):
     (replica,) = c.ready(NAME)
     pid = agent.engines()[replica["shard_id"]]
     os.killpg(pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
         wait_for("the hung vLLM out of rotation", 60,
                  lambda: [r["state"] for r in c.replicas(NAME)] == ["unhealthy"], interval=0.1)
+        out_after = time.monotonic() - stopped_at
         wait_for("the hung vLLM restarted and ready", 300,
                  lambda: [(r["state"], r["restarts"]) for r in c.replicas(NAME)] == [("ready", 1)], interval=0.5)
+        print(f"\nhung vLLM: out of rotation {out_after:.1f} s after the SIGSTOP, restarted and ready after "
+              f"{time.monotonic() - stopped_at:.1f} s (probes every 2 s, unhealthy after 2, restart after 15 s)")
     finally:
         try:
             os.killpg(pid, signal.SIGCONT)
