@@ -81,7 +81,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
 	$(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 docs: $(STAMP)
 	$(BIN)/python -c 'from llmgw.settings import reference_markdown; open("docs/reference.md", "w").write(reference_markdown())'

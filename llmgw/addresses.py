@@ -187,12 +187,6 @@ def check_listen_free_port(value: str, setting: str) -> None:
     parse(value, setting, free_port=True)
 
 
-def check_dial(value: str, setting: str) -> None:
-    """A settings validator: VALUE is an address to dial, or empty for none."""
-    if value:
-        parse(value, setting)
-
-
 def check_dial_or_url(value: str, setting: str) -> None:
     """A settings validator: VALUE is an address to dial, an http(s) URL, or empty for none."""
     if value and not value.startswith(("http://", "https://")):

@@ -50,7 +50,6 @@ class Steps:
 
     def __init__(self, plan: bool = False):
         self.plan = plan
-        self.done_any = False
 
     def kept(self, what: str) -> None:
         say(f"kept  {what}")
@@ -65,7 +64,6 @@ class Steps:
             say(f"would {how} {what}")
             return None
         result = act()
-        self.done_any = True
         say(f"done  {what}" + (f" ({result})" if isinstance(result, str) else ""))
         return result
 

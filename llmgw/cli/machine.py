@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import shutil
 import subprocess
 import sys
 
@@ -190,7 +189,3 @@ def ensure_running(steps: Steps, units: list[str]) -> None:
         subprocess.run(["systemctl", "enable", "--now", *units], check=True)
 
     steps.do(f"{', '.join(units)} enabled and started", start, how="enable and start")
-
-
-def systemctl_available() -> bool:
-    return shutil.which("systemctl") is not None
