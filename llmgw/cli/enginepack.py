@@ -23,6 +23,7 @@ import re
 
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
+from llmgw.mirror.store import MirrorError, check_name
 from llmgw.node.installer import NOT_FOR, PYTHON_ENGINES, this_platform
 from llmgw.weights import sha256_of
 
@@ -40,22 +41,29 @@ class Pack:
     left_out: list[str]  # wheels removed from the folder
 
 
-def _platform(tags) -> str | None:
-    """`linux-x86_64` from a wheel's platform tag (manylinux_2_28_x86_64), None for `any`."""
+def _platforms(name: str, tags) -> set[str]:
+    """`linux-x86_64` for each platform a wheel is built for (manylinux_2_28_x86_64); none for `any`. A wheel for
+    another system than Linux raises PackError: no node runs it."""
+    found = set()
     for tag in tags:
-        found = re.match(r"(?:many|musl)?linux(?:1|2010|2014|_\d+_\d+)?_(.+)$", tag.platform)
-        if found:
-            return f"linux-{found.group(1)}"
-    return None
+        if tag.platform == "any":
+            continue
+        linux = re.match(r"(?:many|musl)?linux(?:1|2010|2014|_\d+_\d+)?_(.+)$", tag.platform)
+        if not linux:
+            raise PackError(f"{name} is built for {tag.platform}, and nodes run Linux: download the wheels on (or "
+                            "for) the nodes' platform: pip download --platform manylinux_2_28_x86_64 ...")
+        found.add(f"linux-{linux.group(1)}")
+    return found
 
 
-def _python(tags) -> str | None:
-    """`3.11` for a wheel built for one CPython (cp311-cp311), None for one that runs on many."""
+def _pythons(tags) -> set[str]:
+    """`3.11` for a wheel built for one CPython (cp311-cp311); none for one that runs on many (abi3, py3)."""
+    found = set()
     for tag in tags:
-        found = re.fullmatch(r"cp(\d)(\d+)", tag.interpreter)
-        if found and tag.abi != "abi3":
-            return f"{found.group(1)}.{found.group(2)}"
-    return None
+        version = re.fullmatch(r"cp(\d)(\d+)", tag.interpreter)
+        if version and tag.abi != "abi3":
+            found.add(f"{version.group(1)}.{version.group(2)}")
+    return found
 
 
 def pack(folder: str, engine: str, model: str, version: str | None = None, distribution: str | None = None,
@@ -74,14 +82,17 @@ def pack(folder: str, engine: str, model: str, version: str | None = None, distr
     wheels = {}
     for name in names:
         try:
+            check_name("a file name", name)  # as the mirror will hold it
             wheels[name] = parse_wheel_filename(name)
-        except InvalidWheelFilename as e:
+        except (InvalidWheelFilename, MirrorError) as e:
             raise PackError(f"{name}: {e}") from None
     own = [n for n, (dist, *_) in wheels.items() if dist == canonicalize_name(distribution)]
     if len(own) != 1:
         raise PackError(f"{folder} must hold exactly one wheel of {distribution}, and holds {len(own)}: "
                         f"pip download {distribution}==VERSION -d {folder}")
     unwanted = {canonicalize_name(n) for n in (*NOT_FOR.get(distribution, ()), *leave_out)}
+    if canonicalize_name(distribution) in unwanted:
+        raise PackError(f"{distribution} is the engine itself; it cannot be left out")
     left_out = sorted(n for n, (dist, *_) in wheels.items() if dist in unwanted)
     for name in left_out:
         os.remove(os.path.join(folder, name))
@@ -101,19 +112,25 @@ def pack(folder: str, engine: str, model: str, version: str | None = None, distr
         f.write(f"# {distribution} and every dependency, each by its sha256 (llmgw mirror pack-engine)\n")
         for (dist, wheel_version), sums in sorted(hashes.items()):
             f.write(f"{dist}=={wheel_version}" + "".join(f" \\\n    --hash=sha256:{s}" for s in sorted(sums)) + "\n")
+    # One Python and one platform for the whole environment: a node has one of each.
+    pythons = {p for n, (_, _, _, ts) in wheels.items() for p in _pythons(ts)}
+    platforms = {p for n, (_, _, _, ts) in wheels.items() for p in _platforms(n, ts)}
+    if len(pythons) > 1:
+        raise PackError(f"{folder} holds wheels for Python {' and '.join(sorted(pythons))}: download them all with "
+                        "the Python the nodes run (pip download --python-version 3.11 --only-binary :all: ...)")
+    if len(platforms) > 1:
+        raise PackError(f"{folder} holds wheels for {' and '.join(sorted(platforms))}: a lock is for one platform; "
+                        "pack each in a folder of its own")
     dist, engine_version, _, tags = wheels[own[0]]
-    all_tags = [t for _, _, _, ts in wheels.values() for t in ts]
     version = version or str(engine_version)
     where = f"{model}/{version}"
     entry = {"name": engine, "version": str(engine_version), "kind": "wheel", "source": f"{where}/{own[0]}",
-             "sha256": {_platform(tags) or _platform(all_tags) or this_platform():
-                        sha256_of(os.path.join(folder, own[0]))},
+             "sha256": {next(iter(platforms), this_platform()): sha256_of(os.path.join(folder, own[0]))},
              "requirements": f"{where}/{LOCK}", "requirements_sha256": sha256_of(lock), "find_links": f"{where}/"}
     if dist != canonicalize_name(PYTHON_ENGINES.get(engine, engine)):
         entry["distribution"] = distribution
-    python = _python(all_tags)
-    if python:
-        entry["python"] = python
+    if pythons:
+        entry["python"] = pythons.pop()
     return Pack(entry, len(hashes), left_out)
 
 

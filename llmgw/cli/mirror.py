@@ -221,7 +221,11 @@ def mirror_unused(obj):
         found = _mirror(obj).call("GET", "/api/v1/models")
     except ApiError as e:
         _fail(e)
-    unused = [v for v in found["held"] if not _referred(found["base_url"], v, sources)]
+    unused = [v for v in found["held"] if not _referred(found["base_url"], v, sources) and not _engine_wheels(v)]
+    engines = [v for v in found["held"] if _engine_wheels(v)]
+    if engines:
+        click.echo(f"Not counted: {', '.join(v['model'] + '/' + v['version'] for v in engines)}, an engine's wheels "
+                   "and lock, which nodes' [[engines]] entries name and the catalog does not.", err=True)
     if not unused:
         click.echo(f"Every version here is referred to by a model ({len(found['held'])} versions, "
                    f"{len(sources)} catalog sources).", err=True)
@@ -229,6 +233,13 @@ def mirror_unused(obj):
     print_table([("MODEL", "VERSION", "SIZE")] + [(v["model"], v["version"], human_bytes(v["bytes"])) for v in unused])
     click.echo("Before removing: a node that has to fetch one of these again will not be able to. "
                "Retire the catalog entry first, then remove.", err=True)
+
+
+def _engine_wheels(version: dict) -> bool:
+    """Whether VERSION holds an engine's wheels and their lock (llmgw mirror pack-engine): what nodes install
+    engines from, named in their own configuration, which the catalog cannot tell."""
+    names = {f["name"] for f in version.get("files", [])}
+    return "requirements.txt" in names and any(n.endswith(".whl") for n in names)
 
 
 def _referred(base_url: str, version: dict, sources: list[str]) -> bool:
@@ -239,7 +250,8 @@ def _referred(base_url: str, version: dict, sources: list[str]) -> bool:
 @mirror.command("remove")
 @click.argument("model")
 @click.argument("version")
-@click.option("--force", is_flag=True, help="Remove it even when the catalog cannot be read or refers to it.")
+@click.option("--force", is_flag=True, help="Remove it even when the catalog cannot be read or refers to it, or "
+              "it holds an engine's wheels.")
 @click.pass_obj
 def mirror_remove(obj, model, version, force):
     """Remove a whole version (refused while it downloads, and while the catalog refers to it)."""
@@ -254,6 +266,14 @@ def mirror_remove(obj, model, version, force):
         if _referred(base_url, {"model": model, "version": version}, sources):
             raise click.ClickException(f"a model in the catalog still refers to {model}/{version}; "
                                        "retire the catalog entry first (llmgw ctl model remove)")
+        try:
+            held = client.call("GET", f"/api/v1/models/{segment(model)}/{segment(version)}")
+        except ApiError:
+            held = {}
+        if _engine_wheels(held):
+            raise click.ClickException(f"{model}/{version} holds an engine's wheels and lock, which nodes install "
+                                       "from as their [[engines]] entries say (the catalog cannot tell which do): "
+                                       "change those entries first, then remove it with --force")
     try:
         client.call("DELETE", f"/api/v1/models/{segment(model)}/{segment(version)}")
     except ApiError as e:

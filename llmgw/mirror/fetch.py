@@ -48,6 +48,7 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import threading
 import time
 import urllib.parse
@@ -92,6 +93,7 @@ class FileJob:
     name: str
     url: str  # http(s) URL, or a local path with symlinks resolved
     identity: tuple[int, int] | None = None  # a local file's (device, inode) when it was checked
+    within: tuple[str, ...] = ()  # the directories a local file must still lie in when it is copied
     done: int = 0
     total: int | None = None
     state: str = "waiting"  # waiting, fetching, done, failed
@@ -181,12 +183,22 @@ class Manager:
                                "that fetched it must keep getting the same bytes): fetch into a new version")
         files = self._resolve(source)
         if not anyway and not source.startswith(CONVERT):
-            self._check_architecture(files[0])
+            # A set (shards, a folder) is judged by its first model file: a projector beside it is no refusal.
+            models = [f for f in files if len(files) == 1 or ("mmproj" not in f.name and "imatrix" not in f.name)]
+            if models:
+                self._check_architecture(models[0])
         job = VersionJob(model, version, source, files, time.time())
         with self.lock:
             if (model, version) in self.jobs:  # someone started it while we resolved
                 return self.jobs[(model, version)].view()
             self._check_bounds(job)
+            if source.startswith(CONVERT):
+                converting = [j for j in self.jobs.values() if j.source.startswith(CONVERT)]
+                if converting:
+                    # One at a time: each holds its whole model in memory, dequantized.
+                    raise Busy(f"{converting[0].model}/{converting[0].version} is being converted, and the mirror "
+                               "converts one at a time: ask again when it has finished (llmgw mirror list)")
+                convert.check_memory(files[0].url)
             self.jobs[(model, version)] = job
             self._forget_failure(model, version)
         threading.Thread(target=self._run, args=(job,), name=f"fetch {model}/{version}", daemon=True).start()
@@ -232,7 +244,7 @@ class Manager:
                        "(mirror.max_fetches): ask again when one has finished (llmgw mirror list shows them)")
         if not self.min_free:
             return
-        owed = sum(f.total - f.done for j in self.jobs.values() for f in j.files if f.total is not None)
+        owed = sum(max(0, f.total - f.done) for j in self.jobs.values() for f in j.files if f.total is not None)
         needed = sum(f.total for f in job.files if f.total is not None)
         free = shutil.disk_usage(self.store.root).free
         if free - owed - needed < self.min_free:
@@ -269,13 +281,17 @@ class Manager:
                 files.append(FileJob(name, one))
                 continue
             if one.startswith("pkg:"):
-                found = [(name, _package_file(one[4:]))]
+                path = _package_file(one[4:])
+                found, within = [(name, path)], (os.path.dirname(path),)
             else:
                 real = self._listed(one)
                 found = self._folder_files(one, real) if os.path.isdir(real) else [(name, real)]
+                within = tuple(self.local_sources)
             for named, path in found:
-                st = os.stat(path)
-                files.append(FileJob(named, path, _identity(st), total=st.st_size))
+                # Opened, not stat'ed by name: what was checked above may have been swapped for a symlink since.
+                with _open_inside(path, within) as f:
+                    st = os.fstat(f.fileno())
+                files.append(FileJob(named, path, _identity(st), within, total=st.st_size))
         return files
 
     def _held_gguf(self, spec: str) -> FileJob:
@@ -297,7 +313,9 @@ class Manager:
                               f"{', '.join(ggufs) or 'none'}")
         path = self.store.file_path(model, version, ggufs[0])
         st = os.stat(path)
-        return FileJob(ggufs[0], path, _identity(st), total=st.st_size)
+        # What a conversion writes is about this many times the GGUF (bfloat16 from about 4 bits a weight):
+        # the disk it is budgeted, and the progress shown against.
+        return FileJob(ggufs[0], path, _identity(st), total=st.st_size * convert.GROWTH)
 
     def _check_destination(self, url: str) -> None:
         """Refuse now a URL the download would be refused (llmgw/egress.py), so the caller hears 400."""
@@ -326,16 +344,25 @@ class Manager:
 
     def _folder_files(self, source: str, folder: str) -> list[tuple[str, str]]:
         """(name, real path) of each plain file directly in FOLDER, in name order, each inside a listed
-        directory on its own account: one may be a symlink that points out."""
+        directory on its own account: one may be a symlink that points out. At most MAX_FILES entries of any
+        kind are looked at: a folder of a million is refused, not listed."""
+        names = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                names.append(entry.name)
+                if len(names) > MAX_FILES:
+                    raise MirrorError(f"{source} holds more than {MAX_FILES} entries; a version is one model's or "
+                                      "one engine's files, one level deep")
         paths = []
-        for name in sorted(n for n in os.listdir(folder) if not n.startswith(".")):
+        for name in sorted(n for n in names if not n.startswith(".")):
             path = os.path.join(folder, name)
             if not os.path.isfile(path):
                 continue  # a folder inside: a version's files are one level
-            paths.append((check_name("a file name", name), self._listed(path)))
-            if len(paths) > MAX_FILES:
-                raise MirrorError(f"{source} holds more than {MAX_FILES} files; a version is one model's or one "
-                                  "engine's files")
+            try:
+                check_name("a file name", name)
+            except MirrorError as e:
+                raise MirrorError(f"{source}: {e}; rename it, or move it out of the folder") from None
+            paths.append((name, self._listed(path)))
         if not paths:
             raise MirrorError(f"{source} holds no file to fetch")
         return paths
@@ -399,7 +426,7 @@ class Manager:
                 self._check_room(job, done)
 
             if f.identity is not None:
-                _copy(f.url, f.identity, target, progress)
+                _copy(f.url, f.identity, f.within, target, progress)
             else:
                 vouched = download(f.url, target, progress, urlopen=self.egress.open)
                 if vouched and sha256_of(target) != vouched:
@@ -501,10 +528,32 @@ def _package_file(spec: str) -> str:
                         "(write pkg:package/path/in/it, a file its wheel installed)")
 
 
-def _copy(path: str, identity: tuple[int, int], target: str, progress) -> None:
-    """Copy PATH, which must still be the file that was checked: a directory on the way may have been swapped
-    for a symlink since."""
-    with open(path, "rb") as src:
+def _open_inside(path: str, within: tuple[str, ...]):
+    """PATH opened for reading, when it is a plain file that lies, as opened, inside one of WITHIN: the check is
+    made on the open file, so no swap between a check and an open lets another file through. Not following a
+    last symlink, and not blocking on a FIFO (which would hold a fetch, and its slot, for ever)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise SourceRefused(f"{path} cannot be opened as a plain file ({e.strerror}); fetch it again") from None
+    src = os.fdopen(fd, "rb")
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceRefused(f"{path} is not a plain file")
+        # Where the file this descriptor reads really is, whatever the path's directories are now.
+        if inside_listed(os.readlink(f"/proc/self/fd/{fd}"), list(within)) is None:
+            raise SourceRefused(f"{path} is not inside a directory the mirror may copy from (it changed since it "
+                                "was checked)")
+    except BaseException:
+        src.close()
+        raise
+    return src
+
+
+def _copy(path: str, identity: tuple[int, int], within: tuple[str, ...], target: str, progress) -> None:
+    """Copy PATH, which must still be the file that was checked, inside WITHIN: a directory on the way may
+    have been swapped for a symlink since."""
+    with _open_inside(path, within) as src:
         st = os.fstat(src.fileno())
         if _identity(st) != identity:
             raise SourceRefused(f"{path} changed since it was checked; fetch it again")

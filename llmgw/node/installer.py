@@ -46,9 +46,11 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import zipfile
@@ -333,9 +335,14 @@ class Installer:
         written = entry.get("requirements")
         if not written:
             return None
-        if os.path.isabs(written):
-            return written  # the node's own configuration put it there
         expected = entry.get("requirements_sha256")
+        if os.path.isabs(written):
+            # The node's own configuration put it there; a pin written beside it is still held to.
+            if expected and weights.sha256_of(written) != expected:
+                raise InstallError(f"{written} has sha256 {weights.sha256_of(written)}, but the catalogue says "
+                                   f"{expected}", "put the lock the catalogue names there, or correct its "
+                                   "requirements_sha256")
+            return written
         if not expected:
             raise InstallError(f"engine {entry['name']}'s requirements come from {written}, and the catalogue does "
                                "not pin them", "add requirements_sha256 to its [[engines]] entry (llmgw mirror "
@@ -357,8 +364,9 @@ class Installer:
         requirements = os.path.join(target, ".wheels", "requirements.txt")
         with open(requirements, "w") as f:
             f.write(f"{wheel_name} --hash=sha256:{sha256}\n")
+        # Wheels only: an sdist's build dependencies are installed without their hashes checked.
         command = [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--disable-pip-version-check",
-                   "--no-input", "--require-hashes", "--no-deps", "-r", requirements]
+                   "--no-input", "--require-hashes", "--no-deps", "--only-binary", ":all:", "-r", requirements]
         env = None
         if lock:
             command += ["-r", lock]
@@ -367,7 +375,9 @@ class Installer:
             # (an index or a folder of wheels named there), so what installs is what the control plane serves.
             command += ["--no-index", "--no-cache-dir"]
             if entry.get("find_links"):
-                command += ["--find-links", _links_page(self._url(entry, "find_links"))]
+                links = self._url(entry, "find_links")
+                # A version in the mirror is asked for as its page of links; a URL given is used as it is.
+                command += ["--find-links", links if weights.is_url(entry["find_links"]) else links + "?format=links"]
             env = {**{k: v for k, v in os.environ.items() if not k.startswith("PIP_")}, "PIP_CONFIG_FILE": os.devnull}
         self._run(command, "installing it with pip --require-hashes", PIP_TIMEOUT, env=env, replace_env=True)
         shutil.rmtree(os.path.dirname(wheel_name))
@@ -379,20 +389,36 @@ class Installer:
     def _run(self, command: list[str], doing: str, timeout: float = VERIFY_TIMEOUT, env: dict | None = None,
              fix: str = "correct the entry (its requirements need every hash) or the artefact, and place the model "
                         "again", replace_env: bool = False) -> str:
-        """Run COMMAND with ENV added to this process's environment (or, with REPLACE_ENV, instead of it)."""
-        try:
-            run = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                 env=env if replace_env or not env else {**os.environ, **env})
-        except subprocess.TimeoutExpired:
-            raise InstallError(f"{doing} took over {timeout:.0f} s", "see whether the node's disk or network is "
-                               "slow, then place the model again") from None
-        except OSError as e:
-            raise InstallError(f"{doing}: cannot run {command[0]}: {e.strerror}",
-                               "install it on the node, or correct the entry") from None
-        if run.returncode != 0:
-            last = (run.stderr or run.stdout).strip().splitlines()[-3:]
-            raise InstallError(f"{doing} failed: {' / '.join(last) or f'status {run.returncode}'}", fix)
-        return run.stdout + run.stderr
+        """Run COMMAND with ENV added to this process's environment (or, with REPLACE_ENV, instead of it); its
+        output, stdout and stderr together. It writes to a file, not a pipe, in a session of its own, and
+        everything in that session is killed when it ends or runs out of time: a process it starts and leaves
+        running (torch's workers, when an engine is imported) would hold a pipe open, and the install with it,
+        for ever."""
+        with tempfile.TemporaryFile() as out:
+            try:
+                proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                        env=env if replace_env or not env else {**os.environ, **env},
+                                        start_new_session=True)
+            except OSError as e:
+                raise InstallError(f"{doing}: cannot run {command[0]}: {e.strerror}",
+                                   "install it on the node, or correct the entry") from None
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise InstallError(f"{doing} took over {timeout:.0f} s", "see whether the node's disk or network is "
+                                   "slow, then place the model again") from None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            out.seek(0)
+            output = out.read().decode(errors="replace")
+        if proc.returncode != 0:
+            last = output.strip().splitlines()[-3:]
+            raise InstallError(f"{doing} failed: {' / '.join(last) or f'status {proc.returncode}'}", fix)
+        return output
 
     # --- verifying -----------------------------------------------------------------------------
 
@@ -501,12 +527,6 @@ def _python(version: str) -> str:
         raise InstallError(f"the engine wants Python {version}, and this node has no python{version}",
                            f"install Python {version} on the node, or give the entry the Python it has ({mine})")
     return found
-
-
-def _links_page(url: str) -> str:
-    """The page of links pip reads for URL: a mirror version's (`MODEL/VERSION/`) is asked for as HTML, with
-    each file's sha256; any other URL is used as it is."""
-    return url + "?format=links" if url.endswith("/") and "?" not in url else url
 
 
 def _wheel_name(entry: dict) -> str:
