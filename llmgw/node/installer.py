@@ -62,7 +62,7 @@ log = logging.getLogger("llmgw.installer")
 
 MARKER = ".llmgw-install.json"
 KINDS = ("archive", "wheel")
-VERIFY_TIMEOUT = 120.0  # seconds an engine's version check may take (vLLM imports torch)
+VERIFY_TIMEOUT = 300.0  # seconds an engine's version check may take (vLLM imports torch: 14 s on a loaded machine here)
 PIP_TIMEOUT = 1800.0  # seconds pip may take to install a Python engine and its requirements
 # Where each engine's server lies in an archive when its entry does not say (llama.cpp's release layout).
 DEFAULT_BINARY = {"llamacpp": "bin/llama-server", "vllm": "bin/vllm"}
