@@ -320,7 +320,8 @@ def test_packing_refuses_a_folder_a_node_could_not_install_from(tmp_path):
 
 def test_a_check_that_leaves_a_process_behind_holds_no_install(tmp_path):
     # Importing an engine may start processes of its own (torch's workers). One left holding the check's output
-    # once held an install for ever: the check's output goes to a file, and its whole session goes with it.
+    # pipe made a check that had passed wait out its timeout and fail: the output goes to a file, and the
+    # check's whole session goes with it.
     inst = Installer(str(tmp_path / "engines"), [], "")
     marker, child = tmp_path / "left-running", tmp_path / "child.py"
     child.write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")

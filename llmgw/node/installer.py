@@ -392,8 +392,8 @@ class Installer:
         """Run COMMAND with ENV added to this process's environment (or, with REPLACE_ENV, instead of it); its
         output, stdout and stderr together. It writes to a file, not a pipe, in a session of its own, and
         everything in that session is killed when it ends or runs out of time: a process it starts and leaves
-        running (torch's workers, when an engine is imported) would hold a pipe open, and the install with it,
-        for ever."""
+        running (torch's workers, when an engine is imported) would hold a pipe open, so a check that had
+        passed waited out its timeout and failed, and would outlive the install."""
         with tempfile.TemporaryFile() as out:
             try:
                 proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
