@@ -244,6 +244,16 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
+def ttft_cells(x: dict, rr: dict) -> str:
+    """A run's mean and p95 time to first token, each beside round-robin's (RR) as a ratio: table cells."""
+    return (f"{x['ttft_mean_ms']} | {ratio(x['ttft_mean_ms'], rr['ttft_mean_ms'])} "
+            f"| {x['ttft_p95_ms']} | {ratio(x['ttft_p95_ms'], rr['ttft_p95_ms'])}")
+
+
+def cached(x: dict) -> str:
+    return f"{x['cache_hit_share']:.0%}" if x["cache_hit_share"] is not None else "-"
+
+
 def report(r: dict) -> str:
     lines = [f"{REPLICAS} replicas, {r['clients']} clients, {r['seconds']:g} s after a {r['warmup']:g} s warm-up, "
              f"on {r['machine']['node']} ({r['machine']['cpus']} CPUs), {r['when']}", "",
@@ -255,10 +265,8 @@ def report(r: dict) -> str:
         rr = runs["round-robin"]
         for policy in POLICIES:
             x = runs[policy]
-            share = f"{x['cache_hit_share']:.0%}" if x["cache_hit_share"] is not None else "-"
-            lines.append(f"| {workload} | {policy} | {x['ttft_mean_ms']} | {ratio(x['ttft_mean_ms'], rr['ttft_mean_ms'])} "
-                         f"| {x['ttft_p95_ms']} | {ratio(x['ttft_p95_ms'], rr['ttft_p95_ms'])} | {x['balance']} "
-                         f"| {share} | {x['rps']} | {x['failed']} |")
+            lines.append(f"| {workload} | {policy} | {ttft_cells(x, rr)} | {x['balance']} | {cached(x)} | {x['rps']} "
+                         f"| {x['failed']} |")
     multi = {x["policy"]: x for x in r["runs"] if x["workload"] == "multi-turn"}
     none = {x["policy"]: x for x in r["runs"] if x["workload"] == "no-overlap"}
     worst = max((x["balance"] or float("inf")) for x in r["runs"] if x["policy"] == "prefix")
@@ -286,9 +294,7 @@ def report_vllm(r: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for policy in VLLM_POLICIES:
         x = runs[policy]
-        share = f"{x['cache_hit_share']:.0%}" if x["cache_hit_share"] is not None else "-"
-        lines.append(f"| {policy} | {x['ttft_mean_ms']} | {ratio(x['ttft_mean_ms'], rr['ttft_mean_ms'])} "
-                     f"| {x['ttft_p95_ms']} | {ratio(x['ttft_p95_ms'], rr['ttft_p95_ms'])} | {share} | {x['rps']} "
+        lines.append(f"| {policy} | {ttft_cells(x, rr)} | {cached(x)} | {x['rps']} "
                      f"| {', '.join(map(str, x['requests_per_replica']))} | {x['failed']} |")
     return "\n".join(lines)
 

@@ -324,12 +324,13 @@ def test_a_check_that_leaves_a_process_behind_holds_no_install(tmp_path):
     # check's whole session goes with it.
     inst = Installer(str(tmp_path / "engines"), [], "")
     marker, child = tmp_path / "left-running", tmp_path / "child.py"
-    child.write_text(f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n")
+    # A process that never ends by itself (signal.pause: it waits for a signal, which only the kill sends).
+    child.write_text(f"import os, signal\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\nsignal.pause()\n")
     leaves = f"import subprocess, sys; subprocess.Popen([sys.executable, {str(child)!r}])"
     started = time.monotonic()
     assert "said" in inst._run([sys.executable, "-c", leaves + "; print('said')"], "a check that returns")
     with pytest.raises(InstallError, match="a check that hangs took over 3 s"):
-        inst._run([sys.executable, "-c", leaves + "; import time; time.sleep(600)"], "a check that hangs", timeout=3)
+        inst._run([sys.executable, "-c", leaves + "; import signal; signal.pause()"], "a check that hangs", timeout=3)
     assert time.monotonic() - started < 60
     wait_until("the processes it left stopped", 30,
                lambda: marker.exists() and not os.path.exists(f"/proc/{marker.read_text() or 0}"))
