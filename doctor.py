@@ -8,7 +8,7 @@ for weights, the engines, InfiniBand and RoCE ports, the memlock limit, the
 route to the controller and whether it accepts this node's key. Problems
 come first, each with the command that fixes it. `--json` writes every fact
 read and every conclusion. The exit status is 1 when a check fails.
-Wiring only: the checks are llmgw/doctor.py.
+Wiring only: the checks are llmgw/node/doctor.py.
 """
 
 from __future__ import annotations

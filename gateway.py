@@ -4,7 +4,7 @@
 
 Wiring only: read the configuration, bring the store's schema up to date, give
 prometheus-client its directory, run gunicorn. What happens to a request is in
-llmgw/proxy.py.
+llmgw/gateway/proxy.py.
 """
 
 from __future__ import annotations

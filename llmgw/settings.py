@@ -471,7 +471,7 @@ BY_NAME = {s.name: s for s in SETTINGS}
 ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int", "role": "str", "guard": "dict",
-              # What the controller needs to run it (the gateway ignores these); checked by llmgw.catalog.
+              # What the controller needs to run it (the gateway ignores these); checked by llmgw.control.catalog.
               "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
 
 # An `[[engines]]` entry: the engine catalogue (llmgw/node/installer.py). Read by agents.

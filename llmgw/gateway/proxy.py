@@ -560,7 +560,7 @@ class Proxy:
 
     def _connect_in_turn(self, req, model, t0, caller, pin=None, cancel: Cancel | None = None):
         """`_connect`, but a request for a saturated model waits its turn in the admission queue
-        rather than being refused at once (see llmgw/admission.py). A request that names its replica
+        rather than being refused at once (see llmgw/gateway/admission.py). A request that names its replica
         (PIN) waits for nothing: it is a measurement of that replica, answered or refused by it. CANCEL: as
         for `_connect`; a request whose client left while it waited its turn goes no further."""
         if pin is not None:

@@ -1,6 +1,6 @@
 """Stands in for NVIDIA's `pynvml` on a machine with no GPU: replays the devices in $LLMGW_FAKE_NVML.
 
-Only the calls llmgw.discovery makes exist; anything else fails loudly.
+Only the calls llmgw.node.discovery makes exist; anything else fails loudly.
 """
 
 import json
