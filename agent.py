@@ -23,8 +23,7 @@ import threading
 import click
 import zmq
 
-from llmgw import addresses, engines, filemodes, settings
-from llmgw.control import curvekeys
+from llmgw import addresses, engines, filemodes, keyfiles, settings
 from llmgw.node import discovery
 from llmgw.node.commands import commands
 from llmgw.node.controllerlink import ControllerLink
@@ -64,8 +63,8 @@ def main(config_path, controllers, node_id, key_file):
         log.warning("agent.plaintext is set: this node connects without encryption or a key")
     else:
         try:
-            keys = curvekeys.read_node_key_file(cfg["agent.key_file"])
-        except curvekeys.KeyFileError as e:
+            keys = keyfiles.read_node_key_file(cfg["agent.key_file"])
+        except keyfiles.KeyFileError as e:
             raise click.ClickException(str(e)) from None
     node = cfg["agent.node_id"] or (keys or {}).get("node_id") or socket.gethostname()
     # Created at start, so the disk that will hold weights is reported before the first download.

@@ -22,7 +22,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
-from llmgw import addresses, filemodes, settings, store
+from llmgw import addresses, filemodes, keyfiles, settings, store
 from llmgw.control import adminapi, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
@@ -35,7 +35,7 @@ from llmgw.control.lease import TRUSTED, Lease
 from llmgw.control.loop import ControlLoop, Outbox, ReconcileReport
 from llmgw.control.publisher import DemandInbox, KeyPusher, Publisher
 from llmgw.control.reconciler import Demand, Replicas
-from llmgw.gateway.metrics import serve_registry
+from llmgw.metricsserver import serve_registry
 from llmgw.people.rollup import Roller
 
 log = logging.getLogger("llmgw.controller")
@@ -77,7 +77,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                     cfg["controller.accountant_listen"])
         ring, gateway_ring, keypair, public, auth = None, None, None, None, None
     else:
-        keypair = curvekeys.controller_keypair(cfg["controller.keys_dir"])
+        keypair = keyfiles.controller_keypair(cfg["controller.keys_dir"])
         public = keypair[0]
         ring = authenticator.KeyRing(curvekeys.authorised_keys(engine), "node",
                                      reload=lambda: curvekeys.authorised_keys(engine))

@@ -20,8 +20,7 @@ import sys
 
 import click
 
-from llmgw import engines, settings
-from llmgw.control import curvekeys
+from llmgw import engines, keyfiles, settings
 from llmgw.node import doctor
 from llmgw.node.installer import Installer
 from llmgw.node.reporter import engines_here
@@ -42,7 +41,7 @@ def main(config_path, as_json, root):
     key_problem = None
     if cfg["agent.controllers"] and not cfg["agent.plaintext"]:
         try:
-            keys = curvekeys.read_node_key_file(cfg["agent.key_file"])
+            keys = keyfiles.read_node_key_file(cfg["agent.key_file"])
         except (OSError, ValueError) as e:
             key_problem = f"cannot read the node's key ({cfg['agent.key_file']}): {e}"
     # The engines as the agent would run them: never one that merely lies on the PATH.

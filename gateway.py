@@ -17,8 +17,8 @@ import tempfile
 
 import click
 
-from llmgw import filemodes, settings, store
-from llmgw.control import curvekeys
+from llmgw import filemodes, keyfiles, settings, store
+from llmgw.gateway.masterstate import MasterState
 from llmgw.people import sessions
 from llmgw.procs import raise_fd_limit
 from llmgw.wire.curve import ClientKeys
@@ -68,6 +68,7 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
     if limit < 2 * cfg["gateway.worker_connections"] + 64:
         log.warning("open files are limited to %d: each stream holds two, so a worker holds at most about %d "
                     "streams. Raise the limit (LimitNOFILE= in the systemd unit, ulimit -n).", limit, limit // 2)
+    state = MasterState()
     if cfg["gateway.controller"]:
         if cfg["gateway.plaintext"]:
             log.warning("gateway.plaintext is set: this gateway follows the controller WITHOUT encryption or a key, "
@@ -75,11 +76,11 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
                         ", ".join(cfg["gateway.controller"]))
         else:
             try:
-                keys = curvekeys.read_gateway_key_file(cfg["gateway.key_file"])
-            except curvekeys.KeyFileError as e:
+                keys = keyfiles.read_gateway_key_file(cfg["gateway.key_file"])
+            except keyfiles.KeyFileError as e:
                 raise click.ClickException(str(e)) from None
-            cfg.controller_keys = ClientKeys(keys["controller_public_key"].encode(), keys["public_key"].encode(),
-                                             keys["secret_key"].encode())
+            state.controller_keys = ClientKeys(keys["controller_public_key"].encode(), keys["public_key"].encode(),
+                                               keys["secret_key"].encode())
             log.info("following the controller at %s as gateway %s (CURVE)", " or ".join(cfg["gateway.controller"]),
                      keys["gateway"])
     if not cfg.endpoints and not cfg["gateway.controller"]:
@@ -94,8 +95,9 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         from llmgw.control import standin
         from llmgw.gateway.server import GatewayServer
         from llmgw.people import keys
+        from llmgw.web.app import GatewayApp
 
-        GatewayServer(cfg, key_source=keys, standin=standin.run).run()
+        GatewayServer(cfg, state, key_source=keys, standin=standin.run, make_app=GatewayApp).run()
     finally:
         # Workers are forked inside run() and leave through here too. One stopped alone (SIGTERM, SIGQUIT)
         # removed the directory under the master and the other workers: its replacement failed to boot

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, filemodes, settings
-from llmgw.gateway.metrics import serve_registry
+from llmgw.metricsserver import serve_registry
 from llmgw.mirror.fetch import GiB, Manager
 from llmgw.mirror.server import Access, MirrorCollector, api_app, files_app
 from llmgw.mirror.store import MirrorDir

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.procstat import cpu_seconds  # noqa: E402
-from llmgw import addresses, settings, store  # noqa: E402
+from llmgw import addresses, keyfiles, settings, store  # noqa: E402
 from llmgw.apiclient import ApiClient, ApiError  # noqa: E402
 from llmgw.control import curvekeys  # noqa: E402
 from llmgw.node.discovery import parse_nvidia_smi  # noqa: E402
@@ -48,7 +48,7 @@ def run_agents(address: str, key_files: list[str], interval: float, silent: str 
     poller = zmq.Poller()
     agents = {}
     for path in key_files:
-        keys = curvekeys.read_node_key_file(path)
+        keys = keyfiles.read_node_key_file(path)
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.curve_secretkey = keys["secret_key"].encode()
@@ -121,14 +121,14 @@ def main() -> int:
     with open(config, "w") as f:
         f.write(settings.to_toml(values))
     engine = store.open_store(values["store.url"])
-    controller_public, _ = curvekeys.controller_keypair(values["controller.keys_dir"])
+    controller_public, _ = keyfiles.controller_keypair(values["controller.keys_dir"])
     key_files = []
     for i in range(args.agents):
         node = f"node-{i:04d}"
         public, secret = curvekeys.issue_node_key(engine, node)
         path = os.path.join(tmp, f"{node}.key")
         with open(path, "w") as f:
-            f.write(curvekeys.node_key_file(node, public, secret, controller_public))
+            f.write(keyfiles.node_key_file(node, public, secret, controller_public))
         key_files.append(path)
     engine.dispose()
     procs = []

@@ -38,7 +38,7 @@ def modules() -> dict[str, str]:
 
 def imports(path: str) -> list[tuple[str, int]]:
     """(imported module, line) for every import in PATH, including those inside functions;
-    `from llmgw import x` names the module llmgw.x."""
+    `from llmgw import store` names the module llmgw.store."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     found = []

@@ -190,8 +190,8 @@ def time_usage_page(url: str) -> list[float]:
     import re
 
     from llmgw import settings
-    from llmgw.gateway.webapp import GatewayApp
     from llmgw.people import accounts
+    from llmgw.web.app import GatewayApp
 
     engine = store.open_engine(url)
     accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)

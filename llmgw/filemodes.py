@@ -7,7 +7,7 @@ uses before it opens any: a local user who could read the store once forged an a
 A role refuses to start rather than warn, because a warning scrolls by and the secret stays readable;
 the refusal names the `chmod` that fixes it.
 
-Imported by: the role files, llmgw/store.py, llmgw/control/curvekeys.py. Imports llmgw.settings only.
+Imported by: the role files, llmgw/store.py, llmgw/keyfiles.py, the CLI. Imports llmgw.settings only.
 """
 
 from __future__ import annotations
@@ -111,3 +111,24 @@ def role_files(cfg: settings.Config, role: str) -> dict[str, int]:
 def check_roles(cfg: settings.Config, *roles: str) -> None:
     """Refuse (LooseFiles) to start any of ROLES while others can read or change a file one holds secrets in."""
     refuse_loose({path: forbidden for role in roles for path, forbidden in role_files(cfg, role).items()})
+
+
+def write_private(path: str, text: str) -> None:
+    """Write TEXT to PATH, readable by this user only (0600) from the moment it exists; a directory made for it
+    is 0700. Written to a new file that then takes PATH's place, so whatever PATH was (a looser file, a link
+    another user planted to a file of theirs or of root's) is replaced, never written through: opened and
+    truncated in place, a password went into another user's file, and root's own files were overwritten."""
+    folder = os.path.dirname(os.path.abspath(path))
+    make_private_dir(folder)
+    temporary = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.new")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise

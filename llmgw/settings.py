@@ -502,15 +502,6 @@ class Config:
         self.path = path
         self.secret_files = secret_files
         self.holds_secret = holds_secret
-        # Set by the gateway's master when it runs the accountant itself (no controller).
-        self.local_accountant: str | None = None
-        # CURVE keys (llmgw.wire.curve.ClientKeys) a gateway dials with: for the controller's sockets, read
-        # from gateway.key_file by gateway.py; for the master's own accountant, made by the master.
-        self.controller_keys = None
-        self.local_accountant_keys = None
-        # The controller's latest snapshot (with the address it came from) and keys as the gateway's master
-        # heard them: what a worker forked later starts from.
-        self.last_word: dict[str, Any] = {}
 
     def public_url(self) -> str:
         """Where people reach the gateway: `gateway.public_url`, or else its listen address."""

@@ -100,7 +100,7 @@ def test_the_token_file_is_private_and_ctl_reads_it_from_the_configuration(contr
 
 
 def test_the_cluster_page_says_when_it_has_no_token(controller, tmp_path):
-    from llmgw.gateway.webapp import GatewayApp
+    from llmgw.web.app import GatewayApp
     from tests.test_pages import sign_in
 
     url = f"sqlite:///{tmp_path}/pages.db"

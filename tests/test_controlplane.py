@@ -7,7 +7,7 @@ import time
 import pytest
 import zmq
 
-from llmgw.control import curvekeys
+from llmgw import keyfiles
 from llmgw.procs import free_port, wait_for
 from llmgw.wire import agent as protocol
 from tests.cluster import Agent, Controller
@@ -73,7 +73,7 @@ def test_a_key_nobody_issued_is_refused_and_the_agent_says_what_to_do(cluster):
     public, secret = zmq.curve_keypair()
     controller_public = (c.tmp / "controller-keys" / "controller.key").read_text()
     controller_public = re.search(r'public_key = "(.*)"', controller_public).group(1).encode()
-    forged = curvekeys.node_key_file("intruder", public, secret, controller_public)
+    forged = keyfiles.node_key_file("intruder", public, secret, controller_public)
     a = agent([f"127.0.0.1:{c.agent_port}"], "intruder", forged)
     wait_for("the agent to report the refusal", 10, lambda: "refused this node's key" in a.log())
     assert "llmgw ctl node-key issue intruder" in a.log()

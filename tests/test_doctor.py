@@ -191,8 +191,8 @@ def _no_config(monkeypatch):
 
 def test_the_cluster_page_shows_a_nodes_warnings(tmp_path):
     from llmgw import settings, store
-    from llmgw.gateway.webapp import GatewayApp
     from llmgw.people import accounts
+    from llmgw.web.app import GatewayApp
     from tests.test_pages import sign_in
 
     c = Controller(tmp_path)

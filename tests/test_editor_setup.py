@@ -16,8 +16,8 @@ from conftest import make_key, run_setup_script
 from test_pages import sign_in
 
 from llmgw import settings, store
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
+from llmgw.web.app import GatewayApp
 
 URL = "https://llm.example.com"
 HOSTILE = "x'\"$(touch pwned)`touch pwned`\\"  # a model an operator named badly: still one value everywhere

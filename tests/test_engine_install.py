@@ -590,8 +590,8 @@ def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapp
 def cluster_page(tmp_path, controller: Controller) -> str:
     """The cluster page (`/admin`) as an administrator sees it, from a gateway app of this controller."""
     from llmgw import store
-    from llmgw.gateway.webapp import GatewayApp
     from llmgw.people import accounts, keys
+    from llmgw.web.app import GatewayApp
     from tests.test_pages import sign_in
 
     url = f"sqlite:///{tmp_path}/pages.db"

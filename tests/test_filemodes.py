@@ -11,8 +11,8 @@ import sys
 import pytest
 import sqlalchemy as sa
 
-from llmgw import filemodes, settings, store
-from llmgw.control import adminapi, curvekeys
+from llmgw import filemodes, keyfiles, settings, store
+from llmgw.control import adminapi
 from llmgw.procs import free_port
 from tests.conftest import ROOT, write_config
 
@@ -43,7 +43,7 @@ def test_the_store_keys_and_token_are_made_private_at_first_start(tmp_path, umas
     engine.dispose()
     assert mode(var) == 0o700
     keys = var / "keys"
-    curvekeys.controller_keypair(str(keys))
+    keyfiles.controller_keypair(str(keys))
     adminapi.ensure_token(str(keys))
     assert (mode(keys), mode(keys / "controller.key"), mode(keys / "admin.token")) == (0o700, 0o600, 0o600)
     filemodes.refuse_loose({str(p): filemodes.OTHERS for p in (var, db, keys, keys / "controller.key")})
@@ -126,7 +126,7 @@ def loose_controller_keys(tmp_path):
     script, config, _ = loose_controller(tmp_path)
     (tmp_path / "controller.db").chmod(0o600)
     keys = tmp_path / "keys"
-    curvekeys.controller_keypair(str(keys))
+    keyfiles.controller_keypair(str(keys))
     keys.chmod(0o755)
     (keys / "controller.key").chmod(0o640)
     return script, config, f"chmod 700 {keys}; chmod 600 {keys / 'controller.key'}"
@@ -148,7 +148,7 @@ def loose_gateway(tmp_path):
 
 def loose_gateway_key(tmp_path):
     key = tmp_path / "gateway.key"
-    key.write_text(curvekeys.gateway_key_file("gw", b"p" * 40, b"s" * 40, b"c" * 40))
+    key.write_text(keyfiles.gateway_key_file("gw", b"p" * 40, b"s" * 40, b"c" * 40))
     key.chmod(0o644)
     config = gateway_config(tmp_path, tmp_path, **{"gateway.controller": f"127.0.0.1:{free_port()}",
                                                    "gateway.key_file": str(key)})
@@ -157,7 +157,7 @@ def loose_gateway_key(tmp_path):
 
 def loose_agent(tmp_path):
     key = tmp_path / "node.key"
-    key.write_text(curvekeys.node_key_file("n1", b"p" * 40, b"s" * 40, b"c" * 40))
+    key.write_text(keyfiles.node_key_file("n1", b"p" * 40, b"s" * 40, b"c" * 40))
     key.chmod(0o604)
     config = write_config(tmp_path / "agent.toml", {
         "agent.controllers": [f"127.0.0.1:{free_port()}"], "agent.key_file": str(key),
@@ -197,7 +197,7 @@ def test_each_role_refuses_to_start_on_files_others_can_read(tmp_path, loose, um
 
 
 def test_a_secret_is_written_in_place_of_a_link_never_through_it(tmp_path):
-    from llmgw.control.curvekeys import write_private
+    from llmgw.filemodes import write_private
 
     theirs = tmp_path / "theirs"
     theirs.write_text("their own\n")

@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "mirror": {"mirror", "top"},
     "people": {"people", "top"},
     "control": {"control", "top", "wire", "people"},
-    "gateway": {"gateway", "top", "wire", "engines", "web"},
+    "gateway": {"gateway", "top", "wire", "engines"},
     "web": {"web", "top", "gateway", "people"},
     "cli": EVERY - {"gateway", "web"},
     "top": {"top"},
@@ -38,6 +38,24 @@ MUST_NOT = {
 }
 # Top-level modules that a package may not import although they are top-level.
 NOT_THE_STORE = {"node", "mirror", "engines", "wire"}
+# Role file -> the llmgw packages it may import: the code of its own process, wired together.
+ROLE_MAY_IMPORT = {
+    # The gateway's master hosts the stand-in accountant (control.standin) when no controller is followed,
+    # and reads keys from the store (people): both handed to the server from here.
+    "gateway.py": {"top", "gateway", "web", "people", "control", "wire"},
+    "controller.py": {"top", "control", "people", "wire"},
+    "agent.py": {"top", "node", "engines", "wire"},
+    "doctor.py": {"top", "node", "engines", "wire"},
+    "mirror.py": {"top", "mirror"},
+}
+# Role file -> what its process must never load, followed through every import it makes (a node has no
+# database; the controller runs threads, never gevent).
+ROLE_MUST_NOT_LOAD = {
+    "agent.py": {"sqlalchemy", "gevent", "flask", "llmgw.store"},
+    "doctor.py": {"sqlalchemy", "gevent", "flask", "llmgw.store"},
+    "mirror.py": {"sqlalchemy", "gevent", "llmgw.store"},
+    "controller.py": {"gevent"},
+}
 # Crossings allowed although they cross a rule, each with its reason.
 KNOWN = {
     ("llmgw.top.__main__", "llmgw.cli.main"),  # `python -m llmgw` is the command line
@@ -79,6 +97,40 @@ def broken_rules() -> list[str]:
 
 def test_every_package_keeps_to_its_imports():
     assert broken_rules() == []
+
+
+def loaded_by(path: str, found: dict[str, str]) -> dict[str, str]:
+    """Everything PATH's process loads by following its imports (those inside functions too): llmgw modules
+    and third-party packages, each with the module that first brought it in."""
+    loaded: dict[str, str] = {}
+    todo = [("(the role file)", path)]
+    while todo:
+        importer, current = todo.pop()
+        for target, _ in imports(current):
+            if target.split(".")[0] != "llmgw":
+                loaded.setdefault(target.split(".")[0], importer)
+                continue
+            module = _module_of(target, found)
+            if module and module != "llmgw" and module not in loaded:
+                loaded[module] = importer
+                todo.append((module, found[module]))
+    return loaded
+
+
+def test_every_role_file_imports_only_its_own_process_code_and_loads_nothing_it_must_not():
+    found = modules()
+    problems = []
+    for role, allowed in ROLE_MAY_IMPORT.items():
+        path = os.path.join(ROOT, role)
+        for target, line in imports(path):
+            module = _module_of(target, found) if target.startswith("llmgw.") else None
+            if module and package_of(module) not in allowed:
+                problems.append(f"{role}:{line} imports {module}: {role} may import only {', '.join(sorted(allowed))}")
+        loaded = loaded_by(path, found)
+        for name in sorted(ROLE_MUST_NOT_LOAD.get(role, ())):
+            if name in loaded:
+                problems.append(f"{role} loads {name} (imported by {loaded[name]}), which its process must not")
+    assert problems == []
 
 
 def test_the_rules_catch_a_forbidden_import(tmp_path, monkeypatch):

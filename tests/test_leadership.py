@@ -481,7 +481,7 @@ def test_a_stale_leader_pushing_keys_from_before_a_revocation_last_does_not_brin
 
     import zmq
 
-    from llmgw.control import curvekeys
+    from llmgw import keyfiles
     from llmgw.people import keys
     from llmgw.principals import hash_secret
     from llmgw.wire import gateways
@@ -523,7 +523,7 @@ def test_a_stale_leader_pushing_keys_from_before_a_revocation_last_does_not_brin
         # with the controller's key pair (the one both controllers hold).
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        curvekeys_pair = curvekeys.controller_keypair(str(tmp_path / "keys"))
+        curvekeys_pair = keyfiles.controller_keypair(str(tmp_path / "keys"))
         pub.curve_secretkey, pub.curve_publickey = curvekeys_pair[1], curvekeys_pair[0]
         pub.curve_server = True
         pub.bind(f"tcp://127.0.0.1:{a.gateway_port}")

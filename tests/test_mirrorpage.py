@@ -19,12 +19,12 @@ from werkzeug.wrappers import Request, Response
 
 from llmgw import settings, store
 from llmgw.cli import starter
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.mirror.fetch import Manager
 from llmgw.mirror.server import api_app, files_app
 from llmgw.mirror.store import MirrorDir
 from llmgw.people import accounts, keys
 from llmgw.procs import free_port, http_status, wait_for
+from llmgw.web.app import GatewayApp
 from tests.cluster import Agent, Controller
 from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
 from tests.test_mirror import LIBRARY, access, gguf_bytes

@@ -295,8 +295,8 @@ class FakeAdminApi:
 
 @pytest.fixture
 def cluster_client(tmp_path, monkeypatch):
-    from llmgw.gateway.webapp import GatewayApp
     from llmgw.web import adminpages
+    from llmgw.web.app import GatewayApp
 
     url = f"sqlite:///{tmp_path}/pages.db"
     engine = store.open_store(url)

@@ -16,10 +16,10 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 from llmgw import settings, store
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
 from llmgw.procs import free_port, wait_for
 from llmgw.web import history, prometheus
+from llmgw.web.app import GatewayApp
 from tests import promstack
 from tests.cluster import Agent, Controller
 from tests.conftest import Gateway, make_key, post

@@ -7,9 +7,9 @@ import pytest
 
 from llmgw import settings, store
 from llmgw.gateway.keytable import KeyTable
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
 from llmgw.principals import KeyRecord
+from llmgw.web.app import GatewayApp
 
 
 @pytest.fixture

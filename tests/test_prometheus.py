@@ -18,9 +18,9 @@ import requests
 from markupsafe import escape
 
 from llmgw import settings, store
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys
 from llmgw.web import prometheus, svgchart
+from llmgw.web.app import GatewayApp
 from tests.conftest import Gateway, wait_until
 from tests.test_pages import sign_in, token
 from tests.test_upstream import Scripted, ok

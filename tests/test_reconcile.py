@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from llmgw import store
+from llmgw import filemodes, keyfiles, store
 from llmgw.control import curvekeys
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Agent, Controller, Traffic, wait_for_no_duplicates
@@ -66,9 +66,9 @@ def cluster(tmp_path):
             engine = store.open_store(self.store)
             public, secret = curvekeys.issue_gateway_key(engine, "gw")
             engine.dispose()
-            controller_public, _ = curvekeys.controller_keypair(f"{tmp_path}/controller-keys")
+            controller_public, _ = keyfiles.controller_keypair(f"{tmp_path}/controller-keys")
             path = f"{tmp_path}/gateway-early.key"
-            curvekeys.write_private(path, curvekeys.gateway_key_file("gw", public, secret, controller_public))
+            filemodes.write_private(path, keyfiles.gateway_key_file("gw", public, secret, controller_public))
             return path
 
         def traffic(self, gw, models=("simmy",)):

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from llmgw import settings, store
 from llmgw.cli.main import main as cli
-from llmgw.gateway.webapp import GatewayApp
 from llmgw.people import accounts, keys, sessions
 from llmgw.web import throttle
+from llmgw.web.app import GatewayApp
 from tests.conftest import counted, wait_until
 from tests.test_pages import sign_in, site, token  # noqa: F401  (the fixture and helpers)
 

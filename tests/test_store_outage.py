@@ -105,14 +105,14 @@ def test_a_store_that_hangs_holds_up_no_handshake_of_a_known_key(tmp_path, own_p
 
     import zmq
 
-    from llmgw.control import curvekeys
+    from llmgw import keyfiles
 
     c = Controller(tmp_path, store_url=own_pg.url)
     context = zmq.Context()
     try:
         with open(c.gateway_key_file("known"), "rb") as f:
             known = tomllib.load(f)
-        server = curvekeys.controller_keypair(c.values["controller.keys_dir"])[0]
+        server = keyfiles.controller_keypair(c.values["controller.keys_dir"])[0]
         keypair = (known["public_key"].encode(), known["secret_key"].encode())
         assert handshakes(c.gateway_port, server, keypair, context, WAIT) == "ok"
 

@@ -114,9 +114,9 @@ def add(c: Controller, tmp_path, name: str, source: str) -> None:
 
 def test_ctl_weights_lists_and_reclaims_only_unused_downloads(tmp_path, served):
     from llmgw import settings, store
-    from llmgw.gateway.webapp import GatewayApp
     from llmgw.people import accounts, keys
     from llmgw.web import history
+    from llmgw.web.app import GatewayApp
     from tests.test_pages import sign_in
 
     made = []

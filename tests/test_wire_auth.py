@@ -281,14 +281,14 @@ def test_a_revoked_key_stops_on_every_worker_of_every_gateway_within_a_second(tm
 
 
 def test_a_gateway_key_is_issued_only_for_a_proper_name_and_opens_only_with_the_token(tmp_path):
-    from llmgw.control import curvekeys
+    from llmgw import keyfiles
 
     c = Controller(tmp_path)
     try:
         bad = c.ctl("gateway-key", "issue", "../../etc/passwd")
         assert bad.returncode != 0 and "such as gw-01" in bad.stderr
         path = c.gateway_key_file("gw-ok")
-        assert curvekeys.read_gateway_key_file(path)["gateway"] == "gw-ok"
+        assert keyfiles.read_gateway_key_file(path)["gateway"] == "gw-ok"
         # Without the admin API's token nobody is issued a key, however well-formed the ask.
         request = urllib.request.Request(f"http://127.0.0.1:{c.admin_port}/api/v1/gateway-keys", method="POST",
                                          data=json.dumps({"name": "sneaky"}).encode(),

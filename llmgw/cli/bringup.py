@@ -23,7 +23,7 @@ import urllib.request
 import click
 import sqlalchemy as sa
 
-from llmgw import addresses, apiguard, filemodes, store
+from llmgw import addresses, apiguard, filemodes, keyfiles, store
 from llmgw.apiclient import ApiClient, ApiError
 from llmgw.cli import starter
 from llmgw.control import adminapi, curvekeys
@@ -112,7 +112,7 @@ def ensure_controller_secrets(steps: Steps, keys_dir: str) -> None:
         steps.kept(f"the controller's CURVE key pair ({path})")
     else:
         steps.do(f"the controller's CURVE key pair ({path}, mode 0600)",
-                 lambda: curvekeys.controller_keypair(keys_dir) and None, how="write")
+                 lambda: keyfiles.controller_keypair(keys_dir) and None, how="write")
     path = apiguard.token_path(keys_dir)
     if os.path.exists(path) and os.path.getsize(path) > 0:
         steps.kept(f"the admin API's token ({path})")
@@ -130,10 +130,10 @@ def ensure_session_key(steps: Steps, path: str) -> None:
 
 
 PEERS = {  # kind -> (table, name column, issue, key file text, reader)
-    "node": (store.node_keys, "node_id", curvekeys.issue_node_key, curvekeys.node_key_file,
-             curvekeys.read_node_key_file),
-    "gateway": (store.gateway_keys, "name", curvekeys.issue_gateway_key, curvekeys.gateway_key_file,
-                curvekeys.read_gateway_key_file),
+    "node": (store.node_keys, "node_id", curvekeys.issue_node_key, keyfiles.node_key_file,
+             keyfiles.read_node_key_file),
+    "gateway": (store.gateway_keys, "name", curvekeys.issue_gateway_key, keyfiles.gateway_key_file,
+                keyfiles.read_gateway_key_file),
 }
 
 
@@ -152,13 +152,13 @@ def ensure_peer_key(steps: Steps, engine, kind: str, name: str, path: str, keys_
             if bound == held["public_key"] and held["controller_public_key"] == controller_public:
                 steps.kept(f"{kind} key for {name} ({path})")
                 return
-        except (curvekeys.KeyFileError, OSError, KeyError, tomllib.TOMLDecodeError):
+        except (keyfiles.KeyFileError, OSError, KeyError, tomllib.TOMLDecodeError):
             pass  # unreadable or from another controller: issue a new one
 
     def make() -> None:
-        controller_public, _ = curvekeys.controller_keypair(keys_dir)
+        controller_public, _ = keyfiles.controller_keypair(keys_dir)
         public, secret = issue(engine, name)
-        curvekeys.write_private(path, text(name, public, secret, controller_public))
+        filemodes.write_private(path, text(name, public, secret, controller_public))
 
     steps.do(f"{kind} key for {name} ({path}, mode 0600)", make, how="issue")
 
@@ -175,7 +175,7 @@ def ensure_api_key(steps: Steps, engine, path: str, name: str = "starter") -> st
         steps.do(f"an API key called {name}, kept in {path}", None)
         return None
     _, secret = keys.create_key(engine, name)
-    curvekeys.write_private(path, secret + "\n")
+    filemodes.write_private(path, secret + "\n")
     steps.do(f"key {secret[:keys.DISPLAY_CHARS]}...", lambda: f"made, kept in {path}, mode 0600")
     return secret
 
@@ -196,7 +196,7 @@ def ensure_admin(steps: Steps, engine, email: str, password_file: str) -> None:
     def make() -> str:
         password = secrets.token_urlsafe(12)
         accounts.create_user(engine, email, password, state=accounts.ACTIVE, is_admin=True)
-        curvekeys.write_private(password_file, password + "\n")
+        filemodes.write_private(password_file, password + "\n")
         return f"its password is in {password_file}, mode 0600"
 
     steps.do(f"administrator {email}", make)

@@ -18,7 +18,6 @@ import click
 
 from llmgw import filemodes, settings
 from llmgw.cli.bringup import ROOT, Steps
-from llmgw.control import curvekeys
 
 USER = "llmgw"
 UNITS = os.path.join(ROOT, "deploy", "systemd")
@@ -119,7 +118,7 @@ def ensure_config(steps: Steps, path: str, wanted: dict, models: list[dict], for
     added = sorted(set(values) - set(have.written)) if have else []
     changed = sorted(n for n in values if have and n in have.written and values[n] != have.written[n])
     note = ", ".join(filter(None, [added and f"added {', '.join(added)}", changed and f"set {', '.join(changed)}"]))
-    steps.do(f"configuration {path}", lambda: curvekeys.write_private(
+    steps.do(f"configuration {path}", lambda: filemodes.write_private(
         path, "# Written by `llmgw init`; edit it freely: a rerun keeps what it says.\n"
         + settings.to_toml(values, models=all_models)) or note or None, how="write")
 

@@ -22,7 +22,6 @@ import click
 
 from llmgw import addresses, filemodes, settings
 from llmgw.cli import bringup
-from llmgw.control import curvekeys
 from llmgw.people import sessions
 
 ADMIN = "admin@localhost"
@@ -86,7 +85,7 @@ class Up:
         values.pop("controller.admin_token", None)
         path = os.path.join(self.var, "up.toml")
         # 0600: it names the store, which may be a database URL with its password in it.
-        curvekeys.write_private(path, "# Written by `llmgw up` on every start; edit the file you pass with "
+        filemodes.write_private(path, "# Written by `llmgw up` on every start; edit the file you pass with "
                                       "--config instead.\n"
                                 + settings.to_toml(values, models=[bringup.starter_model(values["mirror.base_url"])]
                                                    + list(self.cfg.models)))

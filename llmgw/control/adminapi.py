@@ -19,7 +19,7 @@ import time
 from flask import Flask, jsonify, request
 from sqlalchemy.engine import Engine
 
-from llmgw import __version__, apiguard, settings, store
+from llmgw import __version__, apiguard, keyfiles, settings, store
 from llmgw.control import curvekeys, placement, weightsview
 from llmgw.control.authenticator import KeyRing
 from llmgw.control.capacity import CapacityError
@@ -395,12 +395,12 @@ def create_app(fleet: Fleet, engine: Engine, ring: KeyRing | None, controller_pu
     @app.post("/api/v1/node-keys")
     def issue_key():
         return issue("agent", "node_id", "gpu-01", ring, curvekeys.issue_node_key, curvekeys.authorised_keys,
-                     curvekeys.node_key_file)
+                     keyfiles.node_key_file)
 
     @app.post("/api/v1/gateway-keys")
     def issue_gateway_key():
         return issue("gateway", "name", "gw-01", gateway_ring, curvekeys.issue_gateway_key, curvekeys.gateway_keys,
-                     curvekeys.gateway_key_file)
+                     keyfiles.gateway_key_file)
 
     return app
 

@@ -21,10 +21,10 @@ from llmgw.wire.curve import ClientKeys
 log = logging.getLogger("llmgw.standin")
 
 
-def run(cfg: Config) -> None:
+def run(cfg: Config) -> tuple[str, ClientKeys]:
     """Without a controller, the master holds the accountant, so its workers share every limit, and
-    rolls up usage. It runs before any worker is forked; each worker learns the accountant's address
-    from the configuration it inherits."""
+    rolls up usage. It runs before any worker is forked: the accountant's address and the keys its
+    workers dial it with, which the master keeps for the workers it forks."""
     accountant = Accountant()
     engine = store.open_engine(cfg["store.url"])
     accountant.restore(engine)
@@ -37,7 +37,7 @@ def run(cfg: Config) -> None:
     Authenticator(context, {"llmgw-workers": KeyRing({worker_keys[0]: "workers"}, "gateway worker")}).start()
     server = AccountServer(accountant, cfg["gateway.accountant_listen"], context,
                            (server_keys, "llmgw-workers")).start()
-    cfg.local_accountant_keys = ClientKeys(server_keys[0], *worker_keys)
     host = addresses.parse(cfg["gateway.accountant_listen"], "gateway.accountant_listen", free_port=True)[0]
-    cfg.local_accountant = addresses.join(addresses.dial_host(host), server.port)
-    log.info("the accountant for this gateway's limits is on %s", cfg.local_accountant)
+    address = addresses.join(addresses.dial_host(host), server.port)
+    log.info("the accountant for this gateway's limits is on %s", address)
+    return address, ClientKeys(server_keys[0], *worker_keys)

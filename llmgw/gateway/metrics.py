@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import glob
 import os
-import threading
 from bisect import bisect_left
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, multiprocess
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
-from llmgw import addresses
+from llmgw.metricsserver import serve_registry
 
 # Below every real figure, so that `livemax` takes any worker's known one over it; never served.
 UNKNOWN = float("-inf")
@@ -229,11 +226,6 @@ class GatewayMetrics:
             metric.fold()
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, *args) -> None:  # a scrape every 15 s is not news
-        pass
-
-
 class _Known:
     """The workers' summed metrics, less the gauges they set to UNKNOWN."""
 
@@ -262,25 +254,6 @@ def serve(listen: str) -> None:
     registry = CollectorRegistry()
     registry.register(_Known(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
     serve_registry(listen, registry)
-
-
-def serve_registry(listen: str, registry: CollectorRegistry) -> None:
-    """Serve REGISTRY on LISTEN in a thread.
-
-    Only `/metrics` answers there; any other path is 404, so nothing else is
-    ever exposed on the address opened for Prometheus.
-    """
-    host, port = addresses.bind(listen, "the metrics address")
-    exposition = make_wsgi_app(registry)
-
-    def only_metrics(environ, start_response):
-        if environ.get("PATH_INFO") != "/metrics":
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"metrics are at /metrics\n"]
-        return exposition(environ, start_response)
-
-    server = make_server(host, port, only_metrics, ThreadingWSGIServer, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
 
 
 def worker_gone(pid: int) -> None:

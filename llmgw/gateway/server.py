@@ -21,6 +21,7 @@ import logging
 from gunicorn.app.base import BaseApplication
 
 from llmgw import addresses
+from llmgw.gateway.masterstate import MasterState
 from llmgw.settings import Config
 
 log = logging.getLogger("llmgw.server")
@@ -43,10 +44,11 @@ def _when_ready(server) -> None:
     listen = cfg["gateway.metrics_listen"]
     metrics.serve(listen)
     log.info("metrics on http://%s/metrics", bind_address(listen, "gateway.metrics_listen"))
+    state = server.app.state
     if cfg["gateway.controller"]:
-        _keep_the_last_word(cfg)
+        _keep_the_last_word(cfg, state)
     else:
-        server.app.standin(cfg)
+        state.local_accountant, state.local_accountant_keys = server.app.standin(cfg)
     from llmgw.gateway import presence
 
     presence.mark(cfg["store.url"], cfg["gateway.listen"])  # before any worker is forked
@@ -59,9 +61,9 @@ def _on_exit(server) -> None:
     presence.remove(cfg["store.url"], cfg["gateway.listen"])  # the workers wrote their usage: the store is free
 
 
-def _keep_the_last_word(cfg: Config) -> None:
+def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     """The master follows the controller too, in a thread, keeping its latest snapshot and keys in
-    `cfg.last_word`. A worker forked later (a crashed one replaced) inherits them with the rest of the
+    `state.last_word`. A worker forked later (a crashed one replaced) inherits them with the rest of the
     master's memory, so it serves at once: waiting for the controller's next message cost 610 failed
     requests over 3 worker kills. Replacing a dict entry needs no lock, and no lock may be held at fork."""
     import threading
@@ -71,19 +73,19 @@ def _keep_the_last_word(cfg: Config) -> None:
     from llmgw.gateway.follower import follow
 
     def keep_snapshot(message: dict, host: str) -> None:
-        cfg.last_word["snapshot"] = (message, host)
-        cfg.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
+        state.last_word["snapshot"] = (message, host)
+        state.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
 
     def keep_keys(message: dict) -> None:
-        if message["revision"] > cfg.last_word.get("keys", {}).get("revision", -1):  # as a worker would
-            cfg.last_word["keys"] = message
+        if message["revision"] > state.last_word.get("keys", {}).get("revision", -1):  # as a worker would
+            state.last_word["keys"] = message
 
     def keep_leading(message: dict, host: str) -> None:
-        cfg.last_word["leading"] = (message, host)
+        state.last_word["leading"] = (message, host)
 
     # Its own context, never the green singleton the workers make after fork.
     threading.Thread(target=follow, name="last-word", daemon=True,
-                     args=(cfg["gateway.controller"], cfg.controller_keys, keep_snapshot, keep_keys, keep_leading,
+                     args=(cfg["gateway.controller"], state.controller_keys, keep_snapshot, keep_keys, keep_leading,
                            zmq.Context())).start()
 
 
@@ -112,14 +114,18 @@ def _worker_exit(server, worker) -> None:
 
 
 class GatewayServer(BaseApplication):
-    def __init__(self, cfg: Config, key_source, standin):
+    def __init__(self, cfg: Config, state: MasterState, key_source, standin, make_app):
         """KEY_SOURCE reads keys from the store (`current_revision(engine)`, `key_set(engine)`): at a
         worker's start, and, without a controller, when they change. STANDIN(cfg) runs in the master
         before any worker is forked when no controller is followed: the accountant its workers share.
-        Both are handed in by gateway.py, so this package never imports the people or control code."""
+        STATE is what the master learns as it starts, which its workers inherit (llmgw/gateway/masterstate.py).
+        MAKE_APP(cfg, key_source, state) makes a worker's WSGI app (llmgw/web/app.py, which mounts the pages).
+        All are handed in by gateway.py, so this package never imports the people, control or web code."""
         self.llmgw_cfg = cfg
+        self.state = state
         self.key_source = key_source
         self.standin = standin
+        self.make_app = make_app
         super().__init__()
 
     def load_config(self) -> None:
@@ -162,6 +168,4 @@ class GatewayServer(BaseApplication):
             self.cfg.set(name, value)
 
     def load(self):
-        from llmgw.gateway.webapp import GatewayApp
-
-        return GatewayApp(self.llmgw_cfg, self.key_source).start()
+        return self.make_app(self.llmgw_cfg, self.key_source, self.state).start()

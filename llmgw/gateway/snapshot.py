@@ -97,8 +97,9 @@ class Snapshot:
         return out
 
 
-def from_config(cfg: Config, version: int = 1) -> Snapshot:
-    """The snapshot of router-only mode: `[[endpoints]]` and `[[models]]` (or `--endpoint`)."""
+def from_config(cfg: Config, accountant: str | None = None, version: int = 1) -> Snapshot:
+    """The snapshot of router-only mode: `[[endpoints]]` and `[[models]]` (or `--endpoint`); ACCOUNTANT: the
+    address of the one the gateway's master runs, if it does."""
     created = int(time.time())
     models = {}
     for table in cfg.models:
@@ -113,4 +114,4 @@ def from_config(cfg: Config, version: int = 1) -> Snapshot:
         for name in ep["models"]:
             models.setdefault(name, ModelSpec(name=name, created=created))
     return Snapshot(version=version, models=models, replicas=replicas,
-                    accountant=cfg.local_accountant, awaiting_catalog=bool(cfg["gateway.controller"]))
+                    accountant=accountant, awaiting_catalog=bool(cfg["gateway.controller"]))

@@ -29,6 +29,7 @@ from llmgw.gateway.admission import AdmissionQueue
 from llmgw.gateway.balancer import ReplicaState, Router
 from llmgw.gateway.keytable import KeyTable
 from llmgw.gateway.limiter import Limiter
+from llmgw.gateway.masterstate import MasterState
 from llmgw.gateway.metrics import FOLD_EVERY, UNKNOWN, GatewayMetrics
 from llmgw.gateway.offloop import StoreJobs
 from llmgw.gateway.saturation import pool_saturation
@@ -52,8 +53,11 @@ USED_EVERY = 10.0  # seconds: "still in use" needs saying only well inside any i
 
 
 class Runtime:
-    def __init__(self, cfg: Config, snapshot: Snapshot, engine: Engine, key_source):
+    def __init__(self, cfg: Config, snapshot: Snapshot, engine: Engine, key_source, state: MasterState):
+        """STATE: what the gateway's master learnt and this worker inherited (keys, the accountant, the
+        controller's last word)."""
         self.cfg = cfg
+        self.state = state
         self.engine = engine
         self.key_source = key_source
         self.metrics = GatewayMetrics()
@@ -69,7 +73,7 @@ class Runtime:
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics, cfg["usage.spool_dir"])
         self.store_jobs = StoreJobs(engine)
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
-                               cfg.controller_keys if cfg["gateway.controller"] else cfg.local_accountant_keys)
+                               state.accountant_keys(bool(cfg["gateway.controller"])))
         self.greenlets: list[gevent.Greenlet] = []
         self.demand_socket = None
         self.demand_address: str | None = None
@@ -98,7 +102,7 @@ class Runtime:
             self.demand_socket = zmq.Context.instance().socket(zmq.PUSH)
             self.demand_socket.setsockopt(zmq.LINGER, 0)
             self.demand_socket.setsockopt(zmq.SNDHWM, 100)
-            dial(self.demand_socket, self.cfg.controller_keys)
+            dial(self.demand_socket, self.state.controller_keys)
             self.demand_socket.connect(addresses.zmq_connect(address, "the controller's demand address"))
             self.demand_address = address
         try:
@@ -157,7 +161,7 @@ class Runtime:
                                 "revoked since is refused here", self.keys.revision, message["revision"])
 
             # A worker that replaces a crashed one starts from what the master heard last, at once.
-            last = self.cfg.last_word
+            last = self.state.last_word
             if "snapshot" in last:
                 on_snapshot(*last["snapshot"])
             if "leading" in last:
@@ -167,7 +171,7 @@ class Runtime:
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
                          last.get("snapshot", ({},))[0].get("version"), last.get("keys", {}).get("revision"))
-            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.cfg.controller_keys,
+            self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.state.controller_keys,
                                                on_snapshot, on_keys, on_leading, None,
                                                self.metrics.controller_dropped))
         else:

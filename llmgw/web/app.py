@@ -1,6 +1,8 @@
 """The gateway's WSGI application: `/v1` to the proxy, probes answered at once, pages to Flask.
 
-Made once in each worker, after gevent has patched it (gunicorn's `load`).
+It lives with the pages because it mounts them: `gateway.py` hands it to the gateway's server, so
+nothing in llmgw/gateway/ imports the pages. Made once in each worker, after gevent has patched it
+(gunicorn's `load`).
 Every request is given its id here, before it is dispatched, and every
 response leaves with it in `X-Request-Id` (see llmgw/gateway/requestid.py).
 """
@@ -11,6 +13,7 @@ from llmgw import store
 from llmgw.gateway import requestid
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.forwarded import TrustedProxies
+from llmgw.gateway.masterstate import MasterState
 from llmgw.gateway.proxy import Proxy
 from llmgw.gateway.snapshot import from_config
 from llmgw.gateway.worker import Runtime
@@ -21,9 +24,12 @@ NOT_READY = b"not ready: no replica is in rotation\n"
 
 
 class GatewayApp:
-    def __init__(self, cfg: Config, key_source):
-        """KEY_SOURCE reads keys from the store (llmgw.people.keys, handed in by gateway.py)."""
-        self.runtime = Runtime(cfg, from_config(cfg), store.open_engine(cfg["store.url"]), key_source)
+    def __init__(self, cfg: Config, key_source, state: MasterState | None = None):
+        """KEY_SOURCE reads keys from the store (llmgw.people.keys, handed in by gateway.py); STATE: what the
+        gateway's master learnt as it started (none for an app made alone, as the tests make one)."""
+        state = state if state is not None else MasterState()
+        self.runtime = Runtime(cfg, from_config(cfg, state.local_accountant), store.open_engine(cfg["store.url"]),
+                               key_source, state)
         self.proxy = Proxy(self.runtime)
         self.proxies = TrustedProxies(cfg["gateway.trusted_proxies"])
         self.pages = pages.create_app(self.runtime, self.proxies)
