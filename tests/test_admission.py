@@ -68,19 +68,22 @@ def test_a_waiter_gives_up_after_the_queue_wait():
 
 
 def test_higher_bands_are_served_first_when_the_engine_is_full(tmp_path, make_sim, make_gateway):
-    # The engine generates one answer at a time (about 0.2 s each) and refuses more with 429. The gateway
+    # The engine generates one answer at a time (about 0.5 s each) and refuses more with 429. The gateway
     # sends each replica one request at a time; the rest wait in its queue. Six low-band requests are
     # queued first, then three high-band ones: the high ones finish before every low one still waiting.
-    sim = make_sim(max_concurrency=1, max_queue=0, tokens_per_s=50, ttft_ms=0, default_tokens=10)
+    sim = make_sim(max_concurrency=1, max_queue=0, tokens_per_s=50, ttft_ms=0, default_tokens=25)
     url = f"sqlite:///{tmp_path}/bands.db"
+    # The queue's depth is shown at each read of the engine's load: every 0.1 s, for the test to watch.
     gw = make_gateway(store_url=url, endpoints=[{"id": "s", "url": sim.url, "models": ["sim"]}], workers=1,
-                      routing__max_outstanding=1, gateway__queue_wait=30)
+                      routing__max_outstanding=1, gateway__queue_wait=30, routing__metrics_interval=0.1)
     engine = store.open_engine(url)
     low = keys.create_key(engine, "batch", band="low")[1]
     high = keys.create_key(engine, "interactive", band="high")[1]
     engine.dispose()
-    time.sleep(2.5)
     body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}]}
+    # The gateway reads new keys from the store once a second: both known before the race starts.
+    for key in (low, high):
+        wait_until("the gateway knowing the key", 30, lambda key=key: post(gw.url + "/v1/chat/completions", body, key)[0] == 200)
     finished = {}
 
     def one(name, key):
@@ -89,7 +92,8 @@ def test_higher_bands_are_served_first_when_the_engine_is_full(tmp_path, make_si
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         jobs = [pool.submit(one, f"low-{i}", low) for i in range(6)]
-        time.sleep(0.4)  # the lows are queued (one generating)
+        # The lows queued behind the one generating (five, then one fewer every 0.5 s: seen while four wait).
+        wait_until("the lows queued", 30, lambda: gw.metric_total("llmgw_admission_queue_depth") >= 4)
         jobs += [pool.submit(one, f"high-{i}", high) for i in range(3)]
         for job in jobs:
             job.result()

@@ -272,7 +272,9 @@ def test_two_controllers_given_one_address_do_not_both_lead(pair):
     wait_for("a leads", WAIT, lambda: role(a)[0] == "leader")
     b = controller("b", controller__address="ctl.internal:7443")
     wait_for("b to say why it stands by", WAIT, lambda: "configured with the same controller.address" in b.log())
-    for _ in range(10):  # it took the lease at its first try, and both led
+    # Watched for 3 s, ten of each controller's lease renewals (0.3 s apart): had b taken the lease at its
+    # first try, both would lead at the next look.
+    for _ in range(10):
         assert role(b) == ("standby", "ctl.internal:7443") and role(a)[0] == "leader"
         time.sleep(0.3)
     assert "lost the leader lease" not in a.log()
@@ -317,7 +319,9 @@ def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
     assert n1.engines() == engines  # the same engine process: nothing restarted
     # Within the lease and one renewal (3.3 s), with room for a loaded machine to poll and answer.
     assert took_over < LEASE["controller__lease_ttl"] + LEASE["controller__lease_renew_interval"] + 5.0, took_over
-    time.sleep(1.5)  # several of b's reconcile passes: none places a second replica
+    # Watched for 1.5 s, five of b's reconcile passes (0.3 s apart in tests/cluster.py's FAST): a pass
+    # that would place a second replica does so in the first.
+    time.sleep(1.5)
     wait_for_no_duplicates(b, [n1], {"simmy": 1})
     assert n1.engines() == engines
 
@@ -338,7 +342,8 @@ def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
     finally:
         a.proc.send_signal(signal.SIGCONT)
     wait_for("a knows it stands by", WAIT, lambda: role(a)[0] == "standby")
-    time.sleep(1.5)  # a's reconcile passes would have run by now, had it acted
+    # Watched for 1.5 s, five of a's reconcile passes (0.3 s apart), had it acted as a leader on waking.
+    time.sleep(1.5)
     wait_for_no_duplicates(b, [n1], {"simmy": 1})
     assert n1.engines() == engines
     assert "lost the leader lease" in a.log()

@@ -50,7 +50,9 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
                   str(len(payload)).encode() + b"\r\n\r\n" + payload)
         others.append(s)
     wait_until("the busy engine to be busy", 30, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
-    time.sleep(0.6)  # a few reads of /metrics by every worker
+    # Not a state this test can see from outside: every worker has read the busy engine's /metrics. They
+    # read them every 0.2 s (routing.metrics_interval above), so 0.6 s holds three reads by each.
+    time.sleep(0.6)
     served = collections.Counter(fingerprint(post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key)[2])
                                  for i in range(30))
     for s in others:
