@@ -81,6 +81,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
 	$(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 docs: $(STAMP)

@@ -187,7 +187,7 @@ class Rules:
         set_rpm = set_tpm = False
         found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in self.scopes_of(
             key_id, project_id, user_id)]
-        found.append(("cluster", "", None, self.limits.get(("cluster", ""))))
+        found.append(("cluster", "", "", self.limits.get(("cluster", ""))))  # its counter is never one of its own
         # The defaults' own pool: the person behind the key when there is one (anyone may make keys for
         # themselves, and three keys once tripled a default of 2 a minute), else the key.
         own = next((c for scope, _sid, c, _lim in found if scope == "user"), found[0][2])

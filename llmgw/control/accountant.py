@@ -239,8 +239,9 @@ class Accountant:
                     f"{requests}: say how many of them were used")
         del self.reservations[reservation_id]
         now = self.clock()
-        for window, entry in reservation.requests:
-            window.adjust(entry, requests, now)
+        if requests is not None:  # only an allowance holds request windows (its size was checked above)
+            for window, entry in reservation.requests:
+                window.adjust(entry, requests, now)
         for window, entry in reservation.tokens:
             window.adjust(entry, tokens, now)
         self._release(reservation)

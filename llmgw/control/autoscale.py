@@ -104,10 +104,10 @@ class Scaler:
 
     def _judge(self, scaling: ModelScaling, name: str, model: Model, floor: int, mine: list[Replica],
                ready: list[Replica], loads: dict[str, dict], limits: dict[tuple[str, str], int], now: float) -> None:
-        seen = [(r, loads.get(r.shard_id)) for r in ready]
+        seen = [(r, loads.get(r.shard_id) or {}) for r in ready]
         # A load without the engine's figures (its /metrics did not answer that heartbeat) is no measure:
         # read as nothing running, it would count toward stopping a replica that is serving.
-        if not ready or any(load is None or not ({"waiting", "running"} & load.keys()) for _, load in seen):
+        if not ready or any(not ({"waiting", "running"} & load.keys()) for _, load in seen):
             scaling.state, scaling.said = "steady", "waiting for every ready replica's load to be measured"
             scaling.busy_since = scaling.quiet_since = None
             return
@@ -117,7 +117,7 @@ class Scaler:
         for r, load in seen:
             w, n = load.get("waiting", 0.0), load.get("running", 0.0)
             waiting, running = waiting + w, running + n
-            limit = limits.get((r.model, r.profile_fp))
+            limit = limits.get((r.model, r.profile_fp or ""))
             if w > 0:
                 self.ceilings[r.shard_id] = max(self.ceilings.get(r.shard_id, 0.0), n)
             if w > 0 or (limit is not None and n + w >= limit):

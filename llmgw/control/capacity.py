@@ -55,7 +55,7 @@ class Capacity:
 
 def checked_figures(body: dict) -> dict:
     """The figures of a PUT body, each bounded; raises CapacityError naming the one that is wrong."""
-    out = {}
+    out: dict[str, int | float | str] = {}
     for name in FIGURES:
         value = body.get(name)
         if value is None:

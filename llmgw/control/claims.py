@@ -58,7 +58,7 @@ class ShardClaims:
         if not adopting:
             return (f"this controller did not place {shard_id}, and a node brings back the replicas placed "
                     "before the controller started only while it starts")
-        model = self.models().get(shard.get("model"))
+        model = self.models().get(shard.get("model", ""))
         if model is None:
             return f"{str(shard.get('model'))[:200]!r} is not a model in the catalog"
         reason = placement.may_run(model, node, shard)

@@ -96,19 +96,18 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
     if model.size_bytes and not profile.source and model.source.startswith(("http://", "https://")):
-        free = facts.disk_free_bytes
-        if free is not None and free < model.size_bytes:
+        disk = facts.disk_free_bytes
+        if disk is not None and disk < model.size_bytes:
             return (f"needs {model.size_bytes / GiB:.1f} GiB of disk for the weights, "
-                    f"{free / GiB:.1f} GiB free in its weights directory"), ()
+                    f"{disk / GiB:.1f} GiB free in its weights directory"), ()
     need = memory_claim(profile)
     if need:
         unclaimed = _unclaimed(node, held)
         if unclaimed is None:
             return "the node's memory is not known", ()
         if unclaimed < need:
-            total = facts.memory_total_bytes
             return (f"needs {need / GiB:.1f} GiB of memory, {max(0, unclaimed) / GiB:.1f} GiB unclaimed "
-                    f"of {total / GiB:.1f} GiB"), ()
+                    f"of {(facts.memory_total_bytes or 0) / GiB:.1f} GiB"), ()
     return None, gpus
 
 

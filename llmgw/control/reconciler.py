@@ -339,7 +339,7 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
 def start_message(model: Model, action: Start) -> dict:
     """The fields of the start_shard command that carries out ACTION."""
     profile = action.decision.profile
-    message = {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
+    message: dict[str, object] = {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
                "engine": profile.engine, "source": model.source_of(profile), "args": list(profile.args), "env": dict(profile.env),
                "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
                "max_context": model.max_context}

@@ -46,7 +46,7 @@ def response(req, rid: str, created: int, status: str, output: list, used: dict 
              finish: str | None = None, error: dict | None = None) -> bytes:
     """The response object, as JSON: what the answer holds, then the request's fields it repeats
     (`req.echo`, encoded once for a request's several response objects)."""
-    reason = INCOMPLETE.get(finish) if status == "incomplete" else None
+    reason = INCOMPLETE.get(finish or "") if status == "incomplete" else None
     head = {"id": rid, "object": "response", "created_at": created, "status": status, "error": error,
             "incomplete_details": {"reason": reason} if reason else None, "output": output, "usage": used}
     echo = req.echo

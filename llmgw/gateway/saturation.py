@@ -26,7 +26,8 @@ KV_FULL = 1.0  # a replica's reported KV cache use at its healthy limit
 def pool_saturation(replicas: Iterable[tuple[float, int, float | None]], queued: int) -> float | None:
     """The saturation of a pool whose REPLICAS in rotation are (requests in flight, the most it should hold
     at once or 0 for no limit, KV cache use from 0 to 1 or None), with QUEUED requests waiting for room."""
-    in_flight = limit = 0
+    in_flight: float = 0
+    limit: float = 0
     caches = []
     for outstanding, most, kv in replicas:
         if most:
