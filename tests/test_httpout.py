@@ -135,3 +135,40 @@ def test_the_date_is_formatted_again_once_its_second_has_passed():
     assert value in (email.utils.formatdate(now, usegmt=True), email.utils.formatdate(now + 1, usegmt=True))
     second = date.second
     assert date() is value or date.second != second  # within the same second it is not formatted again
+
+
+class Failing:
+    """A WSGI app whose answer fails after its head and first piece (AFTER), or before anything (not AFTER)."""
+
+    def __init__(self, after: bool):
+        self.after = after
+        self.closed = False
+
+    def __call__(self, environ, start_response):
+        if not self.after:
+            raise ValueError("failed before answering")
+        start_response("200 OK", [("Content-Type", "text/event-stream")])
+        return self
+
+    def __iter__(self):
+        yield b"data: 1\n\n"
+        raise ValueError("failed part way")
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_answer_that_fails_part_way_is_cut_and_logged_and_one_that_fails_first_is_left_to_answer(pair, caplog):
+    # The one loop both of a worker's HTTP paths answer through (fastpath and gunicorn's).
+    ours, theirs = pair
+    req, cfg = request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/v1/chat/completions", "wsgi.file_wrapper": FileWrapper}
+    app = Failing(after=True)
+    with pytest.raises(httpout.AnswerBroken):
+        httpout.answer(app, environ, httpout.Response(req, ours, cfg), ours.sock)
+    assert app.closed
+    assert received(theirs).endswith(b"data: 1\n\n\r\n")  # the first piece went out, then the connection was shut
+    assert "failed while answering POST /v1/chat/completions" in caplog.text
+    # Before the head is fixed, the caller answers the failure (a 500): it is raised as it came.
+    with pytest.raises(ValueError, match="failed before answering"):
+        httpout.answer(Failing(after=False), environ, httpout.Response(req, ours, cfg), ours.sock)

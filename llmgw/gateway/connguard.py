@@ -448,31 +448,14 @@ class GuardedWorker(GeventWorker):
         self.count_request()
         if not self.alive or not self.cfg.keepalive:
             resp.force_close()
+        # OSError and a failure before the head was fixed go up as they come: handle() tells a client that
+        # left from a fault, and handle_error answers the failure.
         try:
-            respiter = self.wsgi(environ, resp.start_response)
-            try:
-                if isinstance(respiter, environ["wsgi.file_wrapper"]):
-                    resp.write_file(respiter)
-                else:
-                    for item in respiter:
-                        resp.write(item)
-                resp.close()
-            finally:
-                if hasattr(respiter, "close"):
-                    respiter.close()
+            httpout.answer(self.wsgi, environ, resp, sock)
         except sockio.SendTimeout:
             self.send_timed_out(addr)
             raise StopIteration() from None  # a client that did not read its answer: closed, as one that left
-        except OSError:
-            raise  # the connection's: handle() tells a client that left from a fault
-        except (Exception, SystemExit):
-            if not resp.headers_sent:
-                raise  # handle_error answers it
-            # Part of the response is out (or fixed, its head built): a 500 now would corrupt it.
-            self.log.exception("Error handling request")
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
+        except httpout.AnswerBroken:
             raise StopIteration() from None
         if resp.should_close():
             raise StopIteration()

@@ -21,11 +21,9 @@ The connection guard's deadlines and counts hold here as there: every read goes 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import re
-import socket
 import sys
 
 import gevent
@@ -35,6 +33,7 @@ from gunicorn.http.errors import InvalidResponseHeader, InvalidResponseHeaderNam
 from gunicorn.http.message import TOKEN_RE
 from gunicorn.http.wsgi import HEADER_VALUE_RE, STATUS_RE, FileWrapper
 
+from llmgw.gateway import httpout
 from llmgw.gateway.httpout import JOIN_AT, LAST_CHUNK, http_date
 from llmgw.gateway.sockio import SendTimeout, send_all
 
@@ -326,20 +325,16 @@ class FastPath:
         answer = Answer(conn.sock, minor, self._keeps(environ, minor))
         worker.count_request()
         conn.begin(body)
+
+        def begun() -> None:  # the app has read what it will of the body, and the worker may be stopping since
+            answer.keep = answer.keep and worker.alive and not body.must_close
+
         try:
-            respiter = self.app(environ, answer.start_response)
-            try:
-                answer.keep = answer.keep and worker.alive and not body.must_close
-                for item in respiter:
-                    answer.write(item)
-                answer.close()
-            finally:
-                if hasattr(respiter, "close"):
-                    respiter.close()
+            httpout.answer(self.app, environ, answer, conn.sock, begun)
             # What the app did not read of the body (a refusal before it) is read away, as gunicorn does:
             # closing with it unread would have the kernel reset the connection, and the client miss the answer.
             return answer.keep and body.drain()
-        except (gevent.GreenletExit, SystemExit):
+        except (gevent.GreenletExit, SystemExit, httpout.AnswerBroken):
             return False  # as gunicorn's gevent worker: a killed request ends its connection quietly
         except OSError as e:
             if isinstance(e, SendTimeout):  # the client did not make room for its answer within gateway.send_timeout
@@ -347,14 +342,8 @@ class FastPath:
             elif e.errno not in QUIET_ERRNOS:
                 log.exception("socket error answering %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
             return False  # the client left (or its socket failed): what it was sent is moot
-        except BaseException as e:
-            if not answer.headers_sent:
-                worker.handle_error(None, conn, addr, e)  # logged, and answered 500 as gunicorn answers
-                return False
-            # Part of the response is out (or its head built): a 500 now would corrupt it.
-            log.exception("failed while answering %s %s", environ["REQUEST_METHOD"], environ["PATH_INFO"])
-            with contextlib.suppress(OSError):
-                conn.sock.shutdown(socket.SHUT_RDWR)
+        except Exception as e:
+            worker.handle_error(None, conn, addr, e)  # logged, and answered 500 as gunicorn answers
             return False
         finally:
             conn.end()

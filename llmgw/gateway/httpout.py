@@ -9,15 +9,25 @@ leaves as soon as the app writes anything, as with gunicorn. The Date header is 
 
 Joining the head to a body copies the body; past `JOIN_AT` bytes the copy costs more than the send it saves,
 and the two go out one after the other.
+
+`answer` is the one loop that runs the app and writes its answer, for both of a worker's HTTP paths (the
+plain `/v1` requests read in llmgw/gateway/fastpath.py, and gunicorn's, llmgw/gateway/connguard.py): a fix to
+how an answer is written, or how a failure part way through one ends, is made once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
+import logging
+import socket
 import time
 
+import gevent
 from gunicorn import util
 from gunicorn.http import wsgi
+
+log = logging.getLogger("llmgw.httpout")
 
 JOIN_AT = 65536  # bytes of body up to which the head is sent joined to it
 LAST_CHUNK = b"0\r\n\r\n"
@@ -39,6 +49,46 @@ class HttpDate:
 
 
 http_date = HttpDate()
+
+
+class AnswerBroken(Exception):
+    """The app failed after its answer's head was fixed or part of it sent: logged, and the connection shut."""
+
+
+def answer(app, environ, out, sock, begun=None) -> None:
+    """Run the WSGI APP on ENVIRON and write its answer through OUT (`start_response`, `write`, `close`,
+    `headers_sent`: this module's Response, or fastpath's Answer), closing the app's iterable however it ends.
+    BEGUN(), when given, is called once the app has returned its iterable, before anything is written.
+
+    Raises OSError (sockio.SendTimeout among them) when the connection fails; what the app raised before its
+    head was fixed, for the caller to answer with a 500; GreenletExit and SystemExit as they come (a killed
+    request ends quietly); and AnswerBroken when the app failed after its head was fixed: a 500 then would
+    corrupt what went out, so the failure is logged here and SOCK shut, which the client sees as a cut answer.
+    """
+    try:
+        respiter = app(environ, out.start_response)
+        try:
+            if begun is not None:
+                begun()
+            write_file = getattr(out, "write_file", None)
+            if write_file is not None and isinstance(respiter, environ["wsgi.file_wrapper"]):
+                write_file(respiter)
+            else:
+                for item in respiter:
+                    out.write(item)
+            out.close()
+        finally:
+            if hasattr(respiter, "close"):
+                respiter.close()
+    except (OSError, gevent.GreenletExit, SystemExit):
+        raise
+    except Exception:
+        if not out.headers_sent:
+            raise
+        log.exception("failed while answering %s %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        raise AnswerBroken() from None
 
 
 class Response(wsgi.Response):

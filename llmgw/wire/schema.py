@@ -14,7 +14,8 @@ import dataclasses
 import json
 import math
 
-_PY_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "number": (int, float), "bool": bool, "object": dict, "array": list}
+_PY_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "number": (int, float), "bool": bool,
+                                                 "object": dict, "array": list}
 
 
 class ProtocolError(Exception):
