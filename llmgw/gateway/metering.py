@@ -22,7 +22,7 @@ refusing lists of prompts, which clients batch with for good reason.
 
 The floor, used where the tokenizer cannot be asked (an engine without
 `/tokenize`, what a cut stream delivered; its prompt the replica counts,
-template included, in `proxy.Proxy._billed`), is counted without one: every
+template included, in `billing.Billing.billed`), is counted without one: every
 prompt and every answer is at least one token, a streamed delta carries at
 least one, text runs to at most `BYTES_PER_TOKEN` bytes a token (English
 averages four).

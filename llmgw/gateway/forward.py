@@ -1,0 +1,216 @@
+"""Forwarding: an admitted request sent on to its model, answered whole or relayed as a stream.
+
+A request for a model with no replica in rotation waits for one (up to `gateway.load_wait`) where one
+will come, a stream with comments every few seconds meanwhile. Until the answer is whole (a stream: until
+its head) a client that leaves cancels the request at the engine. Once a stream has started, an engine
+that fails ends it with an error event and `[DONE]`: the client has seen tokens, and a second replica
+would start the answer again.
+
+Guardrails (llmgw/gateway/guard.py) hook in here twice: a whole answer is judged before the dialect
+turns it, and a stream's answer is held in `_relay` until judged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import gevent
+
+from llmgw.gateway import metering
+from llmgw.gateway.attempts import Attempts, upstream_error
+from llmgw.gateway.billing import Billing
+from llmgw.gateway.clientwatch import ClientWatch
+from llmgw.gateway.errors import ApiError
+from llmgw.gateway.exchange import OVERHEAD_HEADER, Exchange, status_line
+from llmgw.gateway.guard import Guard
+from llmgw.gateway.snapshot import ModelSpec
+from llmgw.gateway.sse import DONE, EventRelay
+from llmgw.gateway.upstream import Cancel, Response, UpstreamError
+from llmgw.gateway.worker import Runtime
+
+log = logging.getLogger("llmgw.forward")
+
+SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")]
+LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
+KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at once)
+DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
+
+
+class Forwarder:
+    def __init__(self, runtime: Runtime, attempts: Attempts, billing: Billing, guard: Guard):
+        cfg = runtime.cfg
+        self.rt = runtime
+        self.attempts = attempts
+        self.billing = billing
+        self.guard = guard
+        self.idle = cfg["timeouts.idle"]
+        self.load_wait = cfg["gateway.load_wait"]
+        self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
+
+    def forward(self, ex: Exchange, environ, start_response, pin=None):
+        """Answer EX's admitted request from a replica of its model; PIN: the replica the request named
+        (`Proxy._pinned`), the only one it is sent to."""
+        rt = self.rt
+        caller, req, model = ex.caller, ex.req, ex.model
+        # Behind a controller a model without a replica in rotation gets one soon (it is starting,
+        # moving, or being replaced), so the request waits for it; with only configured endpoints
+        # nothing would come, and the 503 is immediate.
+        if (model.on_demand or self.placed) and not rt.router.available(model.name):
+            if model.on_demand:
+                rt.demand(model.name)
+            if req.stream:
+                # Headers now, then a comment every few seconds: the client sees a live
+                # stream rather than a silent socket while the model loads.
+                start_response("200 OK", SSE_HEADERS + caller.limit_headers())
+                ex.fly()
+                return self._held_stream(ex, environ)
+            for _ in self._until_ready(model):
+                pass
+            if not rt.router.available(model.name):
+                raise self._still_loading(model)
+        ex.fly()
+        # Until the answer is whole (a stream: until its head), a client that leaves cancels the request: the
+        # engine stops, as for a stream, rather than generating for nobody until it ends or first_byte passes.
+        sock = environ.get("gunicorn.socket")
+        cancel = Cancel()
+        watch = ClientWatch(sock, cancel) if sock is not None else None
+        try:
+            resp, replica, data, overhead = self.attempts.connect_in_turn(ex, pin, cancel)
+        except ApiError:
+            ex.land()
+            raise
+        finally:
+            if watch is not None:
+                watch.stop()
+        if data is None:
+            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+            return self._relay(ex, environ, resp, replica)
+        tokens = self.billing.answer_tokens(req, model, replica, data)
+        if resp.status < 300:
+            try:
+                self.guard.check_answer(req, model, data)
+            except ApiError as e:  # withheld: the engine's work is billed, as for any answer it gave
+                ex.finish(e.status, tokens)
+                return ex.refuse(start_response, e)
+        try:
+            data = req.dialect.answer(req, data)
+        except ApiError as e:  # an answer the client's API cannot carry: the engine's work is billed all the same
+            ex.finish(e.status, tokens)
+            return ex.refuse(start_response, e)
+        except Exception:  # a bug, which Proxy logs and answers with a 500; the request is accounted for here
+            ex.finish(500, tokens)
+            raise
+        start_response(status_line(resp.status), [
+            ("Content-Type", resp.headers.get("content-type", "application/json")),
+            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+        ex.finish(resp.status, tokens)
+        return [data]
+
+    def _held_stream(self, ex: Exchange, environ):
+        """The stream of a request for a model that is loading: comments while waiting, then the answer."""
+        req, model = ex.req, ex.model
+        said = 0.0
+        for _ in self._until_ready(model):
+            if time.monotonic() - said >= KEEPALIVE:
+                yield f": {model.name} is loading\n\n".encode()
+                said = time.monotonic()
+        try:
+            if not self.rt.router.available(model.name):
+                raise self._still_loading(model)
+            resp, replica, _, _ = self.attempts.connect_in_turn(ex)
+        except ApiError as e:
+            ex.finish(e.status)
+            yield req.dialect.stream_error(req, e)
+            return
+        yield from self._relay(ex, environ, resp, replica)
+
+    def _relay(self, ex: Exchange, environ, resp: Response, replica):
+        """The generator that streams RESP, REPLICA's answer to EX's request, to the client, accounting for it
+        at the end."""
+        req, model, t0 = ex.req, ex.model, ex.t0
+        relay = EventRelay(req.client_wants_usage)
+        held = self.guard.hold(req, model)  # the answer, kept back until judged; None: not judged
+        translator = req.dialect.stream(req)
+        sock = environ.get("gunicorn.socket")
+        watcher = ClientWatch(sock, resp) if sock is not None else None
+        status, ttft = 200, None
+        try:
+            for piece in resp.iter_body(self.idle):
+                out = relay.feed(piece)
+                if held is not None:
+                    if keepalive := held.keep(out):
+                        yield keepalive
+                    continue
+                if out and translator is not None:
+                    out = translator.feed(out)
+                if out:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    yield out
+            tail = relay.rest()
+            if held is not None:
+                tail = held.release(tail)  # raises ApiError where the judge refuses it, or cannot judge it
+            if translator is not None:
+                tail = translator.feed(tail) + translator.end()
+                if translator.failure is not None:  # the engine reported a failure mid-stream
+                    status = translator.failure.status
+            if tail:
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                yield tail
+        except ApiError as e:  # a held answer the guard withheld: nothing of it has gone out
+            status = e.status
+            yield req.dialect.stream_error(req, e)
+        except UpstreamError as e:
+            if relay.done:
+                pass  # the client had the whole answer, [DONE] included; what the engine does after is moot
+            elif resp.closed_by_other:
+                status = 499
+            else:
+                status = 504 if e.phase in ("idle", "total") else 502
+                self.attempts.blame(replica, e)
+                log.warning("stream from replica %s (%s) of %s broke off: %s", replica.spec.id, replica.spec.url,
+                            model.name, e)
+                error = upstream_error(model.name, e)
+                yield translator.fail(error) if translator is not None else error.sse_event() + DONE
+        except GeneratorExit:
+            if not relay.done:
+                status = 499  # the client left while we were writing to it, before the answer was whole
+            raise
+        finally:
+            if watcher is not None:
+                watcher.stop()
+            if resp.done and status == 200:
+                resp.release()
+            else:
+                resp.abort()
+            replica.outstanding -= 1
+            # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
+            counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
+                                                                       {replica.spec.id})
+            tokens = (metering.trusted(req, relay.usage, relay.reports)
+                      or self.billing.billed(req, model, counter, relay.usage, relay.deltas))
+            ex.finish(status, tokens, ttft)
+
+    def _until_ready(self, model: ModelSpec):
+        """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
+
+        For an on-demand model the controller is reminded of the demand every
+        few seconds, in case a message was lost or its first try to start the
+        model failed; any other model's replicas the controller brings back
+        without being asked.
+        """
+        deadline = time.monotonic() + self.load_wait
+        reminded = time.monotonic()
+        while not self.rt.router.available(model.name) and time.monotonic() < deadline:
+            if model.on_demand and time.monotonic() - reminded >= DEMAND_REMINDER:
+                self.rt.demand(model.name)
+                reminded = time.monotonic()
+            yield
+            gevent.sleep(LOAD_POLL)
+
+    def _still_loading(self, model: ModelSpec) -> ApiError:
+        why = "it runs on demand and is not ready" if model.on_demand else "no replica of it is ready"
+        return ApiError(503, f"{model.name} is loading: {why} after {self.load_wait:.0f} s. Retry in a minute.",
+                        "model_loading", retry_after=60)
