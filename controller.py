@@ -23,9 +23,10 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, filemodes, keyfiles, settings, store
-from llmgw.control import adminapi, authenticator, curvekeys
+from llmgw.control import adminapi, adminnodes, authenticator, curvekeys
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
+from llmgw.control.adminparts import Parts
 from llmgw.control.agentserver import AgentServer
 from llmgw.control.autoscale import Scaler
 from llmgw.control.catalog import Catalog, CatalogError, source_checks
@@ -103,7 +104,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         return set(ring.keys.values()) if ring is not None else None
 
     fleet = Fleet(cfg["controller.unreachable_after"], cfg["controller.lost_after"],
-                  cordoned=adminapi.cordoned_nodes(engine), started=time.monotonic(), expected=expected_nodes())
+                  cordoned=adminnodes.cordoned_nodes(engine), started=time.monotonic(), expected=expected_nodes())
     try:
         egress = source_checks(cfg["controller.source_allow"], cfg["mirror.base_url"])
         catalog = Catalog(engine, cfg.models)
@@ -132,9 +133,10 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     outbox = Outbox(server)
     report = ReconcileReport()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
-    app = adminapi.create_app(fleet, engine, ring, public, plaintext, catalog, replicas, report, outbox.ask_node,
-                              adminapi.Access.from_config(cfg), egress, gateway_ring=gateway_ring,
-                              lease=lease, scaler=scaler)
+    app = adminapi.create_app(Parts(fleet, engine, catalog, replicas, report, outbox.ask_node,
+                                    adminapi.Access.from_config(cfg), egress, plaintext=plaintext, ring=ring,
+                                    gateway_ring=gateway_ring, controller_public=public, lease=lease,
+                                    scaler=scaler))
 
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)
@@ -159,7 +161,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         # What this controller knew while standing by is stale: it starts as a restarted controller does,
         # learning the replicas from the agents that register with it, and waiting for them before it places.
         reload_keys()
-        fleet.begin(time.monotonic(), adminapi.cordoned_nodes(engine), expected_nodes())
+        fleet.begin(time.monotonic(), adminnodes.cordoned_nodes(engine), expected_nodes())
         replicas.clear()
         demand.clear()
         scaler.clear()

@@ -475,7 +475,6 @@ def applied_versions(conn: Connection) -> set[int]:
     return set(applied)
 
 
-
 def _sqlite_connect(dbapi_conn, _record) -> None:
     # pysqlite opens transactions itself, and not before DDL, so a migration
     # would not be atomic; we take over BEGIN (see _sqlite_begin).
@@ -594,11 +593,3 @@ def describe(url: str) -> str:
         return sa.engine.make_url(url).render_as_string(hide_password=True)
     except sa.exc.ArgumentError:
         return "(unparseable database URL)"
-
-
-def holders(conn: Connection) -> list[tuple[str, str]]:
-    """(name, address) of each lease held now: a leading controller, running gateways."""
-    now = db_now(conn.dialect.name)
-    return [(r.name, r.address) for r in conn.execute(
-        sa.select(leases.c.name, leases.c.address).where(leases.c.owner != "").where(leases.c.expires_at >= now)
-        .order_by(leases.c.name))]

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
 from llmgw import store
 
@@ -139,7 +140,7 @@ def move(source_url: str, target_url: str, progress: Callable[[str, int], None] 
     try:
         if not hold.take():
             with source.connect() as src:
-                leader = [address for name, address in store.holders(src) if name == "controller"]
+                leader = [address for name, address in holders(src) if name == "controller"]
             _refuse_in_use(source_url, [("controller", leader[0] if leader else "one that leads now")])
         try:
             copied = _copy(source, target, source_url, target_url, hold, progress, force)
@@ -167,7 +168,7 @@ def _copy(source: sa.engine.Engine, target: sa.engine.Engine, source_url: str, t
     """The copy itself, with the source's lease held: the rows copied, by table."""
     if not force:
         with source.connect() as src:
-            gateways = [(name, address) for name, address in store.holders(src) if name != "controller"]
+            gateways = [(name, address) for name, address in holders(src) if name != "controller"]
         if gateways:
             _refuse_in_use(source_url, gateways)
     if holds_data(target):
@@ -239,3 +240,12 @@ def move_sqlite_away(sqlite_url: str, target_url: str) -> int:
         if os.path.exists(path + suffix):
             os.rename(path + suffix, path + MOVED + suffix)
     return copied
+
+
+def holders(conn: Connection) -> list[tuple[str, str]]:
+    """(name, address) of each lease held now: a leading controller, running gateways."""
+    now = store.db_now(conn.dialect.name)
+    return [(r.name, r.address) for r in conn.execute(
+        sa.select(store.leases.c.name, store.leases.c.address).where(store.leases.c.owner != "")
+        .where(store.leases.c.expires_at >= now)
+        .order_by(store.leases.c.name))]

@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.request
 
-from llmgw.node.supervisor import running_engines
+from llmgw.node.shardfiles import running_engines
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import ROOT, post, stop_process, write_config
 

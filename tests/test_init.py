@@ -8,7 +8,7 @@ import sys
 
 import sqlalchemy as sa
 
-from llmgw.node.supervisor import running_engines
+from llmgw.node.shardfiles import running_engines
 from llmgw.procs import free_port, http_status
 from tests.conftest import assert_units_valid, post, wait_until, write_config
 from tests.test_up import signs_in

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmgw.cli import machine, nodeadd
-from llmgw.node.supervisor import running_engines
+from llmgw.node.shardfiles import running_engines
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Controller
 from tests.conftest import ROOT, Gateway, assert_units_valid, make_key, post

@@ -10,7 +10,7 @@ import sys
 import pytest
 import sqlalchemy as sa
 
-from llmgw import store
+from llmgw import store, storemove
 from llmgw.control.lease import Lease
 from llmgw.gateway.usage import UsageRecorder
 from llmgw.people import accounts, keys
@@ -125,7 +125,7 @@ def test_the_move_refuses_while_a_gateway_runs_on_the_source(tmp_path, empty_pg)
 
 def held(engine):
     with engine.connect() as conn:
-        return store.holders(conn)
+        return storemove.holders(conn)
 
 
 def test_a_source_that_does_not_exist_is_not_made(tmp_path, empty_pg):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from llmgw.cli import starter
-from llmgw.node.supervisor import running_engines
+from llmgw.node.shardfiles import running_engines
 from llmgw.procs import free_port, http_status, wait_for
 from tests.conftest import Up, post
 

@@ -27,7 +27,7 @@ from llmgw import addresses, apiguard, filemodes, keyfiles, store
 from llmgw.apiclient import ApiClient, ApiError
 from llmgw.cli import starter
 from llmgw.control import adminapi, curvekeys
-from llmgw.node.supervisor import running_engines
+from llmgw.node.shardfiles import running_engines
 from llmgw.people import accounts, keys, sessions
 from llmgw.procs import http_status, wait_for
 

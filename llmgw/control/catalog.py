@@ -115,6 +115,42 @@ def _duration(value, where: str) -> float | None:
     raise CatalogError(f"{where}: write a duration such as \"30m\" or a number of seconds")
 
 
+def _parse_profile(raw, i: int, where: str) -> Profile:
+    """Profile I (from 0) of the model WHERE names; raises CatalogError naming the field."""
+    label = f"{where}, profile {i + 1}"
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{label}: expected a table")
+    for key, value in raw.items():
+        if key not in _PROFILE_KEYS:
+            raise CatalogError(f"{label}: unknown key {key!r}; allowed: {', '.join(_PROFILE_KEYS)}")
+        if isinstance(value, bool) or not isinstance(value, _PROFILE_KEYS[key]):
+            raise CatalogError(f"{label}: {key} has the wrong type ({type(value).__name__})")
+    engine = raw.get("engine")
+    if engine not in ENGINES:
+        raise CatalogError(f"{label}: engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if raw.get("gpus", 0) < 0:
+        raise CatalogError(f"{label}: gpus cannot be negative")
+    # NaN or Infinity (the serve form's memory field takes any float) once reached the placer, whose
+    # int() of it raised there.
+    for key in ("min_memory_gb", "weight"):
+        if key in raw and not (math.isfinite(raw[key]) and raw[key] >= 0):
+            raise CatalogError(f"{label}: {key} is a number, 0 or more, not {raw[key]!r}")
+    if "start_limit" in raw and not (math.isfinite(raw["start_limit"]) and 0 < raw["start_limit"] <= MOST_START_LIMIT):
+        raise CatalogError(f"{label}: start_limit is the seconds its engine may take to answer its health check, "
+                           f"more than 0 and at most {MOST_START_LIMIT:.0f}, not {raw['start_limit']!r}")
+    if "source" in raw and not raw["source"]:
+        raise CatalogError(f"{label}: source, where given, is the weights this engine loads (a mirror version's "
+                           "URL for a Hugging Face folder); leave it out to use the model's")
+    return Profile(
+        name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
+        gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
+        node_selector=tuple(sorted((str(k), str(v)) for k, v in raw.get("node_selector", {}).items())),
+        args=tuple(str(a) for a in raw.get("args", [])),
+        env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
+        priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0)),
+        start_limit=float(raw["start_limit"]) if "start_limit" in raw else None, source=raw.get("source"))
+
+
 def parse_model(table: dict, origin: str = "config") -> Model:
     """A Model from a `[[models]]` table (or a model file); raises CatalogError naming the field."""
     name = table.get("name")
@@ -133,43 +169,10 @@ def parse_model(table: dict, origin: str = "config") -> Model:
     low, high = scaling.get("min", 1), scaling.get("max", max(1, scaling.get("min", 1)))
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (low, high)) or high < low:
         raise CatalogError(f"{where}: scaling needs whole numbers with 0 <= min <= max, got min={low}, max={high}")
-    profiles = []
     raw_profiles = table.get("profiles") or []
     if not raw_profiles:
         raise CatalogError(f"{where}: at least one profile is needed, such as [[models.profiles]] engine = \"llamacpp\"")
-    for i, raw in enumerate(raw_profiles):
-        label = f"{where}, profile {i + 1}"
-        if not isinstance(raw, dict):
-            raise CatalogError(f"{label}: expected a table")
-        for key, value in raw.items():
-            if key not in _PROFILE_KEYS:
-                raise CatalogError(f"{label}: unknown key {key!r}; allowed: {', '.join(_PROFILE_KEYS)}")
-            if isinstance(value, bool) or not isinstance(value, _PROFILE_KEYS[key]):
-                raise CatalogError(f"{label}: {key} has the wrong type ({type(value).__name__})")
-        engine = raw.get("engine")
-        if engine not in ENGINES:
-            raise CatalogError(f"{label}: engine must be one of {', '.join(ENGINES)}, not {engine!r}")
-        if raw.get("gpus", 0) < 0:
-            raise CatalogError(f"{label}: gpus cannot be negative")
-        # NaN or Infinity (the serve form's memory field takes any float) once reached the placer, whose
-        # int() of it raised there.
-        for key in ("min_memory_gb", "weight"):
-            if key in raw and not (math.isfinite(raw[key]) and raw[key] >= 0):
-                raise CatalogError(f"{label}: {key} is a number, 0 or more, not {raw[key]!r}")
-        if "start_limit" in raw and not (math.isfinite(raw["start_limit"]) and 0 < raw["start_limit"] <= MOST_START_LIMIT):
-            raise CatalogError(f"{label}: start_limit is the seconds its engine may take to answer its health check, "
-                               f"more than 0 and at most {MOST_START_LIMIT:.0f}, not {raw['start_limit']!r}")
-        if "source" in raw and not raw["source"]:
-            raise CatalogError(f"{label}: source, where given, is the weights this engine loads (a mirror version's "
-                               "URL for a Hugging Face folder); leave it out to use the model's")
-        profiles.append(Profile(
-            name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
-            gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
-            node_selector=tuple(sorted((str(k), str(v)) for k, v in raw.get("node_selector", {}).items())),
-            args=tuple(str(a) for a in raw.get("args", [])),
-            env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),
-            priority=raw.get("priority", 100), weight=float(raw.get("weight", 1.0)),
-            start_limit=float(raw["start_limit"]) if "start_limit" in raw else None, source=raw.get("source")))
+    profiles = [_parse_profile(raw, i, where) for i, raw in enumerate(raw_profiles)]
     aliases = table.get("aliases", [])
     if not isinstance(aliases, list) or len(aliases) > modelnames.MOST_ALIASES:
         raise CatalogError(f"{where}: aliases must be a list of at most {modelnames.MOST_ALIASES} names")

@@ -247,133 +247,80 @@ class SimEngine:
         tokens = prompt.split()
         # What a client sends back as the assistant's message next turn, so the cache keeps it with the prompt.
         answered = tokens + "".join(p for p in pieces if isinstance(p, str)).split()
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        ident = f"sim-{os.urandom(6).hex()}"
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        def usage(prompt_tokens: int) -> dict:
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
-                    "total_tokens": prompt_tokens + n_tokens}
+        reply = _Reply(kind, self.o.model, f"sim-{self.o.replica}", pieces, finish, tasks)
+        if body.get("stream"):
+            start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return self._events(reply, include_usage, tokens, answered, all_prompt_tokens, number)
+        self._admit()
+        try:
+            self._first_token_wait(tokens)
+            for _ in range(n_tokens - 1):
+                self._token_delay()
+            self.prompt_tokens += all_prompt_tokens
+            self.generation_tokens += n_tokens * len(tasks)
+            self.cache.keep(answered)
+        finally:
+            self._leave()
+        if self.o.die_after and number >= self.o.die_after:
+            os._exit(3)
+        if self.o.garbled:
+            return self._send(start_response, "200 OK", b"<html>502 Bad Gateway</html>", "text/html")
+        return self._json(start_response, "200 OK", reply.whole(prompt_tokens))
 
-        fingerprint = f"sim-{self.o.replica}"
+    def _events(self, reply: "_Reply", include_usage: bool, tokens: list[str], answered: list[str],
+                all_prompt_tokens: int, number: int):
+        """A stream's events, generated as the engine would, each task's tokens in turn."""
+        n_tokens, tasks = len(reply.pieces), len(reply.tasks)
+        self._admit()
+        try:
+            self._first_token_wait(tokens)
+            self.prompt_tokens += all_prompt_tokens
+            for i in range(n_tokens):
+                if i:
+                    self._token_delay()
+                if i == self.o.stall_after_tokens:
+                    gevent.sleep(3600)
+                if self.o.die_after and number >= self.o.die_after and i >= n_tokens // 2:
+                    os._exit(3)
+                for j in range(tasks):
+                    yield reply.chunk(i, index=j)
+                    self.generation_tokens += 1
+                if self.o.garbled:
+                    yield b'data: {"error": {"message": "simulated failure mid-answer", "code": 500}}\n\n'
+                    yield b"data: [DONE]\n\n"
+                    return
+            self.cache.keep(answered)
+            for j in range(tasks):
+                yield reply.final(j, include_usage)
+            yield b"data: [DONE]\n\n"
+        except GeneratorExit:
+            self.cancelled += 1
+            raise
+        finally:
+            self._leave()
 
-        def admit():
-            self.held_peak = max(self.held_peak, self.running + self.waiting + 1)
-            if self.slots is not None:
-                self.waiting += 1
-                try:
-                    self.slots.acquire()
-                finally:
-                    self.waiting -= 1
-            self.running += 1
-            self.peak = max(self.peak, self.running)
-            if self.o.gather and self.running >= self.o.gather:
-                self.gathered.set()
-
-        def leave():
-            self.running -= 1
-            if self.slots is not None:
-                self.slots.release()
-
-        def token_delay():
-            if self.o.tokens_per_s > 0:
-                gevent.sleep(1 / self.o.tokens_per_s)
-
-        def chunk(i: int | None, finish: str | None = None, index: int = 0, **extra) -> bytes:
-            piece = pieces[i] if i is not None else None
-            if kind == "chat":
-                if piece is None:
-                    delta = {}
-                elif isinstance(piece, dict):
-                    delta = {"tool_calls": [piece]}
-                elif isinstance(piece, tuple):
-                    delta = {"reasoning_content": piece[1]}
-                else:
-                    delta = {"content": piece}
-                if i == 0:
-                    delta["role"] = "assistant"
-                    # OpenAI's first delta of a call says there is no text; its fragments follow.
-                    if isinstance(piece, dict):
-                        delta["content"] = None
-                choice = {"index": index, "delta": delta, "finish_reason": finish}
-            else:
-                choice = {"index": index, "text": piece or "", "finish_reason": finish}
-            return _event({"id": ident, "object": obj + ".chunk" if kind == "chat" else obj, "created": created,
-                           "model": self.o.model, "system_fingerprint": fingerprint,
-                           "choices": [choice], **extra})
-
-        def final(index: int) -> bytes:
-            """Task INDEX's last event(s): as llama.cpp, a completion's usage rides on it, a chat's follows."""
-            if not include_usage:
-                return chunk(None, finish, index=index)
-            if kind == "chat":
-                return chunk(None, finish, index=index) + _event({
-                    "id": ident, "object": obj + ".chunk", "created": created, "model": self.o.model,
-                    "system_fingerprint": fingerprint, "choices": [], "usage": usage(tasks[index])})
-            return chunk(None, finish, index=index, usage=usage(tasks[index]))
-
-        if not stream:
-            admit()
+    def _admit(self) -> None:
+        self.held_peak = max(self.held_peak, self.running + self.waiting + 1)
+        if self.slots is not None:
+            self.waiting += 1
             try:
-                self._first_token_wait(tokens)
-                for _ in range(n_tokens - 1):
-                    token_delay()
-                self.prompt_tokens += all_prompt_tokens
-                self.generation_tokens += n_tokens * len(tasks)
-                self.cache.keep(answered)
+                self.slots.acquire()
             finally:
-                leave()
-            said = [p for p in pieces if not isinstance(p, tuple)]
-            if said and isinstance(said[0], dict):
-                message = {"role": "assistant", "content": None, "tool_calls": [_whole_call(said)]}
-            else:
-                message = {"role": "assistant", "content": "".join(said)}
-            if len(said) < len(pieces):
-                message["reasoning_content"] = "".join(p[1] for p in pieces if isinstance(p, tuple))
-            choices = [{"index": j, "message": message, "finish_reason": finish}
-                       if kind == "chat" else {"index": j, "text": message["content"], "finish_reason": finish}
-                       for j in range(len(tasks))]
-            if self.o.die_after and number >= self.o.die_after:
-                os._exit(3)
-            if self.o.garbled:
-                return self._send(start_response, "200 OK", b"<html>502 Bad Gateway</html>", "text/html")
-            return self._json(start_response, "200 OK", {
-                "id": ident, "object": obj, "created": created, "model": self.o.model,
-                "system_fingerprint": fingerprint, "choices": choices, "usage": usage(prompt_tokens)})
+                self.waiting -= 1
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        if self.o.gather and self.running >= self.o.gather:
+            self.gathered.set()
 
-        start_response("200 OK", [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")])
+    def _leave(self) -> None:
+        self.running -= 1
+        if self.slots is not None:
+            self.slots.release()
 
-        def events():
-            admit()
-            try:
-                self._first_token_wait(tokens)
-                self.prompt_tokens += all_prompt_tokens
-                for i in range(n_tokens):
-                    if i:
-                        token_delay()
-                    if i == self.o.stall_after_tokens:
-                        gevent.sleep(3600)
-                    if self.o.die_after and number >= self.o.die_after and i >= n_tokens // 2:
-                        os._exit(3)
-                    for j in range(len(tasks)):
-                        yield chunk(i, index=j)
-                        self.generation_tokens += 1
-                    if self.o.garbled:
-                        yield b'data: {"error": {"message": "simulated failure mid-answer", "code": 500}}\n\n'
-                        yield b"data: [DONE]\n\n"
-                        return
-                self.cache.keep(answered)
-                for j in range(len(tasks)):
-                    yield final(j)
-                yield b"data: [DONE]\n\n"
-            except GeneratorExit:
-                self.cancelled += 1
-                raise
-            finally:
-                leave()
-
-        return events()
+    def _token_delay(self) -> None:
+        if self.o.tokens_per_s > 0:
+            gevent.sleep(1 / self.o.tokens_per_s)
 
     def _answer(self, kind: str, body: dict, limit: int | None, prompt: str) -> tuple[list, str]:
         """What to answer BODY with, one piece a token (texts, or a tool call's deltas), and why it ends.
@@ -436,6 +383,71 @@ class SimEngine:
             "# TYPE llmgw_sim_held_peak gauge", f"llmgw_sim_held_peak {self.held_peak}",
         ]
         return "\n".join(lines) + "\n"
+
+
+class _Reply:
+    """One answer's pieces (a token each: a text, a tool call's delta, or ("reasoning", text)), written as
+    a whole answer or as a stream's events, with a task per prompt and choice as llama.cpp has them."""
+
+    def __init__(self, kind: str, model: str, fingerprint: str, pieces: list, finish: str, tasks: list[int]):
+        self.kind, self.model, self.fingerprint = kind, model, fingerprint
+        self.pieces, self.finish, self.tasks = pieces, finish, tasks
+        self.ident = f"sim-{os.urandom(6).hex()}"
+        self.created = int(time.time())
+        self.obj = "chat.completion" if kind == "chat" else "text_completion"
+
+    def usage(self, prompt_tokens: int) -> dict:
+        n = len(self.pieces)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+    def whole(self, prompt_tokens: int) -> dict:
+        pieces = self.pieces
+        said = [p for p in pieces if not isinstance(p, tuple)]
+        if said and isinstance(said[0], dict):
+            message = {"role": "assistant", "content": None, "tool_calls": [_whole_call(said)]}
+        else:
+            message = {"role": "assistant", "content": "".join(said)}
+        if len(said) < len(pieces):
+            message["reasoning_content"] = "".join(p[1] for p in pieces if isinstance(p, tuple))
+        choices = [{"index": j, "message": message, "finish_reason": self.finish}
+                   if self.kind == "chat" else {"index": j, "text": message["content"], "finish_reason": self.finish}
+                   for j in range(len(self.tasks))]
+        return {"id": self.ident, "object": self.obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices, "usage": self.usage(prompt_tokens)}
+
+    def chunk(self, i: int | None, finish: str | None = None, index: int = 0, **extra) -> bytes:
+        piece = self.pieces[i] if i is not None else None
+        if self.kind == "chat":
+            if piece is None:
+                delta = {}
+            elif isinstance(piece, dict):
+                delta = {"tool_calls": [piece]}
+            elif isinstance(piece, tuple):
+                delta = {"reasoning_content": piece[1]}
+            else:
+                delta = {"content": piece}
+            if i == 0:
+                delta["role"] = "assistant"
+                # OpenAI's first delta of a call says there is no text; its fragments follow.
+                if isinstance(piece, dict):
+                    delta["content"] = None
+            choice = {"index": index, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": piece or "", "finish_reason": finish}
+        return _event({"id": self.ident, "object": self.obj + ".chunk" if self.kind == "chat" else self.obj,
+                       "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint,
+                       "choices": [choice], **extra})
+
+    def final(self, index: int, include_usage: bool) -> bytes:
+        """Task INDEX's last event(s): as llama.cpp, a completion's usage rides on it, a chat's follows."""
+        if not include_usage:
+            return self.chunk(None, self.finish, index=index)
+        usage = self.usage(self.tasks[index])
+        if self.kind == "chat":
+            return self.chunk(None, self.finish, index=index) + _event({
+                "id": self.ident, "object": self.obj + ".chunk", "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": [], "usage": usage})
+        return self.chunk(None, self.finish, index=index, usage=usage)
 
 
 class PrefixCache:

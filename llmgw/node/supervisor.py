@@ -44,7 +44,7 @@ import urllib.request
 
 from llmgw import addresses, engines, weights
 from llmgw.engines import metrics as enginemetrics
-from llmgw.node import discovery
+from llmgw.node import discovery, shardfiles
 from llmgw.node.installer import InstallError
 from llmgw.procs import free_port
 
@@ -95,20 +95,6 @@ class Shard:
         self.restarts = 0  # by this node, for failing its probes; kept in the state file
         self.restart_reason: str | None = None  # the last one
         self.stop_asked = False  # a stop that came while it was being restarted is carried out once it runs
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def tail(path: str, lines: int) -> list[str]:
@@ -223,43 +209,18 @@ class Supervisor:
 
     # --- state files: what lets a restarted agent adopt its engines --------------------------
 
-    def _state_path(self, shard_id: str) -> str:
-        return os.path.join(self.work_dir, "shards", f"{shard_id}.json")
-
     def _save(self, shard: Shard) -> None:
-        if shard.state in ("stopped", "failed"):
-            try:
-                os.remove(self._state_path(shard.shard_id))
-            except FileNotFoundError:
-                pass
-            return
-        data = {"spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
-                "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key,
-                "context": shard.context, "restarts": shard.restarts, "restart_reason": shard.restart_reason}
-        tmp = self._state_path(shard.shard_id) + ".tmp"
-        # Mode 0600 from the start: it holds the engine's key.
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self._state_path(shard.shard_id))
+        data = None if shard.state in ("stopped", "failed") else {
+            "spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
+            "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key,
+            "context": shard.context, "restarts": shard.restarts, "restart_reason": shard.restart_reason}
+        shardfiles.save(self.work_dir, shard.shard_id, data)
 
     def adopt(self) -> list[str]:
         """Take back engines a previous agent left running; forget the ones that died meanwhile."""
         adopted = []
-        folder = os.path.join(self.work_dir, "shards")
-        for name in sorted(os.listdir(folder)):
-            if not name.endswith(".json"):
-                continue
-            path = os.path.join(folder, name)
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except (OSError, ValueError):
-                os.remove(path)
-                continue
-            pid = data.get("pid")
-            if not pid or not _alive(pid):
-                os.remove(path)
-                continue
+        for data in shardfiles.left_running(self.work_dir):
+            pid = data["pid"]
             shard = Shard(data["spec"], data["port"], data["log_path"], data.get("api_key"))
             shard.pid = pid
             # An unhealthy engine is taken back as ready: its probes start again, and say within a few seconds.
@@ -406,7 +367,7 @@ class Supervisor:
                 shard.exit_code = code
                 return False
             return True
-        return shard.pid is not None and _alive(shard.pid)
+        return shard.pid is not None and shardfiles.alive(shard.pid)
 
     # --- health: probed once ready, out of rotation when it fails, restarted when it goes on failing ----------
 
@@ -589,19 +550,3 @@ class Supervisor:
             if entry.name.endswith(".log") and name not in live and entry.is_file(follow_symlinks=False):
                 past.append((entry.stat().st_mtime, name, entry.path))
         return {**live, **{name: path for _, name, path in sorted(past, reverse=True)}}
-
-
-def running_engines(work_dir: str) -> dict[str, int]:
-    """shard id -> pid of every engine the state files in WORK_DIR list as running."""
-    found = {}
-    folder = os.path.join(work_dir, "shards")
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        if name.endswith(".json"):
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    pid = json.load(f).get("pid")
-            except (OSError, ValueError):
-                continue
-            if pid and _alive(pid):
-                found[name[:-5]] = pid
-    return found

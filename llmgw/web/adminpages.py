@@ -21,13 +21,14 @@ import time
 from urllib.parse import urlencode
 
 import flask_login
-from flask import Flask, abort, flash, redirect, render_template, request
+from flask import Blueprint, abort, flash, redirect, render_template, request
 
 from llmgw import rules
 from llmgw.apiclient import ApiError, leader_client
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, keys, limits, memberships, orgtree, sessions, usagereport
 from llmgw.web import budgets, forms, history, safety, svgchart
+from llmgw.web.site import EXPIRED_FORM, Site, site
 
 log = logging.getLogger("llmgw.adminpages")
 
@@ -56,162 +57,166 @@ def admin_only(view):
     return wrapped
 
 
-def require_token(form) -> None:
+def require_token() -> None:
     """Refuse a posted form without this session's CSRF token."""
-    if not form(forms.ActionForm, request.form).validate():
-        abort(400, "The form expired or did not come from this page; reload the page and try again.")
+    if not site().form(forms.ActionForm, request.form).validate():
+        abort(400, EXPIRED_FORM)
 
 
-def install(app: Flask, runtime: Runtime, form, sentence) -> None:
-    engine = runtime.engine
-    cfg = runtime.cfg
+def _me() -> accounts.User:
+    return flask_login.current_user.user
 
-    def checked() -> None:
-        require_token(form)
 
-    def me() -> accounts.User:
-        return flask_login.current_user.user
+bp = Blueprint("admin", __name__)
 
-    # --- the cluster ---------------------------------------------------------------------------
 
-    @app.get("/admin")
-    @admin_only
-    def cluster():
-        view = _cluster_view(runtime, cfg)
-        if request.args.get("partial"):
-            return render_template("_cluster.html", **view)
-        # Drawn once per load, outside what refreshes every five seconds: each drawing asks Prometheus.
-        window = history.window_of(request.args.get("window"))
-        return render_template("admin_cluster.html", history=history.charts(cfg["monitoring.prometheus"], window),
-                               **view)
+# --- the cluster ---------------------------------------------------------------------------
 
-    # --- people and the tree -------------------------------------------------------------------
+@bp.get("/admin")
+@admin_only
+def cluster():
+    view = _cluster_view(site().runtime, site().cfg)
+    if request.args.get("partial"):
+        return render_template("_cluster.html", **view)
+    # Drawn once per load, outside what refreshes every five seconds: each drawing asks Prometheus.
+    window = history.window_of(request.args.get("window"))
+    return render_template("admin_cluster.html", history=history.charts(site().cfg["monitoring.prometheus"], window),
+                           **view)
 
-    @app.get("/admin/people")
-    @admin_only
-    def people():
-        with engine.connect() as conn:
-            tree = orgtree.Tree.read(conn)
-            rows = memberships.all_memberships(conn)
-        everyone = accounts.list_users(engine)
-        emails = {u.id: u.email for u in everyone}
-        members: dict[str, list] = {}
-        for m in rows:
-            members.setdefault(m.scope_id, []).append((emails.get(m.user_id, m.user_id), m.role, m.user_id, m.scope))
-        all_keys = keys.list_keys(engine)
-        by_project: dict[str | None, list] = {}
-        for k in all_keys:
-            if k.revoked_at is None:
-                by_project.setdefault(k.project_id, []).append(k)
-        q = search_text(request.args.get("q", ""))
-        shown = [u for u in everyone if q in u.email] if q else everyone
-        return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
-                               pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
-                               signed_in_count=sessions.count(engine),
-                               action=form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
-                               + tree.of_kind("project"))
 
-    @app.post("/admin/people")
-    @admin_only
-    def people_action():
-        checked()
-        f = request.form
-        do = f.get("do", "")
-        q = search_text(f.get("q", ""))
-        try:
-            message = _people_action(engine, do, f)
-        except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused) as e:
-            flash(sentence(e), "problem")
-        except KeyError as e:
-            flash(f"The form lacks {e}.", "problem")
+# --- people and the tree -------------------------------------------------------------------
+
+@bp.get("/admin/people")
+@admin_only
+def people():
+    with site().engine.connect() as conn:
+        tree = orgtree.Tree.read(conn)
+        rows = memberships.all_memberships(conn)
+    everyone = accounts.list_users(site().engine)
+    emails = {u.id: u.email for u in everyone}
+    members: dict[str, list] = {}
+    for m in rows:
+        members.setdefault(m.scope_id, []).append((emails.get(m.user_id, m.user_id), m.role, m.user_id, m.scope))
+    all_keys = keys.list_keys(site().engine)
+    by_project: dict[str | None, list] = {}
+    for k in all_keys:
+        if k.revoked_at is None:
+            by_project.setdefault(k.project_id, []).append(k)
+    q = search_text(request.args.get("q", ""))
+    shown = [u for u in everyone if q in u.email] if q else everyone
+    return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
+                           pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
+                           signed_in_count=sessions.count(site().engine),
+                           action=site().form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
+                           + tree.of_kind("project"))
+
+
+@bp.post("/admin/people")
+@admin_only
+def people_action():
+    require_token()
+    f = request.form
+    do = f.get("do", "")
+    q = search_text(f.get("q", ""))
+    try:
+        message = _people_action(site().engine, do, f)
+    except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused) as e:
+        flash(Site.sentence(e), "problem")
+    except KeyError as e:
+        flash(f"The form lacks {e}.", "problem")
+    else:
+        flash(message, "done")
+        log.info("%s: %s", _me().email, message)
+    return redirect("/admin/people" + (f"?{urlencode({'q': q})}" if q else ""))
+
+
+@bp.post("/admin/people/key")
+@admin_only
+def people_key():
+    """An operator's key in a project (for a person, or nobody), shown once here or as a claim link.
+    Answered as a page, never through a redirect: a secret must not travel in the session cookie."""
+    require_token()
+    f = request.form
+    try:
+        owner = accounts.find(site().engine, f["for"]).id if f.get("for") else None
+        lifetime = keys.parse_duration(f["expires"]) if f.get("expires") else None
+        record, secret = keys.create_key(site().engine, f.get("name", ""), f.get("project") or None, lifetime,
+                                         user_id=owner)
+    except (accounts.AccountError, keys.KeyRefused, ValueError) as e:
+        flash(Site.sentence(e), "problem")
+        return redirect("/admin/people")
+    log.info("%s made the key %s (%s) in %s", _me().email, record.name, record.id, record.project)
+    link = None
+    if f.get("claim"):
+        link = request.host_url.rstrip("/") + "/claim/" + keys.make_claim(site().engine, record.id, secret)
+        secret = None
+    safety.no_store()
+    return render_template("admin_key.html", record=record, secret=secret, link=link)
+
+
+# --- quotas --------------------------------------------------------------------------------
+
+@bp.get("/admin/quotas")
+@admin_only
+def quotas():
+    return render_template("admin_quotas.html", **_quotas_view(site().runtime, request.args.get("edit")),
+                           action=site().form(forms.ActionForm))
+
+
+@bp.post("/admin/quotas")
+@admin_only
+def quotas_action():
+    require_token()
+    f = request.form
+    try:
+        if f.get("do") == "price":
+            limits.set_price(site().engine, f["model"].strip(), f.get("input") or "0", f.get("output") or "0",
+                             _me().email)
+            flash(f"Price of {f['model'].strip()} set.", "done")
         else:
-            flash(message, "done")
-            log.info("%s: %s", me().email, message)
-        return redirect("/admin/people" + (f"?{urlencode({'q': q})}" if q else ""))
+            scope, scope_id = f["scope"], f.get("id", "")
+            if scope not in rules.SCOPES:
+                abort(400, "No such scope.")
+            changes = _limit_changes(f)
+            limits.set_limits(site().engine, scope, scope_id, _me().email, **changes)
+            flash("Limits saved. Gateways apply them within a few seconds.", "done")
+    except (rules.LimitError, ValueError) as e:
+        flash(Site.sentence(e), "problem")
+        return redirect(_quota_form(f.get("scope", ""), f.get("id", "")))
+    return redirect("/admin/quotas")
 
-    @app.post("/admin/people/key")
-    @admin_only
-    def people_key():
-        """An operator's key in a project (for a person, or nobody), shown once here or as a claim link.
-        Answered as a page, never through a redirect: a secret must not travel in the session cookie."""
-        checked()
-        f = request.form
-        try:
-            owner = accounts.find(engine, f["for"]).id if f.get("for") else None
-            lifetime = keys.parse_duration(f["expires"]) if f.get("expires") else None
-            record, secret = keys.create_key(engine, f.get("name", ""), f.get("project") or None, lifetime,
-                                             user_id=owner)
-        except (accounts.AccountError, keys.KeyRefused, ValueError) as e:
-            flash(sentence(e), "problem")
-            return redirect("/admin/people")
-        log.info("%s made the key %s (%s) in %s", me().email, record.name, record.id, record.project)
-        link = None
-        if f.get("claim"):
-            link = request.host_url.rstrip("/") + "/claim/" + keys.make_claim(engine, record.id, secret)
-            secret = None
-        safety.no_store()
-        return render_template("admin_key.html", record=record, secret=secret, link=link)
 
-    # --- quotas --------------------------------------------------------------------------------
+# --- usage ---------------------------------------------------------------------------------
 
-    @app.get("/admin/quotas")
-    @admin_only
-    def quotas():
-        return render_template("admin_quotas.html", **_quotas_view(runtime, request.args.get("edit")),
-                               action=form(forms.ActionForm))
+@bp.get("/admin/usage")
+@admin_only
+def usage():
+    return render_template("admin_usage.html", **_usage_view(site().engine, request.args, None,
+                                                             ("org", "team", "project", "person", "model")))
 
-    @app.post("/admin/quotas")
-    @admin_only
-    def quotas_action():
-        checked()
-        f = request.form
-        try:
-            if f.get("do") == "price":
-                limits.set_price(engine, f["model"].strip(), f.get("input") or "0", f.get("output") or "0",
-                                 me().email)
-                flash(f"Price of {f['model'].strip()} set.", "done")
-            else:
-                scope, scope_id = f["scope"], f.get("id", "")
-                if scope not in rules.SCOPES:
-                    abort(400, "No such scope.")
-                changes = _limit_changes(f)
-                limits.set_limits(engine, scope, scope_id, me().email, **changes)
-                flash("Limits saved. Gateways apply them within a few seconds.", "done")
-        except (rules.LimitError, ValueError) as e:
-            flash(sentence(e), "problem")
-            return redirect(_quota_form(f.get("scope", ""), f.get("id", "")))
-        return redirect("/admin/quotas")
 
-    # --- usage ---------------------------------------------------------------------------------
-
-    @app.get("/admin/usage")
-    @admin_only
-    def usage():
-        return render_template("admin_usage.html", **_usage_view(engine, request.args, None,
-                                                                 ("org", "team", "project", "person", "model")))
-
-    @app.get("/org")
-    @flask_login.login_required
-    def org_page():
-        with engine.connect() as conn:
-            mine = memberships.managed_orgs(conn, me().id)
-            tree = orgtree.Tree.read(conn)
-            ruleset = limits.read_rules(conn)
-            rows = memberships.all_memberships(conn)
-        allowed = [tree.by_id[o] for o in (mine if not me().is_admin else [n.id for n in tree.of_kind("org")])
-                   if o in tree.by_id]
-        if not allowed:
-            abort(403)
-        chosen = next((o for o in allowed if o.id == request.args.get("org")), allowed[0])
-        projects = tree.projects_under(chosen.id)
-        view = _usage_view(engine, request.args, {p.id for p in projects}, ("team", "project", "person"))
-        inside = {n.id for n in tree.by_id.values() if n.path.split("/")[0] == chosen.path}
-        emails = {u.id: u.email for u in accounts.list_users(engine)}
-        people_here = sorted({(emails.get(m.user_id, m.user_id), m.role) for m in rows if m.scope_id in inside})
-        names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
-        parts = [n for n in tree.of_kind("team") + tree.of_kind("project") if n.id in inside]
-        table = [(n, rules.effective(ruleset, n.kind, n.id, names), _spent(runtime, n, ruleset)) for n in parts]
-        return render_template("org.html", org=chosen, orgs=allowed, parts=table, people=people_here, **view)
+@bp.get("/org")
+@flask_login.login_required
+def org_page():
+    with site().engine.connect() as conn:
+        mine = memberships.managed_orgs(conn, _me().id)
+        tree = orgtree.Tree.read(conn)
+        ruleset = limits.read_rules(conn)
+        rows = memberships.all_memberships(conn)
+    allowed = [tree.by_id[o] for o in (mine if not _me().is_admin else [n.id for n in tree.of_kind("org")])
+               if o in tree.by_id]
+    if not allowed:
+        abort(403)
+    chosen = next((o for o in allowed if o.id == request.args.get("org")), allowed[0])
+    projects = tree.projects_under(chosen.id)
+    view = _usage_view(site().engine, request.args, {p.id for p in projects}, ("team", "project", "person"))
+    inside = {n.id for n in tree.by_id.values() if n.path.split("/")[0] == chosen.path}
+    emails = {u.id: u.email for u in accounts.list_users(site().engine)}
+    people_here = sorted({(emails.get(m.user_id, m.user_id), m.role) for m in rows if m.scope_id in inside})
+    names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
+    parts = [n for n in tree.of_kind("team") + tree.of_kind("project") if n.id in inside]
+    table = [(n, rules.effective(ruleset, n.kind, n.id, names), _spent(site().runtime, n, ruleset)) for n in parts]
+    return render_template("org.html", org=chosen, orgs=allowed, parts=table, people=people_here, **view)
 
 
 def search_text(text: str) -> str:

@@ -71,7 +71,7 @@ class GatewayApp:
     def _chat(self, environ, start_response):
         """A chat page request: the signed-in person's, through the same pipeline as the API's."""
         try:
-            caller = chatpage.caller_for(self.pages, self.runtime, self.pages.config["CSRF_SECRET"], environ)
+            caller = chatpage.caller_for(self.pages, self.runtime, environ)
         except ApiError as e:
             return chatpage.error_response(e, start_response)
         environ["PATH_INFO"] = "/v1/chat/completions"

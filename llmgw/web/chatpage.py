@@ -18,13 +18,14 @@ which carry keys, never read the store.
 from __future__ import annotations
 
 import flask_login
-from flask import Flask, abort, render_template, request
+from flask import Blueprint, Flask, abort, render_template, request
 from markdown_it import MarkdownIt
 from werkzeug.datastructures import MultiDict
 
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms
+from llmgw.web.site import site
 
 MAX_RENDER = 200_000  # characters of Markdown rendered at once
 SAFE_SCHEMES = ("http://", "https://", "mailto:")
@@ -51,28 +52,32 @@ def render_markdown(text: str) -> str:
     return MARKDOWN.render(text[:MAX_RENDER])
 
 
-def install(app: Flask, runtime: Runtime, csrf_secret: bytes, form) -> None:
-    """Add the chat page's routes to the pages' app."""
+bp = Blueprint("chat", __name__)
 
-    @app.get("/chat")
-    @flask_login.login_required
-    def chat():
-        return render_template("chat.html", models=_models(runtime), token=form(forms.ActionForm).csrf_token.current_token)
 
-    @app.get("/chat/models")
-    @flask_login.login_required
-    def chat_models():
-        return {"models": _models(runtime)}
+@bp.get("/chat")
+@flask_login.login_required
+def chat():
+    s = site()
+    return render_template("chat.html", models=_models(s.runtime),
+                           token=s.form(forms.ActionForm).csrf_token.current_token)
 
-    @app.post("/chat/render")
-    @flask_login.login_required
-    def chat_render():
-        if not _csrf_ok(csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
-            abort(400, "The page is out of date; reload it.")
-        text = (request.get_json(silent=True) or {}).get("text")
-        if not isinstance(text, str):
-            abort(400, "Send {\"text\": \"...\"}.")
-        return {"html": render_markdown(text)}
+
+@bp.get("/chat/models")
+@flask_login.login_required
+def chat_models():
+    return {"models": _models(site().runtime)}
+
+
+@bp.post("/chat/render")
+@flask_login.login_required
+def chat_render():
+    if not _csrf_ok(site().csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
+        abort(400, "The page is out of date; reload it.")
+    text = (request.get_json(silent=True) or {}).get("text")
+    if not isinstance(text, str):
+        abort(400, "Send {\"text\": \"...\"}.")
+    return {"html": render_markdown(text)}
 
 
 def _models(runtime: Runtime) -> list[dict]:
@@ -90,10 +95,12 @@ def _csrf_ok(secret: bytes, token: str, environ) -> bool:
     return f.validate()
 
 
-def caller_for(app: Flask, runtime: Runtime, csrf_secret: bytes, environ):
-    """The person behind a chat request, as a proxy `Caller`; raises ApiError when there is none."""
+def caller_for(app: Flask, runtime: Runtime, environ):
+    """The person behind a chat request to APP (the pages' app), as a proxy `Caller`; raises ApiError when
+    there is none."""
     from llmgw.gateway.caller import Caller
 
+    csrf_secret = app.extensions["llmgw"].csrf_secret
     with app.request_context(environ):
         person = flask_login.current_user
         user_id = person.get_id() if person.is_authenticated else None

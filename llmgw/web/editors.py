@@ -18,10 +18,11 @@ import shlex
 import time
 from urllib.parse import quote
 
-from flask import Flask, Response, abort, render_template, request
+from flask import Blueprint, Response, abort, render_template, request
 
 from llmgw.gateway.worker import Runtime
 from llmgw.web import editorconfig
+from llmgw.web.site import site
 
 TOOLS = {"codex": "Codex", "claude": "Claude Code", "continue": "Continue", "cline": "Cline"}
 # A gateway address a script may name: scheme, host (a name, IPv4 or [IPv6]), port, path. Nothing that a
@@ -97,37 +98,39 @@ def _query(value: str) -> str:
     return quote(value, safe="")
 
 
-def install(app: Flask, runtime: Runtime) -> None:
-    """Add `/setup/<tool>` to the pages' app."""
+bp = Blueprint("editors", __name__)
 
-    @app.template_filter("sh")
-    def sh(value: str) -> str:
-        return shlex.quote(value)
 
-    @app.get("/setup/<tool>")
-    def setup(tool):
-        if tool not in TOOLS:
-            abort(404, f"There is no setup script for {tool!r}. There are: {', '.join(TOOLS)}.")
-        url = gateway_url(runtime)
-        if not plain(url):  # gateway.public_url: pages.py refuses a Host that is not plain before it gets here
-            return refusal(500, f"This gateway's address ({url!r}) is not one a setup script can name safely. "
-                                "An operator should set gateway.public_url to a plain https:// address.")
-        listed = [name for name, _ in runtime.router.snapshot.listed_ids()]
-        model = request.args.get("model", "")
-        small = request.args.get("small", model)
-        for given in (model, small):
-            if given not in listed:
-                # No list here: this page needs no sign-in, and the catalog is for key holders (/v1/models).
-                what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
-                return refusal(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
-                                    "the ones your keys may use.")
-        values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
-                  "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
-                  "codex": editorconfig.codex(url, model), "patch": _json(editorconfig.claude(url, model, small)),
-                  "block": editorconfig.continue_block(url, model), "begin": editorconfig.BEGIN,
-                  "end": editorconfig.END, "fields": editorconfig.cline(url, model)}
-        script = render_template(f"setup/{tool}.sh", **values)
-        return Response(script, mimetype="text/plain", headers={"Cache-Control": "no-store"})
+@bp.app_template_filter("sh")
+def sh(value: str) -> str:
+    return shlex.quote(value)
+
+
+@bp.get("/setup/<tool>")
+def setup(tool):
+    runtime = site().runtime
+    if tool not in TOOLS:
+        abort(404, f"There is no setup script for {tool!r}. There are: {', '.join(TOOLS)}.")
+    url = gateway_url(runtime)
+    if not plain(url):  # gateway.public_url: pages.py refuses a Host that is not plain before it gets here
+        return refusal(500, f"This gateway's address ({url!r}) is not one a setup script can name safely. "
+                            "An operator should set gateway.public_url to a plain https:// address.")
+    listed = [name for name, _ in runtime.router.snapshot.listed_ids()]
+    model = request.args.get("model", "")
+    small = request.args.get("small", model)
+    for given in (model, small):
+        if given not in listed:
+            # No list here: this page needs no sign-in, and the catalog is for key holders (/v1/models).
+            what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
+            return refusal(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
+                                "the ones your keys may use.")
+    values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
+              "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
+              "codex": editorconfig.codex(url, model), "patch": _json(editorconfig.claude(url, model, small)),
+              "block": editorconfig.continue_block(url, model), "begin": editorconfig.BEGIN,
+              "end": editorconfig.END, "fields": editorconfig.cline(url, model)}
+    script = render_template(f"setup/{tool}.sh", **values)
+    return Response(script, mimetype="text/plain", headers={"Cache-Control": "no-store"})
 
 
 def refusal(status: int, text: str) -> Response:

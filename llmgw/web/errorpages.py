@@ -8,7 +8,7 @@ A 500 names no cause: Flask has logged the exception with the request id the pag
 
 from __future__ import annotations
 
-from flask import Flask, Response, make_response, render_template, request, send_from_directory
+from flask import Blueprint, Response, current_app, make_response, render_template, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from llmgw.gateway import errors, requestid
@@ -26,14 +26,13 @@ PAGES = {
 CODES = {400: "bad_request", 403: "forbidden", 404: "not_found", 405: "method_not_allowed", 500: "internal_error"}
 
 
-def install(app: Flask) -> None:
-    for status in PAGES:
-        app.register_error_handler(status, _answer)
+bp = Blueprint("errorpages", __name__)
 
-    @app.get("/favicon.ico")
-    def favicon():
-        # Browsers ask for /favicon.ico whatever the page says; every page was a 404 in the log once.
-        return send_from_directory(app.static_folder, "favicon.svg", mimetype="image/svg+xml", max_age=86400)
+
+@bp.get("/favicon.ico")
+def favicon():
+    # Browsers ask for /favicon.ico whatever the page says; every page was a 404 in the log once.
+    return send_from_directory(current_app.static_folder, "favicon.svg", mimetype="image/svg+xml", max_age=86400)
 
 
 def _answer(e: HTTPException) -> Response:
@@ -49,3 +48,7 @@ def _answer(e: HTTPException) -> Response:
     if getattr(e, "valid_methods", None):  # a 405 says what the page does take
         answer.headers["Allow"] = ", ".join(e.valid_methods)
     return answer
+
+
+for _status in PAGES:  # every page's, not only this blueprint's: the app's own handlers
+    bp.app_errorhandler(_status)(_answer)

@@ -25,164 +25,170 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from flask import Flask, abort, flash, redirect, render_template, request
+from flask import Blueprint, abort, flash, redirect, render_template, request
 
 from llmgw.apiclient import ApiClient, ApiError, Unreachable, leader_client, mirror_client
-from llmgw.gateway.worker import Runtime
 from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
 from llmgw.web.chatpage import render_markdown
+from llmgw.web.site import Site, site
 
 REGISTRY_SORTS = {"trending": "trendingScore", "downloads": "downloads", "new": "createdAt"}
 REGISTRY_TIMEOUT = 10
 LARGEST_FILE = 1 << 50  # a PiB: "serve this" estimates memory from a size, which must be a number of bytes
 
 
-def install(app: Flask, runtime: Runtime, form, sentence) -> None:
-    cfg = runtime.cfg
+bp = Blueprint("mirror", __name__)
 
-    def checked() -> None:
-        require_token(form)
 
-    def mirror() -> ApiClient:
-        return mirror_client(cfg)
+def mirror() -> ApiClient:
+    return mirror_client(site().cfg)
 
-    def mirror_problem(e: ApiError) -> str:
-        """What the page says when the mirror cannot be used: the mirror's own sentence when it refused."""
-        if isinstance(e, Unreachable):
-            return (f"The mirror at {cfg['mirror.api']} cannot be reached. Check that mirror.py is running on "
-                    "that machine and listening there (its mirror.api_listen), and that mirror.api on this "
-                    "gateway names that address.")
-        return sentence(e)
 
-    def controller() -> ApiClient:
-        return leader_client(cfg, cfg["gateway.controller_admin"])
+def mirror_problem(e: ApiError) -> str:
+    """What the page says when the mirror cannot be used: the mirror's own sentence when it refused."""
+    if isinstance(e, Unreachable):
+        return (f"The mirror at {site().cfg['mirror.api']} cannot be reached. Check that mirror.py is running on "
+                "that machine and listening there (its mirror.api_listen), and that mirror.api on this "
+                "gateway names that address.")
+    return Site.sentence(e)
 
-    def catalog() -> tuple[list[dict] | None, str | None]:
-        try:
-            return controller().call("GET", "/api/v1/models", timeout=3)["models"], None
-        except Unreachable:
-            return None, (f"the controller's admin API at {' or '.join(cfg['gateway.controller_admin'])} cannot be "
-                          "reached: check "
-                          "that the controller runs and that gateway.controller_admin names its admin_listen")
-        except ApiError as e:
-            return None, str(e)
 
-    @app.get("/admin/mirror")
-    @admin_only
-    def mirror_page():
-        if not cfg["mirror.api"]:
-            return render_template("message.html", title="No mirror",
-                                   text="No mirror is configured here (mirror.api)."), 404
-        problem = None
-        try:
-            found = mirror().call("GET", "/api/v1/models", timeout=3)
-        except ApiError as e:
-            found, problem = None, mirror_problem(e)
-        models, catalog_problem = catalog()
-        rows = []
-        if found is not None:
-            for v in found["held"]:
-                prefix = f"{found['base_url']}/{v['model']}/{v['version']}/"
-                users = [m["name"] for m in models or [] if any(s.startswith(prefix) for s in m["sources"])]
-                rows.append({**v, "used_by": users,
-                             "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
-        template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
-        return render_template(template, found=found, rows=rows, problem=problem, catalog_problem=catalog_problem,
-                               action=form(forms.ActionForm), registry=bool(cfg["mirror.hf_endpoint"]))
+def controller() -> ApiClient:
+    return leader_client(site().cfg, site().cfg["gateway.controller_admin"])
 
-    @app.post("/admin/mirror/fetch")
-    @admin_only
-    def mirror_fetch():
-        checked()
-        f = request.form
-        try:
-            started = mirror().call("POST", "/api/v1/models", {"source": f.get("source", "").strip(),
-                                                               "model": f.get("model", "").strip(),
-                                                               "version": f.get("version", "").strip(),
-                                                               "anyway": bool(f.get("anyway"))})
-            # The source as the mirror shows it: a password in it must not travel in the session cookie.
-            flash(f"Fetching {started['source']} into {started['model']}/{started['version']}.", "done")
-        except ApiError as e:
-            flash(mirror_problem(e), "problem")
-        return redirect("/admin/mirror")
 
-    @app.post("/admin/mirror/remove")
-    @admin_only
-    def mirror_remove():
-        checked()
-        model, version = request.form.get("model", ""), request.form.get("version", "")
-        try:
-            mirror().call("DELETE", f"/api/v1/models/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}")
-            flash(f"Removed {model}/{version}.", "done")
-        except ApiError as e:
-            flash(mirror_problem(e), "problem")
-        return redirect("/admin/mirror")
+def catalog() -> tuple[list[dict] | None, str | None]:
+    try:
+        return controller().call("GET", "/api/v1/models", timeout=3)["models"], None
+    except Unreachable:
+        return None, (f"the controller's admin API at {' or '.join(site().cfg['gateway.controller_admin'])} cannot be "
+                      "reached: check "
+                      "that the controller runs and that gateway.controller_admin names its admin_listen")
+    except ApiError as e:
+        return None, str(e)
 
-    @app.route("/admin/mirror/serve", methods=["GET", "POST"])
-    @admin_only
-    def mirror_serve():
-        if request.method == "GET":
-            size = _size(request.args.get("size"))
-            source = request.args.get("source", "")
-            gguf = source.endswith(".gguf") or "gguf" in source.lower()
-            suggested = {"name": request.args.get("model", ""), "source": source,
-                         "engine": "llamacpp" if gguf else "vllm",
-                         # Weights plus room for the context: a rule of thumb the form lets one change.
-                         "memory": max(1, math.ceil(size * 1.2 / (1 << 30) + 0.5)), "max_context": 4096}
-            return render_template("mirror_serve.html", s=suggested, action=form(forms.ActionForm),
-                                   engines=forms.ENGINES)
-        checked()
-        f = form(forms.ServeForm, request.form)
-        if not f.validate():
-            # The first thing wrong, in a sentence; nothing is sent to the controller.
-            flash(next(e for errors in f.errors.values() for e in errors), "problem")
-            return redirect(safety.back("/admin/mirror"))
-        table = {"name": f.name.data.strip(), "source": f.source.data.strip(), "max_context": int(f.max_context.data),
-                 "scaling": forms.RUN_MODES[f.mode.data],
-                 "profiles": [{"engine": f.engine.data, "min_memory_gb": float(f.memory.data)}]}
-        try:
-            controller().call("POST", "/api/v1/models", table)
-            flash(f"{table['name']} is in the catalog ({f.mode.data.replace('_', ' ')}).", "done")
-        except ApiError as e:
-            flash(sentence(e), "problem")
-            return redirect(safety.back("/admin/mirror"))
-        return redirect("/admin/mirror")
 
-    @app.get("/admin/mirror/registry")
-    @admin_only
-    def registry():
-        sort = request.args.get("sort") if request.args.get("sort") in REGISTRY_SORTS else "trending"
-        q = request.args.get("q", "").strip()
-        params = {"sort": REGISTRY_SORTS[sort], "direction": "-1", "limit": "30", "filter": "gguf"}
-        if q:
-            params["search"] = q
-        repos, problem = _registry(cfg, "/api/models?" + urllib.parse.urlencode(params))
-        return render_template("mirror_registry.html", repos=repos or [], problem=problem, sort=sort, q=q,
-                               sorts=list(REGISTRY_SORTS))
+@bp.get("/admin/mirror")
+@admin_only
+def mirror_page():
+    if not site().cfg["mirror.api"]:
+        return render_template("message.html", title="No mirror",
+                               text="No mirror is configured here (mirror.api)."), 404
+    problem = None
+    try:
+        found = mirror().call("GET", "/api/v1/models", timeout=3)
+    except ApiError as e:
+        found, problem = None, mirror_problem(e)
+    models, catalog_problem = catalog()
+    rows = []
+    if found is not None:
+        for v in found["held"]:
+            prefix = f"{found['base_url']}/{v['model']}/{v['version']}/"
+            users = [m["name"] for m in models or [] if any(s.startswith(prefix) for s in m["sources"])]
+            rows.append({**v, "used_by": users,
+                         "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
+    template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
+    return render_template(template, found=found, rows=rows, problem=problem, catalog_problem=catalog_problem,
+                           action=site().form(forms.ActionForm), registry=bool(site().cfg["mirror.hf_endpoint"]))
 
-    @app.get("/admin/mirror/repo")
-    @admin_only
-    def repo():
-        repo_id = request.args.get("id", "")
-        if repo_id.count("/") != 1 or any(c in repo_id for c in " ?#\\"):
-            abort(404)
-        info, problem = _registry(cfg, f"/api/models/{repo_id}?blobs=true")
-        card = None
-        if info:
-            sha = info.get("sha") or "main"
-            text, _ = _registry(cfg, f"/{repo_id}/raw/{sha}/README.md", raw=True)
-            card = render_markdown(_strip_front_matter(text)) if text else None
-        files = []
-        for s in (info or {}).get("siblings", []):
-            name = s.get("rfilename", "")
-            if not name.endswith((".gguf", ".safetensors")):
-                continue  # weights only
-            size = (s.get("lfs") or {}).get("size") or s.get("size")
-            files.append({"name": name, "size": size, "sha256": (s.get("lfs") or {}).get("sha256"),
-                          "not_a_model": "mmproj" in name or "imatrix" in name})
-        return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
-                               files=files, action=form(forms.ActionForm))
+
+@bp.post("/admin/mirror/fetch")
+@admin_only
+def mirror_fetch():
+    require_token()
+    f = request.form
+    try:
+        started = mirror().call("POST", "/api/v1/models", {"source": f.get("source", "").strip(),
+                                                           "model": f.get("model", "").strip(),
+                                                           "version": f.get("version", "").strip(),
+                                                           "anyway": bool(f.get("anyway"))})
+        # The source as the mirror shows it: a password in it must not travel in the session cookie.
+        flash(f"Fetching {started['source']} into {started['model']}/{started['version']}.", "done")
+    except ApiError as e:
+        flash(mirror_problem(e), "problem")
+    return redirect("/admin/mirror")
+
+
+@bp.post("/admin/mirror/remove")
+@admin_only
+def mirror_remove():
+    require_token()
+    model, version = request.form.get("model", ""), request.form.get("version", "")
+    try:
+        mirror().call("DELETE", f"/api/v1/models/{urllib.parse.quote(model)}/{urllib.parse.quote(version)}")
+        flash(f"Removed {model}/{version}.", "done")
+    except ApiError as e:
+        flash(mirror_problem(e), "problem")
+    return redirect("/admin/mirror")
+
+
+@bp.route("/admin/mirror/serve", methods=["GET", "POST"])
+@admin_only
+def mirror_serve():
+    if request.method == "GET":
+        size = _size(request.args.get("size"))
+        source = request.args.get("source", "")
+        gguf = source.endswith(".gguf") or "gguf" in source.lower()
+        suggested = {"name": request.args.get("model", ""), "source": source,
+                     "engine": "llamacpp" if gguf else "vllm",
+                     # Weights plus room for the context: a rule of thumb the form lets one change.
+                     "memory": max(1, math.ceil(size * 1.2 / (1 << 30) + 0.5)), "max_context": 4096}
+        return render_template("mirror_serve.html", s=suggested, action=site().form(forms.ActionForm),
+                               engines=forms.ENGINES)
+    require_token()
+    f = site().form(forms.ServeForm, request.form)
+    if not f.validate():
+        # The first thing wrong, in a sentence; nothing is sent to the controller.
+        flash(next(e for errors in f.errors.values() for e in errors), "problem")
+        return redirect(safety.back("/admin/mirror"))
+    table = {"name": f.name.data.strip(), "source": f.source.data.strip(), "max_context": int(f.max_context.data),
+             "scaling": forms.RUN_MODES[f.mode.data],
+             "profiles": [{"engine": f.engine.data, "min_memory_gb": float(f.memory.data)}]}
+    try:
+        controller().call("POST", "/api/v1/models", table)
+        flash(f"{table['name']} is in the catalog ({f.mode.data.replace('_', ' ')}).", "done")
+    except ApiError as e:
+        flash(Site.sentence(e), "problem")
+        return redirect(safety.back("/admin/mirror"))
+    return redirect("/admin/mirror")
+
+
+@bp.get("/admin/mirror/registry")
+@admin_only
+def registry():
+    sort = request.args.get("sort") if request.args.get("sort") in REGISTRY_SORTS else "trending"
+    q = request.args.get("q", "").strip()
+    params = {"sort": REGISTRY_SORTS[sort], "direction": "-1", "limit": "30", "filter": "gguf"}
+    if q:
+        params["search"] = q
+    repos, problem = _registry(site().cfg, "/api/models?" + urllib.parse.urlencode(params))
+    return render_template("mirror_registry.html", repos=repos or [], problem=problem, sort=sort, q=q,
+                           sorts=list(REGISTRY_SORTS))
+
+
+@bp.get("/admin/mirror/repo")
+@admin_only
+def repo():
+    repo_id = request.args.get("id", "")
+    if repo_id.count("/") != 1 or any(c in repo_id for c in " ?#\\"):
+        abort(404)
+    info, problem = _registry(site().cfg, f"/api/models/{repo_id}?blobs=true")
+    card = None
+    if info:
+        sha = info.get("sha") or "main"
+        text, _ = _registry(site().cfg, f"/{repo_id}/raw/{sha}/README.md", raw=True)
+        card = render_markdown(_strip_front_matter(text)) if text else None
+    files = []
+    for s in (info or {}).get("siblings", []):
+        name = s.get("rfilename", "")
+        if not name.endswith((".gguf", ".safetensors")):
+            continue  # weights only
+        size = (s.get("lfs") or {}).get("size") or s.get("size")
+        files.append({"name": name, "size": size, "sha256": (s.get("lfs") or {}).get("sha256"),
+                      "not_a_model": "mmproj" in name or "imatrix" in name})
+    return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
+                           files=files, action=site().form(forms.ActionForm))
 
 
 def _size(text: str | None) -> int:

@@ -15,68 +15,74 @@ from __future__ import annotations
 
 import urllib.parse
 
-from flask import Flask, abort, jsonify, render_template, request
+from flask import Blueprint, abort, jsonify, render_template, request
 
 from llmgw.apiclient import ApiError, Refused, leader_client
-from llmgw.gateway.worker import Runtime
 from llmgw.web import history, safety
 from llmgw.web.adminpages import admin_only
+from llmgw.web.site import site
 
 FIRST_LINES = 500  # lines the logs page opens with; it keeps at most 2,000 as it follows
 NO_CONTROLLER = ("This gateway has no controller (gateway.controller is empty), so it knows no nodes: it routes "
                  "only to the [[endpoints]] of its configuration.")
 
 
-def install(app: Flask, runtime: Runtime) -> None:
-    cfg = runtime.cfg
-    app.add_template_filter(history.human_bytes, "bytes")
-    app.add_template_filter(history.rounded, "rounded")
+bp = Blueprint("nodes", __name__)
 
-    def admin():
-        if not cfg["gateway.controller"]:
-            abort(404, NO_CONTROLLER)
-        return leader_client(cfg, cfg["gateway.controller_admin"])
 
-    def node_path(node_id: str) -> str:
-        return f"/api/v1/nodes/{urllib.parse.quote(node_id, safe='')}"
+bp.add_app_template_filter(history.human_bytes, "bytes")
+bp.add_app_template_filter(history.rounded, "rounded")
 
-    @app.get("/admin/nodes/<node_id>")
-    @admin_only
-    def node_page(node_id):
-        client = admin()
-        try:
-            nodes = client.call("GET", "/api/v1/nodes", timeout=2)["nodes"]
-            replicas = client.call("GET", "/api/v1/replicas", timeout=2)["replicas"]
-        except (ApiError, KeyError) as e:
-            view = {"node_id": node_id, "problem": f"The node cannot be shown: {e}"}
-        else:
-            node = next((n for n in nodes if n.get("node_id") == node_id), None)
-            if node is None:
-                abort(404, f"No node {node_id} has registered with the controller. The cluster page lists the nodes.")
-            view = {"node_id": node_id, "problem": None, **node_view(node, replicas)}
-        if request.args.get("partial"):
-            return render_template("_node.html", **view)
-        window = history.window_of(request.args.get("window"))
-        return render_template("admin_node.html", history=history.charts(cfg["monitoring.prometheus"], window,
-                                                                          node=node_id), **view)
 
-    @app.get("/admin/nodes/<node_id>/logs")
-    @admin_only
-    def logs_page(node_id):
-        source = request.args.get("source") or "agent"
-        found = _logs(admin(), node_path(node_id), {"source": source, "lines": FIRST_LINES})
-        safety.no_store()  # an engine's log may hold what a prompt said
-        return render_template("admin_logs.html", node_id=node_id, source=source, **found)
+def admin():
+    if not site().cfg["gateway.controller"]:
+        abort(404, NO_CONTROLLER)
+    return leader_client(site().cfg, site().cfg["gateway.controller_admin"])
 
-    @app.get("/admin/nodes/<node_id>/logs/more")
-    @admin_only
-    def logs_more(node_id):
-        query = {"source": request.args.get("source") or "agent", "lines": 2000}
-        if request.args.get("after"):
-            query["after"] = request.args["after"]
-        found = _logs(admin(), node_path(node_id), query)
-        safety.no_store()
-        return jsonify({k: found[k] for k in ("lines", "cursor", "skipped", "problem")})
+
+def node_path(node_id: str) -> str:
+    return f"/api/v1/nodes/{urllib.parse.quote(node_id, safe='')}"
+
+
+@bp.get("/admin/nodes/<node_id>")
+@admin_only
+def node_page(node_id):
+    client = admin()
+    try:
+        nodes = client.call("GET", "/api/v1/nodes", timeout=2)["nodes"]
+        replicas = client.call("GET", "/api/v1/replicas", timeout=2)["replicas"]
+    except (ApiError, KeyError) as e:
+        view = {"node_id": node_id, "problem": f"The node cannot be shown: {e}"}
+    else:
+        node = next((n for n in nodes if n.get("node_id") == node_id), None)
+        if node is None:
+            abort(404, f"No node {node_id} has registered with the controller. The cluster page lists the nodes.")
+        view = {"node_id": node_id, "problem": None, **node_view(node, replicas)}
+    if request.args.get("partial"):
+        return render_template("_node.html", **view)
+    window = history.window_of(request.args.get("window"))
+    return render_template("admin_node.html", history=history.charts(site().cfg["monitoring.prometheus"], window,
+                                                                      node=node_id), **view)
+
+
+@bp.get("/admin/nodes/<node_id>/logs")
+@admin_only
+def logs_page(node_id):
+    source = request.args.get("source") or "agent"
+    found = _logs(admin(), node_path(node_id), {"source": source, "lines": FIRST_LINES})
+    safety.no_store()  # an engine's log may hold what a prompt said
+    return render_template("admin_logs.html", node_id=node_id, source=source, **found)
+
+
+@bp.get("/admin/nodes/<node_id>/logs/more")
+@admin_only
+def logs_more(node_id):
+    query = {"source": request.args.get("source") or "agent", "lines": 2000}
+    if request.args.get("after"):
+        query["after"] = request.args["after"]
+    found = _logs(admin(), node_path(node_id), query)
+    safety.no_store()
+    return jsonify({k: found[k] for k in ("lines", "cursor", "skipped", "problem")})
 
 
 def _logs(client, path: str, query: dict) -> dict:
