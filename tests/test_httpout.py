@@ -138,10 +138,12 @@ def test_the_date_is_formatted_again_once_its_second_has_passed():
 
 
 class Failing:
-    """A WSGI app whose answer fails after its head and first piece (AFTER), or before anything (not AFTER)."""
+    """A WSGI app whose answer fails after its head and first piece (AFTER), or before anything (not AFTER),
+    raising WITH."""
 
-    def __init__(self, after: bool):
+    def __init__(self, after: bool, with_=ValueError):
         self.after = after
+        self.raised = with_
         self.closed = False
 
     def __call__(self, environ, start_response):
@@ -152,18 +154,21 @@ class Failing:
 
     def __iter__(self):
         yield b"data: 1\n\n"
-        raise ValueError("failed part way")
+        raise self.raised("failed part way")
 
     def close(self):
         self.closed = True
 
 
-def test_an_answer_that_fails_part_way_is_cut_and_logged_and_one_that_fails_first_is_left_to_answer(pair, caplog):
-    # The one loop both of a worker's HTTP paths answer through (fastpath and gunicorn's).
+@pytest.mark.parametrize("raised", [ValueError, SystemExit])
+def test_an_answer_that_fails_part_way_is_cut_and_logged_and_one_that_fails_first_is_left_to_answer(pair, caplog,
+                                                                                                      raised):
+    # The one loop both of a worker's HTTP paths answer through (fastpath and gunicorn's). A worker's exit
+    # part way through cuts the answer too: kept alive, the connection left its client waiting for the rest.
     ours, theirs = pair
     req, cfg = request(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
     environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/v1/chat/completions", "wsgi.file_wrapper": FileWrapper}
-    app = Failing(after=True)
+    app = Failing(after=True, with_=raised)
     with pytest.raises(httpout.AnswerBroken):
         httpout.answer(app, environ, httpout.Response(req, ours, cfg), ours.sock)
     assert app.closed

@@ -30,10 +30,10 @@ class Parts:
     ask_node: Callable[..., Any]  # (node_id, kind, fields, timeout): a node's reply, or None
     access: Any  # adminapi.Access: its token and the Host names it answers to
     egress: Egress  # where a model's source may be checked
-    plaintext: bool = False
-    ring: KeyRing | None = None  # the nodes' keys (None: plaintext)
+    plaintext: bool
+    ring: KeyRing | None  # the nodes' keys (None: plaintext)
+    controller_public: bytes | None
     gateway_ring: KeyRing | None = None
-    controller_public: bytes | None = None
     lease: Any = None  # llmgw/control/lease.py: a standby answers its status only
     scaler: Any = None  # llmgw/control/autoscale.py: what load scaling sees and decided
 

@@ -23,7 +23,7 @@ from llmgw.gateway.limiter import Unavailable
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.worker import Runtime
 
-log = logging.getLogger("llmgw.admit")
+log = logging.getLogger("llmgw.proxy")  # every step of the request path logs as one, as it did
 
 # Seconds a well-formed key this worker does not hold waits for the next key table before it is refused: the
 # controller looks for new keys four times a second, and a worker without one reads the store's revision once

@@ -50,7 +50,7 @@ from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.upstream import Cancel, UpstreamError
 from llmgw.gateway.worker import Runtime
 
-log = logging.getLogger("llmgw.attempts")
+log = logging.getLogger("llmgw.proxy")  # every step of the request path logs as one, as it did
 
 HEALTH_CHECK_EVERY = 2.0  # seconds: engine errors on a replica prompt at most one health check this often
 UNAVAILABLE = (502, 503, 504)  # what an engine (or a proxy in front of it) answers when it cannot serve now

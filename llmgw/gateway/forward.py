@@ -29,7 +29,7 @@ from llmgw.gateway.sse import DONE, EventRelay
 from llmgw.gateway.upstream import Cancel, Response, UpstreamError
 from llmgw.gateway.worker import Runtime
 
-log = logging.getLogger("llmgw.forward")
+log = logging.getLogger("llmgw.proxy")  # every step of the request path logs as one, as it did
 
 SSE_HEADERS = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"), ("X-Accel-Buffering", "no")]
 LOAD_POLL = 0.25  # seconds between looks for a replica of a loading model
@@ -123,6 +123,9 @@ class Forwarder:
             ex.finish(e.status)
             yield req.dialect.stream_error(req, e)
             return
+        except Exception:  # a bug: the stream is cut, and the request accounted for as a 500
+            ex.finish(500)
+            raise
         yield from self._relay(ex, environ, resp, replica)
 
     def _relay(self, ex: Exchange, environ, resp: Response, replica):
@@ -186,12 +189,15 @@ class Forwarder:
             else:
                 resp.abort()
             replica.outstanding -= 1
-            # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
-            counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
-                                                                       {replica.spec.id})
-            tokens = (metering.trusted(req, relay.usage, relay.reports)
-                      or self.billing.billed(req, model, counter, relay.usage, relay.deltas))
-            ex.finish(status, tokens, ttft)
+            tokens = None
+            try:
+                # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
+                counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
+                                                                           {replica.spec.id})
+                tokens = (metering.trusted(req, relay.usage, relay.reports)
+                          or self.billing.billed(req, model, counter, relay.usage, relay.deltas))
+            finally:
+                ex.finish(status, tokens, ttft)
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.

@@ -60,10 +60,12 @@ def answer(app, environ, out, sock, begun=None) -> None:
     `headers_sent`: this module's Response, or fastpath's Answer), closing the app's iterable however it ends.
     BEGUN(), when given, is called once the app has returned its iterable, before anything is written.
 
-    Raises OSError (sockio.SendTimeout among them) when the connection fails; what the app raised before its
-    head was fixed, for the caller to answer with a 500; GreenletExit and SystemExit as they come (a killed
-    request ends quietly); and AnswerBroken when the app failed after its head was fixed: a 500 then would
-    corrupt what went out, so the failure is logged here and SOCK shut, which the client sees as a cut answer.
+    Raises OSError (sockio.SendTimeout among them) when the connection fails; GreenletExit as it comes (a
+    killed request ends quietly); what the app raised before its head was fixed (SystemExit included), for
+    the caller to answer; and AnswerBroken when the app failed after its head was fixed: a 500 then would
+    corrupt what went out, so the failure is logged here and SOCK shut, which the client sees as a cut answer
+    (a connection kept alive after it would leave the client waiting for the rest of an answer that never
+    comes).
     """
     try:
         respiter = app(environ, out.start_response)
@@ -80,9 +82,9 @@ def answer(app, environ, out, sock, begun=None) -> None:
         finally:
             if hasattr(respiter, "close"):
                 respiter.close()
-    except (OSError, gevent.GreenletExit, SystemExit):
+    except (OSError, gevent.GreenletExit):
         raise
-    except Exception:
+    except (Exception, SystemExit):
         if not out.headers_sent:
             raise
         log.exception("failed while answering %s %s", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"))

@@ -44,12 +44,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def left_running(work_dir: str) -> list[dict]:
-    """The state of each engine in WORK_DIR whose process still runs, by shard id; the files of engines that
-    died, and those that cannot be read, are removed."""
-    found = []
+def _states(work_dir: str):
+    """(shard id, path, its state or None where the file cannot be read) for each state file in WORK_DIR."""
     folder = os.path.join(work_dir, "shards")
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
         if not name.endswith(".json"):
             continue
         path = os.path.join(folder, name)
@@ -57,10 +55,16 @@ def left_running(work_dir: str) -> list[dict]:
             with open(path) as f:
                 data = json.load(f)
         except (OSError, ValueError):
-            os.remove(path)
-            continue
-        pid = data.get("pid")
-        if not pid or not alive(pid):
+            data = None
+        yield name[:-len(".json")], path, data if isinstance(data, dict) else None
+
+
+def left_running(work_dir: str) -> list[dict]:
+    """The state of each engine in WORK_DIR whose process still runs, by shard id; the files of engines that
+    died, and those that cannot be read, are removed."""
+    found = []
+    for _, path, data in _states(work_dir):
+        if data is None or not data.get("pid") or not alive(data["pid"]):
             os.remove(path)
             continue
         found.append(data)
@@ -68,16 +72,6 @@ def left_running(work_dir: str) -> list[dict]:
 
 
 def running_engines(work_dir: str) -> dict[str, int]:
-    """shard id -> pid of every engine the state files in WORK_DIR list as running."""
-    found = {}
-    folder = os.path.join(work_dir, "shards")
-    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-        if name.endswith(".json"):
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    pid = json.load(f).get("pid")
-            except (OSError, ValueError):
-                continue
-            if pid and alive(pid):
-                found[name[:-5]] = pid
-    return found
+    """shard id -> pid of every engine the state files in WORK_DIR list as running (nothing is removed)."""
+    return {shard_id: data["pid"] for shard_id, _, data in _states(work_dir)
+            if data is not None and data.get("pid") and alive(data["pid"])}
