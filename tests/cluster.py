@@ -90,6 +90,11 @@ class Controller:
     def ready(self, model) -> list[dict]:
         return [r for r in self.replicas(model) if r["state"] == "ready"]
 
+    def passes_made(self, count: int, limit: float = 60) -> None:
+        """Wait until this controller has made COUNT more reconcile passes: what would have acted has."""
+        target = self.api("/api/v1/status")["reconcile_passes"] + count
+        wait_for(f"{count} more reconcile passes", limit, lambda: self.api("/api/v1/status")["reconcile_passes"] >= target)
+
     def state(self, node_id):
         node = self.nodes().get(node_id)
         return node and node["state"]

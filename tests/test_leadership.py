@@ -319,9 +319,8 @@ def test_a_killed_leader_is_replaced_and_no_engine_restarts(pair):
     assert n1.engines() == engines  # the same engine process: nothing restarted
     # Within the lease and one renewal (3.3 s), with room for a loaded machine to poll and answer.
     assert took_over < LEASE["controller__lease_ttl"] + LEASE["controller__lease_renew_interval"] + 5.0, took_over
-    # Watched for 1.5 s, five of b's reconcile passes (0.3 s apart in tests/cluster.py's FAST): a pass
-    # that would place a second replica does so in the first.
-    time.sleep(1.5)
+    # Watched for five of b's reconcile passes: a pass that would place a second replica does so in the first.
+    b.passes_made(5)
     wait_for_no_duplicates(b, [n1], {"simmy": 1})
     assert n1.engines() == engines
 
@@ -342,8 +341,9 @@ def test_a_leader_paused_past_its_lease_stands_by_when_it_wakes(pair):
     finally:
         a.proc.send_signal(signal.SIGCONT)
     wait_for("a knows it stands by", WAIT, lambda: role(a)[0] == "standby")
-    # Watched for 1.5 s, five of a's reconcile passes (0.3 s apart), had it acted as a leader on waking.
-    time.sleep(1.5)
+    # Watched while the leader makes five reconcile passes: a, awake again, would have acted by then had it
+    # taken itself for a leader (its passes run on the same 0.3 s schedule).
+    b.passes_made(5)
     wait_for_no_duplicates(b, [n1], {"simmy": 1})
     assert n1.engines() == engines
     assert "lost the leader lease" in a.log()

@@ -144,9 +144,9 @@ def test_controller_restart_rebuilds_from_agents_and_places_nothing_twice(cluste
     c.stop()
     c.start(lead=True)
     wait_for("the replicas known again", 10, lambda: len(c.ready("simmy")) == 2)
-    # Nothing may change: watched for 1.5 s, five reconcile passes (controller.reconcile_interval 0.3 s in
-    # tests/cluster.py's FAST); a pass that would place or stop a replica does so in the first.
-    time.sleep(1.5)
+    # Nothing may change: watched for five reconcile passes; a pass that would place or stop a replica does
+    # so in the first.
+    c.passes_made(5)
     assert sorted(r["shard_id"] for r in c.replicas("simmy")) == shards
 
 

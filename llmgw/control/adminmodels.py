@@ -169,6 +169,7 @@ def status():
                     "models_serving": serving, "replicas": len(rows),
                     "replicas_ready": sum(1 for r in rows if r["state"] == "ready"),
                     "reconcile_seconds": took, "reconcile_seconds_max": took_max,
+                    "reconcile_passes": report.passes(),
                     # Whether a node may still bring back replicas placed before this controller led
                     # (llmgw/control/claims.py): while it does, a node late to register keeps its engines.
                     "adopting": role == "leader" and fleet.adopting(now)})

@@ -46,6 +46,7 @@ class ReconcileReport:
         self._lock = threading.Lock()
         self._seconds: float | None = None
         self._seconds_max: float | None = None
+        self._passes = 0  # passes made since the controller started (a standby makes none)
         self._unplaced: dict[str, dict[str, str]] = {}
         self._kick: Callable[[], None] = lambda: None  # until the scheduler runs, the first pass is due anyway
 
@@ -54,7 +55,13 @@ class ReconcileReport:
         with self._lock:
             self._seconds = seconds
             self._seconds_max = max(seconds, self._seconds_max or 0.0)
+            self._passes += 1
             self._unplaced = dict(unplaced)
+
+    def passes(self) -> int:
+        """Reconcile passes made since the controller started."""
+        with self._lock:
+            return self._passes
 
     def timings(self) -> tuple[float | None, float | None]:
         """The last pass's seconds and the longest pass's, or None before the first."""
