@@ -185,74 +185,65 @@ class Attempts:
             if failure is not None:
                 rt.metrics.retries.labels(failure.phase).inc()
             tried.add(replica.spec.id)
+            # The replica's count of this worker's requests on it is raised here and lowered in this
+            # `finally` however the attempt ends, a bug included; only a stream handed on keeps it, and the
+            # stream lowers it when it ends (forward.py's Relay).
             replica.outstanding += 1
+            handed_on = False
             sent = time.perf_counter()
-            if cancel is not None:
-                cancel.abandoned = False
-                replica.unanswered.add(cancel)
             try:
-                resp = rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline, cancel=cancel)
-                if resp.status == 429:
-                    # The engine is full, not broken: another replica may
-                    # have room, and the breaker is left alone.
-                    resp.read(self.idle)
-                    resp.release()
-                    raise UpstreamError("busy", "it is at capacity (429)",
-                                        retry_after=_retry_after(resp.headers.get("retry-after")))
-                if resp.status in UNAVAILABLE:
-                    detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
-                    resp.release()
-                    raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
-                # A whole answer is read here, inside the attempt: if the
-                # engine fails halfway, nothing has reached the client yet and
-                # another replica can still be tried.
-                data = None if req.stream and resp.status < 400 else resp.read(self.idle)
                 if cancel is not None:
-                    cancel.conn = None  # the answer is in (or the stream's own watch takes over): nothing to abort
-            except UpstreamError as e:
+                    cancel.abandoned = False
+                    replica.unanswered.add(cancel)
+                try:
+                    resp, data = self._ask(replica, path, body, deadline, req.stream, cancel)
+                except UpstreamError as e:
+                    engine_time += time.perf_counter() - sent
+                    if cancel is not None and cancel.cancelled:
+                        # The engine read the prompt, maybe more: billed as a stream cut before its first token.
+                        ex.replica = replica.spec.id
+                        raise ClientLeft(self.billing.billed(req, model, replica, None, 0)) from None
+                    if cancel is not None and cancel.abandoned:
+                        # The replica left rotation while this waited on it: nothing reached the client, and
+                        # the replica is already out, so the request goes to another one, with no strike.
+                        log.warning("a request on replica %s (%s) for %s was moved: the replica left rotation "
+                                    "while it waited for an answer", replica.spec.id, replica.spec.url, model.name)
+                        failure = UpstreamError("abandoned",
+                                                "the replica left rotation while the engine had the request")
+                        continue
+                    # A full engine is routine under load (and queued for, below); a failure is worth a line.
+                    log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
+                            "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
+                            model.name, e)
+                    failure = e
+                    if e.phase == "busy":
+                        continue
+                    self.blame(replica, e)
+                    if e.phase in REQUEST_TIMEOUTS:
+                        break  # this request would run as long on any replica
+                    if e.phase == "closed" and self.rt._get(replica, "/health") is None:
+                        raise self._fatal_request(model.name, replica) from None
+                    continue
+                finally:
+                    if cancel is not None:
+                        replica.unanswered.discard(cancel)
                 engine_time += time.perf_counter() - sent
-                replica.outstanding -= 1
-                if cancel is not None and cancel.cancelled:
-                    # The engine read the prompt, maybe more: billed as a stream cut before its first token.
-                    ex.replica = replica.spec.id
-                    raise ClientLeft(self.billing.billed(req, model, replica, None, 0)) from None
-                if cancel is not None and cancel.abandoned:
-                    # The replica left rotation while this waited on it: nothing reached the client, and
-                    # the replica is already out, so the request goes to another one, with no strike.
-                    log.warning("a request on replica %s (%s) for %s was moved: the replica left rotation while "
-                                "it waited for an answer", replica.spec.id, replica.spec.url, model.name)
-                    failure = UpstreamError("abandoned", "the replica left rotation while the engine had the request")
-                    continue
-                # A full engine is routine under load (and queued for, below); a failure is worth a line.
-                log.log(logging.DEBUG if e.phase == "busy" else logging.WARNING,
-                        "an attempt on replica %s (%s) for %s failed: %s", replica.spec.id, replica.spec.url,
-                        model.name, e)
-                failure = e
-                if e.phase == "busy":
-                    continue
-                self.blame(replica, e)
-                if e.phase in REQUEST_TIMEOUTS:
-                    break  # this request would run as long on any replica
-                if e.phase == "closed" and self.rt._get(replica, "/health") is None:
-                    raise self._fatal_request(model.name, replica) from None
-                continue
+                if resp.status >= 400:
+                    resp.release()
+                    raise self._engine_refusal(model, replica, resp.status, data)
+                replica.breaker.success()
+                overhead = (time.perf_counter() - ex.t0 - engine_time) * 1000
+                rt.metrics.overhead.observe(overhead / 1000)
+                if data is None:
+                    handed_on = True
+                else:
+                    resp.release()
+                rt.used(model.name)
+                ex.replica = replica.spec.id
+                return resp, replica, data, overhead
             finally:
-                if cancel is not None:
-                    replica.unanswered.discard(cancel)
-            engine_time += time.perf_counter() - sent
-            if resp.status >= 400:
-                resp.release()
-                replica.outstanding -= 1
-                raise self._engine_refusal(model, replica, resp.status, data)
-            replica.breaker.success()
-            overhead = (time.perf_counter() - ex.t0 - engine_time) * 1000
-            rt.metrics.overhead.observe(overhead / 1000)
-            if data is not None:
-                resp.release()
-                replica.outstanding -= 1
-            rt.used(model.name)
-            ex.replica = replica.spec.id
-            return resp, replica, data, overhead
+                if not handed_on:
+                    replica.outstanding -= 1
         if failure is None:
             configured = len(router.snapshot.replicas_for(model.name))
             if configured:
@@ -262,6 +253,27 @@ class Attempts:
             raise ApiError(503, f"{model.name} has no replica running. Try again shortly; an operator can check "
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
         raise upstream_error(model.name, failure)
+
+    def _ask(self, replica, path: str, body: bytes, deadline: float, stream: bool, cancel: Cancel | None):
+        """Send the request to REPLICA: (response, its whole body), the body None for a stream that started.
+        Raises UpstreamError for an engine that is full, unavailable, or failed before the answer was whole."""
+        resp = self.rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline, cancel=cancel)
+        if resp.status == 429:
+            # The engine is full, not broken: another replica may have room, and the breaker is left alone.
+            resp.read(self.idle)
+            resp.release()
+            raise UpstreamError("busy", "it is at capacity (429)",
+                                retry_after=_retry_after(resp.headers.get("retry-after")))
+        if resp.status in UNAVAILABLE:
+            detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
+            resp.release()
+            raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
+        # A whole answer is read here, inside the attempt: if the engine fails halfway, nothing has reached
+        # the client yet and another replica can still be tried.
+        data = None if stream and resp.status < 400 else resp.read(self.idle)
+        if cancel is not None:
+            cancel.conn = None  # the answer is in (or the stream's own watch takes over): nothing to abort
+        return resp, data
 
     def blame(self, replica, e: UpstreamError) -> None:
         """Count E against REPLICA, or, for a timeout the request itself may cause, check its health."""

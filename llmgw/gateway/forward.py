@@ -37,6 +37,29 @@ KEEPALIVE = 2.0  # seconds between comments on a held stream (the first goes at 
 DEMAND_REMINDER = 5.0  # seconds between reminders to the controller that a model is wanted
 
 
+class Relay:
+    """A stream's answer, as the WSGI server gets it: GEN's pieces, and UNSTARTED() where the server closes
+    it before taking the first. A generator closed before it began runs none of its own `finally`, which is
+    where a stream gives its replica back and accounts for the request."""
+
+    __slots__ = ("_gen", "_unstarted", "_begun")
+
+    def __init__(self, gen, unstarted):
+        self._gen = gen
+        self._unstarted = unstarted
+        self._begun = False
+
+    def __iter__(self):
+        self._begun = True
+        return self._gen
+
+    def close(self) -> None:
+        self._gen.close()
+        if not self._begun:
+            self._begun = True
+            self._unstarted()
+
+
 class Forwarder:
     def __init__(self, runtime: Runtime, attempts: Attempts, billing: Billing, guard: Guard):
         cfg = runtime.cfg
@@ -64,7 +87,7 @@ class Forwarder:
                 # stream rather than a silent socket while the model loads.
                 start_response("200 OK", SSE_HEADERS + caller.limit_headers())
                 ex.fly()
-                return self._held_stream(ex, environ)
+                return Relay(self._held_stream(ex, environ), lambda: ex.finish(499))
             for _ in self._until_ready(model):
                 pass
             if not rt.router.available(model.name):
@@ -85,7 +108,8 @@ class Forwarder:
                 watch.stop()
         if data is None:
             start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
-            return self._relay(ex, environ, resp, replica)
+            return Relay(self._relay(ex, environ, resp, replica),
+                         lambda: self._unstarted(ex, resp, replica))
         tokens = self.billing.answer_tokens(req, model, replica, data)
         if resp.status < 300:
             try:
@@ -106,6 +130,13 @@ class Forwarder:
             ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
         ex.finish(resp.status, tokens)
         return [data]
+
+    def _unstarted(self, ex: Exchange, resp: Response, replica) -> None:
+        """A stream closed before it began (the client gone, the worker stopping): the engine's answer cut,
+        the replica's count lowered, and the request billed as a stream cut before its first token."""
+        resp.abort()
+        replica.outstanding -= 1
+        ex.finish(499, self.billing.billed(ex.req, ex.model, replica, None, 0))
 
     def _held_stream(self, ex: Exchange, environ):
         """The stream of a request for a model that is loading: comments while waiting, then the answer."""
