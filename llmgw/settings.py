@@ -424,6 +424,9 @@ SETTINGS: tuple[Setting, ...] = (
             check=_absolute_paths),
     Setting("agent.nvidia_smi", "str", "",
             "Path of `nvidia-smi` to ask about GPUs. Empty: ask NVML first, then `nvidia-smi` on the PATH.", path=True),
+    Setting("agent.infiniband_dir", "str", "/sys/class/infiniband",
+            "Where the kernel lists InfiniBand and RoCE adapters (sysfs), read every heartbeat; another path only "
+            "for a container that mounts it elsewhere, or a test.", path=True),
     Setting("agent.heartbeat_interval", "float", 5.0,
             "Seconds between heartbeats to the controller.", minimum=0.05),
     Setting("agent.reconnect_max", "float", 30.0,

@@ -162,8 +162,9 @@ class Mirror:
 class Agent:
     def __init__(self, tmp, controllers: list[str], node_id: str, key_text: str | None, labels=None,
                  nvidia_smi_capture: str | None = None, nvml_capture: str | None = None, plaintext=False,
-                 engines=(), env=None, **settings):
-        """ENGINES: its engine catalogue (`[[engines]]`); ENV: variables its environment has besides ours."""
+                 engines=(), env=None, fabrics=(), **settings):
+        """ENGINES: its engine catalogue (`[[engines]]`); FABRICS: its `[[fabrics]]`; ENV: variables its
+        environment has besides ours."""
         self.node_id = node_id
         folder = tmp / f"agent-{node_id}"
         folder.mkdir(exist_ok=True)
@@ -187,7 +188,7 @@ class Agent:
         if nvml_capture:
             env["LLMGW_FAKE_NVML"] = os.path.join(ROOT, "tests", "fixtures", nvml_capture)
             env["PYTHONPATH"] = os.path.join(ROOT, "tests", "fakenvml")
-        self.config = write_config(folder / "agent.toml", values, engines=engines)
+        self.config = write_config(folder / "agent.toml", values, engines=engines, fabrics=fabrics)
         self.env = env
         self.folder = folder
         self.log_path = folder / "agent.log"

@@ -234,12 +234,12 @@ def starter_engine(tmp_path_factory):
         yield url
 
 
-def write_config(path, settings: dict, endpoints=(), models=(), engines=()) -> str:
-    """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]] and [[engines]] tables."""
+def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabrics=()) -> str:
+    """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]], [[engines]] and [[fabrics]] tables."""
     from llmgw.settings import to_toml
 
     with open(path, "w") as f:
-        f.write(to_toml(settings, list(endpoints), list(models), list(engines)))
+        f.write(to_toml(settings, list(endpoints), list(models), list(engines), list(fabrics)))
     return str(path)
 
 

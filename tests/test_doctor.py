@@ -117,10 +117,10 @@ def test_infiniband_ports_down_or_counting_errors_are_warned(tmp_path):
     root = tree(tmp_path, ib_ports=[("mlx5_0", 1, "1: DOWN", "3: Disabled", {}),
                                     ("mlx5_1", 1, "4: ACTIVE", "5: LinkUp", {"symbol_error": 12, "link_downed": 1,
                                                                               "port_xmit_data": 10 ** 9})])
-    found = findings_of({"infiniband": ibports.read_ports(root), "memlock": {"soft": None}})
+    found = findings_of({"infiniband": ibports.read_ports(root + "/sys/class/infiniband"), "memlock": {"soft": None}})
     assert (WARN, "fabric", "mlx5_0/1 (InfiniBand) is DOWN (Disabled)") in found
     assert (WARN, "fabric", "mlx5_1/1 counts errors: link_downed=1, symbol_error=12") in found
-    limited = findings_of({"infiniband": ibports.read_ports(root), "memlock": {"soft": 8 << 20}})
+    limited = findings_of({"infiniband": ibports.read_ports(root + "/sys/class/infiniband"), "memlock": {"soft": 8 << 20}})
     assert any("memlock limit is 8192 KiB" in message for _, _, message in limited)
 
 

@@ -50,7 +50,7 @@ def ib_port(root, hca, port=1, state="4: ACTIVE", phys="5: LinkUp", rate="400 Gb
 def test_a_ports_state_rate_guids_and_counters_are_read(tmp_path):
     ib_port(tmp_path, "mlx5_0", counters={"symbol_error": 3, "link_downed": 1, "port_xmit_data": 1000})
     ib_port(tmp_path, "mlx5_1", state="1: DOWN", phys="3: Disabled", rate="10 Gb/sec (4X SDR)", numa="-1")
-    first, second = ibports.read_ports(str(tmp_path))
+    first, second = ibports.read_ports(str(tmp_path / "sys/class/infiniband"))
     assert first["hca"] == "mlx5_0" and first["port"] == 1
     assert first["state"] == "ACTIVE" and first["phys_state"] == "LinkUp" and first["rate_gbps"] == 400.0
     assert first["node_guid"] == "0x0c42a1030045bd6c" and first["port_guid"] == "0x0c42a1030045bd6c"
@@ -74,7 +74,7 @@ def test_roce_finds_its_routable_gid_and_network(tmp_path):
             types=("IB/RoCE v1", "RoCE v2", "IB/RoCE v1", "RoCE v2"), ndevs=("ens1f0np0",) * 4)
     ib_port(tmp_path, "mlx5_0")
     prefixes = {"ens1f0np0": 24}
-    by_hca = {p["hca"]: p for p in ibports.read_ports(str(tmp_path), netmask_of=prefixes.get)}
+    by_hca = {p["hca"]: p for p in ibports.read_ports(str(tmp_path / "sys/class/infiniband"), netmask_of=prefixes.get)}
     assert by_hca["mlx5_2"]["roce_gid_index"] == 3
     assert by_hca["mlx5_2"]["network"] == "10.0.0.0/24"
     assert fabrics.port_identity(by_hca["mlx5_2"]) == "roce:10.0.0.0/24"
@@ -225,4 +225,93 @@ def test_the_topology_and_domains_are_put_on_the_gpus():
     gputopology.apply(gpus, topo, gputopology.parse_gpu_fabric(fixture("nvidia-smi-q-gb200.txt")))
     assert gpus[0]["nvlink"]["1"] == 18 and gpus[0]["nic_paths"]["mlx5_0"] == "PIX" and gpus[0]["numa_node"] == 0
     assert gpus[0]["nvlink_domain"] == "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/32766"
-    assert "nvlink_domain" not in gpus[1] and gpus[1]["nvlink_fabric"]["state"] == "In Progress"
+    assert gpus[1]["nvlink_domain"] == "" and gpus[1]["nvlink_fabric"]["state"] == "In Progress"
+
+
+FAKE_DIAGS = os.path.join(ROOT, "tests", "fake-infiniband-diags")
+
+
+class QuietSupervisor:
+    """What a reporter asks of its supervisor, for a node running nothing."""
+
+    def describe(self):
+        return []
+
+    def loads(self):
+        return []
+
+    def weights(self, most=0):
+        return {"bytes": 0, "entries": 0, "fetched_bytes": 0}
+
+
+@pytest.fixture
+def diags(monkeypatch):
+    """infiniband-diags' sminfo and saquery, replaying the fixtures, first on the PATH."""
+    monkeypatch.setenv("PATH", FAKE_DIAGS + os.pathsep + os.environ["PATH"])
+    monkeypatch.setenv("LLMGW_FAKE_SMINFO", os.path.join(FIXTURES, "sminfo-master.txt"))
+    monkeypatch.setenv("LLMGW_FAKE_SMIR", os.path.join(FIXTURES, "saquery-smir.txt"))
+
+
+def test_a_port_going_down_is_told_to_the_controller_once(tmp_path, diags):
+    from llmgw.node.reporter import Reporter
+
+    ib_port(tmp_path, "mlx5_0")
+    ib_port(tmp_path, "mlx5_1", node_guid="0c42:a103:0045:bd6d", gids=("fe80:0000:0000:0000:0c42:a103:0045:bd6d",))
+    config = tmp_path / "agent.toml"
+    config.write_text(settings.to_toml({"agent.infiniband_dir": str(tmp_path / "sys/class/infiniband"),
+                                        "agent.weights_dir": str(tmp_path / "weights"), "agent.nvidia_smi": "/bin/false"},
+                                       fabrics=[{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"]}]))
+    reporter = Reporter("n1", settings.load(str(config)), QuietSupervisor(), "127.0.0.1")
+    registered = reporter.register()
+    [ib_a] = registered["fabrics"]
+    assert ib_a["physical"] == "sm:0x248a0703005a0012" and ib_a["adapters"] == ["mlx5_0", "mlx5_1"]
+    assert registered["fabric_problems"] == [] and len(registered["ib_ports"]) == 2
+    quiet = reporter.heartbeat()
+    assert "fabrics" not in quiet and "fabrics_changed" not in quiet and "ib_ports" not in quiet
+    # A cable pulled on one adapter: the fabric stays, on the other; pulled on both, it is withdrawn, once.
+    (tmp_path / "sys/class/infiniband/mlx5_0/ports/1/state").write_text("1: DOWN\n")
+    one_down = reporter.heartbeat()
+    assert one_down["fabrics_changed"] and one_down["fabrics"][0]["adapters"] == ["mlx5_1"]
+    assert one_down["ib_ports"][0]["state"] == "DOWN"
+    (tmp_path / "sys/class/infiniband/mlx5_1/ports/1/state").write_text("1: DOWN\n")
+    gone = reporter.heartbeat()
+    assert gone["fabrics_changed"] and gone["fabrics"] == []
+    assert "no port of mlx5_0, mlx5_1 is active" in gone["fabric_problems"][0]
+    after = reporter.heartbeat()
+    assert "fabrics" not in after and "fabrics_changed" not in after
+
+
+def test_a_node_says_its_fabrics_and_gpu_topology_to_the_controller(tmp_path):
+    from llmgw.procs import wait_for
+    from tests.cluster import Agent, Controller
+
+    ib_port(tmp_path, "mlx5_0")
+    ib_port(tmp_path, "mlx5_1", node_guid="0c42:a103:0045:bd6d", gids=("fe80:0000:0000:0000:0c42:a103:0045:bd6d",),
+            rate="200 Gb/sec (4X HDR)")
+    ctl = Controller(tmp_path)
+    agent = None
+    try:
+        agent = Agent(tmp_path, [f"127.0.0.1:{ctl.agent_port}"], "gpu-01", ctl.issue_key("gpu-01"),
+                      nvidia_smi_capture="nvidia-smi-8xh100.csv",
+                      env={"PATH": FAKE_DIAGS + os.pathsep + os.environ["PATH"],
+                           "LLMGW_FAKE_SMINFO": os.path.join(FIXTURES, "sminfo-master.txt"),
+                           "LLMGW_FAKE_SMIR": os.path.join(FIXTURES, "saquery-smir.txt"),
+                           "LLMGW_FAKE_TOPO": os.path.join(FIXTURES, "nvidia-smi-topo-8xh100.txt"),
+                           "LLMGW_FAKE_Q": os.path.join(FIXTURES, "nvidia-smi-q-hgx-h100.txt")},
+                      fabrics=[{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"], "rate_gbps": 400.0}],
+                      agent__infiniband_dir=str(tmp_path / "sys/class/infiniband"))
+        wait_for("the node registers", 60, lambda: "gpu-01" in ctl.nodes())
+        node = ctl.nodes()["gpu-01"]
+        [ib_a] = node["facts"]["fabrics"]
+        assert ib_a["name"] == "ib-a" and ib_a["physical"] == "sm:0x248a0703005a0012"
+        assert "mlx5_1/1 at 200 Gb/s of 400" in ib_a["degraded"]
+        gpu0 = node["facts"]["gpus"][0]
+        assert gpu0["nvlink"]["7"] == 18 and gpu0["nic_paths"] == {"mlx5_0": "PIX", "mlx5_1": "SYS"}
+        assert gpu0["numa_node"] == 0 and gpu0["nvlink_domain"] == ""  # an HGX's own NVSwitch: no domain
+        for hca in ("mlx5_0", "mlx5_1"):
+            (tmp_path / f"sys/class/infiniband/{hca}/ports/1/state").write_text("1: DOWN\n")
+        wait_for("the fabric to be withdrawn", 60, lambda: ctl.nodes()["gpu-01"]["status"].get("fabrics") == [])
+    finally:
+        if agent is not None:
+            agent.stop()
+        ctl.stop()

@@ -45,6 +45,12 @@ class Gpu:
     memory_used_bytes: int | None
     utilization_percent: float | None
     health: str | None
+    # Topology (llmgw/node/gputopology.py): NVLink links to each peer, distance (PIX..SYS) to each fabric
+    # adapter, NUMA node, and the multi-node NVLink domain the card has joined ("" or None: none).
+    nvlink: dict[int, int] = dataclasses.field(default_factory=dict)
+    nic_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    numa_node: int | None = None
+    nvlink_domain: str | None = None
 
     @property
     def healthy(self) -> bool:
@@ -107,6 +113,17 @@ class NodeFacts:
         return self.status.get("load", {}).get("cpu_percent")
 
     @property
+    def fabrics(self) -> list[dict]:
+        """The fabrics the node may run a multi-node replica's collectives on, as it last said (each
+        `name`, `physical`, `adapters`, `rate_gbps`, and `degraded` where a port trained down); none for a
+        node that declares none or whose ports are all down."""
+        return self.status.get("fabrics", self.registration.get("fabrics")) or []
+
+    @property
+    def ib_ports(self) -> list[dict]:
+        return self.status.get("ib_ports", self.registration.get("ib_ports")) or []
+
+    @property
     def shard_loads(self) -> list[dict] | None:
         """Per engine, as the agent measured it (`load.shards`)."""
         return self.status.get("load", {}).get("shards")
@@ -126,9 +143,12 @@ def _merge_gpus(before: list, reported: list) -> list:
 
 
 def _gpu(index: int, g: dict) -> Gpu:
+    nvlink = {int(peer): links for peer, links in (g.get("nvlink") or {}).items() if peer.isdigit()}
     return Gpu(index=index, gpu_class=g.get("class"), name=g.get("name"),
                memory_total_bytes=g.get("memory_total_bytes"), memory_used_bytes=g.get("memory_used_bytes"),
-               utilization_percent=g.get("utilization_percent"), health=g.get("health"))
+               utilization_percent=g.get("utilization_percent"), health=g.get("health"), nvlink=nvlink,
+               nic_paths=dict(g.get("nic_paths") or {}), numa_node=g.get("numa_node"),
+               nvlink_domain=g.get("nvlink_domain") or None)
 
 
 def node_gpus(registration: dict, status: dict) -> tuple[Gpu, ...] | None:

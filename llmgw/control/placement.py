@@ -9,7 +9,8 @@ selects on, has enough GPUs of the profile's class free (indices not held by
 another replica, and healthy in the node's latest report: a card that fails
 after registration is not offered), and enough memory not already claimed by replicas placed
 there: a claim counts from the moment of placement, so two models are never
-given the same memory between two heartbeats. Profiles are tried by priority;
+given the same memory between two heartbeats. Of the free cards, the set joined best by NVLink is
+given (llmgw/control/gpusets.py). Profiles are tried by priority;
 among candidates, the node with the fewest replicas of this model wins (spread),
 then the one with the most unclaimed memory.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmgw.control import gpusets
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.fleet import READY, NodeView
 
@@ -92,7 +94,7 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
             unwell = "".join(f"; GPU {g.index}'s health is not known" if g.health is None
                              else f"; GPU {g.index} is unhealthy ({g.health})" for g in fitting if not g.healthy)
             return f"needs {wanted}, {len(free)} free of {len(fitting)}{unwell}", ()
-        gpus = tuple(sorted(free)[:profile.gpus])
+        gpus = gpusets.choose([g for g in fitting if g.index in free], profile.gpus)
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
     if model.size_bytes and not profile.source and model.source.startswith(("http://", "https://")):
@@ -178,6 +180,14 @@ def place(model: Model, nodes: list[NodeView], claims: list[Claim]) -> tuple[Dec
     return None, reasons
 
 
+def _fits(node: NodeView, gpus: tuple[int, ...]) -> str:
+    if not gpus:
+        return "fits"
+    pairs = gpusets.nvlink_pairs(list(node.facts.gpus or ()), gpus)
+    joined = f"; {pairs} NVLink pair{'s' if pairs != 1 else ''} among them" if pairs else ""
+    return f"fits (GPUs {', '.join(map(str, gpus))}{joined})"
+
+
 def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[dict]:
     """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason."""
     rows = []
@@ -186,5 +196,5 @@ def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[di
         for node in nodes:
             reason, gpus = _refusal(node, profile, held.get(node.node_id, []), model)
             rows.append({"node": node.node_id, "profile": profile.name, "fits": reason is None,
-                         "reason": reason or (f"fits (GPUs {', '.join(map(str, gpus))})" if gpus else "fits")})
+                         "reason": reason or _fits(node, gpus)})
     return rows

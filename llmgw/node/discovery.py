@@ -20,7 +20,7 @@ import subprocess
 VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 
-NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,compute_cap,utilization.gpu,uuid,driver_version"
+NVIDIA_SMI_QUERY = "index,name,memory.total,memory.used,compute_cap,utilization.gpu,uuid,driver_version,pci.bus_id"
 
 
 def cpu_facts(cpuinfo: str = "/proc/cpuinfo") -> dict:
@@ -149,6 +149,8 @@ def parse_nvidia_smi(output: str) -> list[dict]:
         gpu["class"] = gpu_class(cells[1], int(total) if total is not None else None)
         if len(cells) > 7 and cells[7] and not cells[7].startswith("["):
             gpu["driver_version"] = cells[7]  # whether vLLM's CUDA 13 build can run (llmgw/node/enginegates.py)
+        if len(cells) > 8 and re.fullmatch(r"[0-9A-Fa-f:.]+", cells[8]):
+            gpu["pci_bus"] = cells[8].lower()  # what `nvidia-smi -q` names the card by (llmgw/node/gputopology.py)
         gpus.append(gpu)
     return gpus
 
@@ -171,6 +173,11 @@ def _nvml_gpus() -> list[dict]:
                    "class": gpu_class(name, memory.total // (1024 * 1024)), "driver_version": driver}
             uuid = pynvml.nvmlDeviceGetUUID(handle)
             gpu["uuid"] = uuid.decode() if isinstance(uuid, bytes) else uuid
+            try:
+                bus = pynvml.nvmlDeviceGetPciInfo(handle).busId
+                gpu["pci_bus"] = (bus.decode() if isinstance(bus, bytes) else bus).lower()
+            except (pynvml.NVMLError, AttributeError):
+                pass  # not known: the card's NVLink domain is then not matched to it
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
             gpu["compute_capability"] = f"{major}.{minor}"
             try:

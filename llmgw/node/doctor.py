@@ -79,7 +79,7 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
     facts["pci_nvidia"] = pci_nvidia(root)
     if len(facts["gpu"].get("gpus") or []) > 1:
         facts["nvlink"] = gputopology.read_topo(nvidia_smi)
-    facts["infiniband"] = ibports.read_ports(root)
+    facts["infiniband"] = ibports.read_ports(os.path.join(root, "sys/class/infiniband"))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     facts["memlock"] = {"soft": None if soft == resource.RLIM_INFINITY else soft,
                         "hard": None if hard == resource.RLIM_INFINITY else hard}

@@ -14,7 +14,7 @@ declared or below its fastest adapter: a cable that trained down.
 
 from __future__ import annotations
 
-from llmgw.node import ibports
+from llmgw.node import ibports, subnetmanagers
 
 
 def port_identity(port: dict) -> str:
@@ -78,3 +78,23 @@ def _degraded(fabric: dict, up: list[dict], slowest: float) -> str:
     return ", ".join(f"{p['hca']}/{p['port']} at {p.get('rate_gbps') or 0:g} Gb/s" for p in slow) + \
         f" of {want:g}: a cable or port trained down"
 
+
+
+class Finder:
+    """What a node says of its fabrics (the register and heartbeat fields `ib_ports`, `fabrics`,
+    `fabric_problems`), read again each time it is asked: every heartbeat. DECLARED: the agent's
+    `[[fabrics]]`; FOLDER: sysfs's InfiniBand class; WATCH: the subnet managers' (asked once a minute)."""
+
+    def __init__(self, declared: list[dict], folder: str = ibports.SYSFS, watch=None, netmask_of=None):
+        self.declared = declared
+        self.folder = folder
+        self.watch = watch or subnetmanagers.Watch()
+        self.netmask_of = netmask_of
+
+    def read(self) -> dict:
+        ports = ibports.read_ports(self.folder, self.netmask_of)
+        self.watch.look(ports)
+        facts: dict = {"ib_ports": ports}
+        if self.declared:
+            facts["fabrics"], facts["fabric_problems"] = check(self.declared, ports)
+        return facts

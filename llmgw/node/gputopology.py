@@ -20,9 +20,9 @@ import re
 import shutil
 import subprocess
 
-# Nearest first: one PCIe bridge, several, the host bridge, across host bridges in a NUMA node, across
-# NUMA nodes. What a GPU's traffic to an adapter crosses, as NCCL ranks it.
-PATH_RANK = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
+# What a GPU's traffic to an adapter crosses, nearest first: one PCIe bridge, several, the host bridge,
+# host bridges within a NUMA node, NUMA nodes (placement ranks them: llmgw/control/gpusets.py).
+PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NVLINK = re.compile(r"NV(\d+)$")
 _LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
@@ -70,7 +70,7 @@ def _row(header: list[str], cells: list[str], legend: dict[str, str]) -> dict:
                 row["numa"] = int(value)
         elif name in ("CPU Affinity", "GPU NUMA ID"):
             continue
-        elif value.upper() in PATH_RANK:
+        elif value.upper() in PATHS:
             row["nics"][legend.get(name, name)] = value.upper()
     return row
 
@@ -181,6 +181,6 @@ def apply(gpus: list[dict], topo: dict, fabric: dict[str, dict]) -> None:
         card = fabric.get((gpu.get("pci_bus") or "").lower())
         if card:
             gpu["nvlink_fabric"] = card
-            joined = domain(card)
-            if joined:
-                gpu["nvlink_domain"] = joined
+        # Said even when empty: a card that leaves its domain (a fabric manager restart drops every card)
+        # must replace what the controller holds, which a missing field would not.
+        gpu["nvlink_domain"] = domain(card) if card else ""

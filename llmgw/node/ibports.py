@@ -51,18 +51,22 @@ def _word(text: str | None) -> str:
     return (text or "").split(":")[-1].strip()
 
 
-def read_ports(root: str = "/", netmask_of=None) -> list[dict]:
-    """Every port under ROOT's sysfs, sorted by adapter and port. NETMASK_OF(interface) -> prefix length
-    or None: how a RoCE port's network is found (this machine's own interfaces by default)."""
+SYSFS = "/sys/class/infiniband"
+
+
+def read_ports(folder: str = SYSFS, netmask_of=None) -> list[dict]:
+    """Every port of every adapter in FOLDER (sysfs's InfiniBand class), sorted by adapter and port.
+    NETMASK_OF(interface) -> prefix length or None: how a RoCE port's network is found (this machine's
+    own interfaces by default)."""
     netmask_of = netmask_of or prefix_length
     ports = []
-    for folder in sorted(glob.glob(os.path.join(root, "sys/class/infiniband/*/ports/*"))):
-        hca_dir = os.path.dirname(os.path.dirname(folder))
+    for port_dir in sorted(glob.glob(os.path.join(folder, "*/ports/*"))):
+        hca_dir = os.path.dirname(os.path.dirname(port_dir))
         try:
-            number = int(os.path.basename(folder))
+            number = int(os.path.basename(port_dir))
         except ValueError:
             continue
-        ports.append(_port(hca_dir, folder, number, netmask_of))
+        ports.append(_port(hca_dir, port_dir, number, netmask_of))
     return ports
 
 

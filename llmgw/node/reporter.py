@@ -2,17 +2,25 @@
 
 A heartbeat carries only what changed since the last one sent, so a quiet node
 sends little; a registration (to another controller, or the same one again)
-forgets what was sent, so the next heartbeat is whole.
+forgets what was sent, so the next heartbeat is whole. Fabric ports are read
+again for every heartbeat (a cable pulled after registration must take the node
+off its fabric); when the usable fabrics change, the heartbeat says so once
+(`fabrics_changed`). A GPU's multi-node NVLink domain and IMEX are asked once a
+minute (a fabric manager's restart drops every card from its domain).
 """
 
 from __future__ import annotations
 
 import socket
+import time
 
 from llmgw import __version__, engines, settings
-from llmgw.node import discovery, doctor
+from llmgw.node import discovery, doctor, fabrics, gputopology
 from llmgw.node.installer import Installer
 from llmgw.node.supervisor import Supervisor
+
+ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems")
+GPU_FABRIC_EVERY = 60.0  # seconds between asking nvidia-smi -q and IMEX (a MAD-free but slow query)
 
 
 class Reporter:
@@ -33,6 +41,9 @@ class Reporter:
         self.has_gpus = False
         self.named: dict = {}
         self.probed: dict = {}  # what `register` found, besides the catalogue's installs
+        self.fabrics = fabrics.Finder(cfg.fabrics, cfg["agent.infiniband_dir"])
+        self.gpu_fabric: dict = {}  # nvidia-smi -q's fabric section of each card, by PCI bus
+        self.gpu_fabric_at: float | None = None
 
     def register(self) -> dict:
         facts = dict(node_id=self.node_id, agent_version=__version__, hostname=socket.gethostname(),
@@ -40,6 +51,13 @@ class Reporter:
                      cpu=discovery.cpu_facts(), memory=discovery.memory_facts(),
                      disk=discovery.disk_facts(self.cfg["agent.weights_dir"]))
         facts.update(discovery.gpu_facts(self.cfg["agent.nvidia_smi"]))
+        if facts.get("gpus"):
+            self.gpu_fabric_at = time.monotonic()
+            self.gpu_fabric = gputopology.read_gpu_fabric(self.cfg["agent.nvidia_smi"])
+            gputopology.apply(facts["gpus"], gputopology.read_topo(self.cfg["agent.nvidia_smi"]), self.gpu_fabric)
+            facts["imex"] = gputopology.imex()
+        fabric_facts = self.fabrics.read()
+        facts.update(fabric_facts)
         self.named = engines.named(self.cfg)
         self.probed = engines.installed(self.named)
         facts.update(engines=self.engines(), engines_probed=True, shards=self.supervisor.describe())
@@ -48,7 +66,7 @@ class Reporter:
         facts["doctor"] = self.checkup(facts)
         facts["weights"] = self.weights_use()
         self.has_gpus = bool(facts.get("gpus"))
-        self.sent = {}
+        self.sent = dict(fabric_facts)  # said in the registration: a heartbeat repeats them only once changed
         return facts
 
     def engines(self) -> dict[str, str]:
@@ -70,18 +88,34 @@ class Reporter:
                             "shards": self.supervisor.loads()}, "weights": self.weights_use()}
         if self.installer is not None:
             current.update(installs=self.installer.report(), engines=self.engines())
+        current.update(self.fabrics.read())
         if self.has_gpus:
-            # GPU memory in use catches a process outside llmgw taking a card.
-            keep = ("index", "memory_used_bytes", "utilization_percent", "health")
-            gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
-            if gpus is not None:
-                current["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
-        # An empty `installs` is an answer (a failed install forgotten, so placement may ask again), not unknown.
-        changed = {k: v for k, v in current.items() if (v or k == "installs") and self.sent.get(k) != v}
+            current.update(self._gpus())
+        # An empty `installs` is an answer (a failed install forgotten, so placement may ask again), not unknown;
+        # so is an empty list of fabrics (the last one withdrawn) or of their problems (all mended).
+        changed: dict = {k: v for k, v in current.items()
+                         if (v or k in ANSWERS_WHEN_EMPTY) and self.sent.get(k) != v}
         self.sent.update(changed)
         if "engines" in changed:
             changed["engines_changed"] = True
+        if "fabrics" in changed:
+            changed["fabrics_changed"] = True
         return changed
+
+    def _gpus(self) -> dict:
+        """The heartbeat's `gpus` (and `imex`, once a minute): what changes on a card."""
+        out: dict = {}
+        # GPU memory in use catches a process outside llmgw taking a card.
+        keep = ("index", "memory_used_bytes", "utilization_percent", "health", "nvlink_domain")
+        gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
+        if self.gpu_fabric_at is None or time.monotonic() - self.gpu_fabric_at >= GPU_FABRIC_EVERY:
+            self.gpu_fabric_at = time.monotonic()
+            self.gpu_fabric = gputopology.read_gpu_fabric(self.cfg["agent.nvidia_smi"])
+            out["imex"] = gputopology.imex()
+        if gpus is not None:
+            gputopology.apply(gpus, {}, self.gpu_fabric)
+            out["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
+        return out
 
     def weights_use(self) -> dict:
         """How much the weights directory holds, and how much of it llmgw fetched: the cluster page's figure.

@@ -39,8 +39,32 @@ DISK = Obj({"path": (Str(4096), False), "total_bytes": (BYTES, False), "free_byt
 GPU = Obj({"index": (Int(0, 1023), False), "name": (Str(256), False), "class": (Str(64), False),
            "uuid": (Str(128), False), "memory_total_bytes": (BYTES, False), "memory_used_bytes": (BYTES, False),
            "compute_capability": (Str(16), False), "utilization_percent": (PERCENT, False),
-           "health": (Str(64), False), "driver_version": (Str(64), False)})
+           "health": (Str(64), False), "driver_version": (Str(64), False),
+           # Topology (llmgw/node/gputopology.py): NVLink peers by index, distance to each adapter, NUMA node,
+           # and a multi-node NVLink domain's membership.
+           "pci_bus": (Str(32), False), "nvlink": (MapOf(Str(8), Int(0, 1024), 1024), False),
+           "nic_paths": (MapOf(NAME, Str(8), 64), False), "numa_node": (Int(0, 4096), False),
+           "nvlink_domain": (Str(200), False),
+           "nvlink_fabric": (Obj({k: (Str(100), False) for k in
+                                  ("state", "status", "cluster_uuid", "clique_id", "bandwidth")}), False)})
 GPUS = ListOf(GPU, 1024)
+GUID = Str(24)
+SUBNET_MANAGER = Obj({"guid": (GUID, False), "lid": (Int(0, 65535), False), "priority": (Int(0, 15), False),
+                      "state": (Str(32), False)})
+IB_PORT = Obj({"hca": (NAME, True), "port": (Int(0, 255), True), "state": (Str(32), False),
+               "phys_state": (Str(32), False), "link_layer": (Str(32), False), "rate_gbps": (Num(0, 1e6), False),
+               "counters": (MapOf(NAME, BYTES, 64), False), "node_guid": (GUID, False), "port_guid": (GUID, False),
+               "lid": (Int(0, 65535), False), "sm_lid": (Int(0, 65535), False), "numa_node": (Int(0, 4096), False),
+               "firmware": (Str(64), False), "roce_gid_index": (Int(0, 255), False), "network": (Str(64), False),
+               "sm": (SUBNET_MANAGER, False), "subnet_managers": (ListOf(SUBNET_MANAGER, 64), False),
+               "fabric_id": (Str(64), False), "sm_error": (TEXT, False)})
+FABRIC = Obj({"name": (Str(64), True), "physical": (Str(80), False), "adapters": (ListOf(NAME, 64), False),
+              "link_layer": (Str(32), False), "rate_gbps": (Num(0, 1e6), False), "degraded": (TEXT, False)})
+IMEX = Obj({"state": (Str(32), False), "channels": (Int(0, 1 << 20), False)})
+# What a node says of its fabrics: its ports, the declared fabrics found usable, and why the others are not.
+FABRIC_FACTS: dict[str, tuple[object, bool]] = {
+    "ib_ports": (ListOf(IB_PORT, 256), False), "fabrics": (ListOf(FABRIC, 64), False),
+    "fabric_problems": (ListOf(TEXT, 64), False), "imex": (IMEX, False)}
 SHARD_LOAD = Obj({"shard_id": (NAME, False), "memory_rss_bytes": (BYTES, False), "cpu_cores": (FIGURE, False),
                   "waiting": (FIGURE, False), "running": (FIGURE, False), "kv_cache": (FIGURE, False)})
 LOAD = Obj({"load1": (FIGURE, False), "load5": (FIGURE, False), "load15": (FIGURE, False),
@@ -80,11 +104,13 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
         "engines": (ENGINES, False), "engines_probed": ("bool", False), "shards": (ListOf(Obj(SHARD), 1024), False),
         "doctor": (DOCTOR, False), "weights": (WEIGHTS, False),
         "installable": (MapOf(NAME, VERSION_TEXT, 64), False), "installs": (INSTALLS, False),
+        **FABRIC_FACTS,
     },
     "heartbeat": {
         "node_id": ("str", True), "seq": ("int", True), "memory": (MEMORY, False), "load": (LOAD, False),
         "disk": (DISK, False), "gpus": (GPUS, False), "engines": (ENGINES, False),
         "engines_changed": ("bool", False), "weights": (WEIGHTS, False), "installs": (INSTALLS, False),
+        **FABRIC_FACTS, "fabrics_changed": ("bool", False),
     },
     "shard_status": {"node_id": ("str", True), **SHARD},
     "ack": {"node_id": ("str", True), "request_id": ("str", True), "ok": ("bool", True), "error": ("str", False)},
