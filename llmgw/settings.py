@@ -861,7 +861,8 @@ def reference_markdown() -> str:
         "| `scaling` | table | `min` and `max` replicas (default 1 and 1; `min = 0` runs it on demand), "
         "`idle_timeout` (such as `\"30m\"`) after which an on-demand model stops; 15 minutes by default. |",
         "| `profiles` | array of tables | Ways to run it, tried by `priority` (higher first): `engine` "
-        "(`llamacpp`, `vllm`, `sglang`, `sim`), `gpu_class` (such as `h100-80g`), `gpus`, `min_memory_gb`, "
+        "(`llamacpp`, `vllm`, `sglang`, `sim`), `gpu_class` (such as `h100-80g`), `gpus` (on each node), `nodes` "
+        "(how many nodes one replica spans, sharing a fabric; vLLM only; default 1), `min_memory_gb`, "
         "`node_selector` (labels), `args`, `env`, `weight` (traffic share), `name`. |",
         "| `size_bytes` | int | Size of a URL source, so nodes without the disk for it are skipped; "
         "`llmgw ctl model add` fills it from the server. |",

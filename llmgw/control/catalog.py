@@ -44,7 +44,8 @@ class Profile:
     name: str
     engine: str
     gpu_class: str | None = None  # None: any, including no GPU
-    gpus: int = 0
+    gpus: int = 0  # on each node
+    nodes: int = 1  # more than one: one engine a node, over nodes sharing a fabric (llmgw/control/multinode.py)
     min_memory_gb: float = 0.0
     node_selector: tuple[tuple[str, str], ...] = ()
     args: tuple[str, ...] = ()
@@ -91,11 +92,14 @@ class Model:
     def fingerprint(self, profile: Profile) -> str:
         """What a running engine was started from; a change means its replicas run a stale profile."""
         fields = {k: v for k, v in dataclasses.asdict(profile).items() if k not in _SUPERVISION}
+        if fields["nodes"] == 1:
+            del fields["nodes"]  # as before `nodes` existed: an upgrade marks no running replica stale
         data = json.dumps([self.source, self.max_context, fields], sort_keys=True)
         return hashlib.sha256(data.encode()).hexdigest()[:12]
 
 
-_PROFILE_KEYS = {"name": str, "engine": str, "gpu_class": str, "gpus": int, "min_memory_gb": (int, float),
+MOST_NODES = 64
+_PROFILE_KEYS = {"name": str, "engine": str, "gpu_class": str, "gpus": int, "nodes": int, "min_memory_gb": (int, float),
                  "node_selector": dict, "args": list, "env": dict, "priority": int, "weight": (int, float),
                  "start_limit": (int, float), "source": str}
 
@@ -130,6 +134,11 @@ def _parse_profile(raw, i: int, where: str) -> Profile:
         raise CatalogError(f"{label}: engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     if raw.get("gpus", 0) < 0:
         raise CatalogError(f"{label}: gpus cannot be negative")
+    if not 1 <= raw.get("nodes", 1) <= MOST_NODES:
+        raise CatalogError(f"{label}: nodes is how many nodes one replica spans, 1 to {MOST_NODES}, not {raw['nodes']}")
+    if raw.get("nodes", 1) > 1 and engine not in ("vllm", "sim"):
+        raise CatalogError(f"{label}: a replica over several nodes runs on vLLM (engine = \"vllm\"; the sim engine "
+                           f"too, for tests); {engine} serves from one node")
     # NaN or Infinity (the serve form's memory field takes any float) once reached the placer, whose
     # int() of it raised there.
     for key in ("min_memory_gb", "weight"):
@@ -143,7 +152,7 @@ def _parse_profile(raw, i: int, where: str) -> Profile:
                            "URL for a Hugging Face folder); leave it out to use the model's")
     return Profile(
         name=raw.get("name", f"{engine}-{i + 1}"), engine=engine, gpu_class=raw.get("gpu_class"),
-        gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), min_memory_gb=float(raw.get("min_memory_gb", 0)),
+        gpus=raw.get("gpus", 1 if raw.get("gpu_class") else 0), nodes=raw.get("nodes", 1), min_memory_gb=float(raw.get("min_memory_gb", 0)),
         node_selector=tuple(sorted((str(k), str(v)) for k, v in raw.get("node_selector", {}).items())),
         args=tuple(str(a) for a in raw.get("args", [])),
         env=tuple(sorted((str(k), str(v)) for k, v in raw.get("env", {}).items())),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmgw.control import gpusets
+from llmgw.control import gpusets, multinode
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.fleet import READY, NodeView
 
@@ -58,8 +58,10 @@ def _unclaimed(node: NodeView, held: list[Claim]) -> int | None:
     return None if total is None else total - sum(c.memory_bytes for c in held)
 
 
-def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) -> tuple[str | None, tuple[int, ...]]:
-    """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE, else (reason, ())."""
+def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model,
+             adapters: tuple[str, ...] = ()) -> tuple[str | None, tuple[int, ...]]:
+    """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE (of a multi-node one: a shard,
+    its cards near ADAPTERS), else (reason, ())."""
     if node.state != READY:
         return f"node is {node.state}", ()
     facts = node.facts
@@ -94,7 +96,7 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model) 
             unwell = "".join(f"; GPU {g.index}'s health is not known" if g.health is None
                              else f"; GPU {g.index} is unhealthy ({g.health})" for g in fitting if not g.healthy)
             return f"needs {wanted}, {len(free)} free of {len(fitting)}{unwell}", ()
-        gpus = gpusets.choose([g for g in fitting if g.index in free], profile.gpus)
+        gpus = gpusets.choose([g for g in fitting if g.index in free], profile.gpus, adapters)
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
     if model.size_bytes and not profile.source and model.source.startswith(("http://", "https://")):
@@ -160,24 +162,50 @@ def place(model: Model, nodes: list[NodeView], claims: list[Claim]) -> tuple[Dec
     reasons: dict[str, str] = {}
     held = _by_node(claims)
     for profile in model.profiles:
+        if profile.nodes > 1:
+            group, why = over_nodes(model, profile, nodes, held)
+            reasons.update({_label(model, profile, k): v for k, v in why.items()})
+            if group is not None:
+                where = ", ".join(r.node_id for r in group.ranks)
+                reasons[_label(model, profile, "(several nodes)")] = (
+                    f"it would run over {where} on {group.island.name}, but this version of llmgw does not start "
+                    "replicas over several nodes yet")
+            continue
         candidates = []
         for node in nodes:
             mine = held.get(node.node_id, [])
             reason, gpus = _refusal(node, profile, mine, model)
             if reason is None:
-                here = sum(1 for c in mine if c.model == model.name)
-                unclaimed = _unclaimed(node, mine)
-                # A node whose memory is not known ranks after every node with some unclaimed.
-                candidates.append((here, -unclaimed if unclaimed is not None else 0, node.node_id, gpus))
+                candidates.append((*_spread(model, node, mine), node.node_id, gpus))
             else:
-                label = node.node_id if len(model.profiles) == 1 else f"{node.node_id} ({profile.name})"
-                reasons[label] = reason
+                reasons[_label(model, profile, node.node_id)] = reason
         if candidates:
             _, _, node_id, gpus = min(candidates)
             return Decision(node_id, profile, gpus), reasons
     if not nodes:
         reasons["(none)"] = "no node has registered"
     return None, reasons
+
+
+def _label(model: Model, profile: Profile, where: str) -> str:
+    return where if len(model.profiles) == 1 else f"{where} ({profile.name})"
+
+
+def _spread(model: Model, node: NodeView, mine: list[Claim]) -> tuple[int, int]:
+    """How a node ranks for one more replica of MODEL, lowest first: fewest replicas of it there (spread), then
+    the most unclaimed memory (a node whose memory is not known after every node with some)."""
+    unclaimed = _unclaimed(node, mine)
+    return sum(1 for c in mine if c.model == model.name), -unclaimed if unclaimed is not None else 0
+
+
+def over_nodes(model: Model, profile: Profile, nodes: list[NodeView],
+               held: dict[str, list[Claim]]) -> tuple[multinode.GroupDecision | None, dict[str, str]]:
+    """The nodes for one more replica of MODEL with PROFILE over several nodes (llmgw/control/multinode.py)."""
+    by_id = {node.node_id: node for node in nodes}
+    return multinode.place(
+        model, profile, nodes,
+        fits=lambda node, adapters: _refusal(node, profile, held.get(node.node_id, []), model, adapters),
+        here=lambda node_id: _spread(model, by_id[node_id], held.get(node_id, [])))
 
 
 def _fits(node: NodeView, gpus: tuple[int, ...]) -> str:
@@ -193,8 +221,31 @@ def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[di
     rows = []
     held = _by_node(claims)
     for profile in model.profiles:
+        if profile.nodes > 1:
+            rows += _explain_over_nodes(model, profile, nodes, held)
+            continue
         for node in nodes:
             reason, gpus = _refusal(node, profile, held.get(node.node_id, []), model)
             rows.append({"node": node.node_id, "profile": profile.name, "fits": reason is None,
                          "reason": reason or _fits(node, gpus)})
+    return rows
+
+
+def _explain_over_nodes(model: Model, profile: Profile, nodes: list[NodeView],
+                        held: dict[str, list[Claim]]) -> list[dict]:
+    group, reasons = over_nodes(model, profile, nodes, held)
+    ranks = {r.node_id: (i, r) for i, r in enumerate(group.ranks)} if group else {}
+    island = group.island.name if group else ""
+    rows = []
+    for node in nodes:
+        if node.node_id in ranks:
+            i, rank = ranks[node.node_id]
+            on = f"rank {i} of {profile.nodes} on {island}" + (" (serves HTTP)" if i == 0 else "")
+            rows.append({"node": node.node_id, "profile": profile.name, "fits": True,
+                         "reason": f"{_fits(node, rank.gpus)}: {on}"})
+        else:
+            rows.append({"node": node.node_id, "profile": profile.name, "fits": False,
+                         "reason": reasons.get(node.node_id) or "another fabric's nodes were chosen"})
+    rows += [{"node": where, "profile": profile.name, "fits": False, "reason": why}
+             for where, why in reasons.items() if where not in {n.node_id for n in nodes}]
     return rows

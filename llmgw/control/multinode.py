@@ -1,0 +1,108 @@
+"""Where a replica bigger than one node can run: a set of nodes sharing one fabric, and, for every node
+and fabric left out, why.
+
+A profile with `nodes = N` runs one engine a node on N nodes (`gpus` is per node), and their collectives
+need a fabric all of them share. The nodes that could each take a shard (the same checks as a single-node
+replica: state, engine, labels, GPUs, memory; llmgw/control/placement.py) are grouped into islands:
+
+- a multi-node NVLink domain: nodes every one of whose cards has joined the same domain
+  (`nvl:<cluster>/<clique>`) and whose IMEX is up, preferred over any network;
+- else one physical fabric: the usable `[[fabrics]]` of each node with the same physical identity (the
+  lowest subnet manager GUID, or the RoCE network; llmgw/node/fabrics.py). A fabric whose identity the
+  node could not read yet is an island of its own name, kept apart from those whose identity is known.
+
+Never across islands; a node with no fabric serves single-node replicas only. Within an island the nodes
+with a degraded port (a cable that trained down) come last, then spread (fewest replicas of this model),
+then the most unclaimed memory. Of the islands that can take it, a domain beats a fabric, then the one
+whose chosen nodes have fewest degraded ports, then the fastest, then by name. Each node's cards are
+chosen nearest that node's adapters on the island (llmgw/control/gpusets.py). Which leaf switch a node
+hangs off is not known yet (it needs a scan of the fabric), so nodes under one leaf are not preferred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.fleet import NodeView
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """One shard of a multi-node replica: where it runs, on which cards, sending on which adapters."""
+    node_id: str
+    gpus: tuple[int, ...]
+    adapters: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Island:
+    """Nodes whose engines can run collectives together."""
+    key: str  # "nvl:<cluster>/<clique>", a fabric's physical identity, or "unverified:<name>"
+    name: str  # what an operator calls it: the fabric's declared name, or the domain
+    rate_gbps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDecision:
+    profile: Profile
+    island: Island
+    ranks: tuple[Rank, ...]  # rank 0 first: the leader, which serves HTTP
+
+
+def islands_of(node: NodeView) -> list[tuple[Island, tuple[str, ...], str]]:
+    """The islands NODE is on: (island, its adapters there, why it is degraded there or "")."""
+    out: list[tuple[Island, tuple[str, ...], str]] = []
+    gpus = node.facts.gpus or ()
+    domains = {g.nvlink_domain for g in gpus}
+    imex = (node.facts.registration.get("imex") or {}) | (node.facts.status.get("imex") or {})
+    if len(domains) == 1 and None not in domains and imex.get("state") == "active":
+        domain = domains.pop()
+        out.append((Island(f"nvl:{domain}", f"NVLink domain {domain}", 0.0), (), ""))
+    for fabric in node.facts.fabrics:
+        physical = fabric.get("physical") or f"unverified:{fabric['name']}"
+        out.append((Island(physical, fabric["name"], float(fabric.get("rate_gbps") or 0.0)),
+                    tuple(fabric.get("adapters") or ()), fabric.get("degraded") or ""))
+    return out
+
+
+def place(model: Model, profile: Profile, nodes: list[NodeView], fits,
+          here) -> tuple[GroupDecision | None, dict[str, str]]:
+    """PROFILE's nodes for one more replica of MODEL (PROFILE.nodes > 1), or None with the reasons.
+
+    FITS(node, adapters) -> (reason or None, gpus): whether NODE can take one shard, its cards chosen near
+    ADAPTERS (placement's per-node checks). HERE(node_id) -> (replicas of MODEL there, -unclaimed memory):
+    the spread order."""
+    reasons: dict[str, str] = {}
+    members: dict[str, list[tuple[str, Rank, str]]] = {}  # island key -> (node, its rank there, degraded)
+    named: dict[str, Island] = {}
+    for node in nodes:
+        islands = islands_of(node)
+        if not islands:
+            reason, _ = fits(node, ())
+            reasons[node.node_id] = reason or (f"it has no fabric: a replica over {profile.nodes} nodes runs only "
+                                               "on nodes sharing one (the agent's [[fabrics]]), and a node without "
+                                               "one serves single-node replicas")
+            continue
+        for island, adapters, degraded in islands:
+            reason, gpus = fits(node, adapters)
+            if reason is not None:
+                reasons[node.node_id] = reason
+                continue
+            named.setdefault(island.key, island)
+            members.setdefault(island.key, []).append((node.node_id, Rank(node.node_id, gpus, adapters), degraded))
+    choices = []
+    for key, fitting in members.items():
+        island = named[key]
+        if len(fitting) < profile.nodes:
+            reasons[f"{island.name} ({key})"] = (f"{len(fitting)} of its nodes can take a shard "
+                                                 f"({', '.join(n for n, _, _ in fitting)}), {profile.nodes} needed")
+            continue
+        fitting.sort(key=lambda member: (bool(member[2]), *here(member[0]), member[0]))
+        chosen = fitting[:profile.nodes]
+        slow = sum(1 for _, _, why in chosen if why)
+        choices.append(((not key.startswith("nvl:"), slow, -island.rate_gbps, island.name),
+                        GroupDecision(profile, island, tuple(rank for _, rank, _ in chosen))))
+    if not choices:
+        return None, reasons
+    return min(choices, key=lambda choice: choice[0])[1], reasons

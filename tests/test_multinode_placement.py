@@ -1,0 +1,151 @@
+"""Placing a replica over several nodes (llmgw/control/multinode.py): only nodes sharing one physical
+fabric or one multi-node NVLink domain, never across them, degraded nodes last; by example and by
+property."""
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.control import catalog, placement
+from llmgw.control.catalog import Model, Profile
+from llmgw.control.fleet import NodeView, node_facts
+
+A, B = "sm:0x00000000000000aa", "sm:0x00000000000000bb"
+DOMAIN = "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/32766"
+
+
+def node(node_id, fabrics=(), gpus=8, domain=None, imex=None, state="ready"):
+    cards = [{"index": i, "class": "h100-80g", "health": "ok", "nic_paths": {"mlx5_0": "PIX" if i < 4 else "SYS",
+                                                                              "mlx5_1": "SYS" if i < 4 else "PIX"},
+              **({"nvlink_domain": domain} if domain is not None else {})} for i in range(gpus)]
+    registration = {"gpus": cards, "engines": {"vllm": "0.32.0", "sim": "1"}, "engines_probed": True,
+                    "memory": {"total_bytes": 1 << 40}, "fabrics": list(fabrics),
+                    **({"imex": {"state": imex}} if imex else {})}
+    return NodeView(node_id, state, 0.0, 0.0, node_facts(registration, {}))
+
+
+def fabric(physical, name="ib-a", adapters=("mlx5_0", "mlx5_1"), rate=400.0, degraded=""):
+    return {"name": name, "physical": physical, "adapters": list(adapters), "rate_gbps": rate,
+            **({"degraded": degraded} if degraded else {})}
+
+
+def big(nodes=2, gpus=8):
+    return Model(name="big", source="/m", profiles=(Profile(name="tp8pp2", engine="vllm", gpus=gpus, nodes=nodes),))
+
+
+def over(model, nodes, claims=()):
+    profile = model.profiles[0]
+    return placement.over_nodes(model, profile, nodes, placement._by_node(list(claims)))
+
+
+def test_a_replica_goes_on_nodes_of_one_physical_fabric_never_two():
+    # c calls its fabric ib-a too, but its adapters see other subnet managers: it is another fabric.
+    nodes = [node("a", [fabric(A)]), node("b", [fabric(A)]), node("c", [fabric(B)]), node("d")]
+    group, reasons = over(big(), nodes)
+    assert [r.node_id for r in group.ranks] == ["a", "b"] and group.island.key == A
+    assert group.ranks[0].adapters == ("mlx5_0", "mlx5_1") and group.ranks[0].gpus == tuple(range(8))
+    assert "it has no fabric" in reasons["d"]
+    # Three nodes: no fabric has three, and each fabric says how many of its nodes could.
+    group, reasons = over(big(nodes=3), nodes)
+    assert group is None
+    assert reasons[f"ib-a ({A})"] == "2 of its nodes can take a shard (a, b), 3 needed"
+    assert reasons[f"ib-a ({B})"] == "1 of its nodes can take a shard (c), 3 needed"
+
+
+def test_a_shards_cards_are_near_its_adapters_and_held_cards_are_not_given():
+    nodes = [node("a", [fabric(A, adapters=("mlx5_1",))]), node("b", [fabric(A, adapters=("mlx5_0",))])]
+    group, _ = over(big(gpus=4), nodes)
+    by_node = {r.node_id: r.gpus for r in group.ranks}
+    assert by_node == {"a": (4, 5, 6, 7), "b": (0, 1, 2, 3)}
+    held = [placement.Claim("a", "other", 0, (4, 5, 6, 7))]
+    group, reasons = over(big(gpus=6), nodes, held)
+    assert group is None and reasons["a"].startswith("needs 6 x any GPU, 4 free of 8")
+
+
+def test_nodes_with_a_degraded_cable_come_last():
+    nodes = [node("a", [fabric(A, degraded="mlx5_1/1 at 200 Gb/s of 400")]), node("b", [fabric(A)]), node("c", [fabric(A)])]
+    group, _ = over(big(), nodes)
+    assert sorted(r.node_id for r in group.ranks) == ["b", "c"]
+
+
+def test_a_multi_node_nvlink_domain_is_preferred_and_needs_imex():
+    nodes = [node("a", [fabric(A)], domain=DOMAIN, imex="active"), node("b", [fabric(A)], domain=DOMAIN, imex="active"),
+             node("c", [fabric(A)])]
+    group, _ = over(big(), nodes)
+    assert group.island.key == f"nvl:{DOMAIN}" and [r.node_id for r in group.ranks] == ["a", "b"]
+    # Without IMEX the cards cannot share memory across nodes: the InfiniBand fabric is used instead.
+    nodes[1] = node("b", [fabric(A)], domain=DOMAIN, imex="failed")
+    group, _ = over(big(), nodes)
+    assert group.island.key == A
+
+
+def test_a_fabric_not_yet_verified_is_kept_apart_from_one_that_is():
+    nodes = [node("a", [fabric("")]), node("b", [fabric(A)])]
+    group, reasons = over(big(), nodes)
+    assert group is None and "unverified:ib-a" in " ".join(reasons)
+    group, _ = over(big(), [node("a", [fabric("")]), node("b", [fabric("")])])
+    assert group.island.key == "unverified:ib-a"
+
+
+def test_placement_says_where_it_would_go_and_that_it_does_not_start_it_yet():
+    nodes = [node("a", [fabric(A)]), node("b", [fabric(A)])]
+    decision, reasons = placement.place(big(), nodes, [])
+    assert decision is None
+    assert reasons["(several nodes)"] == ("it would run over a, b on ib-a, but this version of llmgw does not start "
+                                          "replicas over several nodes yet")
+    rows = {r["node"]: r for r in placement.explain(big(), nodes + [node("d")], [])}
+    assert rows["a"]["fits"] and rows["a"]["reason"].endswith("rank 0 of 2 on ib-a (serves HTTP)")
+    assert rows["b"]["reason"].endswith("rank 1 of 2 on ib-a")
+    assert not rows["d"]["fits"] and "no fabric" in rows["d"]["reason"]
+
+
+def test_the_catalog_takes_nodes_and_a_single_node_profile_keeps_its_fingerprint():
+    table = {"name": "big", "source": "/m", "profiles": [{"engine": "vllm", "gpus": 8, "nodes": 2}]}
+    assert catalog.parse_model(table).profiles[0].nodes == 2
+    for bad, words in [({"engine": "vllm", "nodes": 0}, "nodes is how many nodes"),
+                       ({"engine": "vllm", "nodes": 65}, "nodes is how many nodes"),
+                       ({"engine": "llamacpp", "nodes": 2}, "runs on vLLM")]:
+        with pytest.raises(catalog.CatalogError, match=words):
+            catalog.parse_model({**table, "profiles": [bad]})
+    # The fingerprint of a profile on one node is what it was before `nodes` existed: no replica turns stale.
+    model = catalog.parse_model({**table, "profiles": [{"engine": "vllm", "gpus": 1}]})
+    profile = model.profiles[0]
+    before = {k: v for k, v in dataclasses.asdict(profile).items() if k not in ("start_limit", "nodes")}
+    expected = hashlib.sha256(json.dumps([model.source, model.max_context, before], sort_keys=True).encode()).hexdigest()[:12]
+    assert model.fingerprint(profile) == expected
+
+
+@st.composite
+def clusters(draw):
+    count = draw(st.integers(1, 7))
+    nodes = []
+    for i in range(count):
+        fabrics = draw(st.lists(st.sampled_from([fabric(A), fabric(B, name="ib-b"), fabric("", name="ib-c"),
+                                                 fabric(A, degraded="slow")]), max_size=2, unique_by=lambda f: f["name"]))
+        domain = draw(st.sampled_from([None, DOMAIN]))
+        nodes.append(node(f"n{i}", fabrics, gpus=draw(st.integers(0, 4)), domain=domain,
+                          imex=draw(st.sampled_from([None, "active"])),
+                          state=draw(st.sampled_from(["ready", "ready", "cordoned"]))))
+    return nodes, draw(st.integers(2, 4)), draw(st.integers(0, 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(clusters())
+def test_never_across_islands_never_a_node_twice(case):
+    from llmgw.control import multinode
+
+    nodes, count, gpus = case
+    group, _ = over(big(nodes=count, gpus=gpus), nodes)
+    if group is None:
+        return
+    ids = [r.node_id for r in group.ranks]
+    assert len(ids) == count and len(set(ids)) == count
+    by_id = {n.node_id: n for n in nodes}
+    for rank in group.ranks:
+        member = by_id[rank.node_id]
+        assert member.state == "ready" and len(rank.gpus) == gpus
+        assert group.island.key in {island.key for island, _, _ in multinode.islands_of(member)}
