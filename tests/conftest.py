@@ -368,7 +368,8 @@ CODEX_EXEC = ["exec", "--skip-git-repo-check", "--ephemeral", "-s", "danger-full
               "-c", "approval_policy=never", "-c", "analytics.enabled=false"]
 
 
-def codex(cli: str, url: str, key: str, cwd, model: str, prompt: str, *config) -> subprocess.CompletedProcess:
+def codex(cli: str, url: str, key: str, cwd, model: str, prompt: str, *config,
+          timeout: float = 300) -> subprocess.CompletedProcess:
     """`codex exec` once against the gateway at URL through a provider given on the command line (the Responses
     wire API, retries off), in a home of its own under CWD; each of CONFIG is one more `-c KEY=VALUE`."""
     home = cwd / "codex-home"
@@ -377,7 +378,7 @@ def codex(cli: str, url: str, key: str, cwd, model: str, prompt: str, *config) -
                 'env_key="LLMGW_API_KEY", request_max_retries=0, stream_max_retries=0}')
     more = [arg for setting in config for arg in ("-c", setting)]
     return run_cli([cli, *CODEX_EXEC, "-m", model, "-c", "model_provider=llmgw", "-c", provider, *more, prompt], cwd,
-                   {"HOME": str(home), "CODEX_HOME": str(home), "LLMGW_API_KEY": key})
+                   {"HOME": str(home), "CODEX_HOME": str(home), "LLMGW_API_KEY": key}, timeout=timeout)
 
 
 @pytest.fixture

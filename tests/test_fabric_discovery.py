@@ -385,3 +385,42 @@ def test_the_nccl_environment_follows_the_fabric():
     assert "NCCL_MNNVL_ENABLE" not in nccl.environment(2, ["mlx5_0"], None, None, island="sm:0x00000000000000aa")
     ports = [{"hca": "mlx5_2", "state": "ACTIVE", "roce_gid_index": 3}, {"hca": "mlx5_0", "state": "ACTIVE"}]
     assert nccl.gid_index(ports, ["mlx5_2"]) == 3 and nccl.gid_index(ports, ["mlx5_0"]) is None
+
+
+def test_the_fabrics_are_series_once_a_fabric_and_only_as_reported():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from llmgw.control.fleet import NodeView, node_facts
+    from llmgw.control.fleetmetrics import fabric_families
+
+    managers = subnetmanagers.parse_smir(fixture("saquery-smir.txt"))
+    port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "phys_state": "LinkUp", "rate_gbps": 400.0,
+            "counters": {"symbol_error": 3, "port_xmit_data": 4000}, "fabric_id": "sm:0x248a0703005a0012",
+            "subnet_managers": managers}
+    down = {"hca": "mlx5_1", "port": 1, "state": "DOWN", "phys_state": "Polling", "counters": {}}
+    first = {"ib_ports": [port, down], "fabrics": [{"name": "ib-a", "physical": "sm:0x248a0703005a0012",
+                                                     "degraded": "mlx5_1/1 at 200 Gb/s of 400"}],
+             "fabric_problems": [], "imex": {"state": "failed"},
+             "gpus": [{"index": 0, "nvlink": {"1": 18}, "nvlink_domain": "u/7"}, {"index": 1, "nvlink": {"0": 18}}]}
+    second = {"ib_ports": [port], "fabric_problems": ["fabric ib-b: no port of mlx5_2 is active (...)"]}
+    nodes = [NodeView("a", "ready", 0, 0, node_facts(first, {})), NodeView("b", "ready", 0, 0, node_facts(second, {}))]
+
+    class Fabrics:
+        def collect(self):
+            return fabric_families(nodes)
+
+    registry = CollectorRegistry()
+    registry.register(Fabrics())
+    text = generate_latest(registry).decode()
+    assert 'llmgw_ib_port_active{hca="mlx5_0",node="a",phys_state="LinkUp",port="1",state="ACTIVE"} 1.0' in text
+    assert 'llmgw_ib_port_active{hca="mlx5_1",node="a",phys_state="Polling",port="1",state="DOWN"} 0.0' in text
+    assert 'llmgw_ib_port_counter_total{counter="symbol_error",hca="mlx5_0",node="a",port="1"} 3.0' in text
+    # Two nodes see the same fabric's managers: its series are written once.
+    assert text.count("llmgw_fabric_master_sm{") == 1
+    assert 'llmgw_fabric_subnet_managers{fabric="sm:0x248a0703005a0012",state="standby"} 1.0' in text
+    assert 'llmgw_node_fabric_degraded{fabric="ib-a",node="a"} 1.0' in text
+    assert 'llmgw_fabric_problems{node="a"} 0.0' in text and 'llmgw_fabric_problems{node="b"} 1.0' in text
+    assert 'llmgw_gpu_nvlink_peers{gpu="0",node="a"} 1.0' in text
+    assert 'llmgw_gpu_nvlink_joined{domain="u/7",gpu="0",node="a"} 1.0' in text
+    assert 'llmgw_imex_up{node="a"} 0.0' in text and 'llmgw_imex_up{node="b"}' not in text
+    assert 'llmgw_ib_port_rate_gbps{hca="mlx5_1"' not in text  # a rate not reported is not written

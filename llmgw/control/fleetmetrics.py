@@ -92,6 +92,7 @@ class FleetCollector:
                 gpu_ok.add_metric([node, index], 1.0 if gpu.healthy else 0.0)
         yield from (up, seen, cpus, mem_total, mem_avail, mem_used, load, cpu_util, disk_free, disk_total,
                     gpu_total, gpu_mem, gpu_util, gpu_ok, shard_cpu, shard_mem, shard_waiting, shard_running, shard_kv)
+        yield from fabric_families(nodes)
         yield from self._replica_families(leading)
 
     def _replica_families(self, leading: bool):
@@ -127,3 +128,65 @@ class FleetCollector:
         yield ready
         yield where
         yield restarts
+
+
+def fabric_families(nodes):
+    """The fabrics as series: each port's state, rate and counters, each fabric's subnet managers (once a
+    fabric, however many nodes see it), each node's usable fabrics and their problems, each GPU's NVLink peers
+    and domain, IMEX. Only what a node reported is written."""
+    active = GaugeMetricFamily("llmgw_ib_port_active", "1 while an InfiniBand or RoCE port is ACTIVE; its state and "
+                               "physical state as labels.", labels=["node", "hca", "port", "state", "phys_state"])
+    rate = GaugeMetricFamily("llmgw_ib_port_rate_gbps", "A port's link rate.", labels=["node", "hca", "port"])
+    counters = CounterMetricFamily("llmgw_ib_port_counter", "A port's counters as the kernel keeps them (error counts; "
+                                   "port_xmit_data and port_rcv_data in bytes).",
+                                   labels=["node", "hca", "port", "counter"])
+    master = GaugeMetricFamily("llmgw_fabric_master_sm", "1 for the master subnet manager of each InfiniBand fabric.",
+                               labels=["fabric", "sm_guid"])
+    managers = GaugeMetricFamily("llmgw_fabric_subnet_managers", "Subnet managers of each InfiniBand fabric by state "
+                                 "(a standby count of 0: no failover).", labels=["fabric", "state"])
+    usable = GaugeMetricFamily("llmgw_node_fabric", "1 for each fabric a node can run a multi-node replica's "
+                               "collectives on, with its physical identity.", labels=["node", "fabric", "physical"])
+    degraded = GaugeMetricFamily("llmgw_node_fabric_degraded", "1 where a port of the node's fabric runs below its "
+                                 "rate (placed last for multi-node replicas).", labels=["node", "fabric"])
+    problems = GaugeMetricFamily("llmgw_fabric_problems", "Declared fabrics a node cannot use, and why not (its "
+                                 "node's page says).", labels=["node"])
+    peers = GaugeMetricFamily("llmgw_gpu_nvlink_peers", "GPUs a GPU is joined to by NVLink (0 on every card of a "
+                              "node: PCIe only, or the topology not read).", labels=["node", "gpu"])
+    joined = GaugeMetricFamily("llmgw_gpu_nvlink_joined", "1 for a GPU that joined a multi-node NVLink domain.",
+                               labels=["node", "gpu", "domain"])
+    imex = GaugeMetricFamily("llmgw_imex_up", "1 while the node's nvidia-imex is active (where it is installed).",
+                             labels=["node"])
+    fabrics_seen: set[str] = set()
+    for n in nodes:
+        node, facts = n.node_id, n.facts
+        for port in facts.ib_ports:
+            where = [node, port["hca"], str(port["port"])]
+            active.add_metric(where + [port.get("state", ""), port.get("phys_state", "")],
+                              1.0 if port.get("state", "").upper() == "ACTIVE" else 0.0)
+            if port.get("rate_gbps") is not None:
+                rate.add_metric(where, port["rate_gbps"])
+            for name, value in sorted((port.get("counters") or {}).items()):
+                counters.add_metric(where + [name], value)
+            fabric = port.get("fabric_id")
+            if fabric and "subnet_managers" in port and fabric not in fabrics_seen:
+                fabrics_seen.add(fabric)
+                listed = port["subnet_managers"]
+                for m in listed:
+                    if m.get("state") == "master":
+                        master.add_metric([fabric, m["guid"]], 1.0)
+                for state in ("master", "standby"):
+                    managers.add_metric([fabric, state], sum(1 for m in listed if m.get("state") == state))
+        for fabric in facts.fabrics:
+            usable.add_metric([node, fabric["name"], fabric.get("physical", "")], 1.0)
+            degraded.add_metric([node, fabric["name"]], 1.0 if fabric.get("degraded") else 0.0)
+        reported = facts.status.get("fabric_problems", facts.registration.get("fabric_problems"))
+        if reported is not None:
+            problems.add_metric([node], len(reported))
+        for gpu in facts.gpus or ():
+            peers.add_metric([node, str(gpu.index)], len(gpu.nvlink))
+            if gpu.nvlink_domain:
+                joined.add_metric([node, str(gpu.index), gpu.nvlink_domain], 1.0)
+        state = (facts.status.get("imex") or facts.registration.get("imex") or {}).get("state")
+        if state:
+            imex.add_metric([node], 1.0 if state == "active" else 0.0)
+    yield from (active, rate, counters, master, managers, usable, degraded, problems, peers, joined, imex)
