@@ -309,9 +309,14 @@ def test_a_node_says_its_fabrics_and_gpu_topology_to_the_controller(tmp_path):
         gpu0 = node["facts"]["gpus"][0]
         assert gpu0["nvlink"]["7"] == 18 and gpu0["nic_paths"] == {"mlx5_0": "PIX", "mlx5_1": "SYS"}
         assert gpu0["numa_node"] == 0 and gpu0["nvlink_domain"] == ""  # an HGX's own NVSwitch: no domain
+        [listed] = ctl.api("/api/v1/fabrics")["fabrics"]
+        assert listed["id"] == "sm:0x248a0703005a0012" and listed["names"] == ["ib-a"] and listed["standby"] == 1
+        assert [n["node"] for n in listed["nodes"]] == ["gpu-01"]
+        assert ctl.api("/api/v1/nvlink") == {"domains": []}
         for hca in ("mlx5_0", "mlx5_1"):
             (tmp_path / f"sys/class/infiniband/{hca}/ports/1/state").write_text("1: DOWN\n")
         wait_for("the fabric to be withdrawn", 60, lambda: ctl.nodes()["gpu-01"]["status"].get("fabrics") == [])
+        assert ctl.api("/api/v1/fabrics")["problems"][0]["problem"].startswith("fabric ib-a: no port of")
     finally:
         if agent is not None:
             agent.stop()

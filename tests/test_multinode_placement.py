@@ -149,3 +149,34 @@ def test_never_across_islands_never_a_node_twice(case):
         member = by_id[rank.node_id]
         assert member.state == "ready" and len(rank.gpus) == gpus
         assert group.island.key in {island.key for island, _, _ in multinode.islands_of(member)}
+
+
+def test_the_fabrics_view_groups_nodes_by_physical_fabric_whatever_they_call_it():
+    from llmgw.control import fabricview
+
+    managers = [{"guid": "0x00000000000000aa", "state": "master"}, {"guid": "0x00000000000000cc", "state": "standby"}]
+    port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "fabric_id": A, "subnet_managers": managers}
+    a = NodeView("a", "ready", 0, 0, node_facts({"fabrics": [fabric(A)], "ib_ports": [port]}, {}))
+    b = NodeView("b", "ready", 0, 0, node_facts({"fabrics": [fabric(A, name="east")]}, {}))
+    c = NodeView("c", "ready", 0, 0, node_facts({"fabrics": [fabric(B, degraded="mlx5_1/1 at 200 Gb/s of 400")],
+                                                 "fabric_problems": ["fabric ib-z: no port of mlx5_3 is active"]}, {}))
+    d = NodeView("d", "ready", 0, 0, node_facts({"fabrics": [fabric("")]}, {}))
+    found = fabricview.fabrics([c, b, a, d])
+    assert [f["id"] for f in found] == [A, B, "unverified:ib-a"]  # by names, the unverified last
+    on_a = found[0]
+    assert on_a["names"] == ["east", "ib-a"] and [n["node"] for n in on_a["nodes"]] == ["a", "b"]
+    assert on_a["subnet_managers"] == managers and on_a["standby"] == 1
+    assert found[1]["nodes"][0]["degraded"] == "mlx5_1/1 at 200 Gb/s of 400" and not found[2]["verified"]
+    assert fabricview.problems([a, c]) == [{"node": "c", "problem": "fabric ib-z: no port of mlx5_3 is active"}]
+
+
+def test_the_nvlink_view_lists_each_domain_its_cards_and_imex():
+    from llmgw.control import fabricview
+
+    e = node("e", domain=DOMAIN, imex="active", gpus=4)
+    f = NodeView("f", "ready", 0, 0, node_facts({"gpus": [{"index": 0, "nvlink_domain": DOMAIN}, {"index": 1}],
+                                                 "imex": {"state": "inactive"}}, {}))
+    [domain] = fabricview.nvlink([f, e, node("g")])
+    assert domain["domain"] == DOMAIN and [n["node"] for n in domain["nodes"]] == ["e", "f"]
+    assert domain["nodes"][1]["not_joined"] == [1] and domain["nodes"][1]["imex"] == "inactive"
+    assert domain["usable"] == ["e"]

@@ -7,8 +7,9 @@ beside its CURVE keys) and name one of its own addresses in `Host`: a web page
 in an operator's browser reaches loopback too, by DNS rebinding, but knows
 neither. Errors are `{"error": "..."}` with a sentence that says what to do.
 
-The routes are two blueprints: models and replicas (llmgw/control/adminmodels.py), and nodes, their
-logs, weights and keys (llmgw/control/adminnodes.py). What they act on, the controller's parts, is
+The routes are three blueprints: models and replicas (llmgw/control/adminmodels.py); nodes, their
+logs, weights and keys (llmgw/control/adminnodes.py); fabrics and NVLink domains
+(llmgw/control/adminfabrics.py). What they act on, the controller's parts, is
 handed to `create_app` as one `Parts` and kept on the app, as Flask's own extensions keep theirs.
 """
 
@@ -20,7 +21,7 @@ import os
 from flask import Flask, request
 
 from llmgw import apiguard, settings
-from llmgw.control import adminmodels, adminnodes
+from llmgw.control import adminfabrics, adminmodels, adminnodes
 from llmgw.control.adminparts import Parts, error, parts
 from llmgw.control.capacity import CapacityError
 from llmgw.control.catalog import CatalogError
@@ -58,6 +59,7 @@ def create_app(held: Parts) -> Flask:
     app.register_error_handler(CapacityError, lambda e: error(400, str(e)))
     app.register_blueprint(adminmodels.bp)
     app.register_blueprint(adminnodes.bp)
+    app.register_blueprint(adminfabrics.bp)
     return app
 
 
