@@ -230,6 +230,12 @@ def test_the_topology_and_domains_are_put_on_the_gpus():
 
 
 FAKE_DIAGS = os.path.join(ROOT, "tests", "fake-infiniband-diags")
+# An agent's environment with infiniband-diags and nvidia-smi's topology and -q replayed from the fixtures.
+FABRIC_ENV = {"PATH": FAKE_DIAGS + os.pathsep + os.environ["PATH"],
+              "LLMGW_FAKE_SMINFO": os.path.join(FIXTURES, "sminfo-master.txt"),
+              "LLMGW_FAKE_SMIR": os.path.join(FIXTURES, "saquery-smir.txt"),
+              "LLMGW_FAKE_TOPO": os.path.join(FIXTURES, "nvidia-smi-topo-8xh100.txt"),
+              "LLMGW_FAKE_Q": os.path.join(FIXTURES, "nvidia-smi-q-hgx-h100.txt")}
 
 
 class QuietSupervisor:
@@ -294,11 +300,7 @@ def test_a_node_says_its_fabrics_and_gpu_topology_to_the_controller(tmp_path):
     try:
         agent = Agent(tmp_path, [f"127.0.0.1:{ctl.agent_port}"], "gpu-01", ctl.issue_key("gpu-01"),
                       nvidia_smi_capture="nvidia-smi-8xh100.csv",
-                      env={"PATH": FAKE_DIAGS + os.pathsep + os.environ["PATH"],
-                           "LLMGW_FAKE_SMINFO": os.path.join(FIXTURES, "sminfo-master.txt"),
-                           "LLMGW_FAKE_SMIR": os.path.join(FIXTURES, "saquery-smir.txt"),
-                           "LLMGW_FAKE_TOPO": os.path.join(FIXTURES, "nvidia-smi-topo-8xh100.txt"),
-                           "LLMGW_FAKE_Q": os.path.join(FIXTURES, "nvidia-smi-q-hgx-h100.txt")},
+                      env=FABRIC_ENV,
                       fabrics=[{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"], "rate_gbps": 400.0}],
                       agent__infiniband_dir=str(tmp_path / "sys/class/infiniband"))
         wait_for("the node registers", 60, lambda: "gpu-01" in ctl.nodes())

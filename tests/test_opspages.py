@@ -25,6 +25,7 @@ from tests.cluster import Agent, Controller
 from tests.conftest import Gateway, make_key, post
 from tests.promstack import Prometheus
 from tests.test_browser_pages import fits_the_screen, signed_in
+from tests.test_fabric_discovery import FABRIC_ENV, ib_port
 from tests.test_pages import sign_in
 
 PASSWORD = "a long enough password"
@@ -43,6 +44,14 @@ def ops(tmp_path_factory):
         made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "n1", c.issue_key("n1"), labels={"kind": "cpu"}))
         made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "gpu-1", c.issue_key("gpu-1"), labels={"kind": "gpu"},
                           nvidia_smi_capture="nvidia-smi-1xa100-busy.csv"))
+        # An HGX node on an InfiniBand fabric (fixture sysfs, subnet managers and topology: its fabric section,
+        # the NVLink matrix, /admin/fabrics).
+        ib_port(tmp, "mlx5_0")
+        ib_port(tmp, "mlx5_1", state="1: DOWN", phys="2: Polling")
+        made.append(Agent(tmp, [f"127.0.0.1:{c.agent_port}"], "hgx-1", c.issue_key("hgx-1"), labels={"kind": "gpu"},
+                          nvidia_smi_capture="nvidia-smi-8xh100.csv", env=FABRIC_ENV,
+                          fabrics=[{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"]}],
+                          agent__infiniband_dir=str(tmp / "sys/class/infiniband")))
         engine = store.open_store(url)
         accounts.create_user(engine, "root@example.org", PASSWORD, state=accounts.ACTIVE, is_admin=True)
         engine.dispose()
@@ -157,6 +166,22 @@ def test_the_node_page_shows_the_node_and_its_last_hour(ops, client):
     assert missing.status_code == 404 and "No node nobody has registered" in missing.data.decode()
 
 
+def test_a_fabric_nodes_page_shows_its_ports_fabrics_and_nvlink_and_the_fabric_pages_group_them(ops, client):
+    wait_for("hgx-1 to say its fabrics", 60, lambda: ops["c"].nodes().get("hgx-1", {}).get("facts", {}).get("fabrics"))
+    page = client.get("/admin/nodes/hgx-1").data.decode()
+    for text in ("<h3>NVLink</h3>", "NV18", "<h2>Fabrics</h2>", "ib-a</a>: mlx5_0 at 400 Gb/s, on sm:0x248a0703005a0012",
+                 "mlx5_1/1", "DOWN (Polling)"):
+        assert text in page, text
+    fabrics = client.get("/admin/fabrics").data.decode()
+    for text in ("<h2>ib-a</h2>", "sm:0x248a0703005a0012", "0x248a0703005abcde (master, priority 15)", "hgx-1",
+                 "all at rate"):
+        assert text in fabrics, text
+    assert "No node's cards have joined a multi-node NVLink domain." in client.get("/admin/nvlink").data.decode()
+    cluster = client.get("/admin").data.decode()
+    assert '1 node declares a fabric for replicas over several nodes: <a href="/admin/fabrics">' in cluster
+    assert "{" not in page.split("<main>")[1].split("History")[0]  # no raw data structure shown
+
+
 def test_the_logs_page_reads_names_the_node_lists_and_follows_with_a_cursor(ops, client):
     page = client.get("/admin/nodes/n1/logs").data.decode()
     assert "registered with the controller" in page and "The agent's log on n1" in page
@@ -224,7 +249,8 @@ def test_each_rate_looks_back_past_its_step_so_no_rise_falls_between_two(monkeyp
     assert rates and all(found and int(found.group(1)) >= step + history.SCRAPE for found, step in rates)
 
 
-@pytest.mark.parametrize("path", ["/admin", "/admin/nodes/n1", "/admin/nodes/gpu-1", "/admin/nodes/n1/logs"])
+@pytest.mark.parametrize("path", ["/admin", "/admin/nodes/n1", "/admin/nodes/gpu-1", "/admin/nodes/n1/logs",
+                                  "/admin/nodes/hgx-1", "/admin/fabrics", "/admin/nvlink"])
 def test_the_pages_fit_a_phone_and_break_no_rule_of_their_policy(ops, path):
     context, page = signed_in(ops)
     refused = []

@@ -429,7 +429,7 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
                      "in_rotation": not s.breaker.is_open, "outstanding": s.outstanding,
                      "waiting": s.waiting, "kv": s.kv_cache} for s in router.states.values()]
     view = {"gateway_replicas": gateway_side, "controller": None, "problem": None, "nodes": [], "models": [],
-            "replicas": []}
+            "replicas": [], "fabric_nodes": [], "nvlink_nodes": []}
     if cfg["gateway.controller"]:
         admin = leader_client(cfg, cfg["gateway.controller_admin"])
         try:
@@ -453,6 +453,13 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
             if install.get("state") == "failed":
                 problems.append(f"Node {node['node_id']}: installing engine {key} failed: {install.get('detail')} "
                                 f"(→ {install.get('fix')})")
+    for node in view["nodes"]:
+        for said in node["status"].get("fabric_problems", node["facts"].get("fabric_problems")) or []:
+            problems.append(f"Node {node['node_id']}: {said}.")
+    view["fabric_nodes"] = sorted(n["node_id"] for n in view["nodes"]
+                                  if n["status"].get("fabrics", n["facts"].get("fabrics")))
+    view["nvlink_nodes"] = sorted(n["node_id"] for n in view["nodes"]
+                                  if any(g.get("nvlink_domain") for g in n["facts"].get("gpus") or []))
     for model in view["models"]:
         model["why_not_more"] = _why_not_more(model)
         if model["scaling"]["min"] > 0 and not model["ready"]:

@@ -1,6 +1,7 @@
 """A node's pages, for administrators: what it is and runs, with the last hour of its charts, and its logs.
 
-- `/admin/nodes/<node>`: hardware, CPU, memory, load, disk, GPUs, engines and their install state,
+- `/admin/nodes/<node>`: hardware, CPU, memory, load, disk, GPUs (their NVLink matrix), fabric ports and
+  fabrics, engines and their install state,
   the replicas there with their CPU and memory, the doctor's findings, history charts. Its figures
   refresh in place (static/refresh.js); the charts are drawn once per load.
 - `/admin/nodes/<node>/logs?source=agent`: the agent's own last lines or an engine's, followed live
@@ -128,11 +129,24 @@ def node_view(node: dict, replicas: list[dict]) -> dict:
     shard_loads = {s.get("shard_id"): s for s in load.get("shards") or []}
     here = [{**r, "load": shard_loads.get(r["shard_id"], {})} for r in replicas if r.get("node") == node["node_id"]]
     doctor = facts.get("doctor")
-    return {"node": node, "cpu": facts.get("cpu") or {}, "memory": _merged(facts, status, "memory"),
-            "disk": _merged(facts, status, "disk"), "load": load, "gpus": [gpus[i] for i in sorted(gpus)],
+    cards = [gpus[i] for i in sorted(gpus)]
+    return {**fabric_view(facts, status, cards), "node": node, "cpu": facts.get("cpu") or {}, "memory": _merged(facts, status, "memory"),
+            "disk": _merged(facts, status, "disk"), "load": load, "gpus": cards,
             "gpus_probed": facts.get("gpus_probed"), "gpu_probe_error": facts.get("gpu_probe_error"),
             "engines": rows, "engines_probed": facts.get("engines_probed"), "replicas": here,
             "weights": status.get("weights") or facts.get("weights"),
             "findings": None if doctor is None else [("failure", f) for f in doctor.get("failures", [])]
             + [("warning", f) for f in doctor.get("warnings", [])],
             "labels": facts.get("labels") or {}}
+
+
+def fabric_view(facts: dict, status: dict, cards: list[dict]) -> dict:
+    """The node page's fabric section: its ports, its usable fabrics and why others are not, and its GPUs'
+    NVLink matrix (a row a card: the links to each other card, "" for none), shown where it has any."""
+    linked = any(card.get("nvlink") for card in cards)
+    matrix = [[None if a is b else (f"NV{a['nvlink'][str(b['index'])]}" if str(b["index"]) in (a.get("nvlink") or {})
+                                    else "") for b in cards] for a in cards] if linked else []
+    return {"ports": status.get("ib_ports", facts.get("ib_ports")) or [],
+            "fabrics": status.get("fabrics", facts.get("fabrics")) or [],
+            "fabric_problems": status.get("fabric_problems", facts.get("fabric_problems")) or [],
+            "nvlink": matrix}

@@ -2,7 +2,7 @@
 
 The groups: sign-in and the pages anyone may open (llmgw/web/signin.py), a person's account
 (account.py), the chat page (chatpage.py), the editors' setup scripts (editors.py), the
-administration pages (adminpages.py, mirrorpage.py, nodepages.py) and the error pages
+administration pages (adminpages.py, mirrorpage.py, nodepages.py, fabricpages.py) and the error pages
 (errorpages.py). What they share (the runtime, the store, forms, sessions, the throttle) is the
 app's `Site` (site.py), kept as Flask's own extensions keep theirs.
 
@@ -34,7 +34,7 @@ from flask.sessions import SecureCookieSessionInterface
 from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, memberships, sessions
-from llmgw.web import account, adminpages, chatpage, editors, errorpages, forms, mirrorpage, nodepages, safety, signin
+from llmgw.web import account, adminpages, chatpage, editors, errorpages, fabricpages, forms, mirrorpage, nodepages, safety, signin
 from llmgw.web.site import Person, Site, site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,7 +87,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)), "minute")
     app.context_processor(_menu)
     for blueprint in (signin.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp, nodepages.bp,
-                      errorpages.bp):
+                      fabricpages.bp, errorpages.bp):
         app.register_blueprint(blueprint)
     return app
 
