@@ -95,7 +95,8 @@ def main(config_path, controllers, node_id, key_file):
     context = zmq.Context()
     link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
                           cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat,
-                          on_command=commands(node, supervisor, LogSources(ring, supervisor.engine_logs)),
+                          on_command=commands(node, supervisor, LogSources(ring, supervisor.engine_logs),
+                                              ports=lambda: reporter.fabrics.read()["ib_ports"], send=outbox.put),
                           outbox=outbox)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

@@ -27,9 +27,9 @@ class Admin:
     def __init__(self, client: ApiClient):
         self.client = client
 
-    def call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> dict:
         try:
-            return self.client.call(method, path, body)
+            return self.client.call(method, path, body, timeout=timeout)
         except ApiError as e:
             raise click.ClickException(printable(e)) from None  # the server's sentence, shown inert
 
@@ -277,6 +277,33 @@ def replicas(obj, model, as_json):
             click.echo(printable(f"{r['shard_id']} is unhealthy: {r['detail']}"), err=True)
         if r.get("restart_reason"):
             click.echo(printable(f"{r['shard_id']} was last restarted because {r['restart_reason']}"), err=True)
+
+
+@ctl.command("fabric-test")
+@click.argument("a")
+@click.argument("b")
+@click.option("--fabric", help="The fabric to test, by the name the nodes declare it under (needed where they share several).")
+@click.option("--seconds", type=click.IntRange(1, 30), default=3, show_default=True, help="How long each rail is tested.")
+@click.option("--json", "as_json", is_flag=True)
+@click.pass_obj
+def fabric_test(obj, a, b, fabric, seconds, as_json):
+    """Measure the fabric nodes A and B share, rail by rail, with perftest's ib_write_bw through their agents.
+
+    B serves and A sends, one adapter pair at a time; each rail is graded against its link rate (ok at 80%
+    or more, slow at 50%, fail below). Exits 1 unless every rail is ok."""
+    click.echo(f"testing {a} -> {b} for {seconds} s a rail...", err=True)
+    result = obj.admin.call("POST", "/api/v1/fabric-test", {"a": a, "b": b, "seconds": seconds,
+                                                            **({"fabric": fabric} if fabric else {})}, timeout=30 * 60)
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        where = result["physical"] or "not verified"
+        click.echo(printable(f"fabric {result['fabric']} ({where}), {result['seconds']} s a rail"))
+        print_table([("RAIL", "GB/S", "RATE", "GRADE", "WHY")] + [
+            (f"{r['a']} -> {r['b']}", f"{r['gbps']:.1f}" if r["gbps"] else "-",
+             f"{r['rate_gbps']:g}" if r["rate_gbps"] else "-", r["grade"], r.get("error", "")) for r in result["rails"]])
+    if not result["passed"]:
+        sys.exit(1)
 
 
 @ctl.command("explain-placement")

@@ -1,7 +1,11 @@
-"""What the agent does with each command from the controller: start, stop or drain a shard, list or remove weights, logs."""
+"""What the agent does with each command from the controller: start, stop or drain a shard, list or remove weights,
+logs, and one side of a fabric test (in a thread of its own: it runs for seconds, and heartbeats go on)."""
 
 from __future__ import annotations
 
+import threading
+
+from llmgw.node import perftest
 from llmgw.node.logsources import KEPT, LogSources
 from llmgw.node.supervisor import Supervisor
 from llmgw.weights import LISTED_MOST
@@ -9,12 +13,20 @@ from llmgw.weights import LISTED_MOST
 DRAIN_TIMEOUT = 60.0  # seconds a draining engine may take to finish what it is answering
 
 
-def commands(node_id: str, supervisor: Supervisor, logs: LogSources):
+def commands(node_id: str, supervisor: Supervisor, logs: LogSources, ports=lambda: [], send=lambda reply: None):
     """What the agent does with each command from the controller; returns the replies to send. LOGS are the
-    sources a `logs_request` may read."""
+    sources a `logs_request` may read; PORTS() this node's fabric ports now; SEND((type, fields)) sends a
+    reply from another thread (the link's outbox)."""
+
+    def fabric_test(message: dict) -> None:
+        reply = perftest.answer(message, ports())
+        send(("fabric_test_reply", {"node_id": node_id, "request_id": message["request_id"], **reply}))
 
     def handle(message: dict) -> list[tuple[str, dict]]:
         kind, request_id = message["type"], message["request_id"]
+        if kind == "fabric_test":
+            threading.Thread(target=fabric_test, args=(message,), name="fabric-test", daemon=True).start()
+            return []
         if kind == "start_shard":
             supervisor.start({k: v for k, v in message.items() if k not in ("v", "type", "request_id")})
             return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]

@@ -19,6 +19,9 @@ from llmgw.node import discovery, doctor, fabrics, gputopology
 from llmgw.node.installer import Installer
 from llmgw.node.supervisor import Supervisor
 
+# The requests this agent answers beyond the basics: the controller refuses at once what a node's agent
+# cannot do, rather than waiting for a reply that never comes.
+FEATURES = ("fabric-test",)
 ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems")
 GPU_FABRIC_EVERY = 60.0  # seconds between asking nvidia-smi -q and IMEX (a MAD-free but slow query)
 
@@ -65,6 +68,7 @@ class Reporter:
             facts.update(installable=self.installer.installable(), installs=self.installer.report())
         facts["doctor"] = self.checkup(facts)
         facts["weights"] = self.weights_use()
+        facts["features"] = list(FEATURES)
         self.has_gpus = bool(facts.get("gpus"))
         self.sent = dict(fabric_facts)  # said in the registration: a heartbeat repeats them only once changed
         return facts

@@ -104,7 +104,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
         "engines": (ENGINES, False), "engines_probed": ("bool", False), "shards": (ListOf(Obj(SHARD), 1024), False),
         "doctor": (DOCTOR, False), "weights": (WEIGHTS, False),
         "installable": (MapOf(NAME, VERSION_TEXT, 64), False), "installs": (INSTALLS, False),
-        **FABRIC_FACTS,
+        **FABRIC_FACTS, "features": (ListOf(NAME, 64), False),
     },
     "heartbeat": {
         "node_id": ("str", True), "seq": ("int", True), "memory": (MEMORY, False), "load": (LOAD, False),
@@ -121,6 +121,8 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
                       "entries": ("int", False), "bytes": ("int", False), "fetched_bytes": ("int", False),
                       "files": ("array", False), "truncated": ("bool", False), "removed": ("array", False),
                       "refused": ("object", False)},
+    "fabric_test_reply": {"node_id": ("str", True), "request_id": ("str", True), "gbps": (Num(0, 1e6), False),
+                          "error": (TEXT, False), "output": (Str(20000), False)},
     # controller -> agent
     "registered": {"node_id": ("str", True), "heartbeat_interval": ("number", False)},
     "start_shard": {
@@ -135,6 +137,9 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
                      "after": ("int", False)},
     "weights_request": {"request_id": ("str", True), "most": ("int", False)},
     "reclaim_weights": {"request_id": ("str", True), "names": ("array", True)},
+    "fabric_test": {"request_id": ("str", True), "role": (Str(16), True), "hca": (NAME, True),
+                    "port": (Int(0, 255), True), "tcp_port": (Int(0, 65535), True), "seconds": (Int(1, 30), True),
+                    "peer": (Str(64), False)},
     "heartbeat_ack": {"seq": ("int", True)},
     "register_again": {"reason": ("str", True)},
     "refused": {"reason": ("str", True)},
