@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 from types import SimpleNamespace
 
 import pytest
@@ -66,8 +67,11 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         # A controller address nothing answers at: installed and checked, but the doctor stops it before
         # the agent starts.
         closed = free_port()
-        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, "--controller", f"127.0.0.1:{closed}", login)
+        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, "--controller", f"127.0.0.1:{closed}",
+                       "--fabric", "ib-a:mlx5_0,mlx5_1", login)
         assert run.returncode == 1, run.stderr
+        with open(os.path.join(prefix, "agent.toml"), "rb") as f:
+            assert tomllib.load(f)["fabrics"] == [{"name": "ib-a", "adapters": ["mlx5_0", "mlx5_1"]}]
         assert f"✗ {login}: failed running the doctor: the doctor found a problem there" in run.stderr, run.stderr
         assert "--ignore-checks" in run.stderr and "agent started" not in run.stderr
         assert os.stat(os.path.join(prefix, "node.key")).st_mode & 0o777 == 0o600

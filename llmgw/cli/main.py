@@ -336,6 +336,9 @@ def node():
 @click.option("--python", default="python3", show_default=True,
               help="The host's Python (3.11 or later, the same minor version as here).")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="A label for placement (repeatable).")
+@click.option("--fabric", "fabrics", multiple=True, metavar="NAME[:HCA,...]",
+              help="A fabric the hosts' adapters are on, for replicas over several nodes (repeatable): its name, the "
+                   "same on every node of it, and its adapters (all of the host's where one fabric is given).")
 @click.option("--ignore-checks", is_flag=True, help="Start the agent even when the doctor finds a failure there.")
 @click.option("--new-key", is_flag=True, help="Issue a new key even where the host holds one (the old one stops "
                                              "working).")
@@ -347,8 +350,8 @@ def node():
 @click.option("--accept-new-host-key", "accept_new", is_flag=True,
               help="Trust a host key ssh has never seen (first use); a changed key is still refused.")
 @click.pass_obj
-def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, ignore_checks, new_key, no_wait,
-             wait_timeout, port, identity, known_hosts, accept_new):
+def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, fabrics, ignore_checks, new_key,
+             no_wait, wait_timeout, port, identity, known_hosts, accept_new):
     """Install llmgw on each HOST over SSH and start its agent, as a node of this controller.
 
     Uses the system's ssh in batch mode with your own keys. Each host gets a virtual environment with
@@ -363,12 +366,18 @@ def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, 
         parsed_labels = dict(label.split("=", 1) for label in labels)
     except ValueError:
         raise click.BadParameter("write each label as KEY=VALUE, such as rack=r12", param_hint="--label") from None
+    tables = [{"name": f.split(":", 1)[0], **({"adapters": [a for a in f.split(":", 1)[1].split(",") if a]}
+                                              if ":" in f else {})} for f in fabrics]
+    try:
+        settings.validate_fabrics(tables, "--fabric")
+    except settings.ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--fabric") from None
     cfg = obj.config()
     options = nodeadd.Options(
         admin=admin_client(cfg, admin_url or cfg["controller.admin_listen"],
                            "node add runs on the controller's machine, or give --admin URL"),
         agent_listen=cfg["controller.agent_listen"], controllers=controllers, name=name, prefix=prefix, python=python,
-        labels=parsed_labels, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
+        labels=parsed_labels, fabrics=tables, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
         accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
     if not nodeadd.run(options, hosts):
         sys.exit(1)

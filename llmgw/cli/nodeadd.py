@@ -73,6 +73,7 @@ class Options:
     prefix: str
     python: str
     labels: dict
+    fabrics: list[dict]  # the agent's [[fabrics]]
     ignore_checks: bool
     new_key: bool
     wait: bool
@@ -286,7 +287,7 @@ def _configure(target: Target, options: Options, host: dict) -> None:
               "agent.weights_dir": f"{prefix}/weights", "agent.work_dir": f"{prefix}/work",
               "agent.labels": options.labels}
     text = "# Written by `llmgw node add`, which writes it again on each run: change it with its flags.\n" + \
-        settings.to_toml(values)
+        settings.to_toml(values, fabrics=options.fabrics)
     path = shlex.quote(f"{prefix}/agent.toml")
     target.run(f"set -e; umask 077; cat > {path}.new; mv {path}.new {path}", stdin=text.encode(),
                what="writing the agent's configuration")
