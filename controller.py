@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, filemodes, keyfiles, settings, store
-from llmgw.control import adminapi, adminnodes, authenticator, curvekeys
+from llmgw.control import adminapi, adminnodes, authenticator, curvekeys, fabricmaps
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.adminparts import Parts
@@ -132,11 +132,12 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     key_pusher = KeyPusher(engine)
     outbox = Outbox(server)
     report = ReconcileReport()
+    maps = fabricmaps.Maps()
     # The admin API's token is made here on the first start, beside the CURVE keys; llmgw ctl reads it there.
     app = adminapi.create_app(Parts(fleet, engine, catalog, replicas, report, outbox.ask_node,
                                     adminapi.Access.from_config(cfg), egress, plaintext=plaintext, ring=ring,
                                     gateway_ring=gateway_ring, controller_public=public, lease=lease,
-                                    scaler=scaler))
+                                    scaler=scaler, maps=maps))
 
     admin = make_server(*addresses.bind(cfg["controller.admin_listen"], "controller.admin_listen"), app,
                         threaded=True)
@@ -172,7 +173,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                        publisher=publisher, account_server=account_server, roller=roller, admin=admin,
                        report=report, reconcile_interval=cfg["controller.reconcile_interval"], lease=lease,
                        renew_interval=cfg["controller.lease_renew_interval"], on_lead=on_lead,
-                       on_standby=reload_keys, scaler=scaler)
+                       on_standby=reload_keys, scaler=scaler, maps=maps)
 
     # The lease is first tried now that every socket is bound: a start that failed took none, and a lease
     # held under the agents' address, where this controller now listens, can only be its own. The admin API

@@ -234,6 +234,7 @@ FAKE_DIAGS = os.path.join(ROOT, "tests", "fake-infiniband-diags")
 FABRIC_ENV = {"PATH": FAKE_DIAGS + os.pathsep + os.environ["PATH"],
               "LLMGW_FAKE_SMINFO": os.path.join(FIXTURES, "sminfo-master.txt"),
               "LLMGW_FAKE_SMIR": os.path.join(FIXTURES, "saquery-smir.txt"),
+              "LLMGW_FAKE_IBNETDISCOVER": os.path.join(FIXTURES, "ibnetdiscover-two-leaves.txt"),
               "LLMGW_FAKE_TOPO": os.path.join(FIXTURES, "nvidia-smi-topo-8xh100.txt"),
               "LLMGW_FAKE_Q": os.path.join(FIXTURES, "nvidia-smi-q-hgx-h100.txt")}
 
@@ -315,6 +316,10 @@ def test_a_node_says_its_fabrics_and_gpu_topology_to_the_controller(tmp_path):
         assert listed["id"] == "sm:0x248a0703005a0012" and listed["names"] == ["ib-a"] and listed["standby"] == 1
         assert [n["node"] for n in listed["nodes"]] == ["gpu-01"]
         assert ctl.api("/api/v1/nvlink") == {"domains": []}
+        # The fabric's map, scanned through the agent: which leaf switch each adapter hangs off.
+        mapped = ctl.api("/api/v1/fabrics/sm:0x248a0703005a0012/topology")
+        assert mapped["by"] == "gpu-01" and mapped["hosts"]["0x0c42a1030045bd6c"]["leaf"] == "0x7cfe900300a1b2c3"
+        assert mapped["switches"]["0x7cfe900300a1b2c3"]["description"] == "MF0;leaf-01:MQM9700/U1"
         for hca in ("mlx5_0", "mlx5_1"):
             (tmp_path / f"sys/class/infiniband/{hca}/ports/1/state").write_text("1: DOWN\n")
         wait_for("the fabric to be withdrawn", 60, lambda: ctl.nodes()["gpu-01"]["status"].get("fabrics") == [])

@@ -180,3 +180,73 @@ def test_the_nvlink_view_lists_each_domain_its_cards_and_imex():
     assert domain["domain"] == DOMAIN and [n["node"] for n in domain["nodes"]] == ["e", "f"]
     assert domain["nodes"][1]["not_joined"] == [1] and domain["nodes"][1]["imex"] == "inactive"
     assert domain["usable"] == ["e"]
+
+
+LEAF_1, LEAF_2 = "0x7cfe900300a1b2c3", "0x7cfe900300a1b2c4"
+
+
+def test_the_fabric_map_names_each_adapters_leaf():
+    from llmgw.control import fabricmaps
+    from tests.test_fabric_discovery import fixture
+
+    mapped = fabricmaps.parse(fixture("ibnetdiscover-two-leaves.txt"))
+    assert sorted(mapped["switches"]) == [LEAF_1, LEAF_2, "0x7cfe900300d4e5f6"]
+    assert mapped["switches"][LEAF_1]["hosts"] == ["0x0c42a1030045bd6c", "0x0c42a1030045bd7c"]
+    assert mapped["switches"]["0x7cfe900300d4e5f6"]["hosts"] == []  # the spine
+    assert {g: h["leaf"] for g, h in mapped["hosts"].items()} == {
+        "0x0c42a1030045bd6c": LEAF_1, "0x0c42a1030045bd7c": LEAF_1,
+        "0x0c42a1030045bd8c": LEAF_2, "0x0c42a1030045bd9c": LEAF_2}
+    assert mapped["hosts"]["0x0c42a1030045bd9c"]["description"] == "gpu-04 mlx5_0"
+    with pytest.raises(ValueError, match="names no switch"):
+        fabricmaps.parse("ibwarn: [1234] mad_rpc_open_port: can't open UMAD port\n")
+
+
+def test_the_controller_maps_each_fabric_through_one_node_and_keeps_why_not():
+    from llmgw.control import fabricmaps
+    from tests.test_fabric_discovery import fixture
+
+    def scanning(node_id, guid, features=("fabric-scan",)):
+        port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "fabric_id": A, "node_guid": guid}
+        return NodeView(node_id, "ready", 0, 0, node_facts({"ib_ports": [port], "features": list(features)}, {}))
+
+    asked = []
+    answers = iter([{"output": fixture("ibnetdiscover-two-leaves.txt")}, {"error": "ibnetdiscover failed: x"}, None])
+
+    def ask(node_id, kind, fields, timeout):
+        asked.append((node_id, kind, fields))
+        return next(answers)
+
+    clock = [1000.0]
+    maps = fabricmaps.Maps()
+    nodes = [scanning("old", "0x01", features=()), scanning("gpu-01", "0x0c42a1030045bd6c")]
+    maps.scan(nodes, ask, now=lambda: clock[0])
+    assert asked == [("gpu-01", "scan_fabric", {"hca": "mlx5_0", "port": 1})]  # the old agent is not asked
+    assert maps.leaves()["0x0c42a1030045bd8c"] == LEAF_2
+    maps.scan(nodes, ask, now=lambda: clock[0] + 10)
+    assert len(asked) == 1  # mapped ten seconds ago: not due
+    clock[0] += fabricmaps.SCAN_EVERY
+    maps.scan(nodes, ask, now=lambda: clock[0])
+    assert maps.get(A)["error"] == "gpu-01: ibnetdiscover failed: x" and maps.leaves() == {}
+    maps.scan(nodes, ask, fabric_id=A, now=lambda: clock[0])
+    assert maps.get(A)["error"] == "gpu-01 did not answer a scan within 150 s"
+
+
+def test_nodes_under_one_leaf_are_taken_together():
+    def on_leaf(node_id, guid, replicas_here=0):
+        port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "node_guid": guid}
+        registration = {"gpus": [], "engines": {"vllm": "1"}, "engines_probed": True, "memory": {"total_bytes": 1 << 40},
+                        "fabrics": [fabric(A, adapters=("mlx5_0",))], "ib_ports": [port]}
+        return NodeView(node_id, "ready", 0, 0, node_facts(registration, {}))
+
+    # By spread alone a and c come first (b and d run a replica of the model already); a and c are under
+    # different leaves, and b is under a's.
+    nodes = [on_leaf("a", "0x0c42a1030045bd6c"), on_leaf("b", "0x0c42a1030045bd7c"),
+             on_leaf("c", "0x0c42a1030045bd8c"), on_leaf("d", "0x0c42a1030045bd9c")]
+    held = [placement.Claim("b", "big", 0, ()), placement.Claim("d", "big", 0, ())]
+    model = big(gpus=0)
+    group, _ = over(model, nodes, held)
+    assert [r.node_id for r in group.ranks] == ["a", "c"]
+    leaves = {"0x0c42a1030045bd6c": LEAF_1, "0x0c42a1030045bd7c": LEAF_1,
+              "0x0c42a1030045bd8c": LEAF_2, "0x0c42a1030045bd9c": LEAF_2}
+    group, _ = placement.over_nodes(model, model.profiles[0], nodes, placement._by_node(held), leaves)
+    assert [r.node_id for r in group.ranks] == ["a", "b"]

@@ -1,5 +1,6 @@
 """The admin API's fabrics and NVLink domains (llmgw/control/fabricview.py): what `/admin/fabrics`,
-`/admin/nvlink` and scripts read; and a fabric test between two nodes (llmgw/control/fabrictest.py)."""
+`/admin/nvlink` and scripts read; each fabric's map (llmgw/control/fabricmaps.py); and a fabric test between
+two nodes (llmgw/control/fabrictest.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,23 @@ bp = Blueprint("fabrics", __name__)
 def fabrics():
     nodes = parts().fleet.describe(time.monotonic())
     return jsonify({"fabrics": fabricview.fabrics(nodes), "problems": fabricview.problems(nodes)})
+
+
+@bp.get("/api/v1/fabrics/<path:fabric_id>/topology")
+def topology(fabric_id):
+    """FABRIC_ID's last map (its leaf switches, the hosts on each), scanned now where it has none."""
+    ours = parts()
+    if ours.maps is None:
+        return error(404, "this controller keeps no fabric maps")
+    if ours.maps.get(fabric_id) is None:
+        ours.maps.scan(ours.fleet.describe(time.monotonic()), ours.ask_node, fabric_id=fabric_id)
+    found = ours.maps.get(fabric_id)
+    if found is None:
+        return error(404, f"no ready node with an active port on fabric {fabric_id!r} scans fabrics; "
+                          "`GET /api/v1/fabrics` lists the fabrics and their nodes")
+    if "error" in found:
+        return error(502, f"fabric {fabric_id} could not be mapped: {found['error']}")
+    return jsonify({"fabric": fabric_id, "scanned_at": found["at"], "by": found["node"], **found["map"]})
 
 
 @bp.get("/api/v1/nvlink")

@@ -141,8 +141,9 @@ def explain_placement(name):
     model = catalog.models().get(name)
     if model is None:
         return error(404, f"no model {name!r}; `llmgw ctl models` lists them")
+    leaves = ours.maps.leaves() if ours.maps is not None else None
     return jsonify({"model": name, "nodes": placement.explain(model, fleet.describe(time.monotonic()),
-                                                               replicas.claims()),
+                                                               replicas.claims(), leaves),
                     "scaling": scaler.explain(name) if scaler is not None else None})
 
 

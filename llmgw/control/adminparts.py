@@ -36,6 +36,7 @@ class Parts:
     gateway_ring: KeyRing | None = None
     lease: Any = None  # llmgw/control/lease.py: a standby answers its status only
     scaler: Any = None  # llmgw/control/autoscale.py: what load scaling sees and decided
+    maps: Any = None  # llmgw/control/fabricmaps.py: each fabric's last scan
 
 
 def parts() -> Parts:

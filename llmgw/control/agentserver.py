@@ -166,7 +166,7 @@ class AgentServer:
                 self._refuse_if(node_id, message["shard_id"], refused)
                 if refused is None and message["state"] == "ready":
                     self._check_context(message)
-        elif message["type"] in ("ack", "logs_reply", "weights_reply", "fabric_test_reply"):
+        elif message["type"] in ("ack", "logs_reply", "weights_reply", "fabric_test_reply", "scan_fabric_reply"):
             waiter = self.waiting.get(message["request_id"])
             if waiter is not None and waiter.get("node", node_id) != node_id:
                 self._refuse_if(node_id, message["request_id"], f"request {message['request_id']} went to "

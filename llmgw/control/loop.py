@@ -132,10 +132,11 @@ class ControlLoop:
     def __init__(self, *, context, engine, auth, fleet: Fleet, catalog, replicas, demand, server: AgentServer,
                  outbox: Outbox, inbox, key_pusher, publisher, account_server, roller, admin,
                  report: ReconcileReport, reconcile_interval: float, lease: Lease, renew_interval: float,
-                 on_lead: Callable[[], None], on_standby: Callable[[], None], scaler: Scaler):
+                 on_lead: Callable[[], None], on_standby: Callable[[], None], scaler: Scaler, maps=None):
         """LEASE says whether this controller leads; it is renewed every RENEW_INTERVAL seconds. ON_LEAD starts
         a term afresh (what a standby knew is stale), in this thread before it acts; ON_STANDBY runs after each
-        renewal that did not lead (a standby keeps the keys it admits current)."""
+        renewal that did not lead (a standby keeps the keys it admits current). MAPS: each fabric's map
+        (llmgw/control/fabricmaps.py), scanned from here while this controller leads."""
         self.context = context
         self.engine = engine
         self.auth = auth
@@ -158,6 +159,7 @@ class ControlLoop:
         self.renew_interval = renew_interval
         self.on_lead = on_lead
         self.on_standby = on_standby
+        self.maps = maps
         self.term = 0  # the lease's term this loop has started: it acts only in that one
         self.term_lock = threading.Lock()  # a reconcile pass never overlaps the start of a term
         self.scheduler = BackgroundScheduler()
@@ -219,12 +221,21 @@ class ControlLoop:
                                                            "shard_id": action.shard_id})
                 threading.Timer(STOP_GRACE, self.outbox.put, args=(message,)).start()
 
+    def scan_fabrics(self) -> None:
+        if self.lease.held():
+            self.maps.scan(self.fleet.describe(time.monotonic()), self.outbox.ask_node)
+
     def run(self, stopping: threading.Event) -> None:
         """Serve until STOPPING is set; the loop notices within one poll."""
         self.scheduler.add_job(self.renew, "interval", id="lease", seconds=self.renew_interval,
                                max_instances=1, coalesce=True)
         self.scheduler.add_job(self.reconcile, "interval", id="reconcile", seconds=self.reconcile_interval,
                                max_instances=1, coalesce=True, next_run_time=datetime.datetime.now())
+        if self.maps is not None:
+            # Each fabric is mapped every fabricmaps.SCAN_EVERY; a job a minute finds the ones due. A scan is a
+            # node's minutes of work, asked in this job's own thread, never the loop's.
+            self.scheduler.add_job(self.scan_fabrics, "interval", id="fabric-scan", seconds=60, max_instances=1,
+                                   coalesce=True, next_run_time=datetime.datetime.now())
         self.key_pusher.start()
         self.scheduler.start()
         # A catalog change is acted on at once rather than at the next tick.

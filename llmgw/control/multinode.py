@@ -13,10 +13,12 @@ replica: state, engine, labels, GPUs, memory; llmgw/control/placement.py) are gr
 
 Never across islands; a node with no fabric serves single-node replicas only. Within an island the nodes
 with a degraded port (a cable that trained down) come last, then spread (fewest replicas of this model),
-then the most unclaimed memory. Of the islands that can take it, a domain beats a fabric, then the one
-whose chosen nodes have fewest degraded ports, then the fastest, then by name. Each node's cards are
-chosen nearest that node's adapters on the island (llmgw/control/gpusets.py). Which leaf switch a node
-hangs off is not known yet (it needs a scan of the fabric), so nodes under one leaf are not preferred.
+then the most unclaimed memory; and where enough of them hang off the same leaf switches (each adapter's
+leaf, from the fabric's last scan: llmgw/control/fabricmaps.py; on a rail-optimised fabric, the same leaf
+a rail), those are taken together, so the replica's traffic stays off the spine. Of the islands that can
+take it, a domain beats a fabric, then the one whose chosen nodes have fewest degraded ports, then one
+whose nodes share their leaves, then the fastest, then by name. Each node's cards are chosen nearest that
+node's adapters on the island (llmgw/control/gpusets.py).
 """
 
 from __future__ import annotations
@@ -66,15 +68,30 @@ def islands_of(node: NodeView) -> list[tuple[Island, tuple[str, ...], str]]:
     return out
 
 
-def place(model: Model, profile: Profile, nodes: list[NodeView], fits,
-          here) -> tuple[GroupDecision | None, dict[str, str]]:
+def leaf_key(node: NodeView, adapters: tuple[str, ...], leaves: dict[str, str]) -> tuple[str, ...] | None:
+    """The leaf switches NODE's ADAPTERS hang off (LEAVES: adapter node GUID -> leaf), None where one is not
+    known."""
+    found = []
+    for hca in adapters:
+        port = next((p for p in node.facts.ib_ports if p["hca"] == hca), None)
+        leaf = leaves.get(port.get("node_guid", "")) if port else None
+        if leaf is None:
+            return None
+        found.append(leaf)
+    return tuple(sorted(found)) if found else None
+
+
+def place(model: Model, profile: Profile, nodes: list[NodeView], fits, here,
+          leaves: dict[str, str] | None = None) -> tuple[GroupDecision | None, dict[str, str]]:
     """PROFILE's nodes for one more replica of MODEL (PROFILE.nodes > 1), or None with the reasons.
 
     FITS(node, adapters) -> (reason or None, gpus): whether NODE can take one shard, its cards chosen near
     ADAPTERS (placement's per-node checks). HERE(node_id) -> (replicas of MODEL there, -unclaimed memory):
-    the spread order."""
+    the spread order. LEAVES: each adapter's leaf switch, by its node GUID (fabricmaps.Maps.leaves)."""
     reasons: dict[str, str] = {}
-    members: dict[str, list[tuple[str, Rank, str]]] = {}  # island key -> (node, its rank there, degraded)
+    leaves = leaves or {}
+    # island key -> (node, its rank there, degraded, its leaves there)
+    members: dict[str, list[tuple[str, Rank, str, tuple[str, ...] | None]]] = {}
     named: dict[str, Island] = {}
     for node in nodes:
         islands = islands_of(node)
@@ -90,19 +107,26 @@ def place(model: Model, profile: Profile, nodes: list[NodeView], fits,
                 reasons[node.node_id] = reason
                 continue
             named.setdefault(island.key, island)
-            members.setdefault(island.key, []).append((node.node_id, Rank(node.node_id, gpus, adapters), degraded))
+            members.setdefault(island.key, []).append((node.node_id, Rank(node.node_id, gpus, adapters), degraded,
+                                                       leaf_key(node, adapters, leaves)))
     choices = []
     for key, fitting in members.items():
         island = named[key]
         if len(fitting) < profile.nodes:
             reasons[f"{island.name} ({key})"] = (f"{len(fitting)} of its nodes can take a shard "
-                                                 f"({', '.join(n for n, _, _ in fitting)}), {profile.nodes} needed")
+                                                 f"({', '.join(n for n, _, _, _ in fitting)}), {profile.nodes} needed")
             continue
-        fitting.sort(key=lambda member: (bool(member[2]), *here(member[0]), member[0]))
-        chosen = fitting[:profile.nodes]
-        slow = sum(1 for _, _, why in chosen if why)
-        choices.append(((not key.startswith("nvl:"), slow, -island.rate_gbps, island.name),
-                        GroupDecision(profile, island, tuple(rank for _, rank, _ in chosen))))
+        order = {m[0]: (bool(m[2]), *here(m[0]), m[0]) for m in fitting}
+        fitting.sort(key=lambda member: order[member[0]])
+        together: dict[tuple[str, ...], list] = {}
+        for member in fitting:
+            if member[3] is not None:
+                together.setdefault(member[3], []).append(member)
+        enough = [group[:profile.nodes] for group in together.values() if len(group) >= profile.nodes]
+        chosen = min(enough, key=lambda group: [order[m[0]] for m in group]) if enough else fitting[:profile.nodes]
+        slow = sum(1 for _, _, why, _ in chosen if why)
+        choices.append(((not key.startswith("nvl:"), slow, not enough, -island.rate_gbps, island.name),
+                        GroupDecision(profile, island, tuple(rank for _, rank, _, _ in chosen))))
     if not choices:
         return None, reasons
     return min(choices, key=lambda choice: choice[0])[1], reasons

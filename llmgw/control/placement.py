@@ -198,14 +198,15 @@ def _spread(model: Model, node: NodeView, mine: list[Claim]) -> tuple[int, int]:
     return sum(1 for c in mine if c.model == model.name), -unclaimed if unclaimed is not None else 0
 
 
-def over_nodes(model: Model, profile: Profile, nodes: list[NodeView],
-               held: dict[str, list[Claim]]) -> tuple[multinode.GroupDecision | None, dict[str, str]]:
-    """The nodes for one more replica of MODEL with PROFILE over several nodes (llmgw/control/multinode.py)."""
+def over_nodes(model: Model, profile: Profile, nodes: list[NodeView], held: dict[str, list[Claim]],
+               leaves: dict[str, str] | None = None) -> tuple[multinode.GroupDecision | None, dict[str, str]]:
+    """The nodes for one more replica of MODEL with PROFILE over several nodes (llmgw/control/multinode.py);
+    LEAVES: each adapter's leaf switch (llmgw/control/fabricmaps.py)."""
     by_id = {node.node_id: node for node in nodes}
     return multinode.place(
         model, profile, nodes,
         fits=lambda node, adapters: _refusal(node, profile, held.get(node.node_id, []), model, adapters),
-        here=lambda node_id: _spread(model, by_id[node_id], held.get(node_id, [])))
+        here=lambda node_id: _spread(model, by_id[node_id], held.get(node_id, [])), leaves=leaves)
 
 
 def _fits(node: NodeView, gpus: tuple[int, ...]) -> str:
@@ -216,13 +217,15 @@ def _fits(node: NodeView, gpus: tuple[int, ...]) -> str:
     return f"fits (GPUs {', '.join(map(str, gpus))}{joined})"
 
 
-def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[dict]:
-    """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason."""
+def explain(model: Model, nodes: list[NodeView], claims: list[Claim],
+            leaves: dict[str, str] | None = None) -> list[dict]:
+    """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason; LEAVES as
+    `over_nodes` takes them."""
     rows = []
     held = _by_node(claims)
     for profile in model.profiles:
         if profile.nodes > 1:
-            rows += _explain_over_nodes(model, profile, nodes, held)
+            rows += _explain_over_nodes(model, profile, nodes, held, leaves)
             continue
         for node in nodes:
             reason, gpus = _refusal(node, profile, held.get(node.node_id, []), model)
@@ -231,9 +234,9 @@ def explain(model: Model, nodes: list[NodeView], claims: list[Claim]) -> list[di
     return rows
 
 
-def _explain_over_nodes(model: Model, profile: Profile, nodes: list[NodeView],
-                        held: dict[str, list[Claim]]) -> list[dict]:
-    group, reasons = over_nodes(model, profile, nodes, held)
+def _explain_over_nodes(model: Model, profile: Profile, nodes: list[NodeView], held: dict[str, list[Claim]],
+                        leaves: dict[str, str] | None) -> list[dict]:
+    group, reasons = over_nodes(model, profile, nodes, held, leaves)
     ranks = {r.node_id: (i, r) for i, r in enumerate(group.ranks)} if group else {}
     island = group.island.name if group else ""
     rows = []

@@ -1,11 +1,12 @@
 """What the agent does with each command from the controller: start, stop or drain a shard, list or remove weights,
-logs, and one side of a fabric test (in a thread of its own: it runs for seconds, and heartbeats go on)."""
+logs, one side of a fabric test and a scan of a fabric (each in a thread of its own: they run for seconds or minutes,
+and heartbeats go on)."""
 
 from __future__ import annotations
 
 import threading
 
-from llmgw.node import perftest
+from llmgw.node import perftest, subnetmanagers
 from llmgw.node.logsources import KEPT, LogSources
 from llmgw.node.supervisor import Supervisor
 from llmgw.weights import LISTED_MOST
@@ -22,10 +23,19 @@ def commands(node_id: str, supervisor: Supervisor, logs: LogSources, ports=lambd
         reply = perftest.answer(message, ports())
         send(("fabric_test_reply", {"node_id": node_id, "request_id": message["request_id"], **reply}))
 
+    def scan_fabric(message: dict) -> None:
+        mine = {(p["hca"], p["port"]) for p in ports()}
+        where = (message["hca"], message["port"])
+        reply = subnetmanagers.scan(*where) if where in mine else {"error": f"no port {where[0]}/{where[1]} here"}
+        send(("scan_fabric_reply", {"node_id": node_id, "request_id": message["request_id"], **reply}))
+
     def handle(message: dict) -> list[tuple[str, dict]]:
         kind, request_id = message["type"], message["request_id"]
         if kind == "fabric_test":
             threading.Thread(target=fabric_test, args=(message,), name="fabric-test", daemon=True).start()
+            return []
+        if kind == "scan_fabric":
+            threading.Thread(target=scan_fabric, args=(message,), name="fabric-scan", daemon=True).start()
             return []
         if kind == "start_shard":
             supervisor.start({k: v for k, v in message.items() if k not in ("v", "type", "request_id")})

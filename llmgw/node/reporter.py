@@ -21,7 +21,7 @@ from llmgw.node.supervisor import Supervisor
 
 # The requests this agent answers beyond the basics: the controller refuses at once what a node's agent
 # cannot do, rather than waiting for a reply that never comes.
-FEATURES = ("fabric-test",)
+FEATURES = ("fabric-test", "fabric-scan")
 ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems")
 GPU_FABRIC_EVERY = 60.0  # seconds between asking nvidia-smi -q and IMEX (a MAD-free but slow query)
 

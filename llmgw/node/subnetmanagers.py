@@ -149,3 +149,28 @@ class Watch:
                     self.sets[master["guid"]] = self.smir(*where)
                 except ValueError as e:
                     self.sets[master["guid"]] = str(e)
+
+
+SCAN_TIMEOUT = 120.0  # seconds for ibnetdiscover: it walks every switch of the fabric
+SCAN_MOST = 15 * 1024 * 1024  # bytes of a scan sent back: under the agent channel's 16 MiB message
+
+
+def scan(hca: str, port: int) -> dict:
+    """The fields of a `scan_fabric_reply`: `ibnetdiscover`'s map of the fabric seen from HCA's PORT
+    (`output`), or why there is none (`error`)."""
+    if shutil.which("ibnetdiscover") is None:
+        return {"error": "ibnetdiscover is not installed: install infiniband-diags"}
+    try:
+        run = subprocess.run(["ibnetdiscover", "-C", hca, "-P", str(port)], capture_output=True, text=True,
+                             timeout=SCAN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"ibnetdiscover did not finish in {SCAN_TIMEOUT:.0f} s"}
+    except OSError as e:
+        return {"error": f"ibnetdiscover did not run: {e}"}
+    if run.returncode != 0:
+        last = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"ibnetdiscover failed: {last[0][:300]}"}
+    if len(run.stdout.encode()) > SCAN_MOST:
+        return {"error": f"ibnetdiscover printed {len(run.stdout.encode()) >> 20} MiB, more than the "
+                         f"{SCAN_MOST >> 20} MiB a scan may send"}
+    return {"output": run.stdout}

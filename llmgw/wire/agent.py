@@ -123,6 +123,8 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
                       "refused": ("object", False)},
     "fabric_test_reply": {"node_id": ("str", True), "request_id": ("str", True), "gbps": (Num(0, 1e6), False),
                           "error": (TEXT, False), "output": (Str(20000), False)},
+    "scan_fabric_reply": {"node_id": ("str", True), "request_id": ("str", True), "output": (Str(15 * 1024 * 1024), False),
+                          "error": (TEXT, False)},
     # controller -> agent
     "registered": {"node_id": ("str", True), "heartbeat_interval": ("number", False)},
     "start_shard": {
@@ -140,6 +142,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "fabric_test": {"request_id": ("str", True), "role": (Str(16), True), "hca": (NAME, True),
                     "port": (Int(0, 255), True), "tcp_port": (Int(0, 65535), True), "seconds": (Int(1, 30), True),
                     "peer": (Str(64), False)},
+    "scan_fabric": {"request_id": ("str", True), "hca": (NAME, True), "port": (Int(0, 255), True)},
     "heartbeat_ack": {"seq": ("int", True)},
     "register_again": {"reason": ("str", True)},
     "refused": {"reason": ("str", True)},
