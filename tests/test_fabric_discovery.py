@@ -113,7 +113,7 @@ def test_a_fabric_is_named_by_its_lowest_subnet_manager_so_a_failover_does_not_s
         asked.append(("smir", hca))
         return smir
 
-    watch = subnetmanagers.Watch(sminfo, ask_smir, clock=lambda: clock[0], installed=lambda: True)
+    watch = subnetmanagers.Watch(sminfo, ask_smir, clock=lambda: clock[0], installed=lambda: True, background=False)
     ports = _ports("mlx5_0", "mlx5_1")
     watch.look(ports)
     # Each port asks its master; the list of managers once for the master they share, shown on one port.
@@ -131,6 +131,32 @@ def test_a_fabric_is_named_by_its_lowest_subnet_manager_so_a_failover_does_not_s
     watch.look(after)
     assert [p["fabric_id"] for p in after] == ["sm:0x248a0703005a0012"] * 2
     assert after[0]["sm"]["guid"] == standby["guid"]
+
+
+def test_after_the_first_time_a_slow_subnet_manager_holds_up_no_heartbeat():
+    import threading
+    import time
+
+    master = subnetmanagers.parse_sminfo(fixture("sminfo-master.txt"))
+    release = threading.Event()
+    calls = []
+
+    def sminfo(hca, port):
+        calls.append(hca)
+        if len(calls) > 1:
+            release.wait(30)  # a subnet manager that does not answer
+        return master
+
+    clock = [0.0]
+    watch = subnetmanagers.Watch(sminfo, lambda hca, port: [master], clock=lambda: clock[0], installed=lambda: True)
+    watch.look(_ports("mlx5_0"))  # the first time, at once: the registration waits for it
+    clock[0] = 61.0
+    started = time.monotonic()
+    later = _ports("mlx5_0")
+    watch.look(later)
+    assert time.monotonic() - started < 5 and later[0]["fabric_id"] == "sm:0x248a0703005abcde"  # the last answer
+    release.set()
+    watch.asking.join(30)
 
 
 def test_without_infiniband_diags_a_port_says_what_to_install():
@@ -353,7 +379,7 @@ def test_the_doctor_reads_a_fabric_node_and_says_what_a_shard_would_get(tmp_path
     # The fixture's fabric has a master and a standby: no warning about a lone subnet manager.
     assert not any("no standby" in message for _, message in found)
     assert ("OK", "fabric ib-a: mlx5_0, mlx5_1 at 400 Gb/s on sm:0x248a0703005a0012; a shard there gets "
-                  "NCCL_IB_HCA=mlx5_0,mlx5_1 NCCL_IB_DISABLE=0 NCCL_SOCKET_IFNAME=ens3 GLOO_SOCKET_IFNAME=ens3") in found
+                  "NCCL_IB_HCA==mlx5_0:1,mlx5_1:1 NCCL_IB_DISABLE=0 NCCL_SOCKET_IFNAME==ens3 GLOO_SOCKET_IFNAME=ens3") in found
     assert facts["modules"] == ["ib_uverbs", "mlx5_ib"]
 
 
@@ -388,15 +414,19 @@ def test_the_doctor_fails_what_would_hang_a_replica_and_warns_of_the_rest():
 def test_the_nccl_environment_follows_the_fabric():
     from llmgw.engines import nccl
 
-    assert nccl.environment(2, ["mlx5_0", "mlx5_1"], None, "ens3") == {
-        "NCCL_IB_HCA": "mlx5_0,mlx5_1", "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "ens3", "GLOO_SOCKET_IFNAME": "ens3"}
-    assert nccl.environment(2, ["mlx5_2"], 3, None)["NCCL_IB_GID_INDEX"] == "3"  # RoCE v2
+    # "=" makes NCCL take the names whole: mlx5_1 alone would take mlx5_10 and mlx5_11 too.
+    assert nccl.environment(2, ["mlx5_0:1", "mlx5_1:1"], None, "ens3") == {
+        "NCCL_IB_HCA": "=mlx5_0:1,mlx5_1:1", "NCCL_IB_DISABLE": "0", "NCCL_SOCKET_IFNAME": "=ens3",
+        "GLOO_SOCKET_IFNAME": "ens3"}
+    assert nccl.environment(2, ["mlx5_2:1"], 3, None)["NCCL_IB_GID_INDEX"] == "3"  # RoCE v2
     assert nccl.environment(1, [], None, None) == {"NCCL_IB_DISABLE": "1"}
     nvl = nccl.environment(2, [], None, "ens3", island="nvl:76b1ad76-7c24-4b6b-9f6c-2a1e0d8c11aa/7")
     assert nvl["NCCL_MNNVL_ENABLE"] == "1" and nvl["NCCL_CUMEM_ENABLE"] == "1"
-    assert "NCCL_MNNVL_ENABLE" not in nccl.environment(2, ["mlx5_0"], None, None, island="sm:0x00000000000000aa")
-    ports = [{"hca": "mlx5_2", "state": "ACTIVE", "roce_gid_index": 3}, {"hca": "mlx5_0", "state": "ACTIVE"}]
+    assert "NCCL_MNNVL_ENABLE" not in nccl.environment(2, ["mlx5_0:1"], None, None, island="sm:0x00000000000000aa")
+    ports = [{"hca": "mlx5_2", "port": 1, "state": "ACTIVE", "roce_gid_index": 3},
+             {"hca": "mlx5_0", "port": 2, "state": "ACTIVE"}, {"hca": "mlx5_1", "port": 1, "state": "DOWN"}]
     assert nccl.gid_index(ports, ["mlx5_2"]) == 3 and nccl.gid_index(ports, ["mlx5_0"]) is None
+    assert nccl.rails(ports, ["mlx5_0", "mlx5_1", "mlx5_2"]) == ["mlx5_0:2", "mlx5_2:1"]
 
 
 def test_the_fabrics_are_series_once_a_fabric_and_only_as_reported():

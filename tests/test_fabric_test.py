@@ -87,7 +87,26 @@ def test_what_a_fabric_test_refuses_before_asking_anyone():
     assert asked == []
     assert fabrictest.rails(["mlx5_1", "mlx5_0"], ["mlx5_0", "mlx5_1"]) == [("mlx5_0", "mlx5_0"), ("mlx5_1", "mlx5_1")]
     assert fabrictest.rails(["mlx5_0"], ["mlx5_4"]) == [("mlx5_0", "mlx5_4")]
+    # Partly overlapping names: the common ones by name, the rest in order, one left without a partner.
+    assert fabrictest.rails(["mlx5_0", "mlx5_1", "ibp2"], ["mlx5_0", "ibp7"]) == [
+        ("mlx5_0", "mlx5_0"), ("ibp2", "ibp7"), ("mlx5_1", None)]
     assert [fabrictest.grade(g, 400.0) for g in (388.2, 250.0, 100.0, None)] == ["ok", "slow", "fail", "fail"]
+
+
+def test_a_rail_that_is_down_fails_the_test_without_running():
+    ib_a = {"name": "ib-a", "physical": A, "adapters": ["mlx5_0"], "declared": ["mlx5_0", "mlx5_1"]}
+    a = node("a", [ib_a])
+    b = node("b", [{**ib_a, "adapters": ["mlx5_0", "mlx5_1"]}])
+    asked = []
+
+    def ask(node_id, kind, fields, timeout):
+        asked.append((node_id, fields["hca"]))
+        return {"gbps": 390.0}
+
+    result = fabrictest.run([a, b], "a", "b", None, 3, ask)
+    assert not result["passed"] and [r["grade"] for r in result["rails"]] == ["ok", "fail"]
+    assert result["rails"][1]["error"] == "mlx5_1 on a is not active"
+    assert sorted(asked) == [("a", "mlx5_0"), ("b", "mlx5_0")]  # the rail that is down was not run
 
 
 def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
@@ -116,9 +135,10 @@ def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
         assert "fabric ib-a (sm:0x248a0703005a0012), 1 s a rail" in run.stdout
         assert run.stdout.count("388.2") == 2 and run.stdout.count(" ok") == 2
         asked = (tmp_path / "a-asked.txt").read_text().splitlines()
-        assert asked == ["-d mlx5_0 -i 1 -p 18515 -D 1 -F --report_gbits 127.0.0.1",
-                         "-d mlx5_1 -i 1 -p 18516 -D 1 -F --report_gbits 127.0.0.1"]
-        assert (tmp_path / "b-asked.txt").read_text().splitlines()[0] == "-d mlx5_0 -i 1 -p 18515 -D 1 -F --report_gbits"
+        port = int(asked[0].split(" -p ")[1].split()[0])  # a random step above perftest's 18515
+        assert asked == [f"-d mlx5_0 -i 1 -p {port} -D 1 -F --report_gbits 127.0.0.1",
+                         f"-d mlx5_1 -i 1 -p {port + 1} -D 1 -F --report_gbits 127.0.0.1"]
+        assert (tmp_path / "b-asked.txt").read_text().splitlines()[0] == f"-d mlx5_0 -i 1 -p {port} -D 1 -F --report_gbits"
         # The other way round, b's client reads 251.4: slow, and the command says so with its exit status.
         run = subprocess.run([sys.executable, "-m", "llmgw", "--config", ctl.config, "ctl", "fabric-test", "b", "a",
                               "--seconds", "1", "--fabric", "ib-a"], capture_output=True, text=True, timeout=300)

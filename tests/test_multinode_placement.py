@@ -207,7 +207,8 @@ def test_the_controller_maps_each_fabric_through_one_node_and_keeps_why_not():
 
     def scanning(node_id, guid, features=("fabric-scan",)):
         port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "fabric_id": A, "node_guid": guid}
-        return NodeView(node_id, "ready", 0, 0, node_facts({"ib_ports": [port], "features": list(features)}, {}))
+        return NodeView(node_id, "ready", 0, 0, node_facts({"ib_ports": [port], "features": list(features),
+                                                            "fabrics": [fabric(A)]}, {}))
 
     asked = []
     answers = iter([{"output": fixture("ibnetdiscover-two-leaves.txt")}, {"error": "ibnetdiscover failed: x"}, None])
@@ -221,7 +222,11 @@ def test_the_controller_maps_each_fabric_through_one_node_and_keeps_why_not():
     nodes = [scanning("old", "0x01", features=()), scanning("gpu-01", "0x0c42a1030045bd6c")]
     maps.scan(nodes, ask, now=lambda: clock[0])
     assert asked == [("gpu-01", "scan_fabric", {"hca": "mlx5_0", "port": 1})]  # the old agent is not asked
-    assert maps.leaves()["0x0c42a1030045bd8c"] == LEAF_2
+    assert maps.leaves()[A]["0x0c42a1030045bd8c"] == LEAF_2
+    # A port's own say does not get a fabric scanned: only a fabric some node declares and uses.
+    stray = scanning("stray", "0x02")
+    stray.facts.ib_ports[0]["fabric_id"] = "sm:0x00000000000000ee"
+    assert fabricmaps._scanners(nodes + [stray]) == {A: ("gpu-01", "mlx5_0", 1)}
     maps.scan(nodes, ask, now=lambda: clock[0] + 10)
     assert len(asked) == 1  # mapped ten seconds ago: not due
     clock[0] += fabricmaps.SCAN_EVERY
@@ -246,7 +251,16 @@ def test_nodes_under_one_leaf_are_taken_together():
     model = big(gpus=0)
     group, _ = over(model, nodes, held)
     assert [r.node_id for r in group.ranks] == ["a", "c"]
-    leaves = {"0x0c42a1030045bd6c": LEAF_1, "0x0c42a1030045bd7c": LEAF_1,
-              "0x0c42a1030045bd8c": LEAF_2, "0x0c42a1030045bd9c": LEAF_2}
+    leaves = {A: {"0x0c42a1030045bd6c": LEAF_1, "0x0c42a1030045bd7c": LEAF_1,
+                  "0x0c42a1030045bd8c": LEAF_2, "0x0c42a1030045bd9c": LEAF_2}}
     group, _ = placement.over_nodes(model, model.profiles[0], nodes, placement._by_node(held), leaves)
     assert [r.node_id for r in group.ranks] == ["a", "b"]
+    # Another fabric's map says nothing of this one.
+    group, _ = placement.over_nodes(model, model.profiles[0], nodes, placement._by_node(held), {B: leaves[A]})
+    assert [r.node_id for r in group.ranks] == ["a", "c"]
+
+
+def test_odd_peers_a_node_reports_are_left_out_not_fatal():
+    # "²" passes str.isdigit() and fails int(): once, one heartbeat so took every node's view down.
+    facts = node_facts({"gpus": [{"index": 0, "nvlink": {"²": 4, "1": 2, "0": 3, "99999": 1}}, {"index": 1}]}, {})
+    assert facts.gpus[0].nvlink == {1: 2}

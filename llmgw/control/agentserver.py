@@ -155,6 +155,11 @@ class AgentServer:
         elif message["type"] == "heartbeat":
             if self.fleet.heartbeat(node_id, message, identity, now, peer):
                 self.send(identity, "heartbeat_ack", seq=message["seq"])
+                if message.get("fabrics_changed"):
+                    # Placement reads the new list from the node's status; the operator reads why here.
+                    usable = ", ".join(f"{f['name']} ({', '.join(f.get('adapters', []))})"
+                                       for f in message.get("fabrics", [])) or "none"
+                    log.info("node %s's usable fabrics are now: %s", node_id, usable)
             else:
                 self.send(identity, "register_again", reason="this controller does not know the node (it restarted), "
                                                              "lost it, or heard it from another address: say again "

@@ -17,6 +17,8 @@ import time
 SCAN_EVERY = 600.0  # seconds between scans of a fabric
 SCAN_WAIT = 150.0  # seconds a node has to answer a scan (ibnetdiscover's own limit is 120)
 FEATURE = "fabric-scan"
+MOST_FABRICS = 16  # fabrics mapped: more physical fabrics than any cluster has
+MOST_NODES = 50_000  # switches and adapters a map may hold (a 15 MiB scan parsed whole takes about 250 MiB)
 
 _NODE = re.compile(r'^(Switch|Ca)\s+\d+\s+"([SH])-([0-9a-fA-F]+)"\s*#\s*"([^"]*)"')
 _SWITCH_LINK = re.compile(r'^\[(\d+)\]\s+"([SH])-([0-9a-fA-F]+)"\[(\d+)\]')
@@ -37,6 +39,8 @@ def parse(text: str) -> dict:
         line = line.strip()
         opened = _NODE.match(line)
         if opened:
+            if len(switches) + len(hosts) >= MOST_NODES:
+                raise ValueError(f"ibnetdiscover's map holds more than {MOST_NODES} switches and adapters")
             kind, guid = opened.group(1), _guid(opened.group(3))
             current = (kind, guid)
             if kind == "Switch":
@@ -75,17 +79,20 @@ class Maps:
         with self.lock:
             return self.maps.get(fabric)
 
-    def leaves(self) -> dict[str, str]:
-        """Adapter node GUID -> the leaf switch it hangs off, over every fabric mapped."""
+    def leaves(self) -> dict[str, dict[str, str]]:
+        """Fabric -> adapter node GUID -> the leaf switch it hangs off: a map speaks for its own fabric only."""
         with self.lock:
-            return {guid: host["leaf"] for entry in self.maps.values() if "map" in entry
-                    for guid, host in entry["map"]["hosts"].items() if host["leaf"]}
+            return {fabric: {guid: host["leaf"] for guid, host in entry["map"]["hosts"].items() if host["leaf"]}
+                    for fabric, entry in self.maps.items() if "map" in entry}
 
     def scan(self, nodes, ask, fabric_id: str | None = None, now=time.time) -> None:
         """Map each InfiniBand fabric the NODES report (or only FABRIC_ID) that is due: through the first
         ready node that scans (its agent lists the feature) and has an active port on it. ASK: the
         controller's `ask_node`."""
-        for fabric, (node_id, hca, port) in sorted(_scanners(nodes).items()):
+        scanners = _scanners(nodes)
+        with self.lock:  # a fabric no node reports any more is forgotten
+            self.maps = {fabric: entry for fabric, entry in self.maps.items() if fabric in scanners}
+        for fabric, (node_id, hca, port) in sorted(scanners.items()):
             if fabric_id not in (None, fabric):
                 continue
             done = self.get(fabric)
@@ -107,13 +114,22 @@ class Maps:
 
 
 def _scanners(nodes) -> dict[str, tuple[str, str, int]]:
-    """Fabric id -> (node, adapter, port) that can scan it."""
+    """Fabric id -> (node, adapter, port) that can scan it: the fabrics some ready node uses for a declared
+    fabric (a port's own say is not enough: a node whose key leaked could name hundreds), at most
+    MOST_FABRICS of them, those the most nodes use first."""
     found: dict[str, tuple[str, str, int]] = {}
+    users: dict[str, int] = {}
     for node in nodes:
-        if node.state != "ready" or FEATURE not in (node.facts.registration.get("features") or []):
+        if node.state != "ready":
+            continue
+        used = {f.get("physical") for f in node.facts.fabrics} - {None, ""}
+        for fabric in used:
+            users[fabric] = users.get(fabric, 0) + 1
+        if FEATURE not in (node.facts.registration.get("features") or []):
             continue
         for port in node.facts.ib_ports:
             fabric = port.get("fabric_id")
-            if fabric and port.get("state", "").upper() == "ACTIVE" and fabric not in found:
+            if fabric in used and port.get("state", "").upper() == "ACTIVE" and fabric not in found:
                 found[fabric] = (node.node_id, port["hca"], port["port"])
-    return found
+    kept = sorted(found, key=lambda fabric: (-users[fabric], fabric))[:MOST_FABRICS]
+    return {fabric: found[fabric] for fabric in kept}

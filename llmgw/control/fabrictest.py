@@ -2,7 +2,8 @@
 `ib_write_bw` on each rail of the fabric they share, one rail at a time, graded against the link rate.
 
 A rail is an adapter on each node, paired as NCCL pairs them: by name where both nodes have it
-(mlx5_0 with mlx5_0), else in order. Node B runs the server and node A the client, on B's address.
+(mlx5_0 with mlx5_0), else in order. Every adapter the fabric names is a rail: one that is down, or left
+without a partner, fails the test without running. Node B runs the server and node A the client, on B's address.
 Graded against the slower of the two ports' rates: ok at 80% or more, slow at 50% or more, fail below or
 when nothing got through. An agent that does not run fabric tests (it did not list the feature when it
 registered) is refused at once, rather than waited for.
@@ -11,11 +12,12 @@ registered) is refused at once, rather than waited for.
 from __future__ import annotations
 
 import concurrent.futures
+import secrets
 
 from llmgw.control.fleet import LOST, UNREACHABLE, NodeView
 
 FEATURE = "fabric-test"
-FIRST_TCP_PORT = 18515  # perftest's own default, one more a rail
+FIRST_TCP_PORT = 18515  # perftest's own default; a test starts at a random step above it, one more a rail
 ANSWER_GRACE = 90.0  # seconds past the test's own a node has to answer (installing perftest the first time)
 OK_AT, SLOW_AT = 0.8, 0.5
 
@@ -45,10 +47,14 @@ def shared_fabric(a: NodeView, b: NodeView, name: str | None) -> tuple[dict, dic
     return shared[0]
 
 
-def rails(mine: list[str], theirs: list[str]) -> list[tuple[str, str]]:
-    """Adapter pairs: those both nodes have by name, else in order."""
+def rails(mine: list[str], theirs: list[str]) -> list[tuple[str | None, str | None]]:
+    """Adapter pairs, each declared adapter of either node in one: by name where both have it, the rest in
+    order; an adapter left without a partner is paired with None (a rail that cannot pass)."""
     common = sorted(set(mine) & set(theirs))
-    return [(h, h) for h in common] if common else list(zip(sorted(mine), sorted(theirs)))
+    rest_a, rest_b = sorted(set(mine) - set(common)), sorted(set(theirs) - set(common))
+    extra = max(len(rest_a), len(rest_b))
+    padded_a, padded_b = rest_a + [None] * (extra - len(rest_a)), rest_b + [None] * (extra - len(rest_b))
+    return [(h, h) for h in common] + list(zip(padded_a, padded_b))
 
 
 def _port(node: NodeView, hca: str) -> dict | None:
@@ -80,16 +86,29 @@ def run(nodes: list[NodeView], a_id: str, b_id: str, fabric: str | None, seconds
         raise TestRefused(f"{b_id}'s address is not known, so {a_id} cannot reach it")
     mine, theirs = shared_fabric(a, b, fabric)
     results = []
-    for i, (hca_a, hca_b) in enumerate(rails(mine.get("adapters", []), theirs.get("adapters", []))):
+    # Every adapter the fabric names on either node is a rail, active or not: a rail that is down fails
+    # the test, rather than leaving it.
+    pairs = rails(mine.get("declared") or mine.get("adapters", []), theirs.get("declared") or theirs.get("adapters", []))
+    first = FIRST_TCP_PORT + secrets.randbelow(1000) * 8  # two tests at once on one node use other ports
+    for i, (hca_a, hca_b) in enumerate(pairs):
         port_a, port_b = _port(a, hca_a), _port(b, hca_b)
         rate = min((p["rate_gbps"] for p in (port_a, port_b) if p and p.get("rate_gbps")), default=None)
-        tcp_port, wait = FIRST_TCP_PORT + i, seconds + ANSWER_GRACE
+        missing = []
+        for hca, other, node_id, port in ((hca_a, hca_b, a_id, port_a), (hca_b, hca_a, b_id, port_b)):
+            if hca is not None and other is None:
+                missing.append(f"{hca} on {node_id} has no partner on the other node")
+            elif hca is not None and port is None:
+                missing.append(f"{hca} on {node_id} is not active")
+        if missing or port_a is None or port_b is None:
+            results.append({"a": hca_a or "-", "b": hca_b or "-", "gbps": None, "rate_gbps": rate, "grade": "fail",
+                            "error": "; ".join(missing)})
+            continue
+        tcp_port, wait = first + i, seconds + ANSWER_GRACE
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             serving = pool.submit(ask, b_id, "fabric_test", {"role": "server", "hca": hca_b, "tcp_port": tcp_port,
-                                                             "port": port_b["port"] if port_b else 1,
-                                                             "seconds": seconds}, wait)
+                                                             "port": port_b["port"], "seconds": seconds}, wait)
             client = ask(a_id, "fabric_test", {"role": "client", "hca": hca_a, "tcp_port": tcp_port, "seconds": seconds,
-                                               "port": port_a["port"] if port_a else 1, "peer": b.address}, wait)
+                                               "port": port_a["port"], "peer": b.address}, wait)
             reply = serving.result()
         error = _error(a_id, client) or _error(b_id, reply)
         gbps = client.get("gbps") if client and not error else None

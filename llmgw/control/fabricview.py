@@ -10,14 +10,31 @@ use, with its reason. An NVLink domain lists its nodes, each card's fabric state
 
 from __future__ import annotations
 
+import json
+
 from llmgw.control.fleet import NodeView
+
+
+def managers(nodes: list[NodeView]) -> dict[str, list[dict]]:
+    """Each InfiniBand fabric's subnet managers, as most of the nodes that list them say: one node (whose key
+    leaked, say) cannot hide a fabric's missing standby by saying otherwise first."""
+    said: dict[str, dict[str, tuple[int, list[dict]]]] = {}
+    for node in nodes:
+        for port in node.facts.ib_ports:
+            fabric, listed = port.get("fabric_id"), port.get("subnet_managers")
+            if fabric and isinstance(listed, list):
+                key = json.dumps(listed, sort_keys=True)
+                count, _ = said.setdefault(fabric, {}).get(key, (0, listed))
+                said[fabric][key] = (count + 1, listed)
+    return {fabric: max(versions.items(), key=lambda item: (item[1][0], item[0]))[1][1]
+            for fabric, versions in said.items()}
 
 
 def fabrics(nodes: list[NodeView]) -> list[dict]:
     """Every physical fabric the nodes report, by identity; its nodes in name order."""
     found: dict[str, dict] = {}
+    listed = managers(nodes)
     for node in nodes:
-        managers = {p["fabric_id"]: p for p in node.facts.ib_ports if p.get("fabric_id") and "subnet_managers" in p}
         for fabric in node.facts.fabrics:
             key = fabric.get("physical") or f"unverified:{fabric['name']}"
             entry = found.setdefault(key, {"id": key, "verified": bool(fabric.get("physical")), "names": [],
@@ -25,8 +42,7 @@ def fabrics(nodes: list[NodeView]) -> list[dict]:
                                            "nodes": []})
             if fabric["name"] not in entry["names"]:
                 entry["names"].append(fabric["name"])
-            if key in managers and not entry["subnet_managers"]:
-                entry["subnet_managers"] = managers[key]["subnet_managers"]
+            entry["subnet_managers"] = listed.get(key, [])
             entry["nodes"].append({"node": node.node_id, "state": node.state, "name": fabric["name"],
                                    "adapters": fabric.get("adapters", []), "rate_gbps": fabric.get("rate_gbps"),
                                    "degraded": fabric.get("degraded", "")})

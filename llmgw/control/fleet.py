@@ -23,12 +23,14 @@ never sent is None, never a default.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 READY, CORDONED, DRAINING, UNREACHABLE, LOST = "ready", "cordoned", "draining", "unreachable", "lost"
 STATES = (READY, CORDONED, DRAINING, UNREACHABLE, LOST)
 # The one `health` value the agent's discovery writes for a card that works (llmgw/node/discovery.py).
 HEALTHY = "ok"
+MOST_GPUS = 1024  # a node's cards, as the wire bounds them
 # A heartbeat's envelope, not something the node says about itself.
 _ENVELOPE = ("v", "type", "node_id", "seq")
 # The heartbeat fields that change a node's typed facts; the rest are read from its status when asked.
@@ -143,7 +145,9 @@ def _merge_gpus(before: list, reported: list) -> list:
 
 
 def _gpu(index: int, g: dict) -> Gpu:
-    nvlink = {int(peer): links for peer, links in (g.get("nvlink") or {}).items() if peer.isdigit()}
+    # Only ASCII digits below the cards a node may have: str.isdigit() takes "²", which int() refuses.
+    nvlink = {int(peer): links for peer, links in (g.get("nvlink") or {}).items()
+              if re.fullmatch(r"[0-9]{1,4}", peer) and int(peer) < MOST_GPUS and int(peer) != index}
     return Gpu(index=index, gpu_class=g.get("class"), name=g.get("name"),
                memory_total_bytes=g.get("memory_total_bytes"), memory_used_bytes=g.get("memory_used_bytes"),
                utilization_percent=g.get("utilization_percent"), health=g.get("health"), nvlink=nvlink,

@@ -16,6 +16,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from llmgw.control import fabricview
 from llmgw.control.fleet import STATES, Fleet
 
 
@@ -156,7 +157,12 @@ def fabric_families(nodes):
                                labels=["node", "gpu", "domain"])
     imex = GaugeMetricFamily("llmgw_imex_up", "1 while the node's nvidia-imex is active (where it is installed).",
                              labels=["node"])
-    fabrics_seen: set[str] = set()
+    for fabric, listed in sorted(fabricview.managers(nodes).items()):
+        for m in listed:
+            if m.get("state") == "master":
+                master.add_metric([fabric, m["guid"]], 1.0)
+        for state in ("master", "standby"):
+            managers.add_metric([fabric, state], sum(1 for m in listed if m.get("state") == state))
     for n in nodes:
         node, facts = n.node_id, n.facts
         for port in facts.ib_ports:
@@ -167,15 +173,6 @@ def fabric_families(nodes):
                 rate.add_metric(where, port["rate_gbps"])
             for name, value in sorted((port.get("counters") or {}).items()):
                 counters.add_metric(where + [name], value)
-            fabric = port.get("fabric_id")
-            if fabric and "subnet_managers" in port and fabric not in fabrics_seen:
-                fabrics_seen.add(fabric)
-                listed = port["subnet_managers"]
-                for m in listed:
-                    if m.get("state") == "master":
-                        master.add_metric([fabric, m["guid"]], 1.0)
-                for state in ("master", "standby"):
-                    managers.add_metric([fabric, state], sum(1 for m in listed if m.get("state") == state))
         for fabric in facts.fabrics:
             usable.add_metric([node, fabric["name"], fabric.get("physical", "")], 1.0)
             degraded.add_metric([node, fabric["name"]], 1.0 if fabric.get("degraded") else 0.0)

@@ -18,32 +18,48 @@ import math
 
 from llmgw.control.fleet import Gpu
 
-SUBSETS_AT_MOST = 50_000
+SUBSETS_AT_MOST = 13_000  # 16 cards choose 8; a pass scores each node's in about a tenth of a second
 # A card's path to an adapter as `nvidia-smi topo -m` names it (llmgw/node/gputopology.py), nearest first,
 # as NCCL ranks them; unknown is farthest.
 PATH_RANK = {"PIX": 0, "PXB": 1, "PHB": 2, "NODE": 3, "SYS": 4}
 UNKNOWN_PATH = 5
 
 
-def _score(cards: tuple[Gpu, ...], adapters: tuple[str, ...]) -> tuple:
-    indices = {g.index for g in cards}
-    pairs = sum(1 for g in cards for peer in g.nvlink if peer in indices and peer > g.index)
-    nearness = sum(min((PATH_RANK.get(g.nic_paths.get(a, ""), UNKNOWN_PATH) for a in adapters),
-                       default=UNKNOWN_PATH) for g in cards) if adapters else 0
-    numa = len({g.numa_node for g in cards if g.numa_node is not None})
-    return (-pairs, nearness, numa, tuple(sorted(indices)))
+class _Card:
+    """A card as a subset is scored: its index, its NVLink peers among the cards considered, its nearness to
+    the adapters, its NUMA node. Made once a choice, so a node's report (up to 1,024 peers a card on the
+    wire) is read once, not once a subset."""
+
+    __slots__ = ("index", "peers", "near", "numa")
+
+    def __init__(self, gpu: Gpu, among: set[int], adapters: tuple[str, ...]):
+        self.index = gpu.index
+        self.peers = frozenset(p for p in gpu.nvlink if p in among and p > gpu.index)
+        self.near = min((PATH_RANK.get(gpu.nic_paths.get(a, ""), UNKNOWN_PATH) for a in adapters),
+                        default=UNKNOWN_PATH) if adapters else 0
+        self.numa = gpu.numa_node
+
+
+def _score(cards: tuple[_Card, ...]) -> tuple:
+    indices = {c.index for c in cards}
+    pairs = sum(len(c.peers & indices) for c in cards)
+    numa = len({c.numa for c in cards if c.numa is not None})
+    return (-pairs, sum(c.near for c in cards), numa, tuple(sorted(indices)))
 
 
 def choose(free: list[Gpu], count: int, adapters: tuple[str, ...] = ()) -> tuple[int, ...]:
     """The indices of the COUNT cards of FREE to give a replica (FREE must hold at least COUNT). ADAPTERS:
     the fabric adapters a multi-node replica's shard sends on (none for a replica on one node)."""
-    cards = sorted(free, key=lambda g: g.index)
-    if count >= len(cards) or math.comb(len(cards), count) > SUBSETS_AT_MOST:
-        return tuple(g.index for g in cards[:count])
-    best = min(itertools.combinations(cards, count), key=lambda subset: _score(subset, adapters))
-    return tuple(g.index for g in best)
+    ordered = sorted(free, key=lambda g: g.index)
+    if count >= len(ordered) or math.comb(len(ordered), count) > SUBSETS_AT_MOST:
+        return tuple(g.index for g in ordered[:count])
+    among = {g.index for g in ordered}
+    cards = [_Card(g, among, adapters) for g in ordered]
+    best = min(itertools.combinations(cards, count), key=_score)
+    return tuple(c.index for c in best)
 
 
 def nvlink_pairs(cards: list[Gpu], chosen: tuple[int, ...]) -> int:
     """How many pairs of the CHOSEN cards NVLink joins: what `ctl explain-placement` says of a choice."""
-    return -_score(tuple(g for g in cards if g.index in chosen), ())[0]
+    among = set(chosen)
+    return -_score(tuple(_Card(g, among, ()) for g in cards if g.index in among))[0]

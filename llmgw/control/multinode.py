@@ -68,30 +68,32 @@ def islands_of(node: NodeView) -> list[tuple[Island, tuple[str, ...], str]]:
     return out
 
 
-def leaf_key(node: NodeView, adapters: tuple[str, ...], leaves: dict[str, str]) -> tuple[str, ...] | None:
-    """The leaf switches NODE's ADAPTERS hang off (LEAVES: adapter node GUID -> leaf), None where one is not
-    known."""
+def leaf_key(node: NodeView, adapters: tuple[str, ...], leaves: dict[str, str]) -> tuple | None:
+    """Which leaf switch each of NODE's ADAPTERS hangs off, adapter by adapter (LEAVES: adapter node GUID ->
+    leaf, on the island's fabric), None where one is not known. Two nodes with equal keys send each rail
+    through the same leaf; cabled crosswise, they do not."""
     found = []
-    for hca in adapters:
+    for hca in sorted(adapters):
         port = next((p for p in node.facts.ib_ports if p["hca"] == hca), None)
         leaf = leaves.get(port.get("node_guid", "")) if port else None
         if leaf is None:
             return None
-        found.append(leaf)
-    return tuple(sorted(found)) if found else None
+        found.append((hca, leaf))
+    return tuple(found) if found else None
 
 
 def place(model: Model, profile: Profile, nodes: list[NodeView], fits, here,
-          leaves: dict[str, str] | None = None) -> tuple[GroupDecision | None, dict[str, str]]:
+          leaves: dict[str, dict[str, str]] | None = None) -> tuple[GroupDecision | None, dict[str, str]]:
     """PROFILE's nodes for one more replica of MODEL (PROFILE.nodes > 1), or None with the reasons.
 
     FITS(node, adapters) -> (reason or None, gpus): whether NODE can take one shard, its cards chosen near
     ADAPTERS (placement's per-node checks). HERE(node_id) -> (replicas of MODEL there, -unclaimed memory):
-    the spread order. LEAVES: each adapter's leaf switch, by its node GUID (fabricmaps.Maps.leaves)."""
+    the spread order. LEAVES: by fabric, each adapter's leaf switch by its node GUID (fabricmaps.Maps.leaves):
+    a map is read only for the island it is of."""
     reasons: dict[str, str] = {}
     leaves = leaves or {}
     # island key -> (node, its rank there, degraded, its leaves there)
-    members: dict[str, list[tuple[str, Rank, str, tuple[str, ...] | None]]] = {}
+    members: dict[str, list[tuple[str, Rank, str, tuple | None]]] = {}
     named: dict[str, Island] = {}
     for node in nodes:
         islands = islands_of(node)
@@ -108,7 +110,7 @@ def place(model: Model, profile: Profile, nodes: list[NodeView], fits, here,
                 continue
             named.setdefault(island.key, island)
             members.setdefault(island.key, []).append((node.node_id, Rank(node.node_id, gpus, adapters), degraded,
-                                                       leaf_key(node, adapters, leaves)))
+                                                       leaf_key(node, adapters, leaves.get(island.key, {}))))
     choices = []
     for key, fitting in members.items():
         island = named[key]
@@ -118,7 +120,7 @@ def place(model: Model, profile: Profile, nodes: list[NodeView], fits, here,
             continue
         order = {m[0]: (bool(m[2]), *here(m[0]), m[0]) for m in fitting}
         fitting.sort(key=lambda member: order[member[0]])
-        together: dict[tuple[str, ...], list] = {}
+        together: dict[tuple, list] = {}
         for member in fitting:
             if member[3] is not None:
                 together.setdefault(member[3], []).append(member)

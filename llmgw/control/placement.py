@@ -199,7 +199,7 @@ def _spread(model: Model, node: NodeView, mine: list[Claim]) -> tuple[int, int]:
 
 
 def over_nodes(model: Model, profile: Profile, nodes: list[NodeView], held: dict[str, list[Claim]],
-               leaves: dict[str, str] | None = None) -> tuple[multinode.GroupDecision | None, dict[str, str]]:
+               leaves: dict[str, dict[str, str]] | None = None) -> tuple[multinode.GroupDecision | None, dict[str, str]]:
     """The nodes for one more replica of MODEL with PROFILE over several nodes (llmgw/control/multinode.py);
     LEAVES: each adapter's leaf switch (llmgw/control/fabricmaps.py)."""
     by_id = {node.node_id: node for node in nodes}
@@ -218,7 +218,7 @@ def _fits(node: NodeView, gpus: tuple[int, ...]) -> str:
 
 
 def explain(model: Model, nodes: list[NodeView], claims: list[Claim],
-            leaves: dict[str, str] | None = None) -> list[dict]:
+            leaves: dict[str, dict[str, str]] | None = None) -> list[dict]:
     """For `llmgw ctl explain-placement`: every node and profile, with yes or its reason; LEAVES as
     `over_nodes` takes them."""
     rows = []
@@ -235,7 +235,7 @@ def explain(model: Model, nodes: list[NodeView], claims: list[Claim],
 
 
 def _explain_over_nodes(model: Model, profile: Profile, nodes: list[NodeView], held: dict[str, list[Claim]],
-                        leaves: dict[str, str] | None) -> list[dict]:
+                        leaves: dict[str, dict[str, str]] | None) -> list[dict]:
     group, reasons = over_nodes(model, profile, nodes, held, leaves)
     ranks = {r.node_id: (i, r) for i, r in enumerate(group.ranks)} if group else {}
     island = group.island.name if group else ""

@@ -116,8 +116,10 @@ def _nvlink_domain(facts: dict) -> list[Finding]:
                                                "nodes cannot share memory across them, so it is placed over the "
                                                "network instead", "sudo systemctl enable --now nvidia-imex"))
         else:
+            env = nccl.environment(2, [], None, facts.get("interface"), island=f"nvl:{min(joined)}")
             out.append(Finding(OK, "nvlink", f"NVLink domain {', '.join(sorted(joined))}, IMEX active with "
-                                             f"{imex.get('channels', 0)} channel(s)"))
+                                             f"{imex.get('channels', 0)} channel(s); a shard there gets "
+                                             + " ".join(f"{k}={v}" for k, v in env.items())))
     return out
 
 
@@ -183,7 +185,7 @@ def _declared(facts: dict, ports: list[dict]) -> list[Finding]:
                                                f"different indexes ({', '.join(map(str, sorted(indexes - {None})))}); "
                                                "NCCL takes one for all", "give every adapter's interface its IPv4 "
                                                                          "address in the same order"))
-        env = nccl.environment(2, adapters, nccl.gid_index(ports, adapters), interface)
+        env = nccl.environment(2, nccl.rails(ports, adapters), nccl.gid_index(ports, adapters), interface)
         said = " ".join(f"{k}={v}" for k, v in env.items())
         where = fabric["physical"] or "not verified yet"
         text = (f"fabric {fabric['name']}: {', '.join(adapters)} at {fabric['rate_gbps']:g} Gb/s on {where}; a shard "

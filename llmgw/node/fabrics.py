@@ -29,8 +29,9 @@ def port_identity(port: dict) -> str:
 def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[tuple[str, bool]]]:
     """(usable fabrics, problems) for the DECLARED fabrics over the PORTS found.
 
-    A usable fabric: {"name", "physical" (port_identity; "" unverified), "adapters" (active, sorted),
-    "link_layer", "rate_gbps", "degraded" (why, where it is)}. A problem: (a sentence naming the fabric
+    A usable fabric: {"name", "physical" (port_identity; "" unverified, where any active port's is not known),
+    "adapters" (active, sorted), "declared" (every adapter it names, active or not), "link_layer", "rate_gbps",
+    "degraded" (why, where it is)}. A problem: (a sentence naming the fabric
     and what to do, whether the configuration itself is wrong rather than a port down)."""
     usable, problems = [], []
     for fabric in declared:
@@ -47,7 +48,8 @@ def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[tup
                 problems.append((f"fabric {name}: no port of {', '.join(sorted({p['hca'] for p in mine}))} is "
                                  f"active ({'; '.join(_state(p) for p in mine)})", False))
             continue
-        physical = {port_identity(p) for p in up} - {""}
+        identities = {port_identity(p) for p in up}
+        physical = identities - {""}
         if len(physical) > 1:
             problems.append((f"fabric {name} names adapters on {len(physical)} physical fabrics ("
                              + "; ".join(f"{', '.join(p['hca'] for p in up if port_identity(p) == ident)} on {ident}"
@@ -56,9 +58,10 @@ def check(declared: list[dict], ports: list[dict]) -> tuple[list[dict], list[tup
                                "name in [[fabrics]]", True))
             continue
         rates = [p["rate_gbps"] for p in up if p.get("rate_gbps")]
-        entry = {"name": name, "physical": physical.pop() if physical else "",
-                 "adapters": sorted({p["hca"] for p in up}), "link_layer": up[0].get("link_layer", ""),
-                 "rate_gbps": min(rates) if rates else 0.0}
+        # One port whose identity is not known yet leaves the whole fabric unverified: it may be on another.
+        entry = {"name": name, "physical": physical.pop() if physical and "" not in identities else "",
+                 "adapters": sorted({p["hca"] for p in up}), "declared": sorted(adapters),
+                 "link_layer": up[0].get("link_layer", ""), "rate_gbps": min(rates) if rates else 0.0}
         degraded = _degraded(fabric, up, entry["rate_gbps"])
         if degraded:
             entry["degraded"] = degraded

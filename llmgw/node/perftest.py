@@ -45,7 +45,9 @@ def parse(text: str) -> float:
         if "BW average" not in line:
             continue
         heads = re.split(r"\s{2,}", line.strip())
-        column = next(j for j, head in enumerate(heads) if head.startswith("BW average"))
+        column = next((j for j, head in enumerate(heads) if head.startswith("BW average")), None)
+        if column is None:
+            raise ValueError(f"perftest's result table has a shape this does not know: {line.strip()!r}")
         data = next((row for row in lines[i + 1:] if row.strip() and not row.strip().startswith("-")), "")
         cells = re.split(r"\s{2,}", data.strip())
         if len(cells) != len(heads):

@@ -22,7 +22,7 @@ from llmgw.node.supervisor import Supervisor
 # The requests this agent answers beyond the basics: the controller refuses at once what a node's agent
 # cannot do, rather than waiting for a reply that never comes.
 FEATURES = ("fabric-test", "fabric-scan")
-ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems")
+ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems", "ib_ports")
 GPU_FABRIC_EVERY = 60.0  # seconds between asking nvidia-smi -q and IMEX (a MAD-free but slow query)
 
 
@@ -96,7 +96,8 @@ class Reporter:
         if self.has_gpus:
             current.update(self._gpus())
         # An empty `installs` is an answer (a failed install forgotten, so placement may ask again), not unknown;
-        # so is an empty list of fabrics (the last one withdrawn) or of their problems (all mended).
+        # so is an empty list of fabrics (the last one withdrawn), of their problems (all mended) or of ports
+        # (the adapters' driver unloaded).
         changed: dict = {k: v for k, v in current.items()
                          if (v or k in ANSWERS_WHEN_EMPTY) and self.sent.get(k) != v}
         self.sent.update(changed)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import threading
 import time
 
 QUERY_TIMEOUT = 5.0  # seconds for one sminfo or saquery
@@ -96,20 +97,32 @@ class Watch:
     """
 
     def __init__(self, sminfo=ask_sminfo, smir=ask_smir, clock=time.monotonic, every: float = EVERY,
-                 installed=lambda: shutil.which("sminfo") is not None):
+                 installed=lambda: shutil.which("sminfo") is not None, background: bool = True):
         self.sminfo, self.smir, self.clock, self.every = sminfo, smir, clock, every
         self.installed = installed
+        self.background = background
         self.asked_at: float | None = None
+        self.asking: threading.Thread | None = None
+        # Replaced whole when an asking finishes, so a reader sees one asking's answers or the last one's.
         self.masters: dict[tuple[str, int], dict | str] = {}  # (hca, port) -> master, or why not known
         self.sets: dict[str, list[dict] | str] = {}  # master guid -> every manager, or why not known
 
     def look(self, ports: list[dict]) -> None:
+        """Put on PORTS what is known of their subnet managers. The first time, they are asked at once (the
+        registration waits for them); after that, each minute, in a thread of its own, while this goes on
+        with the last answers: a subnet manager that does not answer takes 5 s a port, and heartbeats wait
+        for nothing."""
         infiniband = [p for p in ports if p.get("state", "").upper() == "ACTIVE"
                       and p.get("link_layer", "").lower() != "ethernet"]
         now = self.clock()
         if infiniband and (self.asked_at is None or now - self.asked_at >= self.every):
-            self.asked_at = now
-            self._ask(infiniband)
+            first, self.asked_at = self.asked_at is None, now
+            if first or not self.background:
+                self._ask(infiniband)
+            elif self.asking is None or not self.asking.is_alive():
+                self.asking = threading.Thread(target=self._ask, args=(infiniband,), name="subnet-managers",
+                                               daemon=True)
+                self.asking.start()
         listed: set[str] = set()
         for port in infiniband:
             master = self.masters.get((port["hca"], port["port"]))
@@ -132,23 +145,25 @@ class Watch:
                     port["sm_error"] = managers
 
     def _ask(self, ports: list[dict]) -> None:
-        self.masters, self.sets = {}, {}
+        masters: dict[tuple[str, int], dict | str] = {}
+        sets: dict[str, list[dict] | str] = {}
         if not self.installed():
             for port in ports:
-                self.masters[(port["hca"], port["port"])] = NO_DIAGS
-            return
-        for port in ports:
-            where = (port["hca"], port["port"])
-            try:
-                self.masters[where] = master = self.sminfo(*where)
-            except ValueError as e:
-                self.masters[where] = str(e)
-                continue
-            if master["guid"] not in self.sets:  # one saquery per master, through the first port that sees it
+                masters[(port["hca"], port["port"])] = NO_DIAGS
+        else:
+            for port in ports:
+                where = (port["hca"], port["port"])
                 try:
-                    self.sets[master["guid"]] = self.smir(*where)
+                    masters[where] = master = self.sminfo(*where)
                 except ValueError as e:
-                    self.sets[master["guid"]] = str(e)
+                    masters[where] = str(e)
+                    continue
+                if master["guid"] not in sets:  # one saquery per master, through the first port that sees it
+                    try:
+                        sets[master["guid"]] = self.smir(*where)
+                    except ValueError as e:
+                        sets[master["guid"]] = str(e)
+        self.masters, self.sets = masters, sets
 
 
 SCAN_TIMEOUT = 120.0  # seconds for ibnetdiscover: it walks every switch of the fabric

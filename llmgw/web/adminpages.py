@@ -421,6 +421,13 @@ def _why_not_more(model: dict) -> str:
     return _held_back(model)
 
 
+def _domains(node: dict) -> dict:
+    """Each card's NVLink domain, as the node last said (a heartbeat's word over its registration's)."""
+    said = [g for g in node["facts"].get("gpus") or [] if "index" in g] + \
+        [g for g in node["status"].get("gpus") or [] if "index" in g and "nvlink_domain" in g]
+    return {g["index"]: g.get("nvlink_domain") for g in said}
+
+
 def _cluster_view(runtime: Runtime, cfg) -> dict:
     """Nodes, models and replicas from the controller's admin API, with this gateway's own view of each
     replica (its breaker, its load). Without a controller, only what the gateway routes to."""
@@ -458,8 +465,7 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
             problems.append(f"Node {node['node_id']}: {said}.")
     view["fabric_nodes"] = sorted(n["node_id"] for n in view["nodes"]
                                   if n["status"].get("fabrics", n["facts"].get("fabrics")))
-    view["nvlink_nodes"] = sorted(n["node_id"] for n in view["nodes"]
-                                  if any(g.get("nvlink_domain") for g in n["facts"].get("gpus") or []))
+    view["nvlink_nodes"] = sorted(n["node_id"] for n in view["nodes"] if any(_domains(n).values()))
     for model in view["models"]:
         model["why_not_more"] = _why_not_more(model)
         if model["scaling"]["min"] > 0 and not model["ready"]:

@@ -49,7 +49,7 @@ GPU = Obj({"index": (Int(0, 1023), False), "name": (Str(256), False), "class": (
                                   ("state", "status", "cluster_uuid", "clique_id", "bandwidth")}), False)})
 GPUS = ListOf(GPU, 1024)
 GUID = Str(24)
-SUBNET_MANAGER = Obj({"guid": (GUID, False), "lid": (Int(0, 65535), False), "priority": (Int(0, 15), False),
+SUBNET_MANAGER = Obj({"guid": (GUID, True), "lid": (Int(0, 65535), False), "priority": (Int(0, 15), False),
                       "state": (Str(32), False)})
 IB_PORT = Obj({"hca": (NAME, True), "port": (Int(0, 255), True), "state": (Str(32), False),
                "phys_state": (Str(32), False), "link_layer": (Str(32), False), "rate_gbps": (Num(0, 1e6), False),
@@ -59,6 +59,7 @@ IB_PORT = Obj({"hca": (NAME, True), "port": (Int(0, 255), True), "state": (Str(3
                "sm": (SUBNET_MANAGER, False), "subnet_managers": (ListOf(SUBNET_MANAGER, 64), False),
                "fabric_id": (Str(64), False), "sm_error": (TEXT, False)})
 FABRIC = Obj({"name": (Str(64), True), "physical": (Str(80), False), "adapters": (ListOf(NAME, 64), False),
+              "declared": (ListOf(NAME, 64), False),
               "link_layer": (Str(32), False), "rate_gbps": (Num(0, 1e6), False), "degraded": (TEXT, False)})
 IMEX = Obj({"state": (Str(32), False), "channels": (Int(0, 1 << 20), False)})
 # What a node says of its fabrics: its ports, the declared fabrics found usable, and why the others are not.
