@@ -12,6 +12,7 @@ minute (a fabric manager's restart drops every card from its domain).
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from llmgw import __version__, engines, settings
@@ -47,6 +48,7 @@ class Reporter:
         self.fabrics = fabrics.Finder(cfg.fabrics, cfg["agent.infiniband_dir"])
         self.gpu_fabric: dict = {}  # nvidia-smi -q's fabric section of each card, by PCI bus
         self.gpu_fabric_at: float | None = None
+        self.imex: dict | None = None
 
     def register(self) -> dict:
         facts = dict(node_id=self.node_id, agent_version=__version__, hostname=socket.gethostname(),
@@ -58,7 +60,7 @@ class Reporter:
             self.gpu_fabric_at = time.monotonic()
             self.gpu_fabric = gputopology.read_gpu_fabric(self.cfg["agent.nvidia_smi"])
             gputopology.apply(facts["gpus"], gputopology.read_topo(self.cfg["agent.nvidia_smi"]), self.gpu_fabric)
-            facts["imex"] = gputopology.imex()
+            facts["imex"] = self.imex = gputopology.imex()
         fabric_facts = self.fabrics.read()
         facts.update(fabric_facts)
         self.named = engines.named(self.cfg)
@@ -114,13 +116,20 @@ class Reporter:
         keep = ("index", "memory_used_bytes", "utilization_percent", "health", "nvlink_domain")
         gpus = discovery.gpu_facts(self.cfg["agent.nvidia_smi"]).get("gpus")
         if self.gpu_fabric_at is None or time.monotonic() - self.gpu_fabric_at >= GPU_FABRIC_EVERY:
+            # `nvidia-smi -q` may take its 20 s on a sick driver: asked in a thread, its answer used from
+            # the next heartbeat on, so heartbeats never wait for it.
             self.gpu_fabric_at = time.monotonic()
-            self.gpu_fabric = gputopology.read_gpu_fabric(self.cfg["agent.nvidia_smi"])
-            out["imex"] = gputopology.imex()
+            threading.Thread(target=self._read_gpu_fabric, name="gpu-fabric", daemon=True).start()
+        if self.imex is not None:
+            out["imex"] = self.imex
         if gpus is not None:
             gputopology.apply(gpus, {}, self.gpu_fabric)
             out["gpus"] = [{k: g[k] for k in keep if k in g} for g in gpus]
         return out
+
+    def _read_gpu_fabric(self) -> None:
+        self.gpu_fabric = gputopology.read_gpu_fabric(self.cfg["agent.nvidia_smi"])
+        self.imex = gputopology.imex()
 
     def weights_use(self) -> dict:
         """How much the weights directory holds, and how much of it llmgw fetched: the cluster page's figure.
