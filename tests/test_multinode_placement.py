@@ -264,3 +264,19 @@ def test_odd_peers_a_node_reports_are_left_out_not_fatal():
     # "²" passes str.isdigit() and fails int(): once, one heartbeat so took every node's view down.
     facts = node_facts({"gpus": [{"index": 0, "nvlink": {"²": 4, "1": 2, "0": 3, "99999": 1}}, {"index": 1}]}, {})
     assert facts.gpus[0].nvlink == {1: 2}
+
+
+def test_nodes_cabled_crosswise_do_not_share_their_leaves():
+    from llmgw.control import multinode
+
+    def cabled(node_id, first, second):
+        ports = [{"hca": "mlx5_0", "port": 1, "node_guid": first}, {"hca": "mlx5_1", "port": 1, "node_guid": second}]
+        return NodeView(node_id, "ready", 0, 0, node_facts({"ib_ports": ports}, {}))
+
+    leaves = {"0x01": LEAF_1, "0x02": LEAF_2, "0x03": LEAF_1, "0x04": LEAF_2, "0x05": LEAF_2, "0x06": LEAF_1}
+    rails = ("mlx5_0", "mlx5_1")
+    straight = [multinode.leaf_key(cabled(n, a, b), rails, leaves) for n, a, b in (("a", "0x01", "0x02"),
+                                                                                    ("b", "0x03", "0x04"))]
+    crosswise = multinode.leaf_key(cabled("c", "0x05", "0x06"), rails, leaves)
+    assert straight[0] == straight[1] != crosswise
+    assert multinode.leaf_key(cabled("d", "0x01", "0x99"), rails, leaves) is None  # one leaf not known
