@@ -125,7 +125,8 @@ def clusters(draw):
     nodes = []
     for i in range(count):
         fabrics = draw(st.lists(st.sampled_from([fabric(A), fabric(B, name="ib-b"), fabric("", name="ib-c"),
-                                                 fabric(A, degraded="slow")]), max_size=2, unique_by=lambda f: f["name"]))
+                                                 fabric(A, degraded="slow"), fabric(A, name="ib-a2")]),
+                                max_size=3, unique_by=lambda f: f["name"]))
         domain = draw(st.sampled_from([None, DOMAIN]))
         nodes.append(node(f"n{i}", fabrics, gpus=draw(st.integers(0, 4)), domain=domain,
                           imex=draw(st.sampled_from([None, "active"])),

@@ -104,6 +104,8 @@ def place(model: Model, profile: Profile, nodes: list[NodeView], fits, here,
                                                "one serves single-node replicas")
             continue
         for island, adapters, degraded in islands:
+            if any(m[0] == node.node_id for m in members.get(island.key, [])):
+                continue  # two of its declared names are one physical fabric: one shard there at most
             reason, gpus = fits(node, adapters)
             if reason is not None:
                 reasons[node.node_id] = reason
