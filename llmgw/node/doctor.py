@@ -16,19 +16,11 @@ import resource
 import socket
 
 from llmgw import addresses
-from llmgw.node import discovery, enginegates, fabricdoctor, gputopology
+from llmgw.node import discovery, enginegates, fabricdoctor, gputopology, ibports
 from llmgw.node.findings import FAIL, OK, ORDER, WARN, Finding
 
 GIB = 1 << 30
-NVIDIA_VENDOR = "0x10de"
 
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 # --- facts ---------------------------------------------------------------------------------------
@@ -37,9 +29,9 @@ def pci_nvidia(root: str) -> list[dict]:
     """NVIDIA display or 3D controllers on the PCI bus, whether or not a driver answers."""
     found = []
     for device in sorted(glob.glob(os.path.join(root, "sys/bus/pci/devices/*"))):
-        if _read(os.path.join(device, "vendor")) != NVIDIA_VENDOR:
+        if ibports.read_value(os.path.join(device, "vendor")) != fabricdoctor.NVIDIA_VENDOR:
             continue
-        klass = _read(os.path.join(device, "class")) or ""
+        klass = ibports.read_value(os.path.join(device, "class")) or ""
         if klass.startswith(("0x0300", "0x0302")):
             driver = os.path.join(device, "driver")
             found.append({"address": os.path.basename(device),

@@ -22,16 +22,9 @@ from llmgw.node import fabrics, gputopology, ibports, subnetmanagers
 from llmgw.node.findings import FAIL, OK, WARN, Finding
 
 GIB = 1 << 30
-NVIDIA_VENDOR = "0x10de"
+NVIDIA_VENDOR = "0x10de"  # the PCI vendor id the doctor looks for cards and switches by
 NVSWITCH_CLASS = "0x0680"  # PCI "bridge, other": how an NVSwitch shows on the bus
 
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 def collect(facts: dict, root: str, nvidia_smi: str, declared: list[dict], watch=None) -> None:
@@ -45,12 +38,12 @@ def collect(facts: dict, root: str, nvidia_smi: str, declared: list[dict], watch
         usable, problems = fabrics.check(declared, ports)
         facts["fabrics"] = usable
         facts["fabric_problems"] = [{"message": m, "refused": refused} for m, refused in problems]
-    modules = _read(os.path.join(root, "proc/modules"))
+    modules = ibports.read_value(os.path.join(root, "proc/modules"))
     if modules is not None:
         facts["modules"] = sorted(line.split()[0] for line in modules.splitlines() if line.strip())
     facts["nvswitches"] = sum(1 for device in glob.glob(os.path.join(root, "sys/bus/pci/devices/*"))
-                              if _read(os.path.join(device, "vendor")) == NVIDIA_VENDOR
-                              and (_read(os.path.join(device, "class")) or "").startswith(NVSWITCH_CLASS))
+                              if ibports.read_value(os.path.join(device, "vendor")) == NVIDIA_VENDOR
+                              and (ibports.read_value(os.path.join(device, "class")) or "").startswith(NVSWITCH_CLASS))
     if facts["nvswitches"]:
         facts["fabricmanager"] = _unit_state("nvidia-fabricmanager")
     if facts.get("gpu", {}).get("gpus"):

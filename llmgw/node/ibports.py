@@ -29,7 +29,8 @@ GID_ENTRIES = 64  # GID table entries looked at for a RoCE v2 one
 _IPV4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
 
 
-def _read(path: str) -> str | None:
+def read_value(path: str) -> str | None:
+    """A sysfs or /proc file's content, stripped; None where it cannot be read (the doctor's reader too)."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             return f.read().strip()
@@ -71,32 +72,32 @@ def read_ports(folder: str = SYSFS, netmask_of=None) -> list[dict]:
 
 
 def _port(hca_dir: str, folder: str, number: int, netmask_of) -> dict:
-    rate = re.match(r"([\d.]+) Gb/sec", _read(os.path.join(folder, "rate")) or "")
+    rate = re.match(r"([\d.]+) Gb/sec", read_value(os.path.join(folder, "rate")) or "")
     port: dict = {"hca": os.path.basename(hca_dir), "port": number,
-                  "state": _word(_read(os.path.join(folder, "state"))),
-                  "phys_state": _word(_read(os.path.join(folder, "phys_state"))),
-                  "link_layer": _read(os.path.join(folder, "link_layer")) or "",
+                  "state": _word(read_value(os.path.join(folder, "state"))),
+                  "phys_state": _word(read_value(os.path.join(folder, "phys_state"))),
+                  "link_layer": read_value(os.path.join(folder, "link_layer")) or "",
                   "counters": _counters(folder)}
     if rate:
         port["rate_gbps"] = float(rate.group(1))
-    node_guid = normal_guid(_read(os.path.join(hca_dir, "node_guid")))
+    node_guid = normal_guid(read_value(os.path.join(hca_dir, "node_guid")))
     if node_guid:
         port["node_guid"] = node_guid
-    gid0 = _read(os.path.join(folder, "gids", "0")) or ""
+    gid0 = read_value(os.path.join(folder, "gids", "0")) or ""
     port_guid = normal_guid(":".join(gid0.split(":")[4:]))  # a GID's last 64 bits are the port's GUID
     if port_guid:
         port["port_guid"] = port_guid
     for name in ("lid", "sm_lid"):
-        value = _read(os.path.join(folder, name))
+        value = read_value(os.path.join(folder, name))
         if value:
             try:
                 port[name] = int(value, 0)
             except ValueError:
                 pass
-    numa = _read(os.path.join(hca_dir, "device", "numa_node"))
+    numa = read_value(os.path.join(hca_dir, "device", "numa_node"))
     if numa and numa.lstrip("-").isdigit() and int(numa) >= 0:
         port["numa_node"] = int(numa)
-    firmware = _read(os.path.join(hca_dir, "fw_ver"))
+    firmware = read_value(os.path.join(hca_dir, "fw_ver"))
     if firmware:
         port["firmware"] = firmware
     if port["link_layer"].lower() == "ethernet":
@@ -112,7 +113,7 @@ def _port(hca_dir: str, folder: str, number: int, netmask_of) -> dict:
 def _counters(folder: str) -> dict[str, int]:
     out = {}
     for name in ERROR_COUNTERS + DATA_COUNTERS:
-        value = _read(os.path.join(folder, "counters", name))
+        value = read_value(os.path.join(folder, "counters", name))
         if value and value.isdigit():
             out[name] = int(value) * (4 if name in DATA_COUNTERS else 1)
     return out
@@ -124,10 +125,10 @@ def roce_v2_gid(folder: str) -> int | None:
     most hosts, which does not route, and a job on it hangs."""
     first = None
     for index in range(GID_ENTRIES):
-        kind = _read(os.path.join(folder, "gid_attrs", "types", str(index)))
+        kind = read_value(os.path.join(folder, "gid_attrs", "types", str(index)))
         if kind is None or kind.lower() != "roce v2":
             continue
-        if (_read(os.path.join(folder, "gids", str(index))) or "").lower().startswith(_IPV4_MAPPED):
+        if (read_value(os.path.join(folder, "gids", str(index))) or "").lower().startswith(_IPV4_MAPPED):
             return index
         if first is None:
             first = index
@@ -147,8 +148,8 @@ def gid_ipv4(gid: str) -> str | None:
 
 def roce_network(folder: str, index: int, netmask_of) -> str | None:
     """The IP network ("10.0.0.0/24") of a RoCE port's GID INDEX: what tells one RoCE fabric from another."""
-    address = gid_ipv4(_read(os.path.join(folder, "gids", str(index))) or "")
-    device = _read(os.path.join(folder, "gid_attrs", "ndevs", str(index)))
+    address = gid_ipv4(read_value(os.path.join(folder, "gids", str(index))) or "")
+    device = read_value(os.path.join(folder, "gid_attrs", "ndevs", str(index)))
     if address is None or not device:
         return None
     prefix = netmask_of(device)
