@@ -84,10 +84,13 @@ def main(config_path, controllers, node_id, key_file):
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     installer = Installer(cfg["agent.engines_dir"], cfg.engines, cfg["agent.mirror_url"],
                           host=lambda: host_facts(cfg["agent.engines_dir"], cfg["agent.nvidia_smi"]))
+    def ports():  # read afresh: a port that went down since the last heartbeat is not given to NCCL
+        return reporter.fabrics.read()["ib_ports"]
+
     supervisor = Supervisor(node, cfg["agent.work_dir"], cfg["agent.weights_dir"], cfg["agent.engine_host"],
                             address, report=lambda fields: outbox.put(("shard_status", fields)),
                             local_sources=cfg["agent.local_sources"], named=engines.named(cfg),
-                            installer=installer, health=Health.from_settings(cfg))
+                            installer=installer, health=Health.from_settings(cfg), ports=ports)
     adopted = supervisor.adopt()
     if adopted:
         log.info("adopted %d engines left running: %s", len(adopted), ", ".join(adopted))
@@ -96,7 +99,7 @@ def main(config_path, controllers, node_id, key_file):
     link = ControllerLink(context, cfg["agent.controllers"], node, keys, cfg["agent.heartbeat_interval"],
                           cfg["agent.reconnect_max"], reporter.register, reporter.heartbeat,
                           on_command=commands(node, supervisor, LogSources(ring, supervisor.engine_logs),
-                                              ports=lambda: reporter.fabrics.read()["ib_ports"], send=outbox.put),
+                                              ports=ports, send=outbox.put),
                           outbox=outbox)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

@@ -1,8 +1,11 @@
 """Engine command lines, exactly as their documentation gives them."""
 
+import dataclasses
 import os
 import re
 import sys
+
+import pytest
 
 from llmgw import engines
 from llmgw.engines import llamacpp, sglang, vllm
@@ -31,6 +34,30 @@ def test_every_flag_llmgw_gives_vllm_is_in_its_own_help():
     given = [a for a in argv[4:] if a.startswith("-")]
     assert given and set(given) <= known, set(given) - known
     assert "k" not in argv  # the key goes by environment, where no other user of the node reads it
+    # A replica over several nodes: vLLM's own multi-node mode, every flag in its help too.
+    for rank, port in ((0, 8001), (1, None)):
+        argv = engines.command("vllm", "/models/m", "m", "10.0.0.5", port, [0, 1], 4096, [], "r1", api_key="k",
+                               launch=("binary", "vllm"), ranks=engines.Ranks("g", rank, 2, "10.0.0.4:29500"))
+        given = [a for a in argv if a.startswith("-")]
+        assert set(given) <= known, set(given) - known
+
+
+def test_vllm_over_two_nodes():
+    ranks = engines.Ranks("big-1", 0, 2, "10.0.0.4:29500")
+    leader = vllm.command("/m", "m", "10.0.0.4", 8001, [0, 1, 2, 3], None, ["--pipeline-parallel-size", "1"],
+                          binary="vllm", ranks=ranks)
+    assert leader[leader.index("--host"):leader.index("--host") + 4] == ["--host", "10.0.0.4", "--port", "8001"]
+    joined = " ".join(leader)
+    assert ("--tensor-parallel-size 4 --distributed-executor-backend mp --pipeline-parallel-size 2 --nnodes 2 "
+            "--node-rank 0 --master-addr 10.0.0.4 --master-port 29500") in joined
+    assert "--headless" not in leader
+    assert leader[-2:] == ["--pipeline-parallel-size", "1"]  # the profile's own, later, wins
+    follower = vllm.command("/m", "m", "10.0.0.5", None, [0, 1, 2, 3], None, [], binary="vllm",
+                            ranks=dataclasses.replace(ranks, rank=1))
+    assert "--headless" in follower and "--host" not in follower and "--port" not in follower
+    assert "--node-rank 1 --master-addr 10.0.0.4" in " ".join(follower)
+    with pytest.raises(ValueError, match="does not run a replica over several nodes"):
+        engines.command("llamacpp", "/m", "m", "10.0.0.4", 1, [], None, [], "r", ranks=ranks)
 
 
 def test_vllm_is_started_quiet_and_on_its_nodes_address():
@@ -80,6 +107,13 @@ def test_llamacpp_from_the_wheel_when_no_binary():
     # From an environment the node installed: the server's file, run isolated (that interpreter has no llmgw).
     argv = llamacpp.command("/w/m.gguf", 8002, "m", threads=2, python="/e/venv/bin/python")
     assert argv[:3] == ["/e/venv/bin/python", "-I", llamacpp.SERVER_FILE] and "--jinja" in argv
+
+
+def test_sim_ranks():
+    ranks = engines.Ranks("g-1", 1, 2, "127.0.0.1:29500")
+    argv = engines.command("sim", "/dev/null", "m", "127.0.0.1", None, [], None, [], replica="g-1-r1", ranks=ranks)
+    assert "--listen" not in argv
+    assert argv[-8:] == ["--ranks", "2", "--rank", "1", "--group", "g-1", "--master", "127.0.0.1:29500"]
 
 
 def test_sim_and_extra_args():

@@ -91,12 +91,10 @@ def test_a_fabric_not_yet_verified_is_kept_apart_from_one_that_is():
     assert group.island.key == "unverified:ib-a"
 
 
-def test_placement_says_where_it_would_go_and_that_it_does_not_start_it_yet():
+def test_placement_gives_the_nodes_rank_0_first_and_explains_them():
     nodes = [node("a", [fabric(A)]), node("b", [fabric(A)])]
-    decision, reasons = placement.place(big(), nodes, [])
-    assert decision is None
-    assert reasons["(several nodes)"] == ("it would run over a, b on ib-a, but this version of llmgw does not start "
-                                          "replicas over several nodes yet")
+    decision, _ = placement.place(big(), nodes, [])
+    assert [r.node_id for r in decision.ranks] == ["a", "b"] and decision.island.name == "ib-a"
     rows = {r["node"]: r for r in placement.explain(big(), nodes + [node("d")], [])}
     assert rows["a"]["fits"] and rows["a"]["reason"].endswith("rank 0 of 2 on ib-a (serves HTTP)")
     assert rows["b"]["reason"].endswith("rank 1 of 2 on ib-a")

@@ -269,6 +269,8 @@ def replicas(obj, model, as_json):
             state += f" {human_bytes(done)}" + (f" of {human_bytes(total)}" if total else "")
         if r.get("restarts"):
             state += f" (restarted {r['restarts']}x)"
+        if "rank" in r:
+            state += f" (rank {r['rank']} of {r['ranks']})"
         rows.append((r["shard_id"], r["model"], r["node"], state, r["engine"] or "-", r["url"] or "-"))
     print_table(rows)
     # Why a replica is out of rotation, and why its node last restarted it: the operator's next question.

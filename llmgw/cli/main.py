@@ -256,9 +256,15 @@ def usage(obj: Context, by, since, as_json):
               "clients connect.")
 @click.option("--garbled", is_flag=True, help="Answer 200 with a body that is not JSON, and end a stream with an "
               "error event after its first token, as a broken engine (or a proxy in front of one) does.")
+@click.option("--ranks", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="The ranks of a replica over several nodes, one engine each: rank 0 serves HTTP once every "
+              "rank has joined it at --master; the others are headless.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True, help="This engine's rank.")
+@click.option("--group", default="", help="The replica the ranks belong to; a rank of another is not counted.")
+@click.option("--master", help="HOST:PORT where the ranks meet: rank 0 listens there, the others dial it.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens,
         prefill_ms_per_token, prefix_cache_tokens, no_prefix_cache, fail_rate, die_after, stall_after_tokens, loading,
-        api_key, reply, tool_calls, reasoning, reply_if, max_context, gather, garbled):
+        api_key, reply, tool_calls, reasoning, reply_if, max_context, gather, garbled, ranks, rank, group, master):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks.
 
     A test instrument, never a model: it answers `tok0 tok1 ...` (or the
@@ -286,7 +292,9 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          die_after=die_after, stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
                          reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
                          reply_if=tuple(reply_if), max_context=max_context, gather=gather,
-                         garbled=garbled)
+                         garbled=garbled, ranks=ranks, rank=rank, group=group, master=master)
+    if ranks > 1 and (not master or rank >= ranks):
+        raise click.UsageError(f"--ranks {ranks} needs --master HOST:PORT, and --rank below {ranks}")
     serve(listen, options, announce=lambda line: click.echo(line) or sys.stdout.flush())
 
 

@@ -31,7 +31,8 @@ def replica_rows() -> list[dict]:
                      "stale_profile": stale, "url": r.url, "engine": r.engine, "gpus": list(r.gpus),
                      "fetch": r.fetch, "age_s": round(time.monotonic() - r.since, 1), "context": r.context,
                      "profile": profile.name if profile else None, "detail": r.detail, "restarts": r.restarts,
-                     "restart_reason": r.restart_reason})
+                     "restart_reason": r.restart_reason,
+                     **({"group": r.group, "rank": r.rank, "ranks": r.ranks} if r.group else {})})
     return rows
 
 

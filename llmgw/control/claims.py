@@ -4,7 +4,7 @@ A node's key proves which node speaks, not that what it says is true. With
 a valid key, a node once registered listing a shard nobody placed (any
 catalog model, any URL, `ready`), the controller adopted it as the node's,
 and gateways sent that model's prompts, with the engine's key, to the URL.
-So a shard status is held to three rules here:
+So a shard status is held to these rules here:
 
 - Its engine's URL is on the node's own address: the one its connection comes
   from, as the socket saw it (not the `address` it says it has). Loopback
@@ -16,7 +16,11 @@ So a shard status is held to three rules here:
   before it restarted. Later, a shard it does not know is no replica of its
   own, and is refused.
 - Even then, only a model in the catalog, run the way one of its profiles
-  would run it on that node (`placement.may_run`).
+  would run it on that node (`placement.may_run`), and a rank of a replica
+  over several nodes only with an id of its group's form.
+- The address where a replica's ranks meet (`master`, which the controller
+  sends the other ranks' nodes to) is on the node's own address too, as its
+  URL is: a node's key would otherwise point other nodes' engines anywhere.
 
 Which node owns a shard the controller knows is `Replicas.report`'s check.
 Thread-safe: it reads the fleet and the replicas under their own locks.
@@ -52,12 +56,27 @@ class ShardClaims:
             return (f"its engine's URL {url[:200]} is not on the node's own address {node.address} (the address "
                     "it connects from); an engine must listen there: leave agent.engine_host empty, or set it "
                     "to that address")
+        master = shard.get("master")
+        if master is not None:
+            # Where the other ranks of its replica are told to connect: never another machine's service.
+            try:
+                host, _ = addresses.parse(master, "master")
+            except ValueError:
+                host = None
+            if not addresses.same_machine(host, node.address):
+                return (f"the address its ranks meet at, {master[:200]}, is not on the node's own address "
+                        f"{node.address}")
         shard_id = shard["shard_id"]
         if self.replicas.knows(shard_id):
             return None
         if not adopting:
             return (f"this controller did not place {shard_id}, and a node brings back the replicas placed "
                     "before the controller started only while it starts")
+        group = shard.get("group")
+        if group is not None and (shard_id != f"{group}-r{shard.get('rank')}" or shard.get("ranks") is None
+                                  or not shard.get("rank", 0) < shard["ranks"]):
+            return (f"{shard_id} does not read as rank {shard.get('rank')} of {shard.get('ranks')} of the replica "
+                    f"{group[:200]} (GROUP-rRANK)")
         model = self.models().get(shard.get("model", ""))
         if model is None:
             return f"{str(shard.get('model'))[:200]!r} is not a model in the catalog"

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmgw.control import fabricview
 from llmgw.control.fleet import STATES, Fleet
+from llmgw.control.reconciler import whole
 
 
 class FleetCollector:
@@ -111,13 +112,14 @@ class FleetCollector:
             yield from (by_state, ready, where, restarts)
             return
         shards = self.replicas.snapshot() if self.replicas is not None else []
-        for state in ("pending", "fetching", "starting", "ready", "unhealthy", "stopping"):
+        for state in ("waiting", "pending", "fetching", "starting", "ready", "unhealthy", "stopping"):
             by_state.add_metric([state], sum(1 for r in shards if r.state == state))
         for r in shards:
             where.add_metric([r.shard_id, r.model, r.node_id], 1)
         models = self.models()
+        serving = whole(shards)  # a replica over several nodes once, ready once every rank is
         for name, model in models.items():
-            count = sum(1 for r in shards if r.model == name and r.state == "ready")
+            count = sum(1 for r in serving if r.model == name and r.state == "ready")
             live = any(r.model == name for r in shards)
             if live or model.min_replicas > 0:
                 ready.add_metric([name], count)

@@ -31,7 +31,7 @@ from llmgw.control.autoscale import Scaler
 from llmgw.control.fleet import Fleet
 from llmgw.control.lease import Lease
 from llmgw.control.publisher import snapshot_body
-from llmgw.control.reconciler import Start, plan, start_message
+from llmgw.control.reconciler import Start, plan, start_message, whole
 
 log = logging.getLogger("llmgw.controller")
 
@@ -204,14 +204,17 @@ class ControlLoop:
         wanted = {name: model.min_replicas for name, model in models.items()}
         wanted.update(self.demand.wanted(models, now))
         loads = {shard["shard_id"]: shard for n in nodes for shard in n.facts.shard_loads or ()}
-        wanted.update(self.scaler.wanted(models, self.replicas.snapshot(), loads, self.catalog.limits(), wanted, now))
-        actions, unplaced = plan(models, nodes, self.replicas, now, wanted=wanted)
+        wanted.update(self.scaler.wanted(models, whole(self.replicas.snapshot()), loads, self.catalog.limits(),
+                                         wanted, now))
+        leaves = self.maps.leaves() if self.maps is not None else None
+        actions, unplaced = plan(models, nodes, self.replicas, now, wanted=wanted, leaves=leaves)
         self.report.record_pass(round(time.monotonic() - now, 6), unplaced)
         for action in actions:
             if isinstance(action, Start):
                 profile = action.decision.profile
-                log.info("starting %s on %s (%s, profile %s)", action.shard_id, action.decision.node_id,
-                         profile.engine, profile.name)
+                log.info("starting %s on %s (%s, profile %s%s)", action.shard_id, action.decision.node_id,
+                         profile.engine, profile.name,
+                         f", rank {action.rank} of {action.ranks}" if action.group else "")
                 self.outbox.put((action.decision.node_id, "start_shard", start_message(models[action.model], action)))
             else:
                 log.info("stopping %s on %s: %s", action.shard_id, action.node_id, action.reason)
@@ -262,7 +265,7 @@ class ControlLoop:
                 # a 503 until they were back, or unreachable_after passed.
                 self.publisher.publish_leading(self.inbox.port, self.account_server.port)
             else:
-                self.publisher.publish(snapshot_body(self.catalog.models(), self.replicas.snapshot(),
+                self.publisher.publish(snapshot_body(self.catalog.models(), whole(self.replicas.snapshot()),
                                                      self.inbox.port, self.account_server.port,
                                                      self.catalog.limits()))
 

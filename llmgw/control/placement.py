@@ -151,25 +151,26 @@ def may_run(model: Model, node: NodeView, shard: dict) -> str | None:
     fingerprint, engine = shard.get("profile_fp"), shard.get("engine")
     profiles = ([p for p in model.profiles if model.fingerprint(p) == fingerprint]
                 or [p for p in model.profiles if p.engine == engine])
+    ranks = shard.get("ranks") or 1
+    profiles = [p for p in profiles if p.nodes == ranks]
     if not profiles:
-        return f"{model.name} has no profile for engine {engine!r}"
+        return f"{model.name} has no profile for engine {engine!r} over {ranks} node{'s' if ranks > 1 else ''}"
     reasons = [_running_refusal(node, profile, list(shard.get("gpus") or ())) for profile in profiles]
     return None if None in reasons else reasons[0]
 
 
-def place(model: Model, nodes: list[NodeView], claims: list[Claim]) -> tuple[Decision | None, dict[str, str]]:
-    """A node for one more replica of MODEL, or None with every node's reason."""
+def place(model: Model, nodes: list[NodeView], claims: list[Claim], leaves: dict[str, dict[str, str]] | None = None
+          ) -> tuple[Decision | multinode.GroupDecision | None, dict[str, str]]:
+    """Where one more replica of MODEL runs (a node, or for a profile over several nodes, a GroupDecision:
+    its nodes, rank 0 first), or None with every node's reason. LEAVES as `over_nodes` takes them."""
     reasons: dict[str, str] = {}
     held = _by_node(claims)
     for profile in model.profiles:
         if profile.nodes > 1:
-            group, why = over_nodes(model, profile, nodes, held)
-            reasons.update({_label(model, profile, k): v for k, v in why.items()})
+            group, why = over_nodes(model, profile, nodes, held, leaves)
             if group is not None:
-                where = ", ".join(r.node_id for r in group.ranks)
-                reasons[_label(model, profile, "(several nodes)")] = (
-                    f"it would run over {where} on {group.island.name}, but this version of llmgw does not start "
-                    "replicas over several nodes yet")
+                return group, reasons
+            reasons.update({_label(model, profile, k): v for k, v in why.items()})
             continue
         candidates = []
         for node in nodes:

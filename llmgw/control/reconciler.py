@@ -35,7 +35,8 @@ log = logging.getLogger("llmgw.controller")
 
 # Unhealthy: its engine fails its node's health probes. It is out of the snapshot (so out of every gateway's
 # rotation) but still the model's replica, which its node restarts in place if it does not recover.
-LIVE = ("pending", "fetching", "starting", "ready", "unhealthy")
+# Waiting: a rank above 0 of a replica over several nodes, placed, not yet sent (it waits for rank 0's master).
+LIVE = ("waiting", "pending", "fetching", "starting", "ready", "unhealthy")
 MAX_BACKOFF = 300.0
 LINES_MOST, LINE_MOST = 50, 500  # of a failed engine's last output, kept for the operator
 
@@ -59,6 +60,13 @@ class Replica:
     detail: str | None = None  # its node's words on its state (why it is unhealthy)
     restarts: int = 0  # by its node, for failing its health probes
     restart_reason: str | None = None  # the last one
+    # A shard of a replica over several nodes: its group (the replica's id), rank and ranks; rank 0's master
+    # (HOST:PORT where the ranks meet, as its node said); a waiting rank's start, sent once that is known.
+    group: str | None = None
+    rank: int = 0
+    ranks: int = 1
+    master: str | None = None
+    deferred: Start | None = None
 
 
 @dataclasses.dataclass
@@ -76,6 +84,63 @@ class Start:
     model: str
     shard_id: str
     decision: placement.Decision
+    # A rank of a replica over several nodes: its group, rank, ranks, the fabric (or NVLink domain) it was
+    # placed on and its node's adapters there (from which its node sets NCCL's variables), and for a rank
+    # above 0 where it joins rank 0.
+    group: str | None = None
+    rank: int = 0
+    ranks: int = 1
+    fabric: str | None = None
+    adapters: tuple[str, ...] = ()
+    master: str | None = None
+
+
+class Unit:
+    """A replica as scaling counts it: one shard, or every rank of a replica over several nodes."""
+
+    def __init__(self, members: list[Replica]):
+        self.members = sorted(members, key=lambda r: r.rank)
+        head = self.members[0]
+        self.group, self.model, self.ranks = head.group, head.model, head.ranks
+        self.node_ids = {r.node_id for r in self.members}
+        self.since = max(r.since for r in self.members)
+        self.state = self._state({r.state for r in self.members})
+
+    @staticmethod
+    def _state(states: set[str]) -> str:
+        """Stopping once any rank is; unhealthy while any is; else its least advanced rank's state (so ready
+        only when every rank is)."""
+        for state in ("stopping", "unhealthy", *LIVE):
+            if state in states:
+                return state
+        return states.pop()
+
+    def missing(self) -> list[str]:
+        """The ranks of a group that are no longer there (failed, stopped, or never heard of), in words."""
+        have = {r.rank for r in self.members}
+        return [f"rank {rank} is gone" for rank in range(self.ranks) if rank not in have]
+
+
+def units(replicas) -> list[Unit]:
+    """REPLICAS as scaling counts them (`Unit`): a replica over several nodes once, its ranks together."""
+    grouped: dict[str, list[Replica]] = {}
+    for r in replicas:
+        grouped.setdefault(r.group or r.shard_id, []).append(r)
+    return [Unit(members) for members in grouped.values()]
+
+
+def whole(replicas: list[Replica]) -> list[Replica]:
+    """One row for each replica, as gateways, scaling and the replica metrics see it: a replica on one node as
+    it is; a replica over several nodes as its rank 0 (which serves HTTP), in its group's state (ready only
+    once every rank is), and only while every rank is there."""
+    out = []
+    for unit in units(replicas):
+        head = unit.members[0]
+        if not unit.group:
+            out.append(head)
+        elif head.rank == 0 and not unit.missing():
+            out.append(dataclasses.replace(head, state=unit.state))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +189,7 @@ class Replicas:
         with self.lock:
             listed = {s["shard_id"] for s in shards}
             for r in [r for r in self.items.values() if r.node_id == node_id and r.shard_id not in listed]:
-                if r.state != "pending":
+                if r.state not in ("waiting", "pending"):
                     del self.items[r.shard_id]
             for shard_id in [k for k, v in self.retired.items() if v == node_id and k not in listed]:
                 del self.retired[shard_id]
@@ -167,8 +232,11 @@ class Replicas:
                 return None
             heard_before = current is not None
             if current is None:
+                # A shard of a replica over several nodes, brought back by its node: its group as the node says,
+                # held to its id's form when the claim was judged (llmgw/control/claims.py).
                 current = Replica(shard_id, status.get("model", "?"), node_id, state, since=now,
-                                  memory_bytes=memory_bytes or 0)
+                                  memory_bytes=memory_bytes or 0, group=status.get("group"),
+                                  rank=status.get("rank", 0), ranks=status.get("ranks", 1))
                 self.items[shard_id] = current
             if current.state != "stopping":
                 current.state = state
@@ -185,6 +253,8 @@ class Replicas:
                 current.restarts = restarts
             if "gpus" in status:
                 current.gpus = tuple(status["gpus"])
+            if current.group and current.rank == 0 and "master" in status:
+                current.master = status["master"]
             if state == "ready":
                 if "ready_s" in status:
                     # The agent's own count, kept across its restarts: what tells the replica that has
@@ -216,6 +286,42 @@ class Replicas:
             log.error("could not plan %s this pass (the other models were planned; this is logged again only "
                       "if the error changes): %s", model, "".join(traceback.format_exception(error)).rstrip())
         return said
+
+    def stop(self, unit: Unit, why: str) -> list[Stop]:
+        """Stop every shard of UNIT for WHY: the Stop orders to send (a rank never sent has nothing to stop)."""
+        out = []
+        for r in unit.members:
+            if self.items.get(r.shard_id) is not r:
+                continue  # retired: stopped if its node comes back
+            if r.state == "waiting":
+                del self.items[r.shard_id]
+            elif r.state != "stopping":
+                r.state = "stopping"
+                out.append(Stop(r.shard_id, r.node_id, why))
+        return out
+
+    def placed(self, model: Model, decision, claims: list[placement.Claim], now: float) -> Start:
+        """Record DECISION (placement's, for one more replica of MODEL): its shards as replicas, pending (a
+        rank above 0 waiting for rank 0), its claims added to CLAIMS; returns the Start to send now."""
+        name = model.name
+        if isinstance(decision, placement.Decision):
+            ranks, group, fabric = [(f"{name}-{uuid.uuid4().hex[:8]}", decision, ())], None, None
+        else:
+            group, fabric = f"{name}-{uuid.uuid4().hex[:8]}", decision.island.key
+            ranks = [(f"{group}-r{i}", placement.Decision(rank.node_id, decision.profile, rank.gpus), rank.adapters)
+                     for i, rank in enumerate(decision.ranks)]
+        first = None
+        for i, (shard_id, one, adapters) in enumerate(ranks):
+            memory = placement.memory_claim(one.profile)
+            claims.append(placement.Claim(one.node_id, name, memory, one.gpus))
+            start = Start(name, shard_id, one, group=group, rank=i, ranks=len(ranks), fabric=fabric,
+                          adapters=adapters)
+            self.items[shard_id] = Replica(shard_id, name, one.node_id, "waiting" if i else "pending",
+                                           profile_fp=model.fingerprint(one.profile), engine=one.profile.engine,
+                                           gpus=one.gpus, memory_bytes=memory, since=now, group=group, rank=i,
+                                           ranks=len(ranks), deferred=start if i else None)
+            first = first or start
+        return first
 
     def retire(self, replica: Replica) -> None:
         del self.items[replica.shard_id]
@@ -261,11 +367,14 @@ class Demand:
 
 
 def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, now: float,
-         wanted: dict[str, int] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
+         wanted: dict[str, int] | None = None,
+         leaves: dict[str, dict[str, str]] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
     """One pass: what to start and stop, and for each model that could not be placed, why, by node.
 
     WANTED overrides a model's count within its scaling (demand for an
-    on-demand model); otherwise a model wants its minimum.
+    on-demand model); otherwise a model wants its minimum. LEAVES: each
+    fabric's adapters' leaf switches (llmgw/control/fabricmaps.py), for
+    replicas over several nodes.
     """
     unplaced: dict[str, dict[str, str]] = {}
     reachable = {n.node_id for n in nodes if n.state != LOST}
@@ -274,6 +383,7 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
     with replicas.lock:
         actions: list[Start | Stop] = list(replicas.orders)
         replicas.orders.clear()
+        actions += _keep_groups_whole(replicas, reachable, now)
         stranded = [r for r in replicas.items.values() if r.node_id not in reachable]
         for replica in stranded:
             if replica.state != "ready" or replica.model not in models:
@@ -281,53 +391,45 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
         stranded = [r for r in stranded if r.shard_id in replicas.items]
         current = [r for r in replicas.items.values() if r.node_id in reachable]
         claims = replicas.claims()
-        for replica in current:
-            if replica.model not in models and replica.state != "stopping":
-                replica.state = "stopping"
-                actions.append(Stop(replica.shard_id, replica.node_id, f"{replica.model} is no longer in the catalog"))
+        for unit in units(current):
+            if unit.model not in models and unit.state != "stopping":
+                actions += replicas.stop(unit, f"{unit.model} is no longer in the catalog")
         draining = {n.node_id for n in nodes if n.state == DRAINING}
         moving = False  # a drain moves one replica at a time, across every model
         errors: dict[str, str] = {}
         for name, model in sorted(models.items()):
             try:
-                live = [r for r in current if r.model == name and r.state in LIVE]
-                staying = [r for r in live if r.node_id not in draining]
-                leaving = [r for r in live if r.node_id in draining]
+                live = [u for u in units(r for r in current if r.model == name) if u.state in LIVE]
+                staying = [u for u in live if not u.node_ids & draining]
+                leaving = [u for u in live if u.node_ids & draining]
                 want = model.min_replicas if wanted is None or name not in wanted else \
                     max(model.min_replicas, min(model.max_replicas, wanted[name]))
                 # A lost node's replicas are counted as gone (so they are replaced) but stay in the
                 # snapshot until enough replacements are ready, the oldest kept longest.
-                replaced = sum(1 for r in staying if r.state == "ready")
+                replaced = sum(1 for u in staying if u.state == "ready")
                 for r in sorted((r for r in stranded if r.model == name), key=lambda r: r.since)[max(0, want - replaced):]:
                     replicas.retire(r)
                 if len(staying) > want or (len(staying) == want and leaving and
-                                           all(r.state == "ready" for r in staying)):
+                                           all(u.state == "ready" for u in staying)):
                     # Stop the least useful first: those on a draining node, not yet ready, the newest.
-                    for r in sorted(live, key=lambda r: (r.node_id not in draining, r.state == "ready",
-                                                         -r.since))[:len(live) - want]:
-                        r.state = "stopping"
-                        why = f"{r.node_id} is draining" if r.node_id in draining else \
+                    for u in sorted(live, key=lambda u: (not u.node_ids & draining, u.state == "ready",
+                                                         -u.since))[:len(live) - want]:
+                        on = sorted(u.node_ids & draining)
+                        why = f"{', '.join(on)} {'is' if len(on) == 1 else 'are'} draining" if on else \
                             f"{name} wants {want} replicas, had {len(live)}"
-                        actions.append(Stop(r.shard_id, r.node_id, why))
+                        actions += replicas.stop(u, why)
                     continue
-                if leaving and (moving or any(r.state != "ready" for r in staying)):
+                if leaving and (moving or any(u.state != "ready" for u in staying)):
                     moving = True  # a replacement is on its way; the next one waits for it
                     continue
                 if len(staying) >= want or now < replicas.retry_at.get(name, 0.0):
                     continue
                 for _ in range(min(want - len(staying), 1 if leaving else want)):
-                    decision, reasons = placement.place(model, nodes, claims)
+                    decision, reasons = placement.place(model, nodes, claims, leaves)
                     if decision is None:
                         unplaced[name] = reasons
                         break
-                    shard_id = f"{name}-{uuid.uuid4().hex[:8]}"
-                    memory = placement.memory_claim(decision.profile)
-                    claims.append(placement.Claim(decision.node_id, name, memory, decision.gpus))
-                    replicas.items[shard_id] = Replica(shard_id, name, decision.node_id, "pending",
-                                                       profile_fp=model.fingerprint(decision.profile),
-                                                       engine=decision.profile.engine, gpus=decision.gpus,
-                                                       memory_bytes=memory, since=now)
-                    actions.append(Start(name, shard_id, decision))
+                    actions.append(replicas.placed(model, decision, claims, now))
                     moving = moving or bool(leaving)
             except Exception as e:
                 # One model's bad facts or bad bug must never stop the pass for every other model.
@@ -336,13 +438,47 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
     return actions, unplaced
 
 
+def _keep_groups_whole(replicas: Replicas, reachable: set[str], now: float) -> list[Start | Stop]:
+    """A replica over several nodes lives and dies whole: once any of its ranks failed, stopped or is on a
+    lost node, the rest are stopped (a real vLLM's rank 0 goes on answering /health with a rank gone, and
+    hangs the next request; its headless ranks never exit by themselves); their replacement is placed
+    whole. The ranks above 0 waiting for rank 0's master address are sent once it is known."""
+    actions: list[Start | Stop] = []
+    for unit in units(list(replicas.items.values())):
+        if not unit.group:
+            continue
+        gone = unit.missing() + [f"rank {r.rank}'s node {r.node_id} is lost" for r in unit.members
+                                 if r.node_id not in reachable]
+        gone += [f"rank {r.rank} on {r.node_id} is being stopped" for r in unit.members if r.state == "stopping"]
+        if gone:
+            for r in unit.members:
+                if r.node_id not in reachable:
+                    replicas.retire(r)  # stopped if its node comes back
+            actions += replicas.stop(unit, f"{'; '.join(gone)}: a replica over {unit.ranks} nodes is stopped whole")
+            continue
+        leader = unit.members[0]
+        if leader.rank == 0 and leader.master and leader.state in ("starting", "ready"):
+            for r in unit.members:
+                if r.state == "waiting" and r.deferred is not None:
+                    r.state, r.since = "pending", now
+                    actions.append(dataclasses.replace(r.deferred, master=leader.master))
+                    r.deferred = None
+    return actions
+
+
 def start_message(model: Model, action: Start) -> dict:
     """The fields of the start_shard command that carries out ACTION."""
     profile = action.decision.profile
     message: dict[str, object] = {"request_id": uuid.uuid4().hex, "shard_id": action.shard_id, "model": model.name,
-               "engine": profile.engine, "source": model.source_of(profile), "args": list(profile.args), "env": dict(profile.env),
+               "engine": profile.engine, "source": model.source_of(profile), "args": list(profile.args),
+               "env": dict(profile.env),
                "gpus": list(action.decision.gpus) if profile.gpus else None, "profile_fp": model.fingerprint(profile),
                "max_context": model.max_context}
     if profile.start_limit is not None:
         message["start_limit"] = profile.start_limit
+    if action.group:
+        message.update(group=action.group, rank=action.rank, ranks=action.ranks, fabric=action.fabric,
+                       adapters=list(action.adapters))
+        if action.master:
+            message["master"] = action.master
     return message

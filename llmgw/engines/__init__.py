@@ -13,8 +13,20 @@ May import: the top-level modules except `store`. Never another llmgw
 package: both sides of the cluster use it.
 """
 
+import dataclasses
+
 from llmgw import __version__, addresses
 from llmgw.engines import llamacpp, sglang, vllm
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """An engine's place in a replica over several nodes: rank RANK of RANKS in GROUP, meeting at MASTER
+    (rank 0's HOST:PORT)."""
+    group: str
+    rank: int
+    ranks: int
+    master: str
 
 LOAD_METRICS: dict[str, str] = {**vllm.LOAD_METRICS, **llamacpp.LOAD_METRICS, **sglang.LOAD_METRICS}
 
@@ -61,14 +73,22 @@ def environment(engine: str, api_key: str, host: str) -> dict[str, str]:
     return found
 
 
-def command(engine: str, source: str, name: str, host: str, port: int, gpus: list[int], max_context: int | None,
+# Engines that run one replica over several nodes (a rank a node); placement offers `nodes` above 1 only to them.
+OVER_NODES = ("vllm", "sim")
+
+
+def command(engine: str, source: str, name: str, host: str, port: int | None, gpus: list[int], max_context: int | None,
             args: list[str], replica: str, api_key: str | None = None,
-            launch: tuple[str, str] | None = None) -> list[str]:
+            launch: tuple[str, str] | None = None, ranks: Ranks | None = None) -> list[str]:
     """The command line that serves SOURCE as NAME on HOST:PORT with ENGINE. API_KEY goes on it only for
     an engine that reads it nowhere else (see `key_environment`). LAUNCH: ("binary", path) or ("python",
-    interpreter) the engine runs from (`named`, or what the node installed); None: llmgw's own environment."""
+    interpreter) the engine runs from (`named`, or what the node installed); None: llmgw's own environment.
+    RANKS: this engine's place in a replica over several nodes (rank 0 serves at HOST:PORT, the others
+    have no port)."""
     import sys
 
+    if ranks is not None and engine not in OVER_NODES:
+        raise ValueError(f"engine {engine} does not run a replica over several nodes")
     kind, path = launch or (None, None)
     binary, python = (path, None) if kind == "binary" else (None, path)
     if engine == "llamacpp":
@@ -79,12 +99,19 @@ def command(engine: str, source: str, name: str, host: str, port: int, gpus: lis
         return llamacpp.command(source, port, name, ctx_size=(max_context or llamacpp.CONTEXT) * slots, host=host,
                                 parallel=slots, binary=binary, python=python) + list(args)
     if engine == "vllm":
-        return vllm.command(source, name, host, port, gpus, max_context, args, binary=binary, python=python)
+        return vllm.command(source, name, host, port, gpus, max_context, args, binary=binary, python=python,
+                            ranks=ranks)
     if engine == "sglang":
         return sglang.command(source, name, host, port, gpus, max_context, args, api_key, python=python)
     if engine == "sim":
-        return [sys.executable, "-m", "llmgw", "sim", "--listen", addresses.join(host, port), "--model", name,
-                "--replica", replica] + list(args)
+        argv = [sys.executable, "-m", "llmgw", "sim"]
+        if port is not None:
+            argv += ["--listen", addresses.join(host, port)]
+        argv += ["--model", name, "--replica", replica]
+        if ranks is not None:
+            argv += ["--ranks", str(ranks.ranks), "--rank", str(ranks.rank), "--group", ranks.group,
+                     "--master", ranks.master]
+        return argv + list(args)
     raise ValueError(f"unknown engine {engine!r}")
 
 

@@ -62,6 +62,7 @@ from gevent.pywsgi import WSGIServer
 
 from llmgw import addresses
 from llmgw.procs import raise_fd_limit
+from llmgw.engines import simranks
 
 BLOCK_TOKENS = 16  # vLLM's default block size: only whole blocks are cached
 # Characters of a tool call's arguments per streamed delta: several deltas for any real call, as an
@@ -95,6 +96,12 @@ class SimOptions:
     # Answer 200 with a body that is not JSON, and end a stream with an error event after its first token:
     # what a broken engine, or a proxy in front of one, sends.
     garbled: bool = False
+    # A rank of a replica over several nodes (llmgw/engines/simranks.py): RANKS of them in GROUP, meeting at
+    # MASTER (rank 0's HOST:PORT); rank 0 serves HTTP, the others run headless.
+    ranks: int = 1
+    rank: int = 0
+    group: str = ""
+    master: str | None = None
 
 
 class SimEngine:
@@ -116,6 +123,7 @@ class SimEngine:
         self.cache = PrefixCache(options.prefix_cache_tokens)
         self.prefilling = BoundedSemaphore(1)
         self.gathered = gevent.event.Event()
+        self.gathering = simranks.Gathering(options.group, options.ranks) if options.ranks > 1 else None
 
     # --- WSGI ---------------------------------------------------------------------
 
@@ -125,6 +133,8 @@ class SimEngine:
         if self.o.loading:
             return self._json(start_response, "503 Service Unavailable", _error("Loading model", 503))
         if path == "/health":
+            if self.gathering is not None and not self.gathering.complete:
+                return self._json(start_response, "503 Service Unavailable", _error(self.gathering.waiting(), 503))
             if self._failing():
                 return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
             return self._send(start_response, "200 OK", b"", "text/plain")
@@ -154,6 +164,9 @@ class SimEngine:
                               _error(f"The model `{body.get('model')}` does not exist.", 404))
         self.requests += 1
         number = self.requests
+        broken = self.gathering.waiting() if self.gathering is not None else None
+        if broken:
+            return self._json(start_response, "500 Internal Server Error", _error(broken, 500))
         if self._failing():
             return self._json(start_response, "500 Internal Server Error", _error("simulated failure", 500))
         kind = kinds[path]
@@ -583,9 +596,16 @@ class _NoDelayServer(WSGIServer):
 
 
 def serve(listen: str, options: SimOptions, announce=print) -> None:
-    """Serve a simulated engine on LISTEN (`HOST:PORT`; port 0 picks one) until killed."""
+    """Serve a simulated engine on LISTEN (`HOST:PORT`; port 0 picks one) until killed; a rank above 0 of a
+    replica over several nodes serves nothing, and only joins its rank 0."""
+    if options.rank > 0:
+        simranks.follow(options.master, options.group, options.rank, announce)
+        return
     raise_fd_limit()
-    server = _NoDelayServer(addresses.bind(listen, "--listen", free_port=True), SimEngine(options), log=None, error_log=None,
+    engine = SimEngine(options)
+    if engine.gathering is not None:
+        engine.gathering.serve(options.master)
+    server = _NoDelayServer(addresses.bind(listen, "--listen", free_port=True), engine, log=None, error_log=None,
                             backlog=4096)
     server.init_socket()
     bound_host, bound_port = server.socket.getsockname()[:2]

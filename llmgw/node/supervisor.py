@@ -26,6 +26,16 @@ a probe that passes brings it back. One unhealthy for longer than
 key (on a new port), its restarts counted and the reason kept. Before, a hung engine (stopped,
 deadlocked in a collective) stayed ready, and each request sent to it waited
 for `timeouts.first_byte` (300 s) before anything noticed.
+
+A shard of a replica over several nodes (`group`, `rank`, `ranks` in its
+spec) is one rank of an engine that runs on every node of its group. Rank 0
+serves HTTP as any shard does, and picks the port its ranks meet at
+(`master`, reported once its engine runs); the others run headless: no port,
+no URL, no key told to anyone, `ready` as soon as they run, since their
+readiness is rank 0's (its `/health` passes only once every rank has joined).
+No rank is restarted alone: its engine cannot rejoin a group whose collectives
+are set up, so a rank that goes on failing its probes is stopped as failed,
+and the controller starts the replica again whole.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ import urllib.request
 
 from llmgw import addresses, engines, weights
 from llmgw.engines import metrics as enginemetrics
+from llmgw.engines import nccl
 from llmgw.node import discovery, shardfiles
 from llmgw.node.installer import InstallError
 from llmgw.procs import free_port
@@ -76,7 +87,7 @@ class Health:
 
 
 class Shard:
-    def __init__(self, spec: dict, port: int, log_path: str, api_key: str | None):
+    def __init__(self, spec: dict, port: int | None, log_path: str, api_key: str | None):
         self.spec = spec
         self.shard_id = spec["shard_id"]
         self.port = port
@@ -95,6 +106,16 @@ class Shard:
         self.restarts = 0  # by this node, for failing its probes; kept in the state file
         self.restart_reason: str | None = None  # the last one
         self.stop_asked = False  # a stop that came while it was being restarted is carried out once it runs
+        self.master_port: int | None = None  # rank 0 of a replica over several nodes: where its ranks meet
+
+    @property
+    def rank(self) -> int | None:
+        """Its rank in a replica over several nodes, None for a replica on one node."""
+        return self.spec.get("rank") if self.spec.get("group") else None
+
+    @property
+    def headless(self) -> bool:
+        return bool(self.rank)
 
 
 def tail(path: str, lines: int) -> list[str]:
@@ -112,15 +133,17 @@ def tail(path: str, lines: int) -> list[str]:
 class Supervisor:
     def __init__(self, node_id: str, work_dir: str, weights_dir: str, engine_host: str, address: str, report,
                  local_sources: list[str] = (), named: dict[str, tuple[str, str]] | None = None, installer=None,
-                 health: Health = Health()):
+                 health: Health = Health(), ports=lambda: []):
         """REPORT(fields) is called (from any thread) with each shard_status to send. Engines listen on
         ENGINE_HOST, or on ADDRESS (where gateways reach this node) when it is empty. An engine is given a
         local source only inside WEIGHTS_DIR or LOCAL_SOURCES (`agent.local_sources`). An engine runs from
         what the configuration NAMED (`engines.named`), else from what INSTALLER (llmgw/node/installer.py)
         installed, installing it first when its catalogue has it, else from llmgw's own environment. HEALTH:
-        how ready engines are probed and when one is restarted."""
+        how ready engines are probed and when one is restarted. PORTS(): the node's InfiniBand and RoCE ports
+        now (llmgw/node/ibports.py), for the NCCL variables of a replica over several nodes."""
         self.node_id = node_id
         self.health = health
+        self.ports = ports
         self.named = named or {}
         self.installer = installer
         self.work_dir = work_dir
@@ -141,15 +164,24 @@ class Supervisor:
     def status(self, shard: Shard) -> dict:
         spec = shard.spec
         fields = dict(node_id=self.node_id, shard_id=shard.shard_id, state=shard.state, model=spec["model"],
-                      engine=spec["engine"], port=shard.port,
-                      url=f"http://{addresses.join(self.url_host, shard.port)}", api_key=shard.api_key,
-                      profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
+                      engine=spec["engine"], profile_fp=spec.get("profile_fp"), gpus=spec.get("gpus"), pid=shard.pid,
                       exit_code=shard.exit_code, fetch=shard.fetch, detail=shard.detail,
                       ready_s=round(max(0.0, time.time() - shard.ready_at), 1) if shard.ready_at else None,
                       context=shard.context, restarts=shard.restarts or None, restart_reason=shard.restart_reason)
+        if not shard.headless:
+            fields.update(port=shard.port, url=f"http://{addresses.join(self.url_host, shard.port)}",
+                          api_key=shard.api_key)
+        if shard.rank is not None:
+            fields.update(group=spec["group"], rank=shard.rank, ranks=spec.get("ranks"), master=self._master(shard))
         if shard.state == "failed":
             fields["last_output"] = tail(shard.log_path, LAST_LINES)
         return {k: v for k, v in fields.items() if v is not None}
+
+    def _master(self, shard: Shard) -> str | None:
+        """Where SHARD's group meets: rank 0 says it once its engine runs; the others were told."""
+        if shard.rank == 0:
+            return addresses.join(self.url_host, shard.master_port) if shard.pid and shard.master_port else None
+        return shard.spec.get("master")
 
     def _set(self, shard: Shard, state: str, detail: str | None = None) -> None:
         shard.state = state
@@ -183,7 +215,7 @@ class Supervisor:
                 # A worker that exited takes its CPU seconds out of the sum: never a negative figure.
                 entry["cpu_cores"] = round(max(0.0, (cpu - previous[0]) / (now - previous[1])), 2)
             self.cpu_samples[shard.shard_id] = (cpu, now)
-            if shard.state == "ready":
+            if shard.state == "ready" and not shard.headless:
                 try:
                     entry.update(self._load(shard, timeout=1))
                 except OSError:
@@ -213,7 +245,8 @@ class Supervisor:
         data = None if shard.state in ("stopped", "failed") else {
             "spec": shard.spec, "port": shard.port, "pid": shard.pid, "state": shard.state,
             "log_path": shard.log_path, "ready_at": shard.ready_at, "api_key": shard.api_key,
-            "context": shard.context, "restarts": shard.restarts, "restart_reason": shard.restart_reason}
+            "context": shard.context, "restarts": shard.restarts, "restart_reason": shard.restart_reason,
+            "master_port": shard.master_port}
         shardfiles.save(self.work_dir, shard.shard_id, data)
 
     def adopt(self) -> list[str]:
@@ -229,6 +262,7 @@ class Supervisor:
             shard.context = data.get("context") if isinstance(data.get("context"), int) else None
             shard.restarts = data.get("restarts") if isinstance(data.get("restarts"), int) else 0
             shard.restart_reason = data.get("restart_reason") if isinstance(data.get("restart_reason"), str) else None
+            shard.master_port = data.get("master_port") if isinstance(data.get("master_port"), int) else None
             with self.lock:
                 self.shards[shard.shard_id] = shard
             adopted.append(shard.shard_id)
@@ -247,9 +281,12 @@ class Supervisor:
             if existing is not None and existing.state in ALIVE:
                 self.report(self.status(existing))  # the controller may have missed it
                 return
-            port = free_port(self.probe_host)
             log_path = os.path.join(self.work_dir, "shards", f"{spec['shard_id']}.log")
-            shard = Shard(spec, port, log_path, secrets.token_urlsafe(32))
+            shard = Shard(spec, None, log_path, secrets.token_urlsafe(32))
+            if not shard.headless:
+                shard.port = free_port(self.probe_host)
+            if shard.rank == 0:
+                shard.master_port = free_port(self.probe_host)
             self.shards[shard.shard_id] = shard
         threading.Thread(target=self._run, args=(shard,), name=f"shard-{shard.shard_id}", daemon=True).start()
 
@@ -275,10 +312,20 @@ class Supervisor:
         except InstallError as e:
             self._set(shard, "failed", f"installing engine {spec['engine']} failed: {e.detail}; {e.fix}")
             return
-        argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
-                               spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
-                               replica=shard.shard_id, api_key=shard.api_key, launch=launch)
+        ranks = None
+        if shard.rank is not None:
+            ranks = engines.Ranks(spec["group"], shard.rank, spec.get("ranks") or 1,
+                                  addresses.join(self.url_host, shard.master_port) if shard.rank == 0 else spec["master"])
+        try:
+            argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
+                                   spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
+                                   replica=shard.shard_id, api_key=shard.api_key, launch=launch, ranks=ranks)
+        except (ValueError, KeyError) as e:
+            self._set(shard, "failed", f"cannot start it: {e}")
+            return
         env = dict(os.environ)
+        if ranks is not None:
+            env.update(self._fabric_environment(shard))
         env.update(spec.get("env") or {})
         env.update(engines.environment(spec["engine"], shard.api_key, self.engine_host))
         if spec.get("gpus") is not None:
@@ -303,7 +350,22 @@ class Supervisor:
         if shard.stop_asked:  # while it was being restarted
             self._stop(shard, None)
             return
+        if shard.headless:
+            self._set(shard, "ready", f"rank {shard.rank} of {spec.get('ranks')}: it serves through rank 0, "
+                                      f"joining it at {spec['master']}")
+            return
         self._wait_ready(shard)
+
+    def _fabric_environment(self, shard: Shard) -> dict[str, str]:
+        """NCCL's variables for SHARD's rank (llmgw/engines/nccl.py): the adapters its replica was placed on,
+        their ports as they are now, and the bootstrap over this node's own interface (the one holding the
+        address the other nodes reach it at)."""
+        from llmgw.node.doctor import interface_of
+
+        spec = shard.spec
+        ports, adapters = self.ports(), list(spec.get("adapters") or ())
+        return nccl.environment(spec.get("ranks") or 1, nccl.rails(ports, adapters), nccl.gid_index(ports, adapters),
+                                interface_of(addresses.dial_host(self.url_host), "/"), spec.get("fabric") or "")
 
     def _launch(self, shard: Shard) -> tuple[str, str] | None:
         """What SHARD's engine runs from (see `__init__`), installing it first where the catalogue says how;
@@ -386,9 +448,10 @@ class Supervisor:
             return f"it could not be reached ({reason})"
 
     def _watch_health(self, shard: Shard) -> None:
-        """Probe SHARD for as long as it serves (ready or unhealthy) under this agent."""
+        """Probe SHARD for as long as it serves (ready or unhealthy) under this agent; a headless rank has
+        nothing to probe (`check` sees it exit)."""
         health = self.health
-        while True:
+        while not shard.headless:
             time.sleep(health.interval)
             with self.lock:
                 if self.shards.get(shard.shard_id) is not shard or shard.state not in SERVING:
@@ -409,8 +472,13 @@ class Supervisor:
                 self._set(shard, "unhealthy", f"its /health failed {shard.failed_probes} probes in a row: {problem}")
             elif shard.state == "unhealthy":
                 if health.restart_after and now - shard.unhealthy_since >= health.restart_after:
-                    self._restart(shard, f"its /health failed for {now - shard.unhealthy_since:.0f} s "
-                                         f"(agent.restart_unhealthy_after): {problem}")
+                    why = (f"its /health failed for {now - shard.unhealthy_since:.0f} s "
+                           f"(agent.restart_unhealthy_after): {problem}")
+                    if shard.rank is not None:
+                        self.stop(shard.shard_id, reason=f"{why}; a rank of a replica over several nodes is not "
+                                                         "restarted alone: the replica is started again whole")
+                    else:
+                        self._restart(shard, why)
                     return
 
     def _restart(self, shard: Shard, reason: str) -> None:
@@ -456,7 +524,7 @@ class Supervisor:
 
     def _drain(self, shard: Shard, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._running(shard):
+        while time.monotonic() < deadline and self._running(shard) and not shard.headless:
             try:
                 load = self._load(shard, timeout=2)
             except OSError:

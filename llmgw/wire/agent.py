@@ -29,6 +29,7 @@ BYTES = Int(0, 2**53)  # beyond this no JSON reader is exact; a petabyte-scale d
 COUNT = Int(0, 2**53)
 FIGURE = Num(0, 1e12)  # a measured load, count or share: finite and non-negative
 PERCENT = Num(0, 100)
+MOST_RANKS = 64  # nodes one replica runs over
 NAME = Str(200)  # a shard id, an engine's or a label's name
 TEXT = Str(4000)  # a sentence: a detail, a fix, an error
 VERSION_TEXT = Str(500)  # an engine's version, as its binary says it
@@ -91,6 +92,10 @@ SHARD: dict[str, tuple[object, bool]] = {
     # At most one restart a probe window (a minute by default): a million is two years of them, and a node
     # saying more would only inflate its models' restart counter, which alerts read.
     "restarts": (Int(0, 10**6), False), "restart_reason": (TEXT, False),
+    # A shard of a replica over several nodes: its group (the replica), its rank, how many ranks, and, from
+    # rank 0, where its engine's ranks meet (HOST:PORT on rank 0's node).
+    **{"group": (NAME, False), "rank": (Int(0, MOST_RANKS - 1), False), "ranks": (Int(1, MOST_RANKS), False),
+       "master": (Str(300), False)},
 }
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same
@@ -132,6 +137,8 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
         "request_id": ("str", True), "shard_id": ("str", True), "model": ("str", True), "engine": ("str", True),
         "source": ("str", True), "args": ("array", False), "env": ("object", False), "gpus": ("array", False),
         "profile_fp": ("str", False), "max_context": ("int", False), "start_limit": (Num(0, 86400), False),
+        "group": (NAME, False), "rank": (Int(0, MOST_RANKS - 1), False), "ranks": (Int(1, MOST_RANKS), False),
+        "master": (Str(300), False), "fabric": (Str(200), False), "adapters": (ListOf(NAME, 64), False),
     },
     "stop_shard": {"request_id": ("str", True), "shard_id": ("str", True)},
     "drain_shard": {"request_id": ("str", True), "shard_id": ("str", True), "timeout": ("number", False)},
