@@ -2,9 +2,12 @@
 graded against the link rate (a replayed ib_write_bw: tests/fake-perftest, output in perftest's shape,
 tests/fixtures/ib_write_bw-*.txt); its pieces on their own; and what it refuses."""
 
+import json
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -109,6 +112,18 @@ def test_a_rail_that_is_down_fails_the_test_without_running():
     assert sorted(asked) == [("a", "mlx5_0"), ("b", "mlx5_0")]  # the rail that is down was not run
 
 
+def post_admin(ctl, path: str, body) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{ctl.admin_port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {ctl.token()}",
+                                              "Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read())
+
+
 def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
     trees = {}
     for name in ("a", "b"):
@@ -146,6 +161,16 @@ def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
         refused = subprocess.run([sys.executable, "-m", "llmgw", "--config", ctl.config, "ctl", "fabric-test", "a", "b",
                                   "--fabric", "ib-z"], capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "do not share fabric ib-z" in refused.stderr
+        # The API's own checks, before any node is asked: each a 400 saying what to send.
+        for body, words in [([], "send {\"a\": NODE, \"b\": NODE}"), ({"a": "a"}, "send {\"a\": NODE"),
+                            ({"a": "a", "b": "../etc"}, "send {\"a\": NODE"), ({"a": "a", "b": "a"}, "name two"),
+                            ({"a": "a", "b": "b", "seconds": 31}, "1 to 30"),
+                            ({"a": "a", "b": "b", "seconds": True}, "1 to 30"),
+                            ({"a": "a", "b": "b", "fabric": "x" * 65}, "fabric is the name"),
+                            ({"a": "a", "b": "b", "fabric": 7}, "fabric is the name")]:
+            status, answer = post_admin(ctl, "/api/v1/fabric-test", body)
+            assert status == 400 and words in answer["error"], (body, answer)
+        assert (tmp_path / "a-asked.txt").read_text().count("\n") == 4  # the two runs above, two rails each
     finally:
         for agent in agents:
             agent.stop()

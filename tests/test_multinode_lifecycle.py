@@ -11,7 +11,6 @@ from llmgw.control.reconciler import Replicas, Start, Stop, plan, start_message,
 from tests.test_multinode_placement import A, fabric
 
 
-
 def node(node_id, state="ready", fabrics=None):
     cards = [{"index": i, "class": "h100-80g", "health": "ok"} for i in range(8)]
     registration = {"gpus": cards, "engines": {"vllm": "0.32.0", "sim": "1"}, "engines_probed": True,

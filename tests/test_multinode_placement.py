@@ -235,6 +235,37 @@ def test_the_controller_maps_each_fabric_through_one_node_and_keeps_why_not():
     assert maps.get(A)["error"] == "gpu-01 did not answer a scan within 150 s"
 
 
+def test_two_asking_for_one_fabrics_map_at_once_get_one_scan():
+    import threading
+
+    from llmgw.control import fabricmaps
+    from tests.test_fabric_discovery import fixture
+
+    port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "fabric_id": A, "node_guid": "0x0c42a1030045bd6c"}
+    nodes = [NodeView("gpu-01", "ready", 0, 0, node_facts({"ib_ports": [port], "features": ["fabric-scan"],
+                                                           "fabrics": [fabric(A)]}, {}))]
+    asked, release = [], threading.Event()
+
+    def ask(node_id, kind, fields, timeout):
+        asked.append(node_id)
+        release.wait(30)  # ibnetdiscover takes its time
+        return {"output": fixture("ibnetdiscover-two-leaves.txt")}
+
+    maps = fabricmaps.Maps()
+    first = threading.Thread(target=maps.scan, args=(nodes, ask), kwargs={"fabric_id": A})
+    first.start()
+    while not asked:
+        release.wait(0.01)
+    second = threading.Thread(target=maps.scan, args=(nodes, ask), kwargs={"fabric_id": A})
+    second.start()
+    second.join(0.3)
+    assert second.is_alive()  # waiting for the first one's map, not scanning beside it
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert asked == ["gpu-01"] and "map" in maps.get(A)
+
+
 def test_nodes_under_one_leaf_are_taken_together():
     def on_leaf(node_id, guid, replicas_here=0):
         port = {"hca": "mlx5_0", "port": 1, "state": "ACTIVE", "node_guid": guid}

@@ -539,17 +539,27 @@ def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(t
         assert c.api("/api/v1/status")["adopting"]
         replies = register({"shard_id": "big-1", "model": "big", "url": "http://10.9.9.9:8000"},
                            {"shard_id": "big-2", "model": "big", "url": "http://127.0.0.1:8000"},
-                           {"shard_id": "small-1", "model": "small", "url": "http://10.9.9.9:8000"})
+                           {"shard_id": "small-1", "model": "small", "url": "http://10.9.9.9:8000"},
+                           # A rank of a replica over several nodes pointing the others at another machine; one
+                           # whose id is not its group's; one of a model with no profile over two nodes.
+                           {"shard_id": "small-g-r0", "model": "small", "url": "http://127.0.0.1:8000",
+                            "group": "small-g", "rank": 0, "ranks": 2, "master": "10.9.9.9:29500"},
+                           {"shard_id": "small-3", "model": "small", "group": "small-g", "rank": 1, "ranks": 2},
+                           {"shard_id": "small-h-r1", "model": "small", "group": "small-h", "rank": 1, "ranks": 2})
         assert c.replicas() == []
-        assert sorted(r["shard_id"] for r in replies if r["type"] == "stop_shard") == ["big-1", "big-2", "small-1"]
+        assert sorted(r["shard_id"] for r in replies if r["type"] == "stop_shard") == [
+            "big-1", "big-2", "small-1", "small-3", "small-g-r0", "small-h-r1"]
         log = c.log()
         assert "big could not have been placed there" in log and "is not on the node's own address" in log
+        assert "the address its ranks meet at, 10.9.9.9:29500, is not on the node's own address" in log
+        assert "small-3 does not read as rank 1 of 2 of the replica small-g" in log
+        assert "small has no profile for engine 'sim' over 2 nodes" in log
         # Out of the window: a shard this controller did not place is refused, whatever it looks like.
         wait_until("the adoption window to close", 30, lambda: not c.api("/api/v1/status")["adopting"])
         replies = register({"shard_id": "small-2", "model": "small", "url": "http://127.0.0.1:8000"})
         assert c.replicas() == [] and [r["shard_id"] for r in replies if r["type"] == "stop_shard"] == ["small-2"]
         assert "this controller did not place small-2" in c.log()
-        assert 'llmgw_agent_messages_refused_total{why="not_its_own"} 4.0' in c.metrics()
+        assert 'llmgw_agent_messages_refused_total{why="not_its_own"} 7.0' in c.metrics()
     finally:
         sock.close(0)
         context.term()

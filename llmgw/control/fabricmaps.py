@@ -74,6 +74,7 @@ class Maps:
     def __init__(self):
         self.lock = threading.Lock()
         self.maps: dict[str, dict] = {}  # fabric id -> {"at", "node", "map"} or {"at", "node", "error"}
+        self.scanning: dict[str, threading.Event] = {}  # fabric id -> set once its scan under way ends
 
     def get(self, fabric: str) -> dict | None:
         with self.lock:
@@ -98,19 +99,36 @@ class Maps:
             done = self.get(fabric)
             if fabric_id is None and done is not None and now() - done["at"] < SCAN_EVERY:
                 continue
-            reply = ask(node_id, "scan_fabric", {"hca": hca, "port": port}, SCAN_WAIT)
-            entry: dict = {"at": now(), "node": node_id}
-            if reply is None:
-                entry["error"] = f"{node_id} did not answer a scan within {SCAN_WAIT:.0f} s"
-            elif reply.get("error"):
-                entry["error"] = f"{node_id}: {reply['error']}"
-            else:
-                try:
-                    entry["map"] = parse(reply.get("output", ""))
-                except ValueError as e:
-                    entry["error"] = f"{node_id}'s scan: {e}"
             with self.lock:
-                self.maps[fabric] = entry
+                under_way = self.scanning.get(fabric)
+                if under_way is None:
+                    self.scanning[fabric] = threading.Event()
+            if under_way is not None:
+                # One scan of a fabric at a time (the job's and each admin request's): a second waits for the
+                # first's map rather than run ibnetdiscover over the fabric again beside it.
+                under_way.wait(SCAN_WAIT + 5)
+                continue
+            try:
+                self._scan(fabric, node_id, hca, port, ask, now)
+            finally:
+                with self.lock:
+                    self.scanning.pop(fabric).set()
+
+    def _scan(self, fabric: str, node_id: str, hca: str, port: int, ask, now) -> None:
+        """Ask NODE_ID to scan FABRIC from HCA's PORT, and keep its map, or why there is none."""
+        reply = ask(node_id, "scan_fabric", {"hca": hca, "port": port}, SCAN_WAIT)
+        entry: dict = {"at": now(), "node": node_id}
+        if reply is None:
+            entry["error"] = f"{node_id} did not answer a scan within {SCAN_WAIT:.0f} s"
+        elif reply.get("error"):
+            entry["error"] = f"{node_id}: {reply['error']}"
+        else:
+            try:
+                entry["map"] = parse(reply.get("output", ""))
+            except ValueError as e:
+                entry["error"] = f"{node_id}'s scan: {e}"
+        with self.lock:
+            self.maps[fabric] = entry
 
 
 def _scanners(nodes) -> dict[str, tuple[str, str, int]]:

@@ -310,18 +310,17 @@ class Replicas:
             group, fabric = f"{name}-{uuid.uuid4().hex[:8]}", decision.island.key
             ranks = [(f"{group}-r{i}", placement.Decision(rank.node_id, decision.profile, rank.gpus), rank.adapters)
                      for i, rank in enumerate(decision.ranks)]
-        first = None
-        for i, (shard_id, one, adapters) in enumerate(ranks):
+        starts = [Start(name, shard_id, one, group=group, rank=i, ranks=len(ranks), fabric=fabric, adapters=adapters)
+                  for i, (shard_id, one, adapters) in enumerate(ranks)]
+        for i, start in enumerate(starts):
+            one = start.decision
             memory = placement.memory_claim(one.profile)
             claims.append(placement.Claim(one.node_id, name, memory, one.gpus))
-            start = Start(name, shard_id, one, group=group, rank=i, ranks=len(ranks), fabric=fabric,
-                          adapters=adapters)
-            self.items[shard_id] = Replica(shard_id, name, one.node_id, "waiting" if i else "pending",
-                                           profile_fp=model.fingerprint(one.profile), engine=one.profile.engine,
-                                           gpus=one.gpus, memory_bytes=memory, since=now, group=group, rank=i,
-                                           ranks=len(ranks), deferred=start if i else None)
-            first = first or start
-        return first
+            self.items[start.shard_id] = Replica(start.shard_id, name, one.node_id, "waiting" if i else "pending",
+                                                 profile_fp=model.fingerprint(one.profile), engine=one.profile.engine,
+                                                 gpus=one.gpus, memory_bytes=memory, since=now, group=group, rank=i,
+                                                 ranks=len(ranks), deferred=start if i else None)
+        return starts[0]
 
     def retire(self, replica: Replica) -> None:
         del self.items[replica.shard_id]

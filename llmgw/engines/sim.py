@@ -61,8 +61,8 @@ from gevent.lock import BoundedSemaphore
 from gevent.pywsgi import WSGIServer
 
 from llmgw import addresses
-from llmgw.procs import raise_fd_limit
 from llmgw.engines import simranks
+from llmgw.procs import raise_fd_limit
 
 BLOCK_TOKENS = 16  # vLLM's default block size: only whole blocks are cached
 # Characters of a tool call's arguments per streamed delta: several deltas for any real call, as an
