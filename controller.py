@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from werkzeug.serving import make_server
 
 from llmgw import addresses, filemodes, keyfiles, settings, store
-from llmgw.control import adminapi, adminnodes, authenticator, curvekeys, fabricmaps
+from llmgw.control import adminapi, adminnodes, authenticator, curvekeys, fabricmaps, seals
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.adminparts import Parts
@@ -110,7 +110,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
         catalog = Catalog(engine, cfg.models)
     except CatalogError as e:
         raise click.ClickException(f"{e} (in {cfg.source})") from None
-    replicas = Replicas(base_backoff=cfg["controller.base_backoff"])
+    replicas = Replicas(base_backoff=cfg["controller.base_backoff"],
+                        seal_key=seals.key_of(keypair[1]) if keypair is not None else None)
     server = AgentServer(context, cfg["controller.agent_listen"], fleet, ring, keypair,
                          heartbeat_interval=cfg["agent.heartbeat_interval"], replicas=replicas, lease=lease,
                          models=catalog.models)

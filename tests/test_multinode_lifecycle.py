@@ -4,10 +4,12 @@ when any rank fails, stops or is lost; a restarted controller takes a group back
 
 import dataclasses
 
-from llmgw.control import placement
+import pytest
+
+from llmgw.control import placement, seals
 from llmgw.control.catalog import Model, Profile
 from llmgw.control.fleet import LOST, NodeView, node_facts
-from llmgw.control.reconciler import Replicas, Start, Stop, plan, start_message, whole
+from llmgw.control.reconciler import Replicas, Start, Stop, plan, start_message, units, whole
 from tests.test_multinode_placement import A, fabric
 
 
@@ -126,9 +128,58 @@ def test_stopping_one_rank_stops_them_all_and_a_drain_moves_the_group_whole():
     assert all(replicas.items[s].state != "stopping" for s in (first, second))  # kept while the new one starts
     for r in [r for r in replicas.items.values() if r.group == new.group]:
         status(replicas, r.shard_id, "ready", **({"url": "http://10.0.0.3:8000"} if r.rank == 0 else {}))
-    actions, _ = plan(models, draining, replicas, now=7.0)
-    assert sorted(a.shard_id for a in actions) == sorted([first, second])
-    assert {a.reason for a in actions} == {"b is draining"}
+    # The new one ready, the old one goes: rank 0 first, drained of the requests it has (they need rank 1);
+    # rank 1 once rank 0 has stopped.
+    [stop] = plan(models, draining, replicas, now=7.0)[0]
+    assert stop.shard_id == first and stop.reason == "b is draining"
+    assert plan(models, draining, replicas, now=8.0)[0] == []
+    status(replicas, first, "stopped")
+    [stop] = plan(models, draining, replicas, now=9.0)[0]
+    assert stop.shard_id == second
+
+
+def test_a_group_whose_ranks_are_not_all_back_is_waited_for_while_nodes_may_bring_theirs():
+    models, nodes = {"big": big()}, [node("a"), node("b")]
+    replicas = Replicas()
+    replicas.registered("a", [{"shard_id": "big-1-r0", "state": "ready", "model": "big", "group": "big-1",
+                               "rank": 0, "ranks": 2, "url": "http://10.0.0.1:8000"}], now=0.0)
+    assert plan(models, nodes, replicas, now=1.0, adopting=True)[0] == []  # b may be late
+    assert whole(replicas.snapshot()) == []  # but not served meanwhile
+    replicas.registered("b", [{"shard_id": "big-1-r1", "state": "ready", "model": "big", "group": "big-1",
+                               "rank": 1, "ranks": 2}], now=2.0)
+    assert plan(models, nodes, replicas, now=3.0, adopting=True)[0] == []
+    assert [r.shard_id for r in whole(replicas.snapshot())] == ["big-1-r0"]
+
+
+def test_a_waiting_rank_on_a_lost_node_is_forgotten_not_retired():
+    models, replicas = {"big": big()}, Replicas()
+    [first] = plan(models, [node("a"), node("b")], replicas, now=0.0)[0]
+    waiting = next(r.shard_id for r in replicas.items.values() if r.rank == 1)
+    actions, _ = plan(models, [node("a"), node("b", state=LOST)], replicas, now=1.0)
+    assert [a.shard_id for a in actions if isinstance(a, Stop)] == [first.shard_id]
+    assert waiting not in replicas.items and waiting not in replicas.retired
+
+
+def test_a_single_replica_named_like_a_group_is_not_taken_into_it():
+    replicas = Replicas()
+    replicas.registered("a", [{"shard_id": "big-1-r0", "state": "ready", "model": "big", "group": "big-1",
+                               "rank": 0, "ranks": 2}], now=0.0)
+    replicas.registered("c", [{"shard_id": "big-1", "state": "ready", "model": "big"}], now=0.0)
+    assert sorted(len(u.members) for u in units(replicas.snapshot())) == [1, 1]
+
+
+def test_a_rank_is_sealed_to_its_node():
+    key = seals.key_of(b"the controller's secret")
+    models, replicas = {"big": big()}, Replicas(seal_key=key)
+    [first] = plan(models, [node("a"), node("b")], replicas, now=0.0)[0]
+    message = start_message(models["big"], first)
+    shard = {"shard_id": first.shard_id, "model": "big", "group": first.group, "rank": 0, "ranks": 2,
+             "seal": message["seal"]}
+    assert seals.holds(key, "a", shard)
+    assert not seals.holds(key, "c", shard)  # another node's claim to it
+    assert not seals.holds(key, "a", {**shard, "rank": 1})
+    assert not seals.holds(seals.key_of(b"another controller"), "a", shard)
+    assert not seals.holds(key, "a", {k: v for k, v in shard.items() if k != "seal"})
 
 
 def test_a_restarted_controller_takes_a_group_back_only_whole():
@@ -153,3 +204,61 @@ def test_a_node_without_the_fabric_is_not_given_a_rank():
     actions, unplaced = plan(models, [node("a"), node("b", fabrics=[])], Replicas(), now=0.0)
     assert actions == [] and "it has no fabric" in unplaced["big"]["b"]
     assert placement.place(models["big"], [node("a"), node("b")], [])[0] is not None
+
+
+def test_ranks_on_two_machines_speak_for_themselves_and_a_borrowed_seal_is_refused():
+    # Two nodes on two addresses: the follower reports no master (rank 0's address would not be its own),
+    # and each rank is taken, on adoption, only with its own seal.
+    from llmgw.control.claims import ShardClaims
+    from llmgw.control.fleet import Fleet
+    from llmgw.node.supervisor import Shard, Supervisor
+
+    key = seals.key_of(b"the controller's secret")
+    fleet = Fleet(10.0, 60.0)
+    for node_id, address in (("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")):
+        fleet.register(node_id, {"engines": {"vllm": "0.32.0"}, "engines_probed": True,
+                                 "gpus": [{"index": i, "class": "h100-80g", "health": "ok"} for i in range(8)]},
+                       b"identity", now=0.0, peer=address)
+    models = {"big": big()}
+    claims = ShardClaims(fleet, Replicas(seal_key=key), lambda: models)
+    statuses = {}
+    for rank, (node_id, address) in enumerate((("a", "10.0.0.1"), ("b", "10.0.0.2"))):
+        supervisor = Supervisor.__new__(Supervisor)
+        supervisor.node_id, supervisor.url_host = node_id, address
+        spec = {"shard_id": f"big-1-r{rank}", "model": "big", "engine": "vllm", "gpus": list(range(8)),
+                "group": "big-1", "rank": rank, "ranks": 2, "seal": seals.seal(key, node_id, "big", "big-1", rank, 2),
+                "profile_fp": models["big"].fingerprint(models["big"].profiles[0]),
+                **({"master": "10.0.0.1:29500"} if rank else {})}
+        shard = Shard(spec, 8000 if rank == 0 else None, "/dev/null", "k")
+        shard.master_port, shard.state = 29500, "ready"
+        statuses[node_id] = supervisor.status(shard)
+    assert statuses["a"]["master"] == "10.0.0.1:29500" and "master" not in statuses["b"]
+    assert "url" not in statuses["b"] and "api_key" not in statuses["b"]
+    assert claims.judge("a", statuses["a"], now=1.0, adopting=True) is None
+    assert claims.judge("b", statuses["b"], now=1.0, adopting=True) is None
+    # c, whose key leaked, claims b's rank (with b's seal, or none) before b is back: refused.
+    stolen = {**statuses["b"], "node_id": "c"}
+    assert "does not carry the seal of rank 1 of big-1 on c" in claims.judge("c", stolen, now=1.0, adopting=True)
+    unsealed = {k: v for k, v in stolen.items() if k != "seal"}
+    assert "does not carry the seal" in claims.judge("c", unsealed, now=1.0, adopting=True)
+    # A rank named without its rank, or a master on another machine.
+    assert "does not read as rank" in claims.judge("c", {**stolen, "shard_id": "big-1-rNone", "rank": None},
+                                                   now=1.0, adopting=True)
+    assert "is not on the node's own address" in claims.judge("c", {**stolen, "master": "10.0.0.1:29500"},
+                                                               now=1.0, adopting=True)
+
+
+def test_a_rank_whose_adapters_are_all_down_fails_rather_than_fall_back_to_sockets():
+    from llmgw.node.supervisor import Shard, Supervisor
+
+    supervisor = Supervisor.__new__(Supervisor)
+    supervisor.url_host = "10.0.0.1"
+    ports = [{"hca": "mlx5_0", "port": 1, "state": "ACTIVE"}, {"hca": "mlx5_1", "port": 1, "state": "DOWN"}]
+    supervisor.ports = lambda: ports
+    spec = {"shard_id": "big-1-r0", "model": "big", "engine": "vllm", "group": "big-1", "rank": 0, "ranks": 2,
+            "fabric": A, "adapters": ["mlx5_0", "mlx5_1"]}
+    env = supervisor._fabric_environment(Shard(spec, 8000, "/dev/null", "k"))
+    assert env["NCCL_IB_HCA"] == "=mlx5_0:1"  # the port that is down now is left out
+    ports[0]["state"] = "DOWN"
+    with pytest.raises(ValueError, match=r"none of the adapters its replica was placed on \(mlx5_0, mlx5_1\)"):
+        supervisor._fabric_environment(Shard(spec, 8000, "/dev/null", "k"))

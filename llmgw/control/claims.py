@@ -17,7 +17,10 @@ So a shard status is held to these rules here:
   own, and is refused.
 - Even then, only a model in the catalog, run the way one of its profiles
   would run it on that node (`placement.may_run`), and a rank of a replica
-  over several nodes only with an id of its group's form.
+  over several nodes only with an id of its group's form and the seal it
+  was placed there with (llmgw/control/seals.py): without it, a node whose
+  key leaked could take an honest node's rank of a group before that node
+  is back.
 - The address where a replica's ranks meet (`master`, which the controller
   sends the other ranks' nodes to) is on the node's own address too, as its
   URL is: a node's key would otherwise point other nodes' engines anywhere.
@@ -31,7 +34,7 @@ from __future__ import annotations
 from typing import Callable
 
 from llmgw import addresses
-from llmgw.control import placement
+from llmgw.control import placement, seals
 from llmgw.control.catalog import Model
 from llmgw.control.fleet import Fleet
 from llmgw.control.reconciler import Replicas
@@ -73,10 +76,14 @@ class ShardClaims:
             return (f"this controller did not place {shard_id}, and a node brings back the replicas placed "
                     "before the controller started only while it starts")
         group = shard.get("group")
-        if group is not None and (shard_id != f"{group}-r{shard.get('rank')}" or shard.get("ranks") is None
-                                  or not shard.get("rank", 0) < shard["ranks"]):
-            return (f"{shard_id} does not read as rank {shard.get('rank')} of {shard.get('ranks')} of the replica "
-                    f"{group[:200]} (GROUP-rRANK)")
+        if group is not None:
+            rank, ranks = shard.get("rank"), shard.get("ranks")
+            if not isinstance(rank, int) or not isinstance(ranks, int) or not rank < ranks \
+                    or shard_id != f"{group}-r{rank}":
+                return f"{shard_id} does not read as rank {rank} of {ranks} of the replica {group[:200]} (GROUP-rRANK)"
+            if self.replicas.seal_key is not None and not seals.holds(self.replicas.seal_key, node_id, shard):
+                return (f"{shard_id} does not carry the seal of rank {rank} of {group[:200]} on {node_id}: it was not "
+                        "placed there")
         model = self.models().get(shard.get("model", ""))
         if model is None:
             return f"{str(shard.get('model'))[:200]!r} is not a model in the catalog"

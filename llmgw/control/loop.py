@@ -207,7 +207,8 @@ class ControlLoop:
         wanted.update(self.scaler.wanted(models, whole(self.replicas.snapshot()), loads, self.catalog.limits(),
                                          wanted, now))
         leaves = self.maps.leaves() if self.maps is not None else None
-        actions, unplaced = plan(models, nodes, self.replicas, now, wanted=wanted, leaves=leaves)
+        actions, unplaced = plan(models, nodes, self.replicas, now, wanted=wanted, leaves=leaves,
+                                 adopting=self.fleet.adopting(now))
         self.report.record_pass(round(time.monotonic() - now, 6), unplaced)
         for action in actions:
             if isinstance(action, Start):

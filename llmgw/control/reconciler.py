@@ -27,7 +27,7 @@ import threading
 import traceback
 import uuid
 
-from llmgw.control import placement
+from llmgw.control import placement, seals
 from llmgw.control.catalog import Model
 from llmgw.control.fleet import DRAINING, LOST, NodeView
 
@@ -93,6 +93,7 @@ class Start:
     fabric: str | None = None
     adapters: tuple[str, ...] = ()
     master: str | None = None
+    seal: str | None = None  # llmgw/control/seals.py
 
 
 class Unit:
@@ -123,9 +124,9 @@ class Unit:
 
 def units(replicas) -> list[Unit]:
     """REPLICAS as scaling counts them (`Unit`): a replica over several nodes once, its ranks together."""
-    grouped: dict[str, list[Replica]] = {}
+    grouped: dict[tuple[str, str], list[Replica]] = {}
     for r in replicas:
-        grouped.setdefault(r.group or r.shard_id, []).append(r)
+        grouped.setdefault(("group", r.group) if r.group else ("shard", r.shard_id), []).append(r)
     return [Unit(members) for members in grouped.values()]
 
 
@@ -153,8 +154,11 @@ class Stop:
 class Replicas:
     """Replicas as agents report them, plus each model's last failure and backoff. Thread-safe."""
 
-    def __init__(self, base_backoff: float = 10.0):
+    def __init__(self, base_backoff: float = 10.0, seal_key: bytes | None = None):
+        """SEAL_KEY: what the ranks of a replica over several nodes are sealed with (llmgw/control/seals.py);
+        None in plaintext mode."""
         self.base_backoff = base_backoff
+        self.seal_key = seal_key
         self.items: dict[str, Replica] = {}
         self.failures: dict[str, Failure] = {}
         self.retry_at: dict[str, float] = {}
@@ -287,15 +291,19 @@ class Replicas:
                       "if the error changes): %s", model, "".join(traceback.format_exception(error)).rstrip())
         return said
 
-    def stop(self, unit: Unit, why: str) -> list[Stop]:
-        """Stop every shard of UNIT for WHY: the Stop orders to send (a rank never sent has nothing to stop)."""
+    def stop(self, unit: Unit, why: str, drained: bool = False) -> list[Stop]:
+        """Stop every shard of UNIT for WHY: the Stop orders to send (a rank never sent has nothing to stop).
+        DRAINED (a replica stopped on purpose, not broken): of a replica over several nodes, only rank 0 now,
+        which finishes the requests it has; the other ranks once it has gone (`_keep_groups_whole`), since
+        without them it could finish none."""
         out = []
+        leader = unit.members[0]
         for r in unit.members:
             if self.items.get(r.shard_id) is not r:
                 continue  # retired: stopped if its node comes back
             if r.state == "waiting":
                 del self.items[r.shard_id]
-            elif r.state != "stopping":
+            elif r.state != "stopping" and not (drained and unit.group and leader.rank == 0 and r is not leader):
                 r.state = "stopping"
                 out.append(Stop(r.shard_id, r.node_id, why))
         return out
@@ -310,7 +318,9 @@ class Replicas:
             group, fabric = f"{name}-{uuid.uuid4().hex[:8]}", decision.island.key
             ranks = [(f"{group}-r{i}", placement.Decision(rank.node_id, decision.profile, rank.gpus), rank.adapters)
                      for i, rank in enumerate(decision.ranks)]
-        starts = [Start(name, shard_id, one, group=group, rank=i, ranks=len(ranks), fabric=fabric, adapters=adapters)
+        starts = [Start(name, shard_id, one, group=group, rank=i, ranks=len(ranks), fabric=fabric, adapters=adapters,
+                        seal=seals.seal(self.seal_key, one.node_id, name, group, i, len(ranks))
+                        if group and self.seal_key else None)
                   for i, (shard_id, one, adapters) in enumerate(ranks)]
         for i, start in enumerate(starts):
             one = start.decision
@@ -366,14 +376,15 @@ class Demand:
 
 
 def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, now: float,
-         wanted: dict[str, int] | None = None,
-         leaves: dict[str, dict[str, str]] | None = None) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
+         wanted: dict[str, int] | None = None, leaves: dict[str, dict[str, str]] | None = None,
+         adopting: bool = False) -> tuple[list[Start | Stop], dict[str, dict[str, str]]]:
     """One pass: what to start and stop, and for each model that could not be placed, why, by node.
 
     WANTED overrides a model's count within its scaling (demand for an
     on-demand model); otherwise a model wants its minimum. LEAVES: each
     fabric's adapters' leaf switches (llmgw/control/fabricmaps.py), for
-    replicas over several nodes.
+    replicas over several nodes. ADOPTING: whether nodes may still bring
+    back replicas this controller has not heard of (`Fleet.adopting`).
     """
     unplaced: dict[str, dict[str, str]] = {}
     reachable = {n.node_id for n in nodes if n.state != LOST}
@@ -382,7 +393,7 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
     with replicas.lock:
         actions: list[Start | Stop] = list(replicas.orders)
         replicas.orders.clear()
-        actions += _keep_groups_whole(replicas, reachable, now)
+        actions += _keep_groups_whole(replicas, reachable, now, adopting)
         stranded = [r for r in replicas.items.values() if r.node_id not in reachable]
         for replica in stranded:
             if replica.state != "ready" or replica.model not in models:
@@ -392,7 +403,7 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
         claims = replicas.claims()
         for unit in units(current):
             if unit.model not in models and unit.state != "stopping":
-                actions += replicas.stop(unit, f"{unit.model} is no longer in the catalog")
+                actions += replicas.stop(unit, f"{unit.model} is no longer in the catalog", drained=True)
         draining = {n.node_id for n in nodes if n.state == DRAINING}
         moving = False  # a drain moves one replica at a time, across every model
         errors: dict[str, str] = {}
@@ -416,7 +427,7 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
                         on = sorted(u.node_ids & draining)
                         why = f"{', '.join(on)} {'is' if len(on) == 1 else 'are'} draining" if on else \
                             f"{name} wants {want} replicas, had {len(live)}"
-                        actions += replicas.stop(u, why)
+                        actions += replicas.stop(u, why, drained=True)
                     continue
                 if leaving and (moving or any(u.state != "ready" for u in staying)):
                     moving = True  # a replacement is on its way; the next one waits for it
@@ -437,26 +448,36 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
     return actions, unplaced
 
 
-def _keep_groups_whole(replicas: Replicas, reachable: set[str], now: float) -> list[Start | Stop]:
+def _keep_groups_whole(replicas: Replicas, reachable: set[str], now: float, adopting: bool) -> list[Start | Stop]:
     """A replica over several nodes lives and dies whole: once any of its ranks failed, stopped or is on a
     lost node, the rest are stopped (a real vLLM's rank 0 goes on answering /health with a rank gone, and
     hangs the next request; its headless ranks never exit by themselves); their replacement is placed
-    whole. The ranks above 0 waiting for rank 0's master address are sent once it is known."""
+    whole. A rank not heard of while nodes may still bring theirs back (ADOPTING) is waited for: its node
+    may be late. Rank 0 stopped on purpose goes first (`Replicas.stop`), the others once it has. The ranks
+    above 0 waiting for rank 0's master address are sent once it is known."""
     actions: list[Start | Stop] = []
     for unit in units(list(replicas.items.values())):
         if not unit.group:
             continue
-        gone = unit.missing() + [f"rank {r.rank}'s node {r.node_id} is lost" for r in unit.members
-                                 if r.node_id not in reachable]
-        gone += [f"rank {r.rank} on {r.node_id} is being stopped" for r in unit.members if r.state == "stopping"]
+        missing = unit.missing()
+        lost = [f"rank {r.rank}'s node {r.node_id} is lost" for r in unit.members if r.node_id not in reachable]
+        stopping = [f"rank {r.rank} on {r.node_id} is being stopped" for r in unit.members
+                    if r.state == "stopping" and r.rank > 0]
+        if missing and adopting and not (lost or stopping):
+            continue
+        gone = missing + lost + stopping
         if gone:
             for r in unit.members:
-                if r.node_id not in reachable:
+                if r.node_id in reachable:
+                    continue
+                if r.state == "waiting":
+                    del replicas.items[r.shard_id]  # never sent: nothing runs there
+                else:
                     replicas.retire(r)  # stopped if its node comes back
             actions += replicas.stop(unit, f"{'; '.join(gone)}: a replica over {unit.ranks} nodes is stopped whole")
             continue
         leader = unit.members[0]
-        if leader.rank == 0 and leader.master and leader.state in ("starting", "ready"):
+        if leader.rank == 0 and leader.master and leader.state in ("fetching", "starting", "ready"):
             for r in unit.members:
                 if r.state == "waiting" and r.deferred is not None:
                     r.state, r.since = "pending", now
@@ -478,6 +499,8 @@ def start_message(model: Model, action: Start) -> dict:
     if action.group:
         message.update(group=action.group, rank=action.rank, ranks=action.ranks, fabric=action.fabric,
                        adapters=list(action.adapters))
+        if action.seal:
+            message["seal"] = action.seal
         if action.master:
             message["master"] = action.master
     return message

@@ -30,7 +30,8 @@ for `timeouts.first_byte` (300 s) before anything noticed.
 A shard of a replica over several nodes (`group`, `rank`, `ranks` in its
 spec) is one rank of an engine that runs on every node of its group. Rank 0
 serves HTTP as any shard does, and picks the port its ranks meet at
-(`master`, reported once its engine runs); the others run headless: no port,
+(`master`, reported at once, so that every rank fetches its weights at the
+same time; only rank 0 reports it); the others run headless: no port,
 no URL, no key told to anyone, `ready` as soon as they run, since their
 readiness is rank 0's (its `/health` passes only once every rank has joined).
 No rank is restarted alone: its engine cannot rejoin a group whose collectives
@@ -172,16 +173,16 @@ class Supervisor:
             fields.update(port=shard.port, url=f"http://{addresses.join(self.url_host, shard.port)}",
                           api_key=shard.api_key)
         if shard.rank is not None:
-            fields.update(group=spec["group"], rank=shard.rank, ranks=spec.get("ranks"), master=self._master(shard))
+            fields.update(group=spec["group"], rank=shard.rank, ranks=spec.get("ranks"), seal=spec.get("seal"))
+            if shard.rank == 0:
+                fields["master"] = self._master(shard)
         if shard.state == "failed":
             fields["last_output"] = tail(shard.log_path, LAST_LINES)
         return {k: v for k, v in fields.items() if v is not None}
 
-    def _master(self, shard: Shard) -> str | None:
-        """Where SHARD's group meets: rank 0 says it once its engine runs; the others were told."""
-        if shard.rank == 0:
-            return addresses.join(self.url_host, shard.master_port) if shard.pid and shard.master_port else None
-        return shard.spec.get("master")
+    def _master(self, shard: Shard) -> str:
+        """Where SHARD's group meets: rank 0 picked it on this node; the others were told."""
+        return addresses.join(self.url_host, shard.master_port) if shard.rank == 0 else shard.spec["master"]
 
     def _set(self, shard: Shard, state: str, detail: str | None = None) -> None:
         shard.state = state
@@ -256,8 +257,9 @@ class Supervisor:
             pid = data["pid"]
             shard = Shard(data["spec"], data["port"], data["log_path"], data.get("api_key"))
             shard.pid = pid
-            # An unhealthy engine is taken back as ready: its probes start again, and say within a few seconds.
-            shard.state = "ready" if data["state"] in SERVING else "starting"
+            # An unhealthy engine is taken back as ready: its probes start again, and say within a few seconds. A
+            # headless rank has nothing to probe: running is all it can say.
+            shard.state = "ready" if data["state"] in SERVING or shard.headless else "starting"
             shard.ready_at = data.get("ready_at") if shard.state == "ready" else None
             shard.context = data.get("context") if isinstance(data.get("context"), int) else None
             shard.restarts = data.get("restarts") if isinstance(data.get("restarts"), int) else 0
@@ -313,10 +315,10 @@ class Supervisor:
             self._set(shard, "failed", f"installing engine {spec['engine']} failed: {e.detail}; {e.fix}")
             return
         ranks = None
-        if shard.rank is not None:
-            ranks = engines.Ranks(spec["group"], shard.rank, spec.get("ranks") or 1,
-                                  addresses.join(self.url_host, shard.master_port) if shard.rank == 0 else spec["master"])
         try:
+            if shard.rank is not None:
+                ranks = engines.Ranks(spec["group"], shard.rank, spec.get("ranks") or 1, self._master(shard))
+                env_fabric = self._fabric_environment(shard)
             argv = engines.command(spec["engine"], path, spec["model"], self.engine_host, shard.port,
                                    spec.get("gpus") or [], spec.get("max_context"), spec.get("args") or [],
                                    replica=shard.shard_id, api_key=shard.api_key, launch=launch, ranks=ranks)
@@ -325,7 +327,7 @@ class Supervisor:
             return
         env = dict(os.environ)
         if ranks is not None:
-            env.update(self._fabric_environment(shard))
+            env.update(env_fabric)
         env.update(spec.get("env") or {})
         env.update(engines.environment(spec["engine"], shard.api_key, self.engine_host))
         if spec.get("gpus") is not None:
@@ -364,6 +366,11 @@ class Supervisor:
 
         spec = shard.spec
         ports, adapters = self.ports(), list(spec.get("adapters") or ())
+        if adapters and not nccl.rails(ports, adapters):
+            # NCCL would fall back to sockets over the management network without a word: a replica that
+            # passes its health checks and runs many times slower. Better failed, and placed again.
+            raise ValueError(f"none of the adapters its replica was placed on ({', '.join(adapters)}) has an "
+                             "active port now")
         return nccl.environment(spec.get("ranks") or 1, nccl.rails(ports, adapters), nccl.gid_index(ports, adapters),
                                 interface_of(addresses.dial_host(self.url_host), "/"), spec.get("fabric") or "")
 

@@ -95,7 +95,7 @@ SHARD: dict[str, tuple[object, bool]] = {
     # A shard of a replica over several nodes: its group (the replica), its rank, how many ranks, and, from
     # rank 0, where its engine's ranks meet (HOST:PORT on rank 0's node).
     **{"group": (NAME, False), "rank": (Int(0, MOST_RANKS - 1), False), "ranks": (Int(1, MOST_RANKS), False),
-       "master": (Str(300), False)},
+       "master": (Str(300), False), "seal": (Str(64), False)},
 }
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one (a deeper shape of the same
@@ -139,6 +139,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
         "profile_fp": ("str", False), "max_context": ("int", False), "start_limit": (Num(0, 86400), False),
         "group": (NAME, False), "rank": (Int(0, MOST_RANKS - 1), False), "ranks": (Int(1, MOST_RANKS), False),
         "master": (Str(300), False), "fabric": (Str(200), False), "adapters": (ListOf(NAME, 64), False),
+        "seal": (Str(64), False),
     },
     "stop_shard": {"request_id": ("str", True), "shard_id": ("str", True)},
     "drain_shard": {"request_id": ("str", True), "shard_id": ("str", True), "timeout": ("number", False)},
