@@ -246,6 +246,9 @@ def test_ranks_on_two_machines_speak_for_themselves_and_a_borrowed_seal_is_refus
                                                    now=1.0, adopting=True)
     assert "is not on the node's own address" in claims.judge("c", {**stolen, "master": "10.0.0.1:29500"},
                                                                now=1.0, adopting=True)
+    # Sealed, but of a replica over three nodes, which no profile of the model is.
+    three = {**statuses["a"], "ranks": 3, "seal": seals.seal(key, "a", "big", "big-1", 0, 3)}
+    assert "has no profile for engine 'vllm' over 3 nodes" in claims.judge("a", three, now=1.0, adopting=True)
 
 
 def test_a_rank_whose_adapters_are_all_down_fails_rather_than_fall_back_to_sockets():

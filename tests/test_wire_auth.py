@@ -541,7 +541,7 @@ def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(t
                            {"shard_id": "big-2", "model": "big", "url": "http://127.0.0.1:8000"},
                            {"shard_id": "small-1", "model": "small", "url": "http://10.9.9.9:8000"},
                            # A rank of a replica over several nodes pointing the others at another machine; one
-                           # whose id is not its group's; one of a model with no profile over two nodes.
+                           # whose id is not its group's; one without the seal of a rank placed there.
                            {"shard_id": "small-g-r0", "model": "small", "url": "http://127.0.0.1:8000",
                             "group": "small-g", "rank": 0, "ranks": 2, "master": "10.9.9.9:29500"},
                            {"shard_id": "small-3", "model": "small", "group": "small-g", "rank": 1, "ranks": 2},
@@ -553,7 +553,7 @@ def test_a_rogue_agent_with_a_valid_key_gets_no_replica_from_a_real_controller(t
         assert "big could not have been placed there" in log and "is not on the node's own address" in log
         assert "the address its ranks meet at, 10.9.9.9:29500, is not on the node's own address" in log
         assert "small-3 does not read as rank 1 of 2 of the replica small-g" in log
-        assert "small has no profile for engine 'sim' over 2 nodes" in log
+        assert "small-h-r1 does not carry the seal of rank 1 of small-h on rogue" in log
         # Out of the window: a shard this controller did not place is refused, whatever it looks like.
         wait_until("the adoption window to close", 30, lambda: not c.api("/api/v1/status")["adopting"])
         replies = register({"shard_id": "small-2", "model": "small", "url": "http://127.0.0.1:8000"})
