@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -16,7 +14,7 @@ from llmgw.control.fleet import NodeView, node_facts
 from llmgw.node import perftest
 from llmgw.procs import wait_for
 from tests.cluster import Agent, Controller
-from tests.conftest import ROOT
+from tests.conftest import ROOT, post
 from tests.test_fabric_discovery import FABRIC_ENV, fixture, ib_port
 
 FAKE_PERFTEST = os.path.join(ROOT, "tests", "fake-perftest")
@@ -112,18 +110,6 @@ def test_a_rail_that_is_down_fails_the_test_without_running():
     assert sorted(asked) == [("a", "mlx5_0"), ("b", "mlx5_0")]  # the rail that is down was not run
 
 
-def post_admin(ctl, path: str, body) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{ctl.admin_port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Authorization": f"Bearer {ctl.token()}",
-                                              "Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read())
-
-
 def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
     trees = {}
     for name in ("a", "b"):
@@ -168,8 +154,8 @@ def test_two_agents_test_their_fabric_rail_by_rail(tmp_path):
                             ({"a": "a", "b": "b", "seconds": True}, "1 to 30"),
                             ({"a": "a", "b": "b", "fabric": "x" * 65}, "fabric is the name"),
                             ({"a": "a", "b": "b", "fabric": 7}, "fabric is the name")]:
-            status, answer = post_admin(ctl, "/api/v1/fabric-test", body)
-            assert status == 400 and words in answer["error"], (body, answer)
+            status, _, answer = post(f"http://127.0.0.1:{ctl.admin_port}/api/v1/fabric-test", body, key=ctl.token())
+            assert status == 400 and words in json.loads(answer)["error"], (body, answer)
         assert (tmp_path / "a-asked.txt").read_text().count("\n") == 4  # the two runs above, two rails each
     finally:
         for agent in agents:
