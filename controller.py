@@ -37,6 +37,7 @@ from llmgw.control.loop import ControlLoop, Outbox, ReconcileReport
 from llmgw.control.publisher import DemandInbox, KeyPusher, Publisher
 from llmgw.control.reconciler import Demand, Replicas
 from llmgw.metricsserver import serve_registry
+from llmgw.people.keeping import Sweeper
 from llmgw.people.rollup import Roller
 
 log = logging.getLogger("llmgw.controller")
@@ -127,6 +128,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     account_server = AccountServer(Accountant(), cfg["controller.accountant_listen"], context, gateway_keys,
                                    lease=lease, fresh=restored_accountant).start()
     roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"], leading=lease.held).start()
+    sweeper = Sweeper(engine, cfg["threads.sweep_every"], leading=lease.held).start()
     demand = Demand()
     scaler = Scaler(cfg["controller.scale_up_after"], cfg["controller.scale_down_after"])
     inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
@@ -171,7 +173,8 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
 
     loop = ControlLoop(context=context, engine=engine, auth=auth, fleet=fleet, catalog=catalog, replicas=replicas,
                        demand=demand, server=server, outbox=outbox, inbox=inbox, key_pusher=key_pusher,
-                       publisher=publisher, account_server=account_server, roller=roller, admin=admin,
+                       publisher=publisher, account_server=account_server, housekeepers=(roller, sweeper),
+                       admin=admin,
                        report=report, reconcile_interval=cfg["controller.reconcile_interval"], lease=lease,
                        renew_interval=cfg["controller.lease_renew_interval"], on_lead=on_lead,
                        on_standby=reload_keys, scaler=scaler, maps=maps)

@@ -231,6 +231,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("usage.rollup_interval", "float", 60.0,
             "Seconds between passes that sum raw usage rows into hourly and daily roll-ups (run by the controller, "
             "or by a gateway without one).", minimum=1),
+    Setting("threads.sweep_every", "float", 3600.0,
+            "Seconds between sweeps that delete the conversations past their project's retention, and those of "
+            "projects that stopped keeping them (run by the controller, or by a gateway without one).", minimum=1),
     Setting("usage.keep_raw_days", "int", 90,
             "Days raw usage rows (one per request) are kept; roll-ups are kept for good. 0 keeps raw rows for good.",
             minimum=0),

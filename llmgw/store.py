@@ -62,6 +62,9 @@ projects = sa.Table(
     sa.Column("team_id", sa.String(32), sa.ForeignKey("teams.id"), nullable=False),
     sa.Column("name", sa.String(200), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
+    # How long the project's conversations are kept after their last turn (llmgw/conversations.py), in hours;
+    # None: the project keeps none, which is every project's start (`llmgw keys threads`).
+    sa.Column("threads_hours", sa.Float),
     sa.UniqueConstraint("team_id", "name", name="projects_sibling_name"),
 )
 
@@ -184,6 +187,35 @@ usage_spools = sa.Table(
     sa.Column("name", sa.String(64), primary_key=True),
     sa.Column("rows", sa.Integer, nullable=False),
     sa.Column("written_at", sa.Float, nullable=False),
+)
+
+
+# Kept conversations (llmgw/conversations.py), only for projects whose `threads_hours` is set. A thread is
+# named by its project (`scope`) and the client's id together: the scope is part of every key, so no lookup
+# can reach another project's thread. A turn is what one request added: the client's new messages and the
+# answer, as chat messages in JSON.
+threads = sa.Table(
+    "threads", metadata,
+    sa.Column("scope", sa.String(32), primary_key=True),
+    sa.Column("id", sa.String(200), primary_key=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("last_at", sa.Float, nullable=False),  # its last turn: retention is measured from here
+    sa.Column("system", sa.Text),  # JSON list: the system messages its latest turn that had any sent
+    sa.Index("threads_scope_last", "scope", "last_at"),
+)
+
+thread_turns = sa.Table(
+    "thread_turns", metadata,
+    sa.Column("scope", sa.String(32), primary_key=True),
+    sa.Column("thread_id", sa.String(200), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("messages", sa.Text, nullable=False),
+    sa.Column("tokens", sa.Integer, nullable=False),  # about how many tokens its messages are
+    # A Responses API turn's response id and the response as answered (GET /v1/responses/{id}).
+    sa.Column("response_id", sa.String(64)),
+    sa.Column("response", sa.Text),
+    sa.Index("thread_turns_response", "scope", "response_id", unique=True),
 )
 
 
@@ -421,6 +453,12 @@ def _sessions(conn: Connection) -> None:
     conn.execute(secrets_table.delete().where(secrets_table.c.name == "session"))
 
 
+def _threads(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[threads, thread_turns])
+    if "threads_hours" not in _columns(conn, "projects"):
+        conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN threads_hours FLOAT")
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -447,6 +485,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (12, "the guard's verdict on usage rows", _guard_verdicts),
     (13, "the controllers' leader lease", _leases),
     (14, "measured capacities of models' profiles", _create([capacities])),
+    (15, "kept conversations", _threads),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

@@ -186,10 +186,12 @@ def test_tools_no_engine_runs_are_left_out_and_named(env):
     assert reply.model_extra["llmgw_tools_left_out"] == ["web_search", "file_search"]
 
 
-def test_previous_response_id_is_refused(env):
-    with pytest.raises(openai.BadRequestError) as e:
+def test_previous_response_id_is_refused_where_the_project_keeps_no_conversations(env):
+    """A project keeps none until an operator says (tests/test_threads.py has the rest)."""
+    with pytest.raises(openai.PermissionDeniedError) as e:
         env.client.responses.create(model="sim", input="hi", previous_response_id="resp_123")
-    assert e.value.body["param"] == "previous_response_id" and "whole conversation" in e.value.body["message"]
+    assert e.value.code == "threads_off" and "llmgw keys threads" in e.value.body["message"]
+    assert env.client.responses.create(model="sim", input="hi", store=True).store is False
 
 
 @pytest.mark.parametrize("body, param", [
@@ -210,6 +212,9 @@ def test_previous_response_id_is_refused(env):
     ({"model": "sim", "input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
     ({"model": "sim", "input": "x", "conversation": "conv_1"}, "conversation"),
     ({"model": "sim", "input": "x", "background": True}, "background"),
+    ({"model": "sim", "input": "x", "previous_response_id": 7}, "previous_response_id"),
+    ({"model": "sim", "input": "x", "previous_response_id": "r" * 65}, "previous_response_id"),
+    ({"model": "sim", "input": "x", "store": "yes"}, "store"),
     ({"input": "x"}, "model"),
 ])
 def test_bad_fields_are_400_naming_the_param(env, body, param):

@@ -177,6 +177,44 @@ def keys_revoke(obj: Context, which):
     click.echo(f"revoked key {record.id} ({record.prefix}..., {record.name}).", err=True)
 
 
+@keys.command("threads")
+@click.option("--project", help="The project (id, path or unique name). Without it: list the projects that "
+              "keep conversations.")
+@click.option("--retain-hours", type=float, metavar="N", help="Keep its conversations N hours after their last turn.")
+@click.option("--off", is_flag=True, help="Keep none: new turns are refused now, kept ones go at the next sweep.")
+@click.pass_obj
+def keys_threads(obj: Context, project, retain_hours, off):
+    """Let a project's keys keep conversations (`x-llmgw-thread`, Responses' `store`), or stop it."""
+    from llmgw.people import keeping
+    from llmgw.people.orgtree import TreeError
+
+    engine = obj.engine()
+    if project is None:
+        if retain_hours is not None or off:
+            raise click.UsageError("say which project: --project P")
+        rows = keeping.kept(engine)
+        if not rows:
+            click.echo("no project keeps conversations; turn them on with "
+                       "`llmgw keys threads --project P --retain-hours N`", err=True)
+            return
+        print_table([("PROJECT", "KEPT FOR")] + [(path, f"{hours:g} h") for path, hours in rows])
+        return
+    if off == (retain_hours is not None):
+        raise click.UsageError("give either --retain-hours N (how long a conversation is kept after its last "
+                               "turn) or --off")
+    try:
+        node, before = keeping.set_threads(engine, project, None if off else retain_hours)
+    except (keeping.KeepingRefused, TreeError) as e:
+        raise click.ClickException(str(e)) from None
+    was = "kept none" if before is None else f"kept them {before:g} h"
+    if off:
+        click.echo(f"{node.path} keeps no conversations now ({was} before); those kept are deleted at the next "
+                   "hourly sweep.", err=True)
+    else:
+        click.echo(f"{node.path} keeps conversations {retain_hours:g} h after their last turn ({was} before). "
+                   "The text of every turn is stored; docs/security.md says who can read it.", err=True)
+
+
 @main.command()
 @click.option("--by", type=click.Choice(["org", "team", "project", "person", "model", "key"]), default="project",
               show_default=True, help="What to group by.")

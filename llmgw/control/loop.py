@@ -130,7 +130,7 @@ class ControlLoop:
     key check beside it. Built from the parts controller.py made; close() stops them all."""
 
     def __init__(self, *, context, engine, auth, fleet: Fleet, catalog, replicas, demand, server: AgentServer,
-                 outbox: Outbox, inbox, key_pusher, publisher, account_server, roller, admin,
+                 outbox: Outbox, inbox, key_pusher, publisher, account_server, housekeepers, admin,
                  report: ReconcileReport, reconcile_interval: float, lease: Lease, renew_interval: float,
                  on_lead: Callable[[], None], on_standby: Callable[[], None], scaler: Scaler, maps=None):
         """LEASE says whether this controller leads; it is renewed every RENEW_INTERVAL seconds. ON_LEAD starts
@@ -151,7 +151,7 @@ class ControlLoop:
         self.key_pusher = key_pusher
         self.publisher = publisher
         self.account_server = account_server
-        self.roller = roller
+        self.housekeepers = housekeepers  # threads of their own (usage roll-ups, the conversations' sweep)
         self.admin = admin
         self.report = report
         self.reconcile_interval = reconcile_interval
@@ -279,7 +279,8 @@ class ControlLoop:
         self.admin.shutdown()
         self.publisher.close()
         self.account_server.stop()
-        self.roller.stop()
+        for housekeeper in self.housekeepers:
+            housekeeper.stop()
         self.inbox.close()
         self.key_pusher.close()
         self.server.close()

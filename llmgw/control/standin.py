@@ -1,4 +1,5 @@
-"""What a gateway's master runs when no controller is followed: the accountant its workers share, and roll-ups.
+"""What a gateway's master runs when no controller is followed: the accountant its workers share, roll-ups and the
+conversations' sweep.
 
 Imported only by `gateway.py`, which hands `run` to the gateway's gunicorn
 master; it runs there in threads, before any worker is forked.
@@ -14,6 +15,7 @@ from llmgw import addresses, store
 from llmgw.control.accountant import Accountant
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.authenticator import Authenticator, KeyRing
+from llmgw.people.keeping import Sweeper
 from llmgw.people.rollup import Roller
 from llmgw.settings import Config
 from llmgw.wire.curve import ClientKeys
@@ -30,6 +32,7 @@ def run(cfg: Config) -> tuple[str, ClientKeys]:
     accountant.restore(engine)
     # Nobody else sums usage without a controller; the master's thread does, on its own engine.
     Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"]).start()
+    Sweeper(engine, cfg["threads.sweep_every"]).start()
     # CURVE with keys made now and known only to this master and the workers it forks: no other process on
     # the machine can spend, refund or read a pool, loopback or not.
     server_keys, worker_keys = zmq.curve_keypair(), zmq.curve_keypair()

@@ -187,16 +187,23 @@ def checked(kind: str, body: dict, raw: bytes, prefix_bytes: int, make=ParsedReq
     if kind == "chat" and isinstance(body.get("tool_choice"), dict):
         parsed.forced_tool = _named_tool(body)
     if prefix_bytes:
-        if kind == "chat":
-            leading = _leading(body["messages"], prefix_bytes)
-            parsed.affinity = balancer.affinity_key(leading)
-            # Anything after the first user message is an earlier turn (an answer, a tool's result).
-            parsed.follows = len(body["messages"]) > len(leading)
-        elif kind == "completions" and isinstance(body["prompt"], str):
-            # A prompt has no turns to tell apart; a shared start (a file being edited, a template) is all it has.
-            parsed.affinity = balancer.affinity_key([body["prompt"][:prefix_bytes].encode("utf-8", "surrogatepass")])
-            parsed.follows = True
+        conversation_key(parsed, prefix_bytes)
     return parsed
+
+
+def conversation_key(parsed: ParsedRequest, prefix_bytes: int) -> None:
+    """Set PARSED's affinity key and whether it follows earlier turns, from its body; again where its
+    messages change (a kept conversation's history put before them, llmgw/gateway/threads.py)."""
+    body = parsed.body
+    if parsed.kind == "chat":
+        leading = _leading(body["messages"], prefix_bytes)
+        parsed.affinity = balancer.affinity_key(leading)
+        # Anything after the first user message is an earlier turn (an answer, a tool's result).
+        parsed.follows = len(body["messages"]) > len(leading)
+    elif parsed.kind == "completions" and isinstance(body["prompt"], str):
+        # A prompt has no turns to tell apart; a shared start (a file being edited, a template) is all it has.
+        parsed.affinity = balancer.affinity_key([body["prompt"][:prefix_bytes].encode("utf-8", "surrogatepass")])
+        parsed.follows = True
 
 
 def usage_of(body: bytes) -> dict | None:

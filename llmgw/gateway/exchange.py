@@ -26,7 +26,8 @@ def status_line(status: int) -> str:
 
 
 class Exchange:
-    __slots__ = ("rt", "t0", "dialect", "caller", "req", "model", "replica", "flying", "finished")
+    __slots__ = ("rt", "t0", "dialect", "caller", "req", "model", "replica", "flying", "finished", "turn",
+                 "endpoint")
 
     def __init__(self, rt, dialect, t0: float):
         self.rt = rt  # the worker's Runtime
@@ -38,6 +39,8 @@ class Exchange:
         self.replica: str | None = None  # the id of the replica that answered (or held it when the client left)
         self.flying = False  # counted in the model's requests in flight
         self.finished = False
+        self.turn = None  # gateway.threads.Turn: its part in a kept conversation, where it names one
+        self.endpoint = "models"  # what its usage row names, where it has no request body (`req.api` where it has)
 
     def overhead_ms(self) -> str:
         """The header value: milliseconds since the request arrived."""
@@ -96,5 +99,5 @@ class Exchange:
             caller.reservation = None
         rt.usage.record((
             time.time(), caller.key_id, caller.project_id, req.model if req else None, model.name if model else None,
-            self.replica, req.api if req else "models", bool(req and req.stream), status, prompt, completion,
+            self.replica, req.api if req else self.endpoint, bool(req and req.stream), status, prompt, completion,
             elapsed * 1000, ttft * 1000 if ttft is not None else None, caller.user_id, cost, *guard.row(req)))

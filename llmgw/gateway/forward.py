@@ -26,6 +26,7 @@ from llmgw.gateway.exchange import OVERHEAD_HEADER, Exchange, status_line
 from llmgw.gateway.guard import Guard
 from llmgw.gateway.snapshot import ModelSpec
 from llmgw.gateway.sse import DONE, EventRelay
+from llmgw.gateway.threads import Threads
 from llmgw.gateway.upstream import Cancel, Response, UpstreamError
 from llmgw.gateway.worker import Runtime
 
@@ -61,12 +62,13 @@ class Relay:
 
 
 class Forwarder:
-    def __init__(self, runtime: Runtime, attempts: Attempts, billing: Billing, guard: Guard):
+    def __init__(self, runtime: Runtime, attempts: Attempts, billing: Billing, guard: Guard, threads: Threads):
         cfg = runtime.cfg
         self.rt = runtime
         self.attempts = attempts
         self.billing = billing
         self.guard = guard
+        self.threads = threads
         self.idle = cfg["timeouts.idle"]
         self.load_wait = cfg["gateway.load_wait"]
         self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
@@ -85,7 +87,7 @@ class Forwarder:
             if req.stream:
                 # Headers now, then a comment every few seconds: the client sees a live
                 # stream rather than a silent socket while the model loads.
-                start_response("200 OK", SSE_HEADERS + caller.limit_headers())
+                start_response("200 OK", SSE_HEADERS + caller.limit_headers() + _thread_headers(ex))
                 ex.fly()
                 return Relay(self._held_stream(ex, environ), lambda: ex.finish(499))
             for _ in self._until_ready(model):
@@ -107,7 +109,8 @@ class Forwarder:
             if watch is not None:
                 watch.stop()
         if data is None:
-            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+            start_response("200 OK", SSE_HEADERS + [(OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers()
+                           + _thread_headers(ex))
             return Relay(self._relay(ex, environ, resp, replica),
                          lambda: self._unstarted(ex, resp, replica))
         tokens = self.billing.answer_tokens(req, model, replica, data)
@@ -117,6 +120,7 @@ class Forwarder:
             except ApiError as e:  # withheld: the engine's work is billed, as for any answer it gave
                 ex.finish(e.status, tokens)
                 return ex.refuse(start_response, e)
+        message = self.threads.answer(ex, data) if resp.status < 300 else None
         try:
             data = req.dialect.answer(req, data)
         except ApiError as e:  # an answer the client's API cannot carry: the engine's work is billed all the same
@@ -125,9 +129,12 @@ class Forwarder:
         except Exception:  # a bug, which Proxy logs and answers with a 500; the request is accounted for here
             ex.finish(500, tokens)
             raise
+        if message is not None:
+            self.threads.keep(ex, message, data)
         start_response(status_line(resp.status), [
             ("Content-Type", resp.headers.get("content-type", "application/json")),
-            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers())
+            ("Content-Length", str(len(data))), (OVERHEAD_HEADER, f"{overhead:.2f}")] + caller.limit_headers()
+            + _thread_headers(ex))
         ex.finish(resp.status, tokens)
         return [data]
 
@@ -166,29 +173,34 @@ class Forwarder:
         relay = EventRelay(req.client_wants_usage)
         held = self.guard.hold(req, model)  # the answer, kept back until judged; None: not judged
         translator = req.dialect.stream(req)
+        keeper = self.threads.keeper(ex, translator)  # a kept conversation's answer, kept before its end goes out
         sock = environ.get("gunicorn.socket")
         watcher = ClientWatch(sock, resp) if sock is not None else None
         status, ttft = 200, None
         try:
             for piece in resp.iter_body(self.idle):
                 out = relay.feed(piece)
+                keeper.gather(out)
                 if held is not None:
                     if keepalive := held.keep(out):
                         yield keepalive
                     continue
                 if out and translator is not None:
                     out = translator.feed(out)
+                keeper.keep(relay.done)
                 if out:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     yield out
             tail = relay.rest()
+            keeper.gather(tail)
             if held is not None:
                 tail = held.release(tail)  # raises ApiError where the judge refuses it, or cannot judge it
             if translator is not None:
                 tail = translator.feed(tail) + translator.end()
                 if translator.failure is not None:  # the engine reported a failure mid-stream
                     status = translator.failure.status
+            keeper.keep(True)
             if tail:
                 if ttft is None:
                     ttft = time.perf_counter() - t0
@@ -251,3 +263,7 @@ class Forwarder:
         why = "it runs on demand and is not ready" if model.on_demand else "no replica of it is ready"
         return ApiError(503, f"{model.name} is loading: {why} after {self.load_wait:.0f} s. Retry in a minute.",
                         "model_loading", retry_after=60)
+
+
+def _thread_headers(ex: Exchange) -> list[tuple[str, str]]:
+    return ex.turn.headers() if ex.turn is not None else []

@@ -24,7 +24,7 @@ import time
 import gevent
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import apirequest, promptcount, routes
+from llmgw.gateway import apirequest, promptcount, routes, threads
 from llmgw.gateway.admit import Admission
 from llmgw.gateway.attempts import Attempts, ClientLeft
 from llmgw.gateway.billing import Billing
@@ -35,12 +35,16 @@ from llmgw.gateway.errors import REASONS, ApiError
 from llmgw.gateway.exchange import OVERHEAD_HEADER, Exchange
 from llmgw.gateway.forward import LOAD_POLL, Forwarder
 from llmgw.gateway.guard import Guard
+from llmgw.gateway.responses import RESPONSES
 from llmgw.gateway.snapshot import ModelSpec
+from llmgw.gateway.threads import Threads
 from llmgw.gateway.worker import Runtime
 
 log = logging.getLogger("llmgw.proxy")
 
 MODEL_PATH = routes.MODELS + "/"  # `GET /v1/models/ID`
+THREADS = threads.PATH  # `DELETE /v1/threads/ID`
+STORED = "/v1/responses/"  # `GET` and `DELETE /v1/responses/ID`: a kept response
 PIN_HEADER = "HTTP_X_LLMGW_REPLICA"  # a replica's id: an administrator's request for that replica alone
 PIN_MOST = 200  # characters of it read (a replica id is at most that)
 
@@ -56,7 +60,8 @@ class Proxy:
         self.guard = Guard(runtime)
         self.billing = Billing(runtime)
         self.admission = Admission(runtime, self.billing)
-        self.forwarder = Forwarder(runtime, Attempts(runtime, self.billing), self.billing, self.guard)
+        self.threads = Threads(runtime, self.prefix_bytes)
+        self.forwarder = Forwarder(runtime, Attempts(runtime, self.billing), self.billing, self.guard, self.threads)
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
         """Answer one `/v1` request; CALLER is given when someone signed in (the chat page) makes it."""
@@ -67,13 +72,17 @@ class Proxy:
         ex = Exchange(self.rt, dialect, t0)
         ex.caller = caller
         try:
-            if kind is None and path != routes.MODELS and not path.startswith(MODEL_PATH):
+            if kind is None and path != routes.MODELS and not path.startswith((MODEL_PATH, THREADS, STORED)):
                 raise ApiError(404, f"There is no API at {path}. This gateway serves {routes.SERVED}.",
                                "unknown_url")
             if caller is None:
                 caller = self.admission.authenticate(dialect.credential(environ))
             ex.caller = caller
             method = environ["REQUEST_METHOD"]
+            if kind is None and path.startswith(THREADS):
+                return self._delete_thread(ex, environ, path[len(THREADS):], start_response)
+            if kind is None and path.startswith(STORED):
+                return self._stored_response(ex, environ, path[len(STORED):], start_response)
             if kind is None:
                 if method != "GET":
                     raise ApiError(405, f"Use GET for {path}.", "method_not_allowed")
@@ -96,6 +105,11 @@ class Proxy:
                 raise
             if kind == "tokens":
                 return self._count_tokens(ex, start_response)
+            thread_id = environ.get(threads.HEADER)
+            if thread_id is not None:
+                self.threads.join(ex, thread_id)
+            elif req.api == RESPONSES.name:
+                self.threads.join_responses(ex)
             self.admission.admit(caller, req, model)
             self.guard.check_prompt(req, model)
             return self.forwarder.forward(ex, environ, start_response, pin)
@@ -114,6 +128,31 @@ class Proxy:
                                                         "logged; try again.", "internal_error"))
             start_response(REASONS[500], headers)
             return [body]
+
+    def _delete_thread(self, ex: Exchange, environ, thread_id: str, start_response):
+        """`DELETE /v1/threads/ID`: a kept conversation deleted now, by a key of its project."""
+        if environ["REQUEST_METHOD"] != "DELETE":
+            raise ApiError(405, f"Use DELETE for {THREADS}ID.", "method_not_allowed")
+        ex.endpoint = "threads"
+        self.admission.count(ex.caller)
+        deleted = self.threads.delete(ex.caller, thread_id)
+        ex.finish(200)
+        return self._json(ex, start_response, deleted)
+
+    def _stored_response(self, ex: Exchange, environ, response_id: str, start_response):
+        """`GET /v1/responses/ID`, a kept response as it was answered, or `DELETE` it."""
+        method = environ["REQUEST_METHOD"]
+        if method not in ("GET", "DELETE"):
+            raise ApiError(405, f"Use GET or DELETE for {STORED}ID.", "method_not_allowed")
+        ex.endpoint = "responses"
+        self.admission.count(ex.caller)
+        found = self.threads.stored(ex.caller, response_id, delete=method == "DELETE")
+        ex.finish(200)
+        if isinstance(found, dict):
+            return self._json(ex, start_response, found)
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(found))),
+                                  (OVERHEAD_HEADER, ex.overhead_ms())])
+        return [found]
 
     def _read_body(self, environ) -> bytes:
         stream = environ["wsgi.input"]

@@ -4,10 +4,13 @@ A Responses request is read into a chat-completions request here, which then
 takes every request's path; llmgw/gateway/responsesout.py turns the engine's
 chat answer, whole or streamed, back into a response object and its events.
 
-The gateway keeps no state between requests, so what the Responses API keeps
-for a client (`previous_response_id`, `conversation`, `background`, stored
-prompts) is refused with a 400 that says to send the whole conversation; `store`
-is accepted and nothing is stored. Tools the engine can run as functions are
+A response is kept (`store`, true unless the request says false) only where
+the key's project keeps conversations, as a turn of a thread
+(llmgw/gateway/threads.py); `previous_response_id` continues from a kept one,
+under the same rules, and the response object says `store: false` where
+nothing was kept. What else the Responses API keeps for a client
+(`conversation`, `background`, stored prompts) is refused with a 400 that says
+what to send instead. Tools the engine can run as functions are
 offered as functions: `function` tools as they are, those in a `namespace`
 flattened, Codex's free-form `custom` tools (apply_patch) as a function of one
 string `input`, and `local_shell` as a function of its command; each comes
@@ -27,7 +30,7 @@ import itertools
 import json
 import logging
 
-from llmgw.gateway import apirequest, bodycheck, responsesout
+from llmgw.gateway import apirequest, bodycheck, chatout, responsesout
 from llmgw.gateway.apirequest import ParsedRequest
 from llmgw.gateway.bodycheck import bad, need
 from llmgw.gateway.dialect import Dialect, StreamTranslator, chat_content, encode
@@ -37,12 +40,11 @@ log = logging.getLogger("llmgw.responses")
 
 # What the Responses API keeps between requests, which this gateway does not.
 STATEFUL = {
-    "previous_response_id": "This gateway keeps no responses, so previous_response_id cannot be used. Send the "
-                            "whole conversation in input (with store false), as Codex does.",
-    "conversation": "This gateway keeps no conversations. Leave conversation out and send the whole conversation "
-                    "in input.",
+    "conversation": "This gateway keeps no conversation objects. Leave conversation out, and continue from a "
+                    "stored response with previous_response_id, or send the whole conversation in input.",
     "prompt": "This gateway keeps no stored prompts. Send the prompt's text as instructions and input instead.",
 }
+PREVIOUS_MOST = 64  # characters of a response id (`resp_` and 24 hex digits here)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # A free-form tool's text travels as this one argument of a function (see the top of the module).
 CUSTOM_ARGUMENT = "input"
@@ -62,12 +64,21 @@ class ResponsesRequest(ParsedRequest):
     """A chat request read from a Responses request, with what its answer repeats (`echo`, pre-encoded
     as it goes out up to three times in a stream) and which kind of tool each function name stands for."""
 
-    __slots__ = ("echo", "tools")
+    __slots__ = ("echo", "echo_fields", "tools", "rid", "previous", "store")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         super().__init__(kind, body, raw)
         self.echo = b"{}"
+        self.echo_fields: dict = {}
         self.tools: dict[str, tuple[str, str | None]] = {}  # function name: (tool type, its namespace)
+        self.rid = chatout.new_id("resp_")  # its response's id, known before the answer, to keep it under
+        self.previous: str | None = None  # previous_response_id
+        self.store = False  # whether the client asked to keep it (what OpenAI does where it says nothing)
+
+    def stored(self) -> None:
+        """Say `store: true` in its response objects: it is kept."""
+        self.echo_fields["store"] = True
+        self.echo = encode(self.echo_fields)
 
 
 class Responses(Dialect):
@@ -79,7 +90,10 @@ class Responses(Dialect):
         req = apirequest.checked(kind, chat, encode(chat), prefix_bytes, ResponsesRequest)
         req.api = self.name
         req.output_field = "max_output_tokens"
+        req.echo_fields = echo
         req.echo = encode(echo)
+        req.previous = echo["previous_response_id"]
+        req.store = body.get("store") is not False
         req.tools = tools
         return req
 
@@ -103,6 +117,13 @@ def to_chat(body: dict) -> tuple[dict, dict, dict]:
     for name, why in STATEFUL.items():
         if body.get(name) is not None:
             raise bad(why, name)
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        need(previous, (str,), "a string, the id of a stored response", "previous_response_id")
+        if not 0 < len(previous) <= PREVIOUS_MOST:
+            raise bad(f"previous_response_id must be 1 to {PREVIOUS_MOST} characters.", "previous_response_id")
+    if body.get("store") is not None:
+        bodycheck.BOOLEAN(body["store"], "store")
     if body.get("background"):
         raise bad("This gateway answers while the client waits; leave background out (or false).", "background")
     chat: dict = {"model": body["model"]}
@@ -152,7 +173,7 @@ def to_chat(body: dict) -> tuple[dict, dict, dict]:
         "tool_choice": body.get("tool_choice") or "auto", "text": text or {"format": {"type": "text"}},
         # No engine here takes an effort; saying null is true where echoing the ask would not be.
         "reasoning": {"effort": None, "summary": None},
-        "store": False, "background": False, "previous_response_id": None, "truncation": "disabled",
+        "store": False, "background": False, "previous_response_id": previous, "truncation": "disabled",
         "user": body.get("user"), "service_tier": "default", "llmgw_tools_left_out": left_out,
     }
     return chat, echo, kinds

@@ -130,7 +130,7 @@ def answer(req, data: bytes) -> bytes:
         call = chatout.call(value)
         output.append(call_item(req, new_id(CALL_PREFIXES[call_kind(req, call.name)[0]]),
                                 call.id or new_id("call_"), call.name, call.arguments, item_status))
-    return response(req, new_id("resp_"), int(time.time()), status, output, usage(whole.usage), whole.finish)
+    return response(req, req.rid, int(time.time()), status, output, usage(whole.usage), whole.finish)
 
 
 class _Item:
@@ -153,7 +153,7 @@ class EventStream(StreamTranslator):
 
     def __init__(self, req):
         self.req = req
-        self.rid = new_id("resp_")
+        self.rid = req.rid
         self.created = int(time.time())
         self.seq = 0
         self.started = False
@@ -164,6 +164,7 @@ class EventStream(StreamTranslator):
         self.calls: dict[int, _Item] = {}  # by the chat tool call's index
         self.finish: str | None = None
         self.usage = None
+        self.final: bytes | None = None  # the finished response object, which a kept turn keeps
 
     # --- events --------------------------------------------------------------------------
 
@@ -180,8 +181,9 @@ class EventStream(StreamTranslator):
         return b'event: %s\ndata: {"type":"%s","sequence_number":%d,"item_id":"%s","output_index":%d%s,"delta":%s}\n\n' % (
             kind, kind, seq, item.id.encode(), item.index, fields, encode(text))
 
-    def _response_event(self, kind: str, status: str, output: list, used=None, error=None) -> bytes:
-        body = response(self.req, self.rid, self.created, status, output, used, self.finish, error)
+    def _response_event(self, kind: str, status: str, output: list, used=None, error=None,
+                        body: bytes | None = None) -> bytes:
+        body = body or response(self.req, self.rid, self.created, status, output, used, self.finish, error)
         data = b'{"type":"%s","sequence_number":%d,"response":%s}' % (kind.encode(), self.seq, body)
         self.seq += 1
         return b"event: %s\ndata: %s\n\n" % (kind.encode(), data)
@@ -333,5 +335,6 @@ class EventStream(StreamTranslator):
             out.append(events)
             output.append(whole)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        out.append(self._response_event(kind, status, output, usage(self.usage)))
+        self.final = response(self.req, self.rid, self.created, status, output, usage(self.usage), self.finish)
+        out.append(self._response_event(kind, status, output, usage(self.usage), body=self.final))
         return b"".join(out)

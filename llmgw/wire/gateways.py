@@ -21,7 +21,7 @@ that page and `MESSAGES` in step.
 from __future__ import annotations
 
 from llmgw import modelnames, rules
-from llmgw.wire.schema import Int, ListOf, Nullable, Obj, ProtocolError, Row, Schema, Str
+from llmgw.wire.schema import Int, ListOf, Nullable, Num, Obj, ProtocolError, Row, Schema, Str
 
 __all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
            "MAX_IN_FLIGHT"]
@@ -65,7 +65,9 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
              "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
-             "active": (ListOf(NAME, MANY), True), "admins": (ListOf(NAME, MANY), False)},
+             "active": (ListOf(NAME, MANY), True), "admins": (ListOf(NAME, MANY), False),
+             # [project id, hours]: the projects that keep their conversations (llmgw/conversations.py).
+             "threads": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False)},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},

@@ -1,0 +1,95 @@
+"""What a project keeps of its requests' text: its conversations, for how long (`llmgw keys threads`).
+
+Every project starts keeping nothing. Turning it on takes a retention window in hours, measured from a
+thread's last turn, because a store without one keeps everything a team ever typed for as long as nobody
+picks a number. Turning it off stops new turns at once (gateways hear of it with the keys, within seconds)
+and the hourly sweep deletes what was kept. Each change bumps the keys' revision, so every gateway takes it
+with the keys it pushes or reads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from llmgw import store
+from llmgw.people.orgtree import Node, Tree
+
+log = logging.getLogger("llmgw.keeping")
+
+SWEEP_EVERY = 3600.0  # seconds between sweeps (threads.sweep_every)
+# The longest window: ten years, past which "how long" means "for ever", which is not offered.
+MOST_HOURS = 24 * 3653
+
+
+class KeepingRefused(Exception):
+    """The message says what to do."""
+
+
+def set_threads(engine: Engine, project: str, hours: float | None) -> tuple[Node, float | None]:
+    """Keep PROJECT's conversations for HOURS after their last turn (None: keep none); returns the project
+    and the hours it kept them for before."""
+    if hours is not None and not 0 < hours <= MOST_HOURS:
+        raise KeepingRefused(f"--retain-hours must be more than 0 and at most {MOST_HOURS}; got {hours:g}")
+    p = store.projects
+    with store.writing(engine) as conn:
+        node = Tree.read(conn).find("project", project)
+        before = conn.execute(sa.select(p.c.threads_hours).where(p.c.id == node.id)).scalar()
+        if before != hours:
+            conn.execute(p.update().where(p.c.id == node.id).values(threads_hours=hours))
+            store.bump_revision(conn, "keys")
+    return node, before
+
+
+def kept(engine: Engine) -> list[tuple[str, float]]:
+    """(project path, hours) for every project that keeps its conversations."""
+    from llmgw import conversations
+
+    with engine.connect() as conn:
+        tree = Tree.read(conn)
+        hours = conversations.retention(conn)
+    return sorted((tree.by_id[pid].path, h) for pid, h in hours.items() if pid in tree.by_id)
+
+
+class Sweeper:
+    """A thread that deletes, once an hour, the conversations past their project's retention and those of
+    projects that stopped keeping them. LEADING says whether to sweep now: with two controllers on one
+    store, only the leader does."""
+
+    def __init__(self, engine: Engine, every: float = SWEEP_EVERY, leading=lambda: True):
+        import threading
+
+        self.engine = engine
+        self.every = every
+        self.leading = leading
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="threads-sweep", daemon=True)
+
+    def start(self) -> "Sweeper":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+
+    def sweep(self) -> int:
+        from llmgw import conversations
+
+        with self.engine.connect() as conn:
+            hours = conversations.retention(conn)
+        gone = conversations.sweep(self.engine, hours)
+        if gone:
+            log.info("deleted %d conversations past their project's retention", gone)
+        return gone
+
+    def _run(self) -> None:
+        while not self.stopping.wait(self.every):
+            if not self.leading():
+                continue
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("sweeping kept conversations failed; the next pass tries again")
