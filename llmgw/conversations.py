@@ -55,20 +55,23 @@ def read(engine: Engine, scope: str, thread_id: str, hours: float, now: float | 
          upto: int | None = None) -> History | None:
     """SCOPE's thread THREAD_ID, if it has a turn within the last HOURS; None otherwise (never made, another
     project's, deleted, or expired). UPTO: only the turns up to that one (a Responses chain continued from
-    an earlier response)."""
+    an earlier response). One query: it is on the request path."""
     now = time.time() if now is None else now
     t, turns = store.threads, store.thread_turns
+    on = sa.and_(turns.c.scope == t.c.scope, turns.c.thread_id == t.c.id)
+    if upto is not None:
+        on = sa.and_(on, turns.c.seq <= upto)
+    query = (sa.select(t.c.system, turns.c.seq, turns.c.messages, turns.c.tokens)
+             .select_from(t.outerjoin(turns, on))
+             .where(t.c.scope == scope, t.c.id == thread_id, t.c.last_at >= now - hours * HOUR)
+             .order_by(turns.c.seq))
     with engine.connect() as conn:
-        head = conn.execute(sa.select(t.c.system, t.c.last_at).where(t.c.scope == scope, t.c.id == thread_id)).first()
-        if head is None or head.last_at < now - hours * HOUR:
-            return None
-        query = (sa.select(turns.c.seq, turns.c.messages, turns.c.tokens)
-                 .where(turns.c.scope == scope, turns.c.thread_id == thread_id).order_by(turns.c.seq))
-        if upto is not None:
-            query = query.where(turns.c.seq <= upto)
         rows = conn.execute(query).all()
-    return History(json.loads(head.system) if head.system else None,
-                   [Turn(r.seq, json.loads(r.messages), r.tokens) for r in rows])
+    if not rows:
+        return None
+    system = rows[0].system
+    return History(json.loads(system) if system else None,
+                   [Turn(r.seq, json.loads(r.messages), r.tokens) for r in rows if r.seq is not None])
 
 
 def append(engine: Engine, scope: str, thread_id: str, hours: float, system: list | None, messages: list,
@@ -79,58 +82,61 @@ def append(engine: Engine, scope: str, thread_id: str, hours: float, system: lis
     thread's system messages. RESPONSE_ID and RESPONSE: the Responses API's id and object for the turn.
     AFTER: the turn it follows (a Responses request continues from one); where the thread has gone on since,
     the turns up to AFTER are copied into a new thread FORK, and the turn added there.
-    Returns the thread and the turn's place in it."""
+    Returns the thread and the turn's place in it.
+
+    A live thread takes its turn in two statements, one that moves its last turn's place (and with it
+    holds the thread's row, so that two turns of one thread take places in turn) and the turn's insert."""
     now = time.time() if now is None else now
-    t, turns = store.threads, store.thread_turns
     for attempt in range(APPEND_TRIES):
         try:
             with store.writing(engine) as conn:
-                head = conn.execute(sa.select(t.c.last_at).where(t.c.scope == scope, t.c.id == thread_id)
-                                    .with_for_update()).first()
-                if head is not None and head.last_at < now - hours * HOUR:
-                    _delete(conn, scope, [thread_id])
-                    head = None
-                if after is not None and head is not None and fork is not None and _last(conn, scope, thread_id) != after:
-                    _copy(conn, scope, thread_id, after, fork, now)
-                    thread_id = fork
-                if head is None:
-                    conn.execute(t.insert().values(scope=scope, id=thread_id, created_at=now, last_at=now,
-                                                   system=json.dumps(system) if system else None))
-                else:
-                    changes: dict = {"last_at": max(now, head.last_at)}
-                    if system:
-                        changes["system"] = json.dumps(system)
-                    conn.execute(t.update().where(t.c.scope == scope, t.c.id == thread_id).values(**changes))
-                seq = _last(conn, scope, thread_id) + 1
-                conn.execute(turns.insert().values(scope=scope, thread_id=thread_id, seq=seq, at=now,
-                                                   messages=json.dumps(messages, ensure_ascii=False), tokens=tokens,
-                                                   response_id=response_id, response=response))
+                if after is not None and fork is not None:
+                    thread_id = _branch(conn, scope, thread_id, after, fork, now)
+                seq = _next_place(conn, scope, thread_id, hours, system, now)
+                conn.execute(store.thread_turns.insert().values(
+                    scope=scope, thread_id=thread_id, seq=seq, at=now, messages=json.dumps(messages, ensure_ascii=False),
+                    tokens=tokens, response_id=response_id, response=response))
             return thread_id, seq
         except sa.exc.IntegrityError:
-            # Two turns of one thread at once (PostgreSQL: each read the same last place, or both made the
-            # thread): the one that lost takes the next place.
+            # Two first turns of one thread at once (PostgreSQL): the one that lost finds the thread made.
             if attempt == APPEND_TRIES - 1:
                 raise
     raise AssertionError("unreachable")
 
 
-def _last(conn: Connection, scope: str, thread_id: str) -> int:
-    """The place of the thread's last turn (0: none)."""
-    turns = store.thread_turns
-    return conn.execute(sa.select(sa.func.max(turns.c.seq))
-                        .where(turns.c.scope == scope, turns.c.thread_id == thread_id)).scalar() or 0
+def _next_place(conn: Connection, scope: str, thread_id: str, hours: float, system: list | None, now: float) -> int:
+    """The place a new turn of the thread takes, the thread made (or made afresh, where it expired) first."""
+    t = store.threads
+    changes: dict = {"last_at": sa.func.max(t.c.last_at, now) if conn.dialect.name == "sqlite"
+                     else sa.func.greatest(t.c.last_at, now), "last_seq": t.c.last_seq + 1}
+    if system:
+        changes["system"] = json.dumps(system)
+    seq = conn.execute(t.update().where(t.c.scope == scope, t.c.id == thread_id, t.c.last_at >= now - hours * HOUR)
+                       .values(**changes).returning(t.c.last_seq)).scalar()
+    if seq is not None:
+        return seq
+    _delete(conn, scope, [thread_id])  # expired, where it was there at all: it starts afresh
+    conn.execute(t.insert().values(scope=scope, id=thread_id, created_at=now, last_at=now, last_seq=1,
+                                   system=json.dumps(system) if system else None))
+    return 1
 
 
-def _copy(conn: Connection, scope: str, thread_id: str, upto: int, into: str, now: float) -> None:
-    """A new thread INTO holding THREAD_ID's system messages and its turns up to UPTO (their response ids
-    stay with the originals: an id names one response)."""
+def _branch(conn: Connection, scope: str, thread_id: str, after: int, fork: str, now: float) -> str:
+    """The thread a turn after turn AFTER of THREAD_ID goes in: that thread where AFTER is its last turn,
+    else a new thread FORK holding its system messages and its turns up to AFTER (their response ids stay
+    with the originals: an id names one response)."""
     t, turns = store.threads, store.thread_turns
-    system = conn.execute(sa.select(t.c.system).where(t.c.scope == scope, t.c.id == thread_id)).scalar()
-    conn.execute(t.insert().values(scope=scope, id=into, created_at=now, last_at=now, system=system))
+    head = conn.execute(sa.select(t.c.system, t.c.last_seq).where(t.c.scope == scope, t.c.id == thread_id)
+                        .with_for_update()).first()
+    if head is None or head.last_seq == after:
+        return thread_id
+    conn.execute(t.insert().values(scope=scope, id=fork, created_at=now, last_at=now, last_seq=after,
+                                   system=head.system))
     conn.execute(turns.insert().from_select(
         ["scope", "thread_id", "seq", "at", "messages", "tokens"],
-        sa.select(turns.c.scope, sa.literal(into), turns.c.seq, turns.c.at, turns.c.messages, turns.c.tokens)
-        .where(turns.c.scope == scope, turns.c.thread_id == thread_id, turns.c.seq <= upto)))
+        sa.select(turns.c.scope, sa.literal(fork), turns.c.seq, turns.c.at, turns.c.messages, turns.c.tokens)
+        .where(turns.c.scope == scope, turns.c.thread_id == thread_id, turns.c.seq <= after)))
+    return fork
 
 
 class Stored(NamedTuple):

@@ -200,6 +200,7 @@ threads = sa.Table(
     sa.Column("id", sa.String(200), primary_key=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("last_at", sa.Float, nullable=False),  # its last turn: retention is measured from here
+    sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),  # the place its last turn took
     sa.Column("system", sa.Text),  # JSON list: the system messages its latest turn that had any sent
     sa.Index("threads_scope_last", "scope", "last_at"),
 )
