@@ -65,6 +65,8 @@ projects = sa.Table(
     # How long the project's conversations are kept after their last turn (llmgw/conversations.py), in hours;
     # None: the project keeps none, which is every project's start (`llmgw keys threads`).
     sa.Column("threads_hours", sa.Float),
+    # How long its agents' notes are kept after they were last written (llmgw/memory.py); None: none kept.
+    sa.Column("memory_hours", sa.Float),
     sa.UniqueConstraint("team_id", "name", name="projects_sibling_name"),
 )
 
@@ -201,6 +203,8 @@ threads = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("last_at", sa.Float, nullable=False),  # its last turn: retention is measured from here
     sa.Column("last_seq", sa.Integer, nullable=False, server_default="0"),  # the place its last turn took
+    # Its last turn plus the retention then: a window lengthened later does not bring back what had expired.
+    sa.Column("expires_at", sa.Float, nullable=False),
     sa.Column("system", sa.Text),  # JSON list: the system messages its latest turn that had any sent
     sa.Index("threads_scope_last", "scope", "last_at"),
 )
@@ -216,7 +220,31 @@ thread_turns = sa.Table(
     # A Responses API turn's response id and the response as answered (GET /v1/responses/{id}).
     sa.Column("response_id", sa.String(64)),
     sa.Column("response", sa.Text),
+    # A turn copied into a branch (a Responses request continued from an earlier response): the turn it is a
+    # copy of, so that deleting that turn, or its thread, deletes the copies too.
+    sa.Column("origin_thread", sa.String(200)),
+    sa.Column("origin_seq", sa.Integer),
     sa.Index("thread_turns_response", "scope", "response_id", unique=True),
+    sa.Index("thread_turns_origin", "scope", "origin_thread", "origin_seq"),
+)
+
+
+# Agents' notes (llmgw/memory.py), only for projects whose `memory_hours` is set, scoped as threads are.
+# Searched with the database's own full-text index, which is not part of this definition: an FTS5 table
+# kept by triggers on SQLite, a generated tsvector column on PostgreSQL (`_memory`), so that every way a
+# row is written (a store move included) keeps it searchable.
+notes = sa.Table(
+    "notes", metadata,
+    # The index's key for the row: SQLite's rowid, named, so that a VACUUM cannot renumber it under FTS5.
+    sa.Column("num", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
+    sa.Column("scope", sa.String(32), nullable=False),
+    sa.Column("id", sa.String(32), nullable=False),
+    sa.Column("text", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),  # retention is measured from here
+    sa.Column("expires_at", sa.Float, nullable=False),  # as a thread's
+    sa.UniqueConstraint("scope", "id", name="notes_scope_id"),
+    sa.Index("notes_scope_updated", "scope", "updated_at"),
 )
 
 
@@ -460,6 +488,25 @@ def _threads(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN threads_hours FLOAT")
 
 
+def _memory(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[notes])
+    if "memory_hours" not in _columns(conn, "projects"):
+        conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN memory_hours FLOAT")
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql("CREATE VIRTUAL TABLE notes_fts USING fts5(text, content='notes', content_rowid='num')")
+        conn.exec_driver_sql("CREATE TRIGGER notes_added AFTER INSERT ON notes BEGIN "
+                             "INSERT INTO notes_fts(rowid, text) VALUES (new.num, new.text); END")
+        conn.exec_driver_sql("CREATE TRIGGER notes_removed AFTER DELETE ON notes BEGIN "
+                             "INSERT INTO notes_fts(notes_fts, rowid, text) VALUES ('delete', old.num, old.text); END")
+        conn.exec_driver_sql("CREATE TRIGGER notes_changed AFTER UPDATE OF text ON notes BEGIN "
+                             "INSERT INTO notes_fts(notes_fts, rowid, text) VALUES ('delete', old.num, old.text); "
+                             "INSERT INTO notes_fts(rowid, text) VALUES (new.num, new.text); END")
+    else:
+        conn.exec_driver_sql("ALTER TABLE notes ADD COLUMN search tsvector "
+                             "GENERATED ALWAYS AS (to_tsvector('simple', text)) STORED")
+        conn.exec_driver_sql("CREATE INDEX notes_search ON notes USING gin (search)")
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -487,6 +534,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (13, "the controllers' leader lease", _leases),
     (14, "measured capacities of models' profiles", _create([capacities])),
     (15, "kept conversations", _threads),
+    (16, "agents' notes, searchable", _memory),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

@@ -138,11 +138,11 @@ def test_responses_forced_function_call(chat):
 
 def test_an_answer_that_is_not_a_chat_answer_passes_as_it_came():
     for data in (b"not json", b"[]", b'{"error": {"message": "x"}}', b'{"choices": [{"message": 3}]}'):
-        assert forced_answer(data, "f") == data
+        assert forced_answer(data, "f", "call_1") == data
 
 
 def test_a_stream_choice_that_ends_before_any_text_still_calls_the_tool():
-    forced = ForcedCall("f", None)
+    forced = ForcedCall("f", None, "call_1")
     out = forced.feed(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": null}}]}\n\n'
                       b': a comment\n\n'
                       b'data: {"choices": [{"index": [1], "delta": {}, "finish_reason": "stop"}]}\n\n'

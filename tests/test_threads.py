@@ -175,6 +175,28 @@ def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(se
     other_client.delete("/threads/t1", cast_to=object)  # its own t1, made a moment ago
     assert said(chat(client, "Who am I?", thread="t1")) == REMEMBERED  # the first project's is untouched
 
+    # Counting a turn's tokens counts its history too; a bad id is refused there as anywhere.
+    claude_counter = sdk(gw, key, anthropic.Anthropic)
+    alone = claude_counter.messages.count_tokens(model="m", messages=[{"role": "user", "content": "And now?"}])
+    with_history = claude_counter.messages.count_tokens(model="m", messages=[{"role": "user", "content": "And now?"}],
+                                                        extra_headers={"x-llmgw-thread": "t1"})
+    assert with_history.input_tokens > alone.input_tokens
+    with pytest.raises(anthropic.BadRequestError):
+        claude_counter.messages.count_tokens(model="m", messages=[{"role": "user", "content": "x"}],
+                                             extra_headers={"x-llmgw-thread": "bad id"})
+
+    # A lone surrogate, which JSON allows, is kept and sent again as it came.
+    assert post(gw.url + "/v1/chat/completions", {"model": "m", "max_tokens": 5, "messages": [  # json escapes it
+        {"role": "user", "content": "odd \ud800 text"}]}, key, {"x-llmgw-thread": "surrogate"})[0] == 200
+    assert turns(store_url, "surrogate")[0][0]["content"] == "odd \ud800 text"
+
+    # A forced tool's call is kept with the id the client was given, so the tool's result answers it.
+    forced = client.chat.completions.create(
+        model="m", max_tokens=20, messages=[{"role": "user", "content": "List it."}],
+        tools=[{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}],
+        tool_choice={"type": "function", "function": {"name": "ls"}}, extra_headers={"x-llmgw-thread": "forced"})
+    assert turns(store_url, "forced")[0][1]["tool_calls"][0]["id"] == forced.choices[0].message.tool_calls[0].id
+
     # Anthropic's Messages API continues the same thread (the header through the SDK's own extra_headers).
     claude = sdk(gw, key, anthropic.Anthropic)
     message = claude.messages.create(model="m", max_tokens=20, messages=[{"role": "user", "content": "And now?"}],
@@ -191,6 +213,7 @@ def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(se
         client.delete("/threads/t1", cast_to=object)
 
 
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # what differs by store is tested elsewhere
 def test_bad_thread_requests_are_refused_in_the_callers_api(served, store_url, sdk):
     gw, _ = served
     key = make_key(store_url, "k")
@@ -218,6 +241,7 @@ def test_bad_thread_requests_are_refused_in_the_callers_api(served, store_url, s
     assert turns(store_url, "t") == []
 
 
+@pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # what differs by store is tested elsewhere
 def test_a_history_that_outgrows_the_context_loses_its_oldest_turns_not_its_system_prompt(served, store_url, sdk):
     gw, _ = served
     key = make_key(store_url, "k")
@@ -401,8 +425,80 @@ def test_responses_are_stored_continued_fetched_and_deleted_within_the_project(s
         client.responses.create(model="m", input="x", previous_response_id=first.id, max_output_tokens=5)
     assert client.responses.retrieve(second.id).id == second.id
 
+    # Ids of no shape this gateway makes are refused as not found, never a 500 (the store is not asked).
+    for odd in ("\ud800", "resp_\udfff", "\u0000abc", "resp_" + "g" * 24):
+        status, _, body = post(gw.url + "/v1/responses", {"model": "m", "input": "x", "max_output_tokens": 5,
+                                                          "previous_response_id": odd}, key)
+        assert status == 400 and json.loads(body)["error"]["code"] == "previous_response_not_found", odd
+    for path in ("%00", "%ED%A0%80", "x" * 300):
+        assert post(gw.url + "/v1/responses/" + path, b"", key)[0] == 405  # only GET and DELETE
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(path)
+
     # Both at once is ambiguous, and refused.
     with pytest.raises(openai.BadRequestError) as both:
         client.responses.create(model="m", input="x", previous_response_id=second.id, max_output_tokens=5,
                                 extra_headers={"x-llmgw-thread": "t"})
     assert "not both" in both.value.message
+
+
+def test_the_store_forgets_what_it_was_told_to_and_brings_nothing_back(tmp_path):
+    """Deleting a response deletes its copies in branches and a thread left empty; an expired thread stays
+    gone under a longer window; a read is bounded; a lone surrogate is kept as it came."""
+    from llmgw import conversations as c
+
+    engine = store.open_store(f"sqlite:///{tmp_path}/c.db")
+    now = time.time()
+    say = lambda words: [{"role": "user", "content": words}, {"role": "assistant", "content": "ok"}]  # noqa: E731
+    c.append(engine, "p", "@r1", 1, [{"role": "system", "content": "SECRET"}], say("first"), 5, "resp_1", "{}",
+             now=now)
+    c.append(engine, "p", "@r1", 1, None, say("second"), 5, "resp_2", "{}", after=1, fork="@r2", now=now)
+    branch, _ = c.append(engine, "p", "@r1", 1, None, say("branch"), 5, "resp_3", "{}", after=1, fork="@r3", now=now)
+    assert branch == "@r3" and [t.messages[0]["content"] for t in c.read(engine, "p", "@r3", 1, now).turns] == [
+        "first", "branch"]
+    assert c.delete_response(engine, "p", "resp_1", 1, now)
+    assert [t.messages[0]["content"] for t in c.read(engine, "p", "@r3", 1, now).turns] == ["branch"]
+    assert c.delete_response(engine, "p", "resp_2", 1, now)
+    assert c.read(engine, "p", "@r1", 1, now) is None  # no turn left: the thread (and its system text) went
+    with engine.connect() as conn:
+        assert "SECRET" not in json.dumps([list(r) for r in conn.execute(sa.select(store.threads)).all()
+                                           if r.id == "@r1"])
+
+    c.append(engine, "p", "t", 1, None, say("bad \ud800 text"), 5, now=now)
+    assert c.read(engine, "p", "t", 1, now).turns[0].messages[0]["content"] == "bad \ud800 text"
+    for i in range(5):
+        c.append(engine, "p", "t", 1, None, say(f"turn {i} " + "x" * 100), 5, now=now)
+    bounded = c.read(engine, "p", "t", 1, now, most_bytes=400)
+    assert len(bounded.turns) == 2 and bounded.left_out == 4 and bounded.turns[-1].messages[0]["content"][:6] == "turn 4"
+
+    c.append(engine, "p", "old", 1, None, say("old"), 5, now=now - 7200)
+    assert c.read(engine, "p", "old", 5, now) is None  # expired under 1 h: a 5 h window does not revive it
+    assert not c.delete(engine, "p", "old", 5, now)  # reads as gone, and is deleted all the same
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(store.threads.c.id).where(store.threads.c.id == "old")).first() is None
+    engine.dispose()
+
+
+def test_a_replayed_history_never_starts_with_a_tools_result():
+    from llmgw import conversations
+    from llmgw.gateway import apirequest, threads
+    from llmgw.gateway.snapshot import ModelSpec
+
+    class Ex:
+        model = ModelSpec(name="m", max_context=200)
+        req = apirequest.parse("chat", json.dumps({"model": "m", "max_tokens": 20, "messages": [
+            {"role": "user", "content": "now"}]}).encode(), 0)
+
+    call = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]}
+    history = conversations.History(None, [
+        conversations.Turn(1, [{"role": "user", "content": "list"}, call], 60),
+        conversations.Turn(2, [{"role": "tool", "tool_call_id": "c1", "content": "a b"},
+                               {"role": "assistant", "content": "two files"}], 60),
+        conversations.Turn(3, [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "done"}], 60)])
+    kept = threads.Threads.__new__(threads.Threads)
+    kept.prefix_bytes = 0
+    ex = Ex()
+    turn = kept.prepend(ex, "p", "t", 1, history)
+    # The context holds two turns; the call's turn went first, so its result goes too.
+    assert turn.dropped == 2 and [m["role"] for m in ex.req.body["messages"]] == ["user", "assistant", "user"]

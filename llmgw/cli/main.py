@@ -185,34 +185,52 @@ def keys_revoke(obj: Context, which):
 @click.pass_obj
 def keys_threads(obj: Context, project, retain_hours, off):
     """Let a project's keys keep conversations (`x-llmgw-thread`, Responses' `store`), or stop it."""
+    _keeping(obj, "threads", project, retain_hours, off)
+
+
+@keys.command("memory")
+@click.option("--project", help="The project (id, path or unique name). Without it: list the projects that "
+              "keep notes.")
+@click.option("--retain-hours", type=float, metavar="N", help="Keep each note N hours after it was last written.")
+@click.option("--off", is_flag=True, help="Keep none: the notes API is refused now, kept notes go at the next sweep.")
+@click.pass_obj
+def keys_memory(obj: Context, project, retain_hours, off):
+    """Let a project's agents keep notes (`/v1/memory` and the gateway's MCP tools), or stop it."""
+    _keeping(obj, "memory", project, retain_hours, off)
+
+
+def _keeping(obj: Context, kind: str, project, retain_hours, off) -> None:
+    """`llmgw keys threads|memory`: set, end or list what projects keep of KIND."""
     from llmgw.people import keeping
     from llmgw.people.orgtree import TreeError
 
+    what = keeping.KINDS[kind][1]
+    since = "their last turn" if kind == "threads" else "it was last written"
     engine = obj.engine()
     if project is None:
         if retain_hours is not None or off:
             raise click.UsageError("say which project: --project P")
-        rows = keeping.kept(engine)
+        rows = keeping.kept(engine, kind)
         if not rows:
-            click.echo("no project keeps conversations; turn them on with "
-                       "`llmgw keys threads --project P --retain-hours N`", err=True)
+            click.echo(f"no project keeps {what}; turn them on with "
+                       f"`llmgw keys {kind} --project P --retain-hours N`", err=True)
             return
         print_table([("PROJECT", "KEPT FOR")] + [(path, f"{hours:g} h") for path, hours in rows])
         return
     if off == (retain_hours is not None):
-        raise click.UsageError("give either --retain-hours N (how long a conversation is kept after its last "
-                               "turn) or --off")
+        raise click.UsageError(f"give either --retain-hours N (how long a {what[:-1]} is kept after {since}) "
+                               "or --off")
     try:
-        node, before = keeping.set_threads(engine, project, None if off else retain_hours)
+        node, before = keeping.set_keeping(engine, kind, project, None if off else retain_hours)
     except (keeping.KeepingRefused, TreeError) as e:
         raise click.ClickException(str(e)) from None
     was = "kept none" if before is None else f"kept them {before:g} h"
     if off:
-        click.echo(f"{node.path} keeps no conversations now ({was} before); those kept are deleted at the next "
+        click.echo(f"{node.path} keeps no {what} now ({was} before); those kept are deleted at the next "
                    "hourly sweep.", err=True)
     else:
-        click.echo(f"{node.path} keeps conversations {retain_hours:g} h after their last turn ({was} before). "
-                   "The text of every turn is stored; docs/security.md says who can read it.", err=True)
+        click.echo(f"{node.path} keeps {what} {retain_hours:g} h after {since} ({was} before). "
+                   "Their text is stored; docs/security.md says who can read it.", err=True)
 
 
 @main.command()

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 
-from llmgw.gateway import balancer, bodycheck, jsonbound
+from llmgw.gateway import balancer, bodycheck, chatout, jsonbound
 from llmgw.gateway.errors import ApiError
 
 # The engine's path for each kind of request.
@@ -44,7 +44,8 @@ _DECODER = json.JSONDecoder()  # made once, not for each answer read
 
 class ParsedRequest:
     __slots__ = ("kind", "api", "dialect", "body", "raw", "model", "stream", "client_wants_usage", "max_tokens",
-                 "added_limit", "affinity", "follows", "output_field", "clamp_output", "guard", "forced_tool")
+                 "added_limit", "affinity", "follows", "output_field", "clamp_output", "guard", "forced_tool",
+                 "forced_call_id")
 
     def __init__(self, kind: str, body: dict, raw: bytes):
         self.kind = kind
@@ -67,6 +68,7 @@ class ParsedRequest:
         self.clamp_output = False
         self.guard: tuple[str, str | None] | None = None  # the guard's (verdict, categories), llmgw/gateway/guard.py
         self.forced_tool: dict | None = None  # the function tool_choice names (its `function` object), if one
+        self.forced_call_id = ""  # the id of the call of it the client is given
 
     def bound_output(self, model_name: str, max_output: int | None) -> None:
         """Hold the request to its model's MAX_OUTPUT: refuse asking for more, and ask for
@@ -186,6 +188,7 @@ def checked(kind: str, body: dict, raw: bytes, prefix_bytes: int, make=ParsedReq
     parsed = make(kind, body, raw)
     if kind == "chat" and isinstance(body.get("tool_choice"), dict):
         parsed.forced_tool = _named_tool(body)
+        parsed.forced_call_id = chatout.new_id("call_")
     if prefix_bytes:
         conversation_key(parsed, prefix_bytes)
     return parsed

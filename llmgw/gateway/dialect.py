@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from llmgw.gateway import apirequest
-from llmgw.gateway.chatout import a_list, a_string, new_id
+from llmgw.gateway.chatout import a_list, a_string
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.sse import DONE
 
@@ -64,14 +64,14 @@ class Dialect:
     def answer(self, req: apirequest.ParsedRequest, data: bytes) -> bytes:
         """A whole (2xx) chat answer DATA from the engine, in this API's shape."""
         if req.forced_tool is not None:
-            data = forced_answer(data, req.forced_tool["name"])
+            data = forced_answer(data, req.forced_tool["name"], req.forced_call_id)
         return self.shape(req, data)
 
     def stream(self, req: apirequest.ParsedRequest) -> StreamTranslator | None:
         """What turns the engine's events into this API's; None where they go out as they are."""
         translator = self.translator(req)
         if req.forced_tool is not None:
-            return ForcedCall(req.forced_tool["name"], translator)
+            return ForcedCall(req.forced_tool["name"], translator, req.forced_call_id)
         return translator
 
     def shape(self, req: apirequest.ParsedRequest, data: bytes) -> bytes:
@@ -111,8 +111,8 @@ class StreamTranslator:
         raise NotImplementedError
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": new_id("call_"), "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str, call_id: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _finish(choice: dict) -> None:
@@ -122,9 +122,10 @@ def _finish(choice: dict) -> None:
         choice["finish_reason"] = "tool_calls"
 
 
-def forced_answer(data: bytes, name: str) -> bytes:
+def forced_answer(data: bytes, name: str, call_id: str) -> bytes:
     """DATA, a whole chat answer whose text is the arguments of a call of NAME, with each choice's text
-    made that call; DATA as it came where it is no chat answer (the dialect's reader refuses it)."""
+    made that call, CALL_ID (the request's: a kept conversation keeps the id its client was given); DATA
+    as it came where it is no chat answer (the dialect's reader refuses it)."""
     try:
         answer = json.loads(data)
     except ValueError:
@@ -134,7 +135,7 @@ def forced_answer(data: bytes, name: str) -> bytes:
     if not messages:
         return data
     for choice, message in messages:
-        message["tool_calls"] = [_call(name, a_string(message.get("content")))]
+        message["tool_calls"] = [_call(name, a_string(message.get("content")), call_id)]
         message["content"] = None
         _finish(choice)
     return encode(answer)
@@ -145,9 +146,10 @@ class ForcedCall(StreamTranslator):
     piece of each choice names the tool, as an engine's own streamed call does. INNER, where there is
     one, takes the events so made (a dialect's translator)."""
 
-    def __init__(self, name: str, inner: StreamTranslator | None):
+    def __init__(self, name: str, inner: StreamTranslator | None, call_id: str):
         self.name = name
         self.inner = inner
+        self.call_id = call_id
         self.started: set[int] = set()  # the choices whose call has begun
 
     @property
@@ -191,7 +193,7 @@ class ForcedCall(StreamTranslator):
                 piece = {"index": 0, "function": {"arguments": text}}
             else:
                 self.started.add(which)
-                piece = {"index": 0, **_call(self.name, text)}
+                piece = {"index": 0, **_call(self.name, text, self.call_id)}
             delta["tool_calls"] = [piece]
         _finish(choice)
 

@@ -14,8 +14,9 @@ import json
 from llmgw.gateway import requestid
 
 REASONS = {
+    200: "200 OK", 201: "201 Created", 202: "202 Accepted",
     400: "400 Bad Request", 401: "401 Unauthorized", 403: "403 Forbidden", 404: "404 Not Found",
-    405: "405 Method Not Allowed", 408: "408 Request Timeout", 411: "411 Length Required",
+    405: "405 Method Not Allowed", 408: "408 Request Timeout", 409: "409 Conflict", 411: "411 Length Required",
     413: "413 Content Too Large", 414: "414 URI Too Long", 415: "415 Unsupported Media Type",
     417: "417 Expectation Failed", 429: "429 Too Many Requests", 431: "431 Request Header Fields Too Large",
     499: "499 Client Closed Request", 500: "500 Internal Server Error", 502: "502 Bad Gateway",
@@ -23,7 +24,7 @@ REASONS = {
 }
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error",
+         404: "invalid_request_error", 405: "invalid_request_error", 408: "timeout_error", 409: "invalid_request_error",
          411: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
          429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "api_error", 504: "timeout_error"}
 

@@ -39,7 +39,7 @@ class KeyTable:
     def __init__(self, records: dict[str, KeyRecord], revision: int, ruleset: rules.Rules | None = None,
                  prices: rules.Prices | None = None, suspended: frozenset[str] = frozenset(),
                  active_people: frozenset[str] = frozenset(), admins: frozenset[str] = frozenset(),
-                 threads: dict[str, float] | None = None):
+                 threads: dict[str, float] | None = None, memory: dict[str, float] | None = None):
         self.by_hash = records
         self.revision = revision  # the store's key revision it was read at
         self.rules = ruleset or rules.Rules({}, {}, {})
@@ -48,6 +48,7 @@ class KeyTable:
         self.active_people = active_people  # who may use the chat page
         self.admins = admins  # active administrators: their keys may choose a replica (llmgw ctl bench)
         self.threads = threads or {}  # hours each project keeps its conversations, for those that do
+        self.memory = memory or {}  # hours each project keeps its agents' notes, for those that do
         self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
         self.people: dict[str, rules.Access] = {}
 
@@ -66,7 +67,8 @@ class KeyTable:
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),
                    frozenset(message["active"]), frozenset(message.get("admins", ())),
-                   {project: hours for project, hours in message.get("threads", ())})
+                   {project: hours for project, hours in message.get("threads", ())},
+                   {project: hours for project, hours in message.get("memory", ())})
 
     def newer(self, other: "KeyTable") -> bool:
         """Whether OTHER should replace this table: read at a later revision of the store's keys. Whichever

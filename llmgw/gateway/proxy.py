@@ -24,7 +24,7 @@ import time
 import gevent
 from gunicorn.http.errors import ParseException
 
-from llmgw.gateway import apirequest, promptcount, routes, threads
+from llmgw.gateway import apirequest, mcpserver, notes, promptcount, routes, threads
 from llmgw.gateway.admit import Admission
 from llmgw.gateway.attempts import Attempts, ClientLeft
 from llmgw.gateway.billing import Billing
@@ -45,6 +45,7 @@ log = logging.getLogger("llmgw.proxy")
 MODEL_PATH = routes.MODELS + "/"  # `GET /v1/models/ID`
 THREADS = threads.PATH  # `DELETE /v1/threads/ID`
 STORED = "/v1/responses/"  # `GET` and `DELETE /v1/responses/ID`: a kept response
+NOTES = notes.PATH + "/"  # `/v1/memory/ID`
 PIN_HEADER = "HTTP_X_LLMGW_REPLICA"  # a replica's id: an administrator's request for that replica alone
 PIN_MOST = 200  # characters of it read (a replica id is at most that)
 
@@ -61,6 +62,8 @@ class Proxy:
         self.billing = Billing(runtime)
         self.admission = Admission(runtime, self.billing)
         self.threads = Threads(runtime, self.prefix_bytes)
+        self.notes = notes.Notes(runtime, self.threads.run)
+        self.mcp = mcpserver.McpServer(self.notes)
         self.forwarder = Forwarder(runtime, Attempts(runtime, self.billing), self.billing, self.guard, self.threads)
 
     def __call__(self, environ, start_response, caller: Caller | None = None):
@@ -72,7 +75,8 @@ class Proxy:
         ex = Exchange(self.rt, dialect, t0)
         ex.caller = caller
         try:
-            if kind is None and path != routes.MODELS and not path.startswith((MODEL_PATH, THREADS, STORED)):
+            if kind is None and path != routes.MODELS and not path.startswith((MODEL_PATH, THREADS, STORED, NOTES)) \
+                    and path not in (notes.PATH, mcpserver.PATH):
                 raise ApiError(404, f"There is no API at {path}. This gateway serves {routes.SERVED}.",
                                "unknown_url")
             if caller is None:
@@ -83,6 +87,10 @@ class Proxy:
                 return self._delete_thread(ex, environ, path[len(THREADS):], start_response)
             if kind is None and path.startswith(STORED):
                 return self._stored_response(ex, environ, path[len(STORED):], start_response)
+            if kind is None and (path == notes.PATH or path.startswith(NOTES)):
+                return self._notes(ex, environ, path[len(notes.PATH):], start_response)
+            if kind is None and path == mcpserver.PATH:
+                return self._mcp(ex, environ, start_response)
             if kind is None:
                 if method != "GET":
                     raise ApiError(405, f"Use GET for {path}.", "method_not_allowed")
@@ -98,6 +106,13 @@ class Proxy:
                 model = ex.model = self._resolve(req.model, caller)
                 req.bound_output(model.name, model.max_output)
                 pin = None if kind == "tokens" else self._pinned(environ.get(PIN_HEADER), caller, model)
+                # A kept conversation's history, put before the new turn: the prompt admission and the
+                # engine see (and count_tokens counts) is the whole of it.
+                thread_id = environ.get(threads.HEADER)
+                if thread_id is not None:
+                    self.threads.join(ex, thread_id)
+                elif req.api == RESPONSES.name and kind == "chat":
+                    self.threads.join_responses(ex)
             except ApiError:
                 # A refused request still counts against the key's rate: requests for a model that does not
                 # exist were answered before admission, so no rate limit held them.
@@ -105,11 +120,6 @@ class Proxy:
                 raise
             if kind == "tokens":
                 return self._count_tokens(ex, start_response)
-            thread_id = environ.get(threads.HEADER)
-            if thread_id is not None:
-                self.threads.join(ex, thread_id)
-            elif req.api == RESPONSES.name:
-                self.threads.join_responses(ex)
             self.admission.admit(caller, req, model)
             self.guard.check_prompt(req, model)
             return self.forwarder.forward(ex, environ, start_response, pin)
@@ -153,6 +163,42 @@ class Proxy:
         start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(found))),
                                   (OVERHEAD_HEADER, ex.overhead_ms())])
         return [found]
+
+    def _notes(self, ex: Exchange, environ, rest: str, start_response):
+        """`/v1/memory`: a project's notes (llmgw/gateway/notes.py)."""
+        method = environ["REQUEST_METHOD"]
+        ex.endpoint = "memory"
+        body = self._read_body(environ) if method in ("POST", "PATCH", "PUT") else b""
+        self.admission.count(ex.caller)
+        status, value = self.notes.answer(ex.caller, method, rest, environ.get("QUERY_STRING", ""), body)
+        ex.finish(status)
+        data = json.dumps(value, ensure_ascii=False).encode()
+        start_response(REASONS[status], [("Content-Type", "application/json"), ("Content-Length", str(len(data))),
+                                         (OVERHEAD_HEADER, ex.overhead_ms())])
+        return [data]
+
+    def _mcp(self, ex: Exchange, environ, start_response):
+        """`/v1/mcp`: the notes as MCP tools (llmgw/gateway/mcpserver.py). A refusal of the key is a
+        JSON-RPC error, which an MCP client shows, under the refusal's HTTP status."""
+        if environ["REQUEST_METHOD"] != "POST":
+            # The transport's GET opens a stream for the server's own messages, which this one has none of.
+            raise ApiError(405, f"Use POST for {mcpserver.PATH}: this MCP server answers each request and sends "
+                                "nothing of its own.", "method_not_allowed")
+        ex.endpoint = "mcp"
+        body = self._read_body(environ)
+        self.admission.count(ex.caller)
+        try:
+            status, data = self.mcp.answer(ex.caller, body)
+        except ApiError as e:
+            status, data = e.status, self.mcp.refusal(e)
+        ex.finish(status)
+        headers = [(OVERHEAD_HEADER, ex.overhead_ms())]
+        if data is not None:
+            headers += [("Content-Type", "application/json"), ("Content-Length", str(len(data)))]
+        else:
+            headers.append(("Content-Length", "0"))
+        start_response(REASONS[status], headers)
+        return [data or b""]
 
     def _read_body(self, environ) -> bytes:
         stream = environ["wsgi.input"]

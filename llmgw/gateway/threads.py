@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
+import sqlalchemy as sa
 from gevent.threadpool import ThreadPool
 
 from llmgw import conversations
@@ -34,6 +36,7 @@ from llmgw.gateway.errors import ApiError
 log = logging.getLogger("llmgw.threads")
 
 HEADER = "HTTP_X_LLMGW_THREAD"
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{24}")  # the ids this gateway gives responses (chatout.new_id)
 DROPPED = "X-Llmgw-Thread-Dropped"
 PATH = "/v1/threads/"
 SYSTEM_ROLES = ("system", "developer")
@@ -71,11 +74,19 @@ class Threads:
         self.rt = runtime
         self.engine = runtime.engine
         self.prefix_bytes = prefix_bytes
+        self.max_body = runtime.cfg["gateway.max_body_bytes"]
         self.pool = ThreadPool(STORE_THREADS) if self.engine.dialect.name == "sqlite" else None
 
     def run(self, job, *args):
-        """JOB(*ARGS) where it cannot stall the loop (see the top of the module)."""
-        return job(*args) if self.pool is None else self.pool.apply(job, args)
+        """JOB(*ARGS) where it cannot stall the loop (see the top of the module); raises ApiError(503) where
+        the store fails it."""
+        try:
+            return job(*args) if self.pool is None else self.pool.apply(job, args)
+        except sa.exc.SQLAlchemyError as e:
+            log.warning("the store failed a kept conversation's or note's request: %s", e)
+            raise ApiError(503, "The store that keeps conversations and notes cannot be reached now. Retry "
+                                "shortly; an operator can find why in the gateway's log.", "store_unavailable",
+                           retry_after=5) from None
 
     def kept_for(self, caller) -> float | None:
         """Hours CALLER's project keeps its conversations; None where it keeps none (a personal key's)."""
@@ -98,7 +109,7 @@ class Threads:
         """Put the history of the thread THREAD_ID before EX's request, its new turn (EX.turn, kept once
         answered); raises ApiError where the request may not name one."""
         req = ex.req
-        if req.kind != "chat":
+        if req.kind not in ("chat", "tokens"):
             raise ApiError(400, "x-llmgw-thread names a conversation, which only chat requests have (chat "
                                 "completions, Responses, Messages). Leave it out of this request.", "invalid_request")
         if not conversations.THREAD_ID.fullmatch(thread_id):
@@ -111,9 +122,11 @@ class Threads:
             raise ApiError(400, "Name the conversation once: x-llmgw-thread or previous_response_id, not both.",
                            "invalid_request", "previous_response_id")
         scope, hours = self.scope(ex.caller)
-        history = self.run(conversations.read, self.engine, scope, thread_id, hours)
+        history = self.run(conversations.read, self.engine, scope, thread_id, hours, None, None, self.max_body)
         ex.turn = self.prepend(ex, scope, thread_id, hours, history)
-        if req.api == "responses":
+        if req.kind == "tokens":
+            ex.turn.kept = True  # counted with its history, and nothing generated to keep
+        elif req.api == "responses":
             ex.turn.response_id = req.rid
             req.stored()  # a thread keeps every turn: its response with it, whatever `store` said
 
@@ -130,11 +143,13 @@ class Threads:
                 req.stored()
             return
         scope, hours = self.scope(ex.caller, "previous_response_id")
-        found = self.run(conversations.find_response, self.engine, scope, req.previous, hours)
-        history = (self.run(conversations.read, self.engine, scope, found.thread_id, hours, None, found.seq)
-                   if found is not None else None)
+        # An id of another shape was never one of ours: not found, without asking the store.
+        found = (self.run(conversations.find_response, self.engine, scope, req.previous, hours)
+                 if RESPONSE_ID.fullmatch(req.previous) else None)
+        history = (self.run(conversations.read, self.engine, scope, found.thread_id, hours, None, found.seq,
+                            self.max_body) if found is not None else None)
         if found is None or history is None:
-            raise ApiError(400, f"Previous response with id {req.previous!r} not found: it was never stored for "
+            raise ApiError(400, f"Previous response with id {req.previous[:64]!r} not found: it was never stored for "
                                 "this key's project, was deleted, or is older than the project keeps them.",
                            "previous_response_not_found", "previous_response_id")
         ex.turn = turn = self.prepend(ex, scope, found.thread_id, hours, history)
@@ -160,13 +175,16 @@ class Threads:
             while dropped < len(turns) and held > room:
                 held -= turns[dropped].tokens
                 dropped += 1
+        while dropped < len(turns) and not _starts_an_exchange(turns[dropped]):
+            dropped += 1  # a tool's result without its call (the turn before, left out) would stand alone
         if turns or sent_system is not system:
             replay = [m for t in turns[dropped:] for m in t.messages]
             req.body = {**req.body, "messages": sent_system + replay + new}
             req.raw = encode(req.body)
             if self.prefix_bytes:
                 apirequest.conversation_key(req, self.prefix_bytes)
-        return Turn(scope, thread_id, hours, system or None, new, dropped)
+        left_out = dropped + (history.left_out if history is not None else 0)
+        return Turn(scope, thread_id, hours, system or None, new, left_out)
 
     def answer(self, ex, data: bytes) -> dict | None:
         """The message to keep of DATA, EX's whole chat answer; None where nothing is to be kept."""
@@ -186,10 +204,12 @@ class Threads:
         if turn.kept:
             return
         turn.kept = True
+        if turn.scope not in self.rt.keys.threads:
+            return  # the project stopped keeping conversations while this turn was answered
         if ex.req.forced_tool is not None:
             # The engine wrote the forced tool's arguments as its text; the client was given a call of it.
             answer = {"role": "assistant", "content": None, "tool_calls": [{
-                "id": chatout.new_id("call_"), "type": "function",
+                "id": ex.req.forced_call_id, "type": "function",
                 "function": {"name": ex.req.forced_tool["name"], "arguments": answer.get("content") or "{}"}}]}
         messages = turn.messages + [answer]
         try:
@@ -209,8 +229,10 @@ class Threads:
         ApiError(404) where CALLER's project has no such response kept, another project's alike."""
         hours = self.kept_for(caller)
         scope = caller.project_id
-        if delete:
-            if scope is not None and self.run(conversations.delete_response, self.engine, scope, response_id):
+        if not RESPONSE_ID.fullmatch(response_id) or scope is None:
+            pass  # never one of ours, or a personal key's: not found, without asking the store
+        elif delete:
+            if self.run(conversations.delete_response, self.engine, scope, response_id, hours or 0):
                 return {"id": response_id, "object": "response", "deleted": True}
         elif hours is not None:
             found = self.run(conversations.find_response, self.engine, scope, response_id, hours)
@@ -225,12 +247,18 @@ class Threads:
         if caller.project_id is None:
             raise ApiError(403, "A personal key keeps no conversations, so it has none to delete.",
                            "threads_need_project")
-        # A project that stopped keeping conversations still deletes what it kept: it is the client's right.
+        # A project that stopped keeping conversations still deletes what it kept, which reads as gone.
         if not conversations.THREAD_ID.fullmatch(thread_id) or not self.run(
-                conversations.delete, self.engine, caller.project_id, thread_id):
+                conversations.delete, self.engine, caller.project_id, thread_id, self.kept_for(caller) or 0):
             raise ApiError(404, f"No conversation {thread_id[:128]!r} is kept for this key's project.",
                            "thread_not_found")
         return {"id": thread_id, "object": "thread.deleted", "deleted": True}
+
+
+def _starts_an_exchange(turn) -> bool:
+    """Whether TURN can begin a replayed history: it opens with the client's word, not a tool's result or
+    an answer."""
+    return not turn.messages or turn.messages[0].get("role") not in ("tool", "assistant")
 
 
 def _tokens(messages: list) -> int:

@@ -1,4 +1,5 @@
-"""What a project keeps of its requests' text: its conversations, for how long (`llmgw keys threads`).
+"""What a project keeps of its requests' text, and for how long: its conversations (`llmgw keys threads`) and
+its agents' notes (`llmgw keys memory`).
 
 Every project starts keeping nothing. Turning it on takes a retention window in hours, measured from a
 thread's last turn, because a store without one keeps everything a team ever typed for as long as nobody
@@ -28,34 +29,48 @@ class KeepingRefused(Exception):
     """The message says what to do."""
 
 
+# What a project may keep: the column its hours are in, and the words for it.
+KINDS = {"threads": ("threads_hours", "conversations"), "memory": ("memory_hours", "notes")}
+
+
 def set_threads(engine: Engine, project: str, hours: float | None) -> tuple[Node, float | None]:
     """Keep PROJECT's conversations for HOURS after their last turn (None: keep none); returns the project
     and the hours it kept them for before."""
+    return set_keeping(engine, "threads", project, hours)
+
+
+def set_memory(engine: Engine, project: str, hours: float | None) -> tuple[Node, float | None]:
+    """Keep PROJECT's agents' notes for HOURS after each was last written (None: keep none)."""
+    return set_keeping(engine, "memory", project, hours)
+
+
+def set_keeping(engine: Engine, kind: str, project: str, hours: float | None) -> tuple[Node, float | None]:
     if hours is not None and not 0 < hours <= MOST_HOURS:
         raise KeepingRefused(f"--retain-hours must be more than 0 and at most {MOST_HOURS}; got {hours:g}")
     p = store.projects
+    column = p.c[KINDS[kind][0]]
     with store.writing(engine) as conn:
         node = Tree.read(conn).find("project", project)
-        before = conn.execute(sa.select(p.c.threads_hours).where(p.c.id == node.id)).scalar()
+        before = conn.execute(sa.select(column).where(p.c.id == node.id)).scalar()
         if before != hours:
-            conn.execute(p.update().where(p.c.id == node.id).values(threads_hours=hours))
+            conn.execute(p.update().where(p.c.id == node.id).values({column: hours}))
             store.bump_revision(conn, "keys")
     return node, before
 
 
-def kept(engine: Engine) -> list[tuple[str, float]]:
-    """(project path, hours) for every project that keeps its conversations."""
-    from llmgw import conversations
-
+def kept(engine: Engine, kind: str = "threads") -> list[tuple[str, float]]:
+    """(project path, hours) for every project that keeps KIND (threads, memory)."""
+    p = store.projects
+    column = p.c[KINDS[kind][0]]
     with engine.connect() as conn:
         tree = Tree.read(conn)
-        hours = conversations.retention(conn)
+        hours = dict(conn.execute(sa.select(p.c.id, column).where(column.is_not(None))).all())
     return sorted((tree.by_id[pid].path, h) for pid, h in hours.items() if pid in tree.by_id)
 
 
 class Sweeper:
-    """A thread that deletes, once an hour, the conversations past their project's retention and those of
-    projects that stopped keeping them. LEADING says whether to sweep now: with two controllers on one
+    """A thread that deletes, once an hour, the conversations and notes past their project's retention and
+    those of projects that stopped keeping them. LEADING says whether to sweep now: with two controllers on one
     store, only the leader does."""
 
     def __init__(self, engine: Engine, every: float = SWEEP_EVERY, leading=lambda: True):
@@ -76,13 +91,16 @@ class Sweeper:
         self.thread.join(timeout=10)
 
     def sweep(self) -> int:
-        from llmgw import conversations
+        from llmgw import conversations, memory
 
-        with self.engine.connect() as conn:
-            hours = conversations.retention(conn)
-        gone = conversations.sweep(self.engine, hours)
-        if gone:
-            log.info("deleted %d conversations past their project's retention", gone)
+        gone = 0
+        for module, what in ((conversations, "conversations"), (memory, "notes")):
+            with self.engine.connect() as conn:
+                hours = module.retention(conn)
+            count = module.sweep(self.engine, hours)
+            if count:
+                log.info("deleted %d %s past their project's retention", count, what)
+            gone += count
         return gone
 
     def _run(self) -> None:

@@ -229,7 +229,7 @@ def key_set(engine: Engine) -> dict:
     the limits, the tree they are resolved along, the prices, who is active and who administers, read at
     one moment.
     The controller pushes it to gateways; a gateway without a controller reads it itself."""
-    from llmgw import conversations
+    from llmgw import conversations, memory
     from llmgw.people.limits import read_prices, read_rules
     from llmgw.people.orgtree import Tree
 
@@ -242,6 +242,7 @@ def key_set(engine: Engine) -> dict:
         prices = read_prices(conn)
         people = conn.execute(sa.select(u.c.id, u.c.state, u.c.is_admin)).all()
         threads = conversations.retention(conn)
+        notes = memory.retention(conn)
     states = {r.id: r.state for r in people}
     keys = [{"hash": row.hash, **dataclasses.asdict(_record(row, tree))} for row in rows]
     return {"revision": revision, "keys": keys,
@@ -253,7 +254,8 @@ def key_set(engine: Engine) -> dict:
             "suspended": sorted(i for i, state in states.items() if state != "active"),
             "active": sorted(i for i, state in states.items() if state == "active"),
             "admins": sorted(r.id for r in people if r.is_admin and r.state == "active"),
-            "threads": [[project, hours] for project, hours in sorted(threads.items())]}
+            "threads": [[project, hours] for project, hours in sorted(threads.items())],
+            "memory": [[project, hours] for project, hours in sorted(notes.items())]}
 
 
 def usable(engine: Engine, secret: str) -> bool:

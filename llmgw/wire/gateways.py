@@ -67,7 +67,9 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
              "active": (ListOf(NAME, MANY), True), "admins": (ListOf(NAME, MANY), False),
              # [project id, hours]: the projects that keep their conversations (llmgw/conversations.py).
-             "threads": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False)},
+             "threads": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
+             # [project id, hours]: the projects that keep their agents' notes (llmgw/memory.py).
+             "memory": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False)},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},
