@@ -272,3 +272,45 @@ def test_curl_into_sh_against_a_real_gateway(make_gateway, tmp_path):
                              timeout=60)
     # The pipe's status is sh's, which ran nothing: curl -f says what went wrong.
     assert "returned error: 400" in refused.stderr and refused.stdout == ""
+
+
+def test_with_notes_kept_the_scripts_add_the_gateways_mcp_server_and_keep_every_other(site, tmp_path):
+    """?memory=1, which the account page asks for where a person's project keeps notes: Codex's config.toml
+    and Claude Code's ~/.claude.json get the gateway's MCP server, naming the key's variable; what else
+    they hold stays, a second run changes nothing, and the account page shows it only to such a person."""
+    client, engine, app = site
+    home = tmp_path / "home"
+    config = home / ".codex" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('[mcp_servers.docs]\ncommand = "docs"\n\n[mcp_servers.llmgw-memory]\nurl = "http://old"\n')
+    claude_json = home / ".claude.json"
+    claude_json.write_text(json.dumps({"numStartups": 3, "mcpServers": {"docs": {"command": "docs"}}}))
+    for tool in ("codex", "claude"):
+        answer = client.get(f"/setup/{tool}", query_string={"model": "big", "memory": "1"})
+        done = run(answer.get_data(as_text=True), home)
+        assert done.returncode == 0, done.stderr
+        again = run(answer.get_data(as_text=True), home)
+        assert again.returncode == 0 and "unchanged:" in again.stdout and "changed:" not in again.stdout.replace(
+            "unchanged:", ""), again.stdout
+    written = tomllib.loads(config.read_text())
+    assert written["mcp_servers"] == {"docs": {"command": "docs"}, "llmgw-memory": {
+        "url": f"{URL}/v1/mcp", "bearer_token_env_var": "LLMGW_API_KEY"}}
+    held = json.loads(claude_json.read_text())
+    assert held["numStartups"] == 3 and held["mcpServers"] == {"docs": {"command": "docs"}, "llmgw-memory": {
+        "type": "http", "url": f"{URL}/v1/mcp", "headers": {"Authorization": "Bearer ${LLMGW_API_KEY}"}}}
+    assert KEY not in config.read_text() + claude_json.read_text()
+    # Without memory=1 nothing of it is written.
+    assert "mcp" not in client.get("/setup/claude", query_string={"model": "big"}).get_data(as_text=True).lower()
+
+    user = accounts.create_user(engine, "ed@example.org", "a long enough password", state=accounts.ACTIVE)
+    sign_in(client, "ed@example.org", "a long enough password")
+    keys.create_key(engine, "editor", store.DEFAULT_PATH, user_id=user.id)
+    app.runtime.refresh_keys()
+    assert "memory=1" not in section(client.get("/account").get_data(as_text=True))
+    from llmgw.people import keeping
+
+    keeping.set_memory(engine, "default", 24)
+    app.runtime.refresh_keys()
+    page = section(client.get("/account").get_data(as_text=True))
+    assert f"{URL}/setup/codex?model=big&amp;memory=1" in page and "data-copy=\"claude-mcp\"" in page
+    assert "setup/continue?model=big&#39;" in page  # only the tools that take MCP servers

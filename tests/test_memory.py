@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 import sqlalchemy as sa
-from conftest import ROOT, Gateway, Sim, codex, gateway_over, make_key, run_cli, wait_until, write_config
+from conftest import ROOT, Gateway, Sim, gateway_over, make_key, run_cli, run_setup_script, wait_until, write_config
 
 from llmgw import memory, store
 from llmgw.people import keeping, orgtree
@@ -242,38 +242,42 @@ def test_notes_expire_from_their_last_write_and_a_longer_window_brings_none_back
     engine.dispose()
 
 
-def test_codex_and_claude_code_keep_a_note_through_the_gateways_mcp_tools(tmp_path, codex_cli, claude_cli):
-    """Both real agents, given the gateway's MCP server as an operator configures it, offer its tools to the
-    model; a sim that calls `remember` makes each keep a note, which /v1/memory then holds."""
+def test_codex_and_claude_code_set_up_by_the_gateway_keep_notes_through_its_mcp_tools(tmp_path, codex_cli,
+                                                                                       claude_cli):
+    """`/setup/codex` and `/setup/claude` with memory=1 (what the account page offers a person whose project
+    keeps notes) add the gateway's MCP server; with only the files they write, both real agents offer its
+    tools to the model, and a sim that calls `remember` makes each keep a note, which /v1/memory then holds."""
     url = f"sqlite:///{tmp_path}/agents.db"
     store.open_store(url).dispose()
     _, key = project(url, "agents", 24)
-    # Claude Code names an MCP server's tools mcp__SERVER__TOOL; its requests that offer no such tool (a
-    # title, a check of the prompt) get a line.
+    # Codex offers the server's tools by their own names, Claude Code as mcp__SERVER__TOOL; the requests that
+    # offer neither (a title, a check of the prompt) get a line.
     sims = {"codex-sim": Sim(model="codex-sim", replica="codex-sim", ttft_ms=1, tokens_per_s=0, reply="Noted.",
                              tool_call=("remember", json.dumps({"text": "Codex was here."}))),
             "claude-sim": Sim(model="claude-sim", replica="claude-sim", ttft_ms=1, tokens_per_s=0, reply="Noted.",
-                              tool_call=("mcp__mem__remember", json.dumps({"text": "Claude Code was here."})))}
+                              tool_call=("mcp__llmgw-memory__remember", json.dumps({"text": "Claude Code was here."})))}
     with gateway_over(tmp_path, url, sims, [{"name": name} for name in sims]) as gw:
-        mcp = gw.url + "/v1/mcp"
-        # Codex: a streamable HTTP server whose bearer token is read from the key's variable.
-        ran = codex(codex_cli, gw.url, key, tmp_path, "codex-sim", "Remember that Codex was here.",
-                    f'mcp_servers.mem.url="{mcp}"', 'mcp_servers.mem.bearer_token_env_var="LLMGW_API_KEY"')
-        assert "Remembered as note_" in ran.stdout + ran.stderr, ran.stdout + ran.stderr
-        # Claude Code: an HTTP server whose Authorization header names the key's variable.
-        config = tmp_path / "mcp.json"
-        config.write_text(json.dumps({"mcpServers": {"mem": {
-            "type": "http", "url": mcp, "headers": {"Authorization": "Bearer ${LLMGW_API_KEY}"}}}}))
-        home = tmp_path / "claude-home"
-        home.mkdir()
-        ran = run_cli([claude_cli, "-p", "Remember that Claude Code was here.", "--mcp-config", str(config),
-                       "--allowedTools", "mcp__mem__remember"], tmp_path, {
-            "HOME": str(home), "CLAUDE_CONFIG_DIR": str(home), "ANTHROPIC_BASE_URL": gw.url,
-            "ANTHROPIC_API_KEY": key, "LLMGW_API_KEY": key, "ANTHROPIC_MODEL": "claude-sim",
-            "ANTHROPIC_DEFAULT_HAIKU_MODEL": "claude-sim", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-            "CLAUDE_CODE_MAX_RETRIES": "0",
-            # Its first request waits for the server, and offers its tools rather than a search for them.
-            "CLAUDE_CODE_MCP_PREWAIT_SERVERS": "mem", "ENABLE_TOOL_SEARCH": "false"})
-        assert "Remembered as note_" in ran.stdout, ran.stdout + ran.stderr
+        for tool, model in (("codex", "codex-sim"), ("claude", "claude-sim")):
+            with urllib.request.urlopen(f"{gw.url}/setup/{tool}?model={model}&memory=1", timeout=30) as answer:
+                script = answer.read().decode()
+            home = tmp_path / f"{tool}-home"
+            home.mkdir()
+            done = run_setup_script(script, home, key)
+            assert done.returncode == 0, done.stdout + done.stderr
+            if tool == "codex":
+                assert 'bearer_token_env_var = "LLMGW_API_KEY"' in (home / ".codex" / "config.toml").read_text()
+                # Non-interactive, a call of an MCP tool needs what `codex exec` runs tools with unasked.
+                ran = run_cli([codex_cli, "--profile", "llmgw", "exec", "--skip-git-repo-check", "-s",
+                               "danger-full-access", "-c", "approval_policy=never", "Remember that Codex was here."],
+                              tmp_path, {"HOME": str(home), "LLMGW_API_KEY": key})
+                assert "Remembered as note_" in ran.stdout + ran.stderr, ran.stdout + ran.stderr
+            else:
+                assert key not in (home / ".claude.json").read_text()  # the file names the variable
+                ran = run_cli([claude_cli, "-p", "Remember that Claude Code was here.",
+                               "--allowedTools", "mcp__llmgw-memory__remember"], tmp_path, {
+                    "HOME": str(home), "LLMGW_API_KEY": key,
+                    # Its first request waits for the server, and offers its tools rather than a search for them.
+                    "CLAUDE_CODE_MCP_PREWAIT_SERVERS": "llmgw-memory", "ENABLE_TOOL_SEARCH": "false"})
+                assert "Remembered as note_" in ran.stdout, ran.stdout + ran.stderr
         kept = sorted(n["text"] for n in call(gw, key, "GET", "/v1/memory")[1]["data"])
         assert kept == ["Claude Code was here.", "Codex was here."]

@@ -58,7 +58,8 @@ def _account_page(new_secret=None, f=None, problem=None, status=200):
                            peak=max(days, default=0), money=rules.show_money, priced=priced,
                            budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree),
                            editors=editors.section(runtime, editors.usable_models(runtime, me.id, own),
-                                                   request.args.get("model"))), status
+                                                   request.args.get("model"),
+                                                   editors.keeps_notes(runtime, own))), status
 
 
 @bp.get("/account")

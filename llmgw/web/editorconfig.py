@@ -17,6 +17,8 @@ import json
 
 KEY_VARIABLE = "LLMGW_API_KEY"
 PROVIDER = "llmgw"  # Codex's provider and profile id: `codex --profile llmgw`
+MCP_SERVER = "llmgw-memory"  # the name the gateway's MCP server (agents' notes) is added under
+MCP_PATH = "/v1/mcp"
 BEGIN = "# >>> llmgw >>>"  # Continue's block is found again by these lines
 END = "# <<< llmgw <<<"
 
@@ -36,16 +38,21 @@ class Codex:
     """Codex reads providers only from `$CODEX_HOME/config.toml`; since 0.134 a profile is a file of its own,
     `$CODEX_HOME/<name>.config.toml`, and `[profiles.x]` tables there are legacy (Codex refuses to write a
     file holding them)."""
-    provider: str  # the `[model_providers.llmgw]` table, for config.toml
+    provider: str  # the `[model_providers.llmgw]` table, and with notes `[mcp_servers.llmgw-memory]`, for config.toml
     profile: str  # the whole of llmgw.config.toml
 
 
-def codex(url: str, model: str) -> Codex:
+def codex(url: str, model: str, memory: bool = False) -> Codex:
+    """MEMORY: the gateway's MCP server too, its bearer token read from the key's variable."""
     provider = (f"[model_providers.{PROVIDER}]\n"
                 f"name = {quoted('llmgw')}\n"
                 f"base_url = {quoted(url + '/v1')}\n"
                 f"wire_api = \"responses\"\n"
                 f"env_key = {quoted(KEY_VARIABLE)}\n")
+    if memory:
+        provider += (f"\n[mcp_servers.{MCP_SERVER}]\n"
+                     f"url = {quoted(url + MCP_PATH)}\n"
+                     f"bearer_token_env_var = {quoted(KEY_VARIABLE)}\n")
     profile = (f"# Written by llmgw's setup script: `codex --profile {PROVIDER}` uses the gateway.\n"
                f"model_provider = {quoted(PROVIDER)}\n"
                f"model = {quoted(model)}\n")
@@ -67,6 +74,14 @@ def claude(url: str, model: str, small: str) -> dict:
             "env": {"ANTHROPIC_BASE_URL": url, "ANTHROPIC_MODEL": model,
                     "ANTHROPIC_DEFAULT_OPUS_MODEL": model, "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
                     "ANTHROPIC_DEFAULT_HAIKU_MODEL": small, "ANTHROPIC_SMALL_FAST_MODEL": small}}
+
+
+def claude_mcp(url: str) -> dict:
+    """What Claude Code's `~/.claude.json` (where it keeps MCP servers) gets for the gateway's MCP server.
+    Claude Code expands `${VAR}` in a server's headers when it connects, so the file names the variable,
+    not the key."""
+    return {"mcpServers": {MCP_SERVER: {"type": "http", "url": url + MCP_PATH,
+                                        "headers": {"Authorization": f"Bearer ${{{KEY_VARIABLE}}}"}}}}
 
 
 def continue_block(url: str, model: str) -> str:

@@ -25,6 +25,7 @@ from llmgw.web import editorconfig
 from llmgw.web.site import site
 
 TOOLS = {"codex": "Codex", "claude": "Claude Code", "continue": "Continue", "cline": "Cline"}
+MCP_TOOLS = ("codex", "claude")  # the tools whose setup adds the gateway's MCP server with `?memory=1`
 # A gateway address a script may name: scheme, host (a name, IPv4 or [IPv6]), port, path. Nothing that a
 # shell, TOML, JSON or YAML would read specially, even where it stands unquoted in a comment.
 HOST_PORT = re.compile(r"(\[(?P<ipv6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(:(?P<port>[1-9][0-9]{0,4}))?")
@@ -75,19 +76,29 @@ def usable_models(runtime: Runtime, user_id: str, key_records) -> list[str]:
     return [name for name, spec in listed if any(snapshot.allows(allowlist, spec.name) for allowlist in lists)]
 
 
-def section(runtime: Runtime, models: list[str], chosen: str | None) -> dict:
-    """What the account page's "Connect your editor" section shows for the model CHOSEN (else the first)."""
+def keeps_notes(runtime: Runtime, key_records) -> bool:
+    """Whether any of KEY_RECORDS (a person's live keys) is a key of a project that keeps agents' notes:
+    then the setup adds the gateway's MCP server to Codex and Claude Code."""
+    return any(k.project_id in runtime.keys.memory for k in key_records if k.revoked_at is None)
+
+
+def section(runtime: Runtime, models: list[str], chosen: str | None, memory: bool = False) -> dict:
+    """What the account page's "Connect your editor" section shows for the model CHOSEN (else the first);
+    MEMORY: with the gateway's MCP server (keeps_notes)."""
     url = gateway_url(runtime)
     if not models:
         return {"url": url, "models": [], "variable": editorconfig.KEY_VARIABLE}
     model = chosen if chosen in models else models[0]
-    codex = editorconfig.codex(url, model)
+    codex = editorconfig.codex(url, model, memory)
+    notes = "&memory=1" if memory else ""
     return {"url": url, "models": models, "model": model, "variable": editorconfig.KEY_VARIABLE,
             "provider": editorconfig.PROVIDER, "codex": codex,
             "claude": _json(editorconfig.claude(url, model, model)),
+            "claude_mcp": _json(editorconfig.claude_mcp(url)) if memory else None,
             "continue_block": editorconfig.continue_block(url, model),
             "cline": editorconfig.cline(url, model),
-            "setup": {tool: f"{url}/setup/{tool}?model={_query(model)}" for tool in TOOLS}}
+            "setup": {tool: f"{url}/setup/{tool}?model={_query(model)}" + (notes if tool in MCP_TOOLS else "")
+                      for tool in TOOLS}}
 
 
 def _json(value) -> str:
@@ -124,9 +135,14 @@ def setup(tool):
             what = f"The model {given!r} is not one this gateway serves." if given else "No model was given."
             return refusal(400, f"{what} Name one with ?model=NAME; your account page ({url}/account) shows "
                                 "the ones your keys may use.")
+    # The script cannot know the key's project (it holds no key): the account page asks for the MCP server
+    # where the person's project keeps notes; elsewhere the server would refuse every request.
+    memory = request.args.get("memory") == "1" and tool in MCP_TOOLS
     values = {"tool": tool, "tool_name": TOOLS[tool], "url": url, "model": model,
               "variable": editorconfig.KEY_VARIABLE, "provider": editorconfig.PROVIDER,
-              "codex": editorconfig.codex(url, model), "patch": _json(editorconfig.claude(url, model, small)),
+              "mcp_server": editorconfig.MCP_SERVER,
+              "mcp_patch": _json(editorconfig.claude_mcp(url)) if memory else None,
+              "codex": editorconfig.codex(url, model, memory), "patch": _json(editorconfig.claude(url, model, small)),
               "block": editorconfig.continue_block(url, model), "begin": editorconfig.BEGIN,
               "end": editorconfig.END, "fields": editorconfig.cline(url, model)}
     script = render_template(f"setup/{tool}.sh", **values)

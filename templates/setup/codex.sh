@@ -5,15 +5,19 @@ LLMGW_PROVIDER={{ codex.provider | sh }}
 LLMGW_PROFILE={{ codex.profile | sh }}
 export LLMGW_PROVIDER
 
-# config.toml: only the [model_providers.{{ provider }}] table (and tables under it) is replaced, where it
-# stands; every other line stays as it is. Without one, the table goes at the end.
+# config.toml: only the [model_providers.{{ provider }}] table (and with notes [mcp_servers.{{ mcp_server }}]), and
+# tables under them, are replaced, where the first stands; every other line stays as it is. Without one, they go
+# at the end.
 config="$codex_home/config.toml"
 scratch "$codex_home"
 from=/dev/null
 [ -f "$config" ] && from=$config
 awk '
   function header(line) { return line ~ /^[ \t]*\[/ }
-  function ours(line) { return line ~ /^[ \t]*\[[ \t]*model_providers[ \t]*\.[ \t]*{{ provider }}[ \t]*[].]/ }
+  function ours(line) {
+    return line ~ /^[ \t]*\[[ \t]*model_providers[ \t]*\.[ \t]*{{ provider }}[ \t]*[].]/ \
+      {% if mcp_patch %}|| line ~ /^[ \t]*\[[ \t]*mcp_servers[ \t]*\.[ \t]*{{ mcp_server }}[ \t]*[].]/{% endif %}
+  }
   {
     if (header($0)) {
       if (ours($0)) {
