@@ -52,13 +52,14 @@ def fresh_pg(admin: str) -> str:
 
 
 def fill(engine, scope: str, prefix: str, threads: int, at: float) -> None:
-    """THREADS threads of four turns each in SCOPE, last written at AT, in batches."""
+    """THREADS threads of four turns each in SCOPE, last written at AT under a retention of 24 h, in batches."""
     text = json.dumps(TURN)
     with engine.begin() as conn:
         for start in range(0, threads, BATCH):
             ids = [f"{prefix}{i}" for i in range(start, min(threads, start + BATCH))]
             conn.execute(store.threads.insert(), [{"scope": scope, "id": i, "created_at": at, "last_at": at,
-                                                   "system": None} for i in ids])
+                                                   "last_seq": 4, "expires_at": at + 24 * 3600, "system": None}
+                                                  for i in ids])
             conn.execute(store.thread_turns.insert(), [{"scope": scope, "thread_id": i, "seq": seq, "at": at,
                                                         "messages": text, "tokens": 60}
                                                        for i in ids for seq in range(1, 5)])

@@ -6,10 +6,13 @@ conversations are (llmgw/conversations.py): every lookup is by the project and t
 so another project's note is not found, as one never written. The gateway serves them as `/v1/memory`
 and as MCP tools (llmgw/gateway/notes.py); the controller's sweep deletes what expired.
 
-Search is the database's own full text: FTS5 on SQLite, a tsvector of the `simple` configuration on
-PostgreSQL (no stemming and no stop words, so a search finds the words as they were written, in any
-language). A query is read as words, any of which may match, best matches first: the query languages of
-both would otherwise let a client's quotes or operators fail the statement.
+Search is the database's own full-text index: FTS5 on SQLite, a tsvector on PostgreSQL. Both index the
+note's words as llmgw reads them (`tokens`: letters, digits, `_` and combining marks, lowered; anything
+else separates), kept beside the text, so both stores find the same words in any script, where their own
+parsers disagree (PostgreSQL's keeps "deploy/ansible" one word). A query is read as words the same way,
+any of which may match, and neither store's query language is a client's to use. Matches are ordered by
+how many of the query's words each holds, then the last written first: computed per note, never from the
+whole index, whose statistics (FTS5's bm25) would tell one project how often a word occurs in another's.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import unicodedata
 from typing import NamedTuple
 
 import sqlalchemy as sa
@@ -31,8 +35,8 @@ LIST_MOST = 100  # notes one listing or search returns
 QUERY_MOST = 500  # characters of a search
 WORDS_MOST = 20  # words of a search used
 NOTE_ID = re.compile(r"note_[0-9a-f]{24}")
-_WORD = re.compile(r"\w+")
 SWEEP_BATCH = 1000
+MATCHES_MOST = 1000  # matching notes ordered for one search; past that, the last written
 
 
 class Note(NamedTuple):
@@ -65,8 +69,8 @@ def add(engine: Engine, scope: str, text: str, hours: float, now: float | None =
         if held >= NOTES_MOST:
             raise TooMany
         note = Note(new_id(), text, now, now)
-        conn.execute(n.insert().values(scope=scope, id=note.id, text=text, created_at=now, updated_at=now,
-                                       expires_at=now + hours * HOUR))
+        conn.execute(n.insert().values(scope=scope, id=note.id, text=text, words=" ".join(tokens(text)),
+                                       created_at=now, updated_at=now, expires_at=now + hours * HOUR))
     return note
 
 
@@ -86,7 +90,8 @@ def update(engine: Engine, scope: str, note_id: str, text: str, hours: float, no
     n = store.notes
     with store.writing(engine) as conn:
         created = conn.execute(n.update().where(n.c.scope == scope, n.c.id == note_id, _live(hours, now))
-                               .values(text=text, updated_at=now, expires_at=now + hours * HOUR)
+                               .values(text=text, words=" ".join(tokens(text)), updated_at=now,
+                                       expires_at=now + hours * HOUR)
                                .returning(n.c.created_at)).scalar()
     return Note(note_id, text, created, now) if created is not None else None
 
@@ -113,37 +118,55 @@ def listing(engine: Engine, scope: str, hours: float, limit: int, now: float | N
     return [Note(*r) for r in rows]
 
 
+def _word_character(c: str) -> bool:
+    return c.isalnum() or c == "_" or unicodedata.category(c) in ("Mn", "Mc")
+
+
+def tokens(text: str) -> list[str]:
+    """TEXT's words: runs of letters, digits, `_` and combining marks (a vowel sign is part of its word),
+    lowered."""
+    found, word = [], []
+    for c in text.lower():
+        if _word_character(c):
+            word.append(c)
+        elif word:
+            found.append("".join(word))
+            word = []
+    if word:
+        found.append("".join(word))
+    return found
+
+
 def words(query: str) -> list[str]:
-    """The words of QUERY a search looks for: letters and digits, lowered, each once, at most WORDS_MOST."""
-    seen: dict[str, None] = {}
-    for word in _WORD.findall(query.lower()):
-        seen.setdefault(word, None)
-    return list(seen)[:WORDS_MOST]
+    """The words of QUERY a search looks for: its tokens, each once, at most WORDS_MOST."""
+    return list(dict.fromkeys(tokens(query)))[:WORDS_MOST]
 
 
 def search(engine: Engine, scope: str, query: str, hours: float, limit: int, now: float | None = None) -> list[Note]:
-    """SCOPE's live notes holding any word of QUERY, the best matches first."""
+    """SCOPE's live notes holding any word of QUERY, those holding more of them first, then the last written."""
     now = time.time() if now is None else now
     found = words(query)
     if not found:
         return []
-    columns = "n.id, n.text, n.created_at, n.updated_at"
-    params = {"scope": scope, "since": now - hours * HOUR, "now": now, "limit": limit}
+    params = {"scope": scope, "since": now - hours * HOUR, "now": now, "most": MATCHES_MOST}
+    columns = "n.id, n.text, n.created_at, n.updated_at, n.words"
+    live = "n.scope = :scope AND n.updated_at >= :since AND n.expires_at >= :now"
     if engine.dialect.name == "sqlite":
-        # Each word quoted, so nothing in it is FTS5's syntax; OR: any word may match, bm25 ranks.
+        # Each word quoted, so nothing in it is FTS5's syntax; OR: any word may match.
         params["q"] = " OR ".join('"' + w.replace('"', '""') + '"' for w in found)
         sql = (f"SELECT {columns} FROM notes_fts JOIN notes n ON n.num = notes_fts.rowid "
-               "WHERE notes_fts MATCH :q AND n.scope = :scope AND n.updated_at >= :since AND n.expires_at >= :now "
-               "ORDER BY notes_fts.rank, n.num DESC LIMIT :limit")
+               f"WHERE notes_fts MATCH :q AND {live} ORDER BY n.updated_at DESC, n.num DESC LIMIT :most")
     else:
-        # The words as tsquery lexemes, each quoted for to_tsquery, joined by | (any may match).
-        params["q"] = " | ".join("'" + w.replace("'", "''").replace("\\", "\\\\") + "'" for w in found)
-        sql = (f"SELECT {columns} FROM notes n, to_tsquery('simple', :q) q "
-               "WHERE n.scope = :scope AND n.updated_at >= :since AND n.expires_at >= :now AND n.search @@ q "
-               "ORDER BY ts_rank(n.search, q) DESC, n.num DESC LIMIT :limit")
+        # The words as lexemes of a tsquery value, quoted: its input reads no operator inside quotes, and
+        # (unlike to_tsquery) runs no parser, so the words stay as tokens() made them.
+        params["q"] = " | ".join("'" + w.replace("\\", "\\\\").replace("'", "''") + "'" for w in found)
+        sql = (f"SELECT {columns} FROM notes n WHERE {live} AND n.search @@ CAST(:q AS tsquery) "
+               "ORDER BY n.updated_at DESC, n.num DESC LIMIT :most")
     with engine.connect() as conn:
         rows = conn.execute(sa.text(sql), params).all()
-    return [Note(*r) for r in rows]
+    asked = set(found)
+    held = sorted(rows, key=lambda r: -len(asked.intersection(r.words.split())))  # stable: the last written first
+    return [Note(r.id, r.text, r.created_at, r.updated_at) for r in held[:limit]]
 
 
 def sweep(engine: Engine, retention: dict[str, float], now: float | None = None) -> int:

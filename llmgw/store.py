@@ -240,6 +240,10 @@ notes = sa.Table(
     sa.Column("scope", sa.String(32), nullable=False),
     sa.Column("id", sa.String(32), nullable=False),
     sa.Column("text", sa.Text, nullable=False),
+    # Its words as llmgw reads them (llmgw/memory.py: lowered, one space between), which the index is of:
+    # both stores then find the same words, where their own parsers would not (PostgreSQL's kept
+    # "deploy/ansible" one word).
+    sa.Column("words", sa.Text, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),  # retention is measured from here
     sa.Column("expires_at", sa.Float, nullable=False),  # as a thread's
@@ -493,17 +497,21 @@ def _memory(conn: Connection) -> None:
     if "memory_hours" not in _columns(conn, "projects"):
         conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN memory_hours FLOAT")
     if conn.dialect.name == "sqlite":
-        conn.exec_driver_sql("CREATE VIRTUAL TABLE notes_fts USING fts5(text, content='notes', content_rowid='num')")
+        # The ascii tokenizer splits only at ASCII separators (a space, in `words`) and keeps every other
+        # character, combining marks included, as llmgw read the words.
+        conn.exec_driver_sql("CREATE VIRTUAL TABLE notes_fts USING fts5(words, content='notes', content_rowid='num', "
+                             "tokenize=\"ascii tokenchars '_'\")")
         conn.exec_driver_sql("CREATE TRIGGER notes_added AFTER INSERT ON notes BEGIN "
-                             "INSERT INTO notes_fts(rowid, text) VALUES (new.num, new.text); END")
+                             "INSERT INTO notes_fts(rowid, words) VALUES (new.num, new.words); END")
         conn.exec_driver_sql("CREATE TRIGGER notes_removed AFTER DELETE ON notes BEGIN "
-                             "INSERT INTO notes_fts(notes_fts, rowid, text) VALUES ('delete', old.num, old.text); END")
-        conn.exec_driver_sql("CREATE TRIGGER notes_changed AFTER UPDATE OF text ON notes BEGIN "
-                             "INSERT INTO notes_fts(notes_fts, rowid, text) VALUES ('delete', old.num, old.text); "
-                             "INSERT INTO notes_fts(rowid, text) VALUES (new.num, new.text); END")
+                             "INSERT INTO notes_fts(notes_fts, rowid, words) VALUES ('delete', old.num, old.words); END")
+        conn.exec_driver_sql("CREATE TRIGGER notes_changed AFTER UPDATE OF words ON notes BEGIN "
+                             "INSERT INTO notes_fts(notes_fts, rowid, words) VALUES ('delete', old.num, old.words); "
+                             "INSERT INTO notes_fts(rowid, words) VALUES (new.num, new.words); END")
     else:
+        # The words as lexemes, verbatim (no parser, so no word is split or joined otherwise than llmgw did).
         conn.exec_driver_sql("ALTER TABLE notes ADD COLUMN search tsvector "
-                             "GENERATED ALWAYS AS (to_tsvector('simple', text)) STORED")
+                             "GENERATED ALWAYS AS (array_to_tsvector(string_to_array(words, ' '))) STORED")
         conn.exec_driver_sql("CREATE INDEX notes_search ON notes USING gin (search)")
 
 

@@ -59,8 +59,12 @@ def holds_data(engine: sa.engine.Engine) -> bool:
         return conn.execute(sa.select(sa.func.count()).select_from(store.projects)).scalar() > 1
 
 
-def _serial(table: sa.Table) -> bool:
-    return "id" in table.c and isinstance(table.c.id.type, sa.Integer) and table.c.id.autoincrement is True
+def _serial(table: sa.Table) -> str | None:
+    """The name of TABLE's key where the database numbers it (an integer key of its own), else None."""
+    keys = list(table.primary_key.columns)
+    if len(keys) == 1 and isinstance(keys[0].type, sa.Integer) and keys[0].autoincrement is True:
+        return keys[0].name
+    return None
 
 
 def _count(conn, table: sa.Table) -> int:
@@ -193,8 +197,9 @@ def _copy(source: sa.engine.Engine, target: sa.engine.Engine, source_url: str, t
         if target.dialect.name == "postgresql":
             for table in filter(_serial, _copied_tables()):
                 # Rows came with their ids; the sequence must start after them or the next insert collides.
-                dst.execute(sa.text(f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), "
-                                    f"COALESCE(MAX(id), 1), MAX(id) IS NOT NULL) FROM {table.name}"))
+                key = _serial(table)
+                dst.execute(sa.text(f"SELECT setval(pg_get_serial_sequence('{table.name}', '{key}'), "
+                                    f"COALESCE(MAX({key}), 1), MAX({key}) IS NOT NULL) FROM {table.name}"))
         with source.connect() as now:
             after = _state(now)
         changed = sorted(name for name in before if before[name] != after[name])
@@ -215,9 +220,11 @@ def _check(source: sa.engine.Engine, target: sa.engine.Engine, copied: dict[str,
             if there != _count(src, table) or there != copied[table.name]:
                 raise MoveRefused(f"table {table.name}: {copied[table.name]} rows copied but {there} found in the "
                                   "destination; empty it and move again")
-            if target.dialect.name == "postgresql" and _serial(table) and there:
-                top = dst.execute(sa.select(sa.func.max(table.c.id))).scalar()
-                sequence = dst.execute(sa.text("SELECT pg_get_serial_sequence(:t, 'id')"), {"t": table.name}).scalar()
+            key = _serial(table)
+            if target.dialect.name == "postgresql" and key and there:
+                top = dst.execute(sa.select(sa.func.max(table.c[key]))).scalar()
+                sequence = dst.execute(sa.text("SELECT pg_get_serial_sequence(:t, :k)"),
+                                       {"t": table.name, "k": key}).scalar()
                 next_id = dst.execute(sa.text("SELECT CASE WHEN is_called THEN last_value + 1 ELSE last_value END "
                                               f"FROM {sequence}")).scalar()
                 if next_id <= top:

@@ -81,6 +81,15 @@ def test_notes_are_refused_until_kept_then_made_found_changed_and_deleted_in_the
         "Release notes live in CHANGELOG.md under Unreleased.",
         "Prefer small modules; the linker step failed on Tuesday.")]
     assert [s for s, _ in made] == [201, 201, 201]
+    # Words are read alike on both stores: in paths and file names, and in a script with vowel signs.
+    path_note = call(gw, key, "POST", "/v1/memory", {"text": "Deploys go through deploy/ansible; see config.toml."})[1]
+    hindi_note = call(gw, key, "POST", "/v1/memory", {"text": "यह नोट हिन्दी में लिखा है"})[1]
+    for query, note in (("ansible", path_note), ("config.toml", path_note), ("TOML", path_note),
+                        ("हिन्दी", hindi_note)):
+        found = call(gw, key, "GET", "/v1/memory?query=" + urllib.request.quote(query))[1]["data"]
+        assert [n["id"] for n in found] == [note["id"]], query
+    for note in (path_note, hindi_note):
+        assert call(gw, key, "DELETE", f"/v1/memory/{note['id']}")[0] == 200
     first = made[0][1]
     assert first["object"] == "memory.note" and memory.NOTE_ID.fullmatch(first["id"])
     assert call(gw, key, "GET", f"/v1/memory/{first['id']}") == (200, first)
@@ -209,7 +218,13 @@ def test_the_mcp_server_refuses_a_project_without_notes_and_what_is_not_mcp(gw, 
     post = lambda body: urllib.request.Request(gw.url + "/v1/mcp", data=body, method="POST",  # noqa: E731
                                                headers={"Authorization": f"Bearer {kept}"})
     for body, code in ((b"{", -32700), (b"[]", -32600), (b'{"jsonrpc": "1.0", "id": 1, "method": "ping"}', -32600),
-                       (b"[" + b'{"jsonrpc": "2.0", "id": 1, "method": "ping"},' * 20 + b"1]", -32600)):
+                       (b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]', -32600),  # no batches
+                       (b"[" * 5000 + b"]" * 5000, -32700), (b'{"a":' * 5000 + b"1" + b"}" * 5000, -32700),
+                       (b'{"jsonrpc": "2.0", "id": "\\ud800", "method": "ping"}', -32600),
+                       (b'{"jsonrpc": "2.0", "id": 1, "method": 5}', -32600),
+                       (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": [1]}', -32602),
+                       (b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "list_notes", '
+                        b'"arguments": []}}', -32602)):
         try:
             with urllib.request.urlopen(post(body), timeout=10) as resp:
                 answer = json.loads(resp.read())
@@ -217,6 +232,13 @@ def test_the_mcp_server_refuses_a_project_without_notes_and_what_is_not_mcp(gw, 
             with e:
                 answer = json.loads(e.read())
         assert answer["error"]["code"] == code, body[:40]
+    for arguments, said in (({"name": "recall", "arguments": {}}, "query is required"),
+                            ({"name": "remember", "arguments": {"text": "x", "bogus": 1}}, "not an argument"),
+                            ({"name": "list_notes", "arguments": {"limit": "5"}}, "whole number")):
+        message = json.dumps({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": arguments}).encode()
+        with urllib.request.urlopen(post(message), timeout=10) as r:
+            result = json.loads(r.read())["result"]
+        assert result["isError"] and said in result["content"][0]["text"], result
     with urllib.request.urlopen(post(b'{"jsonrpc": "2.0", "method": "notifications/initialized"}'), timeout=10) as r:
         assert r.status == 202 and r.read() == b""
     with urllib.request.urlopen(post(b'{"jsonrpc": "2.0", "id": 7, "method": "server/discover"}'), timeout=10) as r:
@@ -281,3 +303,25 @@ def test_codex_and_claude_code_set_up_by_the_gateway_keep_notes_through_its_mcp_
                 assert "Remembered as note_" in ran.stdout, ran.stdout + ran.stderr
         kept = sorted(n["text"] for n in call(gw, key, "GET", "/v1/memory")[1]["data"])
         assert kept == ["Claude Code was here.", "Codex was here."]
+
+
+def test_a_shorter_window_is_final_for_notes_and_threads(tmp_path):
+    """Cut a project's window, then lengthen it again: what the cut expired stays expired."""
+    from llmgw import conversations
+
+    url = f"sqlite:///{tmp_path}/w.db"
+    path, _ = project(url, "windows", 24)
+    engine = store.open_store(url)
+    try:
+        scope = orgtree.Tree.load(engine).find("project", path).id
+        keeping.set_threads(engine, path, 24)
+        two_hours_ago = time.time() - 7200
+        note = memory.add(engine, scope, "written two hours ago", 24, now=two_hours_ago)
+        conversations.append(engine, scope, "t", 24, None, [{"role": "user", "content": "x"}], 1, now=two_hours_ago)
+        for kind in ("memory", "threads"):
+            keeping.set_keeping(engine, kind, path, 1)
+            keeping.set_keeping(engine, kind, path, 24)
+        assert memory.get(engine, scope, note.id, 24) is None
+        assert conversations.read(engine, scope, "t", 24) is None
+    finally:
+        engine.dispose()

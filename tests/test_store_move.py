@@ -10,7 +10,7 @@ import sys
 import pytest
 import sqlalchemy as sa
 
-from llmgw import store, storemove
+from llmgw import memory, store, storemove
 from llmgw.control.lease import Lease
 from llmgw.gateway.usage import UsageRecorder
 from llmgw.people import accounts, keys
@@ -33,6 +33,8 @@ def filled(url: str) -> dict[str, int]:
             recorder.record((1.0 + i, "k", "p", "asked", "served", "r1", "chat", True, 200, 10, 20, 5.5, None, None,
                              None))
         assert recorder.flush() == 1200
+        for text in ("Deploys go through deploy/ansible.", "The staging host is stage-2."):  # agents' notes
+            memory.add(engine, "p", text, 24)
         return counts(engine)
     finally:
         engine.dispose()
@@ -64,6 +66,11 @@ def test_a_sqlite_store_moves_into_postgresql_whole_and_goes_on_there(tmp_path, 
         assert recorder.flush() == 1
         with engine.connect() as conn:
             assert conn.execute(sa.select(store.usage.c.id).where(store.usage.c.at == 9999.0)).scalar() == 1201
+        # Notes came searchable (PostgreSQL's index is made from the words copied), and a new one takes a
+        # place of its own.
+        assert [n.text for n in memory.search(engine, "p", "ansible", 24, 10)] == ["Deploys go through deploy/ansible."]
+        memory.add(engine, "p", "Written after the move.", 24)
+        assert len(memory.listing(engine, "p", 24, 10)) == 3
     finally:
         engine.dispose()
     again = move(source, target)

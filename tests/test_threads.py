@@ -227,6 +227,22 @@ def test_bad_thread_requests_are_refused_in_the_callers_api(served, store_url, s
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, "hi", thread="no spaces allowed")
     assert bad.value.code == "invalid_thread_id"
+    # Refused thread requests count against the key's rate like any other.
+    engine = store.open_store(store_url)
+    try:
+        from llmgw.people import keys as keymod
+        from llmgw.people import limits
+
+        record, limited = keymod.create_key(engine, "limited")
+        limits.set_limits(engine, "key", record.id, "test", rpm=3)
+    finally:
+        engine.dispose()
+    statuses = []
+    wait_until("the limited key to reach the gateway", 30, lambda: probe(gw, limited) == 200)
+    for _ in range(6):
+        statuses.append(post(gw.url + "/v1/chat/completions", {"model": "m", "messages": [
+            {"role": "user", "content": "x"}]}, limited, {"x-llmgw-thread": "bad id"})[0])
+    assert 429 in statuses, statuses
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, "hi", thread="t", n=2)
     assert "n = 1" in bad.value.message

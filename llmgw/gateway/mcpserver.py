@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from llmgw import __version__, memory
-from llmgw.gateway import apirequest
+from llmgw.gateway import jsonbound
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.notes import Notes
 
@@ -29,7 +29,7 @@ PATH = "/v1/mcp"
 VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
 REFUSED = -32001  # a server's own code: the key may not use these tools
-BATCH_MOST = 20
+ID_MOST = 2**53  # a request id: a number JSON carries exactly everywhere
 
 INSTRUCTIONS = ("Notes kept for this project across conversations. Before a task, recall what earlier "
                 "sessions noted about it; remember what a later session should know (decisions, conventions, "
@@ -54,6 +54,7 @@ TOOLS = [
      "inputSchema": {"type": "object", "required": ["id"], "additionalProperties": False, "properties": {
          "id": {"type": "string", "description": "The note's id, note_..."}}}},
 ]
+SCHEMAS = {tool["name"]: tool["inputSchema"] for tool in TOOLS}
 
 
 class McpServer:
@@ -61,20 +62,18 @@ class McpServer:
         self.notes = notes
 
     def answer(self, caller, body: bytes) -> tuple[int, bytes | None]:
-        """(HTTP status, body or None) for one POST to `/v1/mcp`; raises ApiError for what is not MCP."""
+        """(HTTP status, body or None) for one POST to `/v1/mcp`; raises ApiError where the key may not use
+        the tools (McpServer.refusal says it as JSON-RPC)."""
         self.notes.scope(caller)  # refused at once where the project keeps no notes (see the top)
         try:
-            message = json.loads(body) if len(body) <= 1 << 20 else None
-            if message is None:
-                raise ValueError
-            apirequest.read_object(body) if isinstance(message, dict) else None  # bounded depth, as any body
-        except (ValueError, ApiError):
-            return 400, _error(None, PARSE_ERROR, "The body is not a JSON-RPC message (JSON, at most 1 MiB).")
+            message = jsonbound.loads(body)  # bounded in size and depth, as any body
+        except ApiError:
+            return 400, _error(None, PARSE_ERROR, "The body is not a JSON-RPC message: JSON, within the gateway's "
+                                                  "bounds of size and nesting.")
         if isinstance(message, list):
-            if not message or len(message) > BATCH_MOST:
-                return 400, _error(None, INVALID_REQUEST, f"A batch holds 1 to {BATCH_MOST} messages.")
-            answers = [a for a in (self._one(caller, m) for m in message) if a is not None]
-            return (200, b"[" + b",".join(answers) + b"]") if answers else (202, None)
+            # MCP's current revisions send no batches; taking them would let one request make twenty calls,
+            # past the key's request rate.
+            return 400, _error(None, INVALID_REQUEST, "Send one JSON-RPC message a request; batches are not taken.")
         found = self._one(caller, message)
         return (200, found) if found is not None else (202, None)
 
@@ -82,13 +81,19 @@ class McpServer:
         """The answer to one JSON-RPC MESSAGE; None for a notification or a client's response."""
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             return _error(None, INVALID_REQUEST, "Not a JSON-RPC 2.0 message.")
-        rid = message.get("id")
-        method = message.get("method")
-        if not isinstance(method, str) or "id" not in message:
-            return None  # a notification (notifications/initialized), or a response to a request of ours
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or (isinstance(rid, str) and len(rid) > 200):
-            return _error(None, INVALID_REQUEST, "A request's id is a number or a string of at most 200 characters.")
-        params = message.get("params") if isinstance(message.get("params"), dict) else {}
+        if "id" not in message:
+            return None  # a notification (notifications/initialized), or nothing to answer
+        rid, method = message["id"], message.get("method")
+        if not _an_id(rid):
+            return _error(None, INVALID_REQUEST, "A request's id is a whole number or a string of at most 200 "
+                                                 "characters.")
+        if method is None and ("result" in message or "error" in message):
+            return None  # a client's response to a request of ours: we make none
+        if not isinstance(method, str):
+            return _error(rid, INVALID_REQUEST, "A request's method is a string.")
+        params = message.get("params", {})
+        if not isinstance(params, dict):
+            return _error(rid, INVALID_PARAMS, "params must be an object.")
         if method == "initialize":
             asked = params.get("protocolVersion")
             return _result(rid, {"protocolVersion": asked if asked in VERSIONS else VERSIONS[-1],
@@ -104,24 +109,26 @@ class McpServer:
         return _error(rid, METHOD_NOT_FOUND, f"This server has no method {method[:60]!r}: it offers tools only.")
 
     def _call(self, caller, rid, params: dict) -> bytes:
-        name, given = params.get("name"), params.get("arguments") or {}
+        name, given = params.get("name"), params.get("arguments", {})
         if not isinstance(given, dict):
             return _error(rid, INVALID_PARAMS, "arguments must be an object.")
+        schema = SCHEMAS.get(name) if isinstance(name, str) else None
+        if schema is None:
+            return _error(rid, INVALID_PARAMS, f"No tool {str(name)[:60]!r}: remember, recall, list_notes, forget.")
+        wrong = _wrong_arguments(schema, given)
         try:
+            if wrong:
+                raise ApiError(400, wrong, "invalid_request")
             if name == "remember":
-                note = self.notes.add(caller, given.get("text"))
-                text = f"Remembered as {note.id}."
+                text = f"Remembered as {self.notes.add(caller, given['text']).id}."
             elif name == "recall":
-                found = self.notes.find(caller, given.get("query") or None, given.get("limit", 10))
+                found = self.notes.find(caller, given["query"], given.get("limit", 10))
                 text = _listed(found, "No note holds any of those words.")
             elif name == "list_notes":
                 text = _listed(self.notes.find(caller, None, given.get("limit", 20)), "No notes are kept yet.")
-            elif name == "forget":
-                note_id = given.get("id")
-                self.notes.delete(caller, note_id if isinstance(note_id, str) else "")
-                text = f"Forgot {note_id}."
             else:
-                return _error(rid, INVALID_PARAMS, f"No tool {str(name)[:60]!r}: remember, recall, list_notes, forget.")
+                self.notes.delete(caller, given["id"])
+                text = f"Forgot {given['id']}."
         except ApiError as e:
             # A tool's failure is the model's to read and act on, not the protocol's.
             return _result(rid, {"content": [{"type": "text", "text": e.message}], "isError": True})
@@ -129,8 +136,41 @@ class McpServer:
 
     @staticmethod
     def refusal(e: ApiError) -> bytes:
-        """E, a refusal of the key, as the JSON-RPC error an MCP client shows."""
+        """E, a refusal of the request (the key's project, its rate), as the JSON-RPC error an MCP client shows."""
         return _error(None, REFUSED, e.message)
+
+
+def _an_id(rid) -> bool:
+    if isinstance(rid, bool):
+        return False
+    if isinstance(rid, int):
+        return abs(rid) <= ID_MOST
+    return isinstance(rid, str) and len(rid) <= 200 and _text(rid)
+
+
+def _text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _wrong_arguments(schema: dict, given: dict) -> str | None:
+    """What is wrong with GIVEN for a tool's input SCHEMA (its own few rules: required, types, no others)."""
+    properties = schema["properties"]
+    for name in schema.get("required", ()):
+        if name not in given:
+            return f"{name} is required."
+    for name, value in given.items():
+        rule = properties.get(name)
+        if rule is None:
+            return f"{name[:60]!r} is not an argument of this tool; it takes {', '.join(properties)}."
+        if rule["type"] == "string" and not isinstance(value, str):
+            return f"{name} must be a string."
+        if rule["type"] == "integer" and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"{name} must be a whole number."
+    return None
 
 
 def _listed(notes: list[memory.Note], none: str) -> str:
@@ -140,7 +180,8 @@ def _listed(notes: list[memory.Note], none: str) -> str:
 
 
 def _result(rid, value: dict) -> bytes:
-    return json.dumps({"jsonrpc": "2.0", "id": rid, "result": value}, ensure_ascii=False).encode()
+    # ASCII escapes: what a note or a request said goes out whatever it holds.
+    return json.dumps({"jsonrpc": "2.0", "id": rid, "result": value}).encode()
 
 
 def _error(rid, code: int, message: str) -> bytes:

@@ -25,6 +25,7 @@ from llmgw.gateway.errors import ApiError
 PATH = "/v1/memory"
 HOW_TO_TURN_ON = ("An operator turns notes on for a project with `llmgw keys memory --project P --retain-hours N`.")
 DEFAULT_LIMIT = 20
+QUERY_FIELDS_MOST = 10
 
 
 class Notes:
@@ -95,10 +96,14 @@ class Notes:
             if method == "POST":
                 return 201, shown(self.add(caller, apirequest.read_object(body).get("text")))
             if method == "GET":
-                asked = urllib.parse.parse_qs(query_string, max_num_fields=10)
+                try:
+                    asked = urllib.parse.parse_qs(query_string, max_num_fields=QUERY_FIELDS_MOST)
+                except ValueError:
+                    raise ApiError(400, "The query string has too many fields: give query and limit, nothing else.",
+                                   "invalid_request") from None
                 limit = asked.get("limit", [None])[0]
                 notes = self.find(caller, asked.get("query", [None])[0],
-                                  int(limit) if limit is not None and limit.isdigit() else limit)
+                                  int(limit) if limit is not None and limit.isascii() and limit.isdigit() else limit)
                 return 200, {"object": "list", "data": [shown(n) for n in notes]}
             raise ApiError(405, f"Use GET or POST for {PATH}.", "method_not_allowed")
         note_id = rest.lstrip("/")

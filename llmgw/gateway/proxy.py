@@ -186,8 +186,8 @@ class Proxy:
                                 "nothing of its own.", "method_not_allowed")
         ex.endpoint = "mcp"
         body = self._read_body(environ)
-        self.admission.count(ex.caller)
         try:
+            self.admission.count(ex.caller)
             status, data = self.mcp.answer(ex.caller, body)
         except ApiError as e:
             status, data = e.status, self.mcp.refusal(e)

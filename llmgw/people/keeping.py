@@ -54,8 +54,23 @@ def set_keeping(engine: Engine, kind: str, project: str, hours: float | None) ->
         before = conn.execute(sa.select(column).where(p.c.id == node.id)).scalar()
         if before != hours:
             conn.execute(p.update().where(p.c.id == node.id).values({column: hours}))
+            if hours is None or (before is not None and hours < before):
+                _shorten(conn, kind, node.id, hours)
             store.bump_revision(conn, "keys")
     return node, before
+
+
+def _shorten(conn, kind: str, project_id: str, hours: float | None) -> None:
+    """A shorter window (or none) is final: what it expires stays expired, whatever window comes later.
+    Each thread and note carries the expiry it was written under (llmgw/conversations.py); lower it."""
+    import time
+
+    table, since = (store.threads, store.threads.c.last_at) if kind == "threads" else (store.notes,
+                                                                                       store.notes.c.updated_at)
+    now = time.time()
+    ends = sa.literal(now) if hours is None else since + hours * 3600.0
+    least = sa.func.min if conn.dialect.name == "sqlite" else sa.func.least
+    conn.execute(table.update().where(table.c.scope == project_id).values(expires_at=least(table.c.expires_at, ends)))
 
 
 def kept(engine: Engine, kind: str = "threads") -> list[tuple[str, float]]:
