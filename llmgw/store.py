@@ -206,7 +206,7 @@ threads = sa.Table(
     # Its last turn plus the retention then: a window lengthened later does not bring back what had expired.
     sa.Column("expires_at", sa.Float, nullable=False),
     sa.Column("system", sa.Text),  # JSON list: the system messages its latest turn that had any sent
-    sa.Index("threads_scope_last", "scope", "last_at"),
+    sa.Index("threads_scope_expires", "scope", "expires_at"),  # the sweep's
 )
 
 thread_turns = sa.Table(
@@ -249,6 +249,7 @@ notes = sa.Table(
     sa.Column("expires_at", sa.Float, nullable=False),  # as a thread's
     sa.UniqueConstraint("scope", "id", name="notes_scope_id"),
     sa.Index("notes_scope_updated", "scope", "updated_at"),
+    sa.Index("notes_scope_expires", "scope", "expires_at"),  # the sweep's
 )
 
 
