@@ -94,6 +94,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
 	$(BIN)/python bench/failover.py
+	$(BIN)/python bench/threads.py
 	$(BIN)/python bench/routing.py
 
 clean:
