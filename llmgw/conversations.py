@@ -30,7 +30,7 @@ from typing import NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
+from llmgw import expiry, store
 
 HOUR = 3600.0
 # A client's thread id: what it may send in `x-llmgw-thread`. Ids the gateway makes for a Responses chain
@@ -246,33 +246,17 @@ def _delete(conn: Connection, scope: str, ids: list[str], copies: bool = False) 
 
 def sweep(engine: Engine, retention: dict[str, float], now: float | None = None) -> int:
     """Delete every thread past its project's retention (RETENTION: hours by project), and every thread of a
-    project not in RETENTION (its threads were turned off); returns how many threads went. Whether a thread
-    expired is asked again as it is deleted: one a turn was added to meanwhile stays.
-
-    A thread's `expires_at` alone says it: it is its last turn plus the window then, and a window shortened
-    since lowered it (llmgw/people/keeping.py), so it is never later than the window now allows; the index
-    on it finds each batch without reading the live threads."""
+    project not in RETENTION (its threads were turned off), with their turns; returns how many threads went
+    (llmgw/expiry.py). Its row goes first: a turn racing the sweep waits for it (see the top)."""
     now = time.time() if now is None else now
     t, turns = store.threads, store.thread_turns
-    with engine.connect() as conn:
-        scopes = conn.execute(sa.select(t.c.scope).distinct()).scalars().all()
-    gone = 0
-    for scope in scopes:
-        expired = sa.true() if scope not in retention else t.c.expires_at < now
-        while True:
-            with store.writing(engine) as conn:
-                ids = conn.execute(sa.select(t.c.id).where(t.c.scope == scope, expired).limit(SWEEP_BATCH)).scalars().all()
-                if ids:
-                    deleted = list(conn.execute(t.delete().where(t.c.scope == scope, t.c.id.in_(ids), expired)
-                                                .returning(t.c.id)).scalars())
-                    conn.execute(turns.delete().where(turns.c.scope == scope, turns.c.thread_id.in_(deleted)))
-                    gone += len(deleted)
-            if len(ids) < SWEEP_BATCH:
-                break
-    return gone
+
+    def their_turns(conn: Connection, scope: str, ids: list) -> None:
+        conn.execute(turns.delete().where(turns.c.scope == scope, turns.c.thread_id.in_(ids)))
+
+    return expiry.sweep(engine, t, t.c.id, retention, now, SWEEP_BATCH, their_turns)
 
 
 def retention(conn: Connection) -> dict[str, float]:
     """Hours each project keeps its threads, for the projects that keep them."""
-    p = store.projects
-    return dict(conn.execute(sa.select(p.c.id, p.c.threads_hours).where(p.c.threads_hours.is_not(None))).all())
+    return expiry.retention(conn, store.projects.c.threads_hours)

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import store
+from llmgw import expiry, store
 
 HOUR = 3600.0
 TEXT_MOST = 16_000  # characters of a note
@@ -171,27 +171,11 @@ def search(engine: Engine, scope: str, query: str, hours: float, limit: int, now
 
 def sweep(engine: Engine, retention: dict[str, float], now: float | None = None) -> int:
     """Delete every note past its project's retention (RETENTION: hours by project), and every note of a
-    project not in RETENTION; returns how many went. A batch a transaction, as the conversations' sweep."""
+    project not in RETENTION; returns how many went (llmgw/expiry.py)."""
     now = time.time() if now is None else now
-    n = store.notes
-    with engine.connect() as conn:
-        scopes = conn.execute(sa.select(n.c.scope).distinct()).scalars().all()
-    gone = 0
-    for scope in scopes:
-        # As the conversations' sweep: `expires_at` alone says it, by its index.
-        expired = sa.true() if scope not in retention else n.c.expires_at < now
-        while True:
-            with store.writing(engine) as conn:
-                nums = conn.execute(sa.select(n.c.num).where(n.c.scope == scope, expired).limit(SWEEP_BATCH)).scalars().all()
-                if nums:
-                    # Asked again as it is deleted: a note written meanwhile stays.
-                    gone += conn.execute(n.delete().where(n.c.num.in_(nums), expired)).rowcount
-            if len(nums) < SWEEP_BATCH:
-                break
-    return gone
+    return expiry.sweep(engine, store.notes, store.notes.c.num, retention, now, SWEEP_BATCH)
 
 
 def retention(conn: Connection) -> dict[str, float]:
     """Hours each project keeps its notes, for the projects that keep them."""
-    p = store.projects
-    return dict(conn.execute(sa.select(p.c.id, p.c.memory_hours).where(p.c.memory_hours.is_not(None))).all())
+    return expiry.retention(conn, store.projects.c.memory_hours)

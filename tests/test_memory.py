@@ -210,9 +210,17 @@ def test_the_mcp_tools_work_with_the_official_sdk(gw, store_url):
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # what differs by store is tested elsewhere
 def test_the_mcp_server_refuses_a_project_without_notes_and_what_is_not_mcp(gw, store_url):
     _, key = project(store_url, "plain", None)
-    with pytest.raises(BaseException) as refused:
+    with pytest.raises(ExceptionGroup) as failed:  # the SDK's client stops at its handshake, saying why
         mcp_session(gw, key, lambda session: session.list_tools())
-    assert "llmgw keys memory" in repr(refused.value) or "notes" in repr(refused.value)
+    assert "MCPError(-32001, \"This key's project keeps no notes." in repr(failed.value)
+    initialize = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(gw.url + "/v1/mcp", data=initialize, method="POST", headers={
+            "Authorization": f"Bearer {key}"}), timeout=10)
+    with refused.value as answer:
+        error = json.loads(answer.read())["error"]
+    assert refused.value.code == 403 and error["code"] == -32001
+    assert "llmgw keys memory --project P --retain-hours N" in error["message"]
     _, kept = project(store_url, "kept", 1)
     every_worker(gw, kept, 200)
     post = lambda body: urllib.request.Request(gw.url + "/v1/mcp", data=body, method="POST",  # noqa: E731

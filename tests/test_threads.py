@@ -88,6 +88,19 @@ def turns(url: str, thread: str) -> list[list[dict]]:
         engine.dispose()
 
 
+def gone(url: str, thread: str, hours: float) -> bool:
+    """Whether the default project's THREAD reads as expired (or absent) under HOURS, by the clock now."""
+    from llmgw import conversations
+
+    engine = store.open_engine(url)
+    try:
+        with engine.connect() as conn:
+            scope = conn.execute(sa.select(store.projects.c.id).where(store.projects.c.name == "default")).scalar()
+        return conversations.read(engine, scope, thread, hours) is None
+    finally:
+        engine.dispose()
+
+
 def a_project(url: str, name: str) -> str:
     """A project NAME of its own (under default/default), its path."""
     engine = store.open_store(url)
@@ -111,6 +124,18 @@ def every_worker(gw: Gateway, key: str, status: int, what: str) -> None:
 
 def turned_on(gw: Gateway, key: str) -> None:
     every_worker(gw, key, 200, "the gateway's workers to take the project's conversations")
+
+
+def keeping_key(gw: Gateway, store_url: str, hours: float) -> str:
+    """A key of the default project, which keeps conversations HOURS, once every worker of GW knows it."""
+    key = make_key(store_url, "k")
+    engine = store.open_store(store_url)
+    try:
+        keeping.set_threads(engine, "default", hours)
+    finally:
+        engine.dispose()
+    turned_on(gw, key)
+    return key
 
 
 def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(served, tmp_path, store_url, sdk):
@@ -216,13 +241,7 @@ def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(se
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # what differs by store is tested elsewhere
 def test_bad_thread_requests_are_refused_in_the_callers_api(served, store_url, sdk):
     gw, _ = served
-    key = make_key(store_url, "k")
-    engine = store.open_store(store_url)
-    try:
-        keeping.set_threads(engine, "default", 1)
-    finally:
-        engine.dispose()
-    turned_on(gw, key)
+    key = keeping_key(gw, store_url, 1)
     client = sdk(gw, key)
     with pytest.raises(openai.BadRequestError) as bad:
         chat(client, "hi", thread="no spaces allowed")
@@ -260,13 +279,7 @@ def test_bad_thread_requests_are_refused_in_the_callers_api(served, store_url, s
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)  # what differs by store is tested elsewhere
 def test_a_history_that_outgrows_the_context_loses_its_oldest_turns_not_its_system_prompt(served, store_url, sdk):
     gw, _ = served
-    key = make_key(store_url, "k")
-    engine = store.open_store(store_url)
-    try:
-        keeping.set_threads(engine, "default", 1)
-    finally:
-        engine.dispose()
-    turned_on(gw, key)
+    key = keeping_key(gw, store_url, 1)
     client = sdk(gw, key)
     chat(client, "My name is Ada.", thread="long", system="Be brief.")
     filler = "word " * 60  # about 75 tokens a turn as the gateway estimates it: the context holds a few
@@ -283,16 +296,10 @@ def test_a_history_that_outgrows_the_context_loses_its_oldest_turns_not_its_syst
 
 def test_expired_threads_read_as_gone_and_the_sweep_deletes_them(served, tmp_path, store_url, sdk):
     gw, _ = served
-    key = make_key(store_url, "k")
-    engine = store.open_store(store_url)
-    try:
-        keeping.set_threads(engine, "default", 2 / 3600)  # two seconds
-    finally:
-        engine.dispose()
-    turned_on(gw, key)
+    key = keeping_key(gw, store_url, 2 / 3600)
     client = sdk(gw, key)
     chat(client, "My name is Ada.", thread="brief")
-    time.sleep(2.5)  # the window itself is what is tested: no state to wait on
+    wait_until("the thread's two seconds to pass", 30, lambda: gone(store_url, "brief", 2 / 3600))
     # Past its retention the thread reads as gone, and its next turn starts it afresh.
     assert said(chat(client, "What is my name?", thread="brief")) == FORGOTTEN
     assert all(t[0]["content"] != "My name is Ada." for t in turns(store_url, "brief"))

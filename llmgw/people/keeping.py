@@ -75,11 +75,11 @@ def _shorten(conn, kind: str, project_id: str, hours: float | None) -> None:
 
 def kept(engine: Engine, kind: str = "threads") -> list[tuple[str, float]]:
     """(project path, hours) for every project that keeps KIND (threads, memory)."""
-    p = store.projects
-    column = p.c[KINDS[kind][0]]
+    from llmgw import expiry
+
     with engine.connect() as conn:
         tree = Tree.read(conn)
-        hours = dict(conn.execute(sa.select(p.c.id, column).where(column.is_not(None))).all())
+        hours = expiry.retention(conn, store.projects.c[KINDS[kind][0]])
     return sorted((tree.by_id[pid].path, h) for pid, h in hours.items() if pid in tree.by_id)
 
 
