@@ -75,14 +75,15 @@ clients: $(CLIENTS_STAMP)
 
 # Most tests wait on processes they started, so two pytest processes finish in about 60% of the time
 # of one, even on two cores; each file stays in one process (its module fixtures start once) and each
-# process has its own PostgreSQL database. TEST_WORKERS=0 runs them in this process.
+# process has its own PostgreSQL database; the slowest files go first (tests/conftest.py's SLOW_FIRST).
+# TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
 	$(CLIENTS_STAMP)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 docs: $(STAMP)
 	$(BIN)/python -c 'from llmgw.settings import reference_markdown; open("docs/reference.md", "w").write(reference_markdown())'

@@ -36,6 +36,19 @@ PG_TEST = os.environ.get("LLMGW_TEST_PG", "postgresql://postgres@127.0.0.1:5432/
     f"_{WORKER}" if WORKER else "")
 
 
+# The files that take minutes, run first: `make test` hands whole files to two processes in this order
+# (`--no-loadscope-reorder`), and xdist's own order (most tests first) left the longest, single-test files
+# (two vLLMs, the benchmarks) for last, one process working alone on them while the other sat idle.
+SLOW_FIRST = ("test_vllm_multinode.py", "test_agents.py", "test_vllm.py", "test_bench.py", "test_gateway_bench.py",
+              "test_bench_routing.py", "test_reconcile.py", "test_leadership.py", "test_load_scaling.py",
+              "test_context.py", "test_node_add.py", "test_monitoring.py", "test_engine_health.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: each file keeps its order
+
+
 # --- stores ------------------------------------------------------------------------------------
 
 def wipe(url: str) -> None:

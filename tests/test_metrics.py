@@ -113,7 +113,7 @@ def test_a_refusal_is_counted_under_the_model_it_named_when_the_catalog_holds_it
     gw, key = serving(tmp_path, make_gateway, make_sim)
     hello = [{"role": "user", "content": "hi"}]
     refused = [("/v1/messages", {"model": "sim", "messages": hello}),  # Anthropic's max_tokens is required
-               ("/v1/responses", {"model": "sim", "input": "hi", "previous_response_id": "resp_1"}),
+               ("/v1/responses", {"model": "sim", "input": "hi", "max_output_tokens": "many"}),
                ("/v1/chat/completions", {"model": "sim", "messages": hello, "max_tokens": "many"}),
                # A name the catalog does not hold is never a label: the client chose it.
                ("/v1/messages", {"model": "client-chosen-name", "messages": hello}),

@@ -141,6 +141,7 @@ def keeping_key(gw: Gateway, store_url: str, hours: float) -> str:
 def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(served, tmp_path, store_url, sdk):
     gw, sim = served
     key = make_key(store_url, "project-key")
+    every_worker(gw, key, 403, "every worker to know the new key")  # a busy machine's may take more than their wait
     client = sdk(gw, key)
 
     # Off for every project: refused, saying how to turn it on, and nothing is kept.
@@ -156,6 +157,7 @@ def test_threads_are_refused_until_turned_on_then_replayed_scoped_and_deleted(se
     finally:
         engine.dispose()
     personal = make_key(store_url, "mine", project=None, user_id=person.id)
+    every_worker(gw, personal, 403, "every worker to know the personal key")
     with pytest.raises(openai.PermissionDeniedError) as refused:
         chat(sdk(gw, personal), "Hi", thread="t1")
     assert refused.value.code == "threads_need_project"
@@ -369,6 +371,7 @@ def test_the_system_prompt_is_kept_when_old_turns_are_left_out():
 def test_responses_are_stored_continued_fetched_and_deleted_within_the_project(served, store_url, sdk):
     gw, _ = served
     key = make_key(store_url, "k")
+    every_worker(gw, key, 403, "every worker to know the new key")
     client = sdk(gw, key)
 
     # A project that keeps nothing: a response is not stored (and says so), and none can be continued from.
