@@ -351,6 +351,9 @@ users = sa.Table(
     sa.Column("state", sa.String(16), nullable=False),  # pending, active, suspended
     sa.Column("is_admin", sa.Boolean, nullable=False, default=False),
     sa.Column("created_at", sa.Float, nullable=False),
+    # Who let a sign-up in, and when: an operator's name (`users approve --by`) or an administrator's email.
+    sa.Column("approved_by", sa.String(320)),
+    sa.Column("approved_at", sa.Float),
 )
 
 # Values the system makes for itself once and keeps. (The key that signs session cookies was one
@@ -516,6 +519,14 @@ def _memory(conn: Connection) -> None:
         conn.exec_driver_sql("CREATE INDEX notes_search ON notes USING gin (search)")
 
 
+def _approvals(conn: Connection) -> None:
+    have = _columns(conn, "users")
+    if "approved_by" not in have:
+        conn.exec_driver_sql("ALTER TABLE users ADD COLUMN approved_by VARCHAR(320)")
+    if "approved_at" not in have:
+        conn.exec_driver_sql("ALTER TABLE users ADD COLUMN approved_at FLOAT")
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -544,6 +555,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (14, "measured capacities of models' profiles", _create([capacities])),
     (15, "kept conversations", _threads),
     (16, "agents' notes, searchable", _memory),
+    (17, "who approved each sign-up", _approvals),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

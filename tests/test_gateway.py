@@ -98,6 +98,7 @@ def test_one_model_by_its_id_or_alias(env):
     model = env.client.models.retrieve("fast")
     assert model.id == "fast" and model.model_extra["root"] == "sim" and model.model_extra["max_context"] is None
     assert env.client.models.retrieve("sim").model_extra["description"] == "the simulated engine"
+    assert "description" not in env.client.models.retrieve("embedder").model_extra  # nobody wrote one
     with pytest.raises(openai.NotFoundError) as e:
         env.client.models.retrieve("gpt-9")
     assert e.value.body["code"] == "model_not_found" and "sim-alias" in e.value.body["message"]

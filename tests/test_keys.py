@@ -1,6 +1,7 @@
 import time
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 
 from llmgw import store
@@ -98,8 +99,11 @@ def test_cli_prints_the_secret_alone_on_stdout(store_url):
     prefix = result.stdout.strip()[:keys.DISPLAY_CHARS]
     revoked = runner.invoke(main, ["--store", store_url, "keys", "revoke", prefix])
     assert revoked.exit_code == 0 and "revoked key" in revoked.stderr
-    listed = runner.invoke(main, ["--store", store_url, "keys", "list", "--json"])
-    assert '"revoked_at": null' not in listed.stdout
+    assert runner.invoke(main, ["--store", store_url, "keys", "list", "--json"]).stdout == ""  # what works, by default
+    listed = runner.invoke(main, ["--store", store_url, "keys", "list", "--json", "--all"])
+    assert '"ci-bot"' in listed.stdout and '"revoked_at": null' not in listed.stdout
+    said = runner.invoke(main, ["--store", store_url, "keys", "list"])
+    assert "no key works now; --all lists the 1 revoked or expired" in said.stderr
 
 
 def test_cli_errors_say_what_to_do(tmp_path):
@@ -132,7 +136,11 @@ def test_users_cli(store_url):
     accounts.create_user(engine, "new@example.org", "another long password")
     listed = runner.invoke(main, ["--store", store_url, "users", "list", "--pending"])
     assert "new@example.org" in listed.stdout and "ops@example.org" not in listed.stdout
-    assert runner.invoke(main, ["--store", store_url, "users", "approve", "new@example.org"]).exit_code == 0
+    approved = runner.invoke(main, ["--store", store_url, "users", "approve", "new@example.org", "--by", "ilker"])
+    assert approved.exit_code == 0, approved.output
+    assert accounts.find(engine, "new@example.org").approved_by == "ilker"  # kept with the account, and shown
+    assert "ilker" in runner.invoke(main, ["--store", store_url, "users", "list"]).stdout
+    assert '"approved_by": "ilker"' in runner.invoke(main, ["--store", store_url, "users", "list", "--json"]).stdout
     again = runner.invoke(main, ["--store", store_url, "users", "approve", "new@example.org"])
     assert again.exit_code == 1 and "not waiting for approval" in again.stderr
     user = accounts.find(engine, "new@example.org")
@@ -164,7 +172,7 @@ def test_every_change_to_a_person_moves_the_key_revision(store_url):
     table = KeyTable.from_message(keys.key_set(engine))
     bob = accounts.find(engine, "bob@example.org")
     assert bob.id not in table.active_people
-    moved(lambda: accounts.approve(engine, "bob@example.org"))
+    moved(lambda: accounts.approve(engine, "bob@example.org", "admin@example.org"))
     assert bob.id in KeyTable.from_message(keys.key_set(engine)).active_people  # may chat at once
     moved(lambda: accounts.promote(engine, "bob@example.org"))
     moved(lambda: accounts.promote(engine, "bob@example.org", admin=False))
@@ -202,3 +210,59 @@ def test_a_suspended_persons_key_stops_on_every_worker_of_every_gateway_within_a
     finally:
         engine.dispose()
         c.stop()
+
+
+def test_a_key_spends_in_the_one_project_or_says_which_to_choose(tmp_path):
+    # A tree built on the pages may have no default/default/default: the command once put such keys there.
+    from llmgw.people import orgtree
+
+    url = f"sqlite:///{tmp_path}/k.db"
+    runner = CliRunner()
+    made = runner.invoke(main, ["--store", url, "keys", "create", "only"])
+    assert made.exit_code == 0 and "in project default/default/default" in made.stderr, made.output
+    engine = store.open_store(url)
+    try:
+        orgtree.add(engine, "project", "training", "default/default")
+    finally:
+        engine.dispose()
+    unsaid = runner.invoke(main, ["--store", url, "keys", "create", "which"])
+    assert unsaid.exit_code == 2 and unsaid.stdout == ""
+    assert ("say which project the key spends in with --project; there are 2: default/default/default, "
+            "default/default/training") in unsaid.stderr
+    made = runner.invoke(main, ["--store", url, "keys", "create", "ci", "--project", "training"])
+    assert made.exit_code == 0 and "in project default/default/training" in made.stderr
+
+    listed = runner.invoke(main, ["--store", url, "keys", "list", "--project", "training"])
+    assert "ci" in listed.stdout and "only" not in listed.stdout
+    assert runner.invoke(main, ["--store", url, "keys", "list"]).stdout.count("default/default/") == 2
+    unknown = runner.invoke(main, ["--store", url, "keys", "list", "--project", "nope"])
+    assert unknown.exit_code == 2 and "no project 'nope'" in unknown.stderr
+    engine = store.open_store(url)
+    try:
+        orgtree.add(engine, "project", "empty", "default/default")
+    finally:
+        engine.dispose()
+    none = runner.invoke(main, ["--store", url, "keys", "list", "--project", "empty"])
+    assert none.exit_code == 0 and "no keys in default/default/empty yet" in none.stderr
+
+
+def test_a_claim_link_lasts_what_it_is_given_at_the_address_given(tmp_path):
+    url = f"sqlite:///{tmp_path}/c.db"
+    runner = CliRunner()
+    made = runner.invoke(main, ["--store", url, "keys", "create", "for-deniz", "--claim", "--claim-ttl", "2h",
+                                "--base-url", "https://llm.example.org/"])
+    assert made.exit_code == 0, made.output
+    link = made.stdout.strip()
+    assert link.startswith("https://llm.example.org/claim/") and "sk-llmgw-" not in made.stdout
+    engine = store.open_store(url)
+    try:
+        (created, expires), = engine.connect().execute(sa.select(store.key_claims.c.created_at,
+                                                                   store.key_claims.c.expires_at)).all()
+    finally:
+        engine.dispose()
+    assert expires - created == 7200
+    for args, said in ((["--claim", "--claim-ttl", "soon"], "such as 30d"),
+                       (["--claim", "--base-url", "llm.example.org"], "http:// or https://"),
+                       (["--base-url", "https://llm.example.org"], "give --claim too")):
+        refused = runner.invoke(main, ["--store", url, "keys", "create", "x", *args])
+        assert refused.exit_code == 2 and said in refused.stderr, refused.stderr

@@ -43,7 +43,7 @@ def test_sign_up_waits_for_approval_then_signs_in(site):
     assert b"waits for an operator" in done.data
     refused = sign_in(client, "ada@example.org", "correct horse battery")
     assert refused.status_code == 400 and b"waits for an operator" in refused.data
-    accounts.approve(engine, "ada@example.org")
+    accounts.approve(engine, "ada@example.org", "ops")
     assert sign_in(client, "ada@example.org", "correct horse battery").headers["Location"] == "/account"
     assert b"Signed in as <strong>ada@example.org</strong>" in client.get("/account").data
 

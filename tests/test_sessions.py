@@ -359,7 +359,7 @@ def test_sign_up_is_throttled_per_address_and_paused_when_many_wait(site, tmp_pa
     assert paused.status_code == 400
     assert (b"Sign-up is paused: 3 accounts already wait for approval. Ask ops@example.org for an account."
             in paused.data)
-    accounts.approve(full, "w0@example.org")
+    accounts.approve(full, "w0@example.org", "ops")
     assert b"waits for an operator" in sign_up(app.pages.test_client(), "late@example.org").data
     app.runtime.engine.dispose()
     full.dispose()

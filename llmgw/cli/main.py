@@ -82,8 +82,8 @@ def keys():
 
 @keys.command("create")
 @click.argument("name")
-@click.option("--project", help="Project it spends against (id, path or unique name). "
-              f"Default: {store.DEFAULT_PATH}, or none (a personal key) with --for.")
+@click.option("--project", help="Project it spends against (id, path or unique name); may be left out where "
+              "there is only one project, or with --for (a personal key).")
 @click.option("--for", "owner", metavar="EMAIL", help="The person the key belongs to; alone, a personal key.")
 @click.option("--expires-in", metavar="DURATION", help="Lifetime such as 30d, 12h or 2w; none by default.")
 @click.option("--band", type=click.Choice(["high", "normal", "low"]), help="Admission band when replicas are full.")
@@ -91,16 +91,22 @@ def keys():
               "each a name or alias the catalog holds.")
 @click.option("--allow-unknown-models", is_flag=True, help="Take --models names the catalog does not hold (yet).")
 @click.option("--claim", is_flag=True, help="Print a one-time link that shows the key, instead of the key.")
+@click.option("--claim-ttl", metavar="DURATION", default="7d", show_default=True,
+              help="How long the --claim link works if nobody opens it.")
+@click.option("--base-url", metavar="URL", help="Where people reach the gateway, for the --claim link "
+              "(default: gateway.public_url, or else its listen address).")
 @click.pass_obj
-def keys_create(obj: Context, name, project, owner, expires_in, band, models, allow_unknown_models, claim):
+def keys_create(obj: Context, name, project, owner, expires_in, band, models, allow_unknown_models, claim, claim_ttl,
+                base_url):
     """Make a key called NAME and print its secret (on standard output, alone; it is shown only now)."""
     from llmgw.people import accounts
     from llmgw.people import keys as keymod
 
-    try:
-        lifetime = keymod.parse_duration(expires_in) if expires_in else None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--expires-in") from None
+    lifetime = _duration(expires_in, "--expires-in") if expires_in else None
+    link_lifetime = _duration(claim_ttl, "--claim-ttl")
+    if base_url is not None and not (claim and _is_base_url(base_url)):
+        raise click.BadParameter("give the http:// or https:// address people reach the gateway at, with --claim"
+                                 if claim else "is for the --claim link: give --claim too", param_hint="--base-url")
     engine = obj.engine()
     allowed = models.split(",") if models else None
     if allowed and not allow_unknown_models:
@@ -109,7 +115,7 @@ def keys_create(obj: Context, name, project, owner, expires_in, band, models, al
         check_models(obj.config(), engine, allowed)
     try:
         user_id = accounts.find(engine, owner).id if owner else None
-        where = project if project else (None if owner else store.DEFAULT_PATH)
+        where = project if project else (None if owner else _only_project(engine))
         record, secret = keymod.create_key(engine, name, where, lifetime, user_id=user_id, band=band,
                                            models=allowed)
     except (keymod.KeyRefused, accounts.AccountError) as e:
@@ -119,38 +125,85 @@ def keys_create(obj: Context, name, project, owner, expires_in, band, models, al
     click.echo(f"created key {record.id} ({record.prefix}...), {spends}{owner and f' for {owner}' or ''}{expiry}.",
                err=True)
     if claim:
-        token = keymod.make_claim(engine, record.id, secret)
-        click.echo("Send this link to whoever should have the key; it shows the key once, to the first to open "
-                   "it, within 7 days:", err=True)
-        click.echo(f"{obj.config().public_url()}/claim/{token}")
+        token = keymod.make_claim(engine, record.id, secret, link_lifetime)
+        click.echo("Send this link to whoever should have the key. It works once, until "
+                   f"{_when(time.time() + link_lifetime)} UTC, and shows the key only to whoever opens it:", err=True)
+        click.echo(f"{(base_url or obj.config().public_url()).rstrip('/')}/claim/{token}")
         return
     click.echo("The secret is below and will not be shown again; keep it somewhere safe.", err=True)
     click.echo(secret)
 
 
-@keys.command("list")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per key, for scripts.")
-@click.pass_obj
-def keys_list(obj: Context, as_json):
-    """List keys (never their secrets): where each spends, and whose it is."""
-    from llmgw.people import accounts
+def _duration(text: str, option: str) -> float:
     from llmgw.people import keys as keymod
 
+    try:
+        return keymod.parse_duration(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=option) from None
+
+
+def _is_base_url(text: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text)
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not (parts.query or parts.fragment)
+
+
+def _only_project(engine) -> str:
+    """The tree's one project, where it has exactly one: a key with no --project spends there. A tree built
+    on the pages may have none called default, and with several the choice is the operator's."""
+    from llmgw.people.orgtree import Tree
+
+    projects = Tree.load(engine).of_kind("project")
+    if len(projects) == 1:
+        return projects[0].id
+    if not projects:
+        raise click.UsageError("there is no project for the key to spend in: add one (`llmgw org add project "
+                               "NAME --in ORG/TEAM`), or make a personal key with --for EMAIL")
+    shown = ", ".join(p.path for p in projects[:10]) + (f" and {len(projects) - 10} more" if len(projects) > 10 else "")
+    raise click.UsageError(f"say which project the key spends in with --project; there are {len(projects)}: "
+                           f"{shown}")
+
+
+@keys.command("list")
+@click.option("--project", help="Only the keys that spend in this project (id, path or unique name).")
+@click.option("--all", "show_all", is_flag=True, help="Revoked and expired keys too.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per key, for scripts.")
+@click.pass_obj
+def keys_list(obj: Context, project, show_all, as_json):
+    """List the keys that work (never their secrets): where each spends, and whose it is."""
+    from llmgw.people import accounts
+    from llmgw.people import keys as keymod
+    from llmgw.people.orgtree import Tree, TreeError
+
     engine = obj.engine()
-    records = keymod.list_keys(engine)
-    emails = {u.id: u.email for u in accounts.list_users(engine)}
+    where = None
+    if project:
+        try:
+            where = Tree.load(engine).find("project", project)
+        except TreeError as e:
+            raise click.BadParameter(str(e), param_hint="--project") from None
     now = time.time()
+    records = keymod.list_keys(engine, project_ids={where.id} if where else None)
+    shown = [r for r in records if show_all or keymod.works(r, now)]
+    emails = {u.id: u.email for u in accounts.list_users(engine)}
     if as_json:
-        for r in records:
+        for r in shown:
             click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "owner": emails.get(r.user_id),
-                                   "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
-                                   "revoked_at": r.revoked_at}))
+                                  "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
+                                  "revoked_at": r.revoked_at}))
         return
-    if not records:
-        click.echo("no keys yet; make one with `llmgw keys create NAME`", err=True)
+    if not shown:
+        place = f" in {where.path}" if where else ""
+        if records:
+            click.echo(f"no key{place} works now; --all lists the {len(records)} revoked or expired", err=True)
+        else:
+            click.echo(f"no keys{place} yet; make one with `llmgw keys create NAME"
+                       + (f" --project {where.path}`" if where else "`"), err=True)
         return
     rows = [("ID", "NAME", "SPENDS IN", "OWNER", "PREFIX", "CREATED", "STATE")]
-    for r in records:
+    for r in shown:
         state = ("revoked " + _when(r.revoked_at) if r.revoked_at else
                  "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
                  "expires " + _when(r.expires_at) if r.expires_at else "active")

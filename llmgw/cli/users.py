@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import getpass
 import json
+import os
 import sys
 import time
 
@@ -37,14 +39,15 @@ def users_list(obj, pending, as_json):
     if as_json:
         for u in found:
             click.echo(json.dumps({"id": u.id, "email": u.email, "state": u.state, "admin": u.is_admin,
-                                   "member_of": where[u.id], "created_at": u.created_at}))
+                                   "member_of": where[u.id], "created_at": u.created_at,
+                                   "approved_by": u.approved_by, "approved_at": u.approved_at}))
         return
     if not found:
         click.echo("no accounts" + (" waiting for approval" if pending else ""), err=True)
         return
-    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP")]
+    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP", "APPROVED BY")]
     rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", ", ".join(where[u.id]) or "on their own",
-              time.strftime("%Y-%m-%d", time.gmtime(u.created_at))) for u in found]
+              time.strftime("%Y-%m-%d", time.gmtime(u.created_at)), u.approved_by or "-") for u in found]
     print_table(rows)
 
 
@@ -99,17 +102,26 @@ def _action(name: str, verb: str, run, help: str):
 @users.command("approve")
 @click.argument("who")
 @click.option("--project", help="Also make them a member of this project (id, path or unique name).")
+@click.option("--by", metavar="NAME", help="Who approves, kept with the account (default: your login name).")
 @click.pass_obj
-def users_approve(obj, who, project):
+def users_approve(obj, who, project, by):
     """Approve the sign-up WHO (an id or an email), on their own or straight into a project."""
     engine = obj.engine()
     try:
-        user = accounts.approve(engine, who)
+        user = accounts.approve(engine, who, by if by is not None else _login_name())
         if project:
             memberships.join(engine, user.id, "project", project)
     except (accounts.AccountError, TreeError) as e:
         _fail(e)
     click.echo(f"approved {user.email}" + (f", a member of {project}" if project else ", on their own"), err=True)
+
+
+def _login_name() -> str:
+    """Who runs this command: the person behind sudo where there is one, not root."""
+    try:
+        return os.environ.get("SUDO_USER") or getpass.getuser()
+    except (KeyError, OSError):  # a user id with no name (a container's): say where, not who
+        return "an operator's shell"
 
 
 def _place(team, project, org):

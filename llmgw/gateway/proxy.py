@@ -290,9 +290,11 @@ class Proxy:
         return self._json(ex, start_response, self._model_object(name, spec))
 
     def _model_object(self, name: str, spec: ModelSpec) -> dict:
-        return {"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw", "root": spec.name,
-                "description": spec.description or None, "max_context": spec.max_context,
-                "ready": bool(self.rt.router.available(spec.name))}
+        entry = {"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw", "root": spec.name,
+                 "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
+        if spec.description:  # absent, not null or "", where nobody wrote one: a client shows what it finds
+            entry["description"] = spec.description
+        return entry
 
     @staticmethod
     def _json(ex: Exchange, start_response, value):

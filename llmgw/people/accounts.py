@@ -54,6 +54,8 @@ class User:
     state: str
     is_admin: bool
     created_at: float
+    approved_by: str | None = None
+    approved_at: float | None = None
 
 
 def inline(function, *args):
@@ -86,7 +88,7 @@ _DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
 
 
 def _row(row) -> User:
-    return User(row.id, row.email, row.state, bool(row.is_admin), row.created_at)
+    return User(row.id, row.email, row.state, bool(row.is_admin), row.created_at, row.approved_by, row.approved_at)
 
 
 def check_new_password(password: str) -> None:
@@ -183,11 +185,16 @@ def _keep_an_administrator(conn, user: User) -> None:
                            "Make someone else an administrator first (llmgw users promote EMAIL)")
 
 
-def approve(engine: Engine, which: str) -> User:
+def approve(engine: Engine, which: str, by: str) -> User:
+    """Let the sign-up WHICH in, recording BY (who approved it: an operator's name, an administrator's email)."""
     user = find(engine, which)
     if user.state != PENDING:
         raise AccountError(f"{user.email} is {user.state}, not waiting for approval")
-    return _update(engine, which, state=ACTIVE)
+    if not by.strip() or len(by) > 320 or any(not c.isprintable() for c in by):
+        raise AccountError("say who approves with a name or an email of printable characters (--by)")
+    now = time.time()
+    _update(engine, which, state=ACTIVE, approved_by=by.strip(), approved_at=now)
+    return dataclasses.replace(user, state=ACTIVE, approved_by=by.strip(), approved_at=now)
 
 
 def suspend(engine: Engine, which: str) -> User:

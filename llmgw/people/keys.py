@@ -263,4 +263,9 @@ def usable(engine: Engine, secret: str) -> bool:
     k = store.api_keys
     with engine.connect() as conn:
         row = conn.execute(sa.select(k.c.revoked_at, k.c.expires_at).where(k.c.hash == hash_secret(secret))).first()
-    return row is not None and row.revoked_at is None and (row.expires_at is None or row.expires_at > time.time())
+    return row is not None and works(row, time.time())
+
+
+def works(key, now: float) -> bool:
+    """Whether KEY (a record or a row: its `revoked_at` and `expires_at`) is neither revoked nor expired at NOW."""
+    return key.revoked_at is None and (key.expires_at is None or key.expires_at > now)

@@ -234,7 +234,7 @@ def _people_action(engine, do: str, f) -> str:
     if do in ("approve", "reject", "suspend", "reinstate", "promote", "demote", "remove"):
         who = f["user"]
         if do == "approve":
-            user = accounts.approve(engine, who)
+            user = accounts.approve(engine, who, _me().email)
             if f.get("project"):
                 memberships.join(engine, user.id, "project", f["project"])
                 return f"Approved {user.email} into {orgtree.Tree.load(engine).find('project', f['project']).path}."

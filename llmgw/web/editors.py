@@ -21,6 +21,7 @@ from urllib.parse import quote
 from flask import Blueprint, Response, abort, render_template, request
 
 from llmgw.gateway.worker import Runtime
+from llmgw.people import keys
 from llmgw.web import editorconfig
 from llmgw.web.site import site
 
@@ -67,7 +68,7 @@ def usable_models(runtime: Runtime, user_id: str, key_records) -> list[str]:
     table = runtime.keys
     snapshot = runtime.router.snapshot
     now = time.time()
-    live = [k for k in key_records if k.revoked_at is None and (k.expires_at is None or k.expires_at > now)]
+    live = [k for k in key_records if keys.works(k, now)]
     lists = ([table.rules.access(k.id, k.project_id, user_id).models for k in live]
              or [table.person(user_id).models])
     listed = snapshot.listed_ids()
