@@ -28,11 +28,12 @@ from decimal import Decimal, InvalidOperation
 MICROS = 1_000_000
 TREE_SCOPES = ("org", "team", "project")
 MEMBER_SCOPES = tuple(f"{s}_member" for s in TREE_SCOPES)
-SCOPES = ("cluster",) + TREE_SCOPES + MEMBER_SCOPES + ("user", "key")
+# `personal` is personal use: a person's keys of no project and their chat on their own, one pool a person.
+SCOPES = ("cluster", "personal") + TREE_SCOPES + MEMBER_SCOPES + ("user", "key")
 PERIODS = ("day", "month")
 BANDS = ("high", "normal", "low")  # the order requests are let through when replicas are saturated
 DEFAULT_BAND = "normal"
-FIELDS = ("rpm", "tpm", "budget", "period", "models", "band")
+FIELDS = ("rpm", "tpm", "budget", "period", "models", "band", "disabled")
 
 
 class LimitError(Exception):
@@ -48,6 +49,7 @@ class Limits:
     period: str | None = None
     models: tuple[str, ...] | None = None
     band: str | None = None
+    disabled: bool | None = None  # personal use turned off (set on the `personal` scope only)
 
     def empty(self) -> bool:
         return all(getattr(self, f) is None for f in FIELDS)
@@ -73,6 +75,7 @@ class Access:
     models: frozenset[str] | None  # None: every model
     band: str
     wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
+    personal_off: bool = False  # personal use, which is turned off: refused whatever else is set
 
 
 # The largest count a limit may be: rpm and tpm are INTEGER columns, 32 bits on PostgreSQL. A larger
@@ -175,6 +178,8 @@ class Rules:
                 if user_id:
                     out.append((f"{scope}_member", sid, counter(f"{scope}_member", sid, user_id)))
                 out.append((scope, sid, counter(scope, sid)))
+        if user_id and not project_id:
+            out.append(("personal", "", counter("personal", user_id)))
         if user_id:
             out.append(("user", user_id, counter("user", user_id)))
         return out
@@ -191,9 +196,11 @@ class Rules:
         # The defaults' own pool: the person behind the key when there is one (anyone may make keys for
         # themselves, and three keys once tripled a default of 2 a minute), else the key.
         own = next((c for scope, _sid, c, _lim in found if scope == "user"), found[0][2])
+        personal_off = False
         for scope, _sid, count, lim in found:
             if lim is None:
                 continue
+            personal_off |= scope == "personal" and bool(lim.disabled)
             if lim.models is not None:
                 allowed = frozenset(lim.models) if allowed is None else allowed & frozenset(lim.models)
             if band is None and lim.band:
@@ -211,7 +218,7 @@ class Rules:
             set_rpm |= lim.rpm is not None
             set_tpm |= lim.tpm is not None
             levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month"))
-        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels])
+        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels], personal_off)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,6 +109,7 @@ limits = sa.Table(
     sa.Column("models", sa.Text),  # JSON list: the allowlist
     sa.Column("band", sa.String(16)),  # admission band: high, normal, low
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("disabled", sa.Boolean),  # true on the `personal` scope: personal use is turned off
 )
 
 # Every change to a limit: who, when, and what it was before.
@@ -527,6 +528,11 @@ def _approvals(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE users ADD COLUMN approved_at FLOAT")
 
 
+def _personal_off(conn: Connection) -> None:
+    if "disabled" not in _columns(conn, "limits"):
+        conn.exec_driver_sql("ALTER TABLE limits ADD COLUMN disabled BOOLEAN")
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -556,6 +562,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (15, "kept conversations", _threads),
     (16, "agents' notes, searchable", _memory),
     (17, "who approved each sign-up", _approvals),
+    (18, "personal use turned off", _personal_off),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

@@ -226,6 +226,39 @@ def test_a_persons_keys_share_the_cluster_defaults(engine):
     assert isinstance(a.admit(wire(access_of(engine, service)), False, 1), Reservation)
 
 
+def test_personal_use_is_one_pool_a_person_and_can_be_turned_off(engine):
+    # `auth.personal` of the Go version: limits for what a person does on their own (personal keys and the
+    # chat page), each person their own pool; a project key of theirs is not held to them.
+    project, people = tree_with_people(engine)
+    ayse, deniz = people["ayse"], people["deniz"]
+    limits.set_limits(engine, "cluster", "", "test", rpm=60, tpm=1000)
+    limits.set_limits(engine, "personal", "", "test", rpm=2)
+    laptop, _ = keys.create_key(engine, "laptop", None, user_id=ayse.id)
+    phone, _ = keys.create_key(engine, "phone", None, user_id=ayse.id)
+    theirs, _ = keys.create_key(engine, "d", None, user_id=deniz.id)
+    in_project, _ = keys.create_key(engine, "ci", project.id, user_id=ayse.id)
+    # Personal use sets rpm, so the default rpm does not apply to it; the default tpm still does.
+    assert wire(access_of(engine, laptop)) == [[f"personal:{ayse.id}", 2, None, None, "month"],
+                                               [f"default:user:{ayse.id}", None, 1000, None, "month"]]
+    table = KeyTable.from_message(keys.key_set(engine))
+    assert [lv.counter for lv in table.person(ayse.id).levels][0] == f"personal:{ayse.id}"  # the chat page
+    a = Accountant()
+    admitted = [isinstance(a.admit(wire(access_of(engine, key)), False, 1), Reservation) for key in (laptop, phone) * 2]
+    assert admitted == [True, True, False, False]
+    assert isinstance(a.admit(wire(access_of(engine, theirs)), False, 1), Reservation)
+    assert isinstance(a.admit(wire(access_of(engine, in_project)), False, 1), Reservation)
+
+    limits.set_limits(engine, "personal", "", "test", disabled=True)
+    assert access_of(engine, laptop).personal_off and not access_of(engine, in_project).personal_off
+    assert KeyTable.from_message(keys.key_set(engine)).person(ayse.id).personal_off
+    with pytest.raises(keys.KeyRefused, match="personal use is turned off here"):
+        keys.create_key(engine, "another", None, user_id=ayse.id)
+    with pytest.raises(rules.LimitError, match="only personal use can be turned off"):
+        limits.set_limits(engine, "project", project.id, "test", disabled=True)
+    limits.set_limits(engine, "personal", "", "test", disabled=None)
+    assert not access_of(engine, laptop).personal_off
+
+
 def test_allowlists_intersect_and_the_nearest_band_wins(engine):
     project, _ = tree_with_people(engine)
     team = orgtree.Tree.load(engine).find("team", "Acme/ml")

@@ -124,6 +124,12 @@ def test_quotas_show_what_binds_and_log_each_change(admin):
     assert bad.status_code == 302 and "Rpm is a whole number" in flashed(client, "/admin/quotas")
     edit = flashed(client, f"/admin/quotas?edit=project_member:{project.id}")
     assert "Limits of each member of Acme/ml/training" in edit
+    # Personal use is a row of its own, set like any other; turned off from a shell, it says so.
+    act(client, "/admin/quotas", scope="personal", id="", rpm="20")
+    limits.set_limits(engine, "personal", "", "ops (shell)", disabled=True)
+    row = re.search(r"Personal use, each person on their own \(turned off\)</td>(.*?)</tr>",
+                    flashed(client, "/admin/quotas"), re.S).group(1)
+    assert "<strong>20</strong>" in row
     with engine.connect() as conn:
         assert limits.read_all(conn)[("org", acme.id)].budget == 50_000_000
 

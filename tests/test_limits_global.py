@@ -167,3 +167,54 @@ def test_every_request_is_priced_limited_or_not(tmp_path, make_sim, make_gateway
         assert _spent(engine) == 20
     finally:
         engine.dispose()
+
+
+def test_personal_use_is_limited_a_person_at_a_time_and_turned_off_in_seconds(tmp_path, make_sim, make_gateway):
+    # The Go version's `auth.personal`: limits on what a person does on their own, or personal use turned off
+    # so that people use the gateway only through their projects. Through a real controller's keys message.
+    import subprocess
+    import sys
+
+    from llmgw.people import accounts
+
+    def prepare(engine):
+        limits.set_limits(engine, "personal", "", "test", rpm=3)
+        ayse = accounts.create_user(engine, "ayse@example.org", "a long enough password", state="active")
+        deniz = accounts.create_user(engine, "deniz@example.org", "a long enough password", state="active")
+        return {"laptop": keys.create_key(engine, "laptop", None, user_id=ayse.id)[1],
+                "phone": keys.create_key(engine, "phone", None, user_id=ayse.id)[1],
+                "deniz": keys.create_key(engine, "deniz", None, user_id=deniz.id)[1],
+                "project": keys.create_key(engine, "ci", user_id=ayse.id)[1]}
+
+    controller, gws, engine, made = start(tmp_path, make_sim, make_gateway, prepare, gateways=1)
+    url = gws[0].url + "/v1/chat/completions"
+    try:
+        # Three a minute for ayse on her own, whichever personal key she uses; deniz and her project key apart.
+        statuses = [post(url, BODY, made[k])[0] for k in ("laptop", "phone", "laptop", "phone")]
+        assert statuses == [200, 200, 200, 429]
+        assert post(url, BODY, made["deniz"])[0] == 200 and post(url, BODY, made["project"])[0] == 200
+
+        store_url = f"sqlite:///{tmp_path}/shared.db"
+        cli = [sys.executable, "-m", "llmgw", "--store", store_url]
+        off = subprocess.run([*cli, "limits", "set", "--scope", "personal", "--disabled", "yes"],
+                             capture_output=True, text=True, timeout=60)
+        assert off.returncode == 0 and "turned off" in off.stderr, off.stderr
+        wait_until("personal keys refused", 30, lambda: post(url, BODY, made["deniz"])[0] == 403)
+        status, _, body = post(url, BODY, made["deniz"])
+        assert json.loads(body)["error"]["code"] == "personal_use_off"
+        assert "use a key of one of your projects" in json.loads(body)["error"]["message"]
+        assert post(url, BODY, made["project"])[0] == 200
+        refused = subprocess.run([*cli, "keys", "create", "another", "--for", "deniz@example.org"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "personal use is turned off here" in refused.stderr
+        shown = subprocess.run([*cli, "limits", "show"], capture_output=True, text=True, timeout=60).stdout
+        assert "each person on their own" in shown and "3 requests/min; turned off" in shown
+
+        on = subprocess.run([*cli, "limits", "set", "--scope", "personal", "--disabled", "no"],
+                            capture_output=True, text=True, timeout=60)
+        assert on.returncode == 0, on.stderr
+        # Served again, or held to the three a minute that the waits above may have spent.
+        wait_until("personal keys taken again", 30, lambda: post(url, BODY, made["deniz"])[0] in (200, 429))
+    finally:
+        engine.dispose()
+        controller.stop()

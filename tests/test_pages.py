@@ -274,6 +274,29 @@ def test_a_member_makes_keys_in_their_projects_or_personal_and_nowhere_else(site
     assert sorted(k.project for k in keys.list_keys(engine, user_id=user.id)) == ["Acme/ml/training", "personal"]
 
 
+def test_with_personal_use_off_the_account_offers_only_projects(site):
+    from llmgw.people import limits, memberships, orgtree
+
+    pages, engine, app = site
+    alone = accounts.create_user(engine, "alone@example.org", "a long enough password", state=accounts.ACTIVE)
+    member = accounts.create_user(engine, "member@example.org", "a long enough password", state=accounts.ACTIVE)
+    project = orgtree.add(engine, "project", "training", "default/default")
+    memberships.join(engine, member.email, "project", project.id)
+    limits.set_limits(engine, "personal", "", "test", disabled=True)
+    app.runtime.refresh_keys()
+    client = pages.test_client()
+    sign_in(client, member.email, "a long enough password")
+    page = client.get("/account").data.decode()
+    assert 'value="personal"' not in page and "default/default/training" in page
+    sneaky = client.post("/account/keys", data={"name": "own", "spends": "personal", "expires": "",
+                                                "csrf_token": token(client.get("/account").data)})
+    assert sneaky.status_code == 400 and keys.list_keys(engine, user_id=member.id) == []
+    other = pages.test_client()
+    sign_in(other, alone.email, "a long enough password")
+    assert "Personal use is turned off here, and you belong to no project yet" in other.get("/account").data.decode()
+    assert app.runtime.keys.person(alone.id).personal_off  # and the chat page, on their own, is refused
+
+
 def test_a_persons_own_key_may_narrow_its_models_and_yield_but_never_rise(site):
     pages, engine, app = site
     user = accounts.create_user(engine, "n@example.org", "a long enough password", state=accounts.ACTIVE)

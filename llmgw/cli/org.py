@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
 
 import click
 
@@ -19,10 +20,10 @@ def _fail(e: Exception):
 
 
 def operator() -> str:
-    """Who a change from the shell is logged as."""
+    """Who a change from the shell is logged as: the person behind sudo where there is one, not root."""
     try:
-        return f"{getpass.getuser()} (shell)"
-    except Exception:
+        return f"{os.environ.get('SUDO_USER') or getpass.getuser()} (shell)"
+    except (KeyError, OSError):  # a user id with no name (a container's): say where, not who
         return "shell"
 
 
@@ -123,7 +124,7 @@ def org_tree(obj, people, as_json):
 
 def _scope_id(engine, scope: str, which: str | None) -> str:
     """The id a limit is stored under for SCOPE named WHICH."""
-    if scope == "cluster":
+    if scope in ("cluster", "personal"):
         return ""
     if not which:
         raise click.UsageError(f"say which {scope}: --id ID, PATH or NAME")
@@ -146,8 +147,10 @@ def limits_cli():
 
 
 @limits_cli.command("set")
-@click.option("--scope", required=True, type=click.Choice(rules.TREE_SCOPES + ("user", "key", "cluster")),
-              help="What the limit is on; `cluster` sets the defaults for keys nothing else limits.")
+@click.option("--scope", required=True,
+              type=click.Choice(rules.TREE_SCOPES + ("user", "key", "cluster", "personal")),
+              help="What the limit is on; `cluster` sets the defaults for keys nothing else limits, `personal` "
+              "each person's use on their own (keys of no project, the chat page), one pool a person.")
 @click.option("--id", "which", help="The org, team or project (id, path or name), person (email) or key.")
 @click.option("--per-member", is_flag=True, help="On an org, team or project: each member gets their own share.")
 @click.option("--rpm", help="Requests a minute ('none' clears).")
@@ -156,8 +159,11 @@ def limits_cli():
 @click.option("--period", type=click.Choice(rules.PERIODS), help="The budget's period (month by default).")
 @click.option("--models", help="Comma-separated allowlist of models ('none' clears: every model).")
 @click.option("--band", type=click.Choice(rules.BANDS + ("none",)), help="Admission band when replicas are full.")
+@click.option("--disabled", type=click.Choice(["yes", "no"]),
+              help="With --scope personal: yes turns personal use off, so people use the gateway only through "
+              "their projects.")
 @click.pass_obj
-def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, band):
+def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, band, disabled):
     """Set (or with 'none' clear) limits on one scope. Unnamed limits are left as they are."""
     engine = obj.engine()
     if per_member:
@@ -177,8 +183,11 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
             changes["models"] = None if models == "none" else [m for m in models.split(",") if m.strip()]
         if band is not None:
             changes["band"] = None if band == "none" else band
+        if disabled is not None:
+            changes["disabled"] = True if disabled == "yes" else None
         if not changes:
-            raise click.UsageError("say what to set: --rpm, --tpm, --budget, --period, --models or --band")
+            raise click.UsageError("say what to set: --rpm, --tpm, --budget, --period, --models, --band or "
+                                   "--disabled")
         after = limits.set_limits(engine, scope, _scope_id(engine, scope, which), operator(), **changes)
     except (rules.LimitError, orgtree.TreeError, accounts.AccountError) as e:
         _fail(e)
@@ -201,6 +210,8 @@ def describe(lim: rules.Limits) -> str:
         parts.append("models " + (", ".join(lim.models) or "(none)"))
     if lim.band:
         parts.append(f"band {lim.band}")
+    if lim.disabled:
+        parts.append("turned off")
     return "; ".join(parts) or "no limits"
 
 
@@ -216,8 +227,8 @@ def limits_show(obj, as_json):
     emails = {u.id: u.email for u in accounts.list_users(engine)}
 
     def name(scope, sid):
-        if scope == "cluster":
-            return "(defaults)"
+        if scope in ("cluster", "personal"):
+            return "(defaults)" if scope == "cluster" else "(each person on their own)"
         node = tree.by_id.get(sid)
         return node.path if node else emails.get(sid, sid)
 
@@ -225,7 +236,8 @@ def limits_show(obj, as_json):
         for (scope, sid), lim in sorted(found.items()):
             click.echo(json.dumps({"scope": scope, "id": sid, "name": name(scope, sid), "rpm": lim.rpm, "tpm": lim.tpm,
                                    "budget_micros": lim.budget, "period": lim.period,
-                                   "models": list(lim.models) if lim.models is not None else None, "band": lim.band}))
+                                   "models": list(lim.models) if lim.models is not None else None, "band": lim.band,
+                                   "disabled": bool(lim.disabled)}))
         return
     if not found:
         click.echo("no limits are set; every key is unlimited", err=True)

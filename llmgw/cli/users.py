@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
 import sys
 import time
 
 import click
 
+from llmgw.cli.org import operator
 from llmgw.cli.tables import print_table
 from llmgw.people import accounts, memberships
 from llmgw.people.orgtree import Tree, TreeError
@@ -108,20 +107,12 @@ def users_approve(obj, who, project, by):
     """Approve the sign-up WHO (an id or an email), on their own or straight into a project."""
     engine = obj.engine()
     try:
-        user = accounts.approve(engine, who, by if by is not None else _login_name())
+        user = accounts.approve(engine, who, by if by is not None else operator())
         if project:
             memberships.join(engine, user.id, "project", project)
     except (accounts.AccountError, TreeError) as e:
         _fail(e)
     click.echo(f"approved {user.email}" + (f", a member of {project}" if project else ", on their own"), err=True)
-
-
-def _login_name() -> str:
-    """Who runs this command: the person behind sudo where there is one, not root."""
-    try:
-        return os.environ.get("SUDO_USER") or getpass.getuser()
-    except (KeyError, OSError):  # a user id with no name (a container's): say where, not who
-        return "an operator's shell"
 
 
 def _place(team, project, org):

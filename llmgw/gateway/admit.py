@@ -31,6 +31,13 @@ log = logging.getLogger("llmgw.proxy")  # every step of the request path logs as
 NEW_KEY_WAIT = 2.0
 
 
+# Personal use turned off (`llmgw limits set --scope personal --disabled`): a key of no project, or the chat
+# page on one's own. 403, not 401: the key is good, and a client told 401 asks for a new one.
+def personal_off() -> ApiError:
+    return ApiError(403, "Personal use is turned off here: use a key of one of your projects. An operator adds you "
+                         "to a project (`llmgw users join`).", "personal_use_off")
+
+
 class Admission:
     def __init__(self, runtime: Runtime, billing: Billing):
         self.rt = runtime
@@ -47,7 +54,10 @@ class Admission:
             result = table.authenticate(credential, time.time())
         if isinstance(result, Refusal):
             raise ApiError(401, result.message, result.code)
-        return Caller(result.id, result.project_id, result.user_id, table.access[result.id])
+        caller = Caller(result.id, result.project_id, result.user_id, table.access[result.id])
+        if caller.access.personal_off:
+            raise personal_off()
+        return caller
 
     def admit(self, caller: Caller, req, model: ModelSpec) -> None:
         """Hold the request to its allowlist and to every pool that limits it; raises ApiError when refused."""
@@ -103,6 +113,8 @@ class Admission:
         return answer
 
     def check_allowlist(self, caller: Caller, model: ModelSpec) -> None:
+        if caller.access.personal_off:  # the chat page's person on their own; a key never gets this far
+            raise personal_off()
         if not self.may_use(caller, model.name):
             self.rt.metrics.limited.labels("model").inc()
             raise self.not_allowed(caller, model.name)

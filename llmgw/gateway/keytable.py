@@ -63,6 +63,10 @@ class KeyTable:
         limits = {(scope, sid): rules.Limits(rpm, tpm, budget, period, tuple(models) if models is not None else None,
                                              band)
                   for scope, sid, rpm, tpm, budget, period, models, band in message["limits"]}
+        if "personal" in message:
+            rpm, tpm, budget, period, models, band, disabled = message["personal"]
+            limits["personal", ""] = rules.Limits(rpm, tpm, budget, period,
+                                                  tuple(models) if models is not None else None, band, disabled or None)
         ruleset = rules.Rules(limits, {p: tuple(up) for p, up in message["parents"].items()}, message["team_org"])
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),

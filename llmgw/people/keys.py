@@ -84,6 +84,9 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
     with store.writing(engine) as conn:
         tree = Tree.read(conn)
         path, project_id = PERSONAL, None
+        if project is None and limits.personal_off(conn):
+            raise KeyRefused("personal use is turned off here: make the key in a project (--project), or turn "
+                             "personal use back on (`llmgw limits set --scope personal --disabled no`)")
         if project is not None:
             try:
                 node = tree.find("project", project)
@@ -245,10 +248,17 @@ def key_set(engine: Engine) -> dict:
         notes = memory.retention(conn)
     states = {r.id: r.state for r in people}
     keys = [{"hash": row.hash, **dataclasses.asdict(_record(row, tree))} for row in rows]
+
+    def row(lim: rules.Limits) -> list:
+        return [lim.rpm, lim.tpm, lim.budget, lim.period, list(lim.models) if lim.models is not None else None,
+                lim.band]
+
+    personal = ruleset.limits.get(("personal", ""))
+    # Personal use travels in a field of its own: a gateway of the version before refuses a `limits` row
+    # whose scope it does not know, and so the whole message; it lets a field it does not know by.
     return {"revision": revision, "keys": keys,
-            "limits": [[scope, sid, lim.rpm, lim.tpm, lim.budget, lim.period,
-                        list(lim.models) if lim.models is not None else None, lim.band]
-                       for (scope, sid), lim in ruleset.limits.items()],
+            **({"personal": [*row(personal), bool(personal.disabled)]} if personal else {}),
+            "limits": [[scope, sid, *row(lim)] for (scope, sid), lim in ruleset.limits.items() if scope != "personal"],
             "parents": {project: list(up) for project, up in ruleset.parents.items()}, "team_org": ruleset.team_org,
             "prices": [[model, price.input, price.output] for model, price in prices.by_model.items()],
             "suspended": sorted(i for i, state in states.items() if state != "active"),

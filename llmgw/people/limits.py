@@ -47,7 +47,7 @@ def set_price(engine: Engine, model: str, input_units: str, output_units: str, w
 
 def _from_row(row) -> Limits:
     return Limits(row.rpm, row.tpm, row.budget_micros, row.period,
-                  tuple(json.loads(row.models)) if row.models else None, row.band)
+                  tuple(json.loads(row.models)) if row.models else None, row.band, row.disabled or None)
 
 
 def read_all(conn: Connection) -> dict[tuple[str, str], Limits]:
@@ -71,6 +71,10 @@ def validate(changes: dict) -> dict:
             if value not in PERIODS:
                 raise LimitError(f"a budget's period is {' or '.join(PERIODS)}, not {value!r}")
             out[name] = value
+        elif name == "disabled":
+            if value is not True:
+                raise LimitError(f"disabled is true (personal use turned off) or cleared, not {value!r}")
+            out[name] = value
         elif name == "band":
             if value not in BANDS:
                 raise LimitError(f"an admission band is {', '.join(BANDS)}, not {value!r}")
@@ -88,6 +92,9 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
     if len(scope_id) > LONGEST_SCOPE_ID:
         raise LimitError(f"no {scope} has an id that long: ids are at most {LONGEST_SCOPE_ID} characters")
     changes = validate(changes)
+    if changes.get("disabled") and scope != "personal":
+        raise LimitError("only personal use can be turned off (--scope personal); to stop a project, revoke its "
+                         "keys or allow it no model")
     t = store.limits
     where = sa.and_(t.c.scope == scope, t.c.scope_id == scope_id)
     with store.writing(engine) as conn:
@@ -105,7 +112,7 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
                     old=None if old is None else json.dumps(old), new=None if new is None else json.dumps(new)))
         values = dict(rpm=after.rpm, tpm=after.tpm, budget_micros=after.budget, period=after.period,
                       models=json.dumps(list(after.models)) if after.models is not None else None,
-                      band=after.band, updated_at=now)
+                      band=after.band, disabled=after.disabled, updated_at=now)
         if after.empty():
             conn.execute(t.delete().where(where))
         elif row:
@@ -114,6 +121,13 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
             conn.execute(t.insert().values(scope=scope, scope_id=scope_id, **values))
         store.bump_revision(conn, "keys")
     return after
+
+
+def personal_off(conn: Connection) -> bool:
+    """Whether personal use is turned off: no personal keys, no chat on one's own."""
+    t = store.limits
+    return bool(conn.execute(sa.select(t.c.disabled).where(sa.and_(t.c.scope == "personal", t.c.scope_id == ""))
+                             ).scalar())
 
 
 def changes_log(conn: Connection, limit: int = 50) -> list:

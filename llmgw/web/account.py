@@ -31,7 +31,8 @@ def _my_projects(me) -> tuple:
 
 def _key_form(me, tree_projects, data=None):
     f = site().form(forms.KeyForm, data)
-    f.spends.choices = [("personal", "Personal")] + [(p.id, p.path) for p in tree_projects]
+    personal = [] if site().runtime.keys.person(me.id).personal_off else [("personal", "Personal")]
+    f.spends.choices = personal + [(p.id, p.path) for p in tree_projects]
     return f
 
 

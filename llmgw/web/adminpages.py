@@ -322,6 +322,9 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
     def describe(scope: str, scope_id: str) -> str:
         if scope == "cluster":
             return "Cluster defaults (keys nothing else limits)"
+        if scope == "personal":
+            off = ruleset.limits.get(("personal", ""), rules.Limits()).disabled
+            return "Personal use, each person on their own" + (" (turned off)" if off else "")
         if scope.endswith("_member"):
             node = tree.by_id.get(scope_id)
             return f"each member of {node.path if node else scope_id}"
@@ -332,14 +335,14 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
         node = tree.by_id.get(scope_id)
         return node.path if node else scope_id
 
-    rows = [("cluster", "", 0)]
+    rows = [("cluster", "", 0), ("personal", "", 0)]
     for org in tree.of_kind("org"):
         rows.append(("org", org.id, 0))
         for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name.lower()):
             rows.append(("team", team.id, 1))
             for project in sorted(tree.children.get(team.id, []), key=lambda n: n.name.lower()):
                 rows.append(("project", project.id, 2))
-    rows += [(scope, sid, 0) for (scope, sid) in sorted(ruleset.limits) if scope not in ("cluster", "org", "team", "project")]
+    rows += [(scope, sid, 0) for (scope, sid) in sorted(ruleset.limits) if scope not in ("cluster", "personal", "org", "team", "project")]
     table = []
     for scope, sid, depth in rows:
         cells = rules.effective(ruleset, scope, sid, names)
@@ -384,6 +387,8 @@ def _shown(field: str, value: str | None) -> str:
         return "none"
     if field == "budget":
         return rules.show_money(int(json.loads(value)))
+    if field == "disabled":
+        return "turned off"
     if field == "price":
         a, _, b = value.partition("/")
         return f"{rules.show_money(int(a))} in, {rules.show_money(int(b))} out"

@@ -51,8 +51,10 @@ KEY = Obj({"hash": (Str(64), True), "id": (NAME, True), "name": ("str", True), "
            "project": ("str", True), "prefix": (Str(40), True), "created_at": ("number", True),
            "expires_at": (SECONDS, True), "revoked_at": (SECONDS, True), "user_id": (Nullable(NAME), True)})
 LIMIT = Nullable(COUNT)
-LIMITS = Row((Str(20, rules.SCOPES), Str(500), LIMIT, LIMIT, LIMIT, Nullable(Str(8, rules.PERIODS)),
-              Nullable(ListOf(NAME, 10_000)), Nullable(Str(8, rules.BANDS))))
+LIMIT_VALUES = (LIMIT, LIMIT, LIMIT, Nullable(Str(8, rules.PERIODS)), Nullable(ListOf(NAME, 10_000)),
+                Nullable(Str(8, rules.BANDS)))
+# Every scope but `personal`, which a gateway of the version before does not know (it travels on its own).
+LIMITS = Row((Str(20, tuple(s for s in rules.SCOPES if s != "personal")), Str(500), *LIMIT_VALUES))
 MANY = 10_000_000
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one.
@@ -69,7 +71,9 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
              # [project id, hours]: the projects that keep their conversations (llmgw/conversations.py).
              "threads": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
              # [project id, hours]: the projects that keep their agents' notes (llmgw/memory.py).
-             "memory": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False)},
+             "memory": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
+             # Personal use's limits (rpm, tpm, budget, period, models, band) and whether it is turned off.
+             "personal": (Row((*LIMIT_VALUES, "bool")), False)},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},
