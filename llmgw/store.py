@@ -110,6 +110,7 @@ limits = sa.Table(
     sa.Column("band", sa.String(16)),  # admission band: high, normal, low
     sa.Column("updated_at", sa.Float, nullable=False),
     sa.Column("disabled", sa.Boolean),  # true on the `personal` scope: personal use is turned off
+    sa.Column("profile", sa.String(64)),  # the routing profile requests go by (a gateway's [[routing_profiles]])
 )
 
 # Every change to a limit: who, when, and what it was before.
@@ -533,6 +534,11 @@ def _personal_off(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE limits ADD COLUMN disabled BOOLEAN")
 
 
+def _routing_profiles(conn: Connection) -> None:
+    if "profile" not in _columns(conn, "limits"):
+        conn.exec_driver_sql("ALTER TABLE limits ADD COLUMN profile VARCHAR(64)")
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -563,6 +569,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (16, "agents' notes, searchable", _memory),
     (17, "who approved each sign-up", _approvals),
     (18, "personal use turned off", _personal_off),
+    (19, "routing profiles of keys and the tree", _routing_profiles),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

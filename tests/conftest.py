@@ -247,19 +247,19 @@ def starter_engine(tmp_path_factory):
         yield url
 
 
-def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabrics=()) -> str:
+def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabrics=(), routing_profiles=()) -> str:
     """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]], [[engines]] and [[fabrics]] tables."""
     from llmgw.settings import to_toml
 
     with open(path, "w") as f:
-        f.write(to_toml(settings, list(endpoints), list(models), list(engines), list(fabrics)))
+        f.write(to_toml(settings, list(endpoints), list(models), list(engines), list(fabrics), list(routing_profiles)))
     return str(path)
 
 
 class Gateway:
     """`python gateway.py` under gunicorn, on free ports, with its own configuration file."""
 
-    def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, **settings):
+    def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, routing_profiles=(), **settings):
         self.port = free_port()
         self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -270,7 +270,8 @@ class Gateway:
                   # Its own: a spool file left by one test's gateway was written into every later test's store.
                   "usage.spool_dir": str(tmp_path / f"spool-{self.port}"),
                   **{k.replace("__", "."): v for k, v in settings.items()}}
-        self.config = write_config(tmp_path / f"gateway-{self.port}.toml", values, endpoints, models)
+        self.config = write_config(tmp_path / f"gateway-{self.port}.toml", values, endpoints, models,
+                                   routing_profiles=routing_profiles)
         self.log_path = tmp_path / f"gateway-{self.port}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gateway.py"), "--config", self.config],

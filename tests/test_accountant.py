@@ -259,16 +259,18 @@ def test_personal_use_is_one_pool_a_person_and_can_be_turned_off(engine):
     assert not access_of(engine, laptop).personal_off
 
 
-def test_allowlists_intersect_and_the_nearest_band_wins(engine):
+def test_allowlists_intersect_and_the_nearest_band_and_routing_profile_win(engine):
     project, _ = tree_with_people(engine)
     team = orgtree.Tree.load(engine).find("team", "Acme/ml")
-    limits.set_limits(engine, "team", team.id, "test", models=["small", "large"], band="low")
-    key, _ = keys.create_key(engine, "k", project.id, models=["large", "huge"], band="high")
+    limits.set_limits(engine, "team", team.id, "test", models=["small", "large"], band="low", profile="batch")
+    key, _ = keys.create_key(engine, "k", project.id, models=["large", "huge"], band="high", profile="chat")
     access = access_of(engine, key)
     assert access.models == frozenset({"large"})  # a key cannot add a model its team withheld
-    assert access.band == "high"
+    assert (access.band, access.profile) == ("high", "chat")
     other, _ = keys.create_key(engine, "o", project.id)
-    assert access_of(engine, other).band == "low"
+    assert (access_of(engine, other).band, access_of(engine, other).profile) == ("low", "batch")
+    with pytest.raises(rules.LimitError, match="routing profile"):
+        limits.set_limits(engine, "team", team.id, "test", profile="no spaces allowed")
 
 
 def test_every_limit_change_is_logged_with_who_and_what_it_was(engine):

@@ -266,3 +266,22 @@ def test_a_claim_link_lasts_what_it_is_given_at_the_address_given(tmp_path):
                        (["--base-url", "https://llm.example.org"], "give --claim too")):
         refused = runner.invoke(main, ["--store", url, "keys", "create", "x", *args])
         assert refused.exit_code == 2 and said in refused.stderr, refused.stderr
+
+
+def test_a_routing_profile_is_given_to_a_key_or_a_project_and_a_name_the_file_lacks_is_noted(tmp_path):
+    config = tmp_path / "gw.toml"
+    config.write_text(f'[store]\nurl = "sqlite:///{tmp_path}/p.db"\n[[routing_profiles]]\nname = "batch"\n'
+                      'policy = "least-load"\n')
+    runner = CliRunner()
+    made = runner.invoke(main, ["--config", str(config), "keys", "create", "nightly", "--profile", "nightly"])
+    assert made.exit_code == 0, made.output
+    assert "defines no routing profile 'nightly' (it has: batch)" in made.stderr
+    set_on = runner.invoke(main, ["--config", str(config), "limits", "set", "--scope", "project", "--id", "default",
+                                  "--profile", "batch"])
+    assert set_on.exit_code == 0 and "routing profile batch" in set_on.stderr and "note:" not in set_on.stderr
+    shown = runner.invoke(main, ["--config", str(config), "limits", "show", "--json"]).stdout
+    assert '"profile": "nightly"' in shown and '"profile": "batch"' in shown
+    cleared = runner.invoke(main, ["--config", str(config), "limits", "set", "--scope", "project", "--id", "default",
+                                   "--profile", "none"])
+    assert cleared.exit_code == 0 and '"profile": "batch"' not in runner.invoke(
+        main, ["--config", str(config), "limits", "show", "--json"]).stdout

@@ -113,3 +113,67 @@ def test_weights_share_the_traffic(tmp_path, make_gateway, make_sim):
         results = list(pool.map(lambda i: post(gw.url + "/v1/chat/completions", chat(f"w{i}"), key), range(100)))
     served = collections.Counter(fingerprint(raw) for _, _, raw in results)
     assert served["sim-heavy"] >= 65, served
+
+
+def test_a_keys_routing_profile_routes_it_otherwise_than_the_gateways_default(tmp_path, make_gateway, make_sim):
+    # A batch job's key goes round in turn; everyone else's conversations keep to the replica with their
+    # history (the gateway's default policy, `prefix`).
+    sims = [make_sim(replica=f"r{i}", ttft_ms=1, tokens_per_s=0) for i in range(3)]
+    url = f"sqlite:///{tmp_path}/routing.db"
+    chatty, batch = make_key(url, "chatty"), make_key(url, "batch", profile="batch")
+    gw = make_gateway(store_url=url, workers=1, endpoints=[{"id": s.replica, "url": s.url, "models": ["sim"]}
+                                                            for s in sims],
+                      routing_profiles=[{"name": "batch", "policy": "round-robin", "total": 600.0}])
+    system = {"role": "system", "content": "You are a careful assistant for the accounts team. " * 20}
+
+    def conversation(key) -> list[str]:
+        messages, served = [system], []
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"question {turn}"})
+            status, _, raw = post(gw.url + "/v1/chat/completions",
+                                  {"model": "sim", "max_tokens": 4, "messages": messages}, key)
+            assert status == 200, raw
+            served.append(fingerprint(raw))
+            messages.append(json.loads(raw)["choices"][0]["message"])
+        return served
+
+    assert len(set(conversation(chatty)[1:])) == 1
+    assert sorted(conversation(batch)) == ["sim-r0", "sim-r0", "sim-r1", "sim-r1", "sim-r2", "sim-r2"]
+
+
+def test_a_models_routing_profile_gives_way_to_its_keys_and_an_unknown_name_to_the_model(tmp_path, make_gateway,
+                                                                                          make_sim):
+    slow = make_sim(replica="slow", ttft_ms=1500, tokens_per_s=0)
+    url = f"sqlite:///{tmp_path}/profiles.db"
+    plain, patient, ghost = make_key(url, "plain"), make_key(url, "patient", profile="patient"), \
+        make_key(url, "ghost", profile="ghost")
+    gw = make_gateway(store_url=url, workers=1, endpoints=[{"id": "slow", "url": slow.url, "models": ["sim"]}],
+                      models=[{"name": "sim", "routing_profile": "hasty"}],
+                      routing_profiles=[{"name": "hasty", "total": 0.3, "attempts": 1},
+                                        {"name": "patient", "total": 60.0}])
+    status, _, raw = post(gw.url + "/v1/chat/completions", chat("hello"), plain)
+    assert status == 504 and "timeouts.total (or its routing profile's total)" in json.loads(raw)["error"]["message"]
+    assert post(gw.url + "/v1/chat/completions", chat("hello"), patient)[0] == 200  # the key's profile first
+    assert post(gw.url + "/v1/chat/completions", chat("hello"), ghost)[0] == 504  # no such profile: the model's
+    assert post(gw.url + "/v1/chat/completions", chat("hello"), ghost)[0] == 504
+    assert gw.log().count("routing profile 'ghost' is named by a key or a model but not defined here") == 1
+
+
+def test_a_models_routing_profile_travels_from_the_catalog_to_gateways():
+    import pytest
+
+    from llmgw.control import catalog, publisher
+    from llmgw.gateway.follower import from_controller
+    from llmgw.gateway.snapshot import Snapshot
+    from llmgw.wire import gateways
+
+    profiles = [{"engine": "sim"}]
+    batch = catalog.parse_model({"name": "b", "source": "/m", "routing_profile": "batch", "profiles": profiles})
+    plain = catalog.parse_model({"name": "p", "source": "/m", "profiles": profiles})
+    body = publisher.snapshot_body({"b": batch, "p": plain}, [])
+    assert "routing_profile" not in next(m for m in body["models"] if m["name"] == "p")  # absent: none
+    message = gateways.decode(gateways.encode("snapshot", epoch="e", version=1, **body))
+    snapshot = from_controller(message, Snapshot(version=0, models={}, replicas={}))
+    assert snapshot.models["b"].routing_profile == "batch" and snapshot.models["p"].routing_profile is None
+    with pytest.raises(catalog.CatalogError, match="routing_profile names"):
+        catalog.parse_model({"name": "x", "source": "/m", "profiles": profiles, "routing_profile": "a/b"})

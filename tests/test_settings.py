@@ -46,6 +46,14 @@ def test_config_from_environment(tmp_path, monkeypatch):
     ("[[endpoints]]\nid = \"a\"\nurl = \"http://x\"\nmodels = [\"m\"]\n[[endpoints]]\nid = \"a\"\n"
      "url = \"http://y\"\nmodels = [\"m\"]\n", ["two endpoints have this id"]),
     ("[[models]]\nname = \"m\"\ncolour = \"red\"\n", ["unknown key 'colour'"]),
+    ("[[models]]\nname = \"m\"\nrouting_profile = \"a b\"\n", ["model m", "routing_profile names"]),
+    ("[[routing_profiles]]\nname = \"batch\"\npolicy = \"random\"\n", ["routing profile batch", "least-load"]),
+    ("[[routing_profiles]]\nname = \"batch\"\ntotal = 0\n", ["total must be at least", "timeouts.total"]),
+    ("[[routing_profiles]]\nname = \"batch\"\ncolour = 1\n", ["unknown key 'colour'", "affinity_factor"]),
+    ("[[routing_profiles]]\nname = \"b\"\n[[routing_profiles]]\nname = \"b\"\n", ["b is declared twice"]),
+    ("[[routing_profiles]]\nname = \"../b\"\n", ["1-64 letters"]),
+    ("[routing]\ndefault_profile = \"batch\"\n", ["routing.default_profile", "no [[routing_profiles]] entry",
+                                                    "there are: none"]),
 ])
 def test_errors_name_the_key_the_file_and_what_is_allowed(tmp_path, text, words):
     with pytest.raises(ConfigError) as e:
@@ -134,3 +142,16 @@ def test_a_commands_bare_name_stays_a_name_and_the_files_directory_must_be_its_o
     conf.chmod(0o777)
     with pytest.raises(filemodes.LooseFiles, match=f"chmod go-w {conf}"):
         filemodes.check_roles(cfg, "agent")
+
+
+def test_a_routing_profile_is_the_settings_with_its_own_values_over_them(tmp_path):
+    from llmgw.gateway.routingprofiles import RoutingProfiles
+
+    cfg = settings.load(write(tmp_path, '[routing]\ndefault_profile = "chat"\nattempts = 4\n[timeouts]\ntotal = 100\n'
+                                        '[[routing_profiles]]\nname = "chat"\n'
+                                        '[[routing_profiles]]\nname = "batch"\npolicy = "least-load"\ntotal = 3600\n'))
+    profiles = RoutingProfiles(cfg)
+    batch = profiles.of("batch", "chat")
+    assert (batch.name, batch.policy, batch.total, batch.attempts) == ("batch", "least-load", 3600.0, 4)
+    assert profiles.of(None, None).name == "chat" and profiles.of(None, None).policy == "prefix"
+    assert profiles.of(None, "batch").name == "batch" and profiles.of("nowhere", None).name == "chat"

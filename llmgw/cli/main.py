@@ -90,14 +90,16 @@ def keys():
 @click.option("--models", help="Comma-separated models the key may use (default: every model its scopes allow); "
               "each a name or alias the catalog holds.")
 @click.option("--allow-unknown-models", is_flag=True, help="Take --models names the catalog does not hold (yet).")
+@click.option("--profile", metavar="NAME", help="The routing profile its requests go by (a gateway's "
+              "[[routing_profiles]] entry); default: its project's, team's or organisation's, else its model's.")
 @click.option("--claim", is_flag=True, help="Print a one-time link that shows the key, instead of the key.")
 @click.option("--claim-ttl", metavar="DURATION", default="7d", show_default=True,
               help="How long the --claim link works if nobody opens it.")
 @click.option("--base-url", metavar="URL", help="Where people reach the gateway, for the --claim link "
               "(default: gateway.public_url, or else its listen address).")
 @click.pass_obj
-def keys_create(obj: Context, name, project, owner, expires_in, band, models, allow_unknown_models, claim, claim_ttl,
-                base_url):
+def keys_create(obj: Context, name, project, owner, expires_in, band, models, allow_unknown_models, profile, claim,
+                claim_ttl, base_url):
     """Make a key called NAME and print its secret (on standard output, alone; it is shown only now)."""
     from llmgw.people import accounts
     from llmgw.people import keys as keymod
@@ -117,9 +119,13 @@ def keys_create(obj: Context, name, project, owner, expires_in, band, models, al
         user_id = accounts.find(engine, owner).id if owner else None
         where = project if project else (None if owner else _only_project(engine))
         record, secret = keymod.create_key(engine, name, where, lifetime, user_id=user_id, band=band,
-                                           models=allowed)
+                                           models=allowed, profile=profile)
     except (keymod.KeyRefused, accounts.AccountError) as e:
         raise click.ClickException(str(e)) from None
+    if profile:
+        from llmgw.cli.org import note_unknown_profile
+
+        note_unknown_profile(obj.config(), profile)
     expiry = f", expires {_when(record.expires_at)} UTC" if record.expires_at else ""
     spends = "a personal key" if record.project_id is None else f"in project {record.project}"
     click.echo(f"created key {record.id} ({record.prefix}...), {spends}{owner and f' for {owner}' or ''}{expiry}.",

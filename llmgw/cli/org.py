@@ -159,11 +159,13 @@ def limits_cli():
 @click.option("--period", type=click.Choice(rules.PERIODS), help="The budget's period (month by default).")
 @click.option("--models", help="Comma-separated allowlist of models ('none' clears: every model).")
 @click.option("--band", type=click.Choice(rules.BANDS + ("none",)), help="Admission band when replicas are full.")
+@click.option("--profile", help="The routing profile its requests go by, a gateway's [[routing_profiles]] entry "
+              "('none' clears).")
 @click.option("--disabled", type=click.Choice(["yes", "no"]),
               help="With --scope personal: yes turns personal use off, so people use the gateway only through "
               "their projects.")
 @click.pass_obj
-def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, band, disabled):
+def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, band, profile, disabled):
     """Set (or with 'none' clear) limits on one scope. Unnamed limits are left as they are."""
     engine = obj.engine()
     if per_member:
@@ -185,17 +187,30 @@ def limits_set(obj, scope, which, per_member, rpm, tpm, budget, period, models, 
             changes["band"] = None if band == "none" else band
         if disabled is not None:
             changes["disabled"] = True if disabled == "yes" else None
+        if profile is not None:
+            changes["profile"] = None if profile == "none" else profile
         if not changes:
-            raise click.UsageError("say what to set: --rpm, --tpm, --budget, --period, --models, --band or "
-                                   "--disabled")
+            raise click.UsageError("say what to set: --rpm, --tpm, --budget, --period, --models, --band, --profile "
+                                   "or --disabled")
         after = limits.set_limits(engine, scope, _scope_id(engine, scope, which), operator(), **changes)
     except (rules.LimitError, orgtree.TreeError, accounts.AccountError) as e:
         _fail(e)
     click.echo(f"{scope} {which or ''}: {describe(after)}", err=True)
+    if changes.get("profile"):
+        note_unknown_profile(obj.config(), changes["profile"])
     with engine.connect() as conn:
         if after.budget is not None and not limits.read_prices(conn).anything_priced():
             click.echo("note: no model has a price, so every request costs nothing and this budget never binds; "
                        "set one with `llmgw prices set MODEL --input N --output N`", err=True)
+
+
+def note_unknown_profile(cfg, name: str) -> None:
+    """Say so where the configuration at hand defines routing profiles but not NAME: gateways without it route
+    as if none were named. Not refused: profiles live in each gateway's file, which may not be this one."""
+    known = [t["name"] for t in cfg.routing_profiles]
+    if known and name not in known:
+        click.echo(f"note: {cfg.source} defines no routing profile {name!r} (it has: {', '.join(known)}); a gateway "
+                   "without it routes these requests as if none were named", err=True)
 
 
 def describe(lim: rules.Limits) -> str:
@@ -210,6 +225,8 @@ def describe(lim: rules.Limits) -> str:
         parts.append("models " + (", ".join(lim.models) or "(none)"))
     if lim.band:
         parts.append(f"band {lim.band}")
+    if lim.profile:
+        parts.append(f"routing profile {lim.profile}")
     if lim.disabled:
         parts.append("turned off")
     return "; ".join(parts) or "no limits"
@@ -237,7 +254,7 @@ def limits_show(obj, as_json):
             click.echo(json.dumps({"scope": scope, "id": sid, "name": name(scope, sid), "rpm": lim.rpm, "tpm": lim.tpm,
                                    "budget_micros": lim.budget, "period": lim.period,
                                    "models": list(lim.models) if lim.models is not None else None, "band": lim.band,
-                                   "disabled": bool(lim.disabled)}))
+                                   "disabled": bool(lim.disabled), "profile": lim.profile}))
         return
     if not found:
         click.echo("no limits are set; every key is unlimited", err=True)

@@ -80,6 +80,7 @@ class Model:
     size_bytes: int | None = None  # the download's size, where known: nodes without the disk are skipped
     role: str = ""  # "guard": a judge of other models' traffic, never offered to clients
     guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) of model, check, fail
+    routing_profile: str | None = None  # the [[routing_profiles]] entry its requests go by, where their key's names none
 
     def source_of(self, profile: Profile) -> str:
         """What PROFILE's engine is started from."""
@@ -201,6 +202,7 @@ def parse_model(table: dict, origin: str = "config") -> Model:
     guard = table.get("guard", {})
     try:
         settings.check_guard_override(guard, where)
+        settings.check_profile_name(table.get("routing_profile"), f"{where}: routing_profile")
     except ValueError as e:
         raise CatalogError(str(e)) from None
     return Model(name=name, source=source, profiles=tuple(sorted(profiles, key=lambda p: -p.priority)),
@@ -209,7 +211,7 @@ def parse_model(table: dict, origin: str = "config") -> Model:
                  min_replicas=low, max_replicas=high,
                  idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin,
                  size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None,
-                 role=role, guard=tuple(sorted(guard.items())))
+                 role=role, guard=tuple(sorted(guard.items())), routing_profile=table.get("routing_profile"))
 
 
 def read_model_file(path: str) -> dict:

@@ -77,6 +77,8 @@ def _model(m: Model, served: int | None) -> dict:
         row["role"] = m.role
     if m.guard:
         row["guard"] = dict(m.guard)
+    if m.routing_profile:
+        row["routing_profile"] = m.routing_profile
     return row
 
 

@@ -4,7 +4,8 @@ Whose fault, and what follows. What says the replica is unwell (no
 connection, a connect timeout, silence mid-answer, a connection cut
 mid-answer, a 502, 503 or 504: the engine, or something in front of it,
 cannot serve now) counts against its breaker and, before anything has reached
-the client, is tried again on another replica, up to `routing.attempts`.
+the client, is tried again on another replica, up to `routing.attempts` (or
+the request's routing profile's `attempts`; its timeouts likewise).
 A request that runs past `timeouts.first_byte` or `timeouts.total` is not such
 evidence: a long answer (`max_tokens` 400 with `ignore_eos`, not streamed)
 starts only when it ends, and six of them opened a breaker that every other
@@ -69,9 +70,9 @@ ENGINE_CODE = re.compile(r"[a-z_]{1,40}")
 # names the engine's host and port and may quote its answer; that goes to the
 # log, under the request id the client's error ends with.
 FAILURES = {
-    "first_byte": "it did not start its answer within timeouts.first_byte",
-    "idle": "it sent nothing for longer than timeouts.idle",
-    "total": "the answer took longer than timeouts.total allows",
+    "first_byte": "it did not start its answer within timeouts.first_byte (or its routing profile's first_byte)",
+    "idle": "it sent nothing for longer than timeouts.idle (or its routing profile's idle)",
+    "total": "the answer took longer than timeouts.total (or its routing profile's total) allows",
     "connect": "it could not be reached",
     "closed": "it closed the connection before the answer was complete",
     "status": "it is unavailable",
@@ -120,14 +121,9 @@ class ClientLeft(ApiError):
 
 class Attempts:
     def __init__(self, runtime: Runtime, billing: Billing):
-        cfg = runtime.cfg
         self.rt = runtime
         self.billing = billing  # what a client that left while the engine had its request is billed
         self.queue = runtime.queue
-        self.attempts = cfg["routing.attempts"]
-        self.idle = cfg["timeouts.idle"]
-        self.total = cfg["timeouts.total"]
-        self.first_byte = cfg["timeouts.first_byte"]
 
     def connect_in_turn(self, ex: Exchange, pin=None, cancel: Cancel | None = None):
         """`_connect` for EX's request, but a request for a saturated model waits its turn in the admission queue
@@ -174,12 +170,13 @@ class Attempts:
         router = rt.router
         path = apirequest.PATHS[req.kind]
         body = req.upstream_body(model.name)
-        deadline = time.monotonic() + self.total
+        profile = ex.profile = rt.profiles.of(ex.caller.access.profile, model.routing_profile)
+        deadline = time.monotonic() + profile.total
         tried: set[str] = set()
         failure: UpstreamError | None = None
         engine_time = 0.0
-        for _ in range(self.attempts if pin is None else 1):
-            replica = pin or router.pick(model.name, time.monotonic(), req.affinity, tried, req.follows)
+        for _ in range(profile.attempts if pin is None else 1):
+            replica = pin or router.pick(model.name, time.monotonic(), req.affinity, tried, req.follows, profile)
             if replica is None:
                 break
             if failure is not None:
@@ -196,7 +193,7 @@ class Attempts:
                     cancel.abandoned = False
                     replica.unanswered.add(cancel)
                 try:
-                    resp, data = self._ask(replica, path, body, deadline, req.stream, cancel)
+                    resp, data = self._ask(replica, path, body, deadline, req.stream, cancel, profile)
                 except UpstreamError as e:
                     engine_time += time.perf_counter() - sent
                     if cancel is not None and cancel.cancelled:
@@ -254,23 +251,24 @@ class Attempts:
                                 "that its engines are up.", "no_replica_ready", retry_after=5)
         raise upstream_error(model.name, failure)
 
-    def _ask(self, replica, path: str, body: bytes, deadline: float, stream: bool, cancel: Cancel | None):
+    def _ask(self, replica, path: str, body: bytes, deadline: float, stream: bool, cancel: Cancel | None, profile):
         """Send the request to REPLICA: (response, its whole body), the body None for a stream that started.
         Raises UpstreamError for an engine that is full, unavailable, or failed before the answer was whole."""
-        resp = self.rt.pool.request(replica.target, "POST", path, body, self.first_byte, deadline, cancel=cancel)
+        idle = profile.idle
+        resp = self.rt.pool.request(replica.target, "POST", path, body, profile.first_byte, deadline, cancel=cancel)
         if resp.status == 429:
             # The engine is full, not broken: another replica may have room, and the breaker is left alone.
-            resp.read(self.idle)
+            resp.read(idle)
             resp.release()
             raise UpstreamError("busy", "it is at capacity (429)",
                                 retry_after=_retry_after(resp.headers.get("retry-after")))
         if resp.status in UNAVAILABLE:
-            detail = resp.read(self.idle)[:200].decode("utf-8", "replace")
+            detail = resp.read(idle)[:200].decode("utf-8", "replace")
             resp.release()
             raise UpstreamError("status", f"it answered {resp.status} {detail}".strip())
         # A whole answer is read here, inside the attempt: if the engine fails halfway, nothing has reached
         # the client yet and another replica can still be tried.
-        data = None if stream and resp.status < 400 else resp.read(self.idle)
+        data = None if stream and resp.status < 400 else resp.read(idle)
         if cancel is not None:
             cancel.conn = None  # the answer is in (or the stream's own watch takes over): nothing to abort
         return resp, data

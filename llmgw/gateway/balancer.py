@@ -253,17 +253,19 @@ class Router:
         states = self.states
         return [states[rid] for rid in self.snapshot.replicas_for(model) if not states[rid].breaker.is_open]
 
-    def pick(self, model: str, now: float, key: int | None, exclude: set[str],
-             follows: bool = False) -> ReplicaState | None:
+    def pick(self, model: str, now: float, key: int | None, exclude: set[str], follows: bool = False,
+             profile=None) -> ReplicaState | None:
         """A replica of MODEL outside EXCLUDE for a request (see `choose`), among those with room when any has
         (a full one only when none has: the admission queue let the request through, and the engine's own queue
-        takes it); None when there is none."""
+        takes it); None when there is none. PROFILE (a RoutingProfile) chooses the policy and affinity factor
+        in place of the router's own."""
         candidates = [r for r in self.available(model) if r.spec.id not in exclude]
         if not candidates:
             return None
         roomy = [r for r in candidates if not r.full(now, self.stale_after, self.max_outstanding)]
-        return choose(self.policy, roomy or candidates, now, self.stale_after, key, follows, self.affinity_factor,
-                      self.rng)
+        policy, factor = (self.policy, self.affinity_factor) if profile is None else (profile.policy,
+                                                                                       profile.affinity_factor)
+        return choose(policy, roomy or candidates, now, self.stale_after, key, follows, factor, self.rng)
 
     def limited(self, model: str) -> bool:
         """Whether anything limits the requests MODEL's replicas are sent at once (else none ever waits for room)."""

@@ -27,7 +27,7 @@ def status_line(status: int) -> str:
 
 class Exchange:
     __slots__ = ("rt", "t0", "dialect", "caller", "req", "model", "replica", "flying", "finished", "turn",
-                 "endpoint")
+                 "endpoint", "profile")
 
     def __init__(self, rt, dialect, t0: float):
         self.rt = rt  # the worker's Runtime
@@ -41,6 +41,7 @@ class Exchange:
         self.finished = False
         self.turn = None  # gateway.threads.Turn: its part in a kept conversation, where it names one
         self.endpoint = "models"  # what its usage row names, where it has no request body (`req.api` where it has)
+        self.profile = None  # gateway.routingprofiles.RoutingProfile it is routed by, once sent to a replica
 
     def overhead_ms(self) -> str:
         """The header value: milliseconds since the request arrived."""

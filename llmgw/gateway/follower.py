@@ -41,7 +41,8 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
                                       description=m.get("description") or "", max_context=m.get("max_context"),
                                       max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")),
-                                      role=m.get("role") or "", guard=tuple(sorted((m.get("guard") or {}).items())))
+                                      role=m.get("role") or "", guard=tuple(sorted((m.get("guard") or {}).items())),
+                                      routing_profile=m.get("routing_profile"))
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):
         why = _off_node(r, host)

@@ -69,7 +69,6 @@ class Forwarder:
         self.billing = billing
         self.guard = guard
         self.threads = threads
-        self.idle = cfg["timeouts.idle"]
         self.load_wait = cfg["gateway.load_wait"]
         self.placed = bool(cfg["gateway.controller"])  # a controller places (and replaces) replicas
 
@@ -178,7 +177,7 @@ class Forwarder:
         watcher = ClientWatch(sock, resp) if sock is not None else None
         status, ttft = 200, None
         try:
-            for piece in resp.iter_body(self.idle):
+            for piece in resp.iter_body(ex.profile.idle):
                 out = relay.feed(piece)
                 keeper.gather(out)
                 if held is not None:

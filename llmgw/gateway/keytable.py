@@ -63,10 +63,13 @@ class KeyTable:
         limits = {(scope, sid): rules.Limits(rpm, tpm, budget, period, tuple(models) if models is not None else None,
                                              band)
                   for scope, sid, rpm, tpm, budget, period, models, band in message["limits"]}
+        for scope, sid, profile in message.get("profiles", ()):
+            limits[scope, sid] = dataclasses.replace(limits.get((scope, sid), rules.Limits()), profile=profile)
         if "personal" in message:
             rpm, tpm, budget, period, models, band, disabled = message["personal"]
             limits["personal", ""] = rules.Limits(rpm, tpm, budget, period,
-                                                  tuple(models) if models is not None else None, band, disabled or None)
+                                                  tuple(models) if models is not None else None, band, disabled or None,
+                                                  limits.get(("personal", ""), rules.Limits()).profile)
         ruleset = rules.Rules(limits, {p: tuple(up) for p, up in message["parents"].items()}, message["team_org"])
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),

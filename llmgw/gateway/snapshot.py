@@ -28,6 +28,7 @@ class ModelSpec:
     on_demand: bool = False  # runs only while wanted: a request for it waits while it starts
     role: str = ""  # "guard": a judge (llmgw/gateway/guard.py), never listed for clients nor served to them
     guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) pairs
+    routing_profile: str | None = None  # the [[routing_profiles]] entry its requests go by, where their key's names none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ def from_config(cfg: Config, accountant: str | None = None, version: int = 1) ->
         models[table["name"]] = ModelSpec(
             name=table["name"], aliases=tuple(table.get("aliases", ())), description=table.get("description", ""),
             max_context=table.get("max_context"), max_output=table.get("max_output"), created=created,
-            role=table.get("role", ""), guard=tuple(sorted(table.get("guard", {}).items())))
+            role=table.get("role", ""), guard=tuple(sorted(table.get("guard", {}).items())),
+            routing_profile=table.get("routing_profile"))
     replicas = {}
     for ep in cfg.endpoints:
         replicas[ep["id"]] = ReplicaSpec(id=ep["id"], url=ep["url"].rstrip("/"), models=tuple(ep["models"]),

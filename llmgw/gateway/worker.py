@@ -32,6 +32,7 @@ from llmgw.gateway.limiter import Limiter
 from llmgw.gateway.masterstate import MasterState
 from llmgw.gateway.metrics import FOLD_EVERY, UNKNOWN, GatewayMetrics
 from llmgw.gateway.offloop import StoreJobs
+from llmgw.gateway.routingprofiles import RoutingProfiles
 from llmgw.gateway.saturation import pool_saturation
 from llmgw.gateway.snapshot import Snapshot
 from llmgw.gateway.upstream import Pool, Target, UpstreamError
@@ -64,6 +65,7 @@ class Runtime:
         self.router = Router(snapshot, cfg["breaker.failures"], cfg["breaker.cooldown"],
                              cfg["routing.metrics_stale_after"], cfg["routing.affinity_factor"], make_target=Target,
                              max_outstanding=cfg["routing.max_outstanding"], policy=cfg["routing.policy"])
+        self.profiles = RoutingProfiles(cfg)  # how each request is routed: by its key's profile, or its model's
         self.pool = Pool(cfg["timeouts.connect"])
         self.queue = AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
         self.shown_replicas: set[str] = set()  # replicas and models whose gauges this worker has set

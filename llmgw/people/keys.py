@@ -59,13 +59,14 @@ def parse_duration(text: str) -> float:
 
 def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PATH, expires_in: float | None = None,
                user_id: str | None = None, made_by: str | None = None, band: str | None = None,
-               models: list[str] | None = None, member_only: bool = False) -> tuple[KeyRecord, str]:
+               models: list[str] | None = None, member_only: bool = False,
+               profile: str | None = None) -> tuple[KeyRecord, str]:
     """Make a key; returns its record and the secret, which is never stored.
 
     PROJECT (an id, path or unique name) is what it spends against; None makes a
     personal key, which needs USER_ID. With MEMBER_ONLY, USER_ID must be able to
     use the project through a membership (a person making their own key).
-    BAND and MODELS are the key's own admission band and model allowlist.
+    BAND, MODELS and PROFILE are the key's own admission band, model allowlist and routing profile.
     """
     from llmgw.people import limits, memberships
     from llmgw.people.orgtree import Tree, TreeError
@@ -74,7 +75,7 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
         raise KeyRefused("a key needs a name, such as the person or program that will use it")
     if project is None and user_id is None:
         raise KeyRefused("a personal key belongs to a person: say whose (--for EMAIL), or give a project")
-    own = {k: v for k, v in (("band", band), ("models", models)) if v is not None}
+    own = {k: v for k, v in (("band", band), ("models", models), ("profile", profile)) if v is not None}
     try:
         own = limits.validate(own)
     except rules.LimitError as e:
@@ -103,7 +104,7 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
         conn.execute(store.api_keys.insert().values(**values))
         if own:
             conn.execute(store.limits.insert().values(
-                scope="key", scope_id=key_id, band=own.get("band"), updated_at=now,
+                scope="key", scope_id=key_id, band=own.get("band"), profile=own.get("profile"), updated_at=now,
                 models=json.dumps(list(own["models"])) if "models" in own else None))
         store.bump_revision(conn, "keys")
     record = KeyRecord(id=key_id, name=values["name"], project_id=project_id, project=path, prefix=values["prefix"],
@@ -258,6 +259,8 @@ def key_set(engine: Engine) -> dict:
     # whose scope it does not know, and so the whole message; it lets a field it does not know by.
     return {"revision": revision, "keys": keys,
             **({"personal": [*row(personal), bool(personal.disabled)]} if personal else {}),
+            # Likewise the routing profiles: `limits` rows keep the shape the version before reads.
+            "profiles": [[scope, sid, lim.profile] for (scope, sid), lim in ruleset.limits.items() if lim.profile],
             "limits": [[scope, sid, *row(lim)] for (scope, sid), lim in ruleset.limits.items() if scope != "personal"],
             "parents": {project: list(up) for project, up in ruleset.parents.items()}, "team_org": ruleset.team_org,
             "prices": [[model, price.input, price.output] for model, price in prices.by_model.items()],

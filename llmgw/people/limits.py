@@ -13,7 +13,7 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from llmgw import rules, store
+from llmgw import rules, settings, store
 from llmgw.rules import BANDS, FIELDS, PERIODS, SCOPES, LimitError, Limits, Price, Prices, Rules, parse_money
 
 # What the store's columns hold: a longer model name or scope id was refused by PostgreSQL (a 500).
@@ -47,7 +47,8 @@ def set_price(engine: Engine, model: str, input_units: str, output_units: str, w
 
 def _from_row(row) -> Limits:
     return Limits(row.rpm, row.tpm, row.budget_micros, row.period,
-                  tuple(json.loads(row.models)) if row.models else None, row.band, row.disabled or None)
+                  tuple(json.loads(row.models)) if row.models else None, row.band, row.disabled or None,
+                  row.profile)
 
 
 def read_all(conn: Connection) -> dict[tuple[str, str], Limits]:
@@ -74,6 +75,12 @@ def validate(changes: dict) -> dict:
         elif name == "disabled":
             if value is not True:
                 raise LimitError(f"disabled is true (personal use turned off) or cleared, not {value!r}")
+            out[name] = value
+        elif name == "profile":
+            try:
+                settings.check_profile_name(value, "a routing profile")
+            except ValueError as e:
+                raise LimitError(str(e)) from None
             out[name] = value
         elif name == "band":
             if value not in BANDS:
@@ -112,7 +119,7 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
                     old=None if old is None else json.dumps(old), new=None if new is None else json.dumps(new)))
         values = dict(rpm=after.rpm, tpm=after.tpm, budget_micros=after.budget, period=after.period,
                       models=json.dumps(list(after.models)) if after.models is not None else None,
-                      band=after.band, disabled=after.disabled, updated_at=now)
+                      band=after.band, disabled=after.disabled, profile=after.profile, updated_at=now)
         if after.empty():
             conn.execute(t.delete().where(where))
         elif row:

@@ -43,7 +43,8 @@ MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnam
              "description": ("str", False),
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
              "on_demand": ("bool", False), "role": (Str(20), False),
-             "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False)})
+             "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False)}), False),
+             "routing_profile": (Str(64), False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
                "weight": ("number", False), "api_key": (Str(200), False),
                "max_in_flight": (Int(1, MAX_IN_FLIGHT), False), "address": (Str(100), False)})
@@ -73,7 +74,9 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
              # [project id, hours]: the projects that keep their agents' notes (llmgw/memory.py).
              "memory": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
              # Personal use's limits (rpm, tpm, budget, period, models, band) and whether it is turned off.
-             "personal": (Row((*LIMIT_VALUES, "bool")), False)},
+             "personal": (Row((*LIMIT_VALUES, "bool")), False),
+             # [scope, scope id, name]: the routing profiles set on keys and the tree (llmgw/gateway/routingprofiles.py).
+             "profiles": (ListOf(Row((Str(20, rules.SCOPES), Str(500), Str(64))), MANY), False)},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},
