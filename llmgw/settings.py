@@ -50,6 +50,11 @@ def _absolute_paths(value: list[str], name: str) -> None:
 GUARD_CHECKS = ("prompts", "answers", "both", "none")
 GUARD_FAILS = ("closed", "open")
 GUARD_KEYS = {"model": str, "check": GUARD_CHECKS, "fail": GUARD_FAILS}
+# A judge's own `guard` table: the prompt format it was trained on, and the categories it is asked about.
+GUARD_FORMATS = ("llamaguard3",)
+JUDGE_KEYS = {"format": GUARD_FORMATS, "categories": list}
+MOST_CATEGORIES = 30
+LONGEST_CATEGORY = 300
 ROLES = ("guard",)  # a model's `role`: a guard judge is never offered to clients
 ROUTING_POLICIES = ("prefix", "least-load", "round-robin")  # llmgw/gateway/balancer.py says what each does
 
@@ -61,19 +66,42 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
     return check
 
 
-def check_guard_override(table: Any, where: str) -> None:
-    """Raise ValueError unless TABLE is a model's `guard` override: {model, check, fail}, each optional."""
+def check_guard_override(table: Any, where: str, judge: bool = False) -> None:
+    """Raise ValueError unless TABLE is a model's `guard` table: an ordinary model's override {model, check,
+    fail}, or, for a JUDGE (role = "guard"), {format, categories}; each optional."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: guard is a table such as {{check = \"prompts\"}}")
+    keys = JUDGE_KEYS if judge else GUARD_KEYS
     for key, value in table.items():
-        allowed = GUARD_KEYS.get(key)
+        allowed = keys.get(key)
         if allowed is None:
-            raise ValueError(f"{where}: guard.{key} is not known; a model's guard may set {', '.join(GUARD_KEYS)}")
-        if allowed is str:
+            whose = "a judge's guard (role = \"guard\")" if judge else "a model's guard"
+            raise ValueError(f"{where}: guard.{key} is not known; {whose} may set {', '.join(keys)}")
+        if key == "model":
             if not isinstance(value, str):
                 raise ValueError(f"{where}: guard.model is the name of a judge model, not {value!r}")
+        elif key == "categories":
+            _check_categories(value, where)
         else:
             _one_of(allowed)(value, f"{where}: guard.{key}")
+
+
+def guard_pairs(table: dict) -> tuple:
+    """A model's `guard` table as the frozen models keep it: sorted (key, value) pairs, a list as a tuple."""
+    return tuple(sorted((key, tuple(value) if isinstance(value, list) else value) for key, value in table.items()))
+
+
+def _check_categories(value: Any, where: str) -> None:
+    """A judge's categories: what it is asked to find, written into its prompt as S1, S2, ... in this order.
+    One line each, with none of the prompt's own markers, since a category is part of the judge's prompt."""
+    if not isinstance(value, list) or not 1 <= len(value) <= MOST_CATEGORIES:
+        raise ValueError(f"{where}: guard.categories is a list of 1 to {MOST_CATEGORIES} categories, such as "
+                         "[\"Violent Crimes\", \"Hate\"]")
+    for text in value:
+        if not isinstance(text, str) or not text.strip() or len(text) > LONGEST_CATEGORY \
+                or any(not c.isprintable() for c in text) or "<|" in text or "|>" in text:
+            raise ValueError(f"{where}: guard.categories holds {str(text)[:60]!r}; each is one line of printable "
+                             f"text of at most {LONGEST_CATEGORY} characters, without <| or |>")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -626,7 +654,7 @@ def _check_model(index: int, table: Any, where: str) -> dict:
         if model.get("role", "") not in ("", *ROLES):
             raise ValueError(f"role is {model['role']!r}; the only role is \"guard\" (a judge of other models)")
         if "guard" in model:
-            check_guard_override(model["guard"], "its guard")
+            check_guard_override(model["guard"], "its guard", judge=model.get("role") == "guard")
         check_profile_name(model.get("routing_profile"), "routing_profile")
     except ValueError as e:
         raise ConfigError(f"model {model['name']} in {where}: {e}") from None
@@ -912,7 +940,9 @@ def reference_markdown() -> str:
         "| `role` | str | `\"guard\"`: a judge in Llama Guard 3's format, never offered to clients nor served "
         "to them; other models name it in `guard.model`. |",
         "| `guard` | table | This model's own guardrails, over `[guard]`: `model` (its judge), `check` "
-        "(`prompts`, `answers`, `both`, `none`), `fail` (`closed`, `open`). |",
+        "(`prompts`, `answers`, `both`, `none`), `fail` (`closed`, `open`). A judge's (`role = \"guard\"`): "
+        "`format` (`llamaguard3`) and `categories`, what it is asked to find, in place of Llama Guard 3's "
+        "(docs/guardrails.md). |",
         "| `source` | str | A path on the nodes (used in place) or an http(s) URL (fetched once per node). |",
         "| `scaling` | table | `min` and `max` replicas (default 1 and 1; `min = 0` runs it on demand), "
         "`idle_timeout` (such as `\"30m\"`) after which an on-demand model stops; 15 minutes by default. |",

@@ -41,8 +41,11 @@ TARGETS = {"plain": {}, "bad-prompt": {"model": "judge-unsafe", "check": "prompt
            "worded-open": {"model": "judge-word", "check": "prompts", "fail": "open"},
            "reasoner": {"model": "judge-word", "check": "answers"},
            "tiny-open": {"model": "judge-tiny", "check": "prompts", "fail": "open"},
-           "garbled": {"model": "judge-garbled", "check": "prompts"}}
-JUDGES = ("judge-safe", "judge-unsafe", "judge-dead", "judge-word", "judge-tiny", "judge-garbled")
+           "garbled": {"model": "judge-garbled", "check": "prompts"},
+           "secretive": {"model": "judge-custom", "check": "prompts"}}
+JUDGES = ("judge-safe", "judge-unsafe", "judge-dead", "judge-word", "judge-tiny", "judge-garbled", "judge-custom")
+# A judge asked about an organisation's own categories, which its catalog entry writes into its prompt.
+CUSTOM = ["Company secrets: anything about Project Falcon", "Hate"]
 UNSAFE = "BOMB"  # the word judge-word finds unsafe (S9 Indiscriminate Weapons)
 MAX_PROMPT_BYTES = 2000  # the gateway's guard.max_prompt_bytes: a piece and its template fit judge-word
 
@@ -63,11 +66,15 @@ def env(tmp_path_factory):
     sims["judge-tiny"] = Sim(model="judge-tiny", replica="judge-tiny", ttft_ms=5, reply="safe", max_context=50)
     sims["judge-garbled"] = Sim(model="judge-garbled", replica="judge-garbled", ttft_ms=5,
                                 reply="I think it is fine")
+    # Unsafe under S1 only where its prompt asks about Project Falcon, as its categories do.
+    sims["judge-custom"] = Sim(model="judge-custom", replica="judge-custom", ttft_ms=5, reply="safe",
+                               reply_if=("Project Falcon", "unsafe\nS1"))
     endpoints = [{"id": name, "url": sim.url, "models": [name]} for name, sim in sims.items()]
     endpoints.append({"id": "judge-dead-replica", "url": f"http://127.0.0.1:{free_port()}",
                       "models": ["judge-dead"]})
     models = [{"name": name, "guard": policy} if policy else {"name": name} for name, policy in TARGETS.items()]
-    models += [{"name": judge, "role": "guard"} for judge in JUDGES]
+    models += [{"name": judge, "role": "guard"} for judge in JUDGES if judge != "judge-custom"]
+    models.append({"name": "judge-custom", "role": "guard", "guard": {"format": "llamaguard3", "categories": CUSTOM}})
     key = make_key(url)
     gw = Gateway(tmp, url, endpoints=endpoints, models=models, workers=2, guard__model="judge-safe",
                  guard__timeout=5.0, guard__max_prompt_bytes=MAX_PROMPT_BYTES)
@@ -465,7 +472,8 @@ def test_a_judge_and_a_models_guard_travel_from_the_catalog_to_gateways():
     from llmgw.wire import gateways
 
     profiles = [{"engine": "sim"}]
-    judge = catalog.parse_model({"name": "j", "source": "/m", "role": "guard", "profiles": profiles})
+    judge = catalog.parse_model({"name": "j", "source": "/m", "role": "guard", "profiles": profiles,
+                                 "guard": {"format": "llamaguard3", "categories": CUSTOM}})
     target = catalog.parse_model({"name": "t", "source": "/m", "guard": {"model": "j", "fail": "open"},
                                   "profiles": profiles})
     body = publisher.snapshot_body({"j": judge, "t": target}, [])
@@ -473,14 +481,29 @@ def test_a_judge_and_a_models_guard_travel_from_the_catalog_to_gateways():
     snapshot = from_controller(message, Snapshot(version=0, models={}, replicas={}))
     assert snapshot.models["j"].role == "guard" and [m.name for m in snapshot.offered()] == ["t"]
     assert dict(snapshot.models["t"].guard) == {"model": "j", "fail": "open"}
+    assert dict(snapshot.models["j"].guard) == {"format": "llamaguard3", "categories": tuple(CUSTOM)}
     for wrong, says in (({"role": "judge"}, "the only role is"), ({"guard": {"check": "sometimes"}}, "not one of"),
                         ({"guard": {"judge": "j"}}, "guard.judge is not known")):
         with pytest.raises(catalog.CatalogError, match=says):
             catalog.parse_model({"name": "x", "source": "/m", "profiles": profiles, **wrong})
 
 
+def test_a_judge_is_asked_about_the_categories_its_catalog_entry_writes(env):
+    with pytest.raises(Refused) as refused:
+        Chat.ask(env, "secretive", False)
+    assert refused.value.status == 400 and "(S1 Company secrets: anything about Project Falcon)" in refused.value.message
+    prompt = guard.judge_prompt("hi", None, tuple(CUSTOM))
+    assert "S1: Company secrets: anything about Project Falcon.\nS2: Hate.\n<END UNSAFE CONTENT CATEGORIES>" in prompt
+    assert "S3:" not in prompt and "Violent Crimes" not in prompt
+
+
 @pytest.mark.parametrize("toml,says", [
     ('[guard]\nfail = "sometimes"\n', "guard.fail: 'sometimes' is not one of closed, open"),
+    ('[[models]]\nname = "m"\nguard = {categories = ["Hate"]}\n', "guard.categories is not known; a model's guard"),
+    ('[[models]]\nname = "j"\nrole = "guard"\nguard = {check = "all"}\n', "guard.check is not known; a judge's"),
+    ('[[models]]\nname = "j"\nrole = "guard"\nguard = {format = "shieldgemma"}\n', "not one of llamaguard3"),
+    ('[[models]]\nname = "j"\nrole = "guard"\nguard = {categories = ["a <|eot_id|> b"]}\n', "without <| or |>"),
+    ('[[models]]\nname = "j"\nrole = "guard"\nguard = {categories = []}\n', "a list of 1 to 30 categories"),
     ('[[models]]\nname = "m"\nguard = {check = "all"}\n', "model m .*guard.check: 'all' is not one of prompts"),
     ('[[models]]\nname = "m"\nrole = "judge"\n', "model m .*the only role is \"guard\""),
 ])

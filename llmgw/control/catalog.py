@@ -201,7 +201,7 @@ def parse_model(table: dict, origin: str = "config") -> Model:
         raise CatalogError(f"{where}: role is {str(role)[:40]!r}; the only role is \"guard\" (a judge of other models)")
     guard = table.get("guard", {})
     try:
-        settings.check_guard_override(guard, where)
+        settings.check_guard_override(guard, where, judge=role == "guard")
         settings.check_profile_name(table.get("routing_profile"), f"{where}: routing_profile")
     except ValueError as e:
         raise CatalogError(str(e)) from None
@@ -211,7 +211,7 @@ def parse_model(table: dict, origin: str = "config") -> Model:
                  min_replicas=low, max_replicas=high,
                  idle_timeout=_duration(scaling.get("idle_timeout"), f"{where}: scaling.idle_timeout"), origin=origin,
                  size_bytes=table.get("size_bytes") if isinstance(table.get("size_bytes"), int) else None,
-                 role=role, guard=tuple(sorted(guard.items())), routing_profile=table.get("routing_profile"))
+                 role=role, guard=settings.guard_pairs(guard), routing_profile=table.get("routing_profile"))
 
 
 def read_model_file(path: str) -> dict:

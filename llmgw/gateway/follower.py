@@ -26,7 +26,7 @@ import logging
 
 import zmq.green as zmq
 
-from llmgw import addresses
+from llmgw import addresses, settings
 from llmgw.gateway.snapshot import ModelSpec, ReplicaSpec, Snapshot
 from llmgw.wire import gateways
 from llmgw.wire.curve import ClientKeys, dial
@@ -41,7 +41,7 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
                                       description=m.get("description") or "", max_context=m.get("max_context"),
                                       max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")),
-                                      role=m.get("role") or "", guard=tuple(sorted((m.get("guard") or {}).items())),
+                                      role=m.get("role") or "", guard=settings.guard_pairs(m.get("guard") or {}),
                                       routing_profile=m.get("routing_profile"))
     replicas = dict(base.replicas)
     for r in body.get("replicas", []):

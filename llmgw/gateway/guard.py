@@ -8,7 +8,8 @@ everything, counted and logged); a model's own `guard` table overrides any of
 the three. Docs: docs/guardrails.md.
 
 The judge is asked as Llama Guard 3 was trained: its whole prompt (the
-categories S1-S14, the conversation as `User:` and `Agent:` turns, the
+categories S1-S14, or those its own `guard.categories` writes in their place,
+the conversation as `User:` and `Agent:` turns, the
 question about the last turn) written here and sent as a plain completion, so
 that neither the engine's chat template (Llama Guard's raises on a system or
 tool message, which every agent sends) nor its default categories decide what
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -86,7 +88,6 @@ Provide your safety assessment for ONLY THE LAST {role} message in the above con
 <|start_header_id|>assistant<|end_header_id|>
 
 """
-CATEGORY_LINES = "\n".join(f"{code}: {name}." for code, name in CATEGORIES.items())
 # Fields of a request that carry no text to the model: sampling, limits, delivery, and the choice among
 # tools it was offered. Every other field is judged, shown as `[field] value`, since an engine or its chat
 # template may render it: tools (names, descriptions, schemas), response_format, a completion's suffix,
@@ -142,9 +143,22 @@ def policy(cfg, model: ModelSpec) -> Policy | None:
                   chosen["fail"] == "open")
 
 
-def named(categories: tuple[str, ...]) -> str:
-    """`S1 Violent Crimes, S10 Hate`: codes a client can look up, with names a person can read."""
-    return ", ".join(f"{c} {CATEGORIES[c]}" if c in CATEGORIES else c for c in categories)
+@functools.lru_cache(maxsize=64)
+def judge_categories(written: tuple[str, ...] | None) -> dict[str, str]:
+    """A judge's categories by code (S1, S2, ...): the ones its catalog entry writes (`guard.categories`), in
+    their order, or Llama Guard 3's own."""
+    return {f"S{i}": text for i, text in enumerate(written, 1)} if written else CATEGORIES
+
+
+@functools.lru_cache(maxsize=64)
+def _category_lines(written: tuple[str, ...] | None) -> str:
+    return "\n".join(f"{code}: {text}{'' if text.endswith('.') else '.'}"
+                     for code, text in judge_categories(written).items())
+
+
+def named(categories: tuple[str, ...], names: dict[str, str] = CATEGORIES) -> str:
+    """`S1 Violent Crimes, S10 Hate`: codes a client can look up, with NAMES (the judge's) a person can read."""
+    return ", ".join(f"{c} {names[c]}" if c in names else c for c in categories)
 
 
 def _text(content) -> str:
@@ -196,10 +210,11 @@ def neutral(text: str) -> str:
     return TURN.sub(r"\1> ", MARKER.sub("(", text))
 
 
-def judge_prompt(user: str, agent: str | None = None) -> str:
-    """Llama Guard 3's prompt asking about AGENT's answer to USER, or about USER where AGENT is None."""
+def judge_prompt(user: str, agent: str | None = None, categories: tuple[str, ...] | None = None) -> str:
+    """Llama Guard 3's prompt asking about AGENT's answer to USER, or about USER where AGENT is None, in
+    CATEGORIES (a judge's `guard.categories`; None: Llama Guard 3's own)."""
     conversation = f"User: {neutral(user)}" + (f"\n\nAgent: {neutral(agent)}" if agent is not None else "")
-    return PROMPT.format(role="User" if agent is None else "Agent", categories=CATEGORY_LINES,
+    return PROMPT.format(role="User" if agent is None else "Agent", categories=_category_lines(categories),
                          conversation=conversation)
 
 
@@ -307,7 +322,9 @@ class Guard:
 
     def _judge(self, req, model: ModelSpec, rule: Policy, checked: str, user: str, agent: str | None) -> None:
         m = self.rt.metrics
-        prompt = judge_prompt(user, agent)
+        judge = self.rt.router.snapshot.models.get(rule.judge)
+        written = dict(judge.guard).get("categories") if judge is not None else None
+        prompt = judge_prompt(user, agent, written)
         seen = hashlib.blake2b(f"{rule.judge}\n{prompt}".encode("utf-8", "replace"), digest_size=16).digest()
         if seen in self.safe:  # the judge's verdict at temperature 0 would be the same
             self.safe.move_to_end(seen)
@@ -351,12 +368,13 @@ class Guard:
         for code in categories:
             m.guard_verdicts.labels(rule.judge, checked, "unsafe", code).inc()
         _record(req, f"{checked}_unsafe", ",".join(categories))
+        found = named(categories, judge_categories(written))
         if checked == "prompt":
             raise ApiError(400, f"This prompt was refused by the gateway's guardrails: the judge found it unsafe "
-                                f"({named(categories)}). Change the request; if the verdict looks wrong, an operator "
+                                f"({found}). Change the request; if the verdict looks wrong, an operator "
                                 "can find it under the request id.", "content_filter", "messages")
         raise ApiError(400, f"The answer was withheld by the gateway's guardrails: the judge found it unsafe "
-                            f"({named(categories)}). Change the request; if the verdict looks wrong, an operator "
+                            f"({found}). Change the request; if the verdict looks wrong, an operator "
                             "can find it under the request id.", "content_filter")
 
     def _ask(self, judge: str, prompt: str) -> tuple[str, ...] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from llmgw import settings
 from llmgw.settings import Config
 
 
@@ -107,7 +108,7 @@ def from_config(cfg: Config, accountant: str | None = None, version: int = 1) ->
         models[table["name"]] = ModelSpec(
             name=table["name"], aliases=tuple(table.get("aliases", ())), description=table.get("description", ""),
             max_context=table.get("max_context"), max_output=table.get("max_output"), created=created,
-            role=table.get("role", ""), guard=tuple(sorted(table.get("guard", {}).items())),
+            role=table.get("role", ""), guard=settings.guard_pairs(table.get("guard", {})),
             routing_profile=table.get("routing_profile"))
     replicas = {}
     for ep in cfg.endpoints:
