@@ -75,6 +75,14 @@ def test_up_serves_a_real_model_and_stops_everything(tmp_path):
         ctl = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "ctl", "replicas"],
                              cwd=tmp_path, capture_output=True, text=True)
         assert "smollm2-135m-instruct" in ctl.stdout and "ready" in ctl.stdout
+        # Filtered alike in the table and in --json; a filter matching nothing says how many there are.
+        def ctl_run(*argv):
+            return subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "ctl", *argv],
+                                  cwd=tmp_path, capture_output=True, text=True)
+        assert len(ctl_run("replicas", "--state", "rea", "--pool", "none/cpu", "--json").stdout.splitlines()) == 1
+        assert "no replicas match state gone. 1 replicas in total" in ctl_run("replicas", "--state", "gone").stderr
+        assert "no nodes match fabric ib-z. 1 nodes in total" in ctl_run("nodes", "--fabric", "ib-z").stderr
+        assert len(ctl_run("nodes", "--state", "ready", "--json").stdout.splitlines()) == 1
         # The node fetched the model from the mirror, which imported it from the wheel.
         assert "imported into the mirror" in err
         listed = subprocess.run([sys.executable, "-m", "llmgw", "--config", "var/up.toml", "mirror", "list"],

@@ -17,6 +17,7 @@ import urllib.parse
 import click
 
 from llmgw.apiclient import ApiClient, ApiError, admin_client, segment
+from llmgw.cli import filters
 from llmgw.cli.bench import bench, capacity
 from llmgw.cli.tables import human_bytes, print_table, printable
 
@@ -71,17 +72,27 @@ def status(obj, as_json):
 
 
 @ctl.command()
+@click.option("--fabric", help="Only nodes on this fabric.")
+@click.option("--class", "gpu_class", help="Only nodes with a GPU of this class (such as h100-80g).")
+@click.option("--state", help="Only nodes in this state (its start is enough: `cord` for cordoned).")
+@click.option("--label", "labels", multiple=True, metavar="KEY[=VALUE]",
+              help="Only nodes with this label (any value, or this one); may be given again, all must match.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per node.")
 @click.pass_obj
-def nodes(obj, as_json):
+def nodes(obj, fabric, gpu_class, state, labels, as_json):
     """The nodes: state, when last heard, CPU, memory, disk, GPUs."""
-    result = obj.admin.call("GET", "/api/v1/nodes")["nodes"]
+    wanted = filters.NodeFilter(fabric, gpu_class, state, tuple(filters.labels_wanted(labels)))
+    everyone = obj.admin.call("GET", "/api/v1/nodes")["nodes"]
+    result = [n for n in everyone if wanted.matches(n)]
     if as_json:
         for node in result:
             click.echo(json.dumps(node))
         return
-    if not result:
+    if not everyone:
         click.echo("no node has registered yet; start agent.py on a node with this controller's address", err=True)
+        return
+    if not result:
+        click.echo(filters.no_matches("nodes", wanted.describe(), len(everyone)), err=True)
         return
     rows = [("NODE", "STATE", "LAST SEEN", "ADDRESS", "CPUS", "MEMORY", "DISK FREE", "GPUS")]
     for n in result:
@@ -249,17 +260,25 @@ def models(obj, as_json):
 
 @ctl.command()
 @click.option("--model", help="Only this model's replicas.")
+@click.option("--node", help="Only replicas (or ranks of one) on this node.")
+@click.option("--state", help="Only replicas in this state (its start is enough: `start` for starting).")
+@click.option("--pool", help="Only replicas whose pool, FABRIC/CLASS of their node (ib-a/h100-80g, none/cpu), "
+              "holds this.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per replica.")
 @click.pass_obj
-def replicas(obj, model, as_json):
+def replicas(obj, model, node, state, pool, as_json):
     """Every replica: where, in what state, downloading how much, and whether its profile is stale."""
-    result = [r for r in obj.admin.call("GET", "/api/v1/replicas")["replicas"] if not model or r["model"] == model]
+    wanted = filters.ReplicaFilter(model, node, state, pool)
+    everyone = obj.admin.call("GET", "/api/v1/replicas")["replicas"]
+    fleet = {n["node_id"]: n for n in obj.admin.call("GET", "/api/v1/nodes")["nodes"]} if pool else {}
+    result = [r for r in everyone if wanted.matches(r, fleet)]
     if as_json:
         for replica in result:
             click.echo(json.dumps(replica))
         return
     if not result:
-        click.echo("no replicas", err=True)
+        click.echo(filters.no_matches("replicas", wanted.describe(), len(everyone)) if everyone and not wanted.empty()
+                   else "no replicas", err=True)
         return
     rows = [("REPLICA", "MODEL", "NODE", "STATE", "ENGINE", "URL")]
     for r in result:
