@@ -2,13 +2,13 @@
 
 import dataclasses
 import os
-import re
+import subprocess
 import sys
 
 import pytest
 
 from llmgw import engines
-from llmgw.engines import llamacpp, sglang, vllm
+from llmgw.engines import flagcheck, llamacpp, sglang, vllm
 
 
 def test_vllm_serve():
@@ -24,22 +24,18 @@ def test_vllm_serve():
 
 
 def test_every_flag_llmgw_gives_vllm_is_in_its_own_help():
-    # The help of a real vLLM (tests/fixtures/README.md): a flag it does not know stops it at once.
+    # The help of a real vLLM (tests/fixtures/README.md): a flag it does not know stops it at once. The same
+    # check as `llmgw ctl engine-check`, on the captured help, for every command line (multi-node included).
     with open(os.path.join(os.path.dirname(__file__), "fixtures", "vllm-0.32.0-serve-help.txt")) as f:
-        known = set(re.findall(r"^\s+(--?[a-zA-Z][\w-]*)", f.read(), re.M))
+        known = flagcheck.known_flags(f.read())
     assert {"--served-model-name", "--api-key", "--enforce-eager"} <= known  # the capture is the real one
     argv = engines.command("vllm", "/models/m", "m", "10.0.0.5", 8001, [0, 1], 4096, [], "r1", api_key="k",
                            launch=("python", "/e/venv/bin/python"))
     assert argv[:4] == ["/e/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]
-    given = [a for a in argv[4:] if a.startswith("-")]
-    assert given and set(given) <= known, set(given) - known
     assert "k" not in argv  # the key goes by environment, where no other user of the node reads it
-    # A replica over several nodes: vLLM's own multi-node mode, every flag in its help too.
-    for rank, port in ((0, 8001), (1, None)):
-        argv = engines.command("vllm", "/models/m", "m", "10.0.0.5", port, [0, 1], 4096, [], "r1", api_key="k",
-                               launch=("binary", "vllm"), ranks=engines.Ranks("g", rank, 2, "10.0.0.4:29500"))
-        given = [a for a in argv if a.startswith("-")]
-        assert set(given) <= known, set(given) - known
+    for launch in (("python", "/e/venv/bin/python"), ("binary", "vllm")):
+        given = flagcheck.given_flags("vllm", launch)
+        assert {"--nnodes", "--headless", "--tensor-parallel-size"} <= given and given <= known, given - known
 
 
 def test_vllm_over_two_nodes():
@@ -71,13 +67,48 @@ def test_vllm_is_started_quiet_and_on_its_nodes_address():
 def test_every_flag_llmgw_gives_sglang_is_in_its_own_parser():
     # SGLang's parser, printed from its own module (tests/fixtures/README.md); it cannot run here.
     with open(os.path.join(os.path.dirname(__file__), "fixtures", "sglang-0.5.23-launch-server-help.txt")) as f:
-        known = set(re.findall(r"(?:^\s+|, )(--?[a-zA-Z][\w-]*)", f.read(), re.M))
+        known = flagcheck.known_flags(f.read())
     assert {"--model-path", "--enable-metrics", "--api-key"} <= known
     argv = engines.command("sglang", "/models/m", "m", "10.0.0.5", 30000, [0, 1], 8192, [], "r1", api_key="k",
                            launch=("python", "/e/venv/bin/python"))
     assert argv[:3] == ["/e/venv/bin/python", "-m", "sglang.launch_server"]
-    given = [a for a in argv[3:] if a.startswith("-")]
-    assert set(given) <= known, set(given) - known
+    given = flagcheck.given_flags("sglang", ("python", "/e/venv/bin/python"))
+    assert "--api-key" in given and given <= known, given - known
+
+
+def engine_check(*argv) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw", "ctl", "engine-check", *argv], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_engine_check_runs_the_engines_help_and_names_a_flag_it_no_longer_takes(tmp_path):
+    ours = engine_check("llamacpp")  # the xllamacpp wheel's server, as llmgw runs it
+    assert ours.returncode == 0 and "xllamacpp" in ours.stdout and "takes every one of the 8 flags" in ours.stdout
+    # A llama-server of a release that renamed --pooling: the node would start it and see it exit.
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'version: 9999 (abc)'; exit 0; fi\n"
+                    "cat <<'EOF'\n  -m, --model FNAME\n  --alias A\n  --host H\n  --port P\n  -c, --ctx-size N\n"
+                    "  -t, --threads N\n  -np, --parallel N\n  --metrics\n  --embeddings\n  --pooling-type X\n"
+                    "  --jinja\n  --no-webui\nEOF\n")
+    fake.chmod(0o755)
+    drifted = engine_check("llamacpp", "--bin", str(fake))
+    assert drifted.returncode == 1 and "9999" in drifted.stdout
+    assert "it does not take 1 of the 12 flags llmgw builds for it: --pooling." in drifted.stderr
+    missing = engine_check("llamacpp", "--bin", str(tmp_path / "nowhere"))
+    assert missing.returncode == 1 and "nowhere is not there" in missing.stderr
+    assert engine_check("vllm").returncode == 2  # which vLLM is the operator's to say
+
+
+def test_engine_check_of_a_real_vllm():
+    from tests import realvllm
+
+    try:
+        home = realvllm.environment()
+    except realvllm.Unavailable as e:
+        pytest.fail(f"vLLM's CPU build could not be installed: {e}")
+    checked = engine_check("vllm", "--bin", os.path.join(home, "bin", "vllm"))
+    assert checked.returncode == 0, checked.stderr
+    assert f"vllm {realvllm.VERSION}" in checked.stdout and "--nnodes" in checked.stdout
 
 
 def test_sglangs_load_figures_are_names_it_registers():

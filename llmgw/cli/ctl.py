@@ -300,6 +300,41 @@ def replicas(obj, model, node, state, pool, as_json):
             click.echo(printable(f"{r['shard_id']} was last restarted because {r['restart_reason']}"), err=True)
 
 
+@ctl.command("engine-check")
+@click.argument("engine", type=click.Choice(["llamacpp", "vllm", "sglang"]))
+@click.option("--bin", "binary", metavar="PATH", help="The engine's program: `llama-server`, or `vllm`.")
+@click.option("--python", metavar="PATH", help="An interpreter that has the engine (a node's virtual environment).")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds its help may take (vLLM's imports torch).")
+def engine_check(engine, binary, python, timeout):
+    """Check that ENGINE, as this machine would run it, takes every flag llmgw builds for it.
+
+    Run it after changing an engine's version: flags drift between releases, and one it does not know stops
+    it at once. Without --bin or --python: llmgw's own environment's. It runs the engine's help only,
+    never a server."""
+    from llmgw.engines import flagcheck
+
+    if binary and python:
+        raise click.UsageError("give --bin or --python, not both")
+    if engine == "vllm" and not (binary or python):
+        raise click.UsageError("say which vLLM: --bin /opt/venvs/vllm/bin/vllm, or --python of its environment")
+    if engine == "sglang" and binary:
+        raise click.UsageError("SGLang runs as a module: give --python of its environment")
+    launch = ("binary", binary) if binary else ("python", python) if python else None
+    click.echo(f"asking {engine} for its options (this runs its help, not a server)...", err=True)
+    try:
+        found = flagcheck.check(engine, launch, timeout)
+    except RuntimeError as e:
+        raise click.ClickException(f"{engine} could not be checked: {e}") from None
+    click.echo(printable(f"{engine} {found.version or '(version unknown)'}: {found.program}"))
+    if found.missing:
+        raise click.ClickException(
+            f"it does not take {len(found.missing)} of the {len(found.given)} flags llmgw builds for it: "
+            f"{', '.join(sorted(found.missing))}. A node would start it and see it exit; keep the version "
+            "before, or report the flags that changed.")
+    click.echo(f"takes every one of the {len(found.given)} flags llmgw builds for it: "
+               f"{', '.join(sorted(found.given))}")
+
+
 @ctl.command("fabric-test")
 @click.argument("a")
 @click.argument("b")
