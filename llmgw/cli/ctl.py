@@ -335,6 +335,37 @@ def engine_check(engine, binary, python, timeout):
                f"{', '.join(sorted(found.given))}")
 
 
+@ctl.command("tool-check")
+@click.argument("model")
+@click.option("--gateway", "gateway_url", metavar="URL", help="The gateway [gateway.public_url, or its listen address].")
+@click.option("--key", envvar="LLMGW_API_KEY", metavar="KEY", help="A key that may use MODEL [$LLMGW_API_KEY].")
+@click.option("--timeout", default=120.0, show_default=True, help="Seconds each answer may take.")
+@click.pass_obj
+def tool_check(obj, model, gateway_url, key, timeout):
+    """Check that MODEL calls tools well enough for coding agents (Codex, Claude Code, Cline, Continue).
+
+    Asks it, through the gateway as the agents do, to call a tool in a whole answer, in a stream and
+    through the Responses API, then to answer from the tool's result. Exits 1 when any step fails."""
+    from llmgw.cli import toolcheck
+
+    if not key:
+        raise click.UsageError("give a key that may use the model: --key, or LLMGW_API_KEY in the environment")
+    gw = toolcheck.Gateway(gateway_url or obj.config().public_url(), key, timeout)
+    click.echo(f"asking {model} to call a tool, through {gw.url}...", err=True)
+    try:
+        steps = toolcheck.run(gw, model)
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+    for step in steps:
+        click.echo(printable(f"{'ok  ' if step.ok else 'FAIL'}  {step.name}: {step.said}"))
+    failed = [s for s in steps if not s.ok]
+    if failed:
+        raise click.ClickException(
+            f"{model} failed {len(failed)} of {len(steps)} steps: coding agents will stumble on it. Point them at a "
+            "model that calls tools (an instruct or coder model, served with its own chat template).")
+    click.echo(f"{model} calls tools well: {len(steps)} of {len(steps)} steps.")
+
+
 @ctl.command("fabric-test")
 @click.argument("a")
 @click.argument("b")
