@@ -237,7 +237,7 @@ def test_every_signed_in_page_fits(site, width, path):
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-@pytest.mark.parametrize("path", ["/", "/login", "/signup", "/claim/not-a-token"])
+@pytest.mark.parametrize("path", ["/", "/about", "/login", "/signup", "/claim/not-a-token"])
 def test_every_page_for_visitors_fits(site, width, path):
     context = site["browser"].new_context(viewport=WIDTHS[width])
     page = context.new_page()

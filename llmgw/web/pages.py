@@ -34,7 +34,7 @@ from flask.sessions import SecureCookieSessionInterface
 from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, memberships, sessions
-from llmgw.web import account, adminpages, chatpage, editors, errorpages, fabricpages, forms, mirrorpage, nodepages, safety, signin
+from llmgw.web import about, account, adminpages, chatpage, editors, errorpages, fabricpages, forms, mirrorpage, nodepages, safety, signin
 from llmgw.web.site import Person, Site, site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,8 +86,8 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d", time.gmtime(t)), "day")
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)), "minute")
     app.context_processor(_menu)
-    for blueprint in (signin.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp, nodepages.bp,
-                      fabricpages.bp, errorpages.bp):
+    for blueprint in (signin.bp, about.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp,
+                      nodepages.bp, fabricpages.bp, errorpages.bp):
         app.register_blueprint(blueprint)
     return app
 
