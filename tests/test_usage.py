@@ -230,3 +230,33 @@ def test_a_spool_line_that_holds_no_row_is_logged_and_the_others_written(engine,
     assert [r.key_id for r in stored(engine, "key_id")] == ["kept"] and os.listdir(spool) == []
     assert counted(starting.metrics, starting.metrics.usage_dropped) == 2
     assert any("unreadable in the spool: not json" in r.getMessage() for r in caplog.records)
+
+
+def test_a_budget_is_shown_beside_a_row_only_where_that_level_sets_one(store_url):
+    # An organisation's budget printed beside each of its teams read as each team's own.
+    import time
+
+    from llmgw.people import limits
+
+    engine = store.open_engine(store_url)
+    a, b = setup_tree(engine)
+    tree = orgtree.Tree.load(engine)
+    limits.set_limits(engine, "org", tree.find("org", "Acme").id, "test", budget=50_000_000)
+    limits.set_limits(engine, "project", a, "test", budget=5_000_000, period="day")
+    record(engine, [(time.time() - 3600, "k", a, None, "m", 200, 3, 4, 10), (time.time() - 3600, "k", b, None, "m",
+                                                                              200, 3, 4, 10)])
+    try:
+        by_project = {line.label: line.budget for line in usagereport.report(engine, "project", time.time() - 86400)
+                      .lines}
+        assert by_project == {"Acme/ml/a": (5_000_000, "day"), "Acme/ml/b": None}
+        assert [line.budget for line in usagereport.report(engine, "org", time.time() - 86400).lines] == [
+            (50_000_000, "month")]
+        assert [line.budget for line in usagereport.report(engine, "team", time.time() - 86400).lines] == [None]
+    finally:
+        engine.dispose()
+    runner = CliRunner()
+    table = runner.invoke(main, ["--store", store_url, "usage", "--by", "project"]).output
+    assert "BUDGET" in table and "5 a day" in table
+    assert "BUDGET" not in runner.invoke(main, ["--store", store_url, "usage", "--by", "team"]).output
+    line = json.loads(runner.invoke(main, ["--store", store_url, "usage", "--by", "org", "--json"]).output)
+    assert (line["budget_micros"], line["budget_period"]) == (50_000_000, "month")

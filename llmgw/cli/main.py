@@ -314,14 +314,20 @@ def usage(obj: Context, by, since, as_json):
             click.echo(json.dumps({by: line.label, "requests": line.requests, "errors": line.errors,
                                    "prompt_tokens": line.prompt_tokens, "completion_tokens": line.completion_tokens,
                                    "cost_micros": line.cost_micros,
+                                   "budget_micros": line.budget[0] if line.budget else None,
+                                   "budget_period": line.budget[1] if line.budget else None,
                                    "series": {str(int(k)): v for k, v in sorted(line.series.items())}}))
         return
     if not found.lines:
         click.echo(f"no use in the last {since}", err=True)
         return
-    rows = [(by.upper(), "REQUESTS", "ERRORS", "PROMPT TOKENS", "COMPLETION TOKENS", "SPENT")]
+    budgets = any(line.budget for line in found.lines)  # a column only where some row's own level sets one
+    rows = [(by.upper(), "REQUESTS", "ERRORS", "PROMPT TOKENS", "COMPLETION TOKENS", "SPENT") + (("BUDGET",) if budgets
+                                                                                               else ())]
     rows += [(line.label, f"{line.requests:,}", f"{line.errors:,}", f"{line.prompt_tokens:,}",
-              f"{line.completion_tokens:,}", rules.show_money(line.cost_micros)) for line in found.lines]
+              f"{line.completion_tokens:,}", rules.show_money(line.cost_micros))
+             + ((f"{rules.show_money(line.budget[0])} a {line.budget[1]}" if line.budget else "-",) if budgets else ())
+             for line in found.lines]
     print_table(rows)
 
 

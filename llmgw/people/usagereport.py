@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Engine
 
 from llmgw import store
+from llmgw.people import limits
 
 DAY = 86400
 
@@ -44,6 +45,9 @@ class Line:
     completion_tokens: int = 0
     cost_micros: int = 0
     series: dict = dataclasses.field(default_factory=dict)  # bucket start -> [requests, tokens, cost]
+    # The budget this row's own level sets, (micro-units, "day" or "month"), and None where it sets none:
+    # an organisation's budget printed beside each of its teams would read as each team's.
+    budget: tuple[int, str] | None = None
 
     @property
     def tokens(self) -> int:
@@ -97,10 +101,13 @@ def report(engine: Engine, by: str, since: float, now: float | None = None, proj
         rows += conn.execute(raw.group_by(raw_when, raw_key)).all()
         tree = Tree.read(conn)
         names = _names(conn, by)
+        set_limits = limits.read_all(conn) if by in BUDGET_SCOPES else {}
     lines: dict[str, Line] = {}
     for when, value, requests, errors, prompt, completion, cost in rows:
         label = _label(by, value, tree, names)
-        line = lines.setdefault(label, Line(label))
+        line = lines.get(label)
+        if line is None:
+            line = lines[label] = Line(label, budget=_budget(by, value, tree, set_limits))
         line.requests += int(requests)
         line.errors += int(errors or 0)
         line.prompt_tokens += int(prompt or 0)
@@ -112,6 +119,28 @@ def report(engine: Engine, by: str, since: float, now: float | None = None, proj
         figures[2] += int(cost or 0)
     buckets = [first + i * step for i in range(int((now // step * step - first) // step) + 1)]
     return Report(by, step, buckets, sorted(lines.values(), key=lambda x: (-x.requests, x.label)))
+
+
+# The limits' scope of each grouping that is one, and so may set a budget of its own.
+BUDGET_SCOPES = {"org": "org", "team": "team", "project": "project", "person": "user", "key": "key"}
+
+
+def _budget(by: str, value: str, tree, set_limits: dict) -> tuple[int, str] | None:
+    """The budget the level a row stands for sets itself: the row's project's organisation or team for those
+    groupings (a row is a whole org or team), the person or key itself for the others."""
+    scope = BUDGET_SCOPES.get(by)
+    if scope is None or not value:
+        return None
+    scope_id = value
+    if by in ("org", "team"):
+        node = tree.by_id.get(value)
+        while node is not None and node.kind != by:
+            node = tree.by_id.get(node.parent_id)
+        if node is None:
+            return None
+        scope_id = node.id
+    own = set_limits.get((scope, scope_id))
+    return (own.budget, own.period or "month") if own is not None and own.budget is not None else None
 
 
 def _names(conn, by: str) -> dict[str, str]:
