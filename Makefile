@@ -17,7 +17,7 @@ AMTOOL := /usr/bin/amtool
 NODE_EXPORTER := /usr/bin/prometheus-node-exporter
 POLICY_RC_D := /usr/sbin/policy-rc.d
 
-.PHONY: run test clients docs bench clean
+.PHONY: run test clients release docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -84,6 +84,11 @@ test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTO
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+
+# The source archive, the wheel and SHA256SUMS in dist/, for the version in llmgw/__init__.py; refused
+# without a CHANGELOG.md section for it, or with changes not committed (llmgw/cli/release.py).
+release: $(STAMP)
+	$(BIN)/python -m llmgw.cli.release
 
 docs: $(STAMP)
 	$(BIN)/python -c 'from llmgw.settings import reference_markdown; open("docs/reference.md", "w").write(reference_markdown())'
