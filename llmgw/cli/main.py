@@ -17,6 +17,7 @@ import click
 
 from llmgw import settings, store
 from llmgw.cli.ctl import ctl
+from llmgw.cli.debug import debug
 from llmgw.cli.init import init, mirror_init
 from llmgw.cli.mirror import mirror
 from llmgw.cli.org import limits_cli, org, prices
@@ -426,6 +427,7 @@ main.add_command(limits_cli)
 main.add_command(prices)
 main.add_command(mirror)
 main.add_command(store_cli)
+main.add_command(debug)
 
 
 @main.command()
