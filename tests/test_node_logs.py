@@ -116,3 +116,30 @@ def test_the_admin_api_refuses_a_bad_logs_query_in_a_sentence(node):
         with pytest.raises(urllib.error.HTTPError) as refused:
             c.api(f"/api/v1/nodes/n1/logs?{query}")
         assert refused.value.code in (400, 404) and refusal in json.loads(refused.value.read())["error"], query
+
+
+def test_every_command_a_controller_sends_is_forwarded_and_answered(tmp_path):
+    # The Go version's dispatcher forwarded each request by hand, and one added to the agent but not to the
+    # forwarder was silently absent: every controller -> agent request in the protocol must be both in the
+    # link's list (llmgw/node/controllerlink.py) and answered by the agent's commands, none falling through.
+    from llmgw.node.controllerlink import COMMANDS
+    from llmgw.wire import agent as protocol
+
+    requests = {kind for kind, fields in protocol.MESSAGES.items() if "request_id" in fields and
+                not kind.endswith("_reply") and kind != "ack"}
+    assert requests == set(COMMANDS), requests ^ set(COMMANDS)
+    (tmp_path / "work").mkdir()
+    supervisor = Supervisor("n1", str(tmp_path / "work"), str(tmp_path / "weights"), "127.0.0.1", "127.0.0.1",
+                            report=lambda fields: None)
+    sent = []
+    handle = commands("n1", supervisor, LogSources(LogRing(), supervisor.engine_logs), send=sent.append)
+    samples = {"stop_shard": {"shard_id": "s"}, "drain_shard": {"shard_id": "s", "timeout": 0.1},
+               "remove_weights": {"source": "/nowhere"}, "logs_request": {}, "weights_request": {},
+               "reclaim_weights": {"names": []}, "scan_fabric": {"hca": "mlx5_0", "port": 1}}
+    for kind, fields in samples.items():
+        replies = handle({"type": kind, "request_id": "r", **fields})
+        answered = replies or wait_for(f"{kind}'s reply", 10, lambda: sent) or sent
+        assert any(reply["request_id"] == "r" for _, reply in answered), kind
+        sent.clear()
+    with pytest.raises(ValueError, match="no command 'reboot'"):
+        handle({"type": "reboot", "request_id": "r"})

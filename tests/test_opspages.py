@@ -149,7 +149,8 @@ def test_the_node_page_shows_the_node_and_its_last_hour(ops, client):
     page = client.get("/admin/nodes/n1").data.decode()
     shard = shard_of(ops)
     for text in ("Hardware", "CPUs", "available of", "free of", "None: the node found no GPU",
-                 "sim", "Replicas here", shard, "The doctor's findings", "Read its logs"):
+                 "sim", "Replicas here", shard, "The doctor's findings", "Read its logs",
+                 "which also answers fabric-test, fabric-scan"):
         assert text in page, text
     assert "<svg" in svg_of(page, "CPU use") and "this node" in svg_of(page, "CPU use")
     assert shard in svg_of(page, "Memory of each replica&#39;s engine")

@@ -55,7 +55,10 @@ def commands(node_id: str, supervisor: Supervisor, logs: LogSources, ports=lambd
             most = message.get("most", LISTED_MOST)
             return [("weights_reply", {"node_id": node_id, "request_id": request_id, "removed": removed,
                                        "refused": refused, **supervisor.weights(max(0, min(most, LISTED_MOST)))})]
-        return [("logs_reply", {"node_id": node_id, "request_id": request_id, **_logs_reply(node_id, logs, message)})]
+        if kind == "logs_request":
+            return [("logs_reply", {"node_id": node_id, "request_id": request_id,
+                                    **_logs_reply(node_id, logs, message)})]
+        raise ValueError(f"no command {kind!r}")  # controllerlink.COMMANDS names one this does not answer
 
     return handle
 

@@ -210,6 +210,9 @@ class ControllerLink:
                 elif kind in COMMANDS:
                     for reply_kind, fields in self.on_command(message):
                         _send(sock, protocol.encode(reply_kind, **fields))
+                elif kind != "heartbeat_ack":
+                    # A command this agent does not forward would otherwise vanish, and the controller wait.
+                    log.warning("the controller at %s sent %s, which this agent does not act on", address, kind)
             return registered
         finally:
             if self.registered_with == address:
