@@ -162,6 +162,10 @@ SETTINGS: tuple[Setting, ...] = (
             "gets 429.", minimum=0),
     Setting("gateway.queue_wait", "float", 30.0,
             "Seconds a request waits for a saturated model before 429 with Retry-After.", minimum=0),
+    Setting("gateway.chat_max_tokens", "int", 2048,
+            "The most tokens one answer on the chat page may ask for: it sends the smaller of this and the model's "
+            "`max_output`, so a turn in a browser cannot hold a replica for minutes. 0: the model's `max_output` "
+            "alone.", minimum=0),
     Setting("gateway.load_wait", "float", 120.0,
             "Seconds a request waits for a replica of its model: an on-demand model starting or, behind a controller, "
             "any model whose replicas are starting, moving or being replaced (a stream is kept alive meanwhile), and "

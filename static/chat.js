@@ -80,7 +80,7 @@
     var body = { model: model.value, messages: messages, stream: true, stream_options: { include_usage: true } };
     var t = parseFloat(temperature.value);
     if (!isNaN(t)) { body.temperature = Math.min(2, Math.max(0, t)); }
-    var max = model.selectedOptions[0] && model.selectedOptions[0].dataset.maxOutput;
+    var max = model.selectedOptions[0] && model.selectedOptions[0].dataset.maxTokens;
     if (max) { body.max_tokens = parseInt(max, 10); }
 
     var answer = { role: "assistant", content: "" };

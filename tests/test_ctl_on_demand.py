@@ -2,7 +2,9 @@
 replicas to keep starts now; an on-demand one (scaling.min = 0) starts only at its first request, and ctl
 said "shows it starting" for it too, sending operators to look for a replica that was never coming."""
 
+import json
 import re
+import urllib.request
 
 import pytest
 
@@ -42,3 +44,31 @@ def test_an_on_demand_model_without_an_idle_timeout_names_the_default(controller
 def test_a_model_with_replicas_to_keep_is_said_to_be_starting(controller, tmp_path):
     added = add(controller, tmp_path, "eager", "{min = 1, max = 1}")
     assert added.returncode == 0 and "`llmgw ctl replicas --model eager` shows it starting" in added.stderr
+
+
+def test_a_stopped_model_is_not_offered_and_a_request_for_it_is_told_so_at_once(controller, tmp_path, make_gateway):
+    # A model scaled to no replica (max = 0) was published as on demand: the chat page offered it as
+    # "starts when asked", and a request for it waited gateway.load_wait for a start that never came.
+    import time
+
+    from tests.conftest import make_key, post, wait_until
+
+    assert add(controller, tmp_path, "parked", "{min = 0, max = 0}").returncode == 0
+    url = controller.values["store.url"]
+    key = make_key(url, "stopped-test")
+    gw = make_gateway(store_url=url, workers=1, gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                      gateway__key_file=controller.gateway_key_file("gw-stopped"), gateway__load_wait=60)
+
+    def listed():
+        status, _, body = post(gw.url + "/v1/chat/completions", {"model": "parked", "max_tokens": 2,
+                                                                 "messages": [{"role": "user", "content": "hi"}]}, key)
+        return status, body
+
+    wait_until("the gateway to hear the catalog", 60, lambda: b"catalog_unknown" not in listed()[1])
+    asked = time.monotonic()
+    status, body = listed()
+    assert status == 503 and b"model_stopped" in body and b"llmgw ctl scale parked --max 1" in body
+    assert time.monotonic() - asked < 30  # not gateway.load_wait
+    req = urllib.request.Request(gw.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert "parked" not in [m["id"] for m in json.loads(resp.read())["data"]]

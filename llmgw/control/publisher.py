@@ -72,7 +72,9 @@ def _model(m: Model, served: int | None) -> dict:
     one replica on a node whose key leaked, saying 1, once held every request of the model to 1 token."""
     context = m.max_context if served is None else min(served, m.max_context or served)
     row = {"name": m.name, "aliases": list(m.aliases), "description": m.description, "max_context": context,
-           "max_output": m.max_output, "on_demand": m.min_replicas == 0}
+           "max_output": m.max_output, "on_demand": m.min_replicas == 0 < m.max_replicas}
+    if m.max_replicas == 0:  # stopped by an operator: not offered, and a request is told so at once
+        row["stopped"] = True
     if m.role:
         row["role"] = m.role
     if m.guard:

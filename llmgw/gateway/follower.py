@@ -41,6 +41,7 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
                                       description=m.get("description") or "", max_context=m.get("max_context"),
                                       max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")),
+                                      stopped=bool(m.get("stopped")),
                                       role=m.get("role") or "", guard=settings.guard_pairs(m.get("guard") or {}),
                                       routing_profile=m.get("routing_profile"))
     replicas = dict(base.replicas)

@@ -27,6 +27,7 @@ class ModelSpec:
     max_output: int | None = None
     created: int = 0
     on_demand: bool = False  # runs only while wanted: a request for it waits while it starts
+    stopped: bool = False  # scaled to no replica by an operator: never offered, and a request refused at once
     role: str = ""  # "guard": a judge (llmgw/gateway/guard.py), never listed for clients nor served to them
     guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) pairs
     routing_profile: str | None = None  # the [[routing_profiles]] entry its requests go by, where their key's names none
@@ -87,8 +88,8 @@ class Snapshot:
                                           for name in allowlist)
 
     def offered(self) -> list[ModelSpec]:
-        """The models clients may use, by name: every one but the guard judges."""
-        return sorted((m for m in self.models.values() if m.role != "guard"), key=lambda m: m.name)
+        """The models clients may use, by name: every one but the guard judges and the stopped."""
+        return sorted((m for m in self.models.values() if m.role != "guard" and not m.stopped), key=lambda m: m.name)
 
     def listed_ids(self) -> list[tuple[str, ModelSpec]]:
         """Every name a client may ask for, each alias its own entry, as `/v1/models` lists them."""

@@ -81,10 +81,13 @@ def chat_render():
 
 
 def _models(runtime: Runtime) -> list[dict]:
-    """Each served model once (no aliases), whether it answers now, and whether it starts when asked."""
+    """Each served model once (no aliases), whether it answers now, whether it starts when asked, and the most
+    a turn here asks for: the smaller of the page's ceiling (`gateway.chat_max_tokens`) and its `max_output`."""
     router = runtime.router
+    ceiling = runtime.cfg["gateway.chat_max_tokens"] or None
     return [{"name": spec.name, "ready": bool(router.available(spec.name)), "on_demand": spec.on_demand,
-             "max_output": spec.max_output, "description": spec.description}
+             "max_tokens": min(filter(None, (ceiling, spec.max_output)), default=None),
+             "description": spec.description}
             for spec in router.snapshot.offered()]
 
 

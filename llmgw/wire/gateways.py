@@ -42,7 +42,7 @@ MODEL_NAME = Str(modelnames.LONGEST)
 MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnames.MOST_ALIASES), False),
              "description": ("str", False),
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
-             "on_demand": ("bool", False), "role": (Str(20), False),
+             "on_demand": ("bool", False), "stopped": ("bool", False), "role": (Str(20), False),
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False),
                             # a judge's own: its prompt's format, and the categories it is asked about
                             "format": (Str(20), False),
