@@ -12,6 +12,7 @@
   var model = document.getElementById("model");
   var system = document.getElementById("system");
   var temperature = document.getElementById("temperature");
+  var spend = document.getElementById("spend");
   var send = document.getElementById("send");
   var stop = document.getElementById("stop");
   var state = load();
@@ -22,6 +23,7 @@
   }
   function save() {
     state.model = model.value; state.system = system.value; state.temperature = temperature.value;
+    state.spend = spend.value;
     localStorage.setItem(KEY, JSON.stringify(state));
   }
 
@@ -106,7 +108,8 @@
 
     fetch("/chat/completions", {
       method: "POST", signal: controller.signal, credentials: "same-origin",
-      headers: { "Content-Type": "application/json", "X-CSRF-Token": token }, body: JSON.stringify(body)
+      headers: { "Content-Type": "application/json", "X-CSRF-Token": token, "X-Llmgw-Spend": spend.value },
+      body: JSON.stringify(body)
     }).then(function (resp) {
       if (!resp.ok) {
         return resp.json().then(function (e) { finish(e.error ? e.error.message : "Error " + resp.status); },
@@ -163,7 +166,7 @@
   document.getElementById("clear").addEventListener("click", function () {
     state.messages = []; save(); redraw();
   });
-  [model, system, temperature].forEach(function (el) { el.addEventListener("change", save); });
+  [model, system, temperature, spend].forEach(function (el) { el.addEventListener("change", save); });
 
   // While any model is not running, look every few seconds, so the picker says when one is ready.
   function refreshModels() {
@@ -186,6 +189,10 @@
 
   if (state.model && Array.prototype.some.call(model.options, function (o) { return o.value === state.model; })) {
     model.value = state.model;
+  }
+  if (state.spend && spend.tagName === "SELECT" &&
+      Array.prototype.some.call(spend.options, function (o) { return o.value === state.spend; })) {
+    spend.value = state.spend;  // what the person chose last time, while it is still theirs to choose
   }
   if (state.system) { system.value = state.system; }
   if (state.temperature) { temperature.value = state.temperature; }

@@ -471,3 +471,46 @@ def test_the_chat_page_asks_for_the_smaller_of_its_ceiling_and_a_models_max_outp
             assert {m["name"]: m["max_tokens"] for m in chatpage._models(app.runtime)} == wanted
         finally:
             app.runtime.engine.dispose()
+
+
+def test_a_chat_spends_against_what_the_person_chose_among_what_is_theirs(site):
+    import io
+    import json as json_
+
+    from llmgw.people import memberships, orgtree
+
+    pages, engine, app = site
+    user = accounts.create_user(engine, "c@example.org", "a long enough password", state=accounts.ACTIVE)
+    mine = orgtree.add(engine, "project", "mine", "default/default")
+    theirs = orgtree.add(engine, "project", "theirs", "default/default")
+    memberships.join(engine, user.email, "project", mine.id)
+    app.runtime.refresh_keys()
+    client = pages.test_client()
+    sign_in(client, user.email, "a long enough password")
+    page = client.get("/chat").data.decode()
+    # Asked only where there is a choice: on their own, or the project they belong to (not the other one).
+    assert '<select id="spend"' in page and f'<option value="{mine.id}">default/default/mine</option>' in page
+    assert 'value="personal">On my own</option>' in page and "default/default/theirs" not in page
+    csrf = re.search(r'name="csrf-token" content="([^"]+)"', page).group(1)
+    cookie = client.get_cookie("llmgw_session").value
+
+    def call(spend):
+        body = json_.dumps({"model": "nosuch", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/chat/completions", "wsgi.input": io.BytesIO(body),
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json", "SERVER_NAME": "t",
+                   "SERVER_PORT": "80", "wsgi.url_scheme": "http", "REMOTE_ADDR": "127.0.0.1",
+                   "HTTP_COOKIE": f"llmgw_session={cookie}", "HTTP_X_CSRF_TOKEN": csrf, "HTTP_X_LLMGW_SPEND": spend}
+        seen = {}
+        out = b"".join(app(environ, lambda status, hdrs: seen.update(status=status)))
+        return int(seen["status"][:3]), json_.loads(out)["error"]["code"]
+
+    assert call(mine.id) == (404, "model_not_found")  # let through, to the model's own answer
+    assert call("personal") == (404, "model_not_found")
+    assert call(theirs.id) == (403, "not_a_member")
+    assert call("no-such-project") == (400, "unknown_project")
+    # With one choice only (personal use off, one project) nothing is asked: that one is sent.
+    from llmgw.people import limits
+
+    limits.set_limits(engine, "personal", "", "test", disabled=True)
+    app.runtime.refresh_keys()
+    assert f'<input id="spend" type="hidden" value="{mine.id}">' in client.get("/chat").data.decode()

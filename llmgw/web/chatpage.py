@@ -18,10 +18,12 @@ which carry keys, never read the store.
 from __future__ import annotations
 
 import flask_login
+import sqlalchemy as sa
 from flask import Blueprint, Flask, abort, render_template, request
 from markdown_it import MarkdownIt
 from werkzeug.datastructures import MultiDict
 
+from llmgw import store
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms
@@ -59,8 +61,43 @@ bp = Blueprint("chat", __name__)
 @flask_login.login_required
 def chat():
     s = site()
-    return render_template("chat.html", models=_models(s.runtime),
+    return render_template("chat.html", models=_models(s.runtime), spends=_choices(s.runtime),
                            token=s.form(forms.ActionForm).csrf_token.current_token)
+
+
+def _choices(runtime: Runtime) -> list[tuple[str, str]]:
+    """What the signed-in person may spend a chat against: on their own (unless personal use is off), and
+    each project they reach through a membership, as (value, label)."""
+    from llmgw.people import memberships
+    from llmgw.people.orgtree import Tree
+
+    me = flask_login.current_user.user
+    with runtime.engine.connect() as conn:
+        tree = Tree.read(conn)
+        reach = sorted((tree.by_id[p] for p in memberships.reachable_projects(conn, tree, me.id)),
+                       key=lambda n: n.path.lower())
+    own = [] if runtime.keys.person(me.id).personal_off else [("personal", "On my own")]
+    return own + [(p.id, p.path) for p in reach]
+
+
+def _spends(runtime: Runtime, user_id: str, wanted: str) -> str | None:
+    """The project a chat request (`X-Llmgw-Spend`) spends against, None for on one's own; raises ApiError
+    for a project the person reaches through no membership. One read of their memberships: the project's
+    team and organisation come from the worker's key table."""
+    if not wanted or wanted == "personal":
+        return None
+    up = runtime.keys.rules.parents.get(wanted)
+    if up is None:
+        raise ApiError(400, "The project this chat spends against is not known (removed, or a stale page); "
+                            "reload the page and choose again.", "unknown_project")
+    m = store.memberships
+    with runtime.engine.connect() as conn:
+        member = conn.execute(sa.select(m.c.scope_id).where(m.c.user_id == user_id,
+                                                              m.c.scope_id.in_((wanted, *up)))).first()
+    if member is None:
+        raise ApiError(403, "You are not a member of the project this chat spends against; choose another on the "
+                            "page, or ask an operator to add you (`llmgw users join`).", "not_a_member")
+    return wanted
 
 
 @bp.get("/chat/models")
@@ -112,7 +149,9 @@ def caller_for(app: Flask, runtime: Runtime, environ):
             raise ApiError(401, "Sign in again to chat (your session ended).", "not_signed_in")
         if not _csrf_ok(csrf_secret, environ.get("HTTP_X_CSRF_TOKEN", ""), environ):
             raise ApiError(403, "The page is out of date; reload it.", "csrf_failed")
-    return Caller(f"session:{user_id}", None, user_id, table.person(user_id))
+    project = _spends(runtime, user_id, environ.get("HTTP_X_LLMGW_SPEND", ""))
+    access = table.person(user_id) if project is None else table.rules.access(None, project, user_id)
+    return Caller(f"session:{user_id}", project, user_id, access)
 
 
 def error_response(e: ApiError, start_response):
