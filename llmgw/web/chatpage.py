@@ -11,7 +11,9 @@ page.
 Who is asking is read from the signed session cookie and its session record
 in the store (one read by primary key: a session ended at sign-out or by an
 administrator stops chatting at once), and the CSRF header; whether that
-person is still active comes from the worker's key table. `/v1` requests,
+person is still active comes from the worker's key table. A chat spent against
+a project (`X-Llmgw-Spend`, chosen on the page) costs one more read, of the
+person's memberships, so that leaving a project ends chatting in it at once. `/v1` requests,
 which carry keys, never read the store.
 """
 
