@@ -149,20 +149,57 @@
     });
   }
 
+  // A model that is not running is woken first, and the page says what it waits for (a node, its weights'
+  // download, its engine) until it is ready; only then is the question sent, so a long start is no timeout.
+  var waking = null;
+  function whenReady(name, then) {
+    var option = model.selectedOptions[0];
+    if (!option || option.dataset.ready === "1") { then(); return; }
+    waking = { cancelled: false };
+    var mine = waking;
+    send.disabled = true; stop.disabled = false;
+    function said(text) { statusLine.textContent = "Starting " + name + ": " + text + "…"; }
+    function done(problem) {
+      waking = null; send.disabled = false; stop.disabled = true;
+      if (problem) { statusLine.textContent = problem; } else { then(); }
+    }
+    fetch("/chat/wake", {
+      method: "POST", credentials: "same-origin", body: JSON.stringify({ model: name }),
+      headers: { "Content-Type": "application/json", "X-CSRF-Token": token }
+    }).then(function (r) { return r.ok ? r.json() : Promise.reject(new Error("the page is out of date; reload it")); })
+      .then(function (woken) {
+        if (woken.ready) { option.dataset.ready = "1"; done(); return; }
+        said(woken.status);
+        (function look() {
+          if (mine.cancelled) { done("Stopped waiting for " + name + "."); return; }
+          fetch("/chat/models", { credentials: "same-origin" }).then(function (r) { return r.json(); }).then(function (data) {
+            var m = data.models.filter(function (x) { return x.name === name; })[0];
+            if (!m) { done(name + " is no longer offered here."); return; }
+            if (m.ready) { option.dataset.ready = "1"; done(); return; }
+            said(m.status);
+            setTimeout(look, 2000);
+          }).catch(function () { setTimeout(look, 2000); });
+        })();
+      }).catch(function (e) { done("Could not start " + name + ": " + e.message); });
+  }
+
   form.addEventListener("submit", function (e) {
     e.preventDefault();
-    if (controller || !prompt.value.trim()) { return; }
+    if (controller || waking || !prompt.value.trim()) { return; }
     var message = { role: "user", content: prompt.value };
     state.messages.push(message);
     bubble(message);
     prompt.value = "";
     save();
-    ask();
+    whenReady(model.value, ask);
   });
   prompt.addEventListener("keydown", function (e) {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); form.requestSubmit(); }
   });
-  stop.addEventListener("click", function () { if (controller) { controller.abort(); } });
+  stop.addEventListener("click", function () {
+    if (controller) { controller.abort(); }
+    if (waking) { waking.cancelled = true; }
+  });
   document.getElementById("clear").addEventListener("click", function () {
     state.messages = []; save(); redraw();
   });
@@ -177,7 +214,8 @@
         data.models.forEach(function (m) {
           var option = Array.prototype.find.call(model.options, function (o) { return o.value === m.name; });
           if (!option) { return; }
-          option.textContent = m.name + (m.ready ? "" : m.on_demand ? " (starts when asked)" : " (not running)");
+          option.textContent = m.name + (m.ready ? "" : " (" + m.status + ")");
+          option.dataset.ready = m.ready ? "1" : "0";
           waiting = waiting || !m.ready;
         });
         if (waiting) { setTimeout(refreshModels, 3000); }

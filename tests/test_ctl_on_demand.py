@@ -72,3 +72,30 @@ def test_a_stopped_model_is_not_offered_and_a_request_for_it_is_told_so_at_once(
     req = urllib.request.Request(gw.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         assert "parked" not in [m["id"] for m in json.loads(resp.read())["data"]]
+
+
+def test_a_model_with_no_replica_ready_says_what_it_waits_for():
+    # The chat page wakes a model and says what it waits for: a node, its download, its engine.
+    from llmgw.control import catalog, publisher
+    from llmgw.control.reconciler import Replica
+    from llmgw.gateway.follower import from_controller
+    from llmgw.gateway.snapshot import Snapshot
+    from llmgw.web import chatpage
+    from llmgw.wire import gateways
+
+    def model(name, scaling):
+        return catalog.parse_model({"name": name, "source": "/m", "scaling": scaling, "profiles": [{"engine": "sim"}]})
+
+    models = {m.name: m for m in (model("big", {"min": 1}), model("lazy", {"min": 0, "max": 1}),
+                                  model("busy", {"min": 1}), model("served", {"min": 1}))}
+    replicas = [Replica("b1", "big", "n1", "pending"),
+                Replica("b2", "big", "n2", "fetching", fetch={"bytes_done": 512 << 20, "bytes_total": 2 << 30}),
+                Replica("u1", "busy", "n1", "starting"),
+                Replica("s1", "served", "n1", "ready", url="http://10.0.0.5:8001"),
+                Replica("s2", "served", "n2", "fetching")]
+    body = publisher.snapshot_body(models, replicas)
+    snapshot = from_controller(gateways.decode(gateways.encode("snapshot", epoch="e", version=1, **body)),
+                               Snapshot(version=0, models={}, replicas={}))
+    said = {name: chatpage.status(spec, name == "served") for name, spec in snapshot.models.items()}
+    assert said == {"big": "downloading its weights: 25% of 2 GiB", "lazy": "starts when asked",
+                    "busy": "its engine is starting", "served": ""}

@@ -52,8 +52,10 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
     for r in ready:
         if r.context is not None:
             served[r.model] = max(r.context, served.get(r.model, r.context))
+    loading = _loading(replicas, {r.model for r in ready})
     return {
-        "models": [_model(m, served.get(m.name)) for m in sorted(models.values(), key=lambda m: m.name)],
+        "models": [_model(m, served.get(m.name), loading.get(m.name)) for m in sorted(models.values(),
+                                                                                       key=lambda m: m.name)],
         "demand_port": demand_port,
         "accountant_port": accountant_port,
         "replicas": [_replica(r, weights.get((r.model, r.profile_fp), 1.0), limits.get((r.model, r.profile_fp)))
@@ -64,7 +66,29 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
     }
 
 
-def _model(m: Model, served: int | None) -> dict:
+# How far a replica is from serving, least first: what a model with none ready says it waits for.
+PROGRESS = ("waiting", "pending", "fetching", "starting")
+
+
+def _loading(replicas: list[Replica], ready: set[str]) -> dict[str, dict]:
+    """For each model with no replica ready, its replica nearest to serving: its state, and a download's
+    bytes (the chat page says what the model waits for: a node, its weights, its engine)."""
+    found: dict[str, Replica] = {}
+    for r in replicas:
+        if r.model in ready or r.state not in PROGRESS:
+            continue
+        best = found.get(r.model)
+        if best is None or PROGRESS.index(r.state) > PROGRESS.index(best.state):
+            found[r.model] = r
+    out = {}
+    for model, r in found.items():
+        fetch = r.fetch or {}
+        out[model] = {"state": r.state, **{k: fetch[k] for k in ("bytes_done", "bytes_total")
+                                          if isinstance(fetch.get(k), int) and r.state == "fetching"}}
+    return out
+
+
+def _model(m: Model, served: int | None, loading: dict | None = None) -> dict:
     """A model as gateways see it; a role and a guard override only where set (absent: none). Its context is
     what a request may use: the catalog's, or less where its engines serve less (SERVED, the largest of its
     ready replicas': llama.cpp holds a slot to what the model was trained on, whatever it was asked), so
@@ -75,6 +99,8 @@ def _model(m: Model, served: int | None) -> dict:
            "max_output": m.max_output, "on_demand": m.min_replicas == 0 < m.max_replicas}
     if m.max_replicas == 0:  # stopped by an operator: not offered, and a request is told so at once
         row["stopped"] = True
+    if loading:
+        row["loading"] = loading
     if m.role:
         row["role"] = m.role
     if m.guard:

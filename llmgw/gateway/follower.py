@@ -41,7 +41,7 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
         models[m["name"]] = ModelSpec(name=m["name"], aliases=tuple(m.get("aliases") or ()),
                                       description=m.get("description") or "", max_context=m.get("max_context"),
                                       max_output=m.get("max_output"), on_demand=bool(m.get("on_demand")),
-                                      stopped=bool(m.get("stopped")),
+                                      stopped=bool(m.get("stopped")), loading=_loading(m.get("loading")),
                                       role=m.get("role") or "", guard=settings.guard_pairs(m.get("guard") or {}),
                                       routing_profile=m.get("routing_profile"))
     replicas = dict(base.replicas)
@@ -57,6 +57,10 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
     accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
                     epoch=body.get("epoch"), unhealthy=frozenset(body.get("unhealthy") or ()))
+
+
+def _loading(row: dict | None) -> tuple[str, int | None, int | None] | None:
+    return None if row is None else (row["state"], row.get("bytes_done"), row.get("bytes_total"))
 
 
 def _off_node(replica: dict, host: str) -> str | None:

@@ -28,6 +28,8 @@ class ModelSpec:
     created: int = 0
     on_demand: bool = False  # runs only while wanted: a request for it waits while it starts
     stopped: bool = False  # scaled to no replica by an operator: never offered, and a request refused at once
+    # With no replica ready, the one nearest to serving: (state, bytes fetched, bytes to fetch); None: none.
+    loading: tuple[str, int | None, int | None] | None = None
     role: str = ""  # "guard": a judge (llmgw/gateway/guard.py), never listed for clients nor served to them
     guard: tuple[tuple[str, str], ...] = ()  # this model's guardrails over [guard]: (key, value) pairs
     routing_profile: str | None = None  # the [[routing_profiles]] entry its requests go by, where their key's names none

@@ -29,6 +29,7 @@ from llmgw import store
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.worker import Runtime
 from llmgw.web import forms
+from llmgw.web.history import human_bytes
 from llmgw.web.site import site
 
 MAX_RENDER = 200_000  # characters of Markdown rendered at once
@@ -124,10 +125,44 @@ def _models(runtime: Runtime) -> list[dict]:
     a turn here asks for: the smaller of the page's ceiling (`gateway.chat_max_tokens`) and its `max_output`."""
     router = runtime.router
     ceiling = runtime.cfg["gateway.chat_max_tokens"] or None
-    return [{"name": spec.name, "ready": bool(router.available(spec.name)), "on_demand": spec.on_demand,
-             "max_tokens": min(filter(None, (ceiling, spec.max_output)), default=None),
-             "description": spec.description}
-            for spec in router.snapshot.offered()]
+    out = []
+    for spec in router.snapshot.offered():
+        ready = bool(router.available(spec.name))
+        out.append({"name": spec.name, "ready": ready, "on_demand": spec.on_demand, "status": status(spec, ready),
+                    "max_tokens": min(filter(None, (ceiling, spec.max_output)), default=None),
+                    "description": spec.description})
+    return out
+
+
+def status(spec, ready: bool) -> str:
+    """What a model that is not ready waits for, in words for the page ("" when ready)."""
+    if ready:
+        return ""
+    if spec.loading is None:
+        return "starts when asked" if spec.on_demand else "waiting for a node with room for it"
+    state, done, total = spec.loading
+    if state == "fetching" and done is not None and total:
+        return f"downloading its weights: {100 * done // total}% of {human_bytes(total)}"
+    return {"waiting": "waiting for the other nodes of its replica", "pending": "a node is about to start it",
+            "fetching": "downloading its weights", "starting": "its engine is starting"}.get(state, state)
+
+
+@bp.post("/chat/wake")
+@flask_login.login_required
+def chat_wake():
+    """Start a model that runs on demand (the page asks before it sends, then waits saying what for)."""
+    s = site()
+    if not _csrf_ok(s.csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
+        abort(400, "The page is out of date; reload it.")
+    name = (request.get_json(silent=True) or {}).get("model")
+    spec = next((m for m in s.runtime.router.snapshot.offered() if m.name == name), None)
+    if spec is None:
+        abort(404, "No such model here; reload the page.")
+    ready = bool(s.runtime.router.available(spec.name))
+    if spec.on_demand and not ready:
+        s.runtime.demand(spec.name)
+    return {"ready": ready, "status": "" if ready else status(spec, ready).replace("starts when asked",
+                                                                               "waiting for a node with room for it")}
 
 
 def _csrf_ok(secret: bytes, token: str, environ) -> bool:

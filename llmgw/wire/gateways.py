@@ -43,6 +43,9 @@ MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnam
              "description": ("str", False),
              "max_context": (Nullable(COUNT), False), "max_output": (Nullable(COUNT), False),
              "on_demand": ("bool", False), "stopped": ("bool", False), "role": (Str(20), False),
+             # No replica ready: the one nearest to serving, its state and a download's bytes.
+             "loading": (Obj({"state": (Str(20), True), "bytes_done": (COUNT, False), "bytes_total": (COUNT, False)}),
+                         False),
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False),
                             # a judge's own: its prompt's format, and the categories it is asked about
                             "format": (Str(20), False),
