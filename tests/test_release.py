@@ -2,6 +2,7 @@
 source archive, the wheel and SHA256SUMS, which `sha256sum -c` checks and pip installs."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -23,6 +24,7 @@ def git(clone, *argv):
 def test_a_release_needs_its_changelog_section_and_a_clean_checkout_and_makes_what_it_lists(tmp_path):
     clone = tmp_path / "llmgw"
     subprocess.run(["git", "clone", "-q", ROOT, str(clone)], check=True, timeout=120)
+    shutil.copytree(os.path.join(ROOT, "static", "katex"), clone / "static" / "katex")  # what `make` fetches
     version = llmgw.__version__
     changelog = clone / "CHANGELOG.md"
     text = changelog.read_text()
@@ -46,7 +48,8 @@ def test_a_release_needs_its_changelog_section_and_a_clean_checkout_and_makes_wh
     with tarfile.open(dist / f"llmgw-{version}.tar.gz") as archive:
         members = set(archive.getnames())
     assert {f"llmgw-{version}/gateway.py", f"llmgw-{version}/templates/base.html",
-            f"llmgw-{version}/deploy/systemd/llmgw-gateway.service"} <= members
+            f"llmgw-{version}/deploy/systemd/llmgw-gateway.service",
+            f"llmgw-{version}/static/katex/katex.min.js"} <= members
     # The wheel installs with nothing else and imports as the version released.
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)

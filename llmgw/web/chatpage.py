@@ -19,6 +19,11 @@ which carry keys, never read the store.
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
+from html import escape
+
 import flask_login
 import sqlalchemy as sa
 from flask import Blueprint, Flask, abort, render_template, request
@@ -33,6 +38,9 @@ from llmgw.web.history import human_bytes
 from llmgw.web.site import site
 
 MAX_RENDER = 200_000  # characters of Markdown rendered at once
+# KaTeX where `make` put it (static/katex): without it, mathematics shows as the TeX the model wrote.
+KATEX_HERE = os.path.exists(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+    __file__)))), "static", "katex", "katex.min.js"))
 SAFE_SCHEMES = ("http://", "https://", "mailto:")
 
 
@@ -52,9 +60,31 @@ def _markdown() -> MarkdownIt:
 
 MARKDOWN = _markdown()
 
+# Mathematics a model wrote between \( \), \[ \] or $$ $$, set aside before Markdown (which would take its
+# underscores and asterisks for emphasis) and put back as spans the page's KaTeX typesets. A lone $ is no
+# delimiter: "$5 and $10" is money (the Go version's automatic delimiters read it as mathematics). Code
+# (fenced blocks, `spans`) is left as it is.
+MATH = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)", re.S)
+CODE = re.compile(r"(?:^|(?<=\n))(```|~~~)[^\n]*\n.*?(?:\n\1[^\n]*(?=\n|$)|$)|`[^`\n]+`", re.S)
+
 
 def render_markdown(text: str) -> str:
-    return MARKDOWN.render(text[:MAX_RENDER])
+    text = text[:MAX_RENDER]
+    nonce = secrets.token_hex(6)  # letters and digits: Markdown leaves the marks as they are
+    found: list[tuple[str, bool]] = []
+
+    def aside(match) -> str:
+        display = match.group(3) is None
+        found.append((match.group(1) or match.group(2) or match.group(3), display))
+        return f"M{nonce}{len(found) - 1}Z"
+
+    pieces, at = [], 0
+    for code in CODE.finditer(text):
+        pieces += [MATH.sub(aside, text[at:code.start()]), code.group(0)]
+        at = code.end()
+    html = MARKDOWN.render("".join(pieces) + MATH.sub(aside, text[at:]))
+    return re.sub(rf"M{nonce}(\d+)Z", lambda m: '<span class="math" data-display="{}">{}</span>'.format(
+        int(found[int(m.group(1))][1]), escape(found[int(m.group(1))][0].strip())), html)
 
 
 bp = Blueprint("chat", __name__)
@@ -64,7 +94,7 @@ bp = Blueprint("chat", __name__)
 @flask_login.login_required
 def chat():
     s = site()
-    return render_template("chat.html", models=_models(s.runtime), spends=_choices(s.runtime),
+    return render_template("chat.html", models=_models(s.runtime), spends=_choices(s.runtime), katex=KATEX_HERE,
                            token=s.form(forms.ActionForm).csrf_token.current_token)
 
 
