@@ -150,7 +150,7 @@ def test_usage_page_draws_svg_from_the_roll_ups(admin):
     assert usagereport.report(engine, "project", time.time() - 86400).lines[0].requests == 5
     assert "<th>Budget</th>" not in page  # no row's own level sets one
     limits.set_limits(engine, "project", project.id, "test", budget=50_000_000)
-    assert "<td>50 a month</td>" in flashed(client, "/admin/usage?by=project&since=7d&metric=tokens")
+    assert "<td class=\"num\">50 a month</td>" in flashed(client, "/admin/usage?by=project&since=7d&metric=tokens")
 
 
 def test_a_manager_sees_only_their_organisation(site):  # noqa: F811

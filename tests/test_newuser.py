@@ -91,15 +91,15 @@ def test_mirror_status_prints_a_table(fake_mirror, monkeypatch):
         "files": [{"name": "a.gguf", "size": 3 * 1024 * 1024, "sha256": "ab" * 32}]})
     result = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "1"])
     assert result.exit_code == 0, result.output
-    assert "smollm2/1 is present: 1 file(s), 3.0 MiB" in result.output
-    assert "FILE    SIZE     SHA256" in result.output and "a.gguf  3.0 MiB  " + "ab" * 32 in result.output
+    assert "smollm2/1 is present: 1 file(s), 3 MiB" in result.output
+    assert "FILE    SIZE   SHA256" in result.output and "a.gguf  3 MiB  " + "ab" * 32 in result.output
     assert "{" not in result.output
     monkeypatch.setattr(FakeMirror, "answer", {
         "model": "smollm2", "version": "1", "state": "fetching", "source": "hf:x/y", "done": 1024, "total": 2048,
         "files": [{"name": "a.gguf", "done": 1024, "total": 2048, "state": "fetching"}]})
     result = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "1"])
-    assert "arriving from hf:x/y: 1.0 KiB of 2.0 KiB so far" in result.output
-    assert "a.gguf  fetching  1.0 KiB of 2.0 KiB" in result.output
+    assert "arriving from hf:x/y: 1 KiB of 2 KiB so far" in result.output
+    assert "a.gguf  fetching  1 KiB of 2 KiB" in result.output
     scripted = CliRunner().invoke(main, ["--config", fake_mirror, "mirror", "status", "smollm2", "1", "--json"])
     assert json.loads(scripted.output)["state"] == "fetching"
     monkeypatch.setattr(FakeMirror, "answer", {"model": "smollm2", "version": "2", "state": "absent"})

@@ -10,6 +10,7 @@ import os
 
 from flask import Flask, render_template
 
+from llmgw import units
 from llmgw.web import adminpages, history, nodepages
 
 ODD = {"node_id": "odd", "state": "ready", "last_heard_s": 1.0, "registered_s": 2.0,
@@ -25,8 +26,9 @@ ODD = {"node_id": "odd", "state": "ready", "last_heard_s": 1.0, "registered_s": 
 
 def app() -> Flask:
     made = Flask(__name__, template_folder=os.path.join(os.path.dirname(__file__), "..", "templates"))
-    made.add_template_filter(history.human_bytes, "bytes")
+    made.add_template_filter(history.size, "bytes")  # as the pages register it (llmgw/web/pages.py)
     made.add_template_filter(history.rounded, "rounded")
+    made.add_template_filter(units.ago, "ago")
     return made
 
 
@@ -42,7 +44,14 @@ def test_a_node_with_odd_facts_renders_them_unknown():
 
 
 def test_the_tolerant_figures():
-    assert history.human_bytes(3 << 30) == "3 GiB" and history.human_bytes(512) == "512 B"
+    assert units.human_bytes(3 << 30) == "3 GiB" and units.human_bytes(512) == "512 B"
+    assert units.human_bytes(1536 << 20) == "1.5 GiB"
     assert history.rounded(57.6) == "58" and history.rounded(0.5, 2) == "0.50"
+    assert [units.human_duration(s) for s in (0.85, 2.34, 252, 11100, 187200)] == [
+        "850 ms", "2.3 s", "4 min 12 s", "3 h 5 min", "2 d 4 h"]
+    assert [units.ago(s) for s in (2, 45, 252, 11100, 187200)] == ["just now", "45 s ago", "4 min ago", "3 h ago",
+                                                                   "2 d ago"]
+    assert units.count(1234567) == "1,234,567"
     for odd in ("q", None, True, float("nan"), float("-inf"), [1], {}):
-        assert history.human_bytes(odd) == "unknown" and history.rounded(odd) == "unknown"
+        assert units.human_bytes(odd, "unknown") == "unknown" and history.rounded(odd) == "unknown"
+        assert units.human_duration(odd) == "-" and units.ago(odd) == "never" and units.count(odd) == "-"

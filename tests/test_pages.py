@@ -197,6 +197,7 @@ def test_the_account_shows_last_use_and_the_last_30_days(site):
     page = client.get("/account").data.decode()
     assert "3 requests, 30 tokens in, 15 tokens out." in page  # only this person's keys count
     assert page.count("never") >= 1 and time.strftime("%Y-%m-%d", time.gmtime(now)) in page
+    assert ">just now</span>" in page  # the last use as how long ago, its time in the title
     assert page.count("<rect") == 30
 
 

@@ -19,7 +19,8 @@ import click
 from llmgw.apiclient import ApiClient, ApiError, admin_client, segment
 from llmgw.cli import filters
 from llmgw.cli.bench import bench, capacity
-from llmgw.cli.tables import human_bytes, print_table, printable
+from llmgw.cli.tables import print_table, printable
+from llmgw.units import human_bytes
 
 
 class Admin:

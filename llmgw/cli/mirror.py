@@ -17,7 +17,8 @@ import time
 import click
 
 from llmgw.apiclient import ApiClient, ApiError, Refused, admin_client, mirror_client, segment
-from llmgw.cli.tables import human_bytes, print_table, printable
+from llmgw.cli.tables import print_table, printable
+from llmgw.units import human_bytes
 
 
 def _mirror(obj) -> ApiClient:

@@ -33,8 +33,8 @@ from werkzeug.datastructures import MultiDict
 from llmgw import store
 from llmgw.gateway.errors import ApiError
 from llmgw.gateway.worker import Runtime
+from llmgw.units import human_bytes
 from llmgw.web import forms
-from llmgw.web.history import human_bytes
 from llmgw.web.site import site
 
 MAX_RENDER = 200_000  # characters of Markdown rendered at once

@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 
 from llmgw.apiclient import address_url
+from llmgw.units import human_bytes, human_duration, known
 from llmgw.web import prometheus, svgchart
 
 log = logging.getLogger("llmgw.history")
@@ -38,29 +38,15 @@ def percent(value: float) -> str:
     return f"{value:.0f}%"
 
 
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.3g} s"
-
-
-def _known(value) -> bool:
-    # What a node said about itself is shown as the agent sent it, and one of another version (or a bug)
-    # may send anything: a page says "unknown" for a figure that is not a number, rather than fail.
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def size(value) -> str:
+    """A chart's figure in bytes; "unknown" where a node sent something that is not a number."""
+    return human_bytes(value, "unknown")
 
 
 def rounded(value, digits: int = 0) -> str:
-    """VALUE to DIGITS decimals, or "unknown" where it is not a finite number."""
-    return f"{value:.{digits}f}" if _known(value) else "unknown"
-
-
-def human_bytes(value: float) -> str:
-    """VALUE bytes in the largest unit it fills, or "unknown" where it is not a finite number."""
-    if not _known(value):
-        return "unknown"
-    for size, unit in ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
-        if value >= size:
-            return f"{value / size:.1f}".rstrip("0").rstrip(".") + f" {unit}"
-    return f"{value:.0f} B"
+    """VALUE to DIGITS decimals, or "unknown" where it is not a finite number (what a node said about itself
+    is shown as the agent sent it, and one of another version, or a bug, may send anything)."""
+    return f"{value:.{digits}f}" if known(value) else "unknown"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +68,7 @@ CLUSTER = (
           "No request was answered in this window, or Prometheus does not scrape the gateways.", bars=True),
     Chart("Time to first token, 95th percentile, by model",
           "histogram_quantile(0.95, sum by (model, le) (rate(llmgw_ttft_seconds_bucket[{range}])))", "model",
-          "No token was sent in this window, or Prometheus does not scrape the gateways.", fmt=_seconds),
+          "No token was sent in this window, or Prometheus does not scrape the gateways.", fmt=human_duration),
     # A node's GPUs where it reports their use, its CPU otherwise: a CPU-only node is not left off.
     Chart("GPU or CPU use, by node",
           'label_replace(avg by (node) (llmgw_gpu_utilization_percent), "use", "GPU", "", "") or on (node) '
@@ -100,13 +86,13 @@ NODE = (
     Chart("GPU use, by GPU", "max by (gpu) (llmgw_gpu_utilization_percent{node})", "gpu",
           "", fmt=percent, top=100, optional=True),
     Chart("Memory in use", "max(llmgw_node_memory_total_bytes{node}) - max(llmgw_node_memory_available_bytes{node})",
-          "", "The node did not report its memory in this window.", fmt=human_bytes),
+          "", "The node did not report its memory in this window.", fmt=size),
     Chart("Load (1-minute average)", "max(llmgw_node_load{node})", "",
           "The node did not report its load in this window."),
     Chart("CPU cores used, by replica", "max by (shard) (llmgw_shard_cpu_cores{node})", "shard",
           "No engine ran on this node in this window."),
     Chart("Memory of each replica's engine", "max by (shard) (llmgw_shard_memory_bytes{node})", "shard",
-          "No engine ran on this node in this window.", fmt=human_bytes),
+          "No engine ran on this node in this window.", fmt=size),
     Chart("Requests waiting, by replica", "max by (shard) (llmgw_shard_requests_waiting{node})", "shard",
           "No engine on this node reported its queue in this window."),
 )
@@ -185,4 +171,4 @@ def _draw(chart: Chart, found: list[prometheus.Series], start: int, end: int, st
         buckets = [start + step * i for i in range(POINTS)]
         return svgchart.stacked_bars(buckets, [(label, {buckets[_slot(t, start, step)]: v for t, v in points.items()})
                                                for label, points in groups], step, chart.title, chart.fmt)
-    return svgchart.lines(start, end, groups, step, chart.title, chart.fmt, chart.top, binary=chart.fmt is human_bytes)
+    return svgchart.lines(start, end, groups, step, chart.title, chart.fmt, chart.top, binary=chart.fmt is size)

@@ -31,7 +31,6 @@ NO_CONTROLLER = ("This gateway has no controller (gateway.controller is empty), 
 bp = Blueprint("nodes", __name__)
 
 
-bp.add_app_template_filter(history.human_bytes, "bytes")
 bp.add_app_template_filter(history.rounded, "rounded")
 
 

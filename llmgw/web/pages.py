@@ -31,10 +31,25 @@ import flask_login
 from flask import Flask, request, session
 from flask.sessions import SecureCookieSessionInterface
 
+from llmgw import units
 from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, memberships, sessions
-from llmgw.web import about, account, adminpages, chatpage, editors, errorpages, fabricpages, forms, mirrorpage, nodepages, safety, signin
+from llmgw.web import (
+    about,
+    account,
+    adminpages,
+    chatpage,
+    editors,
+    errorpages,
+    fabricpages,
+    forms,
+    history,
+    mirrorpage,
+    nodepages,
+    safety,
+    signin,
+)
 from llmgw.web.site import Person, Site, site
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,6 +98,13 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     login.login_message = None
     login.user_loader(_load_person)
     app.after_request(safety.add_headers)
+    # Figures as llmgw.units writes them everywhere: `bytes`, `duration` (seconds), `ago` (seconds since),
+    # `count`, `since` (a time, as how long ago); a figure that is not a number (a node of another version) reads "unknown", never an error.
+    app.add_template_filter(history.size, "bytes")
+    app.add_template_filter(lambda s: units.human_duration(s, "unknown"), "duration")
+    app.add_template_filter(units.ago, "ago")
+    app.add_template_filter(lambda t: units.ago(time.time() - t) if units.known(t) else "never", "since")
+    app.add_template_filter(units.count, "count")
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d", time.gmtime(t)), "day")
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)), "minute")
     app.context_processor(_menu)
