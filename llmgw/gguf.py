@@ -95,6 +95,29 @@ def architecture(head: bytes) -> str | None:
     return None
 
 
+def shape(head: bytes) -> dict[str, int | str]:
+    """What sizes a model's memory from the first bytes of a GGUF file: `architecture`, and as found
+    `context_length`, `block_count`, `embedding_length`, `head_count`, `head_count_kv`, `key_length`
+    (its ARCH.* keys, which come before the tokenizer's long arrays). Reading stops where the bytes
+    read end; what was not reached is left out. Raises NotGGUF for what is no GGUF header."""
+    found: dict[str, int | str] = {}
+    wanted = {"context_length": "context_length", "block_count": "block_count",
+              "embedding_length": "embedding_length", "attention.head_count": "head_count",
+              "attention.head_count_kv": "head_count_kv", "attention.key_length": "key_length"}
+    try:
+        for key, _, value, _ in _entries(head):
+            if key == "general.architecture" and isinstance(value, str):
+                found["architecture"] = value
+            elif "architecture" in found and key.startswith(f"{found['architecture']}.") and isinstance(value, int):
+                name = wanted.get(key[len(str(found["architecture"])) + 1:])
+                if name:
+                    found[name] = value
+    except NotGGUF:
+        if "architecture" not in found:
+            raise
+    return found
+
+
 def context_length(head: bytes) -> int | None:
     """The context the model was trained for (`ARCH.context_length`) from the first bytes of a GGUF file; None
     when it is not among them."""

@@ -336,6 +336,59 @@ def engine_check(engine, binary, python, timeout):
                f"{', '.join(sorted(found.given))}")
 
 
+@ctl.command("plan")
+@click.argument("model")
+@click.option("--context", type=click.IntRange(1, 10_000_000), help="Tokens one request may use [what it was "
+              "trained for, at most 32768].")
+@click.option("--json", "as_json", is_flag=True, help="The plan as one JSON object.")
+@click.pass_obj
+def plan_model(obj, model, context, as_json):
+    """Whether MODEL fits, on which nodes, with what profile, before any node fetches it.
+
+    MODEL is a catalog model, or a source: a GGUF file or a Hugging Face folder, a path here or an http(s)
+    URL (the mirror's). Its shape is read from a GGUF header or config.json, never the whole weights."""
+    from llmgw.cli import plan
+
+    source, nodes, fleet_note = model, [], ""
+    try:
+        found = next((m for m in obj.admin.client.call("GET", "/api/v1/models", timeout=10)["models"]
+                      if m["name"] == model), None)
+        source = found["source"] if found else model
+        nodes = obj.admin.client.call("GET", "/api/v1/nodes", timeout=10)["nodes"]
+    except ApiError as e:
+        fleet_note = f"the controller's fleet could not be read ({printable(e)}), so no node is weighed"
+    try:
+        shape = plan.read_shape(source)
+    except plan.PlanError as e:
+        raise click.ClickException(str(e)) from None
+    result = plan.plan(shape, nodes, context)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    per_token = result["kv_bytes_per_token"]
+    click.echo(printable(f"{model}: {shape.architecture} ({'GGUF, llama.cpp' if shape.kind == 'gguf' else 'safetensors, vLLM'}), "
+                         f"{human_bytes(shape.weights_bytes)} of weights"))
+    click.echo(f"  context {result['context']:,} tokens" + (f" (trained for {shape.trained_context:,})"
+                                                            if shape.trained_context else "")
+               + (f", {human_bytes(per_token)} of KV cache a token, {human_bytes(per_token * result['context'])} "
+                  "a request" if per_token else ", its KV cache size not known (a quarter of the weights assumed)"))
+    click.echo(f"  needs about {human_bytes(result['needed_bytes'])} for one request at a time; the mirror page's "
+               f"rough figure is {human_bytes(result['rough_bytes'])}; each request more at once needs its own "
+               "cache")
+    if fleet_note or not nodes:
+        click.echo(fleet_note or "no node has registered, so none is weighed", err=True)
+        return
+    for fit in result["nodes"]:
+        click.echo(printable(f"  {fit['node']}: {'fits' if fit['fits'] else 'does not fit'} {fit['how']}"))
+    best = next((f for f in result["nodes"] if f["fits"] and "gpu_class" in (f["profile"] or {})),
+                next((f for f in result["nodes"] if f["fits"]), None))
+    if best is None:
+        raise click.ClickException(f"{model} fits on no node of the fleet as it is")
+    lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in best["profile"].items())
+    click.echo(f"in its model file (llmgw ctl model add -f FILE):\nmax_context = {result['context']}\n"
+               f"[[profiles]]\n{lines}")
+
+
 @ctl.command("tool-check")
 @click.argument("model")
 @click.option("--gateway", "gateway_url", metavar="URL", help="The gateway [gateway.public_url, or its listen address].")
