@@ -26,7 +26,7 @@ from llmgw.people import accounts, keys
 from llmgw.procs import free_port, http_status, wait_for
 from llmgw.web.app import GatewayApp
 from tests.cluster import Agent, Controller
-from tests.conftest import ROOT, Gateway, make_key, stop_process, write_config
+from tests.conftest import ROOT, Gateway, make_key, stop_process, wait_until, write_config
 from tests.test_mirror import LIBRARY, access, gguf_bytes
 from tests.test_pages import sign_in, token
 
@@ -195,7 +195,9 @@ def test_an_unreachable_mirror_or_registry_is_said_in_a_sentence(tmp_path):
 def test_a_serve_link_with_a_size_that_is_not_bytes_is_a_400(rig):
     client = rig[0]
     ok = client.get("/admin/mirror/serve?model=m&source=http://m/x.gguf&size=2000000000")
-    assert ok.status_code == 200 and 'name="memory" value="3"' in ok.data.decode()  # 2 GB and room for the context
+    # 1.86 GiB of weights, half again for the context's cache and buffers, and 2 GiB for the engine.
+    assert ok.status_code == 200 and 'name="memory" value="5"' in ok.data.decode()
+    assert 'name="memory" value=""' in client.get("/admin/mirror/serve?model=m&source=http://m/x.gguf").data.decode()
     for size in ("abc", "-5", "1e9", str(1 << 60), "9" * 5000):
         answer = client.get(f"/admin/mirror/serve?model=m&source=http://m/x.gguf&size={size}")
         assert answer.status_code == 400, size
@@ -343,3 +345,20 @@ def test_the_serve_form_bounds_what_it_sends_and_says_what_is_wrong_in_a_sentenc
     assert "m" not in [m["name"] for m in controller.api("/api/v1/models")["models"]]  # nothing reached the catalog
     done = post(client, "/admin/mirror/serve", form_page=link, **good)
     assert done.status_code == 302 and "m" in [m["name"] for m in controller.api("/api/v1/models")["models"]]
+
+
+def test_the_serve_form_warns_of_what_the_fleet_cannot_run(rig):
+    from tests.cluster import Agent
+
+    client, _, controller, _, _ = rig
+    agent = Agent(controller.tmp, [f"127.0.0.1:{controller.agent_port}"], "cpu-1", controller.issue_key("cpu-1"))
+    try:
+        wait_until("the node", 60, lambda: controller.state("cpu-1") == "ready")
+        huge = client.get(f"/admin/mirror/serve?model=m&source=http://m/x.gguf&size={400 << 30}").data.decode()
+        assert "No node has 602 GiB: the largest, cpu-1, has" in huge  # a CPU node's memory, no card
+        folder = client.get("/admin/mirror/serve?model=m&source=http://m/qwen/1/&size=1000").data.decode()
+        assert "These weights are safetensors, which vLLM or SGLang serve on GPUs, and no node has a GPU" in folder
+        small = client.get("/admin/mirror/serve?model=m&source=http://m/x.gguf&size=1000").data.decode()
+        assert "Warning:" not in small
+    finally:
+        agent.stop()

@@ -127,7 +127,12 @@ def run(options: Options, hosts: tuple[str, ...]) -> bool:
     click.echo("", err=True)
     for host, (ok, line) in zip(hosts, results):
         click.echo(f"{'✓' if ok else '✗'} {host}: {line}", err=True)
-    return all(ok for ok, _ in results)
+    failed = [host for host, (ok, _) in zip(hosts, results) if not ok]
+    if len(hosts) > 1:  # the line to read first when a rack was added at once
+        click.echo(f"{len(hosts) - len(failed)} of {len(hosts)} hosts added"
+                   + (f"; failed: {', '.join(failed)} (each line above says why; run node add again for them)"
+                      if failed else ""), err=True)
+    return not failed
 
 
 def _bundle(wheels: list[str]) -> bytes:

@@ -28,6 +28,7 @@ import urllib.request
 from flask import Blueprint, abort, flash, redirect, render_template, request
 
 from llmgw.apiclient import ApiClient, ApiError, Unreachable, leader_client, mirror_client
+from llmgw.units import human_bytes
 from llmgw.web import forms, safety
 from llmgw.web.adminpages import admin_only, require_token
 from llmgw.web.chatpage import render_markdown
@@ -130,12 +131,12 @@ def mirror_serve():
         size = _size(request.args.get("size"))
         source = request.args.get("source", "")
         gguf = source.endswith(".gguf") or "gguf" in source.lower()
+        memory = estimate(size)
         suggested = {"name": request.args.get("model", ""), "source": source,
-                     "engine": "llamacpp" if gguf else "vllm",
-                     # Weights plus room for the context: a rule of thumb the form lets one change.
-                     "memory": max(1, math.ceil(size * 1.2 / (1 << 30) + 0.5)), "max_context": 4096}
+                     "engine": "llamacpp" if gguf else "vllm", "memory": "" if memory is None else memory,
+                     "max_context": 4096}
         return render_template("mirror_serve.html", s=suggested, action=site().form(forms.ActionForm),
-                               engines=forms.ENGINES)
+                               engines=forms.ENGINES, warnings=fleet_warnings(memory, gguf))
     require_token()
     f = site().form(forms.ServeForm, request.form)
     if not f.validate():
@@ -189,6 +190,45 @@ def repo():
                       "not_a_model": "mmproj" in name or "imatrix" in name})
     return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
                            files=files, action=site().form(forms.ActionForm))
+
+
+def estimate(size: int) -> int | None:
+    """GiB a replica of weights of SIZE bytes needs, as a rule of thumb the form lets one change: the
+    weights and half again (the context's cache, the engine's buffers), plus 2 GiB for the engine itself.
+    None where the size is not known: a blank field, not a floor of 2 that looks like an estimate."""
+    return math.ceil(size * 1.5 / (1 << 30) + 2) if size else None
+
+
+def fleet_warnings(memory: int | None, gguf: bool) -> list[str]:
+    """What the fleet says against serving it: more memory than any node has, or safetensors where no node
+    has a GPU or vLLM. Nothing where the controller does not answer (the form still works)."""
+    try:
+        nodes = controller().call("GET", "/api/v1/nodes", timeout=3)["nodes"]
+    except ApiError:
+        return []
+    if not nodes:
+        return []
+    said = []
+
+    def room(node: dict) -> int:
+        facts, status = node.get("facts") or {}, node.get("status") or {}
+        cards = sum(g.get("memory_total_bytes") or 0 for g in facts.get("gpus") or [] if isinstance(g, dict))
+        ram = ((status.get("memory") or facts.get("memory") or {}).get("total_bytes")) or 0
+        return max(cards, ram) if isinstance(ram, int) else cards
+
+    largest = max(nodes, key=room)
+    if memory is not None and memory * (1 << 30) > room(largest):
+        said.append(f"No node has {memory} GiB: the largest, {largest.get('node_id')}, has "
+                    f"{human_bytes(room(largest))}. Serve a smaller quantisation, or add a larger node.")
+    if not gguf:
+        gpus = any((n.get("facts") or {}).get("gpus") for n in nodes)
+        vllm = any("vllm" in ((n.get("status") or {}).get("engines") or (n.get("facts") or {}).get("engines") or {})
+                   or "vllm" in ((n.get("facts") or {}).get("installable") or {}) for n in nodes)
+        if not (gpus and vllm):
+            said.append("These weights are safetensors, which vLLM or SGLang serve on GPUs, and no node has "
+                        + ("a GPU" if not gpus else "vLLM (installed, or in its engine catalogue)")
+                        + ": serve a GGUF of the model instead, which llama.cpp runs on CPUs.")
+    return said
 
 
 def _size(text: str | None) -> int:
