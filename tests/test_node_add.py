@@ -85,6 +85,7 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         assert "agent started detached, since no systemd runs there" in run.stderr
         assert "✗ nobody-here@127.0.0.1: failed checking the host: nobody-here@127.0.0.1 (port" in run.stderr
         assert "ssh-copy-id nobody-here@127.0.0.1" in run.stderr
+        assert "1 of 2 hosts added; failed: nobody-here@127.0.0.1" in run.stderr
         assert c.state(node) == "ready"
 
         # The controller places the model there, and it answers through the gateway.
