@@ -268,6 +268,12 @@ def test_a_model_fetched_added_on_the_page_placed_and_answered(tmp_path):
         client.close()
         assert reply.choices[0].message.content
         assert any(name.endswith("smol.gguf") for name in os.listdir(agent.folder / "weights"))
+        # Its row says how it runs, and stopping it there stops its replica and takes it off the offer.
+        page = browser.get(gw.url + "/admin/mirror").text
+        assert '<option value="always" selected>always on</option>' in page
+        form_post("/admin/mirror/runs", "/admin/mirror", model="smol", mode="stopped")
+        wait_for("smol to stop", 60, lambda: not any(r["model"] == "smol" for r in controller.replicas()))
+        assert '<option value="stopped" selected>stopped</option>' in browser.get(gw.url + "/admin/mirror").text
     finally:
         for part in (gw, agent, controller):
             if part is not None:

@@ -86,12 +86,42 @@ def mirror_page():
     if found is not None:
         for v in found["held"]:
             prefix = f"{found['base_url']}/{v['model']}/{v['version']}/"
-            users = [m["name"] for m in models or [] if any(s.startswith(prefix) for s in m["sources"])]
-            rows.append({**v, "used_by": users,
+            users = [m for m in models or [] if any(s.startswith(prefix) for s in m["sources"])]
+            rows.append({**v, "used_by": [m["name"] for m in users],
+                         "runs": [(m["name"], run_mode(m), m.get("origin") == "runtime") for m in users],
                          "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
     template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
     return render_template(template, found=found, rows=rows, problem=problem, catalog_problem=catalog_problem,
                            action=site().form(forms.ActionForm), registry=bool(site().cfg["mirror.hf_endpoint"]))
+
+
+def run_mode(model: dict) -> str:
+    """How a catalog model runs, as the serve form's choices name it: always (min >= 1), on demand
+    (min 0, max >= 1) or stopped (max 0)."""
+    scaling = model.get("scaling") or {}
+    if scaling.get("max") == 0:
+        return "stopped"
+    return "always" if (scaling.get("min") or 0) >= 1 else "on_demand"
+
+
+@bp.post("/admin/mirror/runs")
+@admin_only
+def mirror_runs():
+    """A model served from the mirror set to run always, on demand, or not at all (`llmgw ctl scale`)."""
+    require_token()
+    name, mode = request.form.get("model", ""), request.form.get("mode", "")
+    if mode not in forms.RUN_MODES or not name:
+        flash("Choose always on, on demand or stopped for a model of the catalog.", "problem")
+        return redirect("/admin/mirror")
+    try:
+        controller().call("POST", f"/api/v1/models/{urllib.parse.quote(name, safe='')}/scale", forms.RUN_MODES[mode])
+        flash(f"{name} runs {RUN_WORDS[mode]} now.", "done")
+    except ApiError as e:
+        flash(Site.sentence(e), "problem")
+    return redirect("/admin/mirror")
+
+
+RUN_WORDS = {"always": "always", "on_demand": "on demand", "stopped": "no more: it is stopped"}
 
 
 @bp.post("/admin/mirror/fetch")
