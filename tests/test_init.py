@@ -60,6 +60,7 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
     plan = init("--root", str(root), "--plan", config=config)
     assert not root.exists()
     assert "would make store" in plan.stderr and "would make administrator admin@localhost" in plan.stderr
+    assert "would write default limits and a price" in plan.stderr
     assert "would write unit" in plan.stderr and "done " not in plan.stderr
 
     out = open(tmp_path / "init.out", "w")
@@ -76,6 +77,7 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
         wait_until("llmgw init to bring the starter model up", 240, up, interval=0.2)
         said, told = (tmp_path / "init.err").read_text(), (tmp_path / "init.out").read_text()
         assert "done  store" in said and "done  administrator admin@localhost" in said
+        assert "done  default limits and a price (60 requests and 200,000 tokens a minute" in said
         assert "Paris" in said  # init asked the model itself through the gateway
         password_file = root / "var" / "lib" / "llmgw" / "admin-password"
         password = password_file.read_text().strip()
@@ -110,7 +112,7 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
         wait_until("the model to answer again", 120, lambda: post(
             f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "smollm2-135m-instruct", "max_tokens": 2,
                                                              "messages": [{"role": "user", "content": "Hi"}]},
-            key)[0] == 200, interval=0.5)
+            key)[0] == 200, interval=2)  # within init's default of 60 requests a minute
         assert running_engines(str(root / "var" / "lib" / "llmgw-agent")) == engines and proc.poll() is None
     finally:
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
@@ -122,6 +124,7 @@ def test_plan_does_nothing_then_init_serves_the_starter_model_and_a_rerun_keeps_
     lines = again.stderr.splitlines()
     assert [line for line in lines if not line.startswith(("kept ", "skip "))] == [], again.stderr
     assert "kept  store" in again.stderr and "kept  node key for cp1" in again.stderr
+    assert "kept  the cluster's default limits and prices" in again.stderr
     assert "password" not in again.stdout
     plan = init("--root", str(root), "--node-name", "cp1", "--plan", config=config)
     assert "would run the roles" in plan.stderr and "would make" not in plan.stderr

