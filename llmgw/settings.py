@@ -1025,7 +1025,7 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -1033,9 +1033,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -1046,12 +1046,12 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
-        tables.setdefault(table, []).append(f"{key} = {_toml_value(value)}")
+        tables.setdefault(table, []).append(f"{key} = {toml_value(value)}")
     lines = []
     for table, entries in tables.items():
         lines += [f"[{table}]", *entries, ""]
     for kind, items in (("endpoints", endpoints), ("models", models), ("engines", engines), ("fabrics", fabrics),
                         ("routing_profiles", routing_profiles)):
         for item in items:
-            lines += [f"[[{kind}]]", *(f"{k} = {_toml_value(v)}" for k, v in item.items()), ""]
+            lines += [f"[[{kind}]]", *(f"{k} = {toml_value(v)}" for k, v in item.items()), ""]
     return "\n".join(lines)

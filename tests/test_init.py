@@ -196,3 +196,26 @@ def test_mirror_init(tmp_path):
     finally:
         mirror.terminate()
         mirror.wait(timeout=30)
+
+
+def test_a_configuration_an_operator_wrote_is_amended_with_its_comments_and_a_copy_kept(tmp_path):
+    import tomllib
+
+    from llmgw.cli import machine
+    from llmgw.cli.bringup import Steps
+
+    path = tmp_path / "llmgw.toml"
+    mine = ('# ours: ask ops@example.org before changing\n[gateway]\nlisten = ":8080"  # behind nginx\n'
+            'workers = 4\n\n[store]\nurl = "sqlite:////var/lib/llmgw/llmgw.db"\n\n[[models]]\nname = "mine"\n')
+    path.write_text(mine)
+    machine.ensure_config(Steps(), str(path), {"gateway.listen": ":9999", "usage.spool_dir": "/var/spool/llmgw",
+                                               "gateway.workers": 2},
+                          [{"name": "mine"}, {"name": "starter"}], {"store.url": "postgresql://llmgw@db/llmgw"})
+    text = path.read_text()
+    assert text.startswith("# ours: ask ops@example.org before changing\n[gateway]\n")
+    assert 'listen = ":8080"  # behind nginx' in text and "workers = 4" in text  # what it said is kept
+    read = tomllib.loads(text)
+    assert read["store"]["url"] == "postgresql://llmgw@db/llmgw"  # --postgres is the one it sets
+    assert read["usage"]["spool_dir"] == "/var/spool/llmgw" and [m["name"] for m in read["models"]] == ["mine", "starter"]
+    (backup,) = [p for p in tmp_path.iterdir() if p.name.startswith("llmgw.toml.bak-")]
+    assert backup.read_text() == mine and oct(backup.stat().st_mode & 0o777) == "0o600"

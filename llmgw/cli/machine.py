@@ -13,6 +13,7 @@ import pwd
 import re
 import subprocess
 import sys
+import time
 
 import click
 
@@ -118,9 +119,58 @@ def ensure_config(steps: Steps, path: str, wanted: dict, models: list[dict], for
     added = sorted(set(values) - set(have.written)) if have else []
     changed = sorted(n for n in values if have and n in have.written and values[n] != have.written[n])
     note = ", ".join(filter(None, [added and f"added {', '.join(added)}", changed and f"set {', '.join(changed)}"]))
-    steps.do(f"configuration {path}", lambda: filemodes.write_private(
-        path, "# Written by `llmgw init`; edit it freely: a rerun keeps what it says.\n"
-        + settings.to_toml(values, models=all_models)) or note or None, how="write")
+    if have is None:
+        steps.do(f"configuration {path}", lambda: filemodes.write_private(
+            path, "# Written by `llmgw init`; edit it freely: a rerun keeps what it says.\n"
+            + settings.to_toml(values, models=all_models)) or note or None, how="write")
+        return
+    new_models = all_models[len(have.models):]
+
+    def amend() -> str:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        backup = f"{path}.bak-{time.strftime('%Y%m%d-%H%M%S')}"
+        filemodes.write_private(backup, text)
+        filemodes.write_private(path, amended(text, {n: values[n] for n in added + changed}, new_models))
+        return f"{note or 'added models'}; what it said is kept, comments and all, and a copy is in {backup}"
+
+    steps.do(f"configuration {path}", amend, how="amend")
+
+
+def amended(text: str, values: dict, models: list[dict]) -> str:
+    """TEXT, a configuration file as an operator may have written it, with VALUES (dotted settings) set and
+    MODELS appended, and nothing else changed: a setting it has is rewritten on its own line, one it lacks is
+    added under its table's header (or in a new table at the end), so the operator's comments and order stay."""
+    lines = text.splitlines()
+    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_-]+)\s*\]\s*(#.*)?$")
+    any_header = re.compile(r"^\s*\[")
+    tables: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        found = header.match(line)
+        if found:
+            tables.setdefault(found.group(1), i)
+    fresh: dict[str, list[str]] = {}
+    for name, value in values.items():
+        table, key = name.split(".", 1)
+        line = f"{key} = {settings.toml_value(value)}"
+        start = tables.get(table)
+        if start is None:
+            fresh.setdefault(table, []).append(line)
+            continue
+        end = next((j for j in range(start + 1, len(lines)) if any_header.match(lines[j])), len(lines))
+        own = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        at = next((j for j in range(start + 1, end) if own.match(lines[j])), None)
+        if at is not None:
+            lines[at] = line
+        else:
+            lines.insert(start + 1, line)
+            tables = {t: (k + 1 if k > start else k) for t, k in tables.items()}
+    out = "\n".join(lines).rstrip("\n") + "\n"
+    for table, entries in fresh.items():
+        out += f"\n[{table}]\n" + "\n".join(entries) + "\n"
+    if models:
+        out += "\n" + settings.to_toml({}, models=models)
+    return out
 
 
 def unit_text(role: str, layout: Layout, config: str, user: str, extra: str = "", python: str = sys.executable,
