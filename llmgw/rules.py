@@ -186,25 +186,33 @@ class Rules:
             out.append(("user", user_id, counter("user", user_id)))
         return out
 
+    @staticmethod
+    def default_pool(scopes: list[tuple[str, str, str]]) -> str:
+        """The counter the cluster's defaults are counted in for a principal of SCOPES (`scopes_of`): the
+        person behind it when there is one (anyone may make keys for themselves, and three keys once tripled
+        a default of 2 a minute), else its first (the key)."""
+        own = next((c for scope, _sid, c in scopes if scope == "user"), scopes[0][2])
+        return f"default:{own}"
+
     def access(self, key_id: str | None, project_id: str | None, user_id: str | None) -> Access:
         """The levels, allowlist and band for a key (KEY_ID) or a signed-in person (KEY_ID None)."""
         levels: list[Level] = []
         allowed: frozenset[str] | None = None
         band = None
         set_rpm = set_tpm = False
-        found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in self.scopes_of(
-            key_id, project_id, user_id)]
+        scopes = self.scopes_of(key_id, project_id, user_id)
+        found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in scopes]
         found.append(("cluster", "", "", self.limits.get(("cluster", ""))))  # its counter is never one of its own
-        # The defaults' own pool: the person behind the key when there is one (anyone may make keys for
-        # themselves, and three keys once tripled a default of 2 a minute), else the key.
-        own = next((c for scope, _sid, c, _lim in found if scope == "user"), found[0][2])
+        pool = self.default_pool(scopes) if scopes else "default:"
         personal_off = False
-        profile = None
+        # The nearest routing profile: the key's, its tree's, the person's own, then personal use's; never the
+        # cluster's (that is each gateway's routing.default_profile, below a model's own).
+        profile = next((lim.profile for scope, _sid, _c, lim in sorted(
+            found, key=lambda f: f[0] == "personal") if lim is not None and lim.profile and scope != "cluster"), None)
         for scope, _sid, count, lim in found:
             if lim is None:
                 continue
             personal_off |= scope == "personal" and bool(lim.disabled)
-            profile = profile or lim.profile
             if lim.models is not None:
                 allowed = frozenset(lim.models) if allowed is None else allowed & frozenset(lim.models)
             if band is None and lim.band:
@@ -215,7 +223,7 @@ class Rules:
                 tpm = None if set_tpm else lim.tpm
                 budget = lim.budget if not any(lv.budget is not None for lv in levels) else None
                 if rpm is not None or tpm is not None or budget is not None:
-                    levels.append(Level(f"default:{own}", rpm, tpm, budget, lim.period or "month"))
+                    levels.append(Level(pool, rpm, tpm, budget, lim.period or "month"))
                 continue
             if lim.rpm is None and lim.tpm is None and lim.budget is None:
                 continue

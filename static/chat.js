@@ -178,8 +178,14 @@
     }
     fetch("/chat/wake", {
       method: "POST", credentials: "same-origin", body: JSON.stringify({ model: name }),
-      headers: { "Content-Type": "application/json", "X-CSRF-Token": token }
-    }).then(function (r) { return r.ok ? r.json() : Promise.reject(new Error("the page is out of date; reload it")); })
+      headers: { "Content-Type": "application/json", "X-CSRF-Token": token, "X-Llmgw-Spend": spend.value }
+    }).then(function (r) {
+      if (r.ok) { return r.json(); }
+      return r.text().then(function (t) {
+        var said = new DOMParser().parseFromString(t, "text/html").querySelector("main p, p");
+        return Promise.reject(new Error(said ? said.textContent : "HTTP " + r.status));
+      });
+    })
       .then(function (woken) {
         if (woken.ready) { option.dataset.ready = "1"; done(); return; }
         said(woken.status);

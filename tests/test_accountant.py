@@ -271,6 +271,15 @@ def test_allowlists_intersect_and_the_nearest_band_and_routing_profile_win(engin
     assert (access_of(engine, other).band, access_of(engine, other).profile) == ("low", "batch")
     with pytest.raises(rules.LimitError, match="routing profile"):
         limits.set_limits(engine, "team", team.id, "test", profile="no spaces allowed")
+    with pytest.raises(rules.LimitError, match="routing.default_profile"):  # the gateways' own, below a model's
+        limits.set_limits(engine, "cluster", "", "test", profile="batch")
+    with pytest.raises(rules.LimitError, match="has no id"):
+        limits.set_limits(engine, "personal", "someone", "test", rpm=1)
+    # A person's own profile beats personal use's, on their own as on a personal key.
+    ayse = accounts.find(engine, "ayse@example.com")
+    limits.set_limits(engine, "personal", "", "test", profile="everyone")
+    limits.set_limits(engine, "user", ayse.id, "test", profile="hers")
+    assert KeyTable.from_message(keys.key_set(engine)).person(ayse.id).profile == "hers"
 
 
 def test_every_limit_change_is_logged_with_who_and_what_it_was(engine):
@@ -324,6 +333,9 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
     assert again.spent(f"team:{team.id}", "month") == 600 and again.spent(f"user:{ayse.id}", "day") == 1200
     assert a.spent(f"user:{ayse.id}", "month") == 1100
     assert a.spent(f"project_member:{project.id}/{ayse.id}", "day") == 600
+    # Her share of a cluster default budget is rebuilt in the pool it is counted in, her own: the chat row
+    # once went to "default:personal:..." and the key's to "default:key:...", both pools nobody reads.
+    assert a.spent(f"default:user:{ayse.id}", "month") == 1100 and a.spent(f"personal:{ayse.id}", "month") == 500
     limits.set_limits(engine, "user", ayse.id, "test", budget=1000)
     table = KeyTable.from_message(keys.key_set(engine))
     assert a.admit(wire(table.person(ayse.id)), True, 1).limit == "budget"

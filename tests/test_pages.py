@@ -226,6 +226,14 @@ def test_mathematics_is_set_aside_before_markdown_and_money_is_not_mathematics()
     assert '<span class="math" data-display="1">a&lt;b</span>' in html  # escaped: TeX, never markup
     assert "<code>\\(code\\)</code>" in html and "$$ x_1 $$" in html  # code is code
     assert "<em>" not in html
+    # Never inside a link's address or any attribute (a span there closed the attribute and the tag).
+    linked = render_markdown("[x](https://a.b/\\(q\\)) and <https://x/\\(q\\)> and [\\(y\\)](https://c.d/)")
+    assert linked.count("<a ") == 3 and 'href="https://a.b/(q)"' in linked and '"><span class="math"' in linked
+    assert 'href="https://a.b/<span' not in linked and "=<span" not in linked
+    # Openers without closers cost one scan, not one each: 100,000 of them took minutes before.
+    started = time.process_time()
+    render_markdown("\\(" * 100_000)
+    assert time.process_time() - started < 20
 
 
 def test_model_and_project_names_are_shown_inert(tmp_path):
@@ -532,3 +540,46 @@ def test_a_chat_spends_against_what_the_person_chose_among_what_is_theirs(site):
     limits.set_limits(engine, "personal", "", "test", disabled=True)
     app.runtime.refresh_keys()
     assert f'<input id="spend" type="hidden" value="{mine.id}">' in client.get("/chat").data.decode()
+
+
+def test_waking_a_model_is_for_those_who_may_use_it(tmp_path):
+    # /chat/wake started any model for any signed-in person, whatever their allowlist: a model kept loaded
+    # for nobody holds the cards others need.
+    from llmgw.people import limits
+
+    path = tmp_path / "gw.toml"
+    url = f"sqlite:///{tmp_path}/w.db"
+    path.write_text(f'[store]\nurl = "{url}"\n[[models]]\nname = "big"\n[[models]]\nname = "small"\n')
+    engine = store.open_store(url)
+    user = accounts.create_user(engine, "w@example.org", "a long enough password", state=accounts.ACTIVE)
+    limits.set_limits(engine, "user", user.id, "test", models=["small"])
+    app = GatewayApp(settings.load(str(path)), key_source=keys)
+    try:
+        client = app.pages.test_client()
+        sign_in(client, user.email, "a long enough password")
+        csrf = re.search(r'name="csrf-token" content="([^"]+)"', client.get("/chat").data.decode()).group(1)
+
+        def wake(body):
+            return client.post("/chat/wake", json=body, headers={"X-CSRF-Token": csrf})
+
+        assert wake({"model": "big"}).status_code == 403
+        assert wake({"model": "small"}).status_code == 200
+        assert wake(["small"]).status_code == 404  # not an object: no model named, never a 500
+        assert client.post("/chat/render", json=["x"], headers={"X-CSRF-Token": csrf}).status_code == 400
+        # The page's ceiling holds for a chat request sent by hand too (gateway.chat_max_tokens, 2048).
+        import io
+        import json as json_
+
+        body = json_.dumps({"model": "small", "max_tokens": 5000, "messages": [{"role": "user", "content": "hi"}]}
+                           ).encode()
+        environ = {"REQUEST_METHOD": "POST", "PATH_INFO": "/chat/completions", "wsgi.input": io.BytesIO(body),
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json", "SERVER_NAME": "t",
+                   "SERVER_PORT": "80", "wsgi.url_scheme": "http", "REMOTE_ADDR": "127.0.0.1",
+                   "HTTP_COOKIE": f"llmgw_session={client.get_cookie('llmgw_session').value}",
+                   "HTTP_X_CSRF_TOKEN": csrf}
+        seen = {}
+        answer = json_.loads(b"".join(app(environ, lambda status, hdrs: seen.update(status=status))))
+        assert seen["status"].startswith("400") and "2048" in answer["error"]["message"]
+    finally:
+        app.runtime.engine.dispose()
+        engine.dispose()

@@ -31,4 +31,4 @@ def test_tool_check_tells_a_model_that_calls_tools_from_one_that_does_not(tmp_pa
     assert "it answered in words instead of calling the tool: 'It is probably sunny.'" in bad.stdout
     assert "chatty failed 3 of 3 steps: coding agents will stumble on it" in bad.stderr
     refused = tool_check(gw, "sk-llmgw-" + "x" * 43, "tooly")
-    assert refused.returncode == 1 and "the gateway answered 401" in refused.stderr
+    assert refused.returncode == 1 and "the gateway answered 401 (the key" in refused.stderr

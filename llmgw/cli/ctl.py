@@ -383,7 +383,8 @@ def plan_model(obj, model, context, as_json):
     best = next((f for f in result["nodes"] if f["fits"] and "gpu_class" in (f["profile"] or {})),
                 next((f for f in result["nodes"] if f["fits"]), None))
     if best is None:
-        raise click.ClickException(f"{model} fits on no node of the fleet as it is")
+        raise click.ClickException(f"{model} fits on no node of the fleet as it is: try a smaller --context, a smaller "
+                                   "quantisation of it (a GGUF of fewer bits), or a node with more memory")
     lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in best["profile"].items())
     click.echo(f"in its model file (llmgw ctl model add -f FILE):\nmax_context = {result['context']}\n"
                f"[[profiles]]\n{lines}")

@@ -18,7 +18,9 @@ import dataclasses
 import json
 import math
 import os
+import re
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from llmgw import gguf
@@ -82,20 +84,39 @@ def _size(source: str) -> int | None:
         return None
 
 
+SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _gguf_size(source: str) -> int | None:
+    """A GGUF's size; for the first of a split set (`-00001-of-00003.gguf`), every part's together."""
+    found = SHARD.search(urllib.parse.urlsplit(source).path)
+    if found is None:
+        return _size(source)
+    total = 0
+    for part in range(1, int(found.group(2)) + 1):
+        size = _size(source.replace(found.group(0), f"-{part:05d}-of-{found.group(2)}.gguf"))
+        if size is None:
+            return None
+        total += size
+    return total
+
+
 def read_shape(source: str) -> Shape:
     """The shape of the model at SOURCE: a GGUF file, or a Hugging Face folder (a path or a URL); raises
     PlanError."""
-    if source.endswith(".gguf"):
+    if urllib.parse.urlsplit(source).path.endswith(".gguf"):
         head = _read(source, gguf.HEAD_BYTES)
         if head is None:
             raise PlanError(f"{source} cannot be read: give a path on this machine or an http(s) URL")
         try:
             found = gguf.shape(head)
         except gguf.NotGGUF as e:
-            raise PlanError(f"{source} is not a GGUF file: {e}") from None
-        size = _size(source)
+            raise PlanError(f"{source} is not a GGUF file ({e}): give the model's .gguf file, or its Hugging Face "
+                            "folder") from None
+        size = _gguf_size(source)
         if size is None:
-            raise PlanError(f"{source}'s size cannot be read")
+            raise PlanError(f"{source}'s size cannot be read (its server answered no Content-Length): give the file "
+                            "by its path, or the mirror's URL of it")
         heads, width = found.get("head_count"), found.get("embedding_length")
         head_dim = found.get("key_length") or (width // heads if isinstance(width, int) and isinstance(heads, int)
                                                and heads else None)

@@ -79,7 +79,9 @@ def main(dest: str) -> None:
                 f"CHANGELOG.md has no section for {version}: name what it brings under `## {version}` (the "
                 "`## Unreleased` section, renamed, with the date), or raise __version__ in llmgw/__init__.py "
                 "and setup.cfg to the version you mean to release")
-    changed = _git("status", "--porcelain", "--untracked-files=no")
+    # Untracked files under llmgw/ count: the wheel is packed from the folder, the archive from the commit.
+    changed = "\n".join(line for line in _git("status", "--porcelain").splitlines()
+                        if not line.startswith("??") or line[3:].startswith("llmgw/"))
     if changed.strip():
         raise click.ClickException("the checkout has changes not committed; commit them (or stash them) first, so "
                                    f"the archive and the wheel are the same release:\n{changed.rstrip()}")

@@ -49,7 +49,10 @@ class Gateway:
                 detail = json.loads(detail)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
-            raise RuntimeError(f"the gateway answered {e.code}: {detail}") from None
+            hint = {401: " (the key: give one that works, with --key or LLMGW_API_KEY)",
+                    403: " (the key may not use this model: an operator's allowlist)",
+                    404: " (no such model: `llmgw ctl models` lists them)"}.get(e.code, "")
+            raise RuntimeError(f"the gateway answered {e.code}{hint}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
             raise RuntimeError(f"the gateway at {self.url} did not answer: {getattr(e, 'reason', e)}") from None
 

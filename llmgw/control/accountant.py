@@ -299,9 +299,10 @@ class Accountant:
                 for key_id, project_id, user_id, cost in rollup.spend_since(conn, start):
                     # The chat page's rows carry "session:<person>" and spend as that person.
                     key = key_id if key_id and not key_id.startswith("session:") else None
-                    counters = [c for _scope, _sid, c in ruleset.scopes_of(key, project_id, user_id)]
-                    if counters:
-                        counters.append("default:" + counters[0])  # the cluster's default budget, if one binds
+                    scopes = ruleset.scopes_of(key, project_id, user_id)
+                    counters = [c for _scope, _sid, c in scopes]
+                    if scopes:  # the cluster's default budget, if one binds, in the pool `Rules.access` counts it in
+                        counters.append(ruleset.default_pool(scopes))
                     for counter in counters:
                         self.spend[(counter, period, start)] += int(cost)
                     restored += 1
@@ -325,5 +326,6 @@ def _scope_words(counter: str) -> str:
     words = {"key": "this key", "user": "this person", "project": "this project", "team": "this team",
              "org": "this organisation", "project_member": "each member of this project",
              "team_member": "each member of this team", "org_member": "each member of this organisation",
+             "personal": "your use on your own (personal keys and the chat page)",
              "default": "a key without limits of its own (the cluster's default)"}
     return words.get(scope, counter)

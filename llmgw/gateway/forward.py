@@ -77,10 +77,6 @@ class Forwarder:
         (`Proxy._pinned`), the only one it is sent to."""
         rt = self.rt
         caller, req, model = ex.caller, ex.req, ex.model
-        if model.stopped and not rt.router.available(model.name):
-            raise ApiError(503, f"{model.name} is stopped: an operator scaled it to no replica, and nothing starts it "
-                                f"until one runs it again (`llmgw ctl scale {model.name} --max 1`). Use another "
-                                "model meanwhile; /v1/models lists those served.", "model_stopped")
         # Behind a controller a model without a replica in rotation gets one soon (it is starting,
         # moving, or being replaced), so the request waits for it; with only configured endpoints
         # nothing would come, and the 503 is immediate.

@@ -58,6 +58,7 @@ class Proxy:
         # Only the prefix policy reads a conversation's key: under the others none is made.
         self.prefix_bytes = cfg["routing.affinity_prefix_bytes"] if cfg["routing.policy"] == "prefix" else 0
         self.load_wait = cfg["gateway.load_wait"]
+        self.chat_max_tokens = cfg["gateway.chat_max_tokens"] or None
         self.guard = Guard(runtime)
         self.billing = Billing(runtime)
         self.admission = Admission(runtime, self.billing)
@@ -104,7 +105,14 @@ class Proxy:
                 req = ex.req = dialect.parse(kind, raw, self.prefix_bytes)
                 req.dialect = dialect
                 model = ex.model = self._resolve(req.model, caller)
-                req.bound_output(model.name, model.max_output)
+                if model.stopped and not self.rt.router.available(model.name):  # before any limit or judge
+                    raise ApiError(503, f"{model.name} is stopped: an operator scaled it to no replica, and nothing "
+                                        f"starts it until one runs it again (`llmgw ctl scale {model.name} --max 1`). "
+                                        "Use another model meanwhile; /v1/models lists those served.", "model_stopped")
+                # The chat page's own ceiling holds for its requests, whatever a person sends by hand.
+                ceiling = (min(filter(None, (model.max_output, self.chat_max_tokens)), default=None)
+                           if caller.key_id.startswith("session:") else model.max_output)
+                req.bound_output(model.name, ceiling)
                 pin = None if kind == "tokens" else self._pinned(environ.get(PIN_HEADER), caller, model)
                 # A kept conversation's history, put before the new turn: the prompt admission and the
                 # engine see (and count_tokens counts) is the whole of it.

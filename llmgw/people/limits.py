@@ -98,7 +98,12 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
         raise LimitError(f"a scope is one of {', '.join(SCOPES)}, not {scope!r}")
     if len(scope_id) > LONGEST_SCOPE_ID:
         raise LimitError(f"no {scope} has an id that long: ids are at most {LONGEST_SCOPE_ID} characters")
+    if scope in ("cluster", "personal") and scope_id:
+        raise LimitError(f"the {scope} scope has no id: it is one for the whole cluster")
     changes = validate(changes)
+    if changes.get("profile") and scope == "cluster":
+        raise LimitError("the cluster's routing profile is routing.default_profile in each gateway's configuration, "
+                         "below a model's own; set a profile on an organisation, team, project, person or key")
     if changes.get("disabled") and scope != "personal":
         raise LimitError("only personal use can be turned off (--scope personal); to stop a project, revoke its "
                          "keys or allow it no model")

@@ -20,8 +20,6 @@ which carry keys, never read the store.
 from __future__ import annotations
 
 import os
-import re
-import secrets
 from html import escape
 
 import flask_login
@@ -44,10 +42,43 @@ KATEX_HERE = os.path.exists(os.path.join(os.path.dirname(os.path.dirname(os.path
 SAFE_SCHEMES = ("http://", "https://", "mailto:")
 
 
+# Mathematics a model wrote between \( \), \[ \] or $$ $$, read as such by Markdown's own inline parser
+# (so never inside code, a link's address or any attribute) and written as spans the page's KaTeX typesets.
+# A lone $ is no delimiter: "$5 and $10" is money (the Go version's automatic delimiters read it as
+# mathematics). Each opener looks for its closer once: past the last opener that found none, no opener of
+# that kind looks again, so unclosed openers cost a scan, not a scan each.
+MATH_DELIMITERS = (("$$", "$$", True), ("\\[", "\\]", True), ("\\(", "\\)", False))
+
+
+def _math(state, silent: bool) -> bool:
+    src, pos = state.src, state.pos
+    found = next((d for d in MATH_DELIMITERS if src.startswith(d[0], pos)), None)
+    if found is None:
+        return False
+    opener, closer, display = found
+    start = pos + len(opener)
+    unclosed = state.env.setdefault("math_unclosed", {})
+    key = (id(src), opener)
+    if start >= unclosed.get(key, len(src) + 1):
+        return False
+    end = src.find(closer, start)
+    if end < 0:
+        unclosed[key] = min(unclosed.get(key, start), start)
+        return False
+    if not src[start:end].strip():
+        return False
+    if not silent:
+        token = state.push("math", "span", 0)
+        token.content, token.info = src[start:end].strip(), "1" if display else "0"
+    state.pos = end + len(closer)
+    return True
+
+
 def _markdown() -> MarkdownIt:
     md = MarkdownIt("commonmark", {"html": False, "linkify": False})
     md.disable("image")  # an image would be fetched by the browser: a model must not make it call out
     md.validateLink = lambda url: url.strip().lower().startswith(SAFE_SCHEMES)
+    md.inline.ruler.before("escape", "math", _math)  # before \( reads as an escaped parenthesis
 
     def link_open(renderer, tokens, idx, options, env):
         tokens[idx].attrSet("rel", "noopener noreferrer nofollow")
@@ -55,36 +86,16 @@ def _markdown() -> MarkdownIt:
         return renderer.renderToken(tokens, idx, options, env)
 
     md.add_render_rule("link_open", link_open)
+    md.add_render_rule("math", lambda renderer, tokens, idx, options, env: (
+        f'<span class="math" data-display="{tokens[idx].info}">{escape(tokens[idx].content)}</span>'))
     return md
 
 
 MARKDOWN = _markdown()
 
-# Mathematics a model wrote between \( \), \[ \] or $$ $$, set aside before Markdown (which would take its
-# underscores and asterisks for emphasis) and put back as spans the page's KaTeX typesets. A lone $ is no
-# delimiter: "$5 and $10" is money (the Go version's automatic delimiters read it as mathematics). Code
-# (fenced blocks, `spans`) is left as it is.
-MATH = re.compile(r"\$\$(.+?)\$\$|\\\[(.+?)\\\]|\\\((.+?)\\\)", re.S)
-CODE = re.compile(r"(?:^|(?<=\n))(```|~~~)[^\n]*\n.*?(?:\n\1[^\n]*(?=\n|$)|$)|`[^`\n]+`", re.S)
-
 
 def render_markdown(text: str) -> str:
-    text = text[:MAX_RENDER]
-    nonce = secrets.token_hex(6)  # letters and digits: Markdown leaves the marks as they are
-    found: list[tuple[str, bool]] = []
-
-    def aside(match) -> str:
-        display = match.group(3) is None
-        found.append((match.group(1) or match.group(2) or match.group(3), display))
-        return f"M{nonce}{len(found) - 1}Z"
-
-    pieces, at = [], 0
-    for code in CODE.finditer(text):
-        pieces += [MATH.sub(aside, text[at:code.start()]), code.group(0)]
-        at = code.end()
-    html = MARKDOWN.render("".join(pieces) + MATH.sub(aside, text[at:]))
-    return re.sub(rf"M{nonce}(\d+)Z", lambda m: '<span class="math" data-display="{}">{}</span>'.format(
-        int(found[int(m.group(1))][1]), escape(found[int(m.group(1))][0].strip())), html)
+    return MARKDOWN.render(text[:MAX_RENDER])
 
 
 bp = Blueprint("chat", __name__)
@@ -144,7 +155,8 @@ def chat_models():
 def chat_render():
     if not _csrf_ok(site().csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
         abort(400, "The page is out of date; reload it.")
-    text = (request.get_json(silent=True) or {}).get("text")
+    body = request.get_json(silent=True)
+    text = body.get("text") if isinstance(body, dict) else None
     if not isinstance(text, str):
         abort(400, "Send {\"text\": \"...\"}.")
     return {"html": render_markdown(text)}
@@ -184,10 +196,23 @@ def chat_wake():
     s = site()
     if not _csrf_ok(s.csrf_secret, request.headers.get("X-CSRF-Token", ""), request.environ):
         abort(400, "The page is out of date; reload it.")
-    name = (request.get_json(silent=True) or {}).get("model")
-    spec = next((m for m in s.runtime.router.snapshot.offered() if m.name == name), None)
+    body = request.get_json(silent=True)
+    name = body.get("model") if isinstance(body, dict) else None
+    snapshot = s.runtime.router.snapshot
+    spec = next((m for m in snapshot.offered() if m.name == name), None)
     if spec is None:
         abort(404, "No such model here; reload the page.")
+    # Only what the person may use, spending as the page says: a chat request would be refused, so nothing
+    # is started for it (a model kept loaded for nobody holds cards others need).
+    me = flask_login.current_user.user
+    try:
+        project = _spends(s.runtime, me.id, request.headers.get("X-Llmgw-Spend", ""))
+    except ApiError as e:
+        abort(e.status, e.message)
+    table = s.runtime.keys
+    access = table.person(me.id) if project is None else table.rules.access(None, project, me.id)
+    if access.personal_off or (access.models is not None and not snapshot.allows(access.models, spec.name)):
+        abort(403, f"You may not use {spec.name} spending as chosen; choose another model or project.")
     ready = bool(s.runtime.router.available(spec.name))
     if spec.on_demand and not ready:
         s.runtime.demand(spec.name)
