@@ -39,12 +39,14 @@ class Registry:
 
     def __init__(self, files: dict[str, bytes]):
         self.files = files
+        self.asked: list[str] = []
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def app(self, environ, start_response):
         path = Request(environ).path
+        self.asked.append(path)
         if path == "/api/models":
             body = [{"_id": "1", "id": "acme/tiny-GGUF", "likes": 12, "downloads": 3456, "pipeline_tag": "text-generation",
                      "tags": ["gguf"], "createdAt": "2026-10-01T00:00:00.000Z"},
@@ -106,7 +108,7 @@ def rig(tmp_path):
     app = GatewayApp(cfg, key_source=keys)
     client = app.pages.test_client()
     sign_in(client, "root@example.org", PASSWORD)
-    yield client, manager, controller, base, f"127.0.0.1:{api.server_port}"
+    yield client, manager, controller, base, f"127.0.0.1:{api.server_port}", registry
     app.runtime.engine.dispose()
     engine.dispose()
     controller.stop()
@@ -120,7 +122,7 @@ def post(client, path, form_page="/admin/mirror", **fields):
 
 
 def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
-    client, manager, controller, base, _ = rig
+    client, manager, controller, base, _, _ = rig
     page = client.get("/admin/mirror").data.decode()
     assert "Nothing is held yet" in page and f"Nodes fetch from {base}" in page
     (tmp_path / "sources" / "tiny.gguf").write_bytes(gguf_bytes("llama", 3000))
@@ -150,7 +152,7 @@ def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
 
 
 def test_the_registry_is_explored_and_its_cards_are_inert(rig):
-    client, manager, _, _, _ = rig
+    client, manager, _, _, _, _ = rig
     page = client.get("/admin/mirror/registry?sort=downloads").data.decode()
     assert "acme/tiny-GGUF" in page and "3,456 downloads" in page and "<b>bold</b>" not in page
     repo = client.get("/admin/mirror/repo?id=acme/tiny-GGUF").data.decode()
@@ -165,6 +167,12 @@ def test_the_registry_is_explored_and_its_cards_are_inert(rig):
     wait_for("the registry fetch", 10, lambda: manager.status("tiny-gguf", SHA[:12])["state"] != "fetching")
     assert manager.status("tiny-gguf", SHA[:12])["state"] == "present"
     assert client.get("/admin/mirror/repo?id=../../etc").status_code == 404
+    # Browsing back asks the registry nothing new for ten minutes (Hugging Face's rate-limits).
+    registry = rig[5]
+    before = len(registry.asked)
+    client.get("/admin/mirror/registry?sort=downloads")
+    client.get("/admin/mirror/repo?id=acme/tiny-GGUF")
+    assert len(registry.asked) == before
 
 
 def test_an_unreachable_mirror_or_registry_is_said_in_a_sentence(tmp_path):
@@ -305,7 +313,7 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
 
     from llmgw.cli.main import main
 
-    client, manager, controller, base, api = rig
+    client, manager, controller, base, api, _ = rig
     for model in ("kept", "spare"):
         (tmp_path / "sources" / f"{model}.gguf").write_bytes(gguf_bytes("llama"))
         manager.fetch(str(tmp_path / "sources" / f"{model}.gguf"), model, "v1")
@@ -324,7 +332,7 @@ def test_unused_lists_what_no_catalog_model_refers_to(rig, tmp_path):
 
 
 def test_the_serve_form_bounds_what_it_sends_and_says_what_is_wrong_in_a_sentence(rig, tmp_path):
-    client, manager, controller, base, _ = rig
+    client, manager, controller, base, _, _ = rig
     (tmp_path / "sources" / "m.gguf").write_bytes(gguf_bytes("llama", 3000))
     post(client, "/admin/mirror/fetch", source=str(tmp_path / "sources" / "m.gguf"), model="m", version="v1")
     wait_for("the fetch", 10, lambda: manager.status("m", "v1")["state"] == "present")
@@ -356,7 +364,7 @@ def test_the_serve_form_bounds_what_it_sends_and_says_what_is_wrong_in_a_sentenc
 def test_the_serve_form_warns_of_what_the_fleet_cannot_run(rig):
     from tests.cluster import Agent
 
-    client, _, controller, _, _ = rig
+    client, _, controller, _, _, _ = rig
     agent = Agent(controller.tmp, [f"127.0.0.1:{controller.agent_port}"], "cpu-1", controller.issue_key("cpu-1"))
     try:
         wait_until("the node", 60, lambda: controller.state("cpu-1") == "ready")

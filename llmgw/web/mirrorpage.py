@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -272,13 +273,29 @@ def _size(text: str | None) -> int:
     return size
 
 
+# The registry's answers, kept REGISTRY_KEPT seconds by each worker: browsing goes back and forth over the
+# same listings, and a registry that rate-limits (Hugging Face's does) must not be asked for each. A fetch
+# stays exact: it is pinned to the commit the page showed.
+REGISTRY_KEPT = 600.0
+REGISTRY_KEPT_MOST = 256
+_answers: dict[tuple[str, str, bool], tuple[float, object]] = {}
+
+
 def _registry(cfg, path: str, raw: bool = False):
-    """(answer, problem) from the registry: JSON, or text when RAW."""
+    """(answer, problem) from the registry: JSON, or text when RAW; an answer asked for within
+    REGISTRY_KEPT seconds is the one given then."""
     endpoint = cfg["mirror.hf_endpoint"]
+    kept = _answers.get((endpoint, path, raw))
+    if kept is not None and time.monotonic() < kept[0]:
+        return kept[1], None
     try:
         with urllib.request.urlopen(endpoint.rstrip("/") + path, timeout=REGISTRY_TIMEOUT) as resp:
             body = resp.read(4 << 20)
-        return (body.decode("utf-8", "replace") if raw else json.loads(body)), None
+        answer = body.decode("utf-8", "replace") if raw else json.loads(body)
+        if len(_answers) >= REGISTRY_KEPT_MOST:
+            _answers.pop(next(iter(_answers)))  # the oldest asked
+        _answers[(endpoint, path, raw)] = (time.monotonic() + REGISTRY_KEPT, answer)
+        return answer, None
     except urllib.error.HTTPError as e:
         e.close()
         return None, f"The registry at {endpoint} answered {e.code} {e.reason}."
