@@ -144,13 +144,23 @@ class Host:
                       "machine": os.uname().machine, "has_venv": True, "uid": 1000, "hostname": "gpu-07",
                       "systemd": False, "prefix": "/home/ops/llmgw", "free": 500 << 30, "ssh_from": "", **facts}
 
+        self.ran: list[str] = []
+
     def run(self, command, **_):
+        self.ran.append(command)
+        if "apt-get" in command or "dnf install" in command:  # what the package gives
+            self.facts["has_venv"] = True
+            return 0, ""
         return 0, "a login banner\n" + json.dumps(self.facts) + "\n"
 
 
 @pytest.mark.parametrize("facts, says", [
     ({"python": [3, 9]}, "is Python 3.9; llmgw needs 3.11 or later: install python"),
-    ({"has_venv": False}, "cannot make virtual environments: install python3-venv there"),
+    ({"has_venv": False}, "cannot make virtual environments: install it there (the package that gives Python its "
+                          "venv module), or run node add as root there"),
+    ({"has_venv": False, "os": {"ID": "ubuntu", "ID_LIKE": "debian"}},
+     f"apt-get -o DPkg::Lock::Timeout=600 install -y -qq python{sys.version_info[0]}.{sys.version_info[1]}-venv), "
+     "or run node add as root there"),
     ({"machine": "aarch64"}, "the wheels of this installation are for Python"),
     ({"python": [3, 99]}, "and give --python python"),
     ({"free": 1 << 30}, "only 1.0 GiB is free for /home/ops/llmgw; llmgw needs about 3 GiB: free some space"),
@@ -161,3 +171,17 @@ def test_a_host_that_cannot_take_this_installation_is_refused_with_what_to_do(fa
         nodeadd._probe(Host(**facts), options, 600 << 20)
     assert says in str(e.value), str(e.value)
     assert nodeadd._probe(Host(), options, 600 << 20)["hostname"] == "gpu-07"
+
+
+def test_as_root_a_host_gets_pythons_venv_from_its_own_package_manager_by_family():
+    # Lesson 49: decided by ID_LIKE, so a derivative is not refused for a name nobody listed; lesson 50: a
+    # fresh machine's apt lock is waited for, its lists' lock included.
+    options = SimpleNamespace(python="python3", prefix="")
+    mint = Host(has_venv=False, uid=0, os={"ID": "linuxmint", "ID_LIKE": "ubuntu debian"})
+    assert nodeadd._probe(mint, options, 600 << 20)["has_venv"]
+    (install,) = [c for c in mint.ran if "apt-get" in c]
+    assert "fuser /var/lib/apt/lists/lock" in install and "DPkg::Lock::Timeout=600" in install
+    rocky = Host(has_venv=False, uid=0, os={"ID": "rocky", "ID_LIKE": "rhel centos fedora"})
+    assert nodeadd._probe(rocky, options, 600 << 20)["has_venv"] and any("dnf install" in c for c in rocky.ran)
+    assert nodeadd.family({"ID": "opensuse-leap", "ID_LIKE": "suse opensuse"}) == "zypper"
+    assert nodeadd.install_command({"ID": "arch"}, ["python"]) is None  # not guessed: the operator installs it

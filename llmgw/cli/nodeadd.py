@@ -53,7 +53,15 @@ except ImportError:
 home = os.path.expanduser("~")
 default = "/opt/llmgw" if os.getuid() == 0 else home + "/llmgw"
 prefix = os.path.abspath(os.path.expanduser(sys.argv[1])) if sys.argv[1] else default
+def os_release():
+    try:
+        with open("/etc/os-release") as f:
+            pairs = (line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+            return {k: v.strip('"') for k, v in pairs if k in ("ID", "ID_LIKE", "PRETTY_NAME")}
+    except OSError:
+        return {}
 print(json.dumps({"python": list(sys.version_info[:2]), "executable": sys.executable, "machine": platform.machine(),
+                  "os": os_release(),
                   "has_venv": has_venv, "uid": os.getuid(), "hostname": socket.gethostname().split(".")[0],
                   "systemd": os.path.isdir("/run/systemd/system"), "prefix": prefix, "free": free(prefix),
                   "ssh_from": (os.environ.get("SSH_CONNECTION") or "").split(" ")[0]}))
@@ -187,7 +195,7 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, batch: Ba
         return False, f"failed {step}: {type(e).__name__}: {e} (unexpected: please report it with this line)"
 
 
-def _probe(target: Target, options: Options, size: int) -> dict:
+def _probe(target: Target, options: Options, size: int, install: bool = True) -> dict:
     missing = f"there is no {options.python} on its PATH: install Python 3.11 or later there, or give --python"
     _, out = target.run(f"command -v {shlex.quote(options.python)} >/dev/null 2>&1 || {{ echo "
                         f"{shlex.quote(missing)} >&2; exit 3; }}; "
@@ -204,8 +212,15 @@ def _probe(target: Target, options: Options, size: int) -> dict:
                      f"python{here[0]}.{here[1]} and python{here[0]}.{here[1]}-venv there and give "
                      f"--python python{here[0]}.{here[1]}")
     if not host["has_venv"]:
-        raise Failed(f"its {options.python} cannot make virtual environments: install python3-venv there "
-                     f"(apt-get install python{version[0]}.{version[1]}-venv)")
+        command = install_command(host.get("os") or {}, venv_packages(host.get("os") or {}, version))
+        if not install:
+            raise Failed(f"`{command}` ran there, and its {options.python} still cannot make virtual environments")
+        if host["uid"] != 0 or command is None:
+            hint = command or "the package that gives Python its venv module"
+            raise Failed(f"its {options.python} cannot make virtual environments: install it there ({hint}), or "
+                         "run node add as root there, which installs it")
+        target.run(command, what="installing Python's venv module", timeout=APT_LOCK_WAIT + 600)
+        return _probe(target, options, size, install=False)  # what it has now
     if version != here or host["machine"] != os.uname().machine:
         raise Failed(f"it has Python {version[0]}.{version[1]} on {host['machine']}, and the wheels of this "
                      f"installation are for Python {here[0]}.{here[1]} on {os.uname().machine}: install "
@@ -215,6 +230,48 @@ def _probe(target: Target, options: Options, size: int) -> dict:
         raise Failed(f"only {host['free'] / 2**30:.1f} GiB is free for {host['prefix']}; llmgw needs about "
                      f"{(size + INSTALL_ROOM) / 2**30:.0f} GiB: free some space or give --dir on a larger disk")
     return host
+
+
+# A fresh machine's apt is often busy (cloud-init, unattended-upgrades) for minutes after it boots, and
+# its lists' lock is not covered by DPkg::Lock::Timeout: both are waited for this long (lesson 50).
+APT_LOCK_WAIT = 600
+
+
+def family(os_release: dict) -> str | None:
+    """The package family of a machine, from /etc/os-release's ID and ID_LIKE: by family, not by name, so a
+    derivative is not refused for a name nobody listed (lesson 49)."""
+    names = {os_release.get("ID", ""), *os_release.get("ID_LIKE", "").split()}
+    for kind, members in (("apt", {"debian", "ubuntu"}), ("dnf", {"fedora", "rhel", "centos"}),
+                          ("zypper", {"suse", "opensuse", "sles"})):
+        if names & members:
+            return kind
+    return None
+
+
+def venv_packages(os_release: dict, version: tuple) -> list[str]:
+    """The packages that give Python VERSION its venv module in this machine's family."""
+    kind, short = family(os_release), f"{version[0]}.{version[1]}"
+    return {"apt": [f"python{short}-venv"], "dnf": [f"python{version[0]}{version[1]}" if version >= (3, 11)
+                                                    else "python3"],
+            "zypper": [f"python{version[0]}{version[1]}"]}.get(kind or "", [])
+
+
+def install_command(os_release: dict, packages: list[str]) -> str | None:
+    """A shell command that installs PACKAGES with the machine's own package manager, waiting for a held apt
+    lock; None for a family llmgw does not know (then the operator installs them)."""
+    kind = family(os_release)
+    if kind is None or not packages:
+        return None
+    names = " ".join(shlex.quote(p) for p in packages)
+    if kind == "apt":
+        waits = " ".join(f"/var/lib/{p}" for p in ("apt/lists/lock", "dpkg/lock-frontend", "dpkg/lock"))
+        return (f"i=0; while command -v fuser >/dev/null && fuser {waits} >/dev/null 2>&1 && [ $i -lt {APT_LOCK_WAIT} ]; "
+                "do sleep 5; i=$((i+5)); done; export DEBIAN_FRONTEND=noninteractive; "
+                f"apt-get -o DPkg::Lock::Timeout={APT_LOCK_WAIT} update -qq && "
+                f"apt-get -o DPkg::Lock::Timeout={APT_LOCK_WAIT} install -y -qq {names}")
+    if kind == "dnf":
+        return f"(command -v dnf >/dev/null && dnf install -y -q {names}) || yum install -y -q {names}"
+    return f"zypper --non-interactive install {names}"
 
 
 def _install(target: Target, host: dict, bundle: bytes) -> None:
