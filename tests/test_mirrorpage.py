@@ -139,7 +139,7 @@ def test_fetch_serve_and_remove_from_the_page(rig, tmp_path):
     (model,) = [m for m in controller.api("/api/v1/models")["models"] if m["name"] == "tiny"]
     assert (model["scaling"]["min"], model["scaling"]["max"]) == (0, 0)  # "stopped"
     page = client.get("/admin/mirror").data.decode()
-    assert "in use" in page and "<td>tiny</td>" in page  # used by the catalog model "tiny"
+    assert "in use" in page and "<td data-label=\"Used by\">tiny</td>" in page  # used by the catalog model "tiny"
     # In use: the page offers no Remove; asking anyway through the mirror still works, but not by the page.
     assert 'action="/admin/mirror/remove"' not in page.split("Held")[1]
     # A failed fetch is shown with its reason, and can be retried or forgotten.
