@@ -157,8 +157,10 @@ def test_a_hung_store_holds_up_no_stop_and_loses_no_row(pg_url, tmp_path, make_g
         started = time.monotonic()
         assert gw.stop(signal.SIGTERM, timeout=60) == 0
         took = time.monotonic() - started
-        # Up to 1 s to notice, 2 s to stop the greenlets, CLOSE_WRITE_LIMIT to try the store.
-        assert took < 3 + worker.CLOSE_WRITE_LIMIT + 8, f"the stop took {took:.1f} s:\n{gw.log()[-4000:]}"
+        # Up to 1 s to notice, 2 s to stop the greenlets, CLOSE_WRITE_LIMIT to try the store, and room for a
+        # loaded machine (17.9 s was seen under four busy processes); a worker held by the store is killed at
+        # graceful_timeout instead, and its rows are lost, which the spool's count below would show.
+        assert took < 3 + worker.CLOSE_WRITE_LIMIT + 20, f"the stop took {took:.1f} s:\n{gw.log()[-4000:]}"
         assert len(spooled_rows(spool)) == REQUESTS
         relay.flow()
         serve(make_gateway, make_sim, url, spool)
