@@ -29,3 +29,8 @@ def refusal(name) -> str | None:
     shown = repr(name)  # repr: a newline or escape in it is shown, not acted on
     shown = shown if len(shown) <= LONGEST + 2 else shown[:LONGEST] + "..."
     return f"{shown} cannot be used: {RULE}"
+
+
+# A guard judge's categories (its catalog entry's `guard.categories`), which travel in every snapshot.
+MOST_CATEGORIES = 30
+LONGEST_CATEGORY = 300

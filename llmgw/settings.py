@@ -17,7 +17,7 @@ import tomllib
 import urllib.parse
 from typing import Any, Callable
 
-from llmgw import addresses
+from llmgw import addresses, modelnames
 
 
 class ConfigError(Exception):
@@ -53,8 +53,7 @@ GUARD_KEYS = {"model": str, "check": GUARD_CHECKS, "fail": GUARD_FAILS}
 # A judge's own `guard` table: the prompt format it was trained on, and the categories it is asked about.
 GUARD_FORMATS = ("llamaguard3",)
 JUDGE_KEYS = {"format": GUARD_FORMATS, "categories": list}
-MOST_CATEGORIES = 30
-LONGEST_CATEGORY = 300
+MOST_CATEGORIES, LONGEST_CATEGORY = modelnames.MOST_CATEGORIES, modelnames.LONGEST_CATEGORY
 ROLES = ("guard",)  # a model's `role`: a guard judge is never offered to clients
 ROUTING_POLICIES = ("prefix", "least-load", "round-robin")  # llmgw/gateway/balancer.py says what each does
 

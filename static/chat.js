@@ -75,8 +75,9 @@
     }).catch(function () {});
   }
 
-  function statsLine(usage, started, first, ended, stopped) {
+  function statsLine(usage, started, first, ended, stopped, woken) {
     var parts = [];
+    if (woken) { parts.push(woken.name + " started for this, in " + (woken.ms / 1000).toFixed(1) + " s"); }
     if (usage && usage.completion_tokens != null) {
       parts.push(usage.completion_tokens + " tokens");
       if (first && ended > first) {
@@ -88,7 +89,7 @@
     return parts.join(" · ");
   }
 
-  function ask() {
+  function ask(woken) {
     var messages = [];
     if (system.value.trim()) { messages.push({ role: "system", content: system.value }); }
     state.messages.forEach(function (m) { if (!m.error) { messages.push({ role: m.role, content: m.content }); } });
@@ -112,7 +113,7 @@
       send.disabled = false; stop.disabled = true;
       statusLine.textContent = problem || "";
       if (problem && !answer.content) { answer.error = true; answer.content = problem; text.textContent = problem; }
-      answer.stats = statsLine(usage, started, first, ended, stopped);
+      answer.stats = statsLine(usage, started, first, ended, stopped, woken);
       var s = document.createElement("p"); s.className = "stats"; s.textContent = answer.stats; div.appendChild(s);
       state.messages.push(answer);
       save();
@@ -169,12 +170,12 @@
     var option = model.selectedOptions[0];
     if (!option || option.dataset.ready === "1") { then(); return; }
     waking = { cancelled: false };
-    var mine = waking;
+    var mine = waking, asked = performance.now();
     send.disabled = true; stop.disabled = false;
     function said(text) { statusLine.textContent = "Starting " + name + ": " + text + "…"; }
-    function done(problem) {
+    function done(problem, wasUp) {
       waking = null; send.disabled = false; stop.disabled = true;
-      if (problem) { statusLine.textContent = problem; } else { then(); }
+      if (problem) { statusLine.textContent = problem; } else { then(wasUp ? null : { name: name, ms: performance.now() - asked }); }
     }
     fetch("/chat/wake", {
       method: "POST", credentials: "same-origin", body: JSON.stringify({ model: name }),
@@ -182,12 +183,12 @@
     }).then(function (r) {
       if (r.ok) { return r.json(); }
       return r.text().then(function (t) {
-        var said = new DOMParser().parseFromString(t, "text/html").querySelector("main p, p");
-        return Promise.reject(new Error(said ? said.textContent : "HTTP " + r.status));
+        var told = new DOMParser().parseFromString(t, "text/html").querySelector("main p, p");
+        return Promise.reject(new Error(told ? told.textContent : "HTTP " + r.status));
       });
     })
       .then(function (woken) {
-        if (woken.ready) { option.dataset.ready = "1"; done(); return; }
+        if (woken.ready) { option.dataset.ready = "1"; done(null, true); return; }
         said(woken.status);
         (function look() {
           if (mine.cancelled) { done("Stopped waiting for " + name + "."); return; }

@@ -12,7 +12,6 @@ from tests.conftest import Gateway
 
 PASSWORD = "a long enough password"
 LAZY = {"name": "lazy", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
-        # Slow enough to start that the page is seen waiting: the sim's first answer comes after 2 s.
         "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5", "--reply", "Awake now: \\(x^2 + y_1\\) for $5."]}]}
 
 
@@ -43,13 +42,15 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
                      lambda: page.reload() or "lazy (starts when asked)" in page.inner_text("#model"))
             assert c.replicas("lazy") == []  # nothing runs until someone asks
             page.fill("#prompt", "Are you there?")
-            page.click("#send")
-            # Said while it waits: the page's polls are every 2 s, these every 50 ms.
-            wait_for("the page to say what the model waits for", 30,
-                     lambda: page.inner_text("#status").startswith("Starting lazy: "), interval=0.05)
+            with page.expect_response("**/chat/wake") as woken:
+                page.click("#send")
+            # What the page is told it waits for, and shows until the model is up (for as long as that takes:
+            # on a quiet machine the sim is up before anyone could read it).
+            assert woken.value.json() == {"ready": False, "status": "waiting for a node with room for it"}
             wait_for("the answer", 120, lambda: "Awake now:" in (page.inner_text(".msg.assistant .body")
                                                                  if page.query_selector(".msg.assistant") else ""))
             assert page.inner_text("#status") == ""
+            assert "lazy started for this, in " in page.inner_text(".msg.assistant .stats")  # said with the answer
             # Its mathematics typeset by the KaTeX the gateway serves (static/katex, made by `make`), inside
             # the page's content security policy; the dollar amount left as text.
             wait_for("the answer typeset", 30, lambda: page.query_selector(".msg.assistant .katex") is not None)

@@ -20,7 +20,7 @@ that page and `MESSAGES` in step.
 
 from __future__ import annotations
 
-from llmgw import modelnames, rules, settings
+from llmgw import modelnames, rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Num, Obj, ProtocolError, Row, Schema, Str
 
 __all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
@@ -49,7 +49,7 @@ MODEL = Obj({"name": (MODEL_NAME, True), "aliases": (ListOf(MODEL_NAME, modelnam
              "guard": (Obj({"model": (NAME, False), "check": (Str(10), False), "fail": (Str(10), False),
                             # a judge's own: its prompt's format, and the categories it is asked about
                             "format": (Str(20), False),
-                            "categories": (ListOf(Str(settings.LONGEST_CATEGORY), settings.MOST_CATEGORIES), False)}),
+                            "categories": (ListOf(Str(modelnames.LONGEST_CATEGORY), modelnames.MOST_CATEGORIES), False)}),
                        False),
              "routing_profile": (Str(64), False)})
 REPLICA = Obj({"id": (NAME, True), "url": (Str(2000), True), "models": (ListOf(NAME, 100), True),
