@@ -417,11 +417,18 @@ def _columns(conn: Connection, table: str) -> set[str]:
     return {c["name"] for c in sa.inspect(conn).get_columns(table)}
 
 
-def _add_key_owner(conn: Connection) -> None:
-    # Earlier steps create tables from today's definitions, so on a new
-    # database the column is already there: a step that adds one must check.
-    if "user_id" not in _columns(conn, "api_keys"):
-        conn.exec_driver_sql("ALTER TABLE api_keys ADD COLUMN user_id VARCHAR(32)")
+def _add_missing(conn: Connection, table: str, columns: dict[str, str]) -> None:
+    """Add to TABLE each of COLUMNS (name -> SQL type) it lacks. Earlier steps create tables from today's
+    definitions, so on a new database the columns are already there: a step that adds one must check."""
+    have = _columns(conn, table)
+    for name, kind in columns.items():
+        if name not in have:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+
+def _columns_added(table: str, **columns: str) -> Callable[[Connection], None]:
+    """A step that adds COLUMNS to TABLE (`_add_missing`)."""
+    return lambda conn: _add_missing(conn, table, columns)
 
 
 def _rebuild_sqlite(conn: Connection, table: sa.Table, fill: dict[str, str]) -> None:
@@ -468,20 +475,7 @@ def _tree(conn: Connection) -> None:
             conn.exec_driver_sql("ALTER TABLE api_keys ALTER COLUMN project_id DROP NOT NULL")
             conn.exec_driver_sql("ALTER TABLE api_keys ADD COLUMN made_by VARCHAR(32)")
             conn.exec_driver_sql("UPDATE api_keys SET made_by = user_id")
-    have = _columns(conn, "usage")
-    if "user_id" not in have:
-        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN user_id VARCHAR(32)")
-    if "cost_micros" not in have:
-        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN cost_micros BIGINT")
-
-
-def _guard_verdicts(conn: Connection) -> None:
-    # A store made at version 3 or later by this code already has them (usage is created from the table above).
-    have = _columns(conn, "usage")
-    if "guard_verdict" not in have:
-        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN guard_verdict VARCHAR(20)")
-    if "guard_category" not in have:
-        conn.exec_driver_sql("ALTER TABLE usage ADD COLUMN guard_category VARCHAR(100)")
+    _add_missing(conn, "usage", {"user_id": "VARCHAR(32)", "cost_micros": "BIGINT"})
 
 
 def _sessions(conn: Connection) -> None:
@@ -494,14 +488,12 @@ def _sessions(conn: Connection) -> None:
 
 def _threads(conn: Connection) -> None:
     metadata.create_all(conn, tables=[threads, thread_turns])
-    if "threads_hours" not in _columns(conn, "projects"):
-        conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN threads_hours FLOAT")
+    _add_missing(conn, "projects", {"threads_hours": "FLOAT"})
 
 
 def _memory(conn: Connection) -> None:
     metadata.create_all(conn, tables=[notes])
-    if "memory_hours" not in _columns(conn, "projects"):
-        conn.exec_driver_sql("ALTER TABLE projects ADD COLUMN memory_hours FLOAT")
+    _add_missing(conn, "projects", {"memory_hours": "FLOAT"})
     if conn.dialect.name == "sqlite":
         # The ascii tokenizer splits only at ASCII separators (a space, in `words`) and keeps every other
         # character, combining marks included, as llmgw read the words.
@@ -519,24 +511,6 @@ def _memory(conn: Connection) -> None:
         conn.exec_driver_sql("ALTER TABLE notes ADD COLUMN search tsvector "
                              "GENERATED ALWAYS AS (array_to_tsvector(string_to_array(words, ' '))) STORED")
         conn.exec_driver_sql("CREATE INDEX notes_search ON notes USING gin (search)")
-
-
-def _approvals(conn: Connection) -> None:
-    have = _columns(conn, "users")
-    if "approved_by" not in have:
-        conn.exec_driver_sql("ALTER TABLE users ADD COLUMN approved_by VARCHAR(320)")
-    if "approved_at" not in have:
-        conn.exec_driver_sql("ALTER TABLE users ADD COLUMN approved_at FLOAT")
-
-
-def _personal_off(conn: Connection) -> None:
-    if "disabled" not in _columns(conn, "limits"):
-        conn.exec_driver_sql("ALTER TABLE limits ADD COLUMN disabled BOOLEAN")
-
-
-def _routing_profiles(conn: Connection) -> None:
-    if "profile" not in _columns(conn, "limits"):
-        conn.exec_driver_sql("ALTER TABLE limits ADD COLUMN profile VARCHAR(64)")
 
 
 def _leases(conn: Connection) -> None:
@@ -557,19 +531,20 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (4, "node keys and node settings", _create([node_keys, node_settings])),
     (5, "runtime catalog", _create([catalog_models])),
     (6, "people and secrets", _create([users, secrets_table])),
-    (7, "keys made by a person", _add_key_owner),
+    (7, "keys made by a person", _columns_added("api_keys", user_id="VARCHAR(32)")),
     (8, "organisations, teams, memberships, limits, prices, claim links, usage roll-ups", _tree),
     (9, "gateway keys", _create([gateway_keys])),
     (10, "sessions; the session secret leaves the store", _sessions),
     (11, "usage spool files written", _create([usage_spools])),
-    (12, "the guard's verdict on usage rows", _guard_verdicts),
+    (12, "the guard's verdict on usage rows", _columns_added("usage", guard_verdict="VARCHAR(20)",
+                                                             guard_category="VARCHAR(100)")),
     (13, "the controllers' leader lease", _leases),
     (14, "measured capacities of models' profiles", _create([capacities])),
     (15, "kept conversations", _threads),
     (16, "agents' notes, searchable", _memory),
-    (17, "who approved each sign-up", _approvals),
-    (18, "personal use turned off", _personal_off),
-    (19, "routing profiles of keys and the tree", _routing_profiles),
+    (17, "who approved each sign-up", _columns_added("users", approved_by="VARCHAR(320)", approved_at="FLOAT")),
+    (18, "personal use turned off", _columns_added("limits", disabled="BOOLEAN")),
+    (19, "routing profiles of keys and the tree", _columns_added("limits", profile="VARCHAR(64)")),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 
