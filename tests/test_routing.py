@@ -17,6 +17,22 @@ def chat(content, max_tokens=4):
     return {"model": "sim", "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
 
 
+SYSTEM = {"role": "system", "content": "You are a careful assistant for the accounts team. " * 20}
+
+
+def conversation(gw, key, turns: int, asked=lambda turn: f"question {turn}") -> list[str]:
+    """TURNS turns of one conversation (SYSTEM, then ASKED(turn), each answer sent back): who served each."""
+    messages, served = [SYSTEM], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": asked(turn)})
+        status, _, raw = post(gw.url + "/v1/chat/completions", {"model": "sim", "max_tokens": 4,
+                                                                "messages": messages}, key)
+        assert status == 200, raw
+        served.append(fingerprint(raw))
+        messages.append(json.loads(raw)["choices"][0]["message"])
+    return served
+
+
 def start(tmp_path, make_gateway, sims, workers=2, **settings):
     url = f"sqlite:///{tmp_path}/routing.db"
     key = make_key(url)
@@ -64,18 +80,9 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
 def test_a_conversation_sticks_to_the_replica_that_has_its_history(tmp_path, make_gateway, make_sim):
     sims = [make_sim(replica=f"r{i}", ttft_ms=1, tokens_per_s=0) for i in range(3)]
     gw, key = start(tmp_path, make_gateway, sims, workers=2)
-    system = {"role": "system", "content": "You are a careful assistant for the accounts team. " * 20}
     homes = {}
     for c in range(6):
-        messages = [system]
-        served = []
-        for turn in range(3):
-            messages.append({"role": "user", "content": f"conversation {c} asks question {turn}"})
-            status, _, raw = post(gw.url + "/v1/chat/completions",
-                                  {"model": "sim", "max_tokens": 4, "messages": messages}, key)
-            assert status == 200, raw
-            served.append(fingerprint(raw))
-            messages.append(json.loads(raw)["choices"][0]["message"])
+        served = conversation(gw, key, 3, lambda turn, c=c: f"conversation {c} asks question {turn}")
         # Both workers, every later turn: one replica, which had the turns before cached. (A first turn goes
         # to the least loaded, which is the same one unless a worker's figures showed another's request there.)
         assert len(set(served[1:])) == 1, served
@@ -124,21 +131,8 @@ def test_a_keys_routing_profile_routes_it_otherwise_than_the_gateways_default(tm
     gw = make_gateway(store_url=url, workers=1, endpoints=[{"id": s.replica, "url": s.url, "models": ["sim"]}
                                                             for s in sims],
                       routing_profiles=[{"name": "batch", "policy": "round-robin", "total": 600.0}])
-    system = {"role": "system", "content": "You are a careful assistant for the accounts team. " * 20}
-
-    def conversation(key) -> list[str]:
-        messages, served = [system], []
-        for turn in range(6):
-            messages.append({"role": "user", "content": f"question {turn}"})
-            status, _, raw = post(gw.url + "/v1/chat/completions",
-                                  {"model": "sim", "max_tokens": 4, "messages": messages}, key)
-            assert status == 200, raw
-            served.append(fingerprint(raw))
-            messages.append(json.loads(raw)["choices"][0]["message"])
-        return served
-
-    assert len(set(conversation(chatty)[1:])) == 1
-    assert sorted(conversation(batch)) == ["sim-r0", "sim-r0", "sim-r1", "sim-r1", "sim-r2", "sim-r2"]
+    assert len(set(conversation(gw, chatty, 6)[1:])) == 1
+    assert sorted(conversation(gw, batch, 6)) == ["sim-r0", "sim-r0", "sim-r1", "sim-r1", "sim-r2", "sim-r2"]
 
 
 def test_a_models_routing_profile_gives_way_to_its_keys_and_an_unknown_name_to_the_model(tmp_path, make_gateway,
