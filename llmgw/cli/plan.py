@@ -55,17 +55,17 @@ class Shape:
         return 2 * self.layers * self.kv_heads * self.head_dim * 2
 
 
-def _read(source: str, limit: int | None = None) -> bytes | None:
+def _read(source: str) -> bytes | None:
+    """A small file (config.json, a safetensors index), a path or an http(s) URL; at most 4 MiB of it."""
     if source.startswith(("http://", "https://")):
-        headers = {"Range": f"bytes=0-{limit - 1}"} if limit else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(source, headers=headers), timeout=30) as resp:
-                return resp.read(limit) if limit else resp.read(4 << 20)
+            with urllib.request.urlopen(source, timeout=30) as resp:
+                return resp.read(4 << 20)
         except (urllib.error.URLError, OSError):
             return None
     try:
         with open(source, "rb") as f:
-            return f.read(limit) if limit else f.read(4 << 20)
+            return f.read(4 << 20)
     except OSError:
         return None
 
@@ -105,7 +105,7 @@ def read_shape(source: str) -> Shape:
     """The shape of the model at SOURCE: a GGUF file, or a Hugging Face folder (a path or a URL); raises
     PlanError."""
     if urllib.parse.urlsplit(source).path.endswith(".gguf"):
-        head = _read(source, gguf.HEAD_BYTES)
+        head = gguf.read_head(source)
         if head is None:
             raise PlanError(f"{source} cannot be read: give a path on this machine or an http(s) URL")
         try:

@@ -38,6 +38,11 @@ def named(cfg) -> dict[str, tuple[str, str]]:
     return {name: ("binary", path) for name, path in given.items() if path}
 
 
+def probe_binary(engine: str, path: str) -> str | None:
+    """The version ENGINE's program at PATH reports (llama-server, vllm), or None where it does not run."""
+    return llamacpp.probe(path) if engine == "llamacpp" else vllm.probe(path) if engine == "vllm" else None
+
+
 def installed(given: dict[str, tuple[str, str]] | None = None) -> dict[str, str]:
     """Engine name -> version, for each engine llmgw may run here: the simulator (part of llmgw), the engines
     llmgw's own environment has (read from their metadata), and GIVEN's binaries (`named`), each asked its
@@ -47,7 +52,7 @@ def installed(given: dict[str, tuple[str, str]] | None = None) -> dict[str, str]
         if version:
             found[name] = version
     for name, (_kind, path) in (given or {}).items():
-        version = llamacpp.probe(path) if name == "llamacpp" else vllm.probe(path) if name == "vllm" else None
+        version = probe_binary(name, path)
         if version:
             found[name] = version
         else:

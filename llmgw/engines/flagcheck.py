@@ -81,8 +81,7 @@ def help_command(engine: str, launch: tuple[str, str] | None) -> list[str]:
 def version_of(engine: str, launch: tuple[str, str] | None, timeout: float) -> str | None:
     kind, path = launch or ("python", sys.executable)
     if kind == "binary":
-        return (llamacpp.probe(path) if engine == "llamacpp" else engines.vllm.probe(path) if engine == "vllm"
-                else None)
+        return engines.probe_binary(engine, path)
     module = {"llamacpp": "xllamacpp", "vllm": "vllm", "sglang": "sglang"}[engine]
     try:
         run = subprocess.run([path, "-c", f"import importlib.metadata as m; print(m.version({module!r}))"],
