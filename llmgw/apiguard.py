@@ -109,7 +109,7 @@ def _split(address: str) -> tuple[str, int | None]:
     return host, port
 
 
-def _is_ip(name: str) -> bool:
+def is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name)
     except ValueError:
@@ -118,7 +118,7 @@ def _is_ip(name: str) -> bool:
 
 
 def _is_loopback(name: str) -> bool:
-    return name == "localhost" or (_is_ip(name) and ipaddress.ip_address(name).is_loopback)
+    return name == "localhost" or (is_ip(name) and ipaddress.ip_address(name).is_loopback)
 
 
 class HostCheck:
@@ -145,7 +145,7 @@ class HostCheck:
         if (port or 80) != self.port:
             return False
         if not self.host:
-            return name == "localhost" or _is_ip(name)
+            return name == "localhost" or is_ip(name)
         return name == self.host or (_is_loopback(self.host) and name in LOOPBACK_NAMES)
 
     def refusal(self, header: str | None) -> str | None:

