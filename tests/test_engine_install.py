@@ -587,6 +587,40 @@ def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapp
     assert not wrapper[1].exists()
 
 
+def test_an_engine_installed_on_request_is_followed_to_its_end_and_a_failure_says_its_fix(tmp_path, made, files):
+    good = files.publish("llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b7").encode()}))
+    controller = Controller(tmp_path, store_url=f"sqlite:///{tmp_path}/cluster.db", models=[])
+    made.append(controller)
+    for node_id, digest in (("n1", good), ("n2", "f" * 64)):  # n2's catalogue has a sum the file does not have
+        made.append(Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], node_id, controller.issue_key(node_id),
+                          engines=[{"name": "llamacpp", "version": "b7", "source": "llama.tar.gz",
+                                    "sha256": {PLATFORM: digest}}], agent__mirror_url=files.url))
+    wait_until("both registered", 60, lambda: controller.state("n1") == controller.state("n2") == "ready")
+
+    def ctl(*args):
+        return subprocess.run([sys.executable, "-m", "llmgw", "--config", controller.config, "ctl", *args],
+                              capture_output=True, text=True, timeout=180)
+
+    # One the node's catalogue lacks, or a node there is not, is refused at once, saying what it can install.
+    run = ctl("install-engine", "n1", "vllm")
+    assert run.returncode == 1 and "n1's engine catalogue ([[engines]]) has no vllm for its platform (it can " \
+        "install: llamacpp b7)" in run.stderr, run.stderr
+    run = ctl("install-engine", "n9", "llamacpp")
+    assert run.returncode == 1 and "no node 'n9'" in run.stderr
+    assert not (tmp_path / "agent-n1" / "engines" / "llamacpp").exists()  # nothing needed it yet
+
+    run = ctl("install-engine", "n1", "llamacpp")
+    assert run.returncode == 0 and run.stdout == "n1: llamacpp b7 is installed\n", run.stderr
+    assert (tmp_path / "agent-n1" / "engines" / "llamacpp" / "b7" / "bin" / "llama-server").exists()
+    assert controller.nodes()["n1"]["status"]["installs"] == {"llamacpp/b7": {"state": "installed"}}
+    again = ctl("install-engine", "n1", "llamacpp")  # installed already: said at once
+    assert again.returncode == 0 and "is installed" in again.stdout
+
+    run = ctl("install-engine", "n2", "llamacpp")
+    assert run.returncode == 1 and "installing llamacpp/b7 failed there: " in run.stderr and good in run.stderr \
+        and "[[engines]]" in run.stderr, run.stderr
+
+
 def cluster_page(tmp_path, controller: Controller) -> str:
     """The cluster page (`/admin`) as an administrator sees it, from a gateway app of this controller."""
     from llmgw import store

@@ -262,7 +262,8 @@ def test_in_a_terminal_init_asks_and_takes_every_answer_typed_ahead(tmp_path):
     status, said = _in_a_terminal([*LLMGW, "--config", config, "init", "--root", str(root), "--no-start"], typed)
     assert status == 0, said
     assert "an email address, such as you@example.org" in said
-    assert "llmgw init --plain --admin ops@example.org --address cp.example --no-mirror --no-node" in said
+    assert f"llmgw init --plain --admin ops@example.org --address cp.example --no-mirror --no-node --root {root} " \
+        "--no-start\n" in said
     assert "done  administrator ops@example.org" in said and "skip  the mirror (--no-mirror)" in said
     import tomllib
 
@@ -276,8 +277,12 @@ def test_in_a_terminal_init_asks_and_takes_every_answer_typed_ahead(tmp_path):
                                    "--no-start"], "\n\n\n\n\n\nn\n")
     assert status == 1 and "nothing was done" in said and not (tmp_path / "other").exists(), said
     status, said = _in_a_terminal([*LLMGW, "--config", config, "init", "--root", str(root), "--plain",
-                                   "--no-start", "--no-node", "--no-mirror"], "")
+                                   "--no-start", "--no-node"], "")
     assert status == 0 and "administrator's email" not in said and "kept  administrators ops@example.org" in said, said
+    # That rerun kept what the configuration chose: still no mirror, no mirror unit, nothing in the catalog.
+    assert [line for line in said.splitlines() if line.startswith("done")] == [], said
+    assert not (root / "srv" / "models").exists() and "models" not in tomllib.loads(
+        (root / "etc" / "llmgw" / "llmgw.toml").read_text())
     # Another administrator asked for by name is made, its password beside the first's, never over it.
     state = root / "var" / "lib" / "llmgw"
     first = (state / "admin-password").read_text()
@@ -327,8 +332,7 @@ def test_init_with_another_machines_mirror_and_the_baseline_guard_once_the_judge
         wrong.write_text("not-the-token\n")
         refused = subprocess.run([*LLMGW, "--config", config, "init", *args, "--mirror-token", str(wrong)],
                                  capture_output=True, text=True)
-        assert refused.returncode == 1 and "token" in refused.stderr and not (root / "etc" / "llmgw" /
-                                                                               "llmgw.toml").exists(), refused.stderr
+        assert refused.returncode == 1 and "token" in refused.stderr and not root.exists(), refused.stderr
 
         first = init(*args, "--mirror-token", str(token), config=config)
         assert "skip  the baseline guard: fetch the judge into the mirror with `llmgw mirror fetch hf:" in first.stderr
@@ -357,6 +361,10 @@ def test_init_with_another_machines_mirror_and_the_baseline_guard_once_the_judge
                                                                 "Llama-Guard-3-1B.Q4_K_M.gguf")
         assert parse_model(judge).role == "guard" and settings.load(str(path))["guard.model"] == "llama-guard-3-1b"
         assert [p.name for p in path.parent.iterdir() if p.name.startswith("llmgw.toml.bak-")]
+        # A plain rerun keeps that mirror: no mirror of its own comes up beside it.
+        plain = init("--root", str(root), "--plain", "--no-node", "--no-start", config=config)
+        assert "done " not in plain.stderr and f"the mirror at http://127.0.0.1:{api}" in plain.stderr, plain.stderr
+        assert not (root / "srv" / "models").exists()
         # Once the configuration says anything of guardrails, init adds nothing, even where an operator turned
         # them off.
         path.write_text(path.read_text().replace('model = "llama-guard-3-1b"\n', 'model = ""\n', 1))
@@ -380,7 +388,8 @@ def test_postgres_local_makes_its_role_and_database_once(tmp_path):
         plan = init(*args, "--plan", config=config)
         assert "would create PostgreSQL role and database llmgw" in plan.stderr and not root.exists(), plan.stderr
         first = init(*args, config=config)
-        assert "done  PostgreSQL role and database llmgw" in first.stderr, first.stderr
+        assert "done  PostgreSQL role and database llmgw" in first.stderr and "(made database and role)" \
+            in first.stderr, first.stderr
         dsn_file = root / "etc" / "llmgw" / "store-dsn"
         url = dsn_file.read_text().strip()
         assert mode(dsn_file) == "0o600" and url.startswith("postgresql+psycopg2://llmgw:") \
@@ -400,5 +409,33 @@ def test_postgres_local_makes_its_role_and_database_once(tmp_path):
                                 "--postgres-admin", admin, "--root", str(tmp_path / "other")],
                                capture_output=True, text=True)
         assert other.returncode == 1 and "has a database and a role named llmgw already" in other.stderr, other.stderr
+        # An init stopped after the role was made takes the same role up from store-dsn, making what is missing.
+        subprocess.run(["psql", "-d", admin, "-c", "DROP DATABASE llmgw WITH (FORCE)"], check=True, capture_output=True)
+        resumed_root = tmp_path / "resumed"
+        (resumed_root / "etc" / "llmgw").mkdir(parents=True)
+        (resumed_root / "etc" / "llmgw" / "store-dsn").write_text(url + "\n")
+        resumed = init(*args[:-4], "--postgres", "local", "--postgres-admin", admin, "--root", str(resumed_root),
+                       config=config)
+        assert "(made database)" in resumed.stderr and f'url = "{url}"' in (
+            resumed_root / "etc" / "llmgw" / "llmgw.toml").read_text(), resumed.stderr
     finally:
         server.close()
+
+
+def test_what_another_machines_mirror_answers_is_checked_before_it_is_written():
+    import click
+    import pytest
+
+    from llmgw.cli import initmirror, judge
+
+    for bad in ("", None, 5, "ftp://models", "http://", "http://models\ud800", "http://a b", "http://u:p@models",
+                "http://models/?q=1", "http://models\n:8081"):
+        with pytest.raises(click.ClickException, match="not an http"):
+            initmirror._base_url(bad, "http://m:8082")
+    assert initmirror._base_url("http://models:8081/", "http://m:8082") == "http://models:8081"
+    held = [{"model": judge.NAME, "version": "../..", "files": [{"name": "x.gguf"}]}, "junk", {"model": 3},
+            {"model": judge.NAME, "version": "9", "files": [{"name": "../evil.gguf"}, {"name": "a b.gguf"}]},
+            {"model": judge.NAME, "version": "10", "files": [{"name": "Llama-Guard-3-1B.Q4_K_M.gguf"}, None]}]
+    kept = initmirror._well_formed(held)
+    assert [v["version"] for v in kept] == ["9", "10"] and kept[0]["files"] == []
+    assert judge.held_version(kept) == ("10", "Llama-Guard-3-1B.Q4_K_M.gguf")  # 10 after 9, as people count

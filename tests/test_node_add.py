@@ -23,8 +23,9 @@ from llmgw.cli import machine, nodeadd
 from llmgw.node.shardfiles import running_engines
 from llmgw.procs import free_port, wait_for
 from tests.cluster import Controller
-from tests.conftest import ROOT, Gateway, assert_units_valid, make_key, post
+from tests.conftest import ROOT, Gateway, assert_units_valid, make_key, post, write_config
 from tests.sshd import Sshd
+from tests.test_engine_install import PLATFORM, SCRIPT, Files, tar_of
 
 SIM = {"name": "simmy", "source": "/dev/null", "scaling": {"min": 1, "max": 1},
        "profiles": [{"engine": "sim", "args": ["--ttft-ms", "5"]}]}
@@ -48,9 +49,9 @@ def sshd(tmp_path):
     server.stop()
 
 
-def node_add(controller: Controller, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmgw", "--config", controller.config, "node", "add", *args],
-                          capture_output=True, text=True, timeout=900)
+def node_add(controller: Controller, *args: str, config: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmgw", "--config", config or controller.config, "node", "add",
+                           *args], capture_output=True, text=True, timeout=900)
 
 
 def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, sshd):
@@ -77,10 +78,25 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         assert os.stat(os.path.join(prefix, "node.key")).st_mode & 0o777 == 0o600
         assert not os.path.exists(os.path.join(prefix, "agent.pid"))
 
-        # Again, right, beside a host that refuses the login: the one is added, the other says what to do.
-        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, login, "nobody-here@127.0.0.1")
+        # Again, right, beside a host that refuses the login: the one is added, the other says what to do. The
+        # control plane's engine catalogue goes to the node, which installs llama.cpp from it at once.
+        (tmp_path / "served").mkdir()
+        files = Files(tmp_path / "served")
+        entry = {"name": "llamacpp", "version": "b7", "source": "llama.tar.gz", "sha256": {PLATFORM: files.publish(
+            "llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b7").encode()}))}}
+        with_engines = write_config(tmp_path / "with-engines.toml", {**c.values, "mirror.base_url": files.url},
+                                    models=[SIM], engines=[entry])
+        run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, "--wait-engine", "llamacpp", login,
+                       "nobody-here@127.0.0.1", config=with_engines)
+        files.server.shutdown()
         assert run.returncode == 1, run.stderr
-        assert f"✓ {login}: node {node} is ready, engines: " in run.stderr, run.stderr
+        assert f"{login}: installed llamacpp b7" in run.stderr, run.stderr
+        assert f"✓ {login}: node {node} is ready, engines: " in run.stderr and "llamacpp b7 (installed now)" \
+            in run.stderr, run.stderr
+        with open(os.path.join(prefix, "agent.toml"), "rb") as f:
+            written = tomllib.load(f)
+        assert written["engines"] == [entry] and written["agent"]["mirror_url"] == files.url
+        assert os.path.exists(os.path.join(prefix, "engines", "llamacpp", "b7", "bin", "llama-server"))
         assert "kept the node's key it holds" in run.stderr  # the key of the first run: still this node's
         assert "agent started detached, since no systemd runs there" in run.stderr
         assert "✗ nobody-here@127.0.0.1: failed checking the host: nobody-here@127.0.0.1 (port" in run.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -183,32 +184,39 @@ def ensure_api_key(steps: Steps, engine, path: str, name: str = "starter") -> st
 def ensure_admin(steps: Steps, engine, email: str, password_file: str, chosen: bool = True) -> tuple[str, str]:
     """The first administrator, to sign in to the pages with; its password, when it is made, is written to
     PASSWORD_FILE (mode 0600), never to standard output: printed, it went wherever the output was redirected,
-    a file of mode 0644. An EMAIL not CHOSEN (the default) adds nobody to a store with an administrator, and a
-    later administrator's password goes beside the first's file, never over it. Returns whom to sign in as, and
-    the file that has (or had) the password."""
+    a file of mode 0644. An EMAIL not CHOSEN (the default) adds nobody to a store with an administrator; a
+    later administrator's password goes to PASSWORD_FILE-EMAIL, never over the first's. Returns whom to sign
+    in as, and the file that has (or had) the password."""
+
+    def own(who: str) -> str:
+        return f"{password_file}-{re.sub(r'[^A-Za-z0-9@._+-]', '_', who)}"
+
+    def file_of(who: str) -> str:
+        return own(who) if os.path.exists(own(who)) else password_file
+
     if engine is not None:
         try:
             accounts.find(engine, email)
-            steps.kept(f"administrator {email} (its password was written to {password_file} when it was made; "
+            steps.kept(f"administrator {email} (its password was written to {file_of(email)} when it was made; "
                        f"`llmgw users remove {email}` and run again for a new one)")
-            return email, password_file
+            return email, file_of(email)
         except accounts.AccountError:
             pass
         admins = [u.email for u in accounts.list_users(engine, accounts.ACTIVE) if u.is_admin]
         if admins and not chosen:
             steps.kept(f"administrators {', '.join(admins)} (--admin EMAIL adds another)")
-            return admins[0], password_file
-    if os.path.exists(password_file):
-        password_file = f"{password_file}-{email}"
+            return admins[0], file_of(admins[0])
+    target = own(email) if os.path.exists(password_file) else password_file
 
     def make() -> str:
         password = secrets.token_urlsafe(12)
+        # The file first: an account made without it would have a password nobody can learn.
+        filemodes.write_private(target, password + "\n")
         accounts.create_user(engine, email, password, state=accounts.ACTIVE, is_admin=True)
-        filemodes.write_private(password_file, password + "\n")
-        return f"its password is in {password_file}, mode 0600"
+        return f"its password is in {target}, mode 0600"
 
     steps.do(f"administrator {email}", make)
-    return email, password_file
+    return email, target
 
 
 # What `llmgw init` writes into a store where nobody set either: every person (or key of nobody) held to a

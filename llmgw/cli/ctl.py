@@ -301,6 +301,28 @@ def replicas(obj, model, node, state, pool, as_json):
             click.echo(printable(f"{r['shard_id']} was last restarted because {r['restart_reason']}"), err=True)
 
 
+@ctl.command("install-engine")
+@click.argument("node")
+@click.argument("engine", type=click.Choice(["llamacpp", "vllm", "sglang"]))
+@click.option("--no-wait", is_flag=True, help="Ask for the install and return; `llmgw ctl nodes` shows how it goes.")
+@click.option("--timeout", default=1800.0, show_default=True, help="Seconds to wait for it (vLLM is gigabytes).")
+@click.pass_obj
+def install_engine(obj, node, engine, no_wait, timeout):
+    """Install ENGINE on NODE now, from the node's engine catalogue, rather than when a replica first needs it."""
+    from llmgw.cli import engineinstall
+
+    if no_wait:
+        found = obj.admin.call("POST", f"/api/v1/nodes/{segment(node)}/engines/{segment(engine)}/install")
+        click.echo(f"{node} is installing {engine} {found['version']}; `llmgw ctl nodes` shows how it goes", err=True)
+        return
+    try:
+        version = engineinstall.install(obj.admin.client, node, engine, timeout,
+                                        lambda line: click.echo(printable(f"{node}: {line}"), err=True))
+    except (engineinstall.InstallFailed, ApiError) as e:
+        raise click.ClickException(printable(str(e))) from None
+    click.echo(f"{node}: {engine} {version} is installed")
+
+
 @ctl.command("engine-check")
 @click.argument("engine", type=click.Choice(["llamacpp", "vllm", "sglang"]))
 @click.option("--bin", "binary", metavar="PATH", help="The engine's program: `llama-server`, or `vllm`.")

@@ -99,27 +99,36 @@ def control_plane(obj, root, plan, no_start, node_name, postgres_admin, chosen: 
     base = obj.config()
     steps = Steps(plan)
     config = os.path.join(layout.config_dir, "llmgw.toml")
-    node = node_name or socket.gethostname().split(".")[0] if chosen.node else None
+    node = (node_name or socket.gethostname().split(".")[0]) if chosen.node else None
     have = settings.load(config) if os.path.exists(config) else None
     sqlite_url = f"sqlite:///{os.path.join(layout.state_dir, 'llmgw.db')}"
     old_url = have["store.url"] if have else sqlite_url
+    # Another machine's mirror is asked before anything is made: one that does not answer stops init here.
+    if chosen.mirror == initmirror.NONE:
+        mirror = initmirror.nowhere()
+    elif chosen.mirror:
+        mirror = initmirror.elsewhere(chosen.mirror, chosen.mirror_token, layout.config_dir)
+    else:
+        mirror = initmirror.beside(mirror_beside(base, layout, chosen.address))
     postgres = chosen.postgres
+    if postgres == "local" and old_url.startswith("postgresql"):
+        steps.kept(f"store {store.describe(old_url)} (the configuration names a PostgreSQL store already)")
+        postgres = None
     try:
         machine.ensure_user(steps, layout, layout.state_dir)
-        beside = chosen.mirror is None
-        dirs = [layout.config_dir, layout.keys_dir, layout.state_dir] + ([layout.models_dir] if beside else [])
+        dirs = [layout.config_dir, layout.keys_dir, layout.state_dir] + ([layout.models_dir] if mirror.runs_here else [])
         machine.ensure_dirs(steps, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
-        if postgres == "local" and old_url.startswith("postgresql"):
-            postgres = old_url  # made by an earlier init: kept
-        elif postgres == "local":
+        if postgres == "local":
             postgres = pgsetup.ensure_local(steps, postgres_admin, os.path.join(layout.config_dir, "store-dsn"))
+            if postgres is None:  # planned, not made: there is no store to look at yet
+                steps.do("store in it", None)
         store_url = settings.normalise_store_url(postgres) if postgres else old_url
         bringup.ensure_controller_secrets(steps, layout.keys_dir)
         bringup.ensure_session_key(steps, os.path.join(layout.config_dir, "session.key"))
         if postgres and old_url != store_url:
             ensure_store_moved(steps, old_url, store_url)
-        # Planned but not made yet (--plan with `--postgres local`): nothing to look at.
-        engine = bringup.ensure_store(steps, store_url) if chosen.postgres != "local" or postgres else None
+        planned_only = chosen.postgres == "local" and postgres is None and not old_url.startswith("postgresql")
+        engine = None if planned_only else bringup.ensure_store(steps, store_url)
         if node:
             bringup.ensure_peer_key(steps, engine, "node", node, os.path.join(layout.config_dir, "node.key"),
                                     layout.keys_dir)
@@ -127,24 +136,21 @@ def control_plane(obj, root, plan, no_start, node_name, postgres_admin, chosen: 
                                 layout.keys_dir)
         key_file = os.path.join(layout.state_dir, "starter-key")
         secret = bringup.ensure_api_key(steps, engine, key_file)
-        password_file = os.path.join(layout.state_dir, "admin-password")
-        admin, password_file = bringup.ensure_admin(steps, engine, chosen.admin, password_file, chosen.admin_chosen)
+        admin, password_file = bringup.ensure_admin(steps, engine, chosen.admin, os.path.join(layout.state_dir,
+                                                    "admin-password"), chosen.admin_chosen)
         bringup.ensure_defaults(steps, engine)
         if engine is not None:
             engine.dispose()
         if chosen.mirror == initmirror.NONE:
-            mirror = initmirror.nowhere(steps)
-        elif chosen.mirror:
-            mirror = initmirror.elsewhere(steps, chosen.mirror, chosen.mirror_token, layout.config_dir)
-        else:
-            settings_beside = mirror_beside(base, layout, chosen.address)
-            mirror = initmirror.beside(layout.models_dir, settings_beside["mirror.base_url"])
-            mirror.settings = settings_beside
+            steps.skip("the mirror (--no-mirror): nodes have nowhere to fetch weights from until `mirror.api` and "
+                       "`mirror.base_url` name one, so no model is put in the catalog")
+        mirror.keep_token(steps)
         wanted = wanted_settings(base, layout, store_url, node, mirror.settings)
         models = _models(steps, chosen, mirror, layout)
-        wanted, models = _baseline_guard(steps, have, wanted, models, mirror)
+        if chosen.model:
+            wanted, models = _baseline_guard(steps, have, wanted, models, mirror)
         force = {"store.url": store_url} if postgres else {}
-        if chosen.mirror:  # a mirror chosen on the command line is the one the configuration names
+        if chosen.mirror_named:  # a mirror named on the command line is the one the configuration names
             force.update(mirror.settings)
         machine.ensure_config(steps, config, wanted, models, force or None)
         roles = [r for r in ROLES if (r != "agent" or node) and (r != "mirror" or mirror.runs_here)]
@@ -152,7 +158,7 @@ def control_plane(obj, root, plan, no_start, node_name, postgres_admin, chosen: 
         machine.ensure_units(steps, layout, {f"llmgw-{r}": machine.unit_text(r, layout, config, user) for r in roles})
         machine.ensure_owned(steps, layout, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
         if plan:
-            _plan_start(steps, layout, no_start)
+            _plan_start(steps, layout, no_start, serve=bool(node) and bool(models))
             return
         cfg = settings.load(config)
         filemodes.check_roles(cfg, *roles)
@@ -170,8 +176,7 @@ Sign in at {base_url}/login as {admin} (its password was written to {password_fi
 The cluster: {llmgw} ctl nodes | models | replicas
 Add a node: {llmgw} node add [USER@]HOST
 Logs: {layout.state_dir}/logs/*.log, {layout.agent_dir}/shards/*.log
-""" + ("" if machine.runs_systemd(layout) else "Ctrl-C stops the gateway, the agent, the controller, the mirror "
-       "and the engine.\n"))
+""" + ("" if machine.runs_systemd(layout) else f"Ctrl-C stops {', '.join(reversed(roles))} and the engines.\n"))
 
     if machine.runs_systemd(layout):
         machine.ensure_running(steps, [f"llmgw-{r}" for r in roles])
@@ -220,12 +225,12 @@ def _baseline_guard(steps: Steps, have: settings.Config | None, wanted: dict, mo
     return {**wanted, "guard.model": judge.NAME}, [*models, judge.model(mirror.base_url, *found)]
 
 
-def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool) -> None:
+def _plan_start(steps: Steps, layout: machine.Layout, no_start: bool, serve: bool) -> None:
+    wait = ", then wait for the starter model to answer" if serve else ""
     if machine.runs_systemd(layout):
-        steps.do("the units with systemd, then wait for the starter model to answer", None, how="enable and start")
+        steps.do(f"the units with systemd{wait}", None, how="enable and start")
     elif not no_start:
-        steps.do("the roles as children of this command until Ctrl-C (no systemd here), and wait for the "
-                 "starter model to answer", None, how="run")
+        steps.do(f"the roles as children of this command until Ctrl-C (no systemd here){wait}", None, how="run")
 
 
 @click.command("init")
@@ -258,17 +263,33 @@ def init(ctx, root, plan, postgres, postgres_admin, mirror_url, mirror_token, no
          admin, address, node_name, plain):
     """Make this machine a cluster's control plane: store, keys, administrator, mirror, units, starter model.
 
-    In a terminal it asks its few choices first, unless told --plain or --admin. Settings in the configuration
+    In a terminal, on a first install, it asks its few choices first, unless told --plain or --admin. A rerun
+    keeps what the configuration says (its store, its mirror) unless an option changes it. Settings in the configuration
     given with --config (listen addresses, ...) go into the one it writes, /etc/llmgw/llmgw.toml. Safe to run
     again: what exists is kept, and what it adds to a file it wrote before leaves a dated copy."""
     if mirror_url and no_mirror:
         raise click.UsageError("--mirror and --no-mirror: choose one")
-    chosen = initform.Choices(admin=admin, address=address, postgres=postgres,
-                              mirror=initmirror.NONE if no_mirror else mirror_url, mirror_token=mirror_token,
-                              node=not no_node, model=not no_model,
+    if mirror_token and not mirror_url:
+        raise click.UsageError("--mirror-token goes with --mirror URL, the mirror it is the token of")
+    if postgres_admin and postgres != "local":
+        raise click.UsageError("--postgres-admin is how `--postgres local` makes the role and the database; give "
+                               "--postgres local with it")
+    path = os.path.join(machine.Layout(root).config_dir, "llmgw.toml")
+    try:
+        have = settings.load(path) if os.path.exists(path) else None
+    except settings.ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    named = bool(mirror_url or no_mirror)
+    if no_mirror:
+        mirror_url = initmirror.NONE
+    elif not mirror_url:
+        mirror_url, mirror_token = initmirror.current(have)
+    chosen = initform.Choices(admin=admin, address=address, postgres=postgres, mirror=mirror_url,
+                              mirror_token=mirror_token, mirror_named=named, node=not no_node, model=not no_model,
                               admin_chosen=ctx.get_parameter_source("admin") is ParameterSource.COMMANDLINE)
-    if not plain and not chosen.admin_chosen and initform.wanted():
-        chosen = initform.ask(chosen)
+    if have is None and not plain and not chosen.admin_chosen and initform.wanted():
+        chosen = initform.ask(chosen, {"--root": root, "--node-name": node_name, "--postgres-admin": postgres_admin,
+                                       "--no-start": no_start})
     control_plane(ctx.obj, root, plan, no_start, node_name, postgres_admin, chosen)
 
 
@@ -292,14 +313,13 @@ def mirror_init(obj, root, plan, controllers, address):
     config = os.path.join(layout.config_dir, "mirror.toml")
     listen = base["mirror.listen"]
     _, port = addresses.parse(listen, "mirror.listen")
-    host = public_host(listen, "mirror.listen", address)
     api_listen = base["mirror.api_listen"]
-    api = "http://" + addresses.join(public_host(api_listen, "mirror.api_listen", address),
-                                     addresses.parse(api_listen, "mirror.api_listen")[1])
+    api_host = public_host(api_listen, "mirror.api_listen", address)
+    api = "http://" + addresses.join(api_host, addresses.parse(api_listen, "mirror.api_listen")[1])
     wanted = {**base.written, "mirror.dir": layout.models_dir, "mirror.api_allow": list(controllers),
-              "mirror.base_url": "http://" + addresses.join(host, port)}
-    if not apiguard.is_ip(host):  # the control plane calls the management API by this name
-        wanted["mirror.api_names"] = sorted({*base["mirror.api_names"], host})
+              "mirror.base_url": "http://" + addresses.join(public_host(listen, "mirror.listen", address), port)}
+    if not apiguard.is_ip(api_host):  # the control plane calls the management API by this name
+        wanted["mirror.api_names"] = sorted({*base["mirror.api_names"], api_host})
     try:
         addresses.check_list(wanted["mirror.api_allow"], "--controller")
     except ValueError as e:

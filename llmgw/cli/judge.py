@@ -8,6 +8,8 @@ way out), and a guard section whose judge cannot be served would refuse every re
 
 from __future__ import annotations
 
+import re
+
 NAME = "llama-guard-3-1b"
 # Llama Guard 3 1B, quantised to about 900 MB: about half a second a short text on a CPU (the Go version's
 # figure), so the judge takes no GPU from the models it guards.
@@ -20,7 +22,12 @@ def held_version(held: list[dict]) -> tuple[str, str] | None:
     API's listing gives them): the newest version holding one GGUF file, or None."""
     found = [(v["version"], ggufs[0]) for v in held if v["model"] == NAME
              for ggufs in [[f["name"] for f in v["files"] if f["name"].endswith(".gguf")]] if len(ggufs) == 1]
-    return max(found) if found else None
+    return max(found, key=lambda pair: _natural(pair[0])) if found else None
+
+
+def _natural(version: str) -> list[tuple[int, int | str]]:
+    """VERSION compared as people read it: "10" after "9", "2026-10-05" after "2026-9-30"."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", version) if part]
 
 
 def model(mirror_base_url: str, version: str, file: str) -> dict:

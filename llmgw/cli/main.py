@@ -475,6 +475,11 @@ def node():
                                              "working).")
 @click.option("--no-wait", is_flag=True, help="Do not wait for the node to register.")
 @click.option("--wait-timeout", type=float, default=180, show_default=True, help="Seconds to wait for it.")
+@click.option("--wait-engine", "wait_engines", multiple=True, type=click.Choice(["llamacpp", "vllm", "sglang"]),
+              help="Also install this engine there now, from the engine catalogue ([[engines]] in this machine's "
+                   "configuration, copied to each node), and wait until it is installed (repeatable).")
+@click.option("--engine-timeout", type=float, default=1800, show_default=True,
+              help="Seconds to wait for each engine's install (vLLM is gigabytes).")
 @click.option("--ssh-port", "port", type=int, help="The hosts' SSH port [ssh's configuration, else 22].")
 @click.option("-i", "--identity", type=click.Path(exists=True, dir_okay=False), help="The SSH private key to use.")
 @click.option("--known-hosts", type=click.Path(dir_okay=False), help="ssh's known-hosts file for the hosts' keys.")
@@ -482,7 +487,7 @@ def node():
               help="Trust a host key ssh has never seen (first use); a changed key is still refused.")
 @click.pass_obj
 def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, labels, fabrics, ignore_checks, new_key,
-             no_wait, wait_timeout, port, identity, known_hosts, accept_new):
+             no_wait, wait_timeout, wait_engines, engine_timeout, port, identity, known_hosts, accept_new):
     """Install llmgw on each HOST over SSH and start its agent, as a node of this controller.
 
     Uses the system's ssh in batch mode with your own keys. Each host gets a virtual environment with
@@ -504,11 +509,18 @@ def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, 
     except settings.ConfigError as e:
         raise click.BadParameter(str(e), param_hint="--fabric") from None
     cfg = obj.config()
+    if no_wait and wait_engines:
+        raise click.UsageError("--no-wait and --wait-engine: choose one")
+    missing = [e for e in wait_engines if e not in {entry["name"] for entry in cfg.engines}]
+    if missing:
+        raise click.UsageError(f"this machine's configuration has no [[engines]] entry for {', '.join(missing)}, so "
+                               "no node could install it: `llmgw mirror pack-engine` prints one to add")
     options = nodeadd.Options(
         admin=admin_client(cfg, admin_url or cfg["controller.admin_listen"],
                            "node add runs on the controller's machine, or give --admin URL"),
         agent_listen=cfg["controller.agent_listen"], controllers=controllers, name=name, prefix=prefix, python=python,
         labels=parsed_labels, fabrics=tables, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
-        accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
+        engines=cfg.engines, mirror_url=cfg["agent.mirror_url"] or cfg["mirror.base_url"], wait_engines=wait_engines,
+        engine_timeout=engine_timeout, accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
     if not nodeadd.run(options, hosts):
         sys.exit(1)

@@ -1,14 +1,15 @@
 """`llmgw node add [user@]host ...`: make machines reached over SSH into nodes of this controller.
 
-For each host, in turn: look at it (Python 3.11+, venv, architecture, disk), copy a wheelhouse of
-this installation and the role scripts, install them in a virtual environment there with no package
-index, issue the node's key through the admin API and copy it 0600 (a key it holds is kept), write the
-agent's configuration, run the doctor there (a failure stops this host unless --ignore-checks), start
-the agent (a systemd unit when the SSH user is root on a machine running systemd, otherwise detached,
-and said so), and wait until the controller has its registration with the engines it probed. Hosts
-run side by side; each ends in one checklist line, and a failure names its step and what to do without
-stopping the others. A rerun installs what changed and restarts the agent, so it is how a node is
-upgraded too.
+For each host, in turn: look at it (Python 3.11+, venv, architecture, disk), copy a wheelhouse of this
+installation and the role scripts, install them in a virtual environment there with no package index,
+issue the node's key through the admin API and copy it 0600 (a key it holds is kept), write the agent's
+configuration (with this machine's engine catalogue, `[[engines]]`), run the doctor there (a failure
+stops this host unless --ignore-checks), start the agent (a systemd unit when the SSH user is root on a
+machine running systemd, otherwise detached, and said so), and wait until the controller has its
+registration with the engines it probed (and, with --wait-engine, until it installed those engines:
+vLLM's gigabytes arrive when the node joins, not at its first replica). Hosts run side by side; each ends
+in one checklist line, and a failure names its step and what to do without stopping the others. A rerun
+installs what changed and restarts the agent, so it is how a node is upgraded too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import click
 import llmgw
 from llmgw import addresses, settings
 from llmgw.apiclient import ApiClient, ApiError
-from llmgw.cli import machine, wheelhouse
+from llmgw.cli import engineinstall, machine, wheelhouse
 from llmgw.cli.ssh import SshError, Target
 
 # Room the virtual environment needs beyond the wheels themselves (they unpack to about three times their size).
@@ -86,6 +87,10 @@ class Options:
     new_key: bool
     wait: bool
     wait_timeout: float
+    engines: list[dict]  # the control plane's engine catalogue, `[[engines]]`, copied to each node
+    mirror_url: str  # where a node fetches the catalogue's mirror paths
+    wait_engines: tuple[str, ...]  # engines each node installs at once, waited for
+    engine_timeout: float
     accept_new: bool
     port: int | None
     identity: str | None
@@ -188,8 +193,14 @@ def _one(options: Options, destination: str, bundle: bytes, size: int, batch: Ba
             return True, f"node {node} installed and its agent started {how}; not waiting (--no-wait)"
         step = "waiting for it to register"
         engines = _wait(target, options, host, node, began)
+        for engine in options.wait_engines:
+            step = f"installing {engine}"
+            version = engineinstall.install(options.admin, node, engine, options.engine_timeout,
+                                            lambda line: batch.say(destination, line))
+            batch.say(destination, f"installed {engine} {version}")
+            engines += f", {engine} {version} (installed now)"
         return True, f"node {node} is ready, engines: {engines}; its agent runs {how}"
-    except (Failed, SshError) as e:
+    except (Failed, SshError, engineinstall.InstallFailed, ApiError) as e:
         return False, f"failed {step}: {e}"
     except Exception as e:  # one host's surprise must not end the others' installs midway
         return False, f"failed {step}: {type(e).__name__}: {e} (unexpected: please report it with this line)"
@@ -347,9 +358,12 @@ def _configure(target: Target, options: Options, host: dict) -> None:
     prefix = host["prefix"]
     values = {"agent.controllers": _controllers(options, host), "agent.key_file": f"{prefix}/node.key",
               "agent.weights_dir": f"{prefix}/weights", "agent.work_dir": f"{prefix}/work",
+              "agent.engines_dir": f"{prefix}/engines",
               "agent.labels": options.labels}
+    if options.engines:
+        values["agent.mirror_url"] = options.mirror_url
     text = "# Written by `llmgw node add`, which writes it again on each run: change it with its flags.\n" + \
-        settings.to_toml(values, fabrics=options.fabrics)
+        settings.to_toml(values, fabrics=options.fabrics, engines=options.engines)
     path = shlex.quote(f"{prefix}/agent.toml")
     target.run(f"set -e; umask 077; cat > {path}.new; mv {path}.new {path}", stdin=text.encode(),
                what="writing the agent's configuration")

@@ -1,5 +1,6 @@
 """The admin API's nodes: listed, cordoned, drained and removed (by force: its replicas stopped and its key
-revoked), their logs and weights directories, and the keys issued to nodes and gateways.
+revoked), their logs and weights directories, engines installed on demand, and the keys issued to nodes and
+gateways.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STOP_WAIT = 5.0  # seconds a node removed by force has to say it is stopping a replica
 WEIGHTS_WAIT = 10.0  # seconds a node has to list its weights directory (or remove from it)
 LOG_LINES = 2000  # lines one logs answer holds at most: what the agent keeps of its own
+INSTALL_WAIT = 10.0  # seconds a node has to say it starts an install (the install itself is followed in heartbeats)
+INSTALL_FEATURE = "install-engine"  # what an agent that installs an engine on request lists in its `features`
 
 bp = Blueprint("nodes", __name__)
 
@@ -111,6 +114,35 @@ def reclaim(node_id):
         refused.update(after["refused"] or {})
     return jsonify({"node": node_id, "removed": removed, "refused": refused,
                     "freed_bytes": sum(entries[n]["bytes"] for n in removed if n in entries)})
+
+
+@bp.post("/api/v1/nodes/<node_id>/engines/<engine>/install")
+def install_engine(node_id, engine):
+    """Install ENGINE on NODE_ID now, from its engine catalogue, rather than when a replica first needs it
+    (`llmgw node add --wait-engine`, `llmgw ctl install-engine`). 202 once the node started; the install's
+    progress and outcome are the node's `installs`, in its heartbeats."""
+    ours = parts()
+    node = next((n for n in ours.fleet.describe(time.monotonic()) if n.node_id == node_id), None)
+    if node is None:
+        return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
+    if node.state in (UNREACHABLE, LOST):
+        return error(409, f"{node_id} is {node.state}: its agent cannot install anything until it is heard again")
+    registration = node.facts.registration
+    if INSTALL_FEATURE not in (registration.get("features") or []):
+        return error(409, f"the agent on {node_id} does not install engines on request (an older llmgw): upgrade "
+                          "it, or let the first replica that needs the engine install it")
+    installable = registration.get("installable") or {}
+    if engine not in installable:
+        have = ", ".join(f"{k} {v}" for k, v in sorted(installable.items())) or "nothing"
+        return error(409, f"{node_id}'s engine catalogue ([[engines]]) has no {engine} for its platform (it can "
+                          f"install: {have}); `llmgw node add` copies the control plane's catalogue to a node")
+    reply = ours.ask_node(node_id, "install_engine", {"engine": engine}, INSTALL_WAIT)
+    if reply is None:
+        return error(504, f"{node_id} did not answer within {INSTALL_WAIT:.0f} s; `llmgw ctl nodes` shows when it "
+                          "was last heard")
+    if not reply.get("ok"):
+        return error(409, reply.get("error") or f"{node_id} refused")
+    return jsonify({"node": node_id, "engine": engine, "version": installable[engine]}), 202
 
 
 @bp.get("/api/v1/nodes")

@@ -1,12 +1,13 @@
 """What the agent does with each command from the controller: start, stop or drain a shard, list or remove weights,
-logs, one side of a fabric test and a scan of a fabric (each in a thread of its own: they run for seconds or minutes,
-and heartbeats go on)."""
+logs, one side of a fabric test, a scan of a fabric and an engine's install (each of the last three in a thread of its
+own: they run for seconds or minutes, and heartbeats go on, carrying an install's progress)."""
 
 from __future__ import annotations
 
 import threading
 
 from llmgw.node import perftest, subnetmanagers
+from llmgw.node.installer import InstallError
 from llmgw.node.logsources import KEPT, LogSources
 from llmgw.node.supervisor import Supervisor
 from llmgw.weights import LISTED_MOST
@@ -29,8 +30,21 @@ def commands(node_id: str, supervisor: Supervisor, logs: LogSources, ports=lambd
         reply = subnetmanagers.scan(*where) if where in mine else {"error": f"no port {where[0]}/{where[1]} here"}
         send(("scan_fabric_reply", {"node_id": node_id, "request_id": message["request_id"], **reply}))
 
+    def install(engine: str) -> None:
+        try:
+            supervisor.installer.ensure(engine)
+        except InstallError:
+            pass  # kept as the install's state, with its fix, which the next heartbeat carries
+
     def handle(message: dict) -> list[tuple[str, dict]]:
         kind, request_id = message["type"], message["request_id"]
+        if kind == "install_engine":
+            engine, installer = message["engine"], supervisor.installer
+            if installer is None or engine not in installer.installable():
+                return [("ack", {"node_id": node_id, "request_id": request_id, "ok": False,
+                                 "error": f"{node_id}'s engine catalogue ([[engines]]) has no {engine} for its platform"})]
+            threading.Thread(target=install, args=(engine,), name=f"install-{engine}", daemon=True).start()
+            return [("ack", {"node_id": node_id, "request_id": request_id, "ok": True})]
         if kind == "fabric_test":
             threading.Thread(target=fabric_test, args=(message,), name="fabric-test", daemon=True).start()
             return []

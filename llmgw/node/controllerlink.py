@@ -30,7 +30,7 @@ log = logging.getLogger("llmgw.controllerlink")
 SILENCE_INTERVALS = 3
 STANDBY = "standby; the leader is "  # how a standby controller's refusal begins (llmgw/control/agentserver.py)
 COMMANDS = ("start_shard", "stop_shard", "drain_shard", "remove_weights", "logs_request", "weights_request",
-            "reclaim_weights", "fabric_test", "scan_fabric")
+            "reclaim_weights", "fabric_test", "scan_fabric", "install_engine")
 
 
 FAILED_HANDSHAKE = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -22,7 +22,7 @@ from llmgw.node.supervisor import Supervisor
 
 # The requests this agent answers beyond the basics: the controller refuses at once what a node's agent
 # cannot do, rather than waiting for a reply that never comes.
-FEATURES = ("fabric-test", "fabric-scan")
+FEATURES = ("fabric-test", "fabric-scan", "install-engine")
 ANSWERS_WHEN_EMPTY = ("installs", "fabrics", "fabric_problems", "ib_ports")
 GPU_FABRIC_EVERY = 60.0  # seconds between asking nvidia-smi -q and IMEX (a MAD-free but slow query)
 

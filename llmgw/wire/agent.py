@@ -152,6 +152,7 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
                     "port": (Int(0, 255), True), "tcp_port": (Int(0, 65535), True), "seconds": (Int(1, 30), True),
                     "peer": (Str(64), False)},
     "scan_fabric": {"request_id": ("str", True), "hca": (NAME, True), "port": (Int(0, 255), True)},
+    "install_engine": {"request_id": ("str", True), "engine": (NAME, True)},
     "heartbeat_ack": {"seq": ("int", True)},
     "register_again": {"reason": ("str", True)},
     "refused": {"reason": ("str", True)},
