@@ -89,6 +89,7 @@ def test_a_host_reached_over_ssh_becomes_a_node_that_serves_a_model(tmp_path, ss
         run = node_add(c, *sshd.ssh_flags(), "--dir", prefix, "--wait-engine", "llamacpp", login,
                        "nobody-here@127.0.0.1", config=with_engines)
         files.server.shutdown()
+        files.server.server_close()
         assert run.returncode == 1, run.stderr
         assert f"{login}: installed llamacpp b7" in run.stderr, run.stderr
         assert f"✓ {login}: node {node} is ready, engines: " in run.stderr and "llamacpp b7 (installed now)" \
