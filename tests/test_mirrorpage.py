@@ -40,17 +40,29 @@ class Registry:
     def __init__(self, files: dict[str, bytes]):
         self.files = files
         self.asked: list[str] = []
+        self.queries: list[str] = []
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def app(self, environ, start_response):
-        path = Request(environ).path
+        req = Request(environ)
+        path = req.path
         self.asked.append(path)
         if path == "/api/models":
+            self.queries.append(req.query_string.decode())
             body = [{"_id": "1", "id": "acme/tiny-GGUF", "likes": 12, "downloads": 3456, "pipeline_tag": "text-generation",
-                     "tags": ["gguf"], "createdAt": "2026-10-01T00:00:00.000Z"},
-                    {"_id": "2", "id": "acme/<b>bold</b>", "likes": 0, "downloads": 1, "tags": ["gguf"]}]
+                     "tags": ["gguf", "license:apache-2.0"], "createdAt": "2026-10-01T00:00:00.000Z",
+                     "gguf": {"total": 135_000_000, "architecture": "llama", "context_length": 8192},
+                     "cardData": {"license": "apache-2.0"}},
+                    {"_id": "2", "id": "acme/<b>bold</b>", "likes": 0, "downloads": 1, "tags": ["gguf"]},
+                    {"_id": "3", "id": "acme/big-GGUF", "downloads": 90, "tags": ["gguf"],
+                     "gguf": {"total": 70_600_000_000, "architecture": "llama", "context_length": 131072},
+                     "cardData": {"license": "llama3.3", "base_model": ["meta-llama/Llama-3.3-70B-Instruct"]}},
+                    {"_id": "4", "id": "acme/odd-GGUF", "downloads": 5, "tags": ["gguf"],
+                     "gguf": {"total": 500_000_000, "architecture": "ggmlc", "context_length": 4096}},
+                    {"_id": "5", "id": "acme/lora-GGUF", "downloads": 5, "tags": ["gguf", "lora"],
+                     "gguf": {"total": 20_000_000, "architecture": "llama"}}]
         elif path == "/api/models/acme/tiny-GGUF":
             body = {"_id": "1", "id": "acme/tiny-GGUF", "sha": SHA, "cardData": {"license": "apache-2.0"},
                     "siblings": [{"rfilename": "README.md", "size": 120}] + [
@@ -82,7 +94,8 @@ def serve(app):
 @pytest.fixture
 def rig(tmp_path):
     """An in-process mirror, a real controller, a registry, and the pages of a gateway pointed at them."""
-    registry = Registry({"tiny-q4.gguf": gguf_bytes("llama", 2000), "mmproj-tiny.gguf": gguf_bytes("clip")})
+    registry = Registry({"tiny-q4.gguf": gguf_bytes("llama", 2000), "mmproj-tiny.gguf": gguf_bytes("clip"),
+                         "tiny-q8-00001-of-00002.gguf": gguf_bytes("llama", 1500), "tiny-q8-00002-of-00002.gguf": b"x" * 700})
     files_port = free_port()
     base = f"http://127.0.0.1:{files_port}"
     mirror_dir = MirrorDir(str(tmp_path / "models"))
@@ -376,3 +389,62 @@ def test_the_serve_form_warns_of_what_the_fleet_cannot_run(rig):
         assert "Warning:" not in small
     finally:
         agent.stop()
+
+
+def test_the_registry_is_filtered_here_and_hides_what_these_nodes_cannot_run_saying_how_many(rig):
+    client, manager, _, _, _, registry = rig
+    page = client.get("/admin/mirror/registry").data.decode()
+    for shown in ("acme/tiny-GGUF", "acme/big-GGUF", "&lt;b&gt;bold&lt;/b&gt;"):
+        assert shown in page
+    assert "acme/odd-GGUF" not in page and "acme/lora-GGUF" not in page
+    assert "2 hidden: adapters, or an architecture this llama.cpp cannot load" in page
+    assert "0.1 B parameters" in page and "70.6 B parameters" in page and "131,072 tokens" in page
+    assert "licence llama3.3" in page and "from meta-llama/Llama-3.3-70B-Instruct" in page
+    assert 'the llama.cpp installed here loads this architecture">✓' in page
+    # One registry call a listing, asking for every figure at once.
+    assert "expand%5B%5D=gguf" in registry.queries[-1] and "filter=gguf" in registry.queries[-1]
+    everything = client.get("/admin/mirror/registry?show=all").data.decode()
+    assert "acme/odd-GGUF" in everything and "does not know this architecture\">✗" in everything
+    assert "acme/lora-GGUF" in everything and "an adapter" in everything and "data-hidden" not in everything
+    for query, only in (("size=large", "acme/big-GGUF"), ("context=128k", "acme/big-GGUF"),
+                        ("licence=apache-2.0", "acme/tiny-GGUF"), ("size=small&licence=llama3.3", None)):
+        page = client.get(f"/admin/mirror/registry?{query}").data.decode()
+        listed = re.findall(r'<li><a href="/admin/mirror/repo\?id=([^"]+)"', page)
+        assert listed == ([only] if only else []), (query, listed)
+    client.get("/admin/mirror/registry?task=feature-extraction")
+    assert "pipeline_tag=feature-extraction" in registry.queries[-1]  # the registry filters the task itself
+    assert client.get("/admin/mirror/registry?size=%3Cscript%3E").status_code == 200  # unknown: ignored
+
+
+def test_a_shard_set_is_one_row_and_one_fetch_of_every_part(rig):
+    client, manager, _, _, _, _ = rig
+    repo = client.get("/admin/mirror/repo?id=acme/tiny-GGUF").data.decode()
+    assert "tiny-q8-0000N-of-00002.gguf (2 files)" in repo and "Fetch all 2" in repo
+    assert "tiny-q8-00002-of-00002.gguf" not in repo  # one row, fetched by its first part
+    assert repo.count('name="source"') == 2  # tiny-q4.gguf and the set; the projector is not a model
+    post(client, "/admin/mirror/fetch", form_page="/admin/mirror/repo?id=acme/tiny-GGUF",
+         source=f"hf:acme/tiny-GGUF/tiny-q8-00001-of-00002.gguf@{SHA}", model="tiny-q8", version="v1")
+    wait_for("the set's fetch", 20, lambda: manager.status("tiny-q8", "v1")["state"] != "fetching")
+    assert sorted(f["name"] for f in manager.store.files("tiny-q8", "v1")) == [
+        "tiny-q8-00001-of-00002.gguf", "tiny-q8-00002-of-00002.gguf"]
+
+
+def test_held_versions_are_grouped_by_family_then_model_with_a_busy_model_first(rig, tmp_path):
+    client, manager, _, _, _, _ = rig
+    for model, version in (("qwen2.5-coder-7b", "v1"), ("qwen3-8b", "v1"), ("qwen3-8b", "v2"), ("tiny", "v1")):
+        folder = manager.store.arriving_dir(model, version)
+        os.makedirs(folder)
+        with open(os.path.join(folder, "w.gguf"), "wb") as f:
+            f.write(gguf_bytes("llama", 1000))
+        manager.store.publish(model, version, {})
+    page = client.get("/admin/mirror").data.decode()
+    heads = re.findall(r'<tr class="(family|model)"><th colspan="6" scope="rowgroup">([^<]+)', page)
+    assert heads == [("family", "qwen · 2 models · " + heads[0][1].split(" · ")[2]),
+                     ("model", "qwen2.5-coder-7b "), ("model", "qwen3-8b "), ("model", "tiny ")], heads
+    assert "· 2 versions ·" in page.split("qwen3-8b <span")[1].split("</th>")[0]
+    # A model with a failed fetch comes first, its heading says so.
+    post(client, "/admin/mirror/fetch", source="http://127.0.0.1:9/missing.gguf", model="tiny", version="v9")
+    wait_for("the failure", 10, lambda: manager.status("tiny", "v9")["state"] == "failed")
+    page = client.get("/admin/mirror").data.decode()
+    heads = re.findall(r'<tr class="(?:family|model)"><th colspan="6" scope="rowgroup">([^<]+)', page)
+    assert heads[0] == "tiny " and "downloading or failed, above" in page.split("Held")[1]

@@ -18,12 +18,11 @@ import dataclasses
 import json
 import math
 import os
-import re
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from llmgw import gguf
+from llmgw import gguf, shardsets
 from llmgw.units import human_bytes
 
 GiB = 1 << 30
@@ -84,17 +83,15 @@ def _size(source: str) -> int | None:
         return None
 
 
-SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
-
-
 def _gguf_size(source: str) -> int | None:
-    """A GGUF's size; for the first of a split set (`-00001-of-00003.gguf`), every part's together."""
-    found = SHARD.search(urllib.parse.urlsplit(source).path)
-    if found is None:
+    """A GGUF's size; for a shard of a split set (`-00001-of-00003.gguf`), every part's together."""
+    name = urllib.parse.urlsplit(source).path.rsplit("/", 1)[-1]
+    names = shardsets.siblings(name)
+    if names is None:
         return _size(source)
     total = 0
-    for part in range(1, int(found.group(2)) + 1):
-        size = _size(source.replace(found.group(0), f"-{part:05d}-of-{found.group(2)}.gguf"))
+    for part in names:
+        size = _size(source[: source.rindex(name)] + part)
         if size is None:
             return None
         total += size

@@ -53,7 +53,7 @@ import threading
 import time
 import urllib.parse
 
-from llmgw import gguf
+from llmgw import gguf, shardsets
 from llmgw.egress import Egress, Refused
 from llmgw.mirror import convert
 from llmgw.mirror.store import ARRIVING, Conflict, MirrorDir, MirrorError, check_name
@@ -61,7 +61,6 @@ from llmgw.weights import FetchError, download, inside_listed, sha256_of
 
 log = logging.getLogger("llmgw.mirror")
 
-SHARD = re.compile(r"^(?P<stem>.+)-(?P<n>\d{5})-of-(?P<total>\d{5})(?P<ext>\.[A-Za-z0-9]+)$")
 FAILED = ".failed.json"
 GiB = 1 << 30
 CONVERT = "convert:"
@@ -307,7 +306,7 @@ class Manager:
         ggufs = [f["name"] for f in self.store.files(model, version) if f["name"].endswith(".gguf")]
         if len(parts) == 3:
             ggufs = [n for n in ggufs if n == parts[2]]
-        if len(ggufs) != 1 or SHARD.match(ggufs[0]):
+        if len(ggufs) != 1 or shardsets.siblings(ggufs[0]):
             raise MirrorError(f"{model}/{version} must hold one whole GGUF to convert (name it as "
                               f"convert:{model}/{version}/FILE where there are several); it holds "
                               f"{', '.join(ggufs) or 'none'}")
@@ -496,12 +495,11 @@ def _with_shards(urls: list[str]) -> list[str]:
     if len(urls) != 1:
         return urls
     name = file_name(urls[0])
-    match = SHARD.match(name)
-    if not match:
+    names = shardsets.siblings(name)
+    if names is None:
         return urls
-    total = int(match.group("total"))
     prefix = urls[0][: urls[0].rindex(name)]
-    return [f"{prefix}{match.group('stem')}-{i:05d}-of-{total:05d}{match.group('ext')}" for i in range(1, total + 1)]
+    return [prefix + n for n in names]
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:

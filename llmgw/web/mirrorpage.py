@@ -19,8 +19,10 @@ not answer is said in a sentence with what to check, never as urllib's error.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -30,12 +32,11 @@ from flask import Blueprint, abort, flash, redirect, render_template, request
 
 from llmgw.apiclient import ApiClient, ApiError, Unreachable, leader_client, mirror_client
 from llmgw.units import human_bytes
-from llmgw.web import forms, safety
+from llmgw.web import forms, registryview, safety
 from llmgw.web.adminpages import admin_only, require_token
 from llmgw.web.chatpage import render_markdown
 from llmgw.web.site import Site, site
 
-REGISTRY_SORTS = {"trending": "trendingScore", "downloads": "downloads", "new": "createdAt"}
 REGISTRY_TIMEOUT = 10
 LARGEST_FILE = 1 << 50  # a PiB: "serve this" estimates memory from a size, which must be a number of bytes
 
@@ -91,9 +92,38 @@ def mirror_page():
             rows.append({**v, "used_by": [m["name"] for m in users],
                          "runs": [(m["name"], run_mode(m), m.get("origin") == "runtime") for m in users],
                          "source": prefix + v["files"][0]["name"] if len(v["files"]) == 1 else prefix})
+    busy = {v["model"] for v in (found or {}).get("arriving", []) + (found or {}).get("failed", [])}
     template = "_mirror.html" if request.args.get("partial") else "admin_mirror.html"
-    return render_template(template, found=found, rows=rows, problem=problem, catalog_problem=catalog_problem,
+    return render_template(template, found=found, rows=rows, groups=grouped(rows, busy), problem=problem,
+                           catalog_problem=catalog_problem,
                            action=site().form(forms.ActionForm), registry=bool(site().cfg["mirror.hf_endpoint"]))
+
+
+def family(model: str) -> str:
+    """The family a model's name says it is of: its leading letters (qwen2.5-coder-7b and qwen3-8b: qwen)."""
+    found = re.match(r"[A-Za-z]+", model)
+    return found.group(0).lower() if found else model
+
+
+def grouped(rows: list[dict], busy: set[str]) -> list[dict]:
+    """The held versions ROWS by model, and models by family: [{"family" (None for a family of one model),
+    "models": [{"model", "rows", "bytes", "in_use", "busy"}], "bytes", "busy"}]. Models with a download or a
+    failure (BUSY) come first, in their family and among families; then by name."""
+    models: dict[str, list[dict]] = {}
+    for row in rows:
+        models.setdefault(row["model"], []).append(row)
+    families: dict[str, list[dict]] = {}
+    for name, versions in models.items():
+        families.setdefault(family(name), []).append({
+            "model": name, "rows": versions, "bytes": sum(v["bytes"] for v in versions),
+            "in_use": any(v["used_by"] for v in versions), "busy": name in busy})
+    out = []
+    for name, members in families.items():
+        members.sort(key=lambda m: (not m["busy"], m["model"]))
+        out.append({"family": name if len(members) > 1 else None, "models": members,
+                    "bytes": sum(m["bytes"] for m in members), "busy": any(m["busy"] for m in members)})
+    out.sort(key=lambda f: (not f["busy"], f["family"] or f["models"][0]["model"]))
+    return out
 
 
 def run_mode(model: dict) -> str:
@@ -189,14 +219,14 @@ def mirror_serve():
 @bp.get("/admin/mirror/registry")
 @admin_only
 def registry():
-    sort = request.args.get("sort") if request.args.get("sort") in REGISTRY_SORTS else "trending"
-    q = request.args.get("q", "").strip()
-    params = {"sort": REGISTRY_SORTS[sort], "direction": "-1", "limit": "30", "filter": "gguf"}
-    if q:
-        params["search"] = q
-    repos, problem = _registry(site().cfg, "/api/models?" + urllib.parse.urlencode(params))
-    return render_template("mirror_registry.html", repos=repos or [], problem=problem, sort=sort, q=q,
-                           sorts=list(REGISTRY_SORTS))
+    filters = registryview.Filters(request.args)
+    answer, problem = _registry(site().cfg, filters.query())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    repos = [registryview.describe(r, now) for r in answer if isinstance(r, dict)] if isinstance(answer, list) else []
+    shown, hidden = registryview.keep(repos, filters)
+    everything = "?" + urllib.parse.urlencode({**request.args.to_dict(), "show": "all"})
+    return render_template("mirror_registry.html", repos=shown, hidden=hidden, problem=problem, f=filters,
+                           view=registryview, everything=everything)
 
 
 @bp.get("/admin/mirror/repo")
@@ -211,14 +241,7 @@ def repo():
         sha = info.get("sha") or "main"
         text, _ = _registry(site().cfg, f"/{repo_id}/raw/{sha}/README.md", raw=True)
         card = render_markdown(_strip_front_matter(text)) if text else None
-    files = []
-    for s in (info or {}).get("siblings", []):
-        name = s.get("rfilename", "")
-        if not name.endswith((".gguf", ".safetensors")):
-            continue  # weights only
-        size = (s.get("lfs") or {}).get("size") or s.get("size")
-        files.append({"name": name, "size": size, "sha256": (s.get("lfs") or {}).get("sha256"),
-                      "not_a_model": "mmproj" in name or "imatrix" in name})
+    files = registryview.weight_files((info or {}).get("siblings"))
     return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
                            files=files, action=site().form(forms.ActionForm))
 
