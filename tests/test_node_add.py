@@ -153,6 +153,13 @@ def test_the_agent_unit_written_to_a_host_that_runs_systemd_is_valid(tmp_path):
     assert_units_valid([unit])
 
 
+def test_an_agent_under_systemd_owns_where_it_installs_engines():
+    host = Host(uid=0, systemd=True, prefix="/opt/llmgw")
+    how, _ = nodeadd._start(host, host.facts)
+    assert how == "under systemd"
+    assert "chown -R llmgw:llmgw /opt/llmgw/weights /opt/llmgw/work /opt/llmgw/engines;" in host.ran[0]
+
+
 class Host:
     """A host as node add's probe sees it: what its python3 printed, over a Target that runs nothing."""
 

@@ -417,8 +417,9 @@ def _start(target: Target, host: dict) -> tuple[str, str]:
                                  python=f"{prefix}/.venv/bin/python", scripts=prefix)
         p, user = shlex.quote(prefix), machine.USER
         target.run(f"set -e; id -u {user} >/dev/null 2>&1 || useradd --system --user-group --home-dir {p} "
-                   f"--no-create-home --shell /usr/sbin/nologin {user}; mkdir -p {p}/weights {p}/work; "
-                   f"chown -R {user}:{user} {p}/weights {p}/work; chown {user}:{user} {p}/node.key {p}/agent.toml; "
+                   f"--no-create-home --shell /usr/sbin/nologin {user}; mkdir -p {p}/weights {p}/work {p}/engines; "
+                   f"chown -R {user}:{user} {p}/weights {p}/work {p}/engines; "
+                   f"chown {user}:{user} {p}/node.key {p}/agent.toml; "
                    "cat > /etc/systemd/system/llmgw-agent.service; systemctl daemon-reload; "
                    "systemctl enable --quiet llmgw-agent; systemctl restart llmgw-agent", stdin=unit.encode(),
                    what="starting the agent's systemd unit")
