@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import mmap
 import os
 import shutil
 import struct
@@ -205,21 +206,33 @@ def _llamacpp_binaries() -> list[str]:
     return found
 
 
-@functools.lru_cache(maxsize=1)
-def _library_bytes() -> bytes | None:
-    chunks = []
+@functools.lru_cache(maxsize=512)
+def _known(arch: str) -> bool | None:
+    """Whether ARCH's name is in the installed llama.cpp's files, each searched in place (mapped, never read
+    into memory: they are tens of megabytes, and a gateway worker asks for a page); None without any."""
+    needle, searched = _needle(arch), False
     for path in _llamacpp_binaries():
         try:
-            with open(path, "rb") as f:
-                chunks.append(f.read())
-        except OSError:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                searched = True
+                if data.find(needle) != -1:
+                    return True
+        except (OSError, ValueError):  # unreadable, or empty (nothing to map)
             continue
-    return b"\0".join(chunks) if chunks else None
+    return False if searched else None
 
 
 def loadable(arch: str, library: bytes | None = None) -> bool | None:
-    """Whether the installed llama.cpp knows ARCH: True, False, or None when no llama.cpp is found."""
-    data = library if library is not None else _library_bytes()
-    if data is None:
-        return None
-    return b"\0" + arch.encode() + b"\0" in data
+    """Whether the installed llama.cpp knows ARCH (or LIBRARY's bytes name it): True, False, or None when no
+    llama.cpp is found."""
+    if library is not None:
+        return _needle(arch) in library
+    return _known(arch)
+
+
+def _needle(arch: str) -> bytes:
+    """What ARCH's name looks like in llama.cpp's files: its characters and the string's end. Not a NUL before
+    it: the linker merges a string into the tail of a longer one that ends the same, and `qwen2` is stored
+    only as the end of `rwkv6qwen2`, so every Qwen2 model was refused. A name that is the tail of another is
+    let through; the gate is for names llama.cpp has never heard of."""
+    return arch.encode() + b"\0"

@@ -85,3 +85,47 @@ def test_what_cannot_be_read_is_said(fleet, tmp_path):
                          (str(tmp_path), "no config.json"), (str(tmp_path / "gone.gguf"), "cannot be read")):
         run = c.ctl("plan", source)
         assert run.returncode == 1 and said in run.stderr, run.stderr
+
+
+def test_a_model_is_planned_from_the_registry_and_from_a_signed_url_of_a_shard_set(fleet, tmp_path):
+    import subprocess
+    import sys
+    import threading
+
+    from werkzeug.serving import make_server
+    from werkzeug.utils import send_from_directory
+    from werkzeug.wrappers import Request
+
+    from tests.conftest import write_config
+
+    c, _ = fleet
+    folder = tmp_path / "registry" / "acme" / "big-GGUF" / "resolve" / "main"
+    folder.mkdir(parents=True)
+    gguf_file(folder / "big-00001-of-00002.gguf", 12 * GiB, **SEVENTY_B)
+    gguf_file(folder / "big-00002-of-00002.gguf", 8 * GiB)
+
+    def app(environ, start_response):  # files with Range requests, as a registry or the mirror answers
+        path = Request(environ).path.lstrip("/")
+        return send_from_directory(str(tmp_path / "registry"), path, environ, conditional=True)(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    config = write_config(tmp_path / "plan.toml", {**c.values, "mirror.hf_endpoint": url})
+    try:
+        for source in ("hf:acme/big-GGUF/big-00001-of-00002.gguf",
+                       f"{url}/acme/big-GGUF/resolve/main/big-00001-of-00002.gguf?token=signed"):
+            run = subprocess.run([sys.executable, "-m", "llmgw", "--config", config, "ctl", "plan", source, "--json"],
+                                 capture_output=True, text=True, timeout=60)
+            assert run.returncode == 0, run.stderr
+            found = json.loads(run.stdout)
+            assert found["needed_bytes"] == 20 * GiB + 10 * GiB + GiB, found  # both parts' weights
+        said = subprocess.run([sys.executable, "-m", "llmgw", "--config", config, "ctl", "plan",
+                               "hf:acme/big-GGUF/big-00001-of-00002.gguf"], capture_output=True, text=True, timeout=60)
+        assert "cpu: does not fit: has " in said.stdout, said.stdout
+        assert plan.from_registry("hf:acme/x@v1.0", url) == f"{url}/acme/x/resolve/v1.0"
+        with pytest.raises(plan.PlanError, match="is not a registry source"):
+            plan.from_registry("hf:acme/../x", url)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -96,6 +96,8 @@ def test_the_architecture_is_read_from_the_header():
     assert gguf.architecture(gguf_bytes("ggmlc")) == "ggmlc"
     assert gguf.loadable("qwen2", LIBRARY) and gguf.loadable("ggmlc", LIBRARY) is False
     assert gguf.loadable("llama") is True  # the installed llama.cpp (xllamacpp) knows it
+    # Its binary holds `qwen2` only as the tail of `rwkv6qwen2` (the linker merges them): known all the same.
+    assert gguf.loadable("qwen2") is True and gguf.loadable("ggmlc") is False
     with pytest.raises(gguf.NotGGUF, match="does not start with GGUF"):
         gguf.architecture(b"<html>not a model</html>")
     with pytest.raises(gguf.NotGGUF, match="longer than what was read"):

@@ -313,14 +313,15 @@ def install_engine(obj, node, engine, no_wait, timeout):
 
     if no_wait:
         found = obj.admin.call("POST", f"/api/v1/nodes/{segment(node)}/engines/{segment(engine)}/install")
-        click.echo(f"{node} is installing {engine} {found['version']}; `llmgw ctl nodes` shows how it goes", err=True)
+        click.echo(printable(f"{node} is installing {engine} {found['version']}; `llmgw ctl nodes` shows how it goes"),
+                   err=True)
         return
     try:
         version = engineinstall.install(obj.admin.client, node, engine, timeout,
                                         lambda line: click.echo(printable(f"{node}: {line}"), err=True))
     except (engineinstall.InstallFailed, ApiError) as e:
         raise click.ClickException(printable(str(e))) from None
-    click.echo(f"{node}: {engine} {version} is installed")
+    click.echo(printable(f"{node}: {engine} {version} is installed"))
 
 
 @ctl.command("engine-check")
@@ -367,8 +368,9 @@ def engine_check(engine, binary, python, timeout):
 def plan_model(obj, model, context, as_json):
     """Whether MODEL fits, on which nodes, with what profile, before any node fetches it.
 
-    MODEL is a catalog model, or a source: a GGUF file or a Hugging Face folder, a path here or an http(s)
-    URL (the mirror's). Its shape is read from a GGUF header or config.json, never the whole weights."""
+    MODEL is a catalog model, or a source: a GGUF file or a Hugging Face folder, a path here, an http(s)
+    URL (the mirror's), or the registry's hf:ORG/REPO[/FILE][@REVISION] (mirror.hf_endpoint). Its shape is read
+    from a GGUF header or config.json, never the whole weights."""
     from llmgw.cli import plan
 
     source, nodes, fleet_note = model, [], ""
@@ -380,7 +382,7 @@ def plan_model(obj, model, context, as_json):
     except ApiError as e:
         fleet_note = f"the controller's fleet could not be read ({printable(e)}), so no node is weighed"
     try:
-        shape = plan.read_shape(source)
+        shape = plan.read_shape(plan.from_registry(source, obj.config()["mirror.hf_endpoint"]))
     except plan.PlanError as e:
         raise click.ClickException(str(e)) from None
     result = plan.plan(shape, nodes, context)
@@ -401,7 +403,7 @@ def plan_model(obj, model, context, as_json):
         click.echo(fleet_note or "no node has registered, so none is weighed", err=True)
         return
     for fit in result["nodes"]:
-        click.echo(printable(f"  {fit['node']}: {'fits' if fit['fits'] else 'does not fit'} {fit['how']}"))
+        click.echo(printable(f"  {fit['node']}: {'fits' if fit['fits'] else 'does not fit:'} {fit['how']}"))
     best = next((f for f in result["nodes"] if f["fits"] and "gpu_class" in (f["profile"] or {})),
                 next((f for f in result["nodes"] if f["fits"]), None))
     if best is None:

@@ -4,7 +4,8 @@
 A node installs an engine from its catalogue (`[[engines]]`) when a replica first needs it; vLLM is
 gigabytes, so the first replica of a model waits minutes for it. Asking ahead moves that wait to when the
 node joins. The controller asks the agent (`install_engine`); the install's progress and outcome come
-back in the node's heartbeats (`installs`), which this follows through the admin API.
+back in the node's heartbeats (`installs`), which this follows through the admin API, riding out a
+controller that restarts or fails over meanwhile.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from llmgw.apiclient import ApiClient, segment
+from llmgw.apiclient import ApiClient, ApiError, segment
 from llmgw.units import human_bytes
 
+POLL = 2.0  # seconds between looks at the node
 SAY_EVERY = 10.0  # seconds between progress lines while the bytes go on arriving
+# A "failed" already there when asked is an earlier attempt's until the node has said "installing" since, or
+# until this long has passed with it still failed (this attempt failed before any heartbeat showed it going).
+STALE_FOR = 15.0
 
 
 class InstallFailed(Exception):
@@ -23,34 +28,40 @@ class InstallFailed(Exception):
 
 
 def _state(node: dict, key: str) -> dict | None:
-    installs = node.get("status", {}).get("installs") or node.get("facts", {}).get("installs") or {}
-    return installs.get(key)
+    """KEY's install state: the latest heartbeat's `installs` when it carried them, else the registration's."""
+    status = node.get("status") or {}
+    installs = status["installs"] if "installs" in status else (node.get("facts") or {}).get("installs")
+    return (installs or {}).get(key)
 
 
 def install(admin: ApiClient, node: str, engine: str, timeout: float, say: Callable[[str], None]) -> str:
     """Ask NODE to install ENGINE and wait up to TIMEOUT seconds until it has; SAY(line) tells its progress.
-    Returns the version. Raises InstallFailed, or the client's ApiError when the controller refuses."""
-    asked = time.monotonic()
+    Returns the version. Raises InstallFailed, or the client's ApiError when the controller refuses the ask."""
     version = admin.call("POST", f"/api/v1/nodes/{segment(node)}/engines/{segment(engine)}/install")["version"]
-    key, said, last_said = f"{engine}/{version}", "", 0.0
-    deadline = asked + timeout
-    while time.monotonic() < deadline:
-        found = {n["node_id"]: n for n in admin.call("GET", "/api/v1/nodes")["nodes"]}.get(node)
+    asked = time.monotonic()
+    key, said, last_said, seen_installing = f"{engine}/{version}", "", 0.0, False
+    while time.monotonic() < asked + timeout:
+        time.sleep(POLL)
+        try:
+            found = {n["node_id"]: n for n in admin.call("GET", "/api/v1/nodes")["nodes"]}.get(node)
+        except ApiError:
+            continue  # the controller restarting, or another taking over: the deadline decides
         if found is None:
-            raise InstallFailed(f"{node} is no longer a node of this controller")
+            continue
         state = _state(found, key) or {}
-        # A state from before the request (an earlier failure) counts only once the node was heard after it.
-        heard_since = found["last_heard_s"] < time.monotonic() - asked
+        elapsed = time.monotonic() - asked
         if state.get("state") == "installed":
             return version
-        if state.get("state") == "failed" and heard_since:
-            raise InstallFailed(f"installing {key} failed there: {state.get('detail')}; {state.get('fix')}")
         if state.get("state") == "installing":
+            seen_installing = True
             done, total = state.get("bytes_done"), state.get("bytes_total")
             line = f"installing {key}" + (f": {human_bytes(done)} of {human_bytes(total)}" if total else "")
             if not said or (line != said and time.monotonic() - last_said >= SAY_EVERY):
                 say(line)
                 said, last_said = line, time.monotonic()
-        time.sleep(1.0)
+        elif state.get("state") == "failed" and (seen_installing or elapsed >= STALE_FOR):
+            raise InstallFailed(f"installing {key} failed there: {state.get('detail')}; {state.get('fix')}")
+        elif not state and found.get("registered_s", elapsed) < elapsed - POLL:
+            raise InstallFailed(f"{node}'s agent started again during the install, which stopped; ask again")
     raise InstallFailed(f"{key} was not installed within {timeout:.0f} s; `llmgw ctl nodes` shows how far it got, "
                         "and the install goes on")

@@ -520,7 +520,7 @@ def node_add(obj: Context, hosts, admin_url, controllers, name, prefix, python, 
                            "node add runs on the controller's machine, or give --admin URL"),
         agent_listen=cfg["controller.agent_listen"], controllers=controllers, name=name, prefix=prefix, python=python,
         labels=parsed_labels, fabrics=tables, ignore_checks=ignore_checks, new_key=new_key, wait=not no_wait, wait_timeout=wait_timeout,
-        engines=cfg.engines, mirror_url=cfg["agent.mirror_url"] or cfg["mirror.base_url"], wait_engines=wait_engines,
+        engines=cfg.engines, mirror_url=cfg["mirror.base_url"] or cfg["agent.mirror_url"], wait_engines=wait_engines,
         engine_timeout=engine_timeout, accept_new=accept_new, port=port, identity=identity, known_hosts=known_hosts)
     if not nodeadd.run(options, hosts):
         sys.exit(1)

@@ -34,6 +34,7 @@ from llmgw import addresses, settings
 from llmgw.apiclient import ApiClient, ApiError
 from llmgw.cli import engineinstall, machine, wheelhouse
 from llmgw.cli.ssh import SshError, Target
+from llmgw.cli.tables import printable
 
 # Room the virtual environment needs beyond the wheels themselves (they unpack to about three times their size).
 INSTALL_ROOM = 2 << 30
@@ -105,8 +106,10 @@ class Batch:
         self.names: dict[str, str] = {}
 
     def say(self, host: str, text: str) -> None:
+        """One line about HOST; TEXT may hold what the host or its node said, shown inert (tables.printable),
+        line by line."""
         with self.lock:
-            click.echo(f"{host}: {text}", err=True)
+            click.echo(f"{host}: " + "\n".join(printable(line) for line in text.split("\n")), err=True)
 
     def claim(self, host: str, node: str) -> None:
         """NODE is HOST's in this run; Failed when another host of the run has it (the second key issued
@@ -139,7 +142,8 @@ def run(options: Options, hosts: tuple[str, ...]) -> bool:
             results = list(pool.map(lambda h: _one(options, h, bundle, size, batch), hosts))
     click.echo("", err=True)
     for host, (ok, line) in zip(hosts, results):
-        click.echo(f"{'✓' if ok else '✗'} {host}: {line}", err=True)
+        click.echo(f"{'✓' if ok else '✗'} {host}: " + "\n".join(printable(part) for part in line.split("\n")),
+                   err=True)
     failed = [host for host, (ok, _) in zip(hosts, results) if not ok]
     if len(hosts) > 1:  # the line to read first when a rack was added at once
         click.echo(f"{len(hosts) - len(failed)} of {len(hosts)} hosts added"

@@ -85,17 +85,34 @@ def _size(source: str) -> int | None:
 
 def _gguf_size(source: str) -> int | None:
     """A GGUF's size; for a shard of a split set (`-00001-of-00003.gguf`), every part's together."""
-    name = urllib.parse.urlsplit(source).path.rsplit("/", 1)[-1]
+    parts = urllib.parse.urlsplit(source)
+    folder, _, name = parts.path.rpartition("/")
     names = shardsets.siblings(name)
     if names is None:
         return _size(source)
     total = 0
-    for part in names:
-        size = _size(source[: source.rindex(name)] + part)
+    for part in names:  # the same address but for the file's name: a signed URL's query stays
+        size = _size(urllib.parse.urlunsplit(parts._replace(path=f"{folder}/{part}")) if parts.scheme
+                     else os.path.join(os.path.dirname(source), part))
         if size is None:
             return None
         total += size
     return total
+
+
+def from_registry(source: str, endpoint: str) -> str:
+    """A registry source, `hf:ORG/REPO[/FILE][@REVISION]`, as the address of that file (or, without one, of the
+    repository's folder) at that revision (its main branch without one) on the Hugging Face compatible
+    registry at ENDPOINT; any other source as it is."""
+    if not source.startswith("hf:"):
+        return source
+    spec, _, revision = source[3:].partition("@")
+    parts = spec.strip("/").split("/")
+    if len(parts) < 2 or not all(parts) or ".." in parts:
+        raise PlanError(f"{source} is not a registry source: write hf:ORG/REPO[/FILE][@REVISION]")
+    quote = urllib.parse.quote
+    address = f"{endpoint.rstrip('/')}/{quote(parts[0])}/{quote(parts[1])}/resolve/{quote(revision or 'main', safe='')}"
+    return "/".join([address, *map(quote, parts[2:])])
 
 
 def read_shape(source: str) -> Shape:

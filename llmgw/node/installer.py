@@ -248,6 +248,11 @@ class Installer:
                 log.warning("installing %s failed: %s (%s)", key, e.detail, e.fix)
                 self._state(key, state="failed", detail=e.detail, fix=e.fix)
                 raise
+            except Exception as e:  # a full disk, a folder it may not write: failed too, never "installing" on
+                log.exception("installing %s failed", key)
+                self._state(key, state="failed", detail=f"{type(e).__name__}: {e}",
+                            fix=f"see the agent's log; check that {self.dir} is writable and has room")
+                raise InstallError(f"{type(e).__name__}: {e}", "see the agent's log") from e
             self._state(key, state="installed")
             log.info("installed %s into %s", key, self.folder(name, entry["version"]))
 

@@ -241,7 +241,7 @@ def repo():
         sha = info.get("sha") or "main"
         text, _ = _registry(site().cfg, f"/{repo_id}/raw/{sha}/README.md", raw=True)
         card = render_markdown(_strip_front_matter(text)) if text else None
-    files = registryview.weight_files((info or {}).get("siblings"))
+    files = registryview.weight_files((info or {}).get("siblings"), (info or {}).get("sha"))
     return render_template("mirror_repo.html", repo_id=repo_id, info=info, problem=problem, card=card,
                            files=files, action=site().form(forms.ActionForm))
 

@@ -54,7 +54,7 @@ def describe(repo: dict, now: datetime.datetime, library: bytes | None = None) -
     """What the explorer shows of one repository of a listing: its figures as numbers and words."""
     info = repo.get("gguf") if isinstance(repo.get("gguf"), dict) else {}
     card = repo.get("cardData") if isinstance(repo.get("cardData"), dict) else {}
-    tags = [t for t in repo.get("tags") or [] if isinstance(t, str)]
+    tags = [t for t in repo.get("tags") if isinstance(t, str)] if isinstance(repo.get("tags"), list) else []
     arch = info.get("architecture") if isinstance(info.get("architecture"), str) else None
     licence = card.get("license") or next((t.split(":", 1)[1] for t in tags if t.startswith("license:")), None)
     base = card.get("base_model")
@@ -91,25 +91,36 @@ def keep(repos: list[dict], filters: Filters) -> tuple[list[dict], int]:
     return shown, hidden
 
 
-def weight_files(siblings: list) -> list[dict]:
+def weight_files(siblings, sha: str | None) -> list[dict]:
     """A repository's weight files (GGUF, safetensors), one row each, a shard set as one row: its name with
-    `0000N`, its parts' size together, no single checksum, and the first part's name to fetch it by (a shard
-    brings its set). Projectors and importance matrices are marked: they are no model."""
+    `0000N`, its parts' size together (None where one is not known), no single checksum, and the first part's
+    name to fetch it by (a shard brings its set); a set whose listing lacks parts is `incomplete` and offers no
+    fetch. Projectors and importance matrices are marked: they are no model. A name a source could not carry
+    whole (`..`, `@`, `?`, `#`, a backslash, a control character), or a commit that is not 40 hex digits,
+    offers no fetch either: the source is pinned to that commit, or not offered."""
+    pinned = isinstance(sha, str) and len(sha) == 40 and all(c in "0123456789abcdef" for c in sha)
     rows: dict[str, dict] = {}
     for s in siblings if isinstance(siblings, list) else []:
-        name = s.get("rfilename", "") if isinstance(s, dict) else ""
-        if not name.endswith((".gguf", ".safetensors")):
+        name = s.get("rfilename") if isinstance(s, dict) else None
+        if not isinstance(name, str) or not name.endswith((".gguf", ".safetensors")):
             continue
         lfs = s.get("lfs") if isinstance(s.get("lfs"), dict) else {}
-        size = lfs.get("size") or s.get("size") or 0
+        size = _number(lfs.get("size")) if lfs.get("size") is not None else _number(s.get("size"))
         shown = shardsets.set_name(name)
-        row = rows.setdefault(shown, {"name": shown, "fetch": name, "size": 0, "parts": 0,
-                                      "sha256": lfs.get("sha256"), "not_a_model": "mmproj" in name or "imatrix" in name})
-        row["size"] += size if isinstance(size, int) else 0
+        parts = shardsets.siblings(name)
+        row = rows.setdefault(shown, {"name": shown, "fetch": name, "size": 0, "parts": 0, "expected": len(parts or [1]),
+                                      "sha256": lfs.get("sha256") if not parts else None,
+                                      "not_a_model": "mmproj" in name or "imatrix" in name,
+                                      "fetchable": pinned})
+        row["size"] = None if size is None or row["size"] is None else row["size"] + size
         row["parts"] += 1
-        if shown != name:
-            row["sha256"] = None
-            row["fetch"] = min(row["fetch"], name)
+        row["fetch"] = min(row["fetch"], name)
+        if ".." in name.split("/") or name.startswith("/") or any(c in name for c in "@?#\\") \
+                or not name.isprintable():
+            row["fetchable"] = False
+    for row in rows.values():
+        row["incomplete"] = row["parts"] != row["expected"]
+        row["fetchable"] = row["fetchable"] and not row["incomplete"] and not row["not_a_model"]
     return list(rows.values())
 
 
@@ -126,11 +137,15 @@ def _licence_matches(licence: str | None, wanted: str) -> bool:
 
 
 def _number(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """VALUE when it is a count a registry could mean (0 to 2**53), else None: not a flag, a negative or a
+    number too large to divide."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 53 else None
 
 
 def _date(value) -> datetime.datetime | None:
+    """VALUE as a moment in UTC (a date without a zone is taken as UTC), or None."""
     try:
-        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+        moment = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
     except ValueError:
         return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
