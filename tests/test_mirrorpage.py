@@ -448,3 +448,26 @@ def test_held_versions_are_grouped_by_family_then_model_with_a_busy_model_first(
     page = client.get("/admin/mirror").data.decode()
     heads = re.findall(r'<tr class="(?:family|model)"><th colspan="6" scope="rowgroup">([^<]+)', page)
     assert heads[0] == "tiny " and "downloading or failed, above" in page.split("Held")[1]
+
+
+def test_what_a_broken_registry_answers_is_shown_as_unknown_never_a_500():
+    import datetime
+
+    from llmgw.web import registryview
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    odd = registryview.describe({"id": "a/b", "createdAt": "2024-01-01", "tags": 5, "downloads": -3, "likes": True,
+                                 "gguf": {"total": 10 ** 400, "architecture": 7}, "cardData": "x"}, now)
+    assert odd["age_days"] > 300 and odd["downloads"] is None and odd["likes"] is None
+    assert odd["size"] == "parameters not given" and odd["arch"] is None and odd["licence"] is None
+    rows = registryview.weight_files([{"rfilename": 5}, {"rfilename": "m-00001-of-00003.gguf", "size": -1},
+                                      {"rfilename": "m-00002-of-00003.gguf", "size": 5},
+                                      {"rfilename": "sub/x@evil.gguf", "size": 3},
+                                      {"rfilename": "m-00009-of-00003.gguf", "size": 1},
+                                      {"rfilename": "ok.gguf", "lfs": {"size": 9, "sha256": "ab" * 32}}], "c" * 40)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["m-0000N-of-00003.gguf"]["incomplete"] and by_name["m-0000N-of-00003.gguf"]["size"] is None
+    assert not by_name["m-0000N-of-00003.gguf"]["fetchable"] and not by_name["sub/x@evil.gguf"]["fetchable"]
+    assert not by_name["m-00009-of-00003.gguf"]["incomplete"]  # a part past its set's end is no set: one file
+    assert by_name["ok.gguf"]["fetchable"] and by_name["ok.gguf"]["size"] == 9
+    assert not registryview.weight_files([{"rfilename": "ok.gguf"}], "main")[0]["fetchable"]  # not pinned
