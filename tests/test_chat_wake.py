@@ -1,11 +1,12 @@
 """The chat page with a model that runs on demand, in a real headless Chromium against a real controller,
 agent and gateway: the picker says the model starts when asked; sending wakes it, the page says what it
-waits for, and the question goes once the model is ready, answered, its mathematics typeset."""
+waits for, and the question goes once the model is ready, answered, its mathematics typeset, spent against
+the project the person chose, a choice the page remembers."""
 
 from playwright.sync_api import sync_playwright
 
 from llmgw import store
-from llmgw.people import accounts
+from llmgw.people import accounts, memberships, orgtree
 from llmgw.procs import wait_for
 from tests.cluster import Agent, Controller
 from tests.conftest import Gateway
@@ -19,6 +20,8 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
     url = f"sqlite:///{tmp_path}/wake.db"
     engine = store.open_store(url)
     accounts.create_user(engine, "ada@example.org", PASSWORD, state=accounts.ACTIVE)
+    project = orgtree.add(engine, "project", "lab", "default/default")
+    memberships.join(engine, "ada@example.org", "project", project.id)
     engine.dispose()
     made = []
     try:
@@ -41,9 +44,11 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
             wait_for("the page to offer the model", 30,
                      lambda: page.reload() or "lazy (starts when asked)" in page.inner_text("#model"))
             assert c.replicas("lazy") == []  # nothing runs until someone asks
+            page.select_option("#spend", project.id)  # on their own, or the project they belong to
             page.fill("#prompt", "Are you there?")
-            with page.expect_response("**/chat/wake") as woken:
+            with page.expect_response("**/chat/wake") as woken, page.expect_request("**/chat/completions", timeout=180_000) as asked:
                 page.click("#send")
+            assert asked.value.headers["x-llmgw-spend"] == project.id
             # What the page is told it waits for, and shows until the model is up (for as long as that takes:
             # on a quiet machine the sim is up before anyone could read it).
             assert woken.value.json() == {"ready": False, "status": "waiting for a node with room for it"}
@@ -55,6 +60,8 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
             # the page's content security policy; the dollar amount left as text.
             wait_for("the answer typeset", 30, lambda: page.query_selector(".msg.assistant .katex") is not None)
             assert "$5" in page.inner_text(".msg.assistant .body")
+            page.reload()
+            assert page.input_value("#spend") == project.id  # remembered, while it is still theirs to choose
             browser.close()
     finally:
         for part in reversed(made):

@@ -439,3 +439,23 @@ def test_what_another_machines_mirror_answers_is_checked_before_it_is_written():
     kept = initmirror._well_formed(held)
     assert [v["version"] for v in kept] == ["9", "10"] and kept[0]["files"] == []
     assert judge.held_version(kept) == ("10", "Llama-Guard-3-1B.Q4_K_M.gguf")  # 10 after 9, as people count
+
+
+def test_the_baseline_guard_from_the_mirror_beside_the_control_plane(tmp_path):
+    import tomllib
+
+    root = tmp_path / "root"
+    _publish(root / "srv" / "models", "llama-guard-3-1b", "2026-10-05", "Llama-Guard-3-1B.Q4_K_M.gguf", b"stand-in")
+    config = base_config(tmp_path, free_port())
+    made = init("--root", str(root), "--plain", "--no-node", "--no-start", "--address", "cp.example", config=config)
+    assert "the baseline guard: llama-guard-3-1b 2026-10-05 from the mirror" in made.stderr, made.stderr
+    written = tomllib.loads((root / "etc" / "llmgw" / "llmgw.toml").read_text())
+    assert written["guard"] == {"model": "llama-guard-3-1b"}
+    judge = next(m for m in written["models"] if m["name"] == "llama-guard-3-1b")
+    assert judge["source"].endswith("/llama-guard-3-1b/2026-10-05/Llama-Guard-3-1B.Q4_K_M.gguf")
+    assert judge["scaling"] == {"min": 2, "max": 2} and judge["guard"] == {"format": "llamaguard3"}
+    # --no-model puts no model in the catalog, the judge included.
+    other = tmp_path / "other"
+    _publish(other / "srv" / "models", "llama-guard-3-1b", "1", "Llama-Guard-3-1B.Q4_K_M.gguf", b"stand-in")
+    init("--root", str(other), "--plain", "--no-node", "--no-start", "--no-model", config=config)
+    assert "models" not in tomllib.loads((other / "etc" / "llmgw" / "llmgw.toml").read_text())

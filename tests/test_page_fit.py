@@ -174,6 +174,9 @@ MISFITS = r"""wide => {
     if (over > 1 && (wide || !scrolls))
       found.push(`the table "${name(table.rows[0])}" is ${Math.round(over)} px wider than its box` +
                  (scrolls ? ' (scrolling, on a wide screen)' : ''));
+    // On a wide screen a figure lines up by its last digit with the others of its column (llmgw/units.py).
+    for (const figure of table.querySelectorAll('td.num'))
+      if (wide && getComputedStyle(figure).textAlign !== 'right') found.push(`the figure "${name(figure)}" is not right-aligned`);
     for (const cell of table.querySelectorAll('th, td')) {
       const edge = cell.getBoundingClientRect();
       if (cell.scrollWidth > cell.clientWidth + 1) found.push(`the cell "${name(cell)}" overflows`);
