@@ -662,3 +662,22 @@ def test_an_install_that_fails_on_an_os_error_says_failed_not_installing(tmp_pat
         unwritable.ensure("llamacpp")
     state = unwritable.report()["llamacpp/b1"]
     assert state["state"] == "failed" and "/proc/llmgw-engines" in state["fix"]
+
+
+def test_a_node_that_cannot_answer_an_install_is_refused_before_anything_is_sent():
+    from types import SimpleNamespace
+
+    from llmgw.control.adminnodes import install_refusal
+
+    def node(state="ready", features=("install-engine",), installable=None):
+        registration = {"features": list(features), "installable": installable or {"llamacpp": "b7"}}
+        return SimpleNamespace(state=state, facts=SimpleNamespace(registration=registration))
+
+    assert install_refusal(node(), "n1", "llamacpp") is None
+    assert install_refusal(None, "n1", "llamacpp")[0] == 404
+    assert install_refusal(node(state="unreachable"), "n1", "llamacpp") == (
+        409, "n1 is unreachable: its agent cannot install anything until it is heard again")
+    code, said = install_refusal(node(features=("fabric-test",)), "n1", "llamacpp")
+    assert code == 409 and "does not install engines on request (an older llmgw)" in said
+    code, said = install_refusal(node(), "n1", "vllm")
+    assert code == 409 and "has no vllm for its platform (it can install: llamacpp b7)" in said

@@ -123,26 +123,35 @@ def install_engine(node_id, engine):
     progress and outcome are the node's `installs`, in its heartbeats."""
     ours = parts()
     node = next((n for n in ours.fleet.describe(time.monotonic()) if n.node_id == node_id), None)
-    if node is None:
-        return error(404, f"no node {node_id!r}; `llmgw ctl nodes` lists them")
-    if node.state in (UNREACHABLE, LOST):
-        return error(409, f"{node_id} is {node.state}: its agent cannot install anything until it is heard again")
-    registration = node.facts.registration
-    if INSTALL_FEATURE not in (registration.get("features") or []):
-        return error(409, f"the agent on {node_id} does not install engines on request (an older llmgw): upgrade "
-                          "it, or let the first replica that needs the engine install it")
-    installable = registration.get("installable") or {}
-    if engine not in installable:
-        have = ", ".join(f"{k} {v}" for k, v in sorted(installable.items())) or "nothing"
-        return error(409, f"{node_id}'s engine catalogue ([[engines]]) has no {engine} for its platform (it can "
-                          f"install: {have}); `llmgw node add` copies the control plane's catalogue to a node")
+    refused = install_refusal(node, node_id, engine)
+    if refused:
+        return error(*refused)
     reply = ours.ask_node(node_id, "install_engine", {"engine": engine}, INSTALL_WAIT)
     if reply is None:
         return error(504, f"{node_id} did not answer within {INSTALL_WAIT:.0f} s; `llmgw ctl nodes` shows when it "
                           "was last heard")
     if not reply.get("ok"):
         return error(409, reply.get("error") or f"{node_id} refused")
-    return jsonify({"node": node_id, "engine": engine, "version": installable[engine]}), 202
+    return jsonify({"node": node_id, "engine": engine, "version": node.facts.registration["installable"][engine]}), 202
+
+
+def install_refusal(node, node_id: str, engine: str) -> tuple[int, str] | None:
+    """Why NODE (NODE_ID as `Fleet.describe` shows it, None when there is none) cannot be asked to install ENGINE,
+    as (status, sentence), before anything is sent: a node that could not answer is refused at once."""
+    if node is None:
+        return 404, f"no node {node_id!r}; `llmgw ctl nodes` lists them"
+    if node.state in (UNREACHABLE, LOST):
+        return 409, f"{node_id} is {node.state}: its agent cannot install anything until it is heard again"
+    registration = node.facts.registration
+    if INSTALL_FEATURE not in (registration.get("features") or []):
+        return 409, (f"the agent on {node_id} does not install engines on request (an older llmgw): upgrade it, "
+                     "or let the first replica that needs the engine install it")
+    installable = registration.get("installable") or {}
+    if engine not in installable:
+        have = ", ".join(f"{k} {v}" for k, v in sorted(installable.items())) or "nothing"
+        return 409, (f"{node_id}'s engine catalogue ([[engines]]) has no {engine} for its platform (it can install: "
+                     f"{have}); `llmgw node add` copies the control plane's catalogue to a node")
+    return None
 
 
 @bp.get("/api/v1/nodes")
