@@ -210,10 +210,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds to open a connection to an engine before the attempt counts as failed (and another replica is tried).",
             minimum=0.001),
     Setting("timeouts.first_byte", "float", 300.0,
-            "Seconds from sending a request to an engine until its response starts. A non-streamed answer only starts when "
-            "it is complete, so this bounds the whole generation of one.", minimum=0.001),
+            "Seconds from sending a request to an engine until its answer starts: a stream's first event (the "
+            "comments llama.cpp sends while it reads a long prompt are not one). A non-streamed answer only starts "
+            "when it is complete, so this bounds the whole generation of one.", minimum=0.001),
     Setting("timeouts.idle", "float", 60.0,
-            "Seconds of silence allowed between two chunks of a streamed answer.", minimum=0.001),
+            "Seconds of silence allowed between two chunks of a streamed answer, once its first event came.",
+            minimum=0.001),
     Setting("timeouts.total", "float", 900.0,
             "Seconds one request may take in all, streaming included.", minimum=0.001),
     Setting("routing.max_outstanding", "int", 0,

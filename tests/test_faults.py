@@ -211,6 +211,27 @@ def test_idle_timeout_ends_a_stalled_stream(tmp_path, make_gateway, make_sim):
     assert time.monotonic() - started < 2
 
 
+def test_an_engine_reading_a_long_prompt_is_waited_for_while_it_sends_only_comments(tmp_path, make_gateway,
+                                                                                    make_sim):
+    # llama.cpp sends its headers at once, then a `:` line every 30 s while it reads a long prompt: a coding
+    # agent's 4,000 tokens took a busy CPU over two minutes, and the gateway ended the stream after the first
+    # comment and 60 s of timeouts.idle. Until the first event, the wait is the first byte's.
+    slow = make_sim(replica="slow", ttft_ms=4000, keepalive_ms=1500, tokens_per_s=100)
+    gw, key, _ = setup(tmp_path, make_gateway, [ep("slow", slow.url)], timeouts__idle=1.0, timeouts__first_byte=20,
+                       routing__attempts=1)
+    head, events = stream_events(gw.url, key, {**CHAT, "max_tokens": 3})
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"tok2" in b"".join(events) and not any(b"timed out" in e for e in events), events
+    # Once the answer has begun, silence is timeouts.idle's again.
+    stalled = make_sim(replica="stalled", ttft_ms=1, keepalive_ms=100, tokens_per_s=100, stall_after_tokens=2)
+    (tmp_path / "second").mkdir(mode=0o700)
+    gw2, key2, _ = setup(tmp_path / "second", make_gateway, [ep("stalled", stalled.url)], timeouts__idle=0.5,
+                         timeouts__first_byte=20)
+    started = time.monotonic()
+    _, events = stream_events(gw2.url, key2, {**CHAT, "max_tokens": 10})
+    assert b"timed out" in events[-2] and time.monotonic() - started < 5
+
+
 def test_total_timeout_ends_a_slow_stream(tmp_path, make_gateway, make_sim):
     slow = make_sim(replica="slow", ttft_ms=1, tokens_per_s=5)
     gw, key, _ = setup(tmp_path, make_gateway, [ep("slow", slow.url)], timeouts__idle=5.0, timeouts__total=1.0)

@@ -357,6 +357,9 @@ def usage(obj: Context, by, since, as_json):
               help="Exit partway through the Nth request (0: never).")
 @click.option("--stall-after-tokens", type=int, default=-1, show_default=True,
               help="Stop sending after K tokens of a stream, keeping the connection open (-1: never).")
+@click.option("--keepalive-ms", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="While a stream's first token is awaited, send a comment event (`: keep-alive`) every this many "
+              "ms, as llama.cpp's server does every 30 s while it reads a long prompt (0: never).")
 @click.option("--loading", is_flag=True, help="Answer 503 \"Loading model\" to everything, as llama.cpp does while it loads.")
 @click.option("--api-key", envvar="LLMGW_SIM_API_KEY", help="Answer only requests with Authorization: Bearer KEY "
               "(/health excepted), as a replica started by an agent does [$LLMGW_SIM_API_KEY].")
@@ -385,8 +388,8 @@ def usage(obj: Context, by, since, as_json):
 @click.option("--group", default="", help="The replica the ranks belong to; a rank of another is not counted.")
 @click.option("--master", help="HOST:PORT where the ranks meet: rank 0 listens there, the others dial it.")
 def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queue, default_tokens,
-        prefill_ms_per_token, prefix_cache_tokens, no_prefix_cache, fail_rate, die_after, stall_after_tokens, loading,
-        api_key, reply, tool_calls, reasoning, reply_if, max_context, gather, garbled, ranks, rank, group, master):
+        prefill_ms_per_token, prefix_cache_tokens, no_prefix_cache, fail_rate, die_after, stall_after_tokens,
+        keepalive_ms, loading, api_key, reply, tool_calls, reasoning, reply_if, max_context, gather, garbled, ranks, rank, group, master):
     """Run a simulated OpenAI-compatible engine, for tests and benchmarks.
 
     A test instrument, never a model: it answers `tok0 tok1 ...` (or the
@@ -411,7 +414,8 @@ def sim(listen, model, replica, ttft_ms, tokens_per_s, max_concurrency, max_queu
                          max_concurrency=max_concurrency, max_queue=max_queue, default_tokens=default_tokens,
                          prefill_ms_per_token=prefill_ms_per_token,
                          prefix_cache_tokens=0 if no_prefix_cache else prefix_cache_tokens, fail_rate=fail_rate,
-                         die_after=die_after, stall_after_tokens=stall_after_tokens, loading=loading, api_key=api_key or None,
+                         die_after=die_after, stall_after_tokens=stall_after_tokens, keepalive_ms=keepalive_ms,
+                         loading=loading, api_key=api_key or None,
                          reply=reply, tool_calls=tuple(tool_calls), reasoning=reasoning,
                          reply_if=tuple(reply_if), max_context=max_context, gather=gather,
                          garbled=garbled, ranks=ranks, rank=rank, group=group, master=master)

@@ -84,6 +84,7 @@ class SimOptions:
     fail_rate: float = 0.0
     die_after: int = 0  # 0: never; N: exit partway through the Nth request
     stall_after_tokens: int = -1  # -1: never; K: stop sending after K tokens, keep the connection open
+    keepalive_ms: float = 0.0  # 0: never; N: a comment event every N ms while a stream's first token is awaited
     embedding_dims: int = 16
     loading: bool = False  # answer 503 "Loading model" to everything, /health included, as llama.cpp does
     api_key: str | None = None  # as llama.cpp's: every route but /health wants `Authorization: Bearer KEY`
@@ -240,6 +241,20 @@ class SimEngine:
                 gevent.sleep((len(tokens) - cached) * self.o.prefill_ms_per_token / 1000)
             self.cache.keep(tokens)
 
+    def _awaiting_first_token(self, tokens: list[str]):
+        """Wait for TOKENS' first token, a stream's comment event every `keepalive_ms` meanwhile (llama.cpp's
+        server sends `:` lines every 30 s while it reads a long prompt: the headers and those come long
+        before any answer)."""
+        if not self.o.keepalive_ms:
+            self._first_token_wait(tokens)
+            return
+        waiting = gevent.spawn(self._first_token_wait, tokens)
+        while not waiting.ready():
+            waiting.join(self.o.keepalive_ms / 1000)
+            if not waiting.ready():
+                yield b": keep-alive\n\n"
+        waiting.get()
+
     def _generate(self, start_response, kind: str, body: dict, number: int):
         prompts = self._prompts(kind, body)
         prompt = prompts[0]
@@ -287,7 +302,7 @@ class SimEngine:
         n_tokens, tasks = len(reply.pieces), len(reply.tasks)
         self._admit()
         try:
-            self._first_token_wait(tokens)
+            yield from self._awaiting_first_token(tokens)
             self.prompt_tokens += all_prompt_tokens
             for i in range(n_tokens):
                 if i:

@@ -176,6 +176,8 @@ class Forwarder:
         sock = environ.get("gunicorn.socket")
         watcher = ClientWatch(sock, resp) if sock is not None else None
         status, ttft = 200, None
+        # Until its first event, comments are no answer (upstream.Response); one may have come with the head.
+        resp.awaiting_answer = resp.conn is None or b"data:" not in resp.conn.buf
         try:
             for piece in resp.iter_body(ex.profile.idle):
                 out = relay.feed(piece)

@@ -148,6 +148,11 @@ class Response:
         self.deadline = deadline
         self.first_deadline = first_deadline
         self.started = bool(conn.buf)  # a body byte has come
+        # Set by a stream's relay until the first event that is not a comment: llama.cpp sends its headers at
+        # once and a `:` line every 30 s while it reads a long prompt, and that wait is the answer's first
+        # byte (timeouts.first_byte), not silence within an answer (timeouts.idle). A coding agent's prompt of
+        # 4,000 tokens takes a busy CPU two minutes.
+        self.awaiting_answer = False
         self.done = framing == "length" and length == 0
         self.closed_by_other = False
 
@@ -157,12 +162,13 @@ class Response:
         if left <= 0:
             raise UpstreamError("total", "the engine took longer than the whole request may")
         timeout = left if idle is None else min(idle, left)
-        if not self.started:
+        first = not self.started or self.awaiting_answer
+        if first:
             timeout = min(left, max(timeout, self.first_deadline - now))
         try:
             data = sockio.recv(self.conn.sock, RECV, None if timeout == float("inf") else timeout)
         except socket.timeout:
-            phase = "total" if time.monotonic() >= self.deadline else "idle" if self.started else "first_byte"
+            phase = "total" if time.monotonic() >= self.deadline else "first_byte" if first else "idle"
             raise UpstreamError(phase, f"the engine sent nothing for {timeout:.1f} s") from None
         except OSError as e:
             if self.closed_by_other:
@@ -171,6 +177,8 @@ class Response:
         if not data:
             raise UpstreamError("closed", "the engine closed the connection before the answer was complete")
         self.started = True
+        if self.awaiting_answer and b"data:" in data:
+            self.awaiting_answer = False  # an event, not a comment: from here, silence is timeouts.idle's
         return data
 
     def iter_body(self, idle: float | None = None):
