@@ -209,3 +209,12 @@ def test_as_root_a_host_gets_pythons_venv_from_its_own_package_manager_by_family
     assert nodeadd._probe(rocky, options, 600 << 20)["has_venv"] and any("dnf install" in c for c in rocky.ran)
     assert nodeadd.family({"ID": "opensuse-leap", "ID_LIKE": "suse opensuse"}) == "zypper"
     assert nodeadd.install_command({"ID": "arch"}, ["python"]) is None  # not guessed: the operator installs it
+
+
+def test_what_a_host_or_its_node_says_is_printed_inert(capsys):
+    # A node's install failure, a doctor's finding or an agent's log lines come from the host: a terminal escape
+    # in them would act on the operator's terminal.
+    nodeadd.Batch().say("root@gpu-01", "installing vllm/1\x1b]0;pwned\x07 failed\nfix: \x1b[2Jcheck the disk")
+    said = capsys.readouterr().err
+    assert "\x1b" not in said and "\x07" not in said and "\\x1b]0;pwned\\x07" in said
+    assert said.count("\n") == 2  # line by line, as the host wrote it
