@@ -118,17 +118,18 @@ def control_plane(obj, root, plan, no_start, node_name, postgres_admin, chosen: 
         machine.ensure_user(steps, layout, layout.state_dir)
         dirs = [layout.config_dir, layout.keys_dir, layout.state_dir] + ([layout.models_dir] if mirror.runs_here else [])
         machine.ensure_dirs(steps, dirs + ([layout.agent_dir, layout.weights_dir] if node else []))
+        planned = False  # a store planned, not made (--plan with `--postgres local`): nothing to look at yet
         if postgres == "local":
             postgres = pgsetup.ensure_local(steps, postgres_admin, os.path.join(layout.config_dir, "store-dsn"))
-            if postgres is None:  # planned, not made: there is no store to look at yet
+            planned = postgres is None
+            if planned:
                 steps.do("store in it", None)
         store_url = settings.normalise_store_url(postgres) if postgres else old_url
         bringup.ensure_controller_secrets(steps, layout.keys_dir)
         bringup.ensure_session_key(steps, os.path.join(layout.config_dir, "session.key"))
         if postgres and old_url != store_url:
             ensure_store_moved(steps, old_url, store_url)
-        planned_only = chosen.postgres == "local" and postgres is None and not old_url.startswith("postgresql")
-        engine = None if planned_only else bringup.ensure_store(steps, store_url)
+        engine = None if planned else bringup.ensure_store(steps, store_url)
         if node:
             bringup.ensure_peer_key(steps, engine, "node", node, os.path.join(layout.config_dir, "node.key"),
                                     layout.keys_dir)
