@@ -91,7 +91,8 @@ def role_files(cfg: settings.Config, role: str) -> dict[str, int]:
         "controller": [*store_files(cfg["store.url"]), keys_dir, os.path.join(keys_dir, "controller.key"),
                        os.path.join(keys_dir, "admin.token")],
         # The pages read the admin API's token from keys_dir when the controller runs on this machine.
-        "gateway": [*store_files(cfg["store.url"]), cfg["gateway.key_file"], os.path.join(keys_dir, "admin.token")],
+        "gateway": [*store_files(cfg["store.url"]), cfg["gateway.key_file"], os.path.join(keys_dir, "admin.token"),
+                    *(p["client_secret_file"] for p in cfg.identity_providers if p["client_secret_file"])],
         "agent": [cfg["agent.key_file"]],
         "mirror": [],
     }[role]

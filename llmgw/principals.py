@@ -14,6 +14,9 @@ SECRET_PREFIX = "sk-llmgw-"
 SECRET_CHARS = 43  # after the prefix: secrets.token_urlsafe(32)
 _URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 PERSONAL = "personal"  # a key's project when it belongs to a person rather than a project
+# The environment variable people keep their key in: the coding tools' setup reads it (llmgw/web/editorconfig.py),
+# and `llmgw login` says to set it.
+KEY_VARIABLE = "LLMGW_API_KEY"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,6 +203,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.sign_ups_pending", "int", 50,
             "Accounts that may wait for approval at once; past them, sign-up is paused and says to ask "
             "`gateway.contact`.", minimum=1),
+    Setting("auth.local_sign_in", "bool", True,
+            "Let people sign in to the pages with a password kept here. False: only through an identity provider "
+            "(`[[auth.oidc]]`), except the administrators `auth.break_glass` names; sign-up with a password closes too."),
+    Setting("auth.break_glass", "list", [],
+            "Emails of administrators who may still sign in with their password when `auth.local_sign_in` is false: "
+            "the way in when the identity provider is down or misconfigured."),
+    Setting("auth.provider_session_lifetime", "float", 8 * 3600.0,
+            "Seconds a session begun through an identity provider lasts at most (and never longer than "
+            "`gateway.session_lifetime`): a person disabled at the provider is out within it.", minimum=60),
+    Setting("auth.clock_skew", "float", 120.0,
+            "Seconds by which this machine's clock and an identity provider's may differ when an ID token's "
+            "times (`exp`, `iat`) are checked.", minimum=0),
     Setting("store.url", "str", "sqlite:///var/llmgw.db",
             "Database URL (SQLAlchemy form). `sqlite:///PATH` (relative to the working directory) or `postgresql://USER@HOST/DB`.",
             secret=True),
@@ -529,6 +541,15 @@ ROUTING_PROFILE_KEYS = {"name": "str", "policy": "str", "affinity_factor": "floa
                         "first_byte": "float", "idle": "float", "total": "float"}
 PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
+# An `[[auth.oidc]]` entry: an identity provider people sign in through (llmgw/web/oidc.py). Read by gateways.
+IDENTITY_PROVIDER_KEYS = {"name": "str", "label": "str", "issuer": "str", "client_id": "str",
+                          "client_secret_file": "str", "scopes": "list", "email_claim": "str", "groups_claim": "str",
+                          "approve_domains": "list", "approve_groups": "list", "link_existing": "str",
+                          "map": "tables"}
+# One `[[auth.oidc.map]]` entry: a provider group, and the place or role it gives.
+GROUP_MAP_KEYS = {"group": "str", "org": "str", "team": "str", "project": "str", "role": "str"}
+LINK_EXISTING = ("verified-email", "confirm")
+
 # A `[[fabrics]]` entry: a fabric the node's adapters are on (llmgw/node/fabrics.py). Read by agents.
 FABRIC_KEYS = {"name": "str", "adapters": "list", "rate_gbps": "float"}
 
@@ -551,6 +572,7 @@ class Config:
         self.engines: list[dict] = []  # the engine catalogue, `[[engines]]` (set by `load`)
         self.fabrics: list[dict] = []  # the fabrics this node's adapters are on, `[[fabrics]]` (set by `load`)
         self.routing_profiles: list[dict] = []  # `[[routing_profiles]]` (set by `load`)
+        self.identity_providers: list[dict] = []  # `[[auth.oidc]]`, defaults filled in (set by `load`)
         self.source = source
         # For the start-up check of file modes (llmgw/filemodes.py): the file read, if any; the files that
         # `@/path` values named; whether the file holds a secret written in it.
@@ -748,6 +770,7 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     file_engines = data.pop("engines", [])
     file_fabrics = data.pop("fabrics", [])
     file_profiles = data.pop("routing_profiles", [])
+    file_providers = data["auth"].pop("oidc", []) if isinstance(data.get("auth"), dict) else []
     values = {s.name: s.default for s in SETTINGS}
     given: dict[str, Any] = {}
     written: dict[str, Any] = {}
@@ -777,6 +800,10 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     config.engines = validate_engines(file_engines, where)
     config.fabrics = validate_fabrics(file_fabrics, where)
     config.routing_profiles = validate_routing_profiles(file_profiles, values["routing.default_profile"], where)
+    config.identity_providers = validate_identity_providers(file_providers, base, where)
+    if not values["auth.local_sign_in"] and not values["auth.break_glass"]:
+        raise ConfigError(f"auth.local_sign_in in {where} is false and auth.break_glass names nobody: if the identity "
+                          "provider failed, nobody could sign in to fix it. Name an administrator in auth.break_glass")
     return config
 
 
@@ -814,6 +841,61 @@ def validate_routing_profiles(tables: Any, default: str, where: str) -> list[dic
         raise ConfigError(f"routing.default_profile in {where}: no [[routing_profiles]] entry is called "
                           f"{default!r} (there are: {known})")
     return checked
+
+
+def validate_identity_providers(tables: Any, base: str, where: str) -> list[dict]:
+    """`[[auth.oidc]]`: a name each (the sign-in page's button and the callback's path), once; an https issuer
+    (http only on loopback, for a provider on this machine); a client secret file, relative to the
+    configuration's directory; `[[auth.oidc.map]]` entries each giving one place or the administrator role.
+    Defaults are filled in, so readers see every key."""
+    if isinstance(tables, dict):
+        raise ConfigError(f"{where}: write identity providers as an array of tables, [[auth.oidc]]")
+    checked = []
+    for i, table in enumerate(tables):
+        entry = _check_table("auth.oidc", i, table, IDENTITY_PROVIDER_KEYS, ("name", "issuer", "client_id"), where)
+        name = entry["name"]
+        label = f"identity provider {name} in {where}"
+        if not PROFILE_NAME.fullmatch(name) or len(name) > 32:
+            raise ConfigError(f"[[auth.oidc]] number {i + 1} in {where}: name {name!r} must be 1-32 letters, digits, "
+                              "'.', '_' or '-' (it is part of the sign-in address)")
+        if any(other["name"] == name for other in checked):
+            raise ConfigError(f"[[auth.oidc]] in {where}: {name} is declared twice")
+        issuer = urllib.parse.urlsplit(entry["issuer"])
+        loopback = issuer.hostname in ("127.0.0.1", "::1", "localhost")
+        if issuer.scheme != "https" and not (issuer.scheme == "http" and loopback):
+            raise ConfigError(f"{label}: issuer must be an https:// URL (the provider's, as its discovery document "
+                              f"names it), not {entry['issuer']!r}")
+        if entry.get("link_existing", LINK_EXISTING[0]) not in LINK_EXISTING:
+            raise ConfigError(f"{label}: link_existing is {' or '.join(LINK_EXISTING)}, not {entry['link_existing']!r}")
+        secret = entry.get("client_secret_file", "")
+        entry = {"label": name, "scopes": ["openid", "email", "profile"], "email_claim": "email",
+                 "groups_claim": "groups", "approve_domains": [], "approve_groups": [],
+                 "link_existing": LINK_EXISTING[0], **entry,
+                 "client_secret_file": os.path.join(base, secret) if secret else "",
+                 "map": [_check_group_map(j, m, label) for j, m in enumerate(entry.get("map", []))]}
+        if "openid" not in entry["scopes"]:
+            raise ConfigError(f"{label}: scopes must include \"openid\"")
+        entry["approve_domains"] = [d.lower().lstrip("@") for d in entry["approve_domains"]]
+        checked.append(entry)
+    return checked
+
+
+def _check_group_map(index: int, table: Any, label: str) -> dict:
+    """One `[[auth.oidc.map]]` entry: `group`, and either one place (`org`, `team` or `project`, by path, with
+    `role` member, or manager of an organisation) or `role = "admin"`."""
+    entry = _check_table("auth.oidc.map", index, table, GROUP_MAP_KEYS, ("group",), label)
+    places = [k for k in ("org", "team", "project") if k in entry]
+    role = entry.get("role", "member")
+    where = f"map entry {index + 1} ({entry['group']}) of {label}"
+    if role == "admin" and not places:
+        return {"group": entry["group"], "role": "admin"}
+    if len(places) != 1:
+        raise ConfigError(f"{where}: give one of org, team or project (its path, as `acme/research`), or "
+                          "role = \"admin\"")
+    if role not in ("member", "manager") or (role == "manager" and places[0] != "org"):
+        raise ConfigError(f"{where}: role is member (or manager, of an organisation), or admin with no place; "
+                          f"not {role!r} of a {places[0]}")
+    return {"group": entry["group"], "kind": places[0], "path": entry[places[0]], "role": role}
 
 
 def validate_fabrics(tables: Any, where: str) -> list[dict]:
@@ -1006,6 +1088,37 @@ def reference_markdown() -> str:
         "| `idle` | float | As `timeouts.idle`. |",
         "| `total` | float | As `timeouts.total`. |",
         "",
+        "## `[[auth.oidc]]`",
+        "",
+        "An identity provider people sign in through (OpenID Connect), in a gateway's file; several may be "
+        "given, each a button on the sign-in page. Register the gateway with the provider as a confidential "
+        "client whose redirect URI is `PUBLIC_URL/login/oidc/NAME/callback` (`gateway.public_url`); see "
+        "docs/operations.md, \"Signing in with your identity provider\".",
+        "",
+        "| key | type | meaning |",
+        "| --- | --- | --- |",
+        "| `name` | str | Its name, part of the sign-in addresses (`/login/oidc/NAME`). Required. |",
+        "| `label` | str | What the sign-in button says after \"Sign in with\". Default: the name. |",
+        "| `issuer` | str | The provider's issuer URL, exactly as its `/.well-known/openid-configuration` names "
+        "it; https (http only on loopback). Required. |",
+        "| `client_id` | str | The gateway's client id at the provider. Required. |",
+        "| `client_secret_file` | str | A file (mode 0600, refused when others may read it) holding the client "
+        "secret; relative to the configuration file. |",
+        "| `scopes` | list | Scopes asked for. Default `[\"openid\", \"email\", \"profile\"]`; add the one "
+        "that puts groups in the ID token where the provider needs it (`groups`). |",
+        "| `email_claim` | str | The ID token's claim naming a person. Default `email`. |",
+        "| `groups_claim` | str | The claim listing their groups. Default `groups`. |",
+        "| `approve_domains` | list | A person new here whose email is at one of these domains (and verified) "
+        "starts approved; others wait for an operator. |",
+        "| `approve_groups` | list | As `approve_domains`, for members of these provider groups. |",
+        "| `link_existing` | str | A first sign-in whose verified email has a local account here: "
+        "`verified-email` links them; `confirm` waits for an administrator (`llmgw users link`). Default "
+        "`verified-email`. An unverified email is never linked. |",
+        "| `map` | array of tables | `[[auth.oidc.map]]`: `group`, and `org`, `team` or `project` (a path such as "
+        "`acme/research`) with `role` `member` (default) or `manager` (of an organisation); or `role = "
+        "\"admin\"` alone. Applied at each sign-in: what the groups give is added, and what this provider "
+        "gave before and the groups no longer give is taken away. |",
+        "",
         "## `[[fabrics]]`",
         "",
         "The InfiniBand or RoCE fabrics a node's adapters are on, in the agent's file: where a replica bigger "
@@ -1041,9 +1154,11 @@ def toml_value(value: Any) -> str:
 
 
 def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dict] = (),
-            engines: list[dict] = (), fabrics: list[dict] = (), routing_profiles: list[dict] = ()) -> str:
+            engines: list[dict] = (), fabrics: list[dict] = (), routing_profiles: list[dict] = (),
+            identity_providers: list[dict] = ()) -> str:
     """A configuration file from dotted settings plus `[[endpoints]]`, `[[models]]`, `[[engines]]`,
-    `[[fabrics]]` and `[[routing_profiles]]` (for `llmgw up`, `llmgw node add`, tests)."""
+    `[[fabrics]]`, `[[routing_profiles]]` and `[[auth.oidc]]` (for `llmgw up`, `llmgw node add`, tests);
+    an identity provider's map as read (`kind` and `path`) or as written (`team = "..."`)."""
     tables: dict[str, list[str]] = {}
     for name, value in values.items():
         table, key = name.split(".", 1)
@@ -1055,4 +1170,10 @@ def to_toml(values: dict[str, Any], endpoints: list[dict] = (), models: list[dic
                         ("routing_profiles", routing_profiles)):
         for item in items:
             lines += [f"[[{kind}]]", *(f"{k} = {toml_value(v)}" for k, v in item.items()), ""]
+    for provider in identity_providers:
+        lines += ["[[auth.oidc]]", *(f"{k} = {toml_value(v)}" for k, v in provider.items() if k != "map"), ""]
+        for entry in provider.get("map", []):
+            written = {"group": entry["group"], **({entry["kind"]: entry["path"]} if "kind" in entry else {}),
+                       **{k: v for k, v in entry.items() if k not in ("group", "kind", "path")}}
+            lines += ["[[auth.oidc.map]]", *(f"{k} = {toml_value(v)}" for k, v in written.items()), ""]
     return "\n".join(lines)

@@ -93,6 +93,9 @@ memberships = sa.Table(
     sa.Column("scope_id", sa.String(32), primary_key=True),
     sa.Column("role", sa.String(16), nullable=False),  # member, manager (organisations only)
     sa.Column("created_at", sa.Float, nullable=False),
+    # The identity provider whose groups gave it (`[[auth.oidc.map]]`), which takes it away when they no longer
+    # do; none for one an operator made, which no provider touches.
+    sa.Column("source", sa.String(64)),
 )
 
 # Limits set on one scope: a key, a person, a project, team or organisation,
@@ -356,6 +359,43 @@ users = sa.Table(
     # Who let a sign-up in, and when: an operator's name (`users approve --by`) or an administrator's email.
     sa.Column("approved_by", sa.String(320)),
     sa.Column("approved_at", sa.Float),
+    # The identity provider whose groups made this person an administrator, which takes it back when they no
+    # longer do; none when an operator did, or nobody.
+    sa.Column("admin_source", sa.String(64)),
+)
+
+# A person as an identity provider knows them: its `sub` for them, never reused, is what signs them in (an
+# email can change hands). A link to an existing account that waits for an administrator (`link_existing =
+# "confirm"`) has no confirmed_at. What the provider's groups changed at the last sign-in is kept as JSON,
+# for the person's page.
+identities = sa.Table(
+    "identities", metadata,
+    sa.Column("provider", sa.String(64), primary_key=True),
+    sa.Column("subject", sa.String(255), primary_key=True),
+    sa.Column("user_id", sa.String(32), sa.ForeignKey("users.id"), nullable=False),
+    sa.Column("email", sa.String(320), nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("confirmed_at", sa.Float),
+    sa.Column("signed_in_at", sa.Float),
+    sa.Column("changes", sa.Text),
+    sa.Index("identities_user", "user_id"),
+)
+
+# A sign-in through a provider under way: a browser's (its state, nonce and PKCE verifier, kept here rather
+# than in the cookie so that each is used once, whatever copies of the cookie exist) or `llmgw login`'s
+# device flow (the provider's device code, which never leaves the gateway). Keyed by the hash of the state,
+# or of the handle the CLI polls with.
+sign_in_flows = sa.Table(
+    "sign_in_flows", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("provider", sa.String(64), nullable=False),
+    sa.Column("nonce", sa.String(128)),
+    sa.Column("verifier", sa.String(128)),
+    sa.Column("next_path", sa.String(2048)),
+    sa.Column("device_code", sa.String(2048)),
+    sa.Column("project", sa.String(300)),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
 )
 
 # Values the system makes for itself once and keeps. (The key that signs session cookies was one
@@ -376,6 +416,10 @@ sessions = sa.Table(
     sa.Column("user_id", sa.String(32), sa.ForeignKey("users.id"), nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("seen_at", sa.Float, nullable=False),
+    # When it ends however used: set for a sign-in through an identity provider (auth.provider_session_lifetime).
+    sa.Column("expires_at", sa.Float),
+    # The identity provider it began through, whose end-session page signing out offers.
+    sa.Column("provider", sa.String(64)),
     sa.Index("sessions_user", "user_id"),
 )
 
@@ -513,6 +557,13 @@ def _memory(conn: Connection) -> None:
         conn.exec_driver_sql("CREATE INDEX notes_search ON notes USING gin (search)")
 
 
+def _identities(conn: Connection) -> None:
+    metadata.create_all(conn, tables=[identities, sign_in_flows])
+    _add_missing(conn, "memberships", {"source": "VARCHAR(64)"})
+    _add_missing(conn, "users", {"admin_source": "VARCHAR(64)"})
+    _add_missing(conn, "sessions", {"expires_at": "FLOAT", "provider": "VARCHAR(64)"})
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -545,6 +596,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (17, "who approved each sign-up", _columns_added("users", approved_by="VARCHAR(320)", approved_at="FLOAT")),
     (18, "personal use turned off", _columns_added("limits", disabled="BOOLEAN")),
     (19, "routing profiles of keys and the tree", _columns_added("limits", profile="VARCHAR(64)")),
+    (20, "sign-in through identity providers", _identities),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

@@ -247,20 +247,24 @@ def starter_engine(tmp_path_factory):
         yield url
 
 
-def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabrics=(), routing_profiles=()) -> str:
-    """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]], [[engines]] and [[fabrics]] tables."""
+def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabrics=(), routing_profiles=(),
+                 identity_providers=()) -> str:
+    """A TOML file from dotted SETTINGS plus [[endpoints]], [[models]], [[engines]], [[fabrics]],
+    [[routing_profiles]] and [[auth.oidc]] tables."""
     from llmgw.settings import to_toml
 
     with open(path, "w") as f:
-        f.write(to_toml(settings, list(endpoints), list(models), list(engines), list(fabrics), list(routing_profiles)))
+        f.write(to_toml(settings, list(endpoints), list(models), list(engines), list(fabrics), list(routing_profiles),
+                        list(identity_providers)))
     return str(path)
 
 
 class Gateway:
     """`python gateway.py` under gunicorn, on free ports, with its own configuration file."""
 
-    def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, routing_profiles=(), **settings):
-        self.port = free_port()
+    def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, routing_profiles=(),
+                 identity_providers=(), port: int | None = None, **settings):
+        self.port = port or free_port()
         self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.store_url = store_url
@@ -271,7 +275,7 @@ class Gateway:
                   "usage.spool_dir": str(tmp_path / f"spool-{self.port}"),
                   **{k.replace("__", "."): v for k, v in settings.items()}}
         self.config = write_config(tmp_path / f"gateway-{self.port}.toml", values, endpoints, models,
-                                   routing_profiles=routing_profiles)
+                                   routing_profiles=routing_profiles, identity_providers=identity_providers)
         self.log_path = tmp_path / f"gateway-{self.port}.log"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gateway.py"), "--config", self.config],

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import urllib.parse
+
+import requests
 
 from tests.conftest import ROOT
 
@@ -45,6 +49,38 @@ class OidcProvider:
         """Change LOGIN's claims (its groups, say) as the provider answers them from its next sign-in."""
         self.accounts[login] = {**self.accounts.get(login, {}), **claims}
         self._write()
+
+    def sign_in(self, start: str, login: str, back_to: str, browser: requests.Session | None = None) -> str:
+        """Go from START (an authorization request's URL) through the provider's own login form as LOGIN, as a
+        browser would; the address it finally sends the browser to, at BACK_TO, which is not followed. BROWSER
+        keeps the provider's cookies between sign-ins (a person signed in there already)."""
+        answer = self._walk(start, login, back_to, browser or requests.Session())
+        if not answer.is_redirect:
+            raise AssertionError(f"the provider did not send the browser back: {answer.status_code} {answer.text[:300]}")
+        return answer.headers["location"]
+
+    def confirm_device(self, url: str, login: str) -> str:
+        """Confirm a device sign-in as LOGIN, from URL (its verification_uri_complete); the page that ends it."""
+        return self._walk(url, login, "\0", requests.Session()).text
+
+    @staticmethod
+    def _walk(start: str, login: str, back_to: str, browser: requests.Session) -> requests.Response:
+        def follow(answer):  # redirects, up to the one back to BACK_TO
+            while answer.is_redirect and not answer.headers["location"].startswith(back_to):
+                answer = browser.get(urllib.parse.urljoin(answer.url, answer.headers["location"]), timeout=10,
+                                     allow_redirects=False)
+            return answer
+
+        answer = follow(browser.get(start, timeout=10, allow_redirects=False))
+        for _ in range(6):  # its forms (the device code's, the login form), posted with their hidden fields
+            form = re.search(r'<form[^>]*action="([^"]+)"', answer.text)
+            if answer.status_code != 200 or not form:
+                break
+            fields = dict(re.findall(r'<input[^>]*type="hidden"[^>]*name="([^"]+)"[^>]*value="([^"]*)"', answer.text))
+            fields.update(login=login, password="any password")
+            answer = follow(browser.post(urllib.parse.urljoin(answer.url, form.group(1)), data=fields, timeout=10,
+                                         allow_redirects=False))
+        return answer
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -19,6 +19,7 @@ from llmgw import settings, store
 from llmgw.cli.ctl import ctl
 from llmgw.cli.debug import debug
 from llmgw.cli.init import init, mirror_init
+from llmgw.cli.login import login
 from llmgw.cli.mirror import mirror
 from llmgw.cli.org import limits_cli, org, prices
 from llmgw.cli.storecmd import store_cli
@@ -452,6 +453,7 @@ def up(obj: Context, listen, workers):
 
 
 main.add_command(init)
+main.add_command(login)
 mirror.add_command(mirror_init)
 
 

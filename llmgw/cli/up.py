@@ -88,7 +88,8 @@ class Up:
         filemodes.write_private(path, "# Written by `llmgw up` on every start; edit the file you pass with "
                                       "--config instead.\n"
                                 + settings.to_toml(values, models=[bringup.starter_model(values["mirror.base_url"])]
-                                                   + list(self.cfg.models)))
+                                                   + list(self.cfg.models),
+                                                   identity_providers=self.cfg.identity_providers))
         return path
 
     def refuse_shared_var(self) -> None:

@@ -10,7 +10,7 @@ import click
 
 from llmgw.cli.org import operator
 from llmgw.cli.tables import print_table
-from llmgw.people import accounts, memberships
+from llmgw.people import accounts, identities, memberships
 from llmgw.people.orgtree import Tree, TreeError
 
 
@@ -180,3 +180,19 @@ def users_end_sessions(obj, who):
     except accounts.AccountError as e:
         _fail(e)
     click.echo(f"ended {ended} session(s) of {user.email}", err=True)
+
+
+@users.command("link")
+@click.argument("who")
+@click.option("--provider", required=True, help="The identity provider (`[[auth.oidc]]` name) they signed in with.")
+@click.pass_obj
+def users_link(obj, who, provider):
+    """Confirm that the sign-in through PROVIDER waiting to be linked to WHO's account is theirs.
+
+    Asked for by a provider with `link_existing = "confirm"`: the first sign-in whose verified email has an
+    account here waits for this. Make sure it is the same person (ask them) before you confirm."""
+    try:
+        user = identities.confirm_link(obj.engine(), who, provider)
+    except (accounts.AccountError, identities.LinkError) as e:
+        _fail(e)
+    click.echo(f"linked {user.email} to their sign-in through {provider}; they can sign in with it now", err=True)

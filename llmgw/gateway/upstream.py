@@ -465,3 +465,38 @@ class Pool:
             for conn in conns:
                 conn.close()
         self.idle.clear()
+
+
+class TooLarge(Exception):
+    """A successful answer longer than the caller would read (`fetch`)."""
+
+
+def fetch(url: str, path: str = "", method: str = "GET", body: bytes = b"", seconds: float = 10.0,
+          most_bytes: int = 1 << 20, refusal_bytes: int = 64 * 1024, content_type: bytes = b"application/json",
+          headers: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of one exchange with URL (then PATH), the whole of it within SECONDS, on a
+    connection of its own that is closed whatever happens: for the pages' calls to services beside the
+    gateway (Prometheus, identity providers). A 2xx body past MOST_BYTES raises TooLarge; another's is cut
+    at REFUSAL_BYTES. Raises ValueError for a URL that is not http(s), UpstreamError (its phase says where it
+    failed), ssl.SSLError and OSError."""
+    deadline = time.monotonic() + seconds
+    target = Target(url)
+    pool = Pool(connect_timeout=seconds)
+    resp = None
+    try:
+        resp = pool.request(target, method, path, body, first_byte=seconds, deadline=deadline,
+                            content_type=content_type, headers=headers)
+        limit = most_bytes if 200 <= resp.status < 300 else refusal_bytes
+        parts, size = [], 0
+        for piece in resp.iter_body():
+            size += len(piece)
+            parts.append(piece)
+            if size > limit:
+                if 200 <= resp.status < 300:
+                    raise TooLarge(f"more than {most_bytes} bytes")
+                break
+        return resp.status, resp.headers, b"".join(parts)
+    finally:
+        if resp is not None:
+            resp.conn.close()
+        pool.close()

@@ -40,6 +40,9 @@ PENDING, ACTIVE, SUSPENDED = "pending", "active", "suspended"
 # scrypt with N=2^14, r=8: about 16 MiB and a few tens of milliseconds per check.
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2 ** 14, 8, 1
 MIN_PASSWORD = 10
+# The password hash of an account an identity provider made: no password matches it, and none can be set
+# without the current one, so such a person signs in only through the provider.
+NO_PASSWORD = "!"
 EMAIL = re.compile(r"^[^@\s]+@[^@\s]+$")
 
 
@@ -98,19 +101,24 @@ def check_new_password(password: str) -> None:
 
 def create_user(engine: Engine, email: str, password: str, state: str = PENDING, is_admin: bool = False,
                 offload=inline) -> User:
-    email = email.strip().lower()
-    if not EMAIL.match(email):
-        raise AccountError(f"{email!r} is not an email address")
     check_new_password(password)
-    user = User(new_id(), email, state, is_admin, time.time())
     password_hash = offload(hash_password, password)
     try:
         with store.writing(engine) as conn:
-            conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=password_hash,
-                                                     state=state, is_admin=is_admin, created_at=user.created_at))
-            store.bump_revision(conn, "keys")
+            return insert_user(conn, email, password_hash, state, is_admin)
     except sa.exc.IntegrityError:
-        raise AccountError(f"{email} already has an account") from None
+        raise AccountError(f"{email.strip().lower()} already has an account") from None
+
+
+def insert_user(conn, email: str, password_hash: str, state: str, is_admin: bool = False) -> User:
+    """A new account inside the caller's transaction (NO_PASSWORD: one only a provider signs in)."""
+    email = email.strip().lower()
+    if not EMAIL.match(email) or len(email) > 320:
+        raise AccountError(f"{email[:330]!r} is not an email address")
+    user = User(new_id(), email, state, is_admin, time.time())
+    conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=password_hash,
+                                             state=state, is_admin=is_admin, created_at=user.created_at))
+    store.bump_revision(conn, "keys")
     return user
 
 
@@ -126,8 +134,19 @@ def find(engine: Engine, which: str) -> User:
 
 def get(engine: Engine, user_id: str) -> User | None:
     with engine.connect() as conn:
-        row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
+        return get_in(conn, user_id)
+
+
+def get_in(conn, user_id: str) -> User | None:
+    row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
     return _row(row) if row else None
+
+
+def has_password(engine: Engine, user_id: str) -> bool:
+    """Whether the person can sign in with a password (an identity provider's account has none)."""
+    with engine.connect() as conn:
+        stored = conn.execute(sa.select(store.users.c.password_hash).where(store.users.c.id == user_id)).scalar()
+    return stored not in (None, NO_PASSWORD)
 
 
 def list_users(engine: Engine, state: str | None = None) -> list[User]:
@@ -142,7 +161,8 @@ def authenticate(engine: Engine, email: str, password: str, offload=inline) -> U
     """The user, or why not, in words for the sign-in page."""
     with engine.connect() as conn:
         row = conn.execute(store.users.select().where(store.users.c.email == email.strip().lower())).first()
-    if row is None:
+    if row is None or row.password_hash == NO_PASSWORD:
+        # An account made by an identity provider has no password: it is answered as an unknown one, in as long.
         offload(check_password, password, _DUMMY_HASH)
         return "Wrong email or password."
     if not offload(check_password, password, row.password_hash):
@@ -158,24 +178,24 @@ def _update(engine: Engine, which: str, end_sessions: bool = False, **values) ->
     """Change WHICH's row; with END_SESSIONS, end every session of theirs in the same transaction."""
     user = find(engine, which)
     with store.writing(engine) as conn:
-        _one_at_a_time(conn)
+        one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE and (values.get("state", ACTIVE) != ACTIVE
                                                        or not values.get("is_admin", True)):
-            _keep_an_administrator(conn, user)
+            keep_an_administrator(conn, user)
         conn.execute(store.users.update().where(store.users.c.id == user.id).values(**values))
         if end_sessions:
             sessions.end_all(conn, user.id)
     return dataclasses.replace(user, **{k: v for k, v in values.items() if k in ("state", "is_admin")})
 
 
-def _one_at_a_time(conn) -> None:
+def one_at_a_time(conn) -> None:
     """Begin a change to a person by bumping the keys' revision (every such change must: workers reload
     people when it moves), first: the row's write lock makes changes to people run one after another.
     Two administrators stepping down at once each saw the other still there, and both went."""
     store.bump_revision(conn, "keys")
 
 
-def _keep_an_administrator(conn, user: User) -> None:
+def keep_an_administrator(conn, user: User) -> None:
     """Refuse to take USER, an active administrator, out of administering when nobody else could."""
     u = store.users
     others = conn.execute(sa.select(sa.func.count()).where(sa.and_(
@@ -234,10 +254,11 @@ def remove(engine: Engine, which: str) -> User:
     user = find(engine, which)
     now = time.time()
     with store.writing(engine) as conn:
-        _one_at_a_time(conn)
+        one_at_a_time(conn)
         if user.is_admin and user.state == ACTIVE:
-            _keep_an_administrator(conn, user)
+            keep_an_administrator(conn, user)
         sessions.end_all(conn, user.id)
+        conn.execute(store.identities.delete().where(store.identities.c.user_id == user.id))
         conn.execute(store.api_keys.update().where(sa.and_(store.api_keys.c.user_id == user.id,
                                                             store.api_keys.c.revoked_at.is_(None)))
                      .values(revoked_at=now))

@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from llmgw import store
 from llmgw.people import accounts
-from llmgw.people.orgtree import Tree, TreeError
+from llmgw.people.orgtree import Node, Tree, TreeError
 
 MEMBER, MANAGER = "member", "manager"
 
@@ -56,39 +56,52 @@ def join(engine: Engine, who: str, kind: str, which: str, role: str = MEMBER) ->
     if role == MANAGER and kind != "org":
         raise TreeError("managers are managers of an organisation; join the organisation with --role manager")
     user = accounts.find(engine, who)
-    m = store.memberships
     with store.writing(engine) as conn:
         node = Tree.read(conn).find(kind, which)
-        key = sa.and_(m.c.user_id == user.id, m.c.scope == kind, m.c.scope_id == node.id)
-        if conn.execute(sa.select(m.c.role).where(key)).first():
-            conn.execute(m.update().where(key).values(role=role))
-        else:
-            conn.execute(m.insert().values(user_id=user.id, scope=kind, scope_id=node.id, role=role,
-                                           created_at=time.time()))
+        add(conn, user.id, node, role)
         store.bump_revision(conn, "keys")
     return user, Membership(user.id, kind, node.id, role, node.path)
+
+
+def add(conn: Connection, user_id: str, node: Node, role: str, source: str | None = None) -> None:
+    """Make USER_ID a ROLE of NODE inside the caller's transaction (which bumps the keys' revision). SOURCE:
+    the identity provider whose groups give it; an operator's membership (none) stays the operator's."""
+    m = store.memberships
+    key = sa.and_(m.c.user_id == user_id, m.c.scope == node.kind, m.c.scope_id == node.id)
+    if conn.execute(sa.select(m.c.role).where(key)).first():
+        conn.execute(m.update().where(key).values(role=role))
+    else:
+        conn.execute(m.insert().values(user_id=user_id, scope=node.kind, scope_id=node.id, role=role,
+                                       created_at=time.time(), source=source))
 
 
 def leave(engine: Engine, who: str, kind: str, which: str) -> tuple[Membership, int]:
     """End WHO's membership of the KIND named WHICH; returns it and how many keys were revoked."""
     user = accounts.find(engine, who)
-    m, k = store.memberships, store.api_keys
+    m = store.memberships
     with store.writing(engine) as conn:
         tree = Tree.read(conn)
         node = tree.find(kind, which)
         key = sa.and_(m.c.user_id == user.id, m.c.scope == kind, m.c.scope_id == node.id)
         if not conn.execute(sa.select(m.c.role).where(key)).first():
             raise TreeError(f"{user.email} is not a member of {node.path}")
-        conn.execute(m.delete().where(key))
-        still = reachable_projects(conn, tree, user.id)
-        lost = [p.id for p in tree.projects_under(node.id) if p.id not in still]
-        revoked = 0
-        if lost:
-            revoked = conn.execute(k.update().where(sa.and_(
-                k.c.project_id.in_(lost), k.c.made_by == user.id, k.c.revoked_at.is_(None)))
-                .values(revoked_at=time.time())).rowcount
+        revoked = remove(conn, tree, user.id, node)
         store.bump_revision(conn, "keys")
     return Membership(user.id, kind, node.id, "", node.path), revoked
+
+
+def remove(conn: Connection, tree: Tree, user_id: str, node: Node) -> int:
+    """End USER_ID's membership of NODE inside the caller's transaction (which bumps the keys' revision), and
+    revoke the keys they made in projects no other membership still reaches; how many were revoked."""
+    m, k = store.memberships, store.api_keys
+    conn.execute(m.delete().where(sa.and_(m.c.user_id == user_id, m.c.scope == node.kind, m.c.scope_id == node.id)))
+    still = reachable_projects(conn, tree, user_id)
+    lost = [p.id for p in tree.projects_under(node.id) if p.id not in still]
+    if not lost:
+        return 0
+    return conn.execute(k.update().where(sa.and_(
+        k.c.project_id.in_(lost), k.c.made_by == user_id, k.c.revoked_at.is_(None)))
+        .values(revoked_at=time.time())).rowcount
 
 
 def managed_orgs(conn: Connection, user_id: str) -> list[str]:

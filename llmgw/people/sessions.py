@@ -37,15 +37,19 @@ class Lifetimes:
     absolute: float  # seconds a session lasts at most
 
 
-def start(engine: Engine, user_id: str, lifetimes: Lifetimes) -> str:
-    """A new session for USER_ID: the token for its cookie. Sessions past their lifetimes are cleared out."""
+def start(engine: Engine, user_id: str, lifetimes: Lifetimes, provider: str | None = None,
+          lasts: float | None = None) -> str:
+    """A new session for USER_ID: the token for its cookie. Sessions past their lifetimes are cleared out.
+    PROVIDER: the identity provider it began through; LASTS: seconds it lasts at most, however used (a
+    provider's sign-in: auth.provider_session_lifetime)."""
     now = time.time()
     token = secrets.token_urlsafe(32)
     s = store.sessions
     with store.writing(engine) as conn:
         conn.execute(s.delete().where(sa.or_(s.c.seen_at < now - lifetimes.idle,
-                                             s.c.created_at < now - lifetimes.absolute)))
-        conn.execute(s.insert().values(id=hash_secret(token), user_id=user_id, created_at=now, seen_at=now))
+                                             s.c.created_at < now - lifetimes.absolute, s.c.expires_at < now)))
+        conn.execute(s.insert().values(id=hash_secret(token), user_id=user_id, created_at=now, seen_at=now,
+                                       provider=provider, expires_at=now + lasts if lasts else None))
     return token
 
 
@@ -57,10 +61,12 @@ def holds(engine: Engine, token: str | None, user_id: str, lifetimes: Lifetimes)
     s = store.sessions
     key = hash_secret(token)
     with engine.connect() as conn:
-        row = conn.execute(sa.select(s.c.user_id, s.c.created_at, s.c.seen_at).where(s.c.id == key)).first()
+        row = conn.execute(sa.select(s.c.user_id, s.c.created_at, s.c.seen_at, s.c.expires_at)
+                           .where(s.c.id == key)).first()
     if row is None or row.user_id != user_id:
         return False
-    if now - row.seen_at >= lifetimes.idle or now - row.created_at >= lifetimes.absolute:
+    if now - row.seen_at >= lifetimes.idle or now - row.created_at >= lifetimes.absolute \
+            or (row.expires_at is not None and now >= row.expires_at):
         end(engine, token)
         return False
     if now - row.seen_at >= TOUCH_EVERY:

@@ -14,7 +14,7 @@ from flask import Blueprint, abort, redirect, render_template, request
 from markupsafe import Markup
 
 from llmgw import rules
-from llmgw.people import accounts, keys, limits, memberships, usagereport
+from llmgw.people import accounts, identities, keys, limits, memberships, usagereport
 from llmgw.people.orgtree import Tree
 from llmgw.web import budgets, editors, forms, safety
 from llmgw.web.site import EXPIRED_FORM, site
@@ -57,6 +57,9 @@ def _account_page(new_secret=None, f=None, problem=None, status=200):
                            last_used=usagereport.last_used(engine, ids), use=use, days=days,
                            day_names=[time.strftime("%Y-%m-%d", time.gmtime(b)) for b in use.buckets],
                            peak=max(days, default=0), money=rules.show_money, priced=priced,
+                           providers=identities.changes_of(engine, me.id), labels={
+                               name: p.label for name, p in s.providers.items()},
+                           has_password=accounts.has_password(engine, me.id),
                            budgets=budgets.for_person(runtime, me.id, [p.id for p in projects], tree),
                            editors=editors.section(runtime, editors.usable_models(runtime, me.id, own),
                                                    request.args.get("model"),

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-KEY_VARIABLE = "LLMGW_API_KEY"
+from llmgw.principals import KEY_VARIABLE
+
+__all__ = ["KEY_VARIABLE"]
 PROVIDER = "llmgw"  # Codex's provider and profile id: `codex --profile llmgw`
 MCP_SERVER = "llmgw-memory"  # the name the gateway's MCP server (agents' notes) is added under
 MCP_PATH = "/v1/mcp"

@@ -47,6 +47,7 @@ from llmgw.web import (
     history,
     mirrorpage,
     nodepages,
+    oidcpages,
     safety,
     signin,
 )
@@ -108,7 +109,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d", time.gmtime(t)), "day")
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)), "minute")
     app.context_processor(_menu)
-    for blueprint in (signin.bp, about.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp,
+    for blueprint in (signin.bp, oidcpages.bp, about.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp,
                       nodepages.bp, fabricpages.bp, errorpages.bp):
         app.register_blueprint(blueprint)
     return app
@@ -131,6 +132,6 @@ def _menu() -> dict:
     if me is not None and not me.is_admin:
         with s.engine.connect() as conn:
             manages = bool(memberships.managed_orgs(conn, me.id))
-    return {"signed_in": signed_in, "signup_open": s.cfg["gateway.signup_open"],
+    return {"signed_in": signed_in, "signup_open": s.cfg["gateway.signup_open"] and s.cfg["auth.local_sign_in"],
             "sign_out": s.form(forms.ActionForm) if signed_in else None, "me": me, "manages": manages,
             "here": request.path}

@@ -22,7 +22,6 @@ import json
 import logging
 import ssl
 import sys
-import time
 import urllib.parse
 
 from llmgw.gateway import upstream
@@ -70,31 +69,18 @@ def query_range(base: str, query: str, start: float, end: float, step: float, se
 
 
 def _get(base: str, path: str, seconds: float, most_bytes: int) -> tuple[int, dict[str, str], bytes]:
-    """(status, headers, body) of GET PATH at BASE, the whole exchange within SECONDS; the connection is
-    closed whatever happens. A body of 200 past MOST_BYTES raises Unavailable; of another status, it is cut."""
-    deadline = time.monotonic() + seconds
-    pool = upstream.Pool(connect_timeout=seconds)
-    resp = None
+    """(status, headers, body) of GET PATH at BASE, the whole exchange within SECONDS. A body of 200 past
+    MOST_BYTES raises Unavailable; of another status, it is cut."""
     try:
-        target = upstream.Target(base)
+        return upstream.fetch(base, path, seconds=seconds, most_bytes=most_bytes, refusal_bytes=REFUSAL_BYTES,
+                              headers=b"Accept: application/json\r\n")
     except ValueError:
         raise Unavailable(f"monitoring.prometheus ({base}) is not an http:// or https:// address; it is Prometheus' "
                           "base address, such as http://prometheus:9090.") from None
-    try:
-        resp = pool.request(target, "GET", path, first_byte=seconds, deadline=deadline,
-                            headers=b"Accept: application/json\r\n")
-        limit = most_bytes if resp.status == 200 else REFUSAL_BYTES
-        parts, size = [], 0
-        for piece in resp.iter_body():
-            size += len(piece)
-            parts.append(piece)
-            if size > limit:
-                if resp.status == 200:
-                    shown = f"{most_bytes >> 20} MiB" if most_bytes >= 1 << 20 else f"{most_bytes} bytes"
-                    raise Unavailable(f"Prometheus at {base} answered one chart with more than {shown}, more than "
-                                      "a chart can show; a shorter window asks for less.")
-                break
-        return resp.status, resp.headers, b"".join(parts)
+    except upstream.TooLarge:
+        shown = f"{most_bytes >> 20} MiB" if most_bytes >= 1 << 20 else f"{most_bytes} bytes"
+        raise Unavailable(f"Prometheus at {base} answered one chart with more than {shown}, more than "
+                          "a chart can show; a shorter window asks for less.") from None
     except upstream.UpstreamError as e:
         log.warning("Prometheus at %s, asked %s: %s (%s)", base, path, e, e.phase)
         if e.phase in ("first_byte", "idle", "total"):
@@ -111,10 +97,6 @@ def _get(base: str, path: str, seconds: float, most_bytes: int) -> tuple[int, di
     except OSError as e:
         log.warning("Prometheus at %s: %s", base, e)
         raise _unreachable(base) from None
-    finally:
-        if resp is not None:
-            resp.conn.close()
-        pool.close()
 
 
 def _unreachable(base: str) -> Unavailable:

@@ -13,7 +13,7 @@ import flask_login
 from flask import Blueprint, abort, redirect, render_template, request, session
 
 from llmgw.people import accounts, keys, sessions
-from llmgw.web import editorconfig, forms, safety
+from llmgw.web import editorconfig, editors, forms, oidcpages, safety
 from llmgw.web.site import EXPIRED_FORM, site
 
 bp = Blueprint("signin", __name__)
@@ -35,19 +35,33 @@ def sign_in():
     f, problem = s.posted(forms.SignInForm, "Give your email and password.")
     if request.method == "POST" and problem is None:
         email, password = f.email.data, f.password.data
-        result = s.throttled(email, lambda: accounts.authenticate(s.engine, email, password, s.offload))
+        problem = _local_refused(email)
+        result = problem or s.throttled(email, lambda: accounts.authenticate(s.engine, email, password, s.offload))
         if isinstance(result, str):
             problem = result
         else:
             s.begin_session(result)
             return redirect(safety.local_path(request.args.get("next")) or "/account")
-    return render_template("login.html", form=f, problem=problem), 400 if problem else 200
+    nxt = safety.local_path(request.args.get("next"))
+    return render_template("login.html", form=f, problem=problem, providers=oidcpages.provider_buttons(),
+                           next=nxt, local=s.cfg["auth.local_sign_in"] or request.args.get("local") == "1"
+                           or request.method == "POST"), 400 if problem else 200
+
+
+def _local_refused(email: str) -> str | None:
+    """Why EMAIL may not sign in with a password here, if not: local sign-in is off, and they are not one of
+    the break-glass administrators. Said before the password is looked at, whatever the account."""
+    s = site()
+    if s.cfg["auth.local_sign_in"] or email.strip().lower() in {e.lower() for e in s.cfg["auth.break_glass"]}:
+        return None
+    labels = " or ".join(label for _, label in oidcpages.provider_buttons()) or "your organisation's account"
+    return f"Signing in with a password is turned off here; sign in with {labels}."
 
 
 @bp.route("/signup", methods=["GET", "POST"])
 def sign_up():
     s = site()
-    if not s.cfg["gateway.signup_open"]:
+    if not s.cfg["gateway.signup_open"] or not s.cfg["auth.local_sign_in"]:
         contact = s.cfg["gateway.contact"] or "an operator"
         return render_template("message.html", title="Sign-up is closed",
                                text=f"Accounts are made by the operators here. Ask {contact}."), 404
@@ -89,8 +103,12 @@ def sign_out():
     if not s.form(forms.ActionForm, request.form).validate():
         abort(400, EXPIRED_FORM)
     sessions.end(s.engine, session.get("sid"))
+    provider = s.providers.get(session.get("via", ""))
     flask_login.logout_user()
     session.clear()
+    elsewhere = provider.end_session_url(editors.gateway_url(s.runtime) + "/") if provider else None
+    if elsewhere:
+        return render_template("signed_out.html", provider=provider.label, elsewhere=elsewhere)
     return redirect("/")
 
 

@@ -17,7 +17,7 @@ from gevent.threadpool import ThreadPool
 from llmgw.gateway.forwarded import TrustedProxies
 from llmgw.gateway.worker import Runtime
 from llmgw.people import accounts, sessions
-from llmgw.web import forms, throttle
+from llmgw.web import forms, oidc, throttle
 
 EXPIRED_FORM = "The form expired or did not come from this page; reload the page and try again."
 # Threads that hash passwords at once. scrypt lets go of the GIL, but each hash is 16 MiB and tens of ms of
@@ -48,6 +48,9 @@ class Site:
                             cfg["gateway.sign_in_window"], cfg["gateway.sign_ups_per_address"]),
             lambda limit: runtime.metrics.sign_in_throttled.labels(limit).inc())
         self.hashing = ThreadPool(HASHING_THREADS)
+        # The identity providers people sign in through, by name, each with the worker's caches of what it said.
+        self.providers = {e["name"]: oidc.Provider(e, cfg["auth.clock_skew"]) for e in cfg.identity_providers}
+        self.provider_lifetime = min(cfg["auth.provider_session_lifetime"], cfg["gateway.session_lifetime"])
 
     def offload(self, function, *args):
         """Run FUNCTION (a password hash) in the hashing threads; this greenlet waits, the loop serves."""
@@ -66,10 +69,14 @@ class Site:
             return f, EXPIRED_FORM
         return f, missing or " ".join(e for errors in f.errors.values() for e in errors)
 
-    def begin_session(self, user: accounts.User) -> None:
+    def begin_session(self, user: accounts.User, provider: str | None = None) -> None:
+        """Sign USER in; through PROVIDER (an identity provider's name), for at most its sessions' lifetime."""
         session.clear()  # a new session: one fixed before signing in is worth nothing
         flask_login.login_user(Person(user))
-        session["sid"] = sessions.start(self.engine, user.id, self.lifetimes)
+        session["sid"] = sessions.start(self.engine, user.id, self.lifetimes, provider,
+                                        self.provider_lifetime if provider else None)
+        if provider:
+            session["via"] = provider
 
     def throttled(self, email: str, check):
         """CHECK of EMAIL's password (what it answers, or a str saying why not) under the throttle: every

@@ -1,0 +1,223 @@
+"""People as identity providers know them: who a provider's sign-in is here, and what their groups give them.
+
+A provider names a person by its `sub`, which it never gives to anyone else; that, not the email, is what
+signs them in from the second time on (an address can change hands). The first time, a person is found or
+made:
+
+- an account here with the same email is linked only when the provider says the address is verified, and,
+  where the provider's `link_existing` is `confirm`, only once an administrator confirms (`llmgw users link`);
+  an unverified address is never linked, so nobody takes over an account by writing its address into a
+  provider profile of their own;
+- otherwise an account is made, with no password (`accounts.NO_PASSWORD`), approved when its verified
+  address is at one of `approve_domains` or one of its groups is in `approve_groups`, else waiting.
+
+Then, at every sign-in, the provider's `[[auth.oidc.map]]` is applied: each entry whose group the person is
+in gives its place (or the administrator role); what this provider gave before and the groups no longer give
+is taken away, keys made there revoked as leaving always does. What an operator gave by hand is never taken
+away, and a suspended person stays suspended and is left as they are, whatever the provider says. What
+changed is logged and kept on the identity, for the person's page.
+
+Imported by the pages (llmgw/web/oidcpages.py) and the CLI (`llmgw users link`). Runs in one transaction per
+sign-in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from llmgw import store
+from llmgw.people import accounts, memberships
+from llmgw.people.orgtree import Tree, TreeError
+
+log = logging.getLogger("llmgw.identities")
+
+MOST_GROUPS = 1000  # a provider sending more is sending something other than a person's groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Claims:
+    """What a provider said about a person, its signature and times already checked."""
+    provider: str
+    subject: str
+    email: str
+    email_verified: bool
+    groups: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    user: accounts.User | None
+    changes: list[str]
+    refusal: str | None  # why this sign-in opens no session (the account may still have been made)
+
+
+class LinkError(Exception):
+    """A link an administrator asked for cannot be made; the message says why."""
+
+
+def sign_in(engine: Engine, provider: dict, claims: Claims) -> Outcome:
+    """The account CLAIMS sign in to through PROVIDER (an `[[auth.oidc]]` entry), found, linked or made, with
+    its groups applied; or why not."""
+    i = store.identities
+    with store.writing(engine) as conn:
+        accounts.one_at_a_time(conn)
+        row = conn.execute(i.select().where(sa.and_(i.c.provider == claims.provider,
+                                                    i.c.subject == claims.subject))).first()
+        if row is None:
+            user, refusal = _first_time(conn, provider, claims)
+            if user is None:
+                return Outcome(None, [], refusal)
+        elif row.confirmed_at is None:
+            return Outcome(None, [], _awaiting_confirmation(provider, claims))
+        else:
+            user = accounts.get_in(conn, row.user_id)
+        if user.state == accounts.SUSPENDED:
+            return Outcome(user, [], "Your account is suspended here. Ask an operator.")
+        changes = _apply_groups(conn, provider, claims, user)
+        user = accounts.get_in(conn, user.id)
+        conn.execute(i.update().where(sa.and_(i.c.provider == claims.provider, i.c.subject == claims.subject))
+                     .values(email=claims.email, signed_in_at=time.time(), changes=json.dumps(changes)))
+    for change in changes:
+        log.info("%s signed in through %s: %s", user.email, claims.provider, change)
+    if user.state == accounts.PENDING:
+        return Outcome(user, changes, "Your account waits for an operator's approval. You can sign in once it is "
+                                      "approved.")
+    return Outcome(user, changes, None)
+
+
+def _first_time(conn: Connection, provider: dict, claims: Claims) -> tuple[accounts.User | None, str | None]:
+    """The account a first sign-in of CLAIMS is, linked or made; or (None, why not)."""
+    email = claims.email.strip().lower()
+    found = conn.execute(store.users.select().where(store.users.c.email == email)).first()
+    now = time.time()
+    if found is None:
+        approved = claims.email_verified and email.rsplit("@", 1)[-1] in provider["approve_domains"] \
+            or bool(claims.groups & set(provider["approve_groups"]))
+        try:
+            user = accounts.insert_user(conn, email, accounts.NO_PASSWORD,
+                                        accounts.ACTIVE if approved else accounts.PENDING)
+        except accounts.AccountError:
+            return None, (f"{provider['label']} gave no usable email for you (its {provider['email_claim']} claim "
+                          "holds none). Ask an operator.")
+        if approved:
+            conn.execute(store.users.update().where(store.users.c.id == user.id)
+                         .values(approved_by=f"identity provider {claims.provider}", approved_at=now))
+        log.info("%s signed in through %s for the first time: account made, %s", email, claims.provider,
+                 user.state)
+        _record(conn, claims, user.id, confirmed=True)
+        return user, None
+    if not claims.email_verified:
+        log.warning("%s signed in through %s with an unverified address that has an account here: not linked",
+                    email, claims.provider)
+        return None, (f"An account here already has {email}, and {provider['label']} does not say the address is "
+                      "verified, so it is not linked to you. Ask an operator.")
+    confirm = provider["link_existing"] == "confirm"
+    _record(conn, claims, found.id, confirmed=not confirm)
+    if confirm:
+        log.info("%s signed in through %s: a link to the account here waits for an administrator", email,
+                 claims.provider)
+        return None, _awaiting_confirmation(provider, claims)
+    log.info("%s signed in through %s for the first time: linked to the account here", email, claims.provider)
+    return accounts.get_in(conn, found.id), None
+
+
+def _awaiting_confirmation(provider: dict, claims: Claims) -> str:
+    return (f"An account here already has {claims.email}; an administrator must confirm that it is yours before "
+            f"you sign in with {provider['label']} (llmgw users link {claims.email} --provider {claims.provider}).")
+
+
+def _record(conn: Connection, claims: Claims, user_id: str, confirmed: bool) -> None:
+    now = time.time()
+    conn.execute(store.identities.insert().values(provider=claims.provider, subject=claims.subject, user_id=user_id,
+                                                  email=claims.email, created_at=now,
+                                                  confirmed_at=now if confirmed else None))
+
+
+def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accounts.User) -> list[str]:
+    """Give USER what PROVIDER's map gives CLAIMS's groups, take back what it gave and they no longer give;
+    what changed, in words."""
+    name, entries = claims.provider, provider["map"]
+    if not entries:
+        return []
+    tree = Tree.read(conn)
+    m = store.memberships
+    held = {(r.scope, r.scope_id): r for r in conn.execute(m.select().where(m.c.user_id == user.id))}
+    changes: list[str] = []
+    wanted: dict[tuple[str, str], str] = {}  # (kind, node id) -> role; a manager entry wins over a member one
+    admin = False
+    for entry in entries:
+        if entry["group"] not in claims.groups:
+            continue
+        if entry["role"] == "admin":
+            admin = True
+            continue
+        try:
+            node = tree.find(entry["kind"], entry["path"])
+        except TreeError as e:
+            changes.append(f"not added to {entry['kind']} {entry['path']} (group {entry['group']}): {e}")
+            continue
+        if wanted.get((node.kind, node.id)) != memberships.MANAGER:
+            wanted[(node.kind, node.id)] = entry["role"]
+    for (kind, node_id), role in wanted.items():
+        node, had = tree.by_id[node_id], held.get((kind, node_id))
+        if had is None:
+            memberships.add(conn, user.id, node, role, source=name)
+            changes.append(f"joined {kind} {node.path} as {role}")
+        elif had.source == name and had.role != role:
+            memberships.add(conn, user.id, node, role)
+            changes.append(f"now {role} of {kind} {node.path}")
+    for (kind, node_id), had in held.items():
+        if had.source == name and (kind, node_id) not in wanted and node_id in tree.by_id:
+            revoked = memberships.remove(conn, tree, user.id, tree.by_id[node_id])
+            changes.append(f"left {kind} {tree.by_id[node_id].path}"
+                           + (f" ({revoked} key{'s' * (revoked != 1)} revoked)" if revoked else ""))
+    changes += _apply_admin(conn, name, user, admin, any(e["role"] == "admin" for e in entries))
+    return changes
+
+
+def _apply_admin(conn: Connection, name: str, user: accounts.User, admin: bool, mapped: bool) -> list[str]:
+    """Make USER an administrator when their groups say so; take it back when this provider gave it and they
+    no longer do (never the last active administrator)."""
+    users = store.users
+    source = conn.execute(sa.select(users.c.admin_source).where(users.c.id == user.id)).scalar()
+    if admin and not user.is_admin:
+        conn.execute(users.update().where(users.c.id == user.id).values(is_admin=True, admin_source=name))
+        return ["became an administrator"]
+    if mapped and not admin and user.is_admin and source == name:
+        try:
+            if user.state == accounts.ACTIVE:
+                accounts.keep_an_administrator(conn, user)
+        except accounts.AccountError:
+            return ["still an administrator: nobody else could administer"]
+        conn.execute(users.update().where(users.c.id == user.id).values(is_admin=False, admin_source=None))
+        return ["no longer an administrator"]
+    return []
+
+
+def changes_of(engine: Engine, user_id: str) -> list[tuple[str, float, list[str]]]:
+    """For the person's page: each provider they sign in through, when they last did, and what it changed."""
+    i = store.identities
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(i.c.provider, i.c.signed_in_at, i.c.changes)
+                            .where(sa.and_(i.c.user_id == user_id, i.c.confirmed_at.is_not(None)))).all()
+    return [(r.provider, r.signed_in_at, json.loads(r.changes or "[]")) for r in rows]
+
+
+def confirm_link(engine: Engine, which: str, provider: str) -> accounts.User:
+    """Confirm that the sign-in through PROVIDER waiting to be linked to WHICH's account is theirs."""
+    user = accounts.find(engine, which)
+    i = store.identities
+    with store.writing(engine) as conn:
+        done = conn.execute(i.update().where(sa.and_(i.c.user_id == user.id, i.c.provider == provider,
+                                                     i.c.confirmed_at.is_(None)))
+                            .values(confirmed_at=time.time())).rowcount
+    if not done:
+        raise LinkError(f"no sign-in through {provider} waits to be linked to {user.email}; it appears once they "
+                        f"have signed in with {provider}")
+    return user

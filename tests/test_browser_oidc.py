@@ -1,0 +1,106 @@
+"""Signing in through the organisation's identity provider, in a real headless Chromium, against a real gateway
+(gunicorn, gevent workers) and a real OpenID provider (npm's oidc-provider) on loopback ports (issue 31): the
+button, the provider's own login form, the account made with its groups' places, signing out here and there,
+a changed group at the next sign-in, and a refused sign-in's page, each at a phone's width."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from llmgw import store
+from llmgw.people import accounts, orgtree
+from llmgw.procs import free_port
+from tests.conftest import Gateway
+from tests.oidcprovider import OidcProvider
+from tests.test_browser import PHONE, fits_the_screen
+from tests.test_oidc_signin import places_of
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("browser-oidc")
+    url = f"sqlite:///{tmp}/oidc.db"
+    engine = store.open_store(url)
+    orgtree.add(engine, "org", "acme")
+    orgtree.add(engine, "team", "research", "acme")
+    orgtree.add(engine, "team", "platform", "acme")
+    port = free_port()
+    gateway_url = f"http://127.0.0.1:{port}"
+    provider = OidcProvider(tmp, {"ada": {"email": "ada@example.org", "email_verified": True, "name": "Ada",
+                                          "groups": ["research"]}}, [{
+        "client_id": "llmgw", "client_secret": "a-client-secret",
+        "redirect_uris": [f"{gateway_url}/login/oidc/corp/callback"], "post_logout_redirect_uris": [gateway_url + "/"],
+        "grant_types": ["authorization_code"], "response_types": ["code"]}])
+    secret = tmp / "corp.secret"
+    secret.write_text("a-client-secret\n")
+    os.chmod(secret, 0o600)
+    gw = Gateway(tmp, url, port=port, identity_providers=[{
+        "name": "corp", "label": "Corp SSO", "issuer": provider.issuer, "client_id": "llmgw",
+        "client_secret_file": str(secret), "scopes": ["openid", "email", "profile", "groups"],
+        "approve_domains": ["example.org"],
+        "map": [{"group": "research", "team": "acme/research"}, {"group": "platform", "team": "acme/platform"}]}])
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        yield browser, gw, provider, engine
+        browser.close()
+    gw.stop()
+    provider.stop()
+    engine.dispose()
+
+
+def through_the_provider(page, gw, login="ada"):
+    """From the gateway's sign-in page, through the provider's own login form, back to the account page."""
+    page.goto(gw.url + "/login")
+    assert fits_the_screen(page)
+    page.click("text=Sign in with Corp SSO")
+    page.wait_for_selector("input[name=login]")
+    page.fill("input[name=login]", login)
+    page.fill("input[name=password]", "any password")
+    page.click("button[type=submit]")
+    page.wait_for_url(gw.url + "/account")
+
+
+def test_sign_in_through_the_provider_then_out_here_and_there_and_a_changed_group_at_the_next(site):
+    browser, gw, provider, engine = site
+    context = browser.new_context(viewport=PHONE)
+    page = context.new_page()
+    through_the_provider(page, gw)
+    main = page.inner_text("main")
+    assert "Signed in as ada@example.org" in main and "Change password" not in main
+    assert "You sign in with Corp SSO" in main and "joined team acme/research as member" in main
+    assert fits_the_screen(page)
+    assert accounts.find(engine, "ada@example.org").state == "active"
+    assert places_of(engine, "ada@example.org") == {("acme/research", "member")}
+
+    page.click("text=Sign out")
+    page.wait_for_selector("text=Sign out of Corp SSO too")
+    assert fits_the_screen(page)
+    page.click("text=Sign out of Corp SSO too")
+    page.wait_for_selector("button[type=submit]")  # the provider asks whether to sign out there too
+    page.click("button[type=submit] >> nth=0")
+    page.wait_for_url(gw.url + "/")
+    assert page.goto(gw.url + "/account").url.startswith(gw.url + "/login")
+
+    provider.set_account("ada", groups=["platform"])
+    through_the_provider(page, gw)  # the provider's session ended too: its form again
+    assert "left team acme/research" in page.inner_text("main")
+    assert places_of(engine, "ada@example.org") == {("acme/platform", "member")}
+    context.close()
+
+
+def test_a_sign_in_replayed_from_the_history_gets_a_page_that_says_what_to_do(site):
+    browser, gw, provider, engine = site
+    context = browser.new_context(viewport=PHONE)
+    page = context.new_page()
+    callbacks = []
+    page.on("request", lambda r: callbacks.append(r.url) if "/login/oidc/corp/callback" in r.url else None)
+    through_the_provider(page, gw)
+    page.goto(callbacks[0])  # the provider's answer again, as the back button would send it
+    assert page.title() == "Not signed in · llmgw"
+    assert "finished already" in page.inner_text("main") and "Sign in with Corp SSO again" in page.inner_text("main")
+    assert fits_the_screen(page)
+    context.close()
