@@ -195,8 +195,17 @@ def test_an_administrator_can_be_made_to_confirm_each_link(tmp_path, provider):
     waiting = provider_sign_in(app.pages.test_client(), provider, "root")
     assert waiting.status_code == 403 and b"llmgw users link root@example.org --provider corp" in waiting.data
     assert provider_sign_in(app.pages.test_client(), provider, "root").status_code == 403  # still waiting
-    identities.confirm_link(engine, "root@example.org", "corp")
+    # Another administrator sees it waiting on the people page, and confirms it there.
+    accounts.create_user(engine, "ops@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    ops = app.pages.test_client()
+    password_sign_in(ops, "ops@example.org", "a long enough password")
+    page = ops.get("/admin/people").data
+    assert b"a sign-in with Corp SSO waits to be linked" in page
+    done = ops.post("/admin/people", data={"do": "link", "user": accounts.find(engine, "root@example.org").id,
+                                           "provider": "corp", "csrf_token": token(page)}, follow_redirects=True)
+    assert b"Linked root@example.org to their sign-in through corp" in done.data
     assert provider_sign_in(app.pages.test_client(), provider, "root").status_code == 302
+    assert b"signs in with Corp SSO, last" in ops.get("/admin/people").data
     with pytest.raises(identities.LinkError):
         identities.confirm_link(engine, "root@example.org", "corp")  # nothing waits now
 
@@ -304,3 +313,17 @@ def test_the_configuration_is_checked_when_it_is_read(tmp_path):
     found = load(base + 'issuer = "https://sso.example.com"\nclient_secret_file = "corp.secret"\n')
     assert found.identity_providers[0]["client_secret_file"] == str(tmp_path / "corp.secret")
     assert json.dumps(found.identity_providers)  # every value is plain data
+
+
+def test_an_administrator_an_operator_confirmed_is_not_taken_back_by_the_provider(tmp_path, provider):
+    app, engine = gateway(tmp_path, provider, oidc_approve_domains=["example.org"],
+                          oidc_map=[{"group": "llmgw-admins", "role": "admin"}])
+    accounts.create_user(engine, "ops@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    provider.set_account("ada", groups=["llmgw-admins"])
+    provider_sign_in(app.pages.test_client(), provider, "ada")
+    assert state_of(engine, "ada@example.org") == ("active", True)
+    accounts.promote(engine, "ada@example.org")  # the operator makes it theirs
+    provider.set_account("ada", groups=[])
+    provider_sign_in(app.pages.test_client(), provider, "ada")
+    assert state_of(engine, "ada@example.org") == ("active", True)
+    provider.set_account("ada", groups=["ml-team"])

@@ -229,7 +229,8 @@ def reinstate(engine: Engine, which: str) -> User:
 
 
 def promote(engine: Engine, which: str, admin: bool = True) -> User:
-    return _update(engine, which, is_admin=admin)
+    """An operator's doing: from now on the role is theirs, and no identity provider's groups take it back."""
+    return _update(engine, which, is_admin=admin, admin_source=None)
 
 
 def change_password(engine: Engine, user_id: str, current: str, new: str, offload=inline) -> None:

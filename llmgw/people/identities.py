@@ -209,6 +209,18 @@ def changes_of(engine: Engine, user_id: str) -> list[tuple[str, float, list[str]
     return [(r.provider, r.signed_in_at, json.loads(r.changes or "[]")) for r in rows]
 
 
+def of_everyone(engine: Engine) -> dict[str, list[dict]]:
+    """For the people page: each person's sign-ins through providers (provider, confirmed, signed_in_at,
+    changes), by their account's id."""
+    found: dict[str, list[dict]] = {}
+    with engine.connect() as conn:
+        for r in conn.execute(store.identities.select().order_by(store.identities.c.provider)):
+            found.setdefault(r.user_id, []).append({
+                "provider": r.provider, "confirmed": r.confirmed_at is not None, "signed_in_at": r.signed_in_at,
+                "changes": json.loads(r.changes or "[]")})
+    return found
+
+
 def confirm_link(engine: Engine, which: str, provider: str) -> accounts.User:
     """Confirm that the sign-in through PROVIDER waiting to be linked to WHICH's account is theirs."""
     user = accounts.find(engine, which)

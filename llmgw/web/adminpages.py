@@ -26,7 +26,7 @@ from flask import Blueprint, abort, flash, redirect, render_template, request
 from llmgw import rules
 from llmgw.apiclient import ApiError, leader_client
 from llmgw.gateway.worker import Runtime
-from llmgw.people import accounts, keys, limits, memberships, orgtree, sessions, usagereport
+from llmgw.people import accounts, identities, keys, limits, memberships, orgtree, sessions, usagereport
 from llmgw.web import budgets, forms, history, safety, svgchart
 from llmgw.web.site import EXPIRED_FORM, Site, site
 
@@ -107,6 +107,8 @@ def people():
     return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
                            pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
                            signed_in_count=sessions.count(site().engine),
+                           identities=identities.of_everyone(site().engine),
+                           labels={name: p.label for name, p in site().providers.items()},
                            action=site().form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
                            + tree.of_kind("project"))
 
@@ -120,7 +122,7 @@ def people_action():
     q = search_text(f.get("q", ""))
     try:
         message = _people_action(site().engine, do, f)
-    except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused) as e:
+    except (accounts.AccountError, orgtree.TreeError, keys.KeyRefused, identities.LinkError) as e:
         flash(Site.sentence(e), "problem")
     except KeyError as e:
         flash(f"The form lacks {e}.", "problem")
@@ -247,6 +249,9 @@ def _people_action(engine, do: str, f) -> str:
                 "reinstate": f"Reinstated {user.email}.", "promote": f"{user.email} is an administrator.",
                 "demote": f"{user.email} is no longer an administrator.",
                 "remove": f"Removed {user.email} and revoked their keys."}[do]
+    if do == "link":
+        user = identities.confirm_link(engine, f["user"], f["provider"])
+        return f"Linked {user.email} to their sign-in through {f['provider']}; they can sign in with it now."
     if do == "join":
         kind, _, node_id = f["where"].partition(":")
         if kind not in orgtree.KINDS:
