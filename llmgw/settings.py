@@ -212,6 +212,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auth.provider_session_lifetime", "float", 8 * 3600.0,
             "Seconds a session begun through an identity provider lasts at most (and never longer than "
             "`gateway.session_lifetime`): a person disabled at the provider is out within it.", minimum=60),
+    Setting("auth.login_key_lifetime", "float", 30 * 86400.0,
+            "Seconds a key made by `llmgw login` lasts: someone disabled at the identity provider keeps its API "
+            "access no longer than this. 0: until revoked.", minimum=0),
     Setting("auth.clock_skew", "float", 120.0,
             "Seconds by which this machine's clock and an identity provider's may differ when an ID token's "
             "times (`exp`, `iat`) are checked.", minimum=0),
@@ -801,6 +804,9 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None,
     config.fabrics = validate_fabrics(file_fabrics, where)
     config.routing_profiles = validate_routing_profiles(file_profiles, values["routing.default_profile"], where)
     config.identity_providers = validate_identity_providers(file_providers, base, where)
+    if config.identity_providers and not values["gateway.public_url"]:
+        raise ConfigError(f"[[auth.oidc]] in {where} needs gateway.public_url: the address the identity provider "
+                          "sends people back to (PUBLIC_URL/login/oidc/NAME/callback, registered there as it is)")
     if not values["auth.local_sign_in"] and not values["auth.break_glass"]:
         raise ConfigError(f"auth.local_sign_in in {where} is false and auth.break_glass names nobody: if the identity "
                           "provider failed, nobody could sign in to fix it. Name an administrator in auth.break_glass")

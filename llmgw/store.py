@@ -381,19 +381,18 @@ identities = sa.Table(
     sa.Index("identities_user", "user_id"),
 )
 
-# A sign-in through a provider under way: a browser's (its state, nonce and PKCE verifier, kept here rather
-# than in the cookie so that each is used once, whatever copies of the cookie exist) or `llmgw login`'s
-# device flow (the provider's device code, which never leaves the gateway). Keyed by the hash of the state,
-# or of the handle the CLI polls with.
+# Sign-ins through a provider: a browser's finished one, kept until it would have expired so that its state
+# is used once whatever copies of the cookie or the URL exist (the state, nonce and PKCE verifier themselves
+# travel in the signed session cookie, so beginning a sign-in writes nothing here); and `llmgw login`'s device
+# flow under way, with the provider's device code, which never leaves the gateway, and when it was last asked.
+# Keyed by the hash of the state, or of the handle the CLI polls with.
 sign_in_flows = sa.Table(
     "sign_in_flows", metadata,
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("provider", sa.String(64), nullable=False),
-    sa.Column("nonce", sa.String(128)),
-    sa.Column("verifier", sa.String(128)),
-    sa.Column("next_path", sa.String(2048)),
     sa.Column("device_code", sa.String(2048)),
     sa.Column("project", sa.String(300)),
+    sa.Column("polled_at", sa.Float),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float, nullable=False),
 )

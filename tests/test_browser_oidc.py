@@ -37,7 +37,7 @@ def site(tmp_path_factory):
     secret = tmp / "corp.secret"
     secret.write_text("a-client-secret\n")
     os.chmod(secret, 0o600)
-    gw = Gateway(tmp, url, port=port, identity_providers=[{
+    gw = Gateway(tmp, url, port=port, gateway__public_url=gateway_url, identity_providers=[{
         "name": "corp", "label": "Corp SSO", "issuer": provider.issuer, "client_id": "llmgw",
         "client_secret_file": str(secret), "scopes": ["openid", "email", "profile", "groups"],
         "approve_domains": ["example.org"],

@@ -10,12 +10,14 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import requests
 from werkzeug.serving import make_server
 
 from llmgw.people import accounts, keys, orgtree
+from llmgw.procs import free_port
 from tests.oidcprovider import OidcProvider
 from tests.test_oidc_signin import CALLBACK, gateway
 
@@ -36,11 +38,13 @@ def provider(tmp_path_factory):
 @pytest.fixture
 def served(tmp_path, provider):
     """The gateway's pages on a loopback port, and their store."""
-    app, engine = gateway(tmp_path, provider, oidc_approve_domains=["example.org"])
-    server = make_server("127.0.0.1", 0, app.pages, threaded=True)
+    port = free_port()
+    app, engine = gateway(tmp_path, provider, public_url=f"http://127.0.0.1:{port}",
+                          oidc_approve_domains=["example.org"])
+    server = make_server("127.0.0.1", port, app.pages, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_port}", engine
+    yield f"http://127.0.0.1:{port}", engine
     server.shutdown()
     thread.join(timeout=10)
 
@@ -66,11 +70,14 @@ def test_llmgw_login_gives_a_key_through_the_device_flow(served, provider):
     ada = accounts.find(engine, "ada@example.org")
     made = keys.list_keys(engine, user_id=ada.id)
     assert [k.id for k in made] == [got["key_id"]] and got["key"].startswith(made[0].prefix)
+    assert made[0].expires_at == pytest.approx(time.time() + 30 * 86400, abs=600)  # auth.login_key_lifetime
     assert "at Corp SSO" in done.stderr  # where to confirm, said to the person
 
     # The handle is good once: asking again after the key was made gets nothing.
     started = requests.post(url + "/login/device", json={}, timeout=10).json()
-    assert requests.post(url + "/login/device/poll", json={"handle": started["handle"]}, timeout=10).status_code == 202
+    asked = requests.post(url + "/login/device/poll", json={"handle": started["handle"]}, timeout=10)
+    # Asked at once: told to slow down, without the provider being asked.
+    assert asked.status_code == 202 and asked.json() == {"status": "pending", "slow_down": True}
     assert requests.post(url + "/login/device/poll", json={"handle": "made-up"}, timeout=10).status_code == 410
 
 

@@ -155,3 +155,14 @@ def _b64d(text: str) -> dict:
 
 def _b64e(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def test_a_provider_that_lists_only_hmac_is_refused_before_any_token_is_read(signing_in, provider, caplog):
+    signing_in.corp.metadata()["id_token_signing_alg_values_supported"] = ["HS256"]
+    try:
+        answer = signing_in(lambda nonce: real_tokens(provider, "llmgw", nonce))
+    finally:
+        signing_in.corp.metadata()["id_token_signing_alg_values_supported"] = ["RS256"]
+    assert answer.status_code == 400 and not answer.signed_in
+    assert b"signs in a way this gateway does not accept" in answer.data
+    assert "it signs ID tokens with none of" in caplog.text

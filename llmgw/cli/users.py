@@ -35,18 +35,23 @@ def users_list(obj, pending, as_json):
         tree = Tree.read(conn)
         where = {u.id: [m.path + ("*" if m.role == memberships.MANAGER else "")
                         for m in memberships.of_user(conn, tree, u.id)] for u in found}
+    linked = identities.of_everyone(engine)
     if as_json:
         for u in found:
             click.echo(json.dumps({"id": u.id, "email": u.email, "state": u.state, "admin": u.is_admin,
                                    "member_of": where[u.id], "created_at": u.created_at,
-                                   "approved_by": u.approved_by, "approved_at": u.approved_at}))
+                                   "approved_by": u.approved_by, "approved_at": u.approved_at,
+                                   "sign_ins": [{k: i[k] for k in ("provider", "subject", "confirmed")}
+                                                for i in linked.get(u.id, [])]}))
         return
     if not found:
         click.echo("no accounts" + (" waiting for approval" if pending else ""), err=True)
         return
-    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP", "APPROVED BY")]
+    rows = [("ID", "EMAIL", "STATE", "ADMIN", "MEMBER OF", "SIGNED UP", "APPROVED BY", "SIGNS IN WITH")]
     rows += [(u.id, u.email, u.state, "yes" if u.is_admin else "", ", ".join(where[u.id]) or "on their own",
-              time.strftime("%Y-%m-%d", time.gmtime(u.created_at)), u.approved_by or "-") for u in found]
+              time.strftime("%Y-%m-%d", time.gmtime(u.created_at)), u.approved_by or "-",
+              ", ".join(i["provider"] if i["confirmed"] else f"{i['provider']} (waits: --subject {i['subject']})"
+                        for i in linked.get(u.id, [])) or "a password") for u in found]
     print_table(rows)
 
 
@@ -185,14 +190,16 @@ def users_end_sessions(obj, who):
 @users.command("link")
 @click.argument("who")
 @click.option("--provider", required=True, help="The identity provider (`[[auth.oidc]]` name) they signed in with.")
+@click.option("--subject", help="The provider's id for them, where several sign-ins wait (`llmgw users list` "
+                                "shows them).")
 @click.pass_obj
-def users_link(obj, who, provider):
+def users_link(obj, who, provider, subject):
     """Confirm that the sign-in through PROVIDER waiting to be linked to WHO's account is theirs.
 
     Asked for by a provider with `link_existing = "confirm"`: the first sign-in whose verified email has an
     account here waits for this. Make sure it is the same person (ask them) before you confirm."""
     try:
-        user = identities.confirm_link(obj.engine(), who, provider)
+        user = identities.confirm_link(obj.engine(), who, provider, subject)
     except (accounts.AccountError, identities.LinkError) as e:
         _fail(e)
     click.echo(f"linked {user.email} to their sign-in through {provider}; they can sign in with it now", err=True)

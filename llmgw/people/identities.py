@@ -4,10 +4,11 @@ A provider names a person by its `sub`, which it never gives to anyone else; tha
 signs them in from the second time on (an address can change hands). The first time, a person is found or
 made:
 
-- an account here with the same email is linked only when the provider says the address is verified, and,
-  where the provider's `link_existing` is `confirm`, only once an administrator confirms (`llmgw users link`);
-  an unverified address is never linked, so nobody takes over an account by writing its address into a
-  provider profile of their own;
+- an account here with the same email is linked only when the provider says the address is verified, and
+  at once only to an account no sign-in is linked to yet; to one that has a sign-in already, or where the
+  provider's `link_existing` is `confirm`, once an administrator confirms (`llmgw users link`). An unverified
+  address is never linked, so nobody takes over an account by writing its address into a provider profile
+  of their own, before or after its owner signs in;
 - otherwise an account is made, with no password (`accounts.NO_PASSWORD`), approved when its verified
   address is at one of `approve_domains` or one of its groups is in `approve_groups`, else waiting.
 
@@ -38,6 +39,7 @@ from llmgw.people.orgtree import Tree, TreeError
 log = logging.getLogger("llmgw.identities")
 
 MOST_GROUPS = 1000  # a provider sending more is sending something other than a person's groups
+MOST_GROUP = 256  # characters of one group's name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +63,17 @@ class LinkError(Exception):
     """A link an administrator asked for cannot be made; the message says why."""
 
 
-def sign_in(engine: Engine, provider: dict, claims: Claims) -> Outcome:
+def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 50) -> Outcome:
     """The account CLAIMS sign in to through PROVIDER (an `[[auth.oidc]]` entry), found, linked or made, with
-    its groups applied; or why not."""
+    its groups applied; or why not. MOST_PENDING: accounts that may wait for approval at once
+    (`gateway.sign_ups_pending`), past which none is made to wait."""
     i = store.identities
     with store.writing(engine) as conn:
         accounts.one_at_a_time(conn)
         row = conn.execute(i.select().where(sa.and_(i.c.provider == claims.provider,
                                                     i.c.subject == claims.subject))).first()
         if row is None:
-            user, refusal = _first_time(conn, provider, claims)
+            user, refusal = _first_time(conn, provider, claims, most_pending)
             if user is None:
                 return Outcome(None, [], refusal)
         elif row.confirmed_at is None:
@@ -91,14 +94,24 @@ def sign_in(engine: Engine, provider: dict, claims: Claims) -> Outcome:
     return Outcome(user, changes, None)
 
 
-def _first_time(conn: Connection, provider: dict, claims: Claims) -> tuple[accounts.User | None, str | None]:
-    """The account a first sign-in of CLAIMS is, linked or made; or (None, why not)."""
+def _first_time(conn: Connection, provider: dict, claims: Claims,
+                most_pending: int) -> tuple[accounts.User | None, str | None]:
+    """The account a first sign-in of CLAIMS is, linked or made; or (None, why not).
+
+    An existing account is linked only through an address the provider verified, spelt in ASCII (Python
+    lowers the Kelvin sign to a `k`, and "\u212aate@" would be kate's), and only to an account no sign-in
+    is linked to yet (a local one); otherwise, or where the provider's `link_existing` is `confirm`, the link
+    waits for an administrator. So an address someone wrote into their own profile at a provider, before or
+    after its owner came, opens nobody's account."""
     email = claims.email.strip().lower()
     found = conn.execute(store.users.select().where(store.users.c.email == email)).first()
     now = time.time()
     if found is None:
         approved = claims.email_verified and email.rsplit("@", 1)[-1] in provider["approve_domains"] \
             or bool(claims.groups & set(provider["approve_groups"]))
+        if not approved and _waiting(conn) >= most_pending:
+            return None, ("Sign-in of people new here is paused: too many accounts already wait for approval. Ask an "
+                          "operator.")
         try:
             user = accounts.insert_user(conn, email, accounts.NO_PASSWORD,
                                         accounts.ACTIVE if approved else accounts.PENDING)
@@ -112,19 +125,26 @@ def _first_time(conn: Connection, provider: dict, claims: Claims) -> tuple[accou
                  user.state)
         _record(conn, claims, user.id, confirmed=True)
         return user, None
-    if not claims.email_verified:
-        log.warning("%s signed in through %s with an unverified address that has an account here: not linked",
-                    email, claims.provider)
-        return None, (f"An account here already has {email}, and {provider['label']} does not say the address is "
+    if not claims.email_verified or not claims.email.isascii():
+        log.warning("%r signed in through %s with an address it does not say is verified, which an account here "
+                    "has: not linked", claims.email, claims.provider)
+        return None, (f"An account here already has this address, and {provider['label']} does not say it is "
                       "verified, so it is not linked to you. Ask an operator.")
-    confirm = provider["link_existing"] == "confirm"
+    linked = conn.execute(sa.select(sa.func.count()).select_from(store.identities)
+                          .where(store.identities.c.user_id == found.id)).scalar_one()
+    confirm = provider["link_existing"] == "confirm" or linked > 0
     _record(conn, claims, found.id, confirmed=not confirm)
     if confirm:
-        log.info("%s signed in through %s: a link to the account here waits for an administrator", email,
-                 claims.provider)
+        log.info("%s signed in through %s: a link to the account here waits for an administrator%s", email,
+                 claims.provider, " (another sign-in is linked to it already)" if linked else "")
         return None, _awaiting_confirmation(provider, claims)
     log.info("%s signed in through %s for the first time: linked to the account here", email, claims.provider)
     return accounts.get_in(conn, found.id), None
+
+
+def _waiting(conn: Connection) -> int:
+    return conn.execute(sa.select(sa.func.count()).select_from(store.users)
+                        .where(store.users.c.state == accounts.PENDING)).scalar_one()
 
 
 def _awaiting_confirmation(provider: dict, claims: Claims) -> str:
@@ -143,8 +163,6 @@ def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accoun
     """Give USER what PROVIDER's map gives CLAIMS's groups, take back what it gave and they no longer give;
     what changed, in words."""
     name, entries = claims.provider, provider["map"]
-    if not entries:
-        return []
     tree = Tree.read(conn)
     m = store.memberships
     held = {(r.scope, r.scope_id): r for r in conn.execute(m.select().where(m.c.user_id == user.id))}
@@ -170,26 +188,26 @@ def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accoun
             memberships.add(conn, user.id, node, role, source=name)
             changes.append(f"joined {kind} {node.path} as {role}")
         elif had.source == name and had.role != role:
-            memberships.add(conn, user.id, node, role)
+            memberships.add(conn, user.id, node, role, source=name)
             changes.append(f"now {role} of {kind} {node.path}")
     for (kind, node_id), had in held.items():
         if had.source == name and (kind, node_id) not in wanted and node_id in tree.by_id:
             revoked = memberships.remove(conn, tree, user.id, tree.by_id[node_id])
             changes.append(f"left {kind} {tree.by_id[node_id].path}"
                            + (f" ({revoked} key{'s' * (revoked != 1)} revoked)" if revoked else ""))
-    changes += _apply_admin(conn, name, user, admin, any(e["role"] == "admin" for e in entries))
+    changes += _apply_admin(conn, name, user, admin)
     return changes
 
 
-def _apply_admin(conn: Connection, name: str, user: accounts.User, admin: bool, mapped: bool) -> list[str]:
+def _apply_admin(conn: Connection, name: str, user: accounts.User, admin: bool) -> list[str]:
     """Make USER an administrator when their groups say so; take it back when this provider gave it and they
-    no longer do (never the last active administrator)."""
+    no longer do, or the map no longer gives it (never the last active administrator)."""
     users = store.users
     source = conn.execute(sa.select(users.c.admin_source).where(users.c.id == user.id)).scalar()
     if admin and not user.is_admin:
         conn.execute(users.update().where(users.c.id == user.id).values(is_admin=True, admin_source=name))
         return ["became an administrator"]
-    if mapped and not admin and user.is_admin and source == name:
+    if not admin and user.is_admin and source == name:
         try:
             if user.state == accounts.ACTIVE:
                 accounts.keep_an_administrator(conn, user)
@@ -210,26 +228,33 @@ def changes_of(engine: Engine, user_id: str) -> list[tuple[str, float, list[str]
 
 
 def of_everyone(engine: Engine) -> dict[str, list[dict]]:
-    """For the people page: each person's sign-ins through providers (provider, confirmed, signed_in_at,
-    changes), by their account's id."""
+    """For the people page: each person's sign-ins through providers (provider, subject, the address it gave,
+    confirmed, signed_in_at, changes), by their account's id."""
     found: dict[str, list[dict]] = {}
     with engine.connect() as conn:
         for r in conn.execute(store.identities.select().order_by(store.identities.c.provider)):
             found.setdefault(r.user_id, []).append({
-                "provider": r.provider, "confirmed": r.confirmed_at is not None, "signed_in_at": r.signed_in_at,
-                "changes": json.loads(r.changes or "[]")})
+                "provider": r.provider, "subject": r.subject, "email": r.email, "confirmed": r.confirmed_at is not None,
+                "signed_in_at": r.signed_in_at, "changes": json.loads(r.changes or "[]")})
     return found
 
 
-def confirm_link(engine: Engine, which: str, provider: str) -> accounts.User:
-    """Confirm that the sign-in through PROVIDER waiting to be linked to WHICH's account is theirs."""
+def confirm_link(engine: Engine, which: str, provider: str, subject: str | None = None) -> accounts.User:
+    """Confirm that the sign-in through PROVIDER waiting to be linked to WHICH's account is theirs (SUBJECT, the
+    provider's id for them, where several wait)."""
     user = accounts.find(engine, which)
     i = store.identities
+    waiting = sa.and_(i.c.user_id == user.id, i.c.provider == provider, i.c.confirmed_at.is_(None))
     with store.writing(engine) as conn:
-        done = conn.execute(i.update().where(sa.and_(i.c.user_id == user.id, i.c.provider == provider,
-                                                     i.c.confirmed_at.is_(None)))
-                            .values(confirmed_at=time.time())).rowcount
-    if not done:
-        raise LinkError(f"no sign-in through {provider} waits to be linked to {user.email}; it appears once they "
-                        f"have signed in with {provider}")
+        subjects = [r.subject for r in conn.execute(sa.select(i.c.subject).where(waiting))]
+        if not subjects:
+            raise LinkError(f"no sign-in through {provider} waits to be linked to {user.email}; it appears once they "
+                            f"have signed in with {provider}")
+        if subject is None and len(subjects) > 1:
+            raise LinkError(f"{len(subjects)} sign-ins through {provider} wait to be linked to {user.email} "
+                            f"(subjects {', '.join(subjects[:5])}); say which is theirs with --subject")
+        chosen = subject or subjects[0]
+        if chosen not in subjects:
+            raise LinkError(f"no sign-in through {provider} with subject {chosen!r} waits for {user.email}")
+        conn.execute(i.update().where(sa.and_(waiting, i.c.subject == chosen)).values(confirmed_at=time.time()))
     return user

@@ -65,11 +65,12 @@ def join(engine: Engine, who: str, kind: str, which: str, role: str = MEMBER) ->
 
 def add(conn: Connection, user_id: str, node: Node, role: str, source: str | None = None) -> None:
     """Make USER_ID a ROLE of NODE inside the caller's transaction (which bumps the keys' revision). SOURCE:
-    the identity provider whose groups give it; an operator's membership (none) stays the operator's."""
+    the identity provider whose groups give it, or None for an operator, whose it is from then on (a
+    provider takes back only what it gave)."""
     m = store.memberships
     key = sa.and_(m.c.user_id == user_id, m.c.scope == node.kind, m.c.scope_id == node.id)
     if conn.execute(sa.select(m.c.role).where(key)).first():
-        conn.execute(m.update().where(key).values(role=role))
+        conn.execute(m.update().where(key).values(role=role, source=source))
     else:
         conn.execute(m.insert().values(user_id=user_id, scope=node.kind, scope_id=node.id, role=role,
                                        created_at=time.time(), source=source))

@@ -250,7 +250,7 @@ def _people_action(engine, do: str, f) -> str:
                 "demote": f"{user.email} is no longer an administrator.",
                 "remove": f"Removed {user.email} and revoked their keys."}[do]
     if do == "link":
-        user = identities.confirm_link(engine, f["user"], f["provider"])
+        user = identities.confirm_link(engine, f["user"], f["provider"], f.get("subject") or None)
         return f"Linked {user.email} to their sign-in through {f['provider']}; they can sign in with it now."
     if do == "join":
         kind, _, node_id = f["where"].partition(":")

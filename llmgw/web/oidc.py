@@ -40,7 +40,7 @@ from joserfc.jwk import KeySet
 
 from llmgw import filemodes, settings
 from llmgw.gateway import upstream
-from llmgw.people.identities import MOST_GROUPS, Claims
+from llmgw.people.identities import MOST_GROUP, MOST_GROUPS, Claims
 
 log = logging.getLogger("llmgw.oidc")
 
@@ -191,27 +191,33 @@ class Provider:
             raise Refused(f"{self.label} gave no ID token; an operator must check that the scopes include openid.")
         found = self._verified(id_token, nonce, tokens.get("access_token"))
         email, groups = found.get(self.entry["email_claim"]), found.get(self.entry["groups_claim"])
+        verified = found.get("email_verified") is True
         if (email is None or groups is None) and isinstance(tokens.get("access_token"), str):
             more = self._userinfo(tokens["access_token"], found["sub"])
-            email = email if email is not None else more.get(self.entry["email_claim"])
+            if email is None:  # the address and whether it is verified come from the same answer
+                email, verified = more.get(self.entry["email_claim"]), more.get("email_verified") is True
             groups = groups if groups is not None else more.get(self.entry["groups_claim"])
-            found.setdefault("email_verified", more.get("email_verified"))
-        if not isinstance(email, str) or not email:
-            log.warning("identity provider %s: no %s claim for %s", self.name, self.entry["email_claim"], found["sub"])
+        if not isinstance(email, str) or not 0 < len(email) <= 320:
+            log.warning("identity provider %s: no usable %s claim for %r", self.name, self.entry["email_claim"],
+                        found["sub"])
             raise Refused(f"{self.label} did not say your email address ({self.entry['email_claim']}); an operator "
                           "must check which scopes and claims it is asked for.")
         if groups is None:
             groups = []
         if not isinstance(groups, list) or len(groups) > MOST_GROUPS or not all(isinstance(g, str) for g in groups):
-            log.warning("identity provider %s: its %s claim for %s is not a list of names", self.name,
+            log.warning("identity provider %s: its %s claim for %r is not a list of names", self.name,
                         self.entry["groups_claim"], found["sub"])
             raise Refused(f"{self.label} said your groups in a form this gateway cannot read; ask an operator.")
-        return Claims(self.name, found["sub"], email[:320], found.get("email_verified") is True,
-                      frozenset(g[:256] for g in groups))
+        # A name longer than any a map holds is left out rather than cut (cut, it could become one that is mapped).
+        return Claims(self.name, found["sub"], email, verified, frozenset(g for g in groups if len(g) <= MOST_GROUP))
 
     def _verified(self, id_token: str, nonce: str | None, access_token) -> dict:
         offered = self.metadata().get("id_token_signing_alg_values_supported") or ["RS256"]
-        algorithms = [a for a in offered if a in SIGNING_ALGORITHMS]
+        algorithms = [a for a in offered if a in SIGNING_ALGORITHMS] if isinstance(offered, list) else []
+        if not algorithms:  # joserfc would take its defaults, HMAC among them
+            log.error("identity provider %s: it signs ID tokens with none of %s (it lists %r)", self.name,
+                      ", ".join(SIGNING_ALGORITHMS), str(offered)[:200])
+            raise Refused(f"{self.label} signs in a way this gateway does not accept; an operator must check it.")
         try:
             try:
                 token = jwt.decode(id_token, self._key_set(), algorithms=algorithms)
@@ -281,7 +287,7 @@ class Provider:
         if error in ("authorization_pending", "slow_down"):
             raise Pending(slow_down=error == "slow_down")
         text = str((answer or {}).get("error_description") or "")[:200]
-        log.warning("identity provider %s: its token endpoint answered %s: %s %s", self.name, status,
+        log.warning("identity provider %s: its token endpoint answered %s: %r %r", self.name, status,
                     str(error)[:60], text)
         if error == "access_denied":
             raise Refused(f"The sign-in was declined at {self.label}.")
@@ -289,8 +295,8 @@ class Provider:
             raise Refused(f"The sign-in code expired before it was confirmed at {self.label}; start again.")
         if error == "invalid_grant":
             raise Refused(f"{self.label} did not accept this sign-in's code (used already, or too old); start again.")
-        raise Refused(f"{self.label} refused to finish the sign-in ({str(error)[:60] or status}); an operator will "
-                      "find the reason in this gateway's log.")
+        raise Refused(f"{self.label} refused to finish the sign-in; an operator will find the reason in this "
+                      "gateway's log.")
 
     def _json(self, method: str, url: str, what: str, form: dict | None = None, headers: bytes = b"") -> dict:
         if form is not None:
