@@ -381,11 +381,13 @@ identities = sa.Table(
     sa.Index("identities_user", "user_id"),
 )
 
-# Sign-ins through a provider: a browser's finished one, kept until it would have expired so that its state
-# is used once whatever copies of the cookie or the URL exist (the state, nonce and PKCE verifier themselves
-# travel in the signed session cookie, so beginning a sign-in writes nothing here); and `llmgw login`'s device
-# flow under way, with the provider's device code, which never leaves the gateway, and when it was last asked.
-# Keyed by the hash of the state, or of the handle the CLI polls with.
+# Sign-ins under way or just finished: a browser's through a provider, kept until it would have expired so
+# that its state is used once whatever copies of the cookie or the URL exist (the state, nonce and PKCE
+# verifier themselves travel in the signed session cookie, so beginning a sign-in writes nothing here);
+# `llmgw login`'s device flow, with the provider's device code, which never leaves the gateway, and when it
+# was last asked; and `llmgw login --browser`'s one-time code (provider "browser"), for USER_ID, redeemed
+# only with the verifier whose S256 CHALLENGE the command sent. Keyed by the hash of the state, of the
+# handle the CLI polls with, or of the code.
 sign_in_flows = sa.Table(
     "sign_in_flows", metadata,
     sa.Column("id", sa.String(64), primary_key=True),
@@ -393,6 +395,8 @@ sign_in_flows = sa.Table(
     sa.Column("device_code", sa.String(2048)),
     sa.Column("project", sa.String(300)),
     sa.Column("polled_at", sa.Float),
+    sa.Column("user_id", sa.String(32)),
+    sa.Column("challenge", sa.String(64)),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float, nullable=False),
 )

@@ -57,6 +57,10 @@ class Refused(Exception):
     """A sign-in that cannot go on; the message is the sentence for the person."""
 
 
+class NoDeviceFlow(Refused):
+    """The provider offers no device authorization: `llmgw login` signs in through the browser instead."""
+
+
 class Pending(Exception):
     """A device sign-in the person has not finished; `slow_down` when the provider asked for longer waits."""
 
@@ -164,8 +168,8 @@ class Provider:
         form where given), expires_in, interval."""
         url = self._endpoint(self.metadata(), "device_authorization_endpoint")
         if url is None:
-            raise Refused(f"{self.label} does not offer sign-in from a device; sign in on the pages and make a key "
-                          "on your account page instead.")
+            raise NoDeviceFlow(f"{self.label} does not offer sign-in from a device; llmgw login --browser signs in "
+                               "through a browser on this computer instead.")
         answer = self._json("POST", url, "its device authorization", self._client_form(
             {"scope": " ".join(self.entry["scopes"])}))
         if not all(isinstance(answer.get(k), str) for k in ("device_code", "user_code", "verification_uri")):

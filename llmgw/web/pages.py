@@ -40,6 +40,7 @@ from llmgw.web import (
     account,
     adminpages,
     chatpage,
+    clilogin,
     editors,
     errorpages,
     fabricpages,
@@ -109,7 +110,7 @@ def create_app(runtime: Runtime, proxies: TrustedProxies) -> Flask:
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d", time.gmtime(t)), "day")
     app.add_template_filter(lambda t: time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t)), "minute")
     app.context_processor(_menu)
-    for blueprint in (signin.bp, oidcpages.bp, about.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp,
+    for blueprint in (signin.bp, oidcpages.bp, clilogin.bp, about.bp, account.bp, chatpage.bp, editors.bp, adminpages.bp, mirrorpage.bp,
                       nodepages.bp, fabricpages.bp, errorpages.bp):
         app.register_blueprint(blueprint)
     return app
