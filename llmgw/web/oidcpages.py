@@ -131,3 +131,8 @@ def callback(name):
         return _refused(outcome.refusal, 403)
     s.begin_session(outcome.user, provider=name)
     return redirect(begun["next"])
+
+
+def provider_buttons() -> list[tuple[str, str]]:
+    """(name, label) of each identity provider, for the sign-in page."""
+    return [(p.name, p.label) for p in site().providers.values()]
