@@ -27,10 +27,13 @@ def site(tmp_path_factory):
     orgtree.add(engine, "org", "acme")
     orgtree.add(engine, "team", "research", "acme")
     orgtree.add(engine, "team", "platform", "acme")
+    # An operator's administrator, so that the one the provider makes is not the last (who stays one).
+    accounts.create_user(engine, "ops@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     port = free_port()
     gateway_url = f"http://127.0.0.1:{port}"
     provider = OidcProvider(tmp, {"ada": {"email": "ada@example.org", "email_verified": True, "name": "Ada",
-                                          "groups": ["research"]}}, [{
+                                          "groups": ["research", "llmgw-admins"]},
+                                  "bob": {"email": "bob@elsewhere.net", "email_verified": True, "groups": []}}, [{
         "client_id": "llmgw", "client_secret": "a-client-secret",
         "redirect_uris": [f"{gateway_url}/login/oidc/corp/callback"], "post_logout_redirect_uris": [gateway_url + "/"],
         "grant_types": ["authorization_code"], "response_types": ["code"]}])
@@ -41,7 +44,8 @@ def site(tmp_path_factory):
         "name": "corp", "label": "Corp SSO", "issuer": provider.issuer, "client_id": "llmgw",
         "client_secret_file": str(secret), "scopes": ["openid", "email", "profile", "groups"],
         "approve_domains": ["example.org"],
-        "map": [{"group": "research", "team": "acme/research"}, {"group": "platform", "team": "acme/platform"}]}])
+        "map": [{"group": "research", "team": "acme/research"}, {"group": "platform", "team": "acme/platform"},
+                {"group": "llmgw-admins", "role": "admin"}]}])
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
             "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
@@ -52,8 +56,8 @@ def site(tmp_path_factory):
     engine.dispose()
 
 
-def through_the_provider(page, gw, login="ada"):
-    """From the gateway's sign-in page, through the provider's own login form, back to the account page."""
+def through_the_provider(page, gw, login="ada", back="/account"):
+    """From the gateway's sign-in page, through the provider's own login form, back to BACK."""
     page.goto(gw.url + "/login")
     assert fits_the_screen(page)
     page.click("text=Sign in with Corp SSO")
@@ -61,7 +65,7 @@ def through_the_provider(page, gw, login="ada"):
     page.fill("input[name=login]", login)
     page.fill("input[name=password]", "any password")
     page.click("button[type=submit]")
-    page.wait_for_url(gw.url + "/account")
+    page.wait_for_url(gw.url + back)
 
 
 def test_sign_in_through_the_provider_then_out_here_and_there_and_a_changed_group_at_the_next(site):
@@ -75,6 +79,8 @@ def test_sign_in_through_the_provider_then_out_here_and_there_and_a_changed_grou
     assert fits_the_screen(page)
     assert accounts.find(engine, "ada@example.org").state == "active"
     assert places_of(engine, "ada@example.org") == {("acme/research", "member")}
+    assert page.goto(gw.url + "/admin/people").status == 200  # the group made her an administrator
+    assert "signs in with Corp SSO" in page.inner_text("main")
 
     page.click("text=Sign out")
     page.wait_for_selector("text=Sign out of Corp SSO too")
@@ -88,7 +94,20 @@ def test_sign_in_through_the_provider_then_out_here_and_there_and_a_changed_grou
     provider.set_account("ada", groups=["platform"])
     through_the_provider(page, gw)  # the provider's session ended too: its form again
     assert "left team acme/research" in page.inner_text("main")
+    assert "no longer an administrator" in page.inner_text("main")
     assert places_of(engine, "ada@example.org") == {("acme/platform", "member")}
+    assert page.goto(gw.url + "/admin/people").status == 403  # not an administrator now
+    context.close()
+
+
+def test_someone_new_from_elsewhere_waits_for_an_operator_and_is_told_so(site):
+    browser, gw, provider, engine = site
+    context = browser.new_context(viewport=PHONE)
+    page = context.new_page()
+    through_the_provider(page, gw, "bob", back="/login/oidc/corp/callback?*")
+    assert page.title() == "Not signed in · llmgw"
+    assert "waits for an operator's approval" in page.inner_text("main") and fits_the_screen(page)
+    assert accounts.find(engine, "bob@elsewhere.net").state == "pending"
     context.close()
 
 
