@@ -259,6 +259,12 @@ def write_config(path, settings: dict, endpoints=(), models=(), engines=(), fabr
     return str(path)
 
 
+def chromium(playwright):
+    """Debian's headless Chromium, as every page test drives it (Playwright's own browser needs a download)."""
+    return playwright.chromium.launch(executable_path="/usr/bin/chromium", args=[
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+
+
 class Gateway:
     """`python gateway.py` under gunicorn, on free ports, with its own configuration file."""
 

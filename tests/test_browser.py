@@ -11,7 +11,7 @@ from playwright.sync_api import sync_playwright
 
 from llmgw import store
 from llmgw.people import accounts
-from tests.conftest import Gateway, Sim, wait_until
+from tests.conftest import Gateway, Sim, chromium, wait_until
 
 PHONE = {"width": 390, "height": 844}
 
@@ -28,8 +28,7 @@ def site(tmp_path_factory):
                  models=[{"name": "sim", "description": "A simulated model with a rather long description "
                                                         "that must wrap on a phone rather than widen the page."}])
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = chromium(p)
         yield browser, gw, url, tmp
         browser.close()
     gw.stop()

@@ -13,7 +13,7 @@ from playwright.sync_api import sync_playwright
 from llmgw import store
 from llmgw.people import accounts, orgtree
 from llmgw.procs import free_port
-from tests.conftest import Gateway
+from tests.conftest import Gateway, chromium
 from tests.oidcprovider import OidcProvider
 from tests.test_browser import PHONE, fits_the_screen
 from tests.test_oidc_signin import places_of
@@ -47,8 +47,7 @@ def site(tmp_path_factory):
         "map": [{"group": "research", "team": "acme/research"}, {"group": "platform", "team": "acme/platform"},
                 {"group": "llmgw-admins", "role": "admin"}]}])
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        browser = chromium(p)
         yield browser, gw, provider, engine
         browser.close()
     gw.stop()

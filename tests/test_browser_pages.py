@@ -14,7 +14,7 @@ from llmgw import store
 from llmgw.cli import starter
 from llmgw.people import accounts
 from llmgw.procs import wait_for
-from tests.conftest import Gateway, Sim, llamacpp_engine, make_key
+from tests.conftest import Gateway, Sim, chromium, llamacpp_engine, make_key
 from tests.test_mirror import gguf_bytes
 from tests.test_mirrorpage import Registry
 
@@ -42,8 +42,7 @@ def cluster(tmp_path_factory):
             registry.stop()
             raise
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = chromium(p)
             yield {"browser": browser, "gw": gw, "url": url, "tmp": tmp, "engine": engine_url, "admin": admin}
             browser.close()
         gw.stop()

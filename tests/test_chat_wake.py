@@ -9,7 +9,7 @@ from llmgw import store
 from llmgw.people import accounts, memberships, orgtree
 from llmgw.procs import wait_for
 from tests.cluster import Agent, Controller
-from tests.conftest import Gateway
+from tests.conftest import Gateway, chromium
 
 PASSWORD = "a long enough password"
 LAZY = {"name": "lazy", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
@@ -32,8 +32,7 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
                      gateway__key_file=c.gateway_key_file())
         made.append(gw)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = chromium(p)
             page = browser.new_context().new_page()
             page.goto(gw.url + "/login")
             page.fill("#email", "ada@example.org")

@@ -22,7 +22,7 @@ from llmgw.web import history, prometheus
 from llmgw.web.app import GatewayApp
 from tests import promstack
 from tests.cluster import Agent, Controller
-from tests.conftest import Gateway, make_key, post
+from tests.conftest import Gateway, chromium, make_key, post
 from tests.promstack import Prometheus
 from tests.test_browser_pages import fits_the_screen, signed_in
 from tests.test_fabric_discovery import FABRIC_ENV, ib_port
@@ -86,8 +86,7 @@ def ops(tmp_path_factory):
         app = GatewayApp(settings.load(None, {"store.url": url, **pages}), key_source=keys)
         app.pages.testing = True
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = chromium(p)
             yield {"c": c, "gw": gw, "prom": prom, "app": app, "browser": browser, "tmp": tmp, "key": key}
             browser.close()
         app.runtime.engine.dispose()

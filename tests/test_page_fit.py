@@ -17,7 +17,7 @@ from llmgw import store
 from llmgw.people import accounts, keys, limits, memberships, orgtree
 from llmgw.procs import free_port, http_status, wait_for
 from tests.cluster import Agent, Controller
-from tests.conftest import ROOT, Gateway, post, stop_process, write_config
+from tests.conftest import ROOT, Gateway, chromium, post, stop_process, write_config
 from tests.test_mirror import gguf_bytes
 from tests.test_mirrorpage import Registry
 
@@ -133,8 +133,7 @@ def site(tmp_path_factory):
         for _ in range(5):  # rows for the usage tables
             assert post(gw.url + "/v1/chat/completions", chat, ids["secret"])[0] == 200
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
-                "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = chromium(p)
             yield {"browser": browser, "gw": gw, "tmp": tmp, "signed_in": {}, **ids}
             for context in [*browser.contexts]:
                 context.close()
