@@ -108,6 +108,10 @@ def test_someone_new_from_elsewhere_waits_for_an_operator_and_is_told_so(site):
     assert "waits for an operator's approval" in page.inner_text("main") and fits_the_screen(page)
     assert accounts.find(engine, "bob@elsewhere.net").state == "pending"
     context.close()
+    # Each result counted for the operator's alerts (llmgw_provider_sign_ins_total).
+    gw.metrics_once("sign-ins by result", lambda text: all(
+        f'llmgw_provider_sign_ins_total{{provider="corp",result="{result}"}}' in text
+        for result in ("signed_in", "waiting")))
 
 
 def test_a_sign_in_replayed_from_the_history_gets_a_page_that_says_what_to_do(site):

@@ -197,6 +197,12 @@ class GatewayMetrics:
                                          "gateway.sign_in_failures_per_account; address: "
                                          "gateway.sign_in_failures_per_address; sign_up: gateway.sign_ups_per_address).",
                                          ["limit"], registry=None)
+        self.provider_sign_ins = Counter("llmgw_provider_sign_ins", "Sign-ins through an identity provider (the "
+                                         "pages' and llmgw login's), by provider and result: signed_in; waiting "
+                                         "(for approval, or for a link to be confirmed); refused (here: a "
+                                         "suspension, an unverified address, a state used or not this browser's); "
+                                         "provider_failed (it could not be reached, or its answer was not trusted).",
+                                         ["provider", "result"], registry=None)
         self.accountant_unavailable = Counter("llmgw_accountant_unavailable",
                                               "Requests that found the accountant unreachable (rate limits waived, "
                                               "budgets refused with 503).", registry=None)

@@ -57,6 +57,7 @@ class Outcome:
     user: accounts.User | None
     changes: list[str]
     refusal: str | None  # why this sign-in opens no session (the account may still have been made)
+    result: str  # signed_in; waiting (for approval, or a link's confirmation); refused
 
 
 class LinkError(Exception):
@@ -73,15 +74,15 @@ def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 
         row = conn.execute(i.select().where(sa.and_(i.c.provider == claims.provider,
                                                     i.c.subject == claims.subject))).first()
         if row is None:
-            user, refusal = _first_time(conn, provider, claims, most_pending)
+            user, refusal, result = _first_time(conn, provider, claims, most_pending)
             if user is None:
-                return Outcome(None, [], refusal)
+                return Outcome(None, [], refusal, result)
         elif row.confirmed_at is None:
-            return Outcome(None, [], _awaiting_confirmation(provider, claims))
+            return Outcome(None, [], _awaiting_confirmation(provider, claims), "waiting")
         else:
             user = accounts.get_in(conn, row.user_id)
         if user.state == accounts.SUSPENDED:
-            return Outcome(user, [], "Your account is suspended here. Ask an operator.")
+            return Outcome(user, [], "Your account is suspended here. Ask an operator.", "refused")
         changes = _apply_groups(conn, provider, claims, user)
         user = accounts.get_in(conn, user.id)
         conn.execute(i.update().where(sa.and_(i.c.provider == claims.provider, i.c.subject == claims.subject))
@@ -90,13 +91,13 @@ def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 
         log.info("%s signed in through %s: %s", user.email, claims.provider, change)
     if user.state == accounts.PENDING:
         return Outcome(user, changes, "Your account waits for an operator's approval. You can sign in once it is "
-                                      "approved.")
-    return Outcome(user, changes, None)
+                                      "approved.", "waiting")
+    return Outcome(user, changes, None, "signed_in")
 
 
 def _first_time(conn: Connection, provider: dict, claims: Claims,
-                most_pending: int) -> tuple[accounts.User | None, str | None]:
-    """The account a first sign-in of CLAIMS is, linked or made; or (None, why not).
+                most_pending: int) -> tuple[accounts.User | None, str | None, str]:
+    """The account a first sign-in of CLAIMS is, linked or made; or (None, why not, waiting or refused).
 
     An existing account is linked only through an address the provider verified, spelt in ASCII (Python
     lowers the Kelvin sign to a `k`, and "\u212aate@" would be kate's), and only to an account no sign-in
@@ -111,25 +112,25 @@ def _first_time(conn: Connection, provider: dict, claims: Claims,
             or bool(claims.groups & set(provider["approve_groups"]))
         if not approved and _waiting(conn) >= most_pending:
             return None, ("Sign-in of people new here is paused: too many accounts already wait for approval. Ask an "
-                          "operator.")
+                          "operator."), "refused"
         try:
             user = accounts.insert_user(conn, email, accounts.NO_PASSWORD,
                                         accounts.ACTIVE if approved else accounts.PENDING)
         except accounts.AccountError:
             return None, (f"{provider['label']} gave no usable email for you (its {provider['email_claim']} claim "
-                          "holds none). Ask an operator.")
+                          "holds none). Ask an operator."), "refused"
         if approved:
             conn.execute(store.users.update().where(store.users.c.id == user.id)
                          .values(approved_by=f"identity provider {claims.provider}", approved_at=now))
         log.info("%s signed in through %s for the first time: account made, %s", email, claims.provider,
                  user.state)
         _record(conn, claims, user.id, confirmed=True)
-        return user, None
+        return user, None, "signed_in"
     if not claims.email_verified or not claims.email.isascii():
         log.warning("%r signed in through %s with an address it does not say is verified, which an account here "
                     "has: not linked", claims.email, claims.provider)
         return None, (f"An account here already has this address, and {provider['label']} does not say it is "
-                      "verified, so it is not linked to you. Ask an operator.")
+                      "verified, so it is not linked to you. Ask an operator."), "refused"
     linked = conn.execute(sa.select(sa.func.count()).select_from(store.identities)
                           .where(store.identities.c.user_id == found.id)).scalar_one()
     confirm = provider["link_existing"] == "confirm" or linked > 0
@@ -137,9 +138,9 @@ def _first_time(conn: Connection, provider: dict, claims: Claims,
     if confirm:
         log.info("%s signed in through %s: a link to the account here waits for an administrator%s", email,
                  claims.provider, " (another sign-in is linked to it already)" if linked else "")
-        return None, _awaiting_confirmation(provider, claims)
+        return None, _awaiting_confirmation(provider, claims), "waiting"
     log.info("%s signed in through %s for the first time: linked to the account here", email, claims.provider)
-    return accounts.get_in(conn, found.id), None
+    return accounts.get_in(conn, found.id), None, "signed_in"
 
 
 def _waiting(conn: Connection) -> int:

@@ -36,7 +36,7 @@ from flask import Blueprint, abort, jsonify, render_template, request
 from llmgw import store
 from llmgw.people import accounts, identities, keys
 from llmgw.principals import hash_secret
-from llmgw.web import editors, forms, oidc, safety
+from llmgw.web import editors, forms, oidc, oidcpages, safety
 from llmgw.web.site import EXPIRED_FORM, site
 
 bp = Blueprint("clilogin", __name__)
@@ -168,10 +168,12 @@ def device_poll():
         return jsonify({"status": "pending", "slow_down": e.slow_down}), 202
     except oidc.Refused as e:
         _take(key)
+        oidcpages.counted(row.provider, "provider_failed")
         return _json_refusal(str(e), 403)
     if _take(key) is None:
         return _json_refusal("This sign-in is over (finished, or expired); run llmgw login again.", 410)
     outcome = identities.sign_in(s.engine, provider.entry, claims, s.cfg["gateway.sign_ups_pending"])
+    oidcpages.counted(row.provider, outcome.result)
     if outcome.refusal is not None:
         return _json_refusal(outcome.refusal, 403)
     return _issue(outcome.user, row.project, f"device flow at {row.provider}")

@@ -55,6 +55,11 @@ def _refused(text: str, status: int = 400):
     return render_template("message.html", title="Not signed in", text=text), status
 
 
+def counted(provider: str, result: str) -> None:
+    """Count a sign-in through PROVIDER by RESULT (`llmgw_provider_sign_ins_total`)."""
+    site().runtime.metrics.provider_sign_ins.labels(provider, result).inc()
+
+
 def _same(a: str, b: str) -> bool:
     """Whether A and B are equal, in constant time; any text (a state from a URL may be anything)."""
     return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
@@ -110,22 +115,26 @@ def callback(name):
     if request.args.get("error"):
         log.info("sign-in through %s ended at the provider: %r %r", name, request.args["error"][:60],
                  request.args.get("error_description", "")[:200])
+        counted(name, "refused")
         return _refused(f"{provider.label} did not sign you in. Sign in again, or ask an operator if it goes on.")
     if begun is None:
         log.warning("sign-in through %s refused: its state is not one this browser began, or it took too long", name)
+        counted(name, "refused")
         return _refused(f"This sign-in was not begun in this browser, was finished already, or took longer than "
                         f"{FLOW_SECONDS / 60:g} minutes. Sign in with {provider.label} again.")
     if not _used_once(name, state):
         log.warning("sign-in through %s refused: its state was used already", name)
+        counted(name, "refused")
         return _refused(f"This sign-in was finished already. Sign in with {provider.label} again.")
     try:
         tokens = provider.redeem_code(request.args.get("code", "")[:4096], _callback_url(name), begun["verifier"])
         claims = provider.claims(tokens, begun["nonce"])
-    except oidc.Refused as e:
-        return _refused(str(e))
-    except oidc.Pending:
-        return _refused(f"{provider.label} did not finish the sign-in; try again.")
+    except (oidc.Refused, oidc.Pending) as e:
+        counted(name, "provider_failed")
+        return _refused(str(e) if isinstance(e, oidc.Refused) else
+                        f"{provider.label} did not finish the sign-in; try again.")
     outcome = identities.sign_in(s.engine, provider.entry, claims, s.cfg["gateway.sign_ups_pending"])
+    counted(name, outcome.result)
     if outcome.refusal is not None:
         log.info("sign-in through %s of %r: %s", name, claims.email, outcome.refusal)
         return _refused(outcome.refusal, 403)
