@@ -402,3 +402,21 @@ def test_a_callback_with_any_state_at_all_gets_a_page(tmp_path, provider):
     told = client.get("/login/oidc/corp/callback", query_string={"error": "access_denied\nforged log line",
                                                                  "error_description": "<b>chosen text</b>"})
     assert told.status_code == 400 and b"chosen text" not in told.data and b"forged" not in told.data
+
+
+def test_llmgw_users_shows_and_confirms_a_waiting_link(tmp_path, provider):
+    from click.testing import CliRunner
+
+    from llmgw.cli.main import main
+    app, engine = gateway(tmp_path, provider, oidc_link_existing="confirm")
+    accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    provider_sign_in(app.pages.test_client(), provider, "root")
+    store_url = f"sqlite:///{tmp_path}/pages.db"
+    listed = CliRunner().invoke(main, ["--store", store_url, "users", "list"])
+    assert "corp (waits: --subject root)" in listed.stdout
+    linked = CliRunner().invoke(main, ["--store", store_url, "users", "link", "root@example.org", "--provider", "corp"])
+    assert linked.exit_code == 0 and "they can sign in with it now" in linked.stderr
+    again = CliRunner().invoke(main, ["--store", store_url, "users", "link", "root@example.org", "--provider", "corp"])
+    assert again.exit_code == 1 and "no sign-in through corp waits" in again.stderr
+    assert '"sign_ins": [{"provider": "corp", "subject": "root", "confirmed": true}]' in CliRunner().invoke(
+        main, ["--store", store_url, "users", "list", "--json"]).stdout
