@@ -213,8 +213,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds a session begun through an identity provider lasts at most (and never longer than "
             "`gateway.session_lifetime`): a person disabled at the provider is out within it.", minimum=60),
     Setting("auth.login_key_lifetime", "float", 30 * 86400.0,
-            "Seconds a key made by `llmgw login` lasts: someone disabled at the identity provider keeps its API "
-            "access no longer than this. 0: until revoked.", minimum=0),
+            "Seconds a key made by `llmgw login` lasts: someone disabled at the identity provider keeps that key's "
+            "access no longer than this (suspend them here to stop every key of theirs at once). 0: until "
+            "revoked.", minimum=0),
     Setting("auth.clock_skew", "float", 120.0,
             "Seconds by which this machine's clock and an identity provider's may differ when an ID token's "
             "times (`exp`, `iat`) are checked.", minimum=0),
@@ -548,7 +549,7 @@ PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 IDENTITY_PROVIDER_KEYS = {"name": "str", "label": "str", "issuer": "str", "client_id": "str",
                           "client_secret_file": "str", "scopes": "list", "email_claim": "str", "groups_claim": "str",
                           "approve_domains": "list", "approve_groups": "list", "link_existing": "str",
-                          "map": "tables"}
+                          "trust_email": "bool", "map": "tables"}
 # One `[[auth.oidc.map]]` entry: a provider group, and the place or role it gives.
 GROUP_MAP_KEYS = {"group": "str", "org": "str", "team": "str", "project": "str", "role": "str"}
 LINK_EXISTING = ("verified-email", "confirm")
@@ -876,7 +877,7 @@ def validate_identity_providers(tables: Any, base: str, where: str) -> list[dict
         secret = entry.get("client_secret_file", "")
         entry = {"label": name, "scopes": ["openid", "email", "profile"], "email_claim": "email",
                  "groups_claim": "groups", "approve_domains": [], "approve_groups": [],
-                 "link_existing": LINK_EXISTING[0], **entry,
+                 "link_existing": LINK_EXISTING[0], "trust_email": False, **entry,
                  "client_secret_file": os.path.join(base, secret) if secret else "",
                  "map": [_check_group_map(j, m, label) for j, m in enumerate(entry.get("map", []))]}
         if "openid" not in entry["scopes"]:
@@ -1117,6 +1118,9 @@ def reference_markdown() -> str:
         "| `approve_domains` | list | A person new here whose email is at one of these domains (and verified) "
         "starts approved; others wait for an operator. |",
         "| `approve_groups` | list | As `approve_domains`, for members of these provider groups. |",
+        "| `trust_email` | bool | Take every address this provider gives as verified: for a provider whose "
+        "addresses its organisation sets, not its people, and which sends no `email_verified` (Entra ID). "
+        "Default false: an address the provider does not say is verified makes no account and links to none. |",
         "| `link_existing` | str | A first sign-in whose verified email has a local account here: "
         "`verified-email` links them; `confirm` waits for an administrator (`llmgw users link`). Default "
         "`verified-email`. An unverified email is never linked. |",

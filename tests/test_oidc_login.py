@@ -64,7 +64,7 @@ def run_login(provider, url: str, *args: str, browser=None) -> subprocess.Comple
         shown = proc.stderr.readline() + proc.stderr.readline()
         where = re.search(r"Open (\S+)", shown)
         if where and browser:
-            browser(where.group(1), re.search(r"shows ([A-Z0-9_-]{4}-[A-Z0-9_-]{4})", shown).group(1))
+            browser(where.group(1), re.search(r"shows ([0-9]+ [A-Za-z0-9_-]{12})", shown).group(1))
         elif where:
             assert "Sign-in Success" in provider.confirm_device(where.group(1), "ada")
         out, err = proc.communicate(timeout=120)

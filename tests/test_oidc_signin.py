@@ -183,7 +183,7 @@ def test_an_existing_account_is_linked_only_through_a_verified_address(tmp_path,
     accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     # eve's provider profile claims root's address without the provider having verified it: no link.
     refused = provider_sign_in(app.pages.test_client(), provider, "eve")
-    assert refused.status_code == 403 and b"does not say it is verified" in refused.data
+    assert refused.status_code == 403 and b"does not say your address is verified" in refused.data
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(store.identities)).scalar_one() == 0
     # root's own, verified, links to the account (and keeps its password).
@@ -196,7 +196,7 @@ def test_an_administrator_can_be_made_to_confirm_each_link(tmp_path, provider):
     app, engine = gateway(tmp_path, provider, oidc_link_existing="confirm")
     accounts.create_user(engine, "root@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
     waiting = provider_sign_in(app.pages.test_client(), provider, "root")
-    assert waiting.status_code == 403 and b"llmgw users link root@example.org --provider corp" in waiting.data
+    assert waiting.status_code == 403 and b"llmgw users link YOUR-ADDRESS --provider corp" in waiting.data
     assert provider_sign_in(app.pages.test_client(), provider, "root").status_code == 403  # still waiting
     # Another administrator sees it waiting on the people page, and confirms it there.
     accounts.create_user(engine, "ops@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
@@ -336,26 +336,29 @@ def test_an_administrator_an_operator_confirmed_is_not_taken_back_by_the_provide
     provider.set_account("ada", groups=["ml-team"])
 
 
-def test_an_address_written_into_a_profile_before_its_owner_came_opens_nothing_of_theirs(tmp_path, provider):
-    # eve says she is root@example.org, unverified, before root has an account here: an account is made for
-    # that address, waiting. root's own verified sign-in later is not linked to it without an administrator.
-    app, engine = gateway(tmp_path, provider)
-    assert provider_sign_in(app.pages.test_client(), provider, "eve").status_code == 403
-    assert state_of(engine, "root@example.org") == ("pending", False)
+def test_an_address_written_into_a_profile_opens_nothing_and_takes_no_address(tmp_path, provider):
+    # eve says she is root@example.org, unverified, before root has an account here: nothing is made for
+    # that address, so root's own verified sign-in later finds it free.
+    app, engine = gateway(tmp_path, provider, oidc_approve_domains=["example.org"])
+    refused = provider_sign_in(app.pages.test_client(), provider, "eve")
+    assert refused.status_code == 403 and b"does not say your address is verified" in refused.data
+    assert accounts.list_users(engine) == []
     client = app.pages.test_client()
-    refused = provider_sign_in(client, provider, "root")
-    assert refused.status_code == 403 and b"an administrator must confirm" in refused.data
-    assert client.get("/account").status_code == 302
-    # Two sign-ins wait on that account now? No: eve's is linked (she made it); root's waits, and says whose.
-    with pytest.raises(identities.LinkError, match="no sign-in through corp with subject 'eve'"):
-        identities.confirm_link(engine, "root@example.org", "corp", "eve")
+    assert provider_sign_in(client, provider, "root").status_code == 302
+    assert b"root@example.org" in client.get("/account").data
+
+
+def test_a_provider_whose_addresses_the_operator_trusts_makes_accounts_from_them(tmp_path, provider):
+    app, engine = gateway(tmp_path, provider, oidc_trust_email=True)
+    assert provider_sign_in(app.pages.test_client(), provider, "eve").status_code == 403  # waits for approval
+    assert state_of(engine, "root@example.org") == ("pending", False)
 
 
 def test_an_address_that_only_lowers_to_an_accounts_is_not_linked_to_it(tmp_path, provider):
     app, engine = gateway(tmp_path, provider)
     accounts.create_user(engine, "kate@example.org", "a long enough password", state=accounts.ACTIVE)
     refused = provider_sign_in(app.pages.test_client(), provider, "kelvin")  # "\u212aate".lower() == "kate"
-    assert refused.status_code == 403 and b"not linked to you" in refused.data
+    assert refused.status_code == 403 and b"no account here is made or linked" in refused.data
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(store.identities)).scalar_one() == 0
 
@@ -420,3 +423,29 @@ def test_llmgw_users_shows_and_confirms_a_waiting_link(tmp_path, provider):
     assert again.exit_code == 1 and "no sign-in through corp waits" in again.stderr
     assert '"sign_ins": [{"provider": "corp", "subject": "root", "confirmed": true}]' in CliRunner().invoke(
         main, ["--store", store_url, "users", "list", "--json"]).stdout
+
+
+def test_callbacks_that_end_in_no_session_are_bounded_per_address(tmp_path, provider):
+    # Each asks the provider under the client every sign-in shares; a loop of junk ones is held back.
+    app, _ = gateway(tmp_path, provider)
+    client = app.pages.test_client()
+    answers = [client.get("/login/oidc/corp/callback", query_string={"state": f"s{i}", "code": "junk"}).status_code
+               for i in range(21)]
+    assert answers[:20] == [400] * 20 and answers[20] == 429
+
+
+def test_the_key_page_for_the_command_takes_only_what_a_command_sends(tmp_path, provider):
+    app, _ = gateway(tmp_path, provider, oidc_approve_domains=["example.org"])
+    client = app.pages.test_client()
+    provider_sign_in(client, provider, "ada")
+    good = {"port": "40000", "challenge": "a" * 43, "state": "s" * 20}
+    page = client.get("/login/cli", query_string=good)
+    assert page.status_code == 200 and b"40000 aaaaaaaaaaaa" in page.data
+    for bad in ({"port": "\u00b2\u00b2\u00b2\u00b2"}, {"port": "80"}, {"port": "9" * 40}, {"challenge": "x"},
+                {"state": "<script>"}, {"project": "p" * 301}):
+        assert client.get("/login/cli", query_string={**good, **bad}).status_code == 400, bad
+    # A page to go back to longer than the session should carry is not carried.
+    begun = client.get("/login/oidc/corp", query_string={"next": "/account?" + "x" * 300})
+    assert begun.status_code == 302
+    with client.session_transaction() as kept:
+        assert kept["oidc"][-1]["next"] == "/account"

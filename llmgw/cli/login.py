@@ -16,8 +16,6 @@ Two ways, both run with the gateway (llmgw/web/clilogin.py):
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import http.server
 import json
 import secrets
@@ -28,6 +26,7 @@ import webbrowser
 
 import click
 
+from llmgw import pkce
 from llmgw.apiclient import ApiClient, ApiError, Refused
 from llmgw.principals import KEY_VARIABLE
 
@@ -106,9 +105,12 @@ def _by_device(client: ApiClient, started: dict, quiet: bool) -> dict:
 class _Catch(http.server.BaseHTTPRequestHandler):
     """The one request the browser brings back to the loopback port: its code, for the state sent."""
 
+    timeout = 5  # a connection that sends nothing (another local user's) does not hold the port
+
     def do_GET(self):  # noqa: N802 (http.server's name)
         query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
-        ours = secrets.compare_digest(query.get("state", [""])[0], self.server.state)
+        given = query.get("state", [""])[0].encode("utf-8", "surrogatepass")
+        ours = secrets.compare_digest(given, self.server.state.encode())
         if ours and query.get("code"):
             self.server.code = query["code"][0]
         text = ("The key is in your terminal; you can close this tab." if ours else
@@ -125,15 +127,15 @@ class _Catch(http.server.BaseHTTPRequestHandler):
 
 def _by_browser(client: ApiClient, gateway: str, project: str | None, quiet: bool) -> dict:
     verifier = secrets.token_urlsafe(48)
-    challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+    challenge = pkce.challenge_of(verifier)
     server = http.server.HTTPServer(("127.0.0.1", 0), _Catch)
     server.state, server.code = secrets.token_urlsafe(24), None
     server.timeout = 1.0
     query = {"port": server.server_port, "challenge": challenge, "state": server.state,
              **({"project": project} if project else {})}
     url = f"{gateway.rstrip('/')}/login/cli?{urllib.parse.urlencode(query)}"
-    words = f"{challenge[:4]}-{challenge[4:8]}".upper()
-    click.echo(f"Open {url}\nsign in, and make the key if the page shows {words}.", err=quiet)
+    words = pkce.confirmation_words(server.server_port, challenge)
+    click.echo(f"Open {url}\nsign in, and make the key if the page shows {words}", err=quiet)
     threading.Thread(target=webbrowser.open, args=(url,), daemon=True).start()
     deadline = time.monotonic() + BROWSER_SECONDS
     try:

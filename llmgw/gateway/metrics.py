@@ -192,9 +192,9 @@ class GatewayMetrics:
                                            "closed) because their address already held "
                                            "gateway.max_connections_per_address in one worker, none of them idle.",
                                            registry=None)
-        self.sign_in_throttled = Counter("llmgw_sign_in_throttled", "Password checks and sign-ups the throttle "
-                                         "refused without trying them, by limit (account: "
-                                         "gateway.sign_in_failures_per_account; address: "
+        self.sign_in_throttled = Counter("llmgw_sign_in_throttled", "Password checks, sign-ups and identity "
+                                         "providers' callbacks the throttle refused without trying them, by limit "
+                                         "(account: gateway.sign_in_failures_per_account; address and callback: "
                                          "gateway.sign_in_failures_per_address; sign_up: gateway.sign_ups_per_address).",
                                          ["limit"], registry=None)
         self.provider_sign_ins = Counter("llmgw_provider_sign_ins", "Sign-ins through an identity provider (the "

@@ -4,13 +4,14 @@ A provider names a person by its `sub`, which it never gives to anyone else; tha
 signs them in from the second time on (an address can change hands). The first time, a person is found or
 made:
 
-- an account here with the same email is linked only when the provider says the address is verified, and
-  at once only to an account no sign-in is linked to yet; to one that has a sign-in already, or where the
-  provider's `link_existing` is `confirm`, once an administrator confirms (`llmgw users link`). An unverified
-  address is never linked, so nobody takes over an account by writing its address into a provider profile
-  of their own, before or after its owner signs in;
-- otherwise an account is made, with no password (`accounts.NO_PASSWORD`), approved when its verified
-  address is at one of `approve_domains` or one of its groups is in `approve_groups`, else waiting.
+- only an address the provider says is verified (or whose addresses the operator trusts, `trust_email`),
+  in ASCII, makes an account or links to one, so nobody takes an account, or an address, by writing it into
+  a provider profile of their own, before or after its owner comes;
+- an account here with that address is linked at once only when no sign-in is linked to it yet (a local
+  account); to one that has a sign-in already, or where the provider's `link_existing` is `confirm`, once an
+  administrator confirms (the people page, or `llmgw users link`);
+- otherwise an account is made, with no password (`accounts.NO_PASSWORD`), approved when its address is at
+  one of `approve_domains` or one of its groups is in `approve_groups`, else waiting.
 
 Then, at every sign-in, the provider's `[[auth.oidc.map]]` is applied: each entry whose group the person is
 in gives its place (or the administrator role); what this provider gave before and the groups no longer give
@@ -99,16 +100,22 @@ def _first_time(conn: Connection, provider: dict, claims: Claims,
                 most_pending: int) -> tuple[accounts.User | None, str | None, str]:
     """The account a first sign-in of CLAIMS is, linked or made; or (None, why not, waiting or refused).
 
-    An existing account is linked only through an address the provider verified, spelt in ASCII (Python
-    lowers the Kelvin sign to a `k`, and "\u212aate@" would be kate's), and only to an account no sign-in
-    is linked to yet (a local one); otherwise, or where the provider's `link_existing` is `confirm`, the link
-    waits for an administrator. So an address someone wrote into their own profile at a provider, before or
-    after its owner came, opens nobody's account."""
+    Only an address the provider verified (or whose addresses the operator trusts: `trust_email`), spelt in
+    ASCII (Python lowers the Kelvin sign to a `k`, and "\u212aate@" would be kate's), makes an account or
+    links to one; and it links at once only to an account no sign-in is linked to yet (a local one):
+    otherwise, or where the provider's `link_existing` is `confirm`, the link waits for an administrator. So
+    an address someone wrote into their own profile at a provider, before or after its owner came, opens
+    nobody's account and takes nobody's address."""
     email = claims.email.strip().lower()
+    if not claims.email_verified or not claims.email.isascii():
+        log.warning("%r signed in through %s with an address it does not say is verified (or not in ASCII): no "
+                    "account made or linked", claims.email, claims.provider)
+        return None, (f"{provider['label']} does not say your address is verified, so no account here is made or "
+                      "linked for you. Ask an operator."), "refused"
     found = conn.execute(store.users.select().where(store.users.c.email == email)).first()
     now = time.time()
     if found is None:
-        approved = claims.email_verified and email.rsplit("@", 1)[-1] in provider["approve_domains"] \
+        approved = email.rsplit("@", 1)[-1] in provider["approve_domains"] \
             or bool(claims.groups & set(provider["approve_groups"]))
         if not approved and _waiting(conn) >= most_pending:
             return None, ("Sign-in of people new here is paused: too many accounts already wait for approval. Ask an "
@@ -126,11 +133,6 @@ def _first_time(conn: Connection, provider: dict, claims: Claims,
                  user.state)
         _record(conn, claims, user.id, confirmed=True)
         return user, None, "signed_in"
-    if not claims.email_verified or not claims.email.isascii():
-        log.warning("%r signed in through %s with an address it does not say is verified, which an account here "
-                    "has: not linked", claims.email, claims.provider)
-        return None, (f"An account here already has this address, and {provider['label']} does not say it is "
-                      "verified, so it is not linked to you. Ask an operator."), "refused"
     linked = conn.execute(sa.select(sa.func.count()).select_from(store.identities)
                           .where(store.identities.c.user_id == found.id)).scalar_one()
     confirm = provider["link_existing"] == "confirm" or linked > 0
@@ -149,8 +151,9 @@ def _waiting(conn: Connection) -> int:
 
 
 def _awaiting_confirmation(provider: dict, claims: Claims) -> str:
-    return (f"An account here already has {claims.email}; an administrator must confirm that it is yours before "
-            f"you sign in with {provider['label']} (llmgw users link {claims.email} --provider {claims.provider}).")
+    return (f"An account here already has your address; an administrator must confirm that it is yours before "
+            f"you sign in with {provider['label']} (on the people page, or with llmgw users link YOUR-ADDRESS "
+            f"--provider {claims.provider}).")
 
 
 def _record(conn: Connection, claims: Claims, user_id: str, confirmed: bool) -> None:

@@ -10,9 +10,9 @@ asked (it counts questions against the client every sign-in shares).
 The browser on the person's computer, as RFC 8252 has native apps do it (`llmgw login --browser`, and where
 the provider has no device flow): the command listens on a loopback port and opens `/login/cli` with that
 port, the S256 challenge of a verifier it keeps, and a state. The person signs in as on any page (a
-provider, or a password), sees a page that names the command's confirmation words (the challenge's first
-characters, which the command printed too: a local user who started a listener of their own and sent the
-link would show other words) and makes the key with a button; the browser is sent to the command's port
+provider, or a password), sees a page that names the command's confirmation words (its port and the
+challenge's first characters, which the command printed too: a local user who started a listener of their
+own and sent the link would show other words) and makes the key with a button; the browser is sent to the command's port
 with a one-time code, which only the verifier redeems (`POST /login/cli/token`) within CODE_SECONDS.
 
 Either way the key expires after `auth.login_key_lifetime`, and belongs to the person (or to a project
@@ -21,8 +21,6 @@ they are a member of, where the command names one).
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import hmac
 import logging
 import re
@@ -33,7 +31,7 @@ import flask_login
 import sqlalchemy as sa
 from flask import Blueprint, abort, jsonify, render_template, request
 
-from llmgw import store
+from llmgw import pkce, store
 from llmgw.people import accounts, identities, keys
 from llmgw.principals import hash_secret
 from llmgw.web import editors, forms, oidc, oidcpages, safety
@@ -49,11 +47,6 @@ CODE_SECONDS = 120.0  # from the button to the command redeeming the code
 BROWSER = "browser"  # sign_in_flows.provider of a browser's one-time code
 CHALLENGE = re.compile(r"[A-Za-z0-9_-]{43}")  # S256 of a verifier, base64url without padding
 STATE = re.compile(r"[A-Za-z0-9_-]{16,128}")
-
-
-def confirmation_words(challenge: str) -> str:
-    """What the command prints and the page shows, for the person to compare: the challenge's first eight."""
-    return f"{challenge[:4]}-{challenge[4:8]}".upper()
 
 
 def _json_refusal(text: str, status: int):
@@ -90,11 +83,14 @@ def _issue(user: accounts.User, project: str | None, how: str):
                     "base_url": editors.gateway_url(s.runtime) + "/v1"})
 
 
-def _take(key: str):
-    """The flow kept as KEY, deleted as it is read; None when it is gone (another request took it first)."""
+def _take(key: str, browser: bool = False):
+    """The device flow kept as KEY (with BROWSER, the browser's code), deleted as it is read; None when there is
+    none of that kind, or another request took it first. Of the one kind only: a state's used-once marker is
+    never taken for a code."""
     f = store.sign_in_flows
+    kind = f.c.provider == BROWSER if browser else f.c.device_code.is_not(None)
     with store.writing(site().engine) as conn:
-        row = conn.execute(f.select().where(f.c.id == key)).first()
+        row = conn.execute(f.select().where(sa.and_(f.c.id == key, kind))).first()
         if row is None or not conn.execute(f.delete().where(f.c.id == key)).rowcount:
             return None
     return row
@@ -136,7 +132,8 @@ def device_start():
     f = store.sign_in_flows
     with store.writing(s.engine) as conn:
         conn.execute(f.delete().where(f.c.expires_at < now))
-        if conn.execute(sa.select(sa.func.count()).select_from(f)).scalar_one() >= MOST_DEVICE_FLOWS:
+        if conn.execute(sa.select(sa.func.count()).select_from(f).where(f.c.device_code.is_not(None))).scalar_one() \
+                >= MOST_DEVICE_FLOWS:
             return _json_refusal("Too many sign-ins are under way here just now; try again in a few minutes.", 503)
         conn.execute(f.insert().values(id=hash_secret(handle), provider=name, device_code=started["device_code"],
                                        project=project, polled_at=now, created_at=now, expires_at=now + lasts))
@@ -190,8 +187,8 @@ def _asked() -> tuple[int, str, str, str | None]:
         project = _project(values.get("project") or None)
     except ValueError:
         abort(400)
-    if not (port.isdigit() and 1024 <= int(port) <= 65535 and CHALLENGE.fullmatch(challenge)
-            and STATE.fullmatch(state)):
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 1024 <= int(port) <= 65535
+            and CHALLENGE.fullmatch(challenge) and STATE.fullmatch(state)):
         abort(400)
     return int(port), challenge, state, project
 
@@ -201,7 +198,7 @@ def _asked() -> tuple[int, str, str, str | None]:
 def browser_ask():
     port, challenge, state, project = _asked()
     return render_template("cli_login.html", port=port, challenge=challenge, state=state, project=project,
-                           words=confirmation_words(challenge), form=site().form(forms.ActionForm),
+                           words=pkce.confirmation_words(port, challenge), form=site().form(forms.ActionForm),
                            me=flask_login.current_user.user)
 
 
@@ -228,13 +225,13 @@ def browser_give():
 def browser_token():
     body = _small_json()
     code, verifier = body.get("code"), body.get("verifier")
-    if not (isinstance(code, str) and isinstance(verifier, str) and 43 <= len(verifier) <= 128):
+    if not (isinstance(code, str) and isinstance(verifier, str) and 43 <= len(verifier) <= 128
+            and verifier.isascii()):
         return _json_refusal("Send the code the browser brought and the verifier of its challenge.", 400)
-    row = _take(hash_secret(code))
-    if row is None or row.provider != BROWSER or row.expires_at <= time.time():
+    row = _take(hash_secret(code), browser=True)
+    if row is None or row.expires_at <= time.time():
         return _json_refusal("This code is used or expired; run llmgw login again.", 410)
-    made = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
-    if not hmac.compare_digest(made, row.challenge or ""):
+    if not hmac.compare_digest(pkce.challenge_of(verifier), row.challenge or ""):
         log.warning("llmgw login --browser: a code was brought with the wrong verifier; it is spent")
         return _json_refusal("This code was not made for this command; run llmgw login again.", 403)
     user = accounts.get(site().engine, row.user_id)

@@ -213,6 +213,7 @@ class Provider:
                         self.entry["groups_claim"], found["sub"])
             raise Refused(f"{self.label} said your groups in a form this gateway cannot read; ask an operator.")
         # A name longer than any a map holds is left out rather than cut (cut, it could become one that is mapped).
+        verified = verified or self.entry["trust_email"]
         return Claims(self.name, found["sub"], email, verified, frozenset(g for g in groups if len(g) <= MOST_GROUP))
 
     def _verified(self, id_token: str, nonce: str | None, access_token) -> dict:

@@ -37,7 +37,7 @@ log = logging.getLogger("llmgw.oidc")
 
 FLOW_SECONDS = 600.0  # a person has this long at the provider's pages
 BEGUN_AT_ONCE = 3  # sign-ins begun in one browser and not finished, kept in its session (other tabs)
-MOST_NEXT = 2048  # characters of the page to go back to
+MOST_NEXT = 256  # characters of the page to go back to: the session cookie carries it, and must stay small
 
 
 def _provider(name: str) -> oidc.Provider:
@@ -110,6 +110,10 @@ def _used_once(name: str, state: str) -> bool:
 def callback(name):
     s = site()
     provider = _provider(name)
+    address = s.proxies.client(request.environ)
+    throttled = s.throttle.callback(address, time.monotonic())
+    if throttled:
+        return _refused(throttled, 429)
     state = request.args.get("state", "")
     begun = _take_begun(name, state) if state else None
     if request.args.get("error"):
@@ -136,8 +140,9 @@ def callback(name):
     outcome = identities.sign_in(s.engine, provider.entry, claims, s.cfg["gateway.sign_ups_pending"])
     counted(name, outcome.result)
     if outcome.refusal is not None:
-        log.info("sign-in through %s of %r: %s", name, claims.email, outcome.refusal)
+        log.info("sign-in through %s of %r: %r", name, claims.email, outcome.refusal)
         return _refused(outcome.refusal, 403)
+    s.throttle.callback_finished(address)
     s.begin_session(outcome.user, provider=name)
     return redirect(begun["next"])
 

@@ -21,7 +21,10 @@ cannot step through addresses.
 
 Sign-ups are counted per address too (`gateway.sign_ups_per_address`): each
 one hashes a password, and forty at once from one address once made forty
-pending accounts in 3.3 s.
+pending accounts in 3.3 s. So are an identity provider's callbacks that do not
+end in a session (`gateway.sign_in_failures_per_address`): each asks the
+provider, under the client every sign-in shares, and a loop of junk ones
+could get that client rate-limited there.
 
 Counted per worker, not in the store: a failure written to SQLite costs a
 commit (20-30 ms, fsync included) on the worker's event loop, and a burst of
@@ -70,8 +73,8 @@ def place(address: str) -> str:
 
 class Throttle:
     def __init__(self, limits: Limits, refused=lambda limit: None):
-        """REFUSED(LIMIT) is told of each attempt held back, by the limit it met: `account`, `address` or
-        `sign_up` (the pages count them in `llmgw_sign_in_throttled_total`)."""
+        """REFUSED(LIMIT) is told of each attempt held back, by the limit it met: `account`, `address`,
+        `sign_up` or `callback` (the pages count them in `llmgw_sign_in_throttled_total`)."""
         self.limits = limits
         self.refused = refused
         self.counted: dict[tuple[str, ...], collections.deque] = {}  # (what, ...) -> times within the window
@@ -105,6 +108,21 @@ class Throttle:
         if refused is None:
             self._count((key,), now)
         return refused
+
+    def callback(self, address: str, now: float) -> str | None:
+        """Count an identity provider's callback from ADDRESS as unfinished until `callback_finished`; or, past
+        `per_address`, why not: each one costs a question to the provider, under the client all sign-ins share."""
+        key = ("callback", place(address))
+        refused = self._refusal(key, self.limits.per_address, "Too many sign-ins that did not finish from your "
+                                                              "address", now, "callback")
+        if refused is None:
+            self._count((key,), now)
+        return refused
+
+    def callback_finished(self, address: str) -> None:
+        times = self.counted.get(("callback", place(address)))
+        if times:
+            times.pop()
 
     @staticmethod
     def _account(email: str, address: str) -> tuple[str, ...]:
