@@ -5,9 +5,14 @@ a changed group at the next sign-in, and a refused sign-in's page, each at a pho
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import subprocess
+import sys
 
 import pytest
+import requests
 from playwright.sync_api import sync_playwright
 
 from llmgw import store
@@ -36,7 +41,8 @@ def site(tmp_path_factory):
                                   "bob": {"email": "bob@elsewhere.net", "email_verified": True, "groups": []}}, [{
         "client_id": "llmgw", "client_secret": "a-client-secret",
         "redirect_uris": [f"{gateway_url}/login/oidc/corp/callback"], "post_logout_redirect_uris": [gateway_url + "/"],
-        "grant_types": ["authorization_code"], "response_types": ["code"]}])
+        "grant_types": ["authorization_code", "urn:ietf:params:oauth:grant-type:device_code"],
+        "response_types": ["code"]}])
     secret = tmp / "corp.secret"
     secret.write_text("a-client-secret\n")
     os.chmod(secret, 0o600)
@@ -126,3 +132,37 @@ def test_a_sign_in_replayed_from_the_history_gets_a_page_that_says_what_to_do(si
     assert "finished already" in page.inner_text("main") and "Sign in with Corp SSO again" in page.inner_text("main")
     assert fits_the_screen(page)
     context.close()
+
+
+def test_llmgw_login_gets_a_key_once_the_code_is_confirmed_in_the_providers_own_pages(site):
+    browser, gw, provider, engine = site
+    command = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "llmgw"), "login", gw.url, "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "LLMGW_CONFIG": "", "BROWSER": "true"})
+    try:
+        shown = command.stderr.readline() + command.stderr.readline()
+        where = re.search(r"Open (\S+)", shown).group(1)
+        context = browser.new_context(viewport=PHONE)
+        page = context.new_page()
+        code = re.search(r"confirm the code (\S+) at Corp SSO", shown).group(1)
+        page.goto(where)  # the provider shows the code it was given, to compare with the command's
+        page.wait_for_selector("text=Confirm Device")
+        assert code in page.inner_text("body")
+        page.click("text=Continue")
+        page.wait_for_selector("input[name=login]")
+        page.fill("input[name=login]", "ada")
+        page.fill("input[name=password]", "any password")
+        page.click("button[type=submit]")
+        page.wait_for_selector("text=Sign-in Success")
+        context.close()
+        out, err = command.communicate(timeout=120)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.communicate()
+    assert command.returncode == 0, err
+    got = json.loads(out)
+    assert got["email"] == "ada@example.org" and got["key"].startswith("sk-llmgw-")
+    # The key works at the gateway.
+    answer = requests.get(gw.url + "/v1/models", headers={"Authorization": f"Bearer {got['key']}"}, timeout=10)
+    assert answer.status_code == 200
