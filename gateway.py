@@ -21,6 +21,7 @@ from llmgw import filemodes, keyfiles, settings, store
 from llmgw.gateway.masterstate import MasterState
 from llmgw.people import sessions
 from llmgw.procs import raise_fd_limit
+from llmgw.web import oidc
 from llmgw.wire.curve import ClientKeys
 
 
@@ -42,6 +43,9 @@ def main(config_path, listen, workers, metrics_listen, store_url, endpoints):
         filemodes.check_roles(cfg, "gateway")
         # Made here, before any worker is forked, so a start that cannot use it fails once, saying why.
         sessions.ensure_secret(sessions.secret_path(cfg))
+        # Each worker reads the identity providers' client secrets as it starts; one missing fails here, once.
+        for provider in cfg.identity_providers:
+            oidc.read_client_secret(provider["client_secret_file"])
     except (settings.ConfigError, OSError) as e:
         raise click.ClickException(str(e)) from None
     logging.basicConfig(level=cfg["log.level"].upper(), format="%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s")

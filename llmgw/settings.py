@@ -174,7 +174,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gateway.public_url", "str", "",
             "The address people reach the gateway at (`https://llm.example.com`), used in links the CLI prints, in "
             "the account page's editor settings and in the `/setup/<tool>` scripts. Empty: `gateway.listen` for the "
-            "CLI, and the address a page or script was fetched from for those."),
+            "CLI, and the address a page or script was fetched from for those. Required with `[[auth.oidc]]`: an "
+            "identity provider sends people back to `PUBLIC_URL/login/oidc/NAME/callback` (and `PUBLIC_URL/` after "
+            "signing out), and people must reach the pages at this address for a sign-in to finish."),
     Setting("gateway.contact", "str", "",
             "Who to ask for access, shown on the landing page (an address or a sentence)."),
     Setting("gateway.session_idle", "float", 8 * 3600.0,
@@ -192,13 +194,15 @@ SETTINGS: tuple[Setting, ...] = (
             "another out.", minimum=1),
     Setting("gateway.sign_in_failures_per_address", "int", 20,
             "Wrong passwords one client address (for IPv6, its /64) may give within `gateway.sign_in_window`, "
-            "whatever accounts it tries (behind `gateway.trusted_proxies`, the address they forward).", minimum=1),
+            "whatever accounts it tries (behind `gateway.trusted_proxies`, the address they forward); and, "
+            "counted apart, identity providers' callbacks from it that end in no session.", minimum=1),
     Setting("gateway.sign_in_window", "float", 900.0,
             "Seconds over which wrong passwords and sign-ups are counted. Each gateway worker counts its own (a failure written "
             "to the store would stall the worker), so W workers allow W times the failures.",
             minimum=1),
     Setting("gateway.sign_ups_per_address", "int", 5,
-            "Sign-ups one client address may make within `gateway.sign_in_window` (with `gateway.signup_open`).",
+            "Sign-ups one client address may make within `gateway.sign_in_window` (with `gateway.signup_open`), and "
+            "`llmgw login` device sign-ins it may begin.",
             minimum=1),
     Setting("gateway.sign_ups_pending", "int", 50,
             "Accounts that may wait for approval at once; past them, sign-up is paused and says to ask "
@@ -208,7 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(`[[auth.oidc]]`), except the administrators `auth.break_glass` names; sign-up with a password closes too."),
     Setting("auth.break_glass", "list", [],
             "Emails of administrators who may still sign in with their password when `auth.local_sign_in` is false: "
-            "the way in when the identity provider is down or misconfigured."),
+            "the way in when the identity provider is down or misconfigured. Each needs an account here with a "
+            "password (`llmgw users create --admin`, or the one `llmgw init` made); one made by a provider has none."),
     Setting("auth.provider_session_lifetime", "float", 8 * 3600.0,
             "Seconds a session begun through an identity provider lasts at most (and never longer than "
             "`gateway.session_lifetime`): a person disabled at the provider is out within it.", minimum=60),

@@ -35,18 +35,23 @@ def provider(tmp_path_factory):
             "client_id": "llmgw", "client_secret": "a-client-secret",
             "redirect_uris": [CALLBACK, f"http://127.0.0.1:{port}/login/oidc/corp/callback"],
             "grant_types": ["authorization_code", "urn:ietf:params:oauth:grant-type:device_code"],
-            "response_types": ["code"]}])
+            "response_types": ["code"]}, {
+            # A client the provider does not let use the device grant, though it offers the grant to others.
+            "client_id": "web-only", "client_secret": "a-client-secret",
+            "redirect_uris": [f"http://127.0.0.1:{port}/login/oidc/corp/callback"],
+            "grant_types": ["authorization_code"], "response_types": ["code"]}])
     p.gateway_port = port
     yield p
     p.stop()
 
 
-@pytest.fixture
-def served(tmp_path, provider):
-    """The gateway's pages on a loopback port, and their store."""
+@pytest.fixture(params=["llmgw"])
+def served(request, tmp_path, provider):
+    """The gateway's pages on a loopback port, and their store; the client id it uses at the provider is the
+    fixture's parameter."""
     port = provider.gateway_port
     app, engine = gateway(tmp_path, provider, public_url=f"http://127.0.0.1:{port}",
-                          oidc_approve_domains=["example.org"])
+                          oidc_approve_domains=["example.org"], oidc_client_id=request.param)
     server = make_server("127.0.0.1", port, app.pages, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -61,7 +66,8 @@ def run_login(provider, url: str, *args: str, browser=None) -> subprocess.Comple
     proc = subprocess.Popen([LLMGW, "login", url, *args, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "LLMGW_CONFIG": "", "BROWSER": "true"})
     try:
-        shown = proc.stderr.readline() + proc.stderr.readline()
+        shown = proc.stderr.readline()
+        shown += proc.stderr.readline() + (proc.stderr.readline() if "Signing in through a browser" in shown else "")
         where = re.search(r"Open (\S+)", shown)
         if where and browser:
             browser(where.group(1), re.search(r"shows ([0-9]+ [A-Za-z0-9_-]{12})", shown).group(1))
@@ -104,7 +110,9 @@ def test_a_project_the_person_is_not_in_is_refused_and_said(served, provider):
     assert done.returncode == 1 and "You are not a member of acme/research/chat" in done.stderr
 
 
-def test_llmgw_login_through_a_browser_on_this_computer(served, provider):
+@pytest.mark.parametrize("served,how", [("llmgw", "--browser"), ("web-only", None)], indirect=["served"])
+def test_llmgw_login_through_a_browser_on_this_computer(served, how, provider):
+    # Asked for, or where the provider does not let this gateway's client use the device grant.
     url, engine = served
 
     def browser(address, words):  # ada's browser: the provider's sign-in, then the gateway's button
@@ -122,8 +130,9 @@ def test_llmgw_login_through_a_browser_on_this_computer(served, provider):
         code_at = re.search(r'id="back" href="([^"]+)"', done.text).group(1).replace("&amp;", "&")
         assert requests.get(code_at, timeout=10).status_code == 200  # what follow.js does
 
-    done = run_login(provider, url, "--browser", browser=browser)
+    done = run_login(provider, url, *([how] if how else []), browser=browser)
     assert done.returncode == 0, done.stderr
+    assert how or "does not let this gateway sign in from a device" in done.stderr
     got = json.loads(done.stdout)
     ada = accounts.find(engine, "ada@example.org")
     assert got["email"] == "ada@example.org" and [k.id for k in keys.list_keys(engine, user_id=ada.id)] == \

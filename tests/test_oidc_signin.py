@@ -449,3 +449,16 @@ def test_the_key_page_for_the_command_takes_only_what_a_command_sends(tmp_path, 
     assert begun.status_code == 302
     with client.session_transaction() as kept:
         assert kept["oidc"][-1]["next"] == "/account"
+
+
+def test_a_groups_claim_missing_altogether_leaves_places_as_they_were(tmp_path, provider, tree):
+    app, engine = gateway(tmp_path, provider, oidc_approve_domains=["example.org"],
+                          oidc_map=[{"group": "ml-team", "team": "acme/research"}])
+    tree(engine)
+    provider_sign_in(app.pages.test_client(), provider, "ada")
+    provider.set_account("ada", groups=None)  # a mapper switched off at the provider
+    client = app.pages.test_client()
+    provider_sign_in(client, provider, "ada")
+    assert places_of(engine, "ada@example.org") == {("acme/research", "member")}
+    assert b"did not say your groups (groups); places left as they were" in client.get("/account").data
+    provider.set_account("ada", groups=["ml-team"])

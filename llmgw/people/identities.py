@@ -13,7 +13,8 @@ made:
 - otherwise an account is made, with no password (`accounts.NO_PASSWORD`), approved when its address is at
   one of `approve_domains` or one of its groups is in `approve_groups`, else waiting.
 
-Then, at every sign-in, the provider's `[[auth.oidc.map]]` is applied: each entry whose group the person is
+Then, at every sign-in of an approved account, the provider's `[[auth.oidc.map]]` is applied (a groups claim
+missing altogether leaves everything as it was, rather than taking everything away): each entry whose group the person is
 in gives its place (or the administrator role); what this provider gave before and the groups no longer give
 is taken away, keys made there revoked as leaving always does. What an operator gave by hand is never taken
 away, and a suspended person stays suspended and is left as they are, whatever the provider says. What
@@ -50,7 +51,7 @@ class Claims:
     subject: str
     email: str
     email_verified: bool
-    groups: frozenset[str]
+    groups: frozenset[str] | None  # None: the provider said nothing of them this time (not: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 
             user = accounts.get_in(conn, row.user_id)
         if user.state == accounts.SUSPENDED:
             return Outcome(user, [], "Your account is suspended here. Ask an operator.", "refused")
-        changes = _apply_groups(conn, provider, claims, user)
+        changes = _apply_groups(conn, provider, claims, user) if user.state == accounts.ACTIVE else []
         user = accounts.get_in(conn, user.id)
         conn.execute(i.update().where(sa.and_(i.c.provider == claims.provider, i.c.subject == claims.subject))
                      .values(email=claims.email, signed_in_at=time.time(), changes=json.dumps(changes)))
@@ -116,7 +117,7 @@ def _first_time(conn: Connection, provider: dict, claims: Claims,
     now = time.time()
     if found is None:
         approved = email.rsplit("@", 1)[-1] in provider["approve_domains"] \
-            or bool(claims.groups & set(provider["approve_groups"]))
+            or bool((claims.groups or frozenset()) & set(provider["approve_groups"]))
         if not approved and _waiting(conn) >= most_pending:
             return None, ("Sign-in of people new here is paused: too many accounts already wait for approval. Ask an "
                           "operator."), "refused"
@@ -167,6 +168,13 @@ def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accoun
     """Give USER what PROVIDER's map gives CLAIMS's groups, take back what it gave and they no longer give;
     what changed, in words."""
     name, entries = claims.provider, provider["map"]
+    if claims.groups is None:
+        # A groups claim missing (a mapper switched off, Entra's overage) is not "in no group": taking every
+        # place away on it would revoke keys over a provider's misconfiguration.
+        log.warning("%s signed in through %s without its %s claim: places and roles left as they were",
+                    user.email, name, provider["groups_claim"])
+        return [f"{provider['label']} did not say your groups ({provider['groups_claim']}); places left as they were"] \
+            if entries else []
     tree = Tree.read(conn)
     m = store.memberships
     held = {(r.scope, r.scope_id): r for r in conn.execute(m.select().where(m.c.user_id == user.id))}

@@ -106,6 +106,10 @@ def device_start():
         return _json_refusal("This gateway signs nobody in through an identity provider; llmgw login --browser "
                              "signs you in with your password on the pages instead.", 501)
     name = body.get("provider") or (next(iter(s.providers)) if len(s.providers) == 1 else None)
+    if name is None:  # several: the sign-in page offers each, so the browser it is
+        return _json_refusal(f"This gateway signs in through {len(s.providers)} identity providers "
+                             f"({', '.join(sorted(s.providers))}); choose one in the browser, or with --provider.",
+                             501)
     if not isinstance(name, str) or name not in s.providers:
         return _json_refusal(f"Say which identity provider to sign in with (--provider): "
                              f"{', '.join(sorted(s.providers))}.", 400)

@@ -170,8 +170,21 @@ class Provider:
         if url is None:
             raise NoDeviceFlow(f"{self.label} does not offer sign-in from a device; llmgw login --browser signs in "
                                "through a browser on this computer instead.")
-        answer = self._json("POST", url, "its device authorization", self._client_form(
-            {"scope": " ".join(self.entry["scopes"])}))
+        form = self._client_form({"scope": " ".join(self.entry["scopes"])})
+        status, body = self._exchange("POST", url, "its device authorization", form, self._basic(form))
+        answer = _json_object(body) or {}
+        if status == 400:
+            # Listed for the provider, refused to this client (Keycloak lists it realm-wide; providers say so as
+            # unauthorized_client or invalid_request): the browser serves as well. A 401 is a wrong secret.
+            log.info("identity provider %s: the device grant is refused to client %s: %r %r", self.name,
+                     self.entry["client_id"], str(answer.get("error"))[:60],
+                     str(answer.get("error_description"))[:200])
+            raise NoDeviceFlow(f"{self.label} does not let this gateway sign in from a device; llmgw login signs "
+                               "in through a browser on this computer instead.")
+        if status != 200:
+            log.error("identity provider %s: its device authorization answered %s: %r", self.name, status, body[:300])
+            raise Refused(f"{self.label} answered with something unreadable; an operator will find what in this "
+                          "gateway's log.")
         if not all(isinstance(answer.get(k), str) for k in ("device_code", "user_code", "verification_uri")):
             log.error("identity provider %s: its device authorization answered without a device code: %s",
                       self.name, str(answer)[:300])
@@ -206,15 +219,15 @@ class Provider:
                         found["sub"])
             raise Refused(f"{self.label} did not say your email address ({self.entry['email_claim']}); an operator "
                           "must check which scopes and claims it is asked for.")
-        if groups is None:
-            groups = []
-        if not isinstance(groups, list) or len(groups) > MOST_GROUPS or not all(isinstance(g, str) for g in groups):
+        if groups is not None and (not isinstance(groups, list) or len(groups) > MOST_GROUPS
+                                   or not all(isinstance(g, str) for g in groups)):
             log.warning("identity provider %s: its %s claim for %r is not a list of names", self.name,
                         self.entry["groups_claim"], found["sub"])
             raise Refused(f"{self.label} said your groups in a form this gateway cannot read; ask an operator.")
         # A name longer than any a map holds is left out rather than cut (cut, it could become one that is mapped).
         verified = verified or self.entry["trust_email"]
-        return Claims(self.name, found["sub"], email, verified, frozenset(g for g in groups if len(g) <= MOST_GROUP))
+        return Claims(self.name, found["sub"], email, verified,
+                      None if groups is None else frozenset(g for g in groups if len(g) <= MOST_GROUP))
 
     def _verified(self, id_token: str, nonce: str | None, access_token) -> dict:
         offered = self.metadata().get("id_token_signing_alg_values_supported") or ["RS256"]

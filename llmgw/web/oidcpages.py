@@ -73,6 +73,7 @@ def begin(name):
     try:
         url = provider.authorize_url(_callback_url(name), state, nonce, create_s256_code_challenge(verifier))
     except oidc.Refused as e:
+        counted(name, "provider_failed")
         return _refused(str(e), 502)
     begun = [b for b in session.get("oidc", []) if b["at"] > time.time() - FLOW_SECONDS][-(BEGUN_AT_ONCE - 1):]
     session["oidc"] = [*begun, {"state": state, "nonce": nonce, "verifier": verifier, "provider": name,
