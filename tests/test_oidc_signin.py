@@ -462,3 +462,23 @@ def test_a_groups_claim_missing_altogether_leaves_places_as_they_were(tmp_path, 
     assert places_of(engine, "ada@example.org") == {("acme/research", "member")}
     assert b"did not say your groups (groups); places left as they were" in client.get("/account").data
     provider.set_account("ada", groups=["ml-team"])
+
+
+def test_a_gateway_whose_client_secret_is_missing_or_loose_does_not_start(tmp_path, provider):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, write_config
+    entry = {"name": "corp", "issuer": provider.issuer, "client_id": "llmgw",
+             "client_secret_file": str(tmp_path / "absent.secret")}
+    config = write_config(tmp_path / "gw.toml", {"gateway.public_url": "http://localhost",
+                                                 "store.url": f"sqlite:///{tmp_path}/gw.db"},
+                          identity_providers=[entry])
+    ran = subprocess.run([sys.executable, f"{ROOT}/gateway.py", "--config", config], capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 1 and "cannot read the identity provider's client secret" in ran.stderr
+    (tmp_path / "absent.secret").write_text("s\n")
+    os.chmod(tmp_path / "absent.secret", 0o644)
+    ran = subprocess.run([sys.executable, f"{ROOT}/gateway.py", "--config", config], capture_output=True, text=True,
+                         timeout=60)
+    assert ran.returncode == 1 and "chmod" in ran.stderr and "absent.secret" in ran.stderr
