@@ -872,6 +872,9 @@ def validate_identity_providers(tables: Any, base: str, where: str) -> list[dict
                               "'.', '_' or '-' (it is part of the sign-in address)")
         if any(other["name"] == name for other in checked):
             raise ConfigError(f"[[auth.oidc]] in {where}: {name} is declared twice")
+        if name == "browser":  # what `llmgw login --browser`'s codes are kept under (llmgw/web/clilogin.py)
+            raise ConfigError(f"[[auth.oidc]] number {i + 1} in {where}: the name browser is llmgw's own; choose "
+                              "another")
         issuer = urllib.parse.urlsplit(entry["issuer"])
         loopback = issuer.hostname in ("127.0.0.1", "::1", "localhost")
         if issuer.scheme != "https" and not (issuer.scheme == "http" and loopback):

@@ -313,6 +313,8 @@ def test_the_configuration_is_checked_when_it_is_read(tmp_path):
         load(base + 'issuer = "https://sso.example.com"\n[[auth.oidc.map]]\ngroup = "g"\n')
     with pytest.raises(settings.ConfigError, match="manager, of an organisation"):
         load(base + 'issuer = "https://sso.example.com"\n[[auth.oidc.map]]\ngroup = "g"\nteam = "a/b"\nrole = "manager"\n')
+    with pytest.raises(settings.ConfigError, match="the name browser is llmgw's own"):
+        load(base.replace('"corp"', '"browser"') + 'issuer = "https://sso.example.com"\n')
     with pytest.raises(settings.ConfigError, match="write identity providers as an array of tables"):
         load('[auth.oidc]\nname = "corp"\n')
     with pytest.raises(settings.ConfigError, match="needs gateway.public_url"):
