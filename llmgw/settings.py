@@ -1112,13 +1112,15 @@ def reference_markdown() -> str:
         "",
         "| key | type | meaning |",
         "| --- | --- | --- |",
-        "| `name` | str | Its name, part of the sign-in addresses (`/login/oidc/NAME`). Required. |",
+        "| `name` | str | Its name, part of the sign-in addresses (`/login/oidc/NAME`): 1-32 letters, digits, "
+        "`.`, `_` or `-`, not `browser`. People's sign-ins are kept under it, so renaming it makes each next "
+        "sign-in wait for an administrator. Required. |",
         "| `label` | str | What the sign-in button says after \"Sign in with\". Default: the name. |",
         "| `issuer` | str | The provider's issuer URL, exactly as its `/.well-known/openid-configuration` names "
         "it; https (http only on loopback). Required. |",
         "| `client_id` | str | The gateway's client id at the provider. Required. |",
         "| `client_secret_file` | str | A file (mode 0600, refused when others may read it) holding the client "
-        "secret; relative to the configuration file. |",
+        "secret; relative to the configuration file; read at start. Left out only for a public client. |",
         "| `scopes` | list | Scopes asked for. Default `[\"openid\", \"email\", \"profile\"]`; add the one "
         "that puts groups in the ID token where the provider needs it (`groups`). |",
         "| `email_claim` | str | The ID token's claim naming a person. Default `email`. |",
