@@ -40,8 +40,10 @@ def test_the_chat_page_wakes_a_model_says_what_it_waits_for_then_sends(tmp_path)
             page.click("button[type=submit]")
             page.wait_for_url("**/account")
             page.goto(gw.url + "/chat")
-            wait_for("the page to offer the model", 30,
-                     lambda: page.reload() or "lazy (starts when asked)" in page.inner_text("#model"))
+            # Reloaded until the gateway has the catalog (a reload answers a truthy Response, so it may not be
+            # the condition itself: `reload() or ...` once passed at once, and the page offered no model yet).
+            wait_for("the page to offer the model", 60,
+                     lambda: (page.reload(), "lazy (starts when asked)" in page.inner_text("#model"))[1])
             assert c.replicas("lazy") == []  # nothing runs until someone asks
             page.select_option("#spend", project.id)  # on their own, or the project they belong to
             page.fill("#prompt", "Are you there?")
