@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import urllib.parse
 
 import pytest
@@ -484,3 +485,27 @@ def test_a_gateway_whose_client_secret_is_missing_or_loose_does_not_start(tmp_pa
     ran = subprocess.run([sys.executable, f"{ROOT}/gateway.py", "--config", config], capture_output=True, text=True,
                          timeout=60)
     assert ran.returncode == 1 and "chmod" in ran.stderr and "absent.secret" in ran.stderr
+
+
+def test_a_code_for_the_command_is_spent_by_a_wrong_verifier_and_good_once(tmp_path, provider):
+    from llmgw import pkce
+    app, _ = gateway(tmp_path, provider, oidc_approve_domains=["example.org"])
+    client = app.pages.test_client()
+    provider_sign_in(client, provider, "ada")
+
+    def code_for(verifier):
+        asked = {"port": "40000", "challenge": pkce.challenge_of(verifier), "state": "s" * 20}
+        page = client.get("/login/cli", query_string=asked)
+        done = client.post("/login/cli", data={**asked, "csrf_token": token(page.data)})
+        assert done.headers["Cache-Control"] == "no-store"
+        return re.search(rb"code=([A-Za-z0-9_-]+)", done.data).group(1).decode()
+
+    verifier = "v" * 50
+    code = code_for(verifier)
+    wrong = client.post("/login/cli/token", json={"code": code, "verifier": "w" * 50})
+    assert wrong.status_code == 403
+    assert client.post("/login/cli/token", json={"code": code, "verifier": verifier}).status_code == 410  # spent
+    code = code_for(verifier)
+    made = client.post("/login/cli/token", json={"code": code, "verifier": verifier})
+    assert made.status_code == 200 and made.json["email"] == "ada@example.org"
+    assert client.post("/login/cli/token", json={"code": code, "verifier": verifier}).status_code == 410  # once
