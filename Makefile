@@ -119,6 +119,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/failover.py
 	$(BIN)/python bench/threads.py
 	$(BIN)/python bench/routing.py
+	$(BIN)/python bench/keys.py --out bench/results/keys.json --chart docs/scaling-keys.svg
 
 clean:
 	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -132,7 +132,7 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
     demand = Demand()
     scaler = Scaler(cfg["controller.scale_up_after"], cfg["controller.scale_down_after"])
     inbox = DemandInbox(context, cfg["controller.demand_listen"], gateway_keys)
-    key_pusher = KeyPusher(engine)
+    key_pusher = KeyPusher(engine, publisher.epoch)
     outbox = Outbox(server)
     report = ReconcileReport()
     maps = fabricmaps.Maps()

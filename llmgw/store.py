@@ -83,6 +83,11 @@ api_keys = sa.Table(
     sa.Column("revoked_at", sa.Float),
     sa.Column("user_id", sa.String(32)),  # the person it belongs to; None for an operator's key in a project
     sa.Column("made_by", sa.String(32)),  # the person who made it, when a person did (leaving revokes these)
+    # Listings page through keys in the order they were made, and read one person's or project's: without
+    # these, each read a million keys (`llmgw keys list`, the account page; bench/keys.py).
+    sa.Index("api_keys_created", "created_at", "id"),
+    sa.Index("api_keys_user", "user_id"),
+    sa.Index("api_keys_project", "project_id", "created_at"),
 )
 
 # Who belongs where. A member of an organisation or team may use every project in it.
@@ -567,6 +572,12 @@ def _identities(conn: Connection) -> None:
     _add_missing(conn, "sessions", {"expires_at": "FLOAT", "provider": "VARCHAR(64)"})
 
 
+def _key_indexes(conn: Connection) -> None:
+    # A store made since these were declared has them from step 1 already.
+    for index in api_keys.indexes:
+        index.create(conn, checkfirst=True)
+
+
 def _leases(conn: Connection) -> None:
     metadata.create_all(conn, tables=[leases])
     conn.execute(leases.insert().values(name="controller", owner="", address="", expires_at=0.0))
@@ -600,6 +611,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (18, "personal use turned off", _columns_added("limits", disabled="BOOLEAN")),
     (19, "routing profiles of keys and the tree", _columns_added("limits", profile="VARCHAR(64)")),
     (20, "sign-in through identity providers", _identities),
+    (21, "keys listed a page at a time", _key_indexes),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 

@@ -21,8 +21,10 @@ FAST = {"controller.unreachable_after": 1.0, "controller.lost_after": 2.0, "agen
 
 
 class Controller:
-    def __init__(self, tmp, store_url=None, agent_port=None, models=(), **settings):
+    def __init__(self, tmp, store_url=None, agent_port=None, models=(), root=ROOT, **settings):
+        """ROOT: the checkout whose controller.py runs (a benchmark's --baseline names another)."""
         self.tmp = tmp
+        self.root = root
         for attempt in range(3):
             self._choose_ports(store_url, agent_port, models, settings)
             try:
@@ -57,7 +59,7 @@ class Controller:
         API answers 503 to all but the status."""
         self.log_path = self.tmp / f"controller-{self.admin_port}.log"
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "controller.py"), "--config", self.config],
+            self.proc = subprocess.Popen([sys.executable, os.path.join(self.root, "controller.py"), "--config", self.config],
                                          stdout=log, stderr=subprocess.STDOUT)
         # Up once it answers; without the token, 401.
         wait_for("the controller's admin API", 20,

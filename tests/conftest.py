@@ -269,7 +269,10 @@ class Gateway:
     """`python gateway.py` under gunicorn, on free ports, with its own configuration file."""
 
     def __init__(self, tmp_path, store_url: str, endpoints=(), models=(), workers=2, routing_profiles=(),
-                 identity_providers=(), port: int | None = None, **settings):
+                 identity_providers=(), port: int | None = None, root: str = ROOT, start_limit: float = 30,
+                 **settings):
+        """ROOT: the checkout whose gateway.py runs (a benchmark's --baseline names another); START_LIMIT:
+        seconds it may take to answer, each worker having read every key."""
         self.port = port or free_port()
         self.metrics_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -284,14 +287,14 @@ class Gateway:
                                    routing_profiles=routing_profiles, identity_providers=identity_providers)
         self.log_path = tmp_path / f"gateway-{self.port}.log"
         log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "gateway.py"), "--config", self.config],
+        self.proc = subprocess.Popen([sys.executable, os.path.join(root, "gateway.py"), "--config", self.config],
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:
-            wait_for("the gateway to answer /health", 30, lambda: http_status(self.url + "/health") == 200,
+            wait_for("the gateway to answer /health", start_limit, lambda: http_status(self.url + "/health") == 200,
                      alive=lambda: self.proc.poll() is None)
             # Every worker must have booted, or early requests meet only the first.
-            wait_for("every worker to boot", 30, lambda: self.log().count("Booting worker") >= workers)
+            wait_for("every worker to boot", start_limit, lambda: self.log().count("Booting worker") >= workers)
         except Exception as e:
             self.stop()
             raise RuntimeError(f"the gateway did not start:\n{self.log()}") from e

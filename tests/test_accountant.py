@@ -164,7 +164,7 @@ def tree_with_people(engine):
 
 
 def access_of(engine, key_record):
-    return KeyTable.from_message(keys.key_set(engine)).access[key_record.id]
+    return KeyTable.from_message(keys.key_set(engine)).access(key_record)
 
 
 def wire(access):
@@ -339,7 +339,7 @@ def test_spend_is_rebuilt_for_every_scope_after_a_restart(engine):
     limits.set_limits(engine, "user", ayse.id, "test", budget=1000)
     table = KeyTable.from_message(keys.key_set(engine))
     assert a.admit(wire(table.person(ayse.id)), True, 1).limit == "budget"
-    assert a.admit(wire(table.access[key.id]), True, 1).limit == "budget"
+    assert a.admit(wire(table.access(key)), True, 1).limit == "budget"
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(store.usage)).scalar() == 3
 

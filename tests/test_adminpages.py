@@ -82,6 +82,44 @@ def test_people_page_runs_the_tree_and_accounts(admin):
     assert "late@example.org" not in flashed(client, "/admin/people?q=late")
 
 
+def test_the_people_page_shows_a_page_of_each_and_says_where_the_rest_are(admin):
+    """Past what a page shows: accounts a page at a time, a project's first keys, a team's first projects, places
+    and people typed rather than listed on every row; each says how many more and where they are."""
+    from llmgw import store
+    from llmgw.web import adminpages
+
+    client, engine, _ = admin
+    orgtree.add(engine, "org", "Acme")
+    orgtree.add(engine, "team", "ml", "Acme")
+    paths = [orgtree.add(engine, "project", f"p{i:03d}", "Acme/ml").path for i in range(adminpages.SHOWN_PROJECTS + 3)]
+    for i in range(25):
+        keys.create_key(engine, f"key{i:02d}", paths[0])
+    with store.writing(engine) as conn:  # 120 more accounts, as fast as the store takes them
+        for i in range(120):
+            accounts.insert_user(conn, f"u{i:03d}@example.org", "!", accounts.ACTIVE)
+    page = flashed(client)
+    assert page.count('name="place"') == 50 and "50 of 121 accounts, by email." in page
+    assert "key09" in page and "key10" not in page
+    assert "and 15 more: <code>llmgw keys list --project Acme/ml/p000</code>" in page
+    tree = page.split('id="accounts"')[0]
+    assert "p052" not in tree and "and 3 more projects" in tree
+    assert '<option value="Acme/ml/p052">project</option>' in page  # few enough places to offer them all
+    whole = flashed(client, "/admin/people?team=" + orgtree.Tree.load(engine).find("team", "Acme/ml").id)
+    assert "p052" in whole.split('id="accounts"')[0] and "more projects" not in whole
+    following = flashed(client, "/admin/people?after=u048%40example.org")
+    table = following.split("<tbody>")[1].split("</tbody>")[0]
+    assert "u049@example.org" in table and "u048@example.org" not in table and "Next 50" in following
+    act(client, "/admin/people", do="join", user=accounts.find(engine, "u001@example.org").id, place="Acme/ml/p001")
+    assert "u001@example.org is a member of Acme/ml/p001." in flashed(client)
+    act(client, "/admin/people", do="join", user=accounts.find(engine, "u002@example.org").id, place="Acme",
+        role="manager")
+    assert "u002@example.org is a manager of Acme." in flashed(client)
+    made = client.post("/admin/people/key", data={"csrf_token": token(client.get("/admin/people").data),
+                                                  "name": "theirs", "project": paths[1], "for": "u003@example.org"})
+    assert made.status_code == 200 and b"theirs" in made.data
+    assert [k.user_id for k in keys.list_keys(engine) if k.name == "theirs"] == [accounts.find(engine, "u003@example.org").id]
+
+
 def test_names_people_chose_are_shown_inert(admin):
     client, engine, _ = admin
     orgtree.add(engine, "org", "<script>alert(1)<\\script>")

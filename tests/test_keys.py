@@ -106,6 +106,30 @@ def test_cli_prints_the_secret_alone_on_stdout(store_url):
     assert "no key works now; --all lists the 1 revoked or expired" in said.stderr
 
 
+def test_keys_are_listed_a_page_at_a_time_and_a_script_gets_them_all(store_url):
+    engine = store.open_engine(store_url)
+    made = [keys.create_key(engine, f"k{i:03d}")[0] for i in range(105)]
+    keys.revoke_key(engine, made[3].id)
+    engine.dispose()
+    runner = CliRunner()
+    first = runner.invoke(main, ["--store", store_url, "keys", "list"])
+    assert first.exit_code == 0, first.output
+    names = [line.split()[1] for line in first.stdout.splitlines()[1:]]
+    assert len(names) == 100 and names[:4] == ["k000", "k001", "k002", "k004"]  # the revoked one left out
+    last = made[100].id
+    assert f"100 of 104 keys shown; the next: llmgw keys list --after {last}; every key: --limit 0" in first.stderr
+    rest = runner.invoke(main, ["--store", store_url, "keys", "list", "--after", last])
+    assert [line.split()[1] for line in rest.stdout.splitlines()[1:]] == ["k101", "k102", "k103", "k104"]
+    assert rest.stderr == ""  # nothing follows
+    small = runner.invoke(main, ["--store", store_url, "keys", "list", "--all", "--limit", "2", "--after", made[2].id])
+    assert [line.split()[1] for line in small.stdout.splitlines()[1:]] == ["k003", "k004"]
+    assert f"--all --after {made[4].id}" in small.stderr
+    every = runner.invoke(main, ["--store", store_url, "keys", "list", "--json"])
+    assert len(every.stdout.splitlines()) == 104 and every.stderr == ""  # a script is not cut short
+    unknown = runner.invoke(main, ["--store", store_url, "keys", "list", "--after", "nokey"])
+    assert unknown.exit_code == 2 and "no key has the id 'nokey'" in unknown.stderr
+
+
 def test_cli_errors_say_what_to_do(tmp_path):
     url = f"sqlite:///{tmp_path}/cli.db"
     runner = CliRunner()

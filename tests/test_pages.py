@@ -333,7 +333,7 @@ def test_a_persons_own_key_may_narrow_its_models_and_yield_but_never_rise(site):
     assert rising.status_code == 400  # "high" is not a choice a person has
     table = KeyTable.from_message(keys.key_set(engine))
     (record,) = [r for r in table.by_hash.values() if r.name == "batch"]
-    assert table.access[record.id].band == "low" and table.access[record.id].models == frozenset({"sim", "other"})
+    assert table.access(record).band == "low" and table.access(record).models == frozenset({"sim", "other"})
 
 
 def test_the_chat_endpoint_needs_a_session_and_its_token(site):

@@ -174,14 +174,20 @@ def _only_project(engine) -> str:
                            f"{shown}")
 
 
+KEYS_PAGE = 100  # keys in one table of `llmgw keys list`: a terminal's worth, read without reading them all
+
+
 @keys.command("list")
 @click.option("--project", help="Only the keys that spend in this project (id, path or unique name).")
 @click.option("--all", "show_all", is_flag=True, help="Revoked and expired keys too.")
+@click.option("--limit", type=click.IntRange(min=0), metavar="N",
+              help=f"At most N keys [{KEYS_PAGE} in the table; every key with --json]; 0: every key.")
+@click.option("--after", metavar="ID", help="Begin after the key with this id: the last of the page before.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per key, for scripts.")
 @click.pass_obj
-def keys_list(obj: Context, project, show_all, as_json):
-    """List the keys that work (never their secrets): where each spends, and whose it is."""
-    from llmgw.people import accounts
+def keys_list(obj: Context, project, show_all, limit, after, as_json):
+    """List the keys that work (never their secrets), in the order they were made: where each spends, and whose
+    it is. A page at a time: the table shows the first 100 and says how to see the next."""
     from llmgw.people import keys as keymod
     from llmgw.people.orgtree import Tree, TreeError
 
@@ -193,30 +199,43 @@ def keys_list(obj: Context, project, show_all, as_json):
         except TreeError as e:
             raise click.BadParameter(str(e), param_hint="--project") from None
     now = time.time()
-    records = keymod.list_keys(engine, project_ids={where.id} if where else None)
-    shown = [r for r in records if show_all or keymod.works(r, now)]
-    emails = {u.id: u.email for u in accounts.list_users(engine)}
-    if as_json:
-        for r in shown:
-            click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "owner": emails.get(r.user_id),
-                                  "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
-                                  "revoked_at": r.revoked_at}))
-        return
-    if not shown:
-        place = f" in {where.path}" if where else ""
-        if records:
-            click.echo(f"no key{place} works now; --all lists the {len(records)} revoked or expired", err=True)
+    limit = (None if as_json else KEYS_PAGE) if limit is None else limit or None
+    scope = dict(project_ids={where.id} if where else None, working_at=None if show_all else now)
+    try:
+        # One more than the page, to know whether another follows.
+        shown = keymod.page_of_keys(engine, after=after, limit=None if limit is None else limit + 1, **scope)
+        if limit is not None:
+            shown = list(shown)
+            more, shown = len(shown) > limit, shown[:limit]
+        if as_json:
+            for r, email in shown:
+                click.echo(json.dumps({"id": r.id, "name": r.name, "project": r.project, "owner": email,
+                                       "prefix": r.prefix, "created_at": r.created_at, "expires_at": r.expires_at,
+                                       "revoked_at": r.revoked_at}))
+            return
+        rows = [("ID", "NAME", "SPENDS IN", "OWNER", "PREFIX", "CREATED", "STATE")]
+        for r, email in shown:
+            state = ("revoked " + _when(r.revoked_at) if r.revoked_at else
+                     "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
+                     "expires " + _when(r.expires_at) if r.expires_at else "active")
+            rows.append((r.id, r.name, r.project, email or "-", r.prefix + "...", _when(r.created_at), state))
+    except keymod.KeyRefused as e:
+        raise click.BadParameter(str(e), param_hint="--after") from None
+    place = f" in {where.path}" if where else ""
+    if len(rows) == 1 and after is None:
+        everything = keymod.count_keys(engine, scope["project_ids"]) if not show_all else 0
+        if everything:
+            click.echo(f"no key{place} works now; --all lists the {everything:,} revoked or expired", err=True)
         else:
             click.echo(f"no keys{place} yet; make one with `llmgw keys create NAME"
                        + (f" --project {where.path}`" if where else "`"), err=True)
         return
-    rows = [("ID", "NAME", "SPENDS IN", "OWNER", "PREFIX", "CREATED", "STATE")]
-    for r in shown:
-        state = ("revoked " + _when(r.revoked_at) if r.revoked_at else
-                 "expired " + _when(r.expires_at) if r.expires_at and r.expires_at <= now else
-                 "expires " + _when(r.expires_at) if r.expires_at else "active")
-        rows.append((r.id, r.name, r.project, emails.get(r.user_id, "-"), r.prefix + "...", _when(r.created_at), state))
     print_table(rows)
+    if limit is not None and more:
+        total = keymod.count_keys(engine, **scope)
+        options = (f" --project {where.path}" if where else "") + (" --all" if show_all else "")
+        click.echo(f"{len(rows) - 1:,} of {total:,} keys{place} shown; the next: llmgw keys list{options} "
+                   f"--after {rows[-1][0]}" + ("; every key: --limit 0" if limit == KEYS_PAGE else ""), err=True)
 
 
 @keys.command("revoke")

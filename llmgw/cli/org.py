@@ -135,7 +135,7 @@ def _scope_id(engine, scope: str, which: str | None) -> str:
         return accounts.find(engine, which).id
     from llmgw.people import keys as keymod
 
-    found = [r for r in keymod.list_keys(engine) if which in (r.id, r.name, r.prefix)]
+    found = keymod.named(engine, which)
     if len(found) != 1:
         raise click.ClickException(f"{len(found) or 'no'} keys match {which!r}; name the key by its id")
     return found[0].id

@@ -256,9 +256,8 @@ class ControlLoop:
                 continue
             self.outbox.send(self.fleet)
             self.inbox.drain(lambda model: self.demand.note(model, time.monotonic()))
-            key_set = self.key_pusher.take()
-            if key_set is not None:
-                self.publisher.publish_keys(key_set)
+            for topic, message in self.key_pusher.take():
+                self.publisher.publish_encoded(topic, message)
             if self.fleet.settling(time.monotonic()):
                 # Gateways keep the last snapshot they had, with the replicas of nodes still on their way
                 # back, rather than one that lacks them; but they ask this controller's accountant and tell

@@ -30,7 +30,7 @@ from llmgw.control.authenticator import serve_curve
 from llmgw.control.catalog import Model
 from llmgw.control.reconciler import Replica
 from llmgw.people import keys
-from llmgw.wire import gateways
+from llmgw.wire import gateways, keychanges
 
 log = logging.getLogger("llmgw.publisher")
 
@@ -164,9 +164,9 @@ class Publisher:
                                                                       accountant_port=accountant_port)])
         self.leading_sent_at = now
 
-    def publish_keys(self, key_set: dict) -> None:
-        """Send every key with what it is held to (people.keys.key_set); the caller decides when."""
-        self.socket.send_multipart([gateways.KEYS, gateways.encode("keys", epoch=self.epoch, **key_set)])
+    def publish_encoded(self, topic: bytes, message: bytes) -> None:
+        """Send MESSAGE, encoded already under this publisher's epoch (KeyPusher's), on TOPIC."""
+        self.socket.send_multipart([topic, message])
 
     def close(self) -> None:
         self.socket.close(0)
@@ -207,19 +207,23 @@ class DemandInbox:
 
 
 class KeyPusher:
-    """When gateways need the keys again: at once when the store's key revision changes (revoking a key, or
-    any change to a person, such as suspending them, takes effect everywhere within `KEYS_CHECK` seconds and
-    a message), and every `KEYS_REPEAT` seconds so a
-    gateway that missed one heals. It looks in a thread of its own (the store's answer may be slow, and
-    four looks a second through the scheduler cost more than the looks); the loop that owns the socket
-    `take`s what is ready."""
+    """What gateways need of the keys, and when: at once when the store's key revision changes (revoking a key,
+    or any change to a person, such as suspending them, takes effect everywhere within `KEYS_CHECK` seconds and
+    a message), first what changed (`key_changes`, llmgw/wire/keychanges.py) and then the whole set; and the
+    whole set again every `KEYS_REPEAT` seconds, so a gateway that missed one heals. It looks in a thread of
+    its own, which also encodes (the store's answer may be slow, a million keys take seconds to read and
+    encode, and four looks a second through the scheduler cost more than the looks); the loop that owns the
+    socket `take`s what is ready, encoded under EPOCH, the publisher's."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, epoch: str):
         self.engine = engine
+        self.epoch = epoch
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="keys", daemon=True)
         self.ready: queue.SimpleQueue = queue.SimpleQueue()
         self.revision: int | None = None
+        self.seen: dict | None = None  # the view (keychanges.view) of the set last sent
+        self.whole = b""  # the set last sent, encoded: a repeat sends it again as it was
         self.sent_at = 0.0
         # One connection kept for the look at the revision: checking one out of the pool for each look
         # cost five times the query (0.75 ms of CPU against 0.14, four times a second).
@@ -241,11 +245,19 @@ class KeyPusher:
 
     def check(self) -> None:
         now = time.monotonic()
-        revision = self._current_revision()
-        if revision != self.revision or now - self.sent_at >= gateways.KEYS_REPEAT:
+        if self._current_revision() != self.revision:
             key_set = keys.key_set(self.engine)
-            self.ready.put(key_set)
-            self.revision, self.sent_at = key_set["revision"], now
+            seen = keychanges.view(key_set)
+            if self.seen is not None:
+                changes = keychanges.difference(self.seen, seen)
+                self.ready.put((gateways.KEY_CHANGES, gateways.encode(
+                    "key_changes", epoch=self.epoch, base=self.revision, revision=key_set["revision"], **changes)))
+            self.whole = gateways.encode("keys", epoch=self.epoch, **key_set)
+            self.ready.put((gateways.KEYS, self.whole))
+            self.revision, self.seen, self.sent_at = key_set["revision"], seen, now
+        elif now - self.sent_at >= gateways.KEYS_REPEAT:
+            self.ready.put((gateways.KEYS, self.whole))
+            self.sent_at = now
 
     def start(self) -> "KeyPusher":
         self.thread.start()
@@ -266,8 +278,11 @@ class KeyPusher:
             self.conn.close()
             self.conn = None
 
-    def take(self) -> dict | None:
-        try:
-            return self.ready.get_nowait()
-        except queue.Empty:
-            return None
+    def take(self) -> list[tuple[bytes, bytes]]:
+        """The messages ready to send, in order: (topic, encoded message)."""
+        out = []
+        while True:
+            try:
+                out.append(self.ready.get_nowait())
+            except queue.Empty:
+                return out

@@ -54,7 +54,7 @@ class Admission:
             result = table.authenticate(credential, time.time())
         if isinstance(result, Refusal):
             raise ApiError(401, result.message, result.code)
-        caller = Caller(result.id, result.project_id, result.user_id, table.access[result.id])
+        caller = Caller(result.id, result.project_id, result.user_id, table.access(result))
         if caller.access.personal_off:
             raise personal_off()
         return caller

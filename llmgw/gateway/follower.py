@@ -89,29 +89,34 @@ def with_leader(body: dict, current: Snapshot, host: str) -> Snapshot:
 
 
 def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, on_leading, context=None,
-           dropped=None) -> None:
-    """Run forever: ON_SNAPSHOT(message, host), ON_KEYS(message) and ON_LEADING(message, host) for each message
-    a controller of CONTROLLERS publishes, checked against its schema; HOST is the address it came from. With
-    KEYS, only a publisher holding the controller's secret key is heard. CONTEXT: a worker's green one by
-    default; the master passes a plain one for its thread. DROPPED, a counter, counts what cannot be read."""
+           dropped=None, on_key_changes=None, keys_held=None) -> None:
+    """Run forever: ON_SNAPSHOT(message, host), ON_KEYS(message), ON_KEY_CHANGES(message) and
+    ON_LEADING(message, host) for each message a controller of CONTROLLERS publishes, checked against its schema;
+    HOST is the address it came from. With KEYS, only a publisher holding the controller's secret key is
+    heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread. DROPPED, a
+    counter, counts what cannot be read. KEYS_HELD() is the revision of the keys held: a whole set at that
+    revision is dropped unread."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)
-    sock.setsockopt(zmq.SUBSCRIBE, gateways.SNAPSHOT)
-    sock.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)
-    sock.setsockopt(zmq.SUBSCRIBE, gateways.LEADING)
+    topics = (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING, gateways.KEY_CHANGES)
+    for topic in topics:
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
     for address in controllers:
         sock.connect(addresses.zmq_connect(address, "gateway.controller"))
     try:
         while True:
             frames = sock.recv_multipart(copy=False)
             topic = frames[0].bytes
-            if len(frames) != 2 or topic not in (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING):
+            if len(frames) != 2 or topic not in topics:
                 log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
                             topic[:20])
                 if dropped is not None:
                     dropped.inc()
+                continue
+            if topic == gateways.KEYS and keys_held is not None \
+                    and gateways.keys_revision(frames[1].buffer) == keys_held():
                 continue
             try:
                 message = gateways.decode(frames[1].bytes)
@@ -124,6 +129,9 @@ def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys
                 on_snapshot(message, frames[1].get("Peer-Address"))
             elif topic == gateways.LEADING:
                 on_leading(message, frames[1].get("Peer-Address"))
+            elif topic == gateways.KEY_CHANGES:
+                if on_key_changes is not None:
+                    on_key_changes(message)
             else:
                 on_keys(message)
     finally:

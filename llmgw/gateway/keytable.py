@@ -2,9 +2,11 @@
 
 The table is built whole from a `keys` message (llmgw.wire.gateways): pushed
 by the controller when a gateway follows one, or read from the store by a
-gateway without one. It is replaced whole, never changed in place, so a
-lookup never sees half a table. Expiry is checked against the clock at each
-request, so an expired key needs no new table to stop working.
+gateway without one. A `key_changes` message makes the next table from the
+one held, changing only what changed. Either way it is replaced whole, never
+changed in place, so a lookup never sees half a table. Expiry is checked
+against the clock at each request, so an expired key needs no new table to
+stop working.
 
 Besides the keys it holds the rules they are resolved by (limits, tree,
 prices), so the chat page's people are resolved from the same moment's rules.
@@ -17,6 +19,21 @@ import time
 
 from llmgw import rules
 from llmgw.principals import KeyRecord, hash_secret, well_formed
+from llmgw.wire import keychanges
+
+_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(KeyRecord))
+
+
+def _record(entry: dict) -> KeyRecord:
+    """A key as a `keys` or `key_changes` message carries it (its hash besides)."""
+    return KeyRecord(*(entry.get(name) for name in _KEY_FIELDS))
+
+
+def _limits(values) -> rules.Limits:
+    """(rpm, tpm, budget, period, models, band, disabled, profile) as the rules hold them."""
+    rpm, tpm, budget, period, models, band, disabled, profile = values
+    return rules.Limits(rpm, tpm, budget, period, tuple(models) if models is not None else None, band, disabled,
+                        profile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,33 +66,69 @@ class KeyTable:
         self.admins = admins  # active administrators: their keys may choose a replica (llmgw ctl bench)
         self.threads = threads or {}  # hours each project keeps its conversations, for those that do
         self.memory = memory or {}  # hours each project keeps its agents' notes, for those that do
-        self.access = {r.id: self.rules.access(r.id, r.project_id, r.user_id) for r in records.values()}
+        # Each key's and person's access, worked out at its first request: at a million keys, working all of them
+        # out when a table arrives took seconds, and most keys are not used between two changes.
+        self.keys_access: dict[str, rules.Access] = {}
         self.people: dict[str, rules.Access] = {}
 
     @classmethod
     def from_message(cls, message: dict) -> "KeyTable":
         """The table a `keys` message describes (checked already by its schema)."""
-        records = {}
-        for entry in message["keys"]:
-            fields = dict(entry)
-            records[fields.pop("hash")] = KeyRecord(**{f.name: fields.get(f.name) for f in
-                                                       dataclasses.fields(KeyRecord)})
-        limits = {(scope, sid): rules.Limits(rpm, tpm, budget, period, tuple(models) if models is not None else None,
-                                             band)
-                  for scope, sid, rpm, tpm, budget, period, models, band in message["limits"]}
-        for scope, sid, profile in message.get("profiles", ()):
-            limits[scope, sid] = dataclasses.replace(limits.get((scope, sid), rules.Limits()), profile=profile)
-        if "personal" in message:
-            rpm, tpm, budget, period, models, band, disabled = message["personal"]
-            limits["personal", ""] = rules.Limits(rpm, tpm, budget, period,
-                                                  tuple(models) if models is not None else None, band, disabled or None,
-                                                  limits.get(("personal", ""), rules.Limits()).profile)
+        records = {entry["hash"]: _record(entry) for entry in message["keys"]}
+        limits = {identity: _limits(values) for identity, values in keychanges.limits_of(message).items()}
         ruleset = rules.Rules(limits, {p: tuple(up) for p, up in message["parents"].items()}, message["team_org"])
         prices = rules.Prices({model: rules.Price(i, o) for model, i, o in message["prices"]})
         return cls(records, message["revision"], ruleset, prices, frozenset(message["suspended"]),
                    frozenset(message["active"]), frozenset(message.get("admins", ())),
                    {project: hours for project, hours in message.get("threads", ())},
                    {project: hours for project, hours in message.get("memory", ())})
+
+    def changed(self, message: dict) -> "KeyTable":
+        """The table a `key_changes` message makes of this one (whose revision is its `base`). A new table, as
+        for a whole set, so a request never sees half a change; the parts that did not change are shared,
+        and those that did are copied (a C copy of a dictionary: milliseconds at a million keys) and changed
+        entry by entry."""
+        def changed_part(part: dict, entries_of: str, entry) -> dict:
+            if entries_of not in message and f"{entries_of}_gone" not in message:
+                return part
+            out = dict(part)
+            for identity in message.get(f"{entries_of}_gone", ()):
+                out.pop(tuple(identity) if isinstance(identity, list) else identity, None)
+            out.update(entry(e) for e in message.get(entries_of, ()))
+            return out
+
+        def changed_set(part: frozenset, name: str) -> frozenset:
+            return (part - frozenset(message.get(f"{name}_gone", ()))) | frozenset(message.get(name, ()))
+
+        records = changed_part(self.by_hash, "keys", lambda e: (e["hash"], _record(e)))
+        limits = changed_part(self.rules.limits, "limits", lambda row: ((row[0], row[1]), _limits(row[2:])))
+        parents = changed_part(self.rules.parents, "parents", lambda row: (row[0], (row[1], row[2])))
+        team_org = changed_part(self.rules.team_org, "team_org", lambda row: (row[0], row[1]))
+        by_model = changed_part(self.prices.by_model, "prices", lambda row: (row[0], rules.Price(row[1], row[2])))
+        same_rules = limits is self.rules.limits and parents is self.rules.parents and team_org is self.rules.team_org
+        table = KeyTable(records, message["revision"],
+                         self.rules if same_rules else rules.Rules(limits, parents, team_org),
+                         self.prices if by_model is self.prices.by_model else rules.Prices(by_model),
+                         changed_set(self.suspended, "suspended"), changed_set(self.active_people, "active"),
+                         changed_set(self.admins, "admins"),
+                         changed_part(self.threads, "threads", tuple), changed_part(self.memory, "memory", tuple))
+        if same_rules:
+            # What was worked out still holds, but for the keys that changed (a key's project is part of it).
+            table.keys_access = dict(self.keys_access)
+            for entry in message.get("keys", ()):
+                table.keys_access.pop(entry["id"], None)
+            for gone in message.get("keys_gone", ()):
+                if gone in self.by_hash:
+                    table.keys_access.pop(self.by_hash[gone].id, None)
+            table.people = self.people
+        return table
+
+    def access(self, record: KeyRecord) -> rules.Access:
+        """The levels, allowlist, band and profile a request with the key RECORD is held to."""
+        found = self.keys_access.get(record.id)
+        if found is None:
+            found = self.keys_access[record.id] = self.rules.access(record.id, record.project_id, record.user_id)
+        return found
 
     def newer(self, other: "KeyTable") -> bool:
         """Whether OTHER should replace this table: read at a later revision of the store's keys. Whichever

@@ -150,8 +150,17 @@ class Runtime:
                 # A new leader, not yet knowing its replicas: the ones routed to now stay.
                 self.router.apply(with_leader(body, self.router.snapshot, host))
 
+            def on_key_changes(message: dict) -> None:
+                if message["base"] == self.keys.revision:
+                    self.apply_keys(self.keys.changed(message))
+                elif message["revision"] > self.keys.revision:
+                    # A change this worker missed (it was away, or its queue was full): the whole set, which
+                    # the controller sends after every change, heals it.
+                    log.info("the keys' changes from revision %d do not follow the revision %d held here; "
+                             "waiting for the whole set", message["base"], self.keys.revision)
+
             def on_keys(message: dict) -> None:
-                # Repeats of what is held already, and older tables, cost a comparison, not a rebuild.
+                # Repeats of what is held are not read (follower.follow); older tables cost a comparison.
                 if message["revision"] > self.keys.revision:
                     self.apply_keys(KeyTable.from_message(message))
                 elif message["revision"] < self.keys.revision and message["revision"] not in self.older_keys:
@@ -169,13 +178,14 @@ class Runtime:
             if "leading" in last:
                 on_leading(*last["leading"])
             if "keys" in last:
-                on_keys(last["keys"])
+                self.apply_keys(last["keys"])
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
-                         last.get("snapshot", ({},))[0].get("version"), last.get("keys", {}).get("revision"))
+                         last.get("snapshot", ({},))[0].get("version"), self.keys.revision)
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.state.controller_keys,
                                                on_snapshot, on_keys, on_leading, None,
-                                               self.metrics.controller_dropped))
+                                               self.metrics.controller_dropped, on_key_changes=on_key_changes,
+                                               keys_held=lambda: self.keys.revision))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))

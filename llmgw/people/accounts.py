@@ -90,7 +90,7 @@ def check_password(password: str, stored: str) -> bool:
 _DUMMY_HASH = hash_password(secrets.token_urlsafe(16))
 
 
-def _row(row) -> User:
+def row_of(row) -> User:
     return User(row.id, row.email, row.state, bool(row.is_admin), row.created_at, row.approved_by, row.approved_at)
 
 
@@ -129,7 +129,7 @@ def find(engine: Engine, which: str) -> User:
             sa.or_(store.users.c.id == which, store.users.c.email == which.strip().lower()))).first()
     if row is None:
         raise AccountError(f"no account {which!r}; `llmgw users list` shows them")
-    return _row(row)
+    return row_of(row)
 
 
 def get(engine: Engine, user_id: str) -> User | None:
@@ -139,7 +139,7 @@ def get(engine: Engine, user_id: str) -> User | None:
 
 def get_in(conn, user_id: str) -> User | None:
     row = conn.execute(store.users.select().where(store.users.c.id == user_id)).first()
-    return _row(row) if row else None
+    return row_of(row) if row else None
 
 
 def has_password(engine: Engine, user_id: str) -> bool:
@@ -154,7 +154,7 @@ def list_users(engine: Engine, state: str | None = None) -> list[User]:
     if state:
         query = query.where(store.users.c.state == state)
     with engine.connect() as conn:
-        return [_row(r) for r in conn.execute(query)]
+        return [row_of(r) for r in conn.execute(query)]
 
 
 def authenticate(engine: Engine, email: str, password: str, offload=inline) -> User | str:
@@ -171,7 +171,7 @@ def authenticate(engine: Engine, email: str, password: str, offload=inline) -> U
         return "Your account waits for an operator's approval."
     if row.state == SUSPENDED:
         return "Your account is suspended. Ask an operator."
-    return _row(row)
+    return row_of(row)
 
 
 def _update(engine: Engine, which: str, end_sessions: bool = False, **values) -> User:

@@ -239,12 +239,15 @@ def changes_of(engine: Engine, user_id: str) -> list[tuple[str, float, list[str]
     return [(r.provider, r.signed_in_at, json.loads(r.changes or "[]")) for r in rows]
 
 
-def of_everyone(engine: Engine) -> dict[str, list[dict]]:
+def of_everyone(engine: Engine, user_ids: set[str] | None = None) -> dict[str, list[dict]]:
     """For the people page: each person's sign-ins through providers (provider, subject, the address it gave,
-    confirmed, signed_in_at, changes), by their account's id."""
+    confirmed, signed_in_at, changes), by their account's id; only USER_IDS' when given."""
     found: dict[str, list[dict]] = {}
+    query = store.identities.select().order_by(store.identities.c.provider)
+    if user_ids is not None:
+        query = query.where(store.identities.c.user_id.in_(user_ids))
     with engine.connect() as conn:
-        for r in conn.execute(store.identities.select().order_by(store.identities.c.provider)):
+        for r in conn.execute(query):
             found.setdefault(r.user_id, []).append({
                 "provider": r.provider, "subject": r.subject, "email": r.email, "confirmed": r.confirmed_at is not None,
                 "signed_in_at": r.signed_in_at, "changes": json.loads(r.changes or "[]")})

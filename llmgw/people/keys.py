@@ -17,6 +17,7 @@ import json
 import re
 import secrets
 import time
+from collections.abc import Iterator
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -139,6 +140,61 @@ def list_keys(engine: Engine, user_id: str | None = None, project_ids: set[str] 
         return [_record(row, tree) for row in conn.execute(query)]
 
 
+def _listed(query, project_ids: set[str] | None, working_at: float | None):
+    k = store.api_keys
+    if project_ids is not None:
+        query = query.where(k.c.project_id.in_(project_ids))
+    if working_at is not None:
+        query = query.where(k.c.revoked_at.is_(None), sa.or_(k.c.expires_at.is_(None), k.c.expires_at > working_at))
+    return query
+
+
+def count_keys(engine: Engine, project_ids: set[str] | None = None, working_at: float | None = None) -> int:
+    """How many keys `page_of_keys` would list with no limit."""
+    with engine.connect() as conn:
+        return conn.execute(_listed(sa.select(sa.func.count()).select_from(store.api_keys), project_ids,
+                                    working_at)).scalar_one()
+
+
+def page_of_keys(engine: Engine, project_ids: set[str] | None = None, working_at: float | None = None,
+                 after: str | None = None, limit: int | None = None) -> Iterator[tuple[KeyRecord, str | None]]:
+    """Keys in the order they were made, each with its owner's email (None for no person's): only those in
+    PROJECT_IDS; only those working at WORKING_AT (neither revoked nor expired then); only those after the key
+    whose id is AFTER; at most LIMIT. Read from the store as they are taken, so a million are never held at
+    once (`list_keys` holds them all)."""
+    from llmgw.people.orgtree import Tree
+
+    k, u = store.api_keys, store.users
+    query = _listed(sa.select(*(k.c[c] for c in _COLUMNS), u.c.email).select_from(
+        k.outerjoin(u, u.c.id == k.c.user_id)), project_ids, working_at).order_by(k.c.created_at, k.c.id)
+    with engine.connect() as conn:
+        if after is not None:
+            made = conn.execute(sa.select(k.c.created_at).where(k.c.id == after)).scalar_one_or_none()
+            if made is None:
+                raise KeyRefused(f"no key has the id {after!r}; give --after the ID of the last key a page showed")
+            query = query.where(sa.tuple_(k.c.created_at, k.c.id) > sa.tuple_(made, after))
+        if limit is not None:
+            query = query.limit(limit)
+        tree = Tree.read(conn)
+        for row in conn.execution_options(yield_per=1000).execute(query):
+            yield _record(row, tree), row.email
+
+
+def _named(which: str):
+    k = store.api_keys
+    return sa.or_(k.c.id == which, k.c.prefix == which, k.c.name == which)
+
+
+def named(engine: Engine, which: str) -> list[KeyRecord]:
+    """The keys whose id, display prefix or name is WHICH."""
+    from llmgw.people.orgtree import Tree
+
+    k = store.api_keys
+    with engine.connect() as conn:
+        return [_record(row, Tree.read(conn)) for row in
+                conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which)))]
+
+
 def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRecord:
     """Revoke the key whose id, display prefix or name is WHICH (it must match exactly one);
     with USER_ID, only among that person's keys."""
@@ -146,8 +202,7 @@ def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRec
 
     k = store.api_keys
     with store.writing(engine) as conn:
-        query = sa.select(*(k.c[c] for c in _COLUMNS)).where(sa.or_(k.c.id == which, k.c.prefix == which,
-                                                                    k.c.name == which))
+        query = sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which))
         if user_id is not None:
             query = query.where(k.c.user_id == user_id)
         rows = conn.execute(query).all()

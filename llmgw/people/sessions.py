@@ -87,11 +87,12 @@ def end_all(conn: Connection, user_id: str) -> int:
     return conn.execute(store.sessions.delete().where(store.sessions.c.user_id == user_id)).rowcount
 
 
-def count(engine: Engine) -> dict[str, int]:
-    """How many sessions each person has (expired ones not yet cleared out included)."""
+def count(engine: Engine, user_ids: set[str]) -> dict[str, int]:
+    """How many sessions each of USER_IDS has (expired ones not yet cleared out included)."""
     s = store.sessions
     with engine.connect() as conn:
-        return dict(conn.execute(sa.select(s.c.user_id, sa.func.count()).group_by(s.c.user_id)).all())
+        return dict(conn.execute(sa.select(s.c.user_id, sa.func.count()).where(s.c.user_id.in_(user_ids))
+                                 .group_by(s.c.user_id)).all())
 
 
 # --- the secret that signs session cookies ------------------------------------------------------------

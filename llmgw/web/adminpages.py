@@ -26,7 +26,7 @@ from flask import Blueprint, abort, flash, redirect, render_template, request
 from llmgw import rules
 from llmgw.apiclient import ApiError, leader_client
 from llmgw.gateway.worker import Runtime
-from llmgw.people import accounts, identities, keys, limits, memberships, orgtree, sessions, usagereport
+from llmgw.people import accounts, directory, identities, keys, limits, memberships, orgtree, sessions, usagereport
 from llmgw.web import budgets, forms, history, safety, svgchart
 from llmgw.web.site import EXPIRED_FORM, Site, site
 
@@ -89,28 +89,53 @@ def cluster():
 @bp.get("/admin/people")
 @admin_only
 def people():
+    """The tree with each place's first members and keys, and a page of accounts: bounded by what it shows, at
+    any number of people and keys (llmgw/people/directory.py). A team's projects past SHOWN_PROJECTS are one
+    click away (`?team=ID`)."""
+    q = search_text(request.args.get("q", ""))
+    after = request.args.get("after", "")[:320]
+    whole_team = request.args.get("team", "")
     with site().engine.connect() as conn:
         tree = orgtree.Tree.read(conn)
-        rows = memberships.all_memberships(conn)
-    everyone = accounts.list_users(site().engine)
-    emails = {u.id: u.email for u in everyone}
-    members: dict[str, list] = {}
-    for m in rows:
-        members.setdefault(m.scope_id, []).append((emails.get(m.user_id, m.user_id), m.role, m.user_id, m.scope))
-    all_keys = keys.list_keys(site().engine)
-    by_project: dict[str | None, list] = {}
-    for k in all_keys:
-        if k.revoked_at is None:
-            by_project.setdefault(k.project_id, []).append(k)
-    q = search_text(request.args.get("q", ""))
-    shown = [u for u in everyone if q in u.email] if q else everyone
-    return render_template("admin_people.html", tree=tree, members=members, keys=by_project, emails=emails,
-                           pending=[u for u in everyone if u.state == accounts.PENDING], accounts=shown, q=q,
-                           signed_in_count=sessions.count(site().engine),
-                           identities=identities.of_everyone(site().engine),
+        shown, hidden = _shown_projects(tree, whole_team)
+        places = {n.id for n in tree.of_kind("org") + tree.of_kind("team")} | {p.id for p in shown}
+        members = directory.first_members(conn, places)
+        keys_of = directory.first_keys(conn, {p.id for p in shown})
+        page, total, next_after = directory.accounts_page(conn, q, after)
+        people_named = {row.user_id for s in (*members.values(), *keys_of.values()) for row in s.items}
+        emails = directory.emails_of(conn, people_named)
+        active = directory.emails_in_state(conn, accounts.ACTIVE, LISTED)
+    ids = {u.id for u in page}
+    everywhere = tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")
+    return render_template("admin_people.html", tree=tree, members=members, keys=keys_of, emails=emails,
+                           shown_projects={p.id for p in shown}, hidden=hidden, whole_team=whole_team,
+                           pending=accounts.list_users(site().engine, accounts.PENDING), accounts=page, q=q,
+                           total=total, after=after, next_after=next_after,
+                           signed_in_count=sessions.count(site().engine, ids),
+                           identities=identities.of_everyone(site().engine, ids),
                            labels={name: p.label for name, p in site().providers.items()},
-                           action=site().form(forms.ActionForm), nodes=tree.of_kind("org") + tree.of_kind("team")
-                           + tree.of_kind("project"))
+                           action=site().form(forms.ActionForm),
+                           places=everywhere if len(everywhere) <= LISTED else [],
+                           active_emails=active or [])
+
+
+# Places and people offered as choices while there are no more than this; past it, they are typed (a path, an
+# email), since a list of ten thousand on every row made the page megabytes.
+LISTED = 500
+SHOWN_PROJECTS = 50  # a team's projects shown in the tree; the rest behind "show all"
+
+
+def _shown_projects(tree: orgtree.Tree, whole_team: str) -> tuple[list, dict[str, int]]:
+    """The projects the tree shows (each team's first SHOWN_PROJECTS by name, or all of WHOLE_TEAM's) and how
+    many each team hides."""
+    shown, hidden = [], {}
+    for team in tree.of_kind("team"):
+        projects = sorted(tree.children.get(team.id, []), key=lambda p: p.name)
+        cut = len(projects) if team.id == whole_team else SHOWN_PROJECTS
+        shown += projects[:cut]
+        if len(projects) > cut:
+            hidden[team.id] = len(projects) - cut
+    return shown, hidden
 
 
 @bp.post("/admin/people")
@@ -253,7 +278,11 @@ def _people_action(engine, do: str, f) -> str:
         user = identities.confirm_link(engine, f["user"], f["provider"], f.get("subject") or None)
         return f"Linked {user.email} to their sign-in through {f['provider']}; they can sign in with it now."
     if do == "join":
-        kind, _, node_id = f["where"].partition(":")
+        if f.get("place"):  # typed as a path: its depth says its kind
+            node_id = f["place"].strip().strip("/")
+            kind = orgtree.KINDS[min(node_id.count("/"), len(orgtree.KINDS) - 1)]
+        else:
+            kind, _, node_id = f["where"].partition(":")
         if kind not in orgtree.KINDS:
             raise orgtree.TreeError("choose an organisation, team or project")
         user, membership = memberships.join(engine, f["user"], kind, node_id, f.get("role") or memberships.MEMBER)

@@ -20,15 +20,19 @@ that page and `MESSAGES` in step.
 
 from __future__ import annotations
 
+import re
+
 from llmgw import modelnames, rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Num, Obj, ProtocolError, Row, Schema, Str
 
-__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "LEADING", "KEYS_REPEAT",
+__all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "KEY_CHANGES", "LEADING",
+           "KEYS_REPEAT", "keys_revision",
            "MAX_IN_FLIGHT"]
 
 VERSION = 1
 SNAPSHOT = b"snapshot"  # PUB topics
 KEYS = b"keys"
+KEY_CHANGES = b"key_changes"  # "keys" is no prefix of it, so a gateway of the version before never receives it
 LEADING = b"leading"  # no prefix of the others: a SUB's topic is a prefix, and no older gateway asks for it
 KEYS_REPEAT = 10.0  # seconds: keys can be many, so they are repeated less often than snapshots
 MAX_IN_FLIGHT = 100_000  # a replica's measured limit of requests at once: more than any engine runs
@@ -64,6 +68,8 @@ LIMIT_VALUES = (LIMIT, LIMIT, LIMIT, Nullable(Str(8, rules.PERIODS)), Nullable(L
 # Every scope but `personal`, which a gateway of the version before does not know (it travels on its own).
 LIMITS = Row((Str(20, tuple(s for s in rules.SCOPES if s != "personal")), Str(500), *LIMIT_VALUES))
 MANY = 10_000_000
+SCOPE_ID = Row((Str(20, rules.SCOPES), Str(500)))
+HOURS = Num(0, 24 * 3653)
 
 # type -> {field: (type, required)}. Add fields; never remove or retype one.
 MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
@@ -77,13 +83,30 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),
              "active": (ListOf(NAME, MANY), True), "admins": (ListOf(NAME, MANY), False),
              # [project id, hours]: the projects that keep their conversations (llmgw/conversations.py).
-             "threads": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
+             "threads": (ListOf(Row((NAME, HOURS)), MANY), False),
              # [project id, hours]: the projects that keep their agents' notes (llmgw/memory.py).
-             "memory": (ListOf(Row((NAME, Num(0, 24 * 3653))), MANY), False),
+             "memory": (ListOf(Row((NAME, HOURS)), MANY), False),
              # Personal use's limits (rpm, tpm, budget, period, models, band) and whether it is turned off.
              "personal": (Row((*LIMIT_VALUES, "bool")), False),
              # [scope, scope id, name]: the routing profiles set on keys and the tree (llmgw/gateway/routingprofiles.py).
              "profiles": (ListOf(Row((Str(20, rules.SCOPES), Str(500), Str(64))), MANY), False)},
+    # What changed from the set at revision `base` to the one at `revision` (llmgw/wire/keychanges.py): each
+    # part's new or changed entries, and PART_gone, the identities no longer there. Sent before the whole set.
+    "key_changes": {"epoch": (Str(64), True), "base": (COUNT, True), "revision": (COUNT, True),
+                    "keys": (ListOf(KEY, MANY), False), "keys_gone": (ListOf(Str(64), MANY), False),
+                    # [scope, scope id, rpm, tpm, budget, period, models, band, disabled, profile]
+                    "limits": (ListOf(Row((Str(20, rules.SCOPES), Str(500), *LIMIT_VALUES, Nullable("bool"),
+                                           Nullable(Str(64)))), MANY), False),
+                    "limits_gone": (ListOf(SCOPE_ID, MANY), False),
+                    "parents": (ListOf(Row((NAME, NAME, NAME)), MANY), False),  # [project, team, organisation]
+                    "parents_gone": (ListOf(NAME, MANY), False),
+                    "team_org": (ListOf(Row((NAME, NAME)), MANY), False), "team_org_gone": (ListOf(NAME, MANY), False),
+                    "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), False),
+                    "prices_gone": (ListOf(NAME, MANY), False),
+                    "threads": (ListOf(Row((NAME, HOURS)), MANY), False), "threads_gone": (ListOf(NAME, MANY), False),
+                    "memory": (ListOf(Row((NAME, HOURS)), MANY), False), "memory_gone": (ListOf(NAME, MANY), False),
+                    **{f"{people}{gone}": (ListOf(NAME, MANY), False)
+                       for people in ("suspended", "active", "admins") for gone in ("", "_gone")}},
     # gateway workers -> controller
     "demand": {"model": (NAME, True)},
     "used": {"model": (NAME, True)},
@@ -92,3 +115,16 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
 _SCHEMA = Schema(MESSAGES, VERSION, reads=frozenset({VERSION}))
 encode = _SCHEMA.encode
 decode = _SCHEMA.decode
+
+# How the controller begins a `keys` message (encode writes the kind, then the fields in the order given, and
+# people.keys.key_set puts the revision first).
+_KEYS_HEAD = re.compile(rb'\{"v":%d,"type":"keys","epoch":"[^"\\]{0,64}","revision":(\d{1,16})[,}]' % VERSION)
+
+
+def keys_revision(data) -> int | None:
+    """The revision of an encoded `keys` message (bytes or a buffer), read from its first bytes alone; None
+    when it does not begin as this llmgw's controller writes one. A gateway that holds that revision drops
+    the message unread: the whole set is repeated every KEYS_REPEAT seconds, and reading a million keys
+    stops a worker for seconds, so a worker must not read what it has."""
+    found = _KEYS_HEAD.match(bytes(data[:200]))
+    return int(found.group(1)) if found else None

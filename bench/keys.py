@@ -1,0 +1,363 @@
+"""Keys at scale: what 10,000, 100,000 and 1,000,000 keys cost the controller and each gateway worker, and how
+fast a change reaches them.
+
+    python bench/keys.py [--quick] [--sizes 10000,100000,1000000] [--baseline CHECKOUT] [--out FILE]
+                         [--chart FILE]
+
+For each size, a store of its own (SQLite) holds N keys, each with a limit of its own (requests a minute),
+N/10 people (active) and N/100 projects in 10 organisations of 10 teams; half the keys are personal.
+
+In this process, with this checkout's code:
+- the controller reading the set (people.keys.key_set) and encoding it as one `keys` message: seconds, bytes;
+- one change (a key revoked) as a `key_changes` message: its bytes, and the controller's difference;
+- what a gateway worker's loop stops for: a whole set read and built (decode and KeyTable.from_message),
+  against the change read and applied (decode and KeyTable.changed), and against a repeat of the set it
+  holds (its first bytes read); the table's memory (tracemalloc).
+
+In real processes, a controller and a gateway of two workers following it (CURVE, as deployed):
+- from a key made in the store to the gateway accepting it on 20 new connections in a row;
+- the latency of `/v1/models` with a key, one request at a time, for a while during which a key is made
+  every 2 s (the controller's repeats of the whole set fall in it too): p50, p99 and the longest;
+- the gateway's resident memory (master and workers) and the controller's, and its CPU over that while;
+- the administration pages (`/admin/people`, `/admin/quotas`, `/account`) and `llmgw keys list` as an
+  administrator sees them: seconds and size (a page given up after 300 s says so).
+With `--baseline CHECKOUT`, the same processes started from CHECKOUT's controller.py and gateway.py (the
+commit before a change, say), one after the other in this run, reported side by side with a ratio.
+
+The 1-minute load average is recorded at the start and end of each size; above 1.0 at the start (two cores,
+nothing else should run), the figures are marked noisy and no aim is judged on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import http.cookiejar
+import json
+import os
+import platform
+import re
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.chart import log_lines  # noqa: E402
+from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
+from llmgw import store  # noqa: E402
+from llmgw.gateway.keytable import KeyTable  # noqa: E402
+from llmgw.people import accounts, keys  # noqa: E402
+from llmgw.wire import gateways, keychanges  # noqa: E402
+from tests.cluster import Controller  # noqa: E402
+from tests.conftest import Gateway  # noqa: E402
+
+SIZES = (10_000, 100_000, 1_000_000)
+QUICK_SIZES = (1_000, 10_000)
+NOISY_LOAD = 1.0
+
+
+def fill(path: str, n: int, root: str = ROOT) -> str:
+    """A store at PATH holding N keys with their limits, the people and projects they belong to, made and
+    migrated by the checkout ROOT's code (a role refuses a store that a newer llmgw migrated)."""
+    url = f"sqlite:///{path}"
+    subprocess.run([sys.executable, "-c", "import sys; from llmgw import store; store.open_store(sys.argv[1])", url],
+                   cwd=root, check=True, timeout=300)
+    now = time.time()
+    people, projects = max(1, n // 10), max(1, n // 100)
+    db = sqlite3.connect(path)
+    with db:
+        db.executemany("INSERT INTO orgs (id, name, created_at) VALUES (?, ?, ?)",
+                       [(f"o{i}", f"org-{i}", now) for i in range(10)])
+        db.executemany("INSERT INTO teams (id, org_id, name, created_at) VALUES (?, ?, ?, ?)",
+                       [(f"t{i}", f"o{i % 10}", f"team-{i}", now) for i in range(100)])
+        db.executemany("INSERT INTO projects (id, team_id, name, created_at) VALUES (?, ?, ?, ?)",
+                       [(f"p{i}", f"t{i % 100}", f"project-{i}", now) for i in range(projects)])
+        db.executemany("INSERT INTO users (id, email, password_hash, state, is_admin, created_at) "
+                       "VALUES (?, ?, '!', 'active', 0, ?)", [(f"u{i}", f"u{i}@example.com", now) for i in range(people)])
+        db.executemany("INSERT INTO api_keys (id, name, project_id, hash, prefix, created_at, user_id) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       ((f"k{i}", f"key-{i}", None if i % 2 else f"p{i % projects}",
+                         hashlib.sha256(b"bench-%d" % i).hexdigest(), f"sk-llmgw-{i:06d}"[:16], now,
+                         f"u{i % people}") for i in range(n)))
+        db.executemany("INSERT INTO limits (scope, scope_id, rpm, updated_at) VALUES ('key', ?, 600, ?)",
+                       ((f"k{i}", now) for i in range(n)))
+        db.execute("UPDATE revisions SET value = value + 1 WHERE name = 'keys'")
+    db.close()
+    return url
+
+
+def timed(function, *args):
+    started = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - started
+
+
+def in_process(url: str) -> dict:
+    """The message path, with this checkout's code, in this process."""
+    engine = store.open_engine(url)
+    key_set, read_s = timed(keys.key_set, engine)
+    whole, encode_s = timed(lambda: gateways.encode("keys", epoch="bench", **key_set))
+    seen, view_s = timed(keychanges.view, key_set)
+    table, build_s = timed(lambda: KeyTable.from_message(gateways.decode(whole)))
+    victim = next(iter(table.by_hash.values()))
+    keys.revoke_key(engine, victim.id)
+    after = keys.key_set(engine)
+    changes, diff_s = timed(lambda: keychanges.difference(seen, keychanges.view(after)))
+    message = gateways.encode("key_changes", epoch="bench", base=key_set["revision"], revision=after["revision"],
+                              **changes)
+    changed, apply_s = timed(lambda: table.changed(gateways.decode(message)))
+    assert changed.revision == after["revision"] and len(changed.by_hash) == len(table.by_hash)
+    _, peek_s = timed(gateways.keys_revision, whole)
+    table = changed = seen = None  # freed before the table is measured alone
+    tracemalloc.start()
+    held = KeyTable.from_message(gateways.decode(whole))
+    table_bytes = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del held
+    engine.dispose()
+    return {"read_s": read_s, "encode_s": encode_s, "view_s": view_s, "bytes": len(whole),
+            "change_bytes": len(message), "difference_s": diff_s, "whole_stop_s": build_s,
+            "change_stop_s": apply_s, "repeat_stop_s": peek_s, "table_bytes": table_bytes}
+
+
+def get(port: int, key: str, conn: http.client.HTTPConnection | None = None) -> int:
+    conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
+def accepted(port: int, key: str, status: int, limit: float) -> float:
+    """Seconds until KEY is answered STATUS on 20 new connections in a row (each worker, whichever takes them)."""
+    started = time.monotonic()
+    streak_began, streak = None, 0
+    while streak < 20:
+        if time.monotonic() - started > limit:
+            raise TimeoutError(f"the key was not answered {status} within {limit} s")
+        if get(port, key) == status:
+            streak_began = streak_began or time.monotonic()
+            streak += 1
+        else:
+            streak_began, streak = None, 0
+            time.sleep(0.005)
+    return streak_began - started
+
+
+PAGES = ("/admin/people", "/admin/quotas", "/account")
+PAGE_LIMIT = 300.0  # seconds a page may take before it is given up, and said so
+
+
+def signed_in(port: int, email: str, password: str) -> urllib.request.OpenerDirector:
+    """A browser's cookies, signed in to the gateway's pages as EMAIL."""
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+    base = f"http://127.0.0.1:{port}"
+    form = opener.open(base + "/login", timeout=60).read().decode()
+    csrf = re.search(r'name="csrf_token" type="hidden" value="([^"]+)"', form).group(1)
+    opener.open(base + "/login", urllib.parse.urlencode({"email": email, "password": password,
+                                                         "csrf_token": csrf}).encode(), timeout=60).read()
+    return opener
+
+
+def page_times(port: int, browser, root: str, url: str) -> dict:
+    """Each administration page's time and size, and `llmgw keys list`'s (the table's first page) as run."""
+    out = {}
+    for path in PAGES:
+        started = time.monotonic()
+        try:
+            size = len(browser.open(f"http://127.0.0.1:{port}{path}", timeout=PAGE_LIMIT).read())
+            out[path] = {"s": time.monotonic() - started, "bytes": size}
+        except (OSError, http.client.HTTPException) as e:  # a timeout, or the worker killed for it
+            out[path] = {"s": None, "failed": f"{type(e).__name__} after {time.monotonic() - started:.0f} s"}
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "llmgw", "--store", url, "keys", "list"], cwd=root,
+                         capture_output=True, timeout=PAGE_LIMIT * 3)
+    out["keys list"] = {"s": time.monotonic() - started, "bytes": len(run.stdout), "rc": run.returncode}
+    return out
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p))]
+
+
+def processes(tmp: Path, url: str, root: str, seconds: float, label: str) -> dict:
+    """A controller and a gateway of two workers, from the checkout ROOT, on the store at URL."""
+    engine = store.open_engine(url)
+    probe = keys.create_key(engine, f"probe-{label}")[1]
+    admin = f"admin-{label}@example.org"
+    accounts.create_user(engine, admin, "a long enough password", state=accounts.ACTIVE, is_admin=True)
+    made = []
+    try:
+        started = time.monotonic()
+        controller = Controller(tmp, store_url=url, root=root)
+        made.append(controller)
+        gateway = Gateway(tmp, url, workers=2, root=root, start_limit=900,
+                          gateway__controller=f"127.0.0.1:{controller.gateway_port}",
+                          gateway__key_file=controller.gateway_key_file(f"gw-{label}"))
+        made.append(gateway)
+        accepted(gateway.port, probe, 200, 900)
+        start_s = time.monotonic() - started
+        record, secret = keys.create_key(engine, f"new-{label}")
+        new_s = accepted(gateway.port, secret, 200, 300)
+        keys.revoke_key(engine, record.id)
+        revoked_s = accepted(gateway.port, secret, 401, 300)
+        stop = threading.Event()
+
+        def change() -> None:
+            i = 0
+            while not stop.wait(2.0):
+                keys.create_key(engine, f"churn-{label}-{i}")
+                i += 1
+
+        churn = threading.Thread(target=change, daemon=True)
+        cpu_before = cpu_seconds(controller.proc.pid)
+        churn.start()
+        latencies = []
+        conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=60)
+        ends = time.monotonic() + seconds
+        while time.monotonic() < ends:
+            began = time.perf_counter()
+            assert get(gateway.port, probe, conn) == 200
+            latencies.append(time.perf_counter() - began)
+        stop.set()
+        churn.join()
+        controller_cpu = cpu_seconds(controller.proc.pid) - cpu_before
+        workers = children(gateway.proc.pid)
+        rss = (rss_kib(gateway.proc.pid) + sum(rss_kib(w) for w in workers)) / 1024
+        pages = page_times(gateway.port, signed_in(gateway.port, admin, "a long enough password"), root, url)
+        return {"start_s": start_s, "new_key_s": new_s, "revoked_key_s": revoked_s,
+                "p50_ms": statistics.median(latencies) * 1000, "p99_ms": pct(latencies, 0.99) * 1000,
+                "max_ms": max(latencies) * 1000, "requests": len(latencies),
+                "controller_cpu_share": controller_cpu / seconds,
+                "controller_rss_mib": rss_kib(controller.proc.pid) / 1024,
+                "gateway_rss_mib": rss, "pages": pages}
+    finally:
+        for proc in reversed(made):
+            proc.stop()
+        engine.dispose()
+
+
+def measure(size: int, seconds: float, baseline: str | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"llmgw-keys-{size}-") as tmp:
+        load_before = os.getloadavg()[0]
+        url, fill_s = timed(fill, os.path.join(tmp, "keys.db"), size)
+        print(f"{size:,} keys: store filled in {fill_s:.1f} s", file=sys.stderr)
+        out = {"size": size, "fill_s": fill_s, "load_before": load_before, "in_process": in_process(url)}
+        print(f"{size:,} keys: in process {json.dumps(out['in_process'])}", file=sys.stderr)
+        out["this"] = processes(Path(tmp), url, ROOT, seconds, "this")
+        print(f"{size:,} keys: this checkout {json.dumps(out['this'])}", file=sys.stderr)
+        if baseline:
+            base_url = fill(os.path.join(tmp, "baseline.db"), size, baseline)
+            out["baseline"] = processes(Path(tmp), base_url, baseline, seconds, "baseline")
+            print(f"{size:,} keys: baseline {json.dumps(out['baseline'])}", file=sys.stderr)
+        out["load_after"] = os.getloadavg()[0]
+        out["noisy"] = load_before > NOISY_LOAD
+        return out
+
+
+def ratio(a: float, b: float) -> str:
+    return f"x{a / b:.2f}" if b else "-"
+
+
+def report(results: list[dict], baseline: str | None) -> str:
+    sizes = [r["size"] for r in results]
+    head = "| | " + " | ".join(f"{s:,} keys" for s in sizes) + " |\n|---|" + "---:|" * len(sizes) + "\n"
+
+    def row(label: str, values) -> str:
+        return f"| {label} | " + " | ".join(values) + " |\n"
+
+    ip = [r["in_process"] for r in results]
+    lines = [head,
+             row("a `keys` message (MB)", (f"{p['bytes'] / 1e6:,.1f}" for p in ip)),
+             row("controller: read the set (s)", (f"{p['read_s']:.2f}" for p in ip)),
+             row("controller: encode it (s)", (f"{p['encode_s']:.2f}" for p in ip)),
+             row("controller: the difference of a change (s)", (f"{p['view_s'] + p['difference_s']:.2f}" for p in ip)),
+             row("a key revoked, as `key_changes` (bytes)", (f"{p['change_bytes']:,}" for p in ip)),
+             row("worker stops for a whole set (ms)", (f"{p['whole_stop_s'] * 1000:,.0f}" for p in ip)),
+             row("worker stops for a change (ms)", (f"{p['change_stop_s'] * 1000:,.1f}" for p in ip)),
+             row("worker stops for a repeat it holds (ms)", (f"{p['repeat_stop_s'] * 1000:.3f}" for p in ip)),
+             row("a worker's key table (MiB)", (f"{p['table_bytes'] / 2**20:,.0f}" for p in ip))]
+    for label, key in (("this checkout", "this"), ("baseline", "baseline")):
+        if key not in results[0]:
+            continue
+        e = [r[key] for r in results]
+        lines += [row(f"{label}: start, to the first answer (s)", (f"{x['start_s']:.1f}" for x in e)),
+                  row(f"{label}: a new key accepted everywhere (s)", (f"{x['new_key_s']:.2f}" for x in e)),
+                  row(f"{label}: a revoked key refused everywhere (s)", (f"{x['revoked_key_s']:.2f}" for x in e)),
+                  row(f"{label}: `/v1/models` p50 / p99 / longest (ms), a key made every 2 s",
+                      (f"{x['p50_ms']:.1f} / {x['p99_ms']:.1f} / {x['max_ms']:,.0f}" for x in e)),
+                  row(f"{label}: controller CPU meanwhile (share of a core)",
+                      (f"{x['controller_cpu_share']:.2f}" for x in e)),
+                  row(f"{label}: memory, controller / gateway (MiB)",
+                      (f"{x['controller_rss_mib']:,.0f} / {x['gateway_rss_mib']:,.0f}" for x in e))]
+        for page in (*PAGES, "keys list"):
+            lines.append(row(f"{label}: {'`llmgw keys list`' if page == 'keys list' else page} (s, KB)",
+                             (_page(x["pages"][page]) for x in e)))
+    if baseline:
+        lines.append(row("this / baseline: p99, longest", (
+            f"{ratio(r['this']['p99_ms'], r['baseline']['p99_ms'])}, {ratio(r['this']['max_ms'], r['baseline']['max_ms'])}"
+            for r in results)))
+        lines.append(row("this / baseline: a revoked key refused everywhere", (
+            ratio(r["this"]["revoked_key_s"], r["baseline"]["revoked_key_s"]) for r in results)))
+    lines.append(row("load average, start / end", (f"{r['load_before']:.1f} / {r['load_after']:.1f}"
+                                                   + (" (noisy)" if r["noisy"] else "") for r in results)))
+    return "".join(lines)
+
+
+def _page(figure: dict) -> str:
+    if figure["s"] is None:
+        return figure["failed"]
+    return f"{figure['s']:.2f}, {figure['bytes'] / 1000:,.0f}"
+
+
+def chart(results: list[dict]) -> str:
+    sizes = [r["size"] for r in results]
+    series = {"whole set read and built": [r["in_process"]["whole_stop_s"] * 1000 for r in results],
+              "a change applied": [r["in_process"]["change_stop_s"] * 1000 for r in results],
+              "longest request, this checkout": [r["this"]["max_ms"] for r in results]}
+    if "baseline" in results[0]:
+        series["longest request, baseline"] = [r["baseline"]["max_ms"] for r in results]
+    return log_lines("What a gateway worker stops for, by keys held", "keys", "milliseconds", sizes, series)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} and 4 s of requests: a smoke run")
+    parser.add_argument("--sizes", help="comma-separated numbers of keys [10000,100000,1000000]")
+    parser.add_argument("--seconds", type=float, help="seconds of requests while keys change [20; --quick 4]")
+    parser.add_argument("--baseline", metavar="CHECKOUT", help="another checkout, measured beside this one")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--chart", help="write the SVG chart here")
+    args = parser.parse_args()
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "gateway.py")):
+        parser.error(f"--baseline: {args.baseline} holds no gateway.py")
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else SIZES
+    seconds = args.seconds or (4.0 if args.quick else 20.0)
+    results = [measure(size, seconds, args.baseline) for size in sizes]
+    print(f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+          + (f"; baseline: {args.baseline}" if args.baseline else ""))
+    print(report(results, args.baseline))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"sizes": sizes, "seconds": seconds, "baseline": args.baseline, "results": results}, f, indent=1)
+    if args.chart:
+        with open(args.chart, "w") as f:
+            f.write(chart(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""A `key_changes` message takes a gateway's table exactly where the whole set would: any two key sets, any change.
+
+The tables are compared part by part, and by what every key and person is held to, asked of the old table
+first so that what it had worked out must not survive a change it depends on.
+"""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw import rules
+from llmgw.gateway.keytable import KeyTable
+from llmgw.people import accounts, keys, limits, orgtree
+from llmgw.wire import gateways, keychanges
+
+PEOPLE = [f"u{i}" for i in range(5)]
+PROJECTS = [f"p{i}" for i in range(4)]
+TEAMS = ["t0", "t1"]
+ORGS = ["o0", "o1"]
+SCOPES = ("cluster", "org", "team", "project", "project_member", "user", "key")
+SIDS = ["", *PROJECTS, *TEAMS, *ORGS, *PEOPLE, "k0", "k1", "k2"]  # some keys' ids
+
+maybe_count = st.none() | st.integers(0, 10**6)
+limit_values = st.tuples(maybe_count, maybe_count, maybe_count, st.none() | st.sampled_from(rules.PERIODS),
+                         st.none() | st.lists(st.sampled_from(["a", "b", "c"]), max_size=2, unique=True),
+                         st.none() | st.sampled_from(rules.BANDS))
+
+
+@st.composite
+def key_sets(draw, revision: int) -> dict:
+    entries = {}
+    for hash_ in draw(st.lists(st.sampled_from([f"{i:064x}" for i in range(8)]), unique=True, max_size=8)):
+        key_id = f"k{int(hash_, 16)}"  # a key's id and hash never part
+        project_id = draw(st.none() | st.sampled_from(PROJECTS))
+        entries[hash_] = {"hash": hash_, "id": key_id, "name": draw(st.sampled_from(["ci", "laptop"])),
+                          "project_id": project_id, "project": project_id or "personal", "prefix": "sk-llmgw-x",
+                          "created_at": 1.0, "expires_at": draw(st.none() | st.just(2e9)),
+                          "revoked_at": draw(st.none() | st.just(5.0)),
+                          "user_id": draw(st.none() | st.sampled_from(PEOPLE))}
+    limit_rows = draw(st.dictionaries(st.tuples(st.sampled_from(SCOPES), st.sampled_from(SIDS)), limit_values,
+                                      max_size=8))
+    profiles = draw(st.dictionaries(st.tuples(st.sampled_from(SCOPES + ("personal",)), st.sampled_from(SIDS)),
+                                    st.sampled_from(["fast", "cheap"]), max_size=3))
+    personal = draw(st.none() | st.tuples(limit_values, st.booleans()))
+    people = draw(st.lists(st.sampled_from(PEOPLE), unique=True))
+    return {"revision": revision, "keys": list(entries.values()),
+            **({"personal": [*personal[0], personal[1]]} if personal else {}),
+            "profiles": [[scope, sid, name] for (scope, sid), name in profiles.items()],
+            "limits": [[scope, sid, *values] for (scope, sid), values in limit_rows.items()],
+            "parents": draw(st.dictionaries(st.sampled_from(PROJECTS), st.tuples(st.sampled_from(TEAMS),
+                                                                              st.sampled_from(ORGS)).map(list))),
+            "team_org": draw(st.dictionaries(st.sampled_from(TEAMS), st.sampled_from(ORGS))),
+            "prices": [[m, i, o] for m, (i, o) in draw(st.dictionaries(st.sampled_from(["*", "a", "b"]), st.tuples(
+                st.integers(0, 100), st.integers(0, 100)))).items()],
+            "suspended": [p for p in PEOPLE if p not in people], "active": people,
+            "admins": draw(st.lists(st.sampled_from(people), unique=True)) if people else [],
+            "threads": [[p, h] for p, h in draw(st.dictionaries(st.sampled_from(PROJECTS), st.sampled_from([1, 24]))).items()],
+            "memory": [[p, h] for p, h in draw(st.dictionaries(st.sampled_from(PROJECTS), st.just(48))).items()]}
+
+
+def wire(kind: str, **fields) -> dict:
+    """FIELDS as a gateway reads them: encoded, then decoded and checked against the schema."""
+    return gateways.decode(gateways.encode(kind, epoch="e", **fields))
+
+
+def asked(table: KeyTable) -> dict:
+    """What every key and person is held to, asked of TABLE (which remembers what it worked out)."""
+    return {**{r.id + h: table.access(r) for h, r in table.by_hash.items()},
+            **{p: table.person(p) for p in PEOPLE}}
+
+
+def same(changed: KeyTable, whole: KeyTable) -> None:
+    assert changed.revision == whole.revision
+    assert changed.by_hash == whole.by_hash
+    assert changed.rules.limits == whole.rules.limits
+    assert changed.rules.parents == whole.rules.parents and changed.rules.team_org == whole.rules.team_org
+    assert changed.prices.by_model == whole.prices.by_model and changed.prices.fallback == whole.prices.fallback
+    assert (changed.suspended, changed.active_people, changed.admins) == (whole.suspended, whole.active_people,
+                                                                        whole.admins)
+    assert (changed.threads, changed.memory) == (whole.threads, whole.memory)
+    assert asked(changed) == asked(whole)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key_sets(1), key_sets(2))
+def test_any_change_applied_is_the_whole_set(old, new):
+    held = KeyTable.from_message(wire("keys", **old))
+    asked(held)  # worked out at the old revision: what the change touches must be worked out again
+    changes = keychanges.difference(keychanges.view(old), keychanges.view(new))
+    same(held.changed(wire("key_changes", base=1, revision=2, **changes)), KeyTable.from_message(wire("keys", **new)))
+
+
+def test_nothing_changed_is_an_empty_message_and_the_same_parts():
+    whole = {"revision": 3, "keys": [], "limits": [["key", "k", 5, None, None, None, None, None]], "parents": {},
+             "team_org": {}, "prices": [], "suspended": [], "active": ["u0"]}
+    assert keychanges.difference(keychanges.view(whole), keychanges.view(whole)) == {}
+    held = KeyTable.from_message(wire("keys", **whole))
+    after = held.changed(wire("key_changes", base=3, revision=4))
+    assert after.revision == 4 and after.rules is held.rules and after.by_hash is held.by_hash
+
+
+def test_a_store_changed_every_way_a_person_can(engine):
+    """From a real store: the changes an operator and people make, each sent as changes and checked whole."""
+    orgtree.add(engine, "org", "acme")
+    orgtree.add(engine, "team", "ml", "acme")
+    project = orgtree.add(engine, "project", "chat", "acme/ml")
+    ayse = accounts.create_user(engine, "ayse@example.com", "a long password", state="active")
+    first, _ = keys.create_key(engine, "first", project.id)
+    gone, _ = keys.create_key(engine, "gone", project.id, user_id=ayse.id)
+    before = keys.key_set(engine)
+    held = KeyTable.from_message(wire("keys", **before))
+    asked(held)
+    keys.create_key(engine, "new", None, user_id=ayse.id, profile="fast")
+    keys.revoke_key(engine, gone.id)
+    limits.set_limits(engine, "project", project.id, "test", rpm=60, models=["sim"])
+    limits.set_limits(engine, "key", first.id, "test", band="low")
+    orgtree.rename(engine, "project", "acme/ml/chat", "talk")
+    accounts.suspend(engine, ayse.email)
+    limits.set_price(engine, "sim", "1", "2", "test")
+    after = keys.key_set(engine)
+    changes = keychanges.difference(keychanges.view(before), keychanges.view(after))
+    assert {e["name"] for e in changes["keys"]} == {"new", "gone", "first"}  # made, revoked, renamed project
+    assert changes["suspended"] == [ayse.id] and changes["active_gone"] == [ayse.id]
+    changed = held.changed(wire("key_changes", base=before["revision"], revision=after["revision"], **changes))
+    same(changed, KeyTable.from_message(wire("keys", **after)))
+    assert changed.access(changed.by_hash[next(h for h, r in changed.by_hash.items() if r.id == first.id)]).band == "low"
+
+
+def test_the_controller_sends_changes_then_the_whole_set_encoded_once(engine):
+    from llmgw.control.publisher import KeyPusher
+
+    pusher = KeyPusher(engine, "epoch-1")
+    try:
+        pusher.check()
+        ((topic, whole),) = pusher.take()  # a controller's first word is the whole set: it knows no base
+        assert topic == gateways.KEYS and gateways.keys_revision(whole) == gateways.decode(whole)["revision"]
+        made, _ = keys.create_key(engine, "new")
+        pusher.check()
+        (changes_topic, changes), (topic, again) = pusher.take()
+        assert (changes_topic, topic) == (gateways.KEY_CHANGES, gateways.KEYS)
+        message = gateways.decode(changes)
+        assert message["base"] == gateways.keys_revision(whole) and message["revision"] == gateways.keys_revision(again)
+        assert [e["id"] for e in message["keys"]] == [made.id] and set(message) <= {"v", "type", "epoch", "base",
+                                                                                 "revision", "keys"}
+        pusher.check()
+        assert pusher.take() == []  # nothing changed, and the repeat is not due
+        pusher.sent_at -= gateways.KEYS_REPEAT
+        pusher.check()
+        assert pusher.take() == [(gateways.KEYS, again)]  # the same bytes: not read nor encoded again
+    finally:
+        pusher.close()
+
+
+def test_a_held_set_is_dropped_unread_and_an_old_gateway_never_hears_changes():
+    import threading
+
+    import zmq
+
+    from llmgw.gateway.follower import follow
+    from llmgw.procs import free_port, wait_for
+
+    context = zmq.Context()
+    port = free_port()
+    pub = context.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    old = context.socket(zmq.SUB)
+    old.setsockopt(zmq.SUBSCRIBE, gateways.KEYS)  # what a gateway of the version before subscribes to
+    old.connect(f"tcp://127.0.0.1:{port}")
+    heard: list = []
+    held = {"revision": 4}
+    whole = {"revision": 4, "keys": [], "limits": [], "parents": {}, "team_org": {}, "prices": [], "suspended": [],
+             "active": []}
+    threading.Thread(target=follow, daemon=True, args=([f"127.0.0.1:{port}"], None, None,
+                                                       lambda m: heard.append(("keys", m["revision"])), None, context),
+                     kwargs={"on_key_changes": lambda m: heard.append(("changes", m["revision"])),
+                             "keys_held": lambda: held["revision"]}).start()
+    try:
+        def send(topic, kind, **fields):
+            pub.send_multipart([topic, gateways.encode(kind, epoch="e", **fields)])
+
+        # A SUB hears only what is sent after it joined: send until the first whole set arrives.
+        wait_for("the follower to hear a whole set", 30,
+                 lambda: send(gateways.KEYS, "keys", **{**whole, "revision": 3}) or heard)
+        send(gateways.KEYS, "keys", **whole)  # the revision held: dropped unread
+        send(gateways.KEY_CHANGES, "key_changes", base=4, revision=5, active=["u1"])
+        send(gateways.KEYS, "keys", **{**whole, "revision": 5, "active": ["u1"]})
+        wait_for("the changes and the next whole set", 30, lambda: heard[-1] == ("keys", 5))
+        assert [h for h in heard if h[1] != 3] == [("changes", 5), ("keys", 5)]
+        topics = set()
+        while old.poll(1000):
+            topics.add(old.recv_multipart()[0])
+        assert topics == {gateways.KEYS}
+    finally:
+        pub.close(0)
+        old.close(0)
+
+
+def test_only_the_controllers_own_beginning_is_read_short():
+    message = gateways.encode("keys", epoch="e", revision=9, keys=[], limits=[], parents={}, team_org={}, prices=[],
+                              suspended=[], active=[])
+    assert gateways.keys_revision(message) == 9
+    reordered = json.dumps({"v": 1, "type": "keys", "revision": 9, "epoch": "e"}).encode()
+    assert gateways.keys_revision(reordered) is None  # read whole, as any other writer's
+    assert gateways.keys_revision(b'{"v":1,"type":"keys","epoch":"a\\"","revision":9,') is None
+    assert gateways.keys_revision(message.replace(b'"v":1', b'"v":2')) is None
