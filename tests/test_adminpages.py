@@ -102,10 +102,10 @@ def test_the_people_page_shows_a_page_of_each_and_says_where_the_rest_are(admin)
     assert "key09" in page and "key10" not in page
     assert "and 15 more: <code>llmgw keys list --project Acme/ml/p000</code>" in page
     tree = page.split('id="accounts"')[0]
-    assert "p052" not in tree and "and 3 more projects" in tree
+    assert "p052" not in tree and "3 projects of ml not shown here" in tree
     assert '<option value="Acme/ml/p052">project</option>' in page  # few enough places to offer them all
     whole = flashed(client, "/admin/people?team=" + orgtree.Tree.load(engine).find("team", "Acme/ml").id)
-    assert "p052" in whole.split('id="accounts"')[0] and "more projects" not in whole
+    assert "p052" in whole.split('id="accounts"')[0] and "of ml not shown here" not in whole
     following = flashed(client, "/admin/people?after=u048%40example.org")
     table = following.split("<tbody>")[1].split("</tbody>")[0]
     assert "u049@example.org" in table and "u048@example.org" not in table and "Next 50" in following
@@ -118,6 +118,25 @@ def test_the_people_page_shows_a_page_of_each_and_says_where_the_rest_are(admin)
                                                   "name": "theirs", "project": paths[1], "for": "u003@example.org"})
     assert made.status_code == 200 and b"theirs" in made.data
     assert [k.user_id for k in keys.list_keys(engine) if k.name == "theirs"] == [accounts.find(engine, "u003@example.org").id]
+
+
+def test_the_quotas_page_shows_the_first_of_many_own_limits_and_counts_the_rest(admin):
+    import time
+
+    from llmgw import store
+    from llmgw.web import adminpages
+
+    client, engine, _ = admin
+    made = [keys.create_key(engine, f"k{i:03d}")[0] for i in range(adminpages.SHOWN_LIMITS + 5)]
+    with store.writing(engine) as conn:
+        for record in made:
+            conn.execute(store.limits.insert().values(scope="key", scope_id=record.id, rpm=60, updated_at=time.time()))
+        store.bump_revision(conn, "keys")
+    page = flashed(client, "/admin/quotas")
+    assert page.count("edit=key:") == adminpages.SHOWN_LIMITS and "5 more people's and keys' own limits" in page
+    last = sorted(r.id for r in made)[-1]
+    editing = flashed(client, f"/admin/quotas?edit=key:{last}")  # one not shown is still edited by its address
+    assert "key k" in editing and 'name="rpm"' in editing
 
 
 def test_names_people_chose_are_shown_inert(admin):

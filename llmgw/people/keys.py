@@ -195,6 +195,17 @@ def named(engine: Engine, which: str) -> list[KeyRecord]:
                 conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which)))]
 
 
+def by_ids(engine: Engine, key_ids: set[str]) -> list[KeyRecord]:
+    """The keys whose ids are among KEY_IDS (a page's worth)."""
+    from llmgw.people.orgtree import Tree
+
+    k = store.api_keys
+    with engine.connect() as conn:
+        tree = Tree.read(conn)
+        return [_record(row, tree) for row in
+                conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(k.c.id.in_(sorted(key_ids))))]
+
+
 def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRecord:
     """Revoke the key whose id, display prefix or name is WHICH (it must match exactly one);
     with USER_ID, only among that person's keys."""

@@ -122,19 +122,23 @@ def people():
 # Places and people offered as choices while there are no more than this; past it, they are typed (a path, an
 # email), since a list of ten thousand on every row made the page megabytes.
 LISTED = 500
-SHOWN_PROJECTS = 50  # a team's projects shown in the tree; the rest behind "show all"
+SHOWN_PROJECTS = 50  # projects shown in the tree; a team's beyond it one click away
+SHOWN_LIMITS = 200  # people's and keys' own limits shown on the quotas page; the rest counted
 
 
 def _shown_projects(tree: orgtree.Tree, whole_team: str) -> tuple[list, dict[str, int]]:
-    """The projects the tree shows (each team's first SHOWN_PROJECTS by name, or all of WHOLE_TEAM's) and how
-    many each team hides."""
+    """The projects the tree shows, and how many each team hides: every project of WHOLE_TEAM, else SHOWN_PROJECTS
+    in all, teams in the tree's order, each team's by name (a team past the budget shows none, and a link)."""
     shown, hidden = [], {}
-    for team in tree.of_kind("team"):
-        projects = sorted(tree.children.get(team.id, []), key=lambda p: p.name)
-        cut = len(projects) if team.id == whole_team else SHOWN_PROJECTS
-        shown += projects[:cut]
-        if len(projects) > cut:
-            hidden[team.id] = len(projects) - cut
+    left = SHOWN_PROJECTS
+    for org in tree.of_kind("org"):
+        for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name):
+            projects = sorted(tree.children.get(team.id, []), key=lambda p: p.name)
+            cut = len(projects) if team.id == whole_team else 0 if whole_team else max(left, 0)
+            shown += projects[:cut]
+            left -= len(projects[:cut])
+            if len(projects) > cut:
+                hidden[team.id] = len(projects) - cut
     return shown, hidden
 
 
@@ -348,8 +352,19 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
         ruleset = limits.read_rules(conn)
         prices = limits.read_prices(conn)
         log_rows = limits.changes_log(conn)
-    emails = {u.id: u.email for u in accounts.list_users(engine)}
-    key_names = {k.id: f"key {k.name} ({k.project})" for k in keys.list_keys(engine)}
+    shown_projects, hidden_projects = _shown_projects(tree, "")
+    shown_ids = {p.id for p in shown_projects}
+    # People's and keys' own limits can be a million: the first SHOWN_LIMITS, and how many more.
+    others = sorted((scope, sid) for (scope, sid) in ruleset.limits
+                    if scope not in ("cluster", "personal", "org", "team", "project"))
+    hidden_others = max(0, len(others) - SHOWN_LIMITS)
+    others = others[:SHOWN_LIMITS]
+    edit_scope, _, edit_id = (edit or "").partition(":")
+    named = {*others, *((r.scope, r.scope_id) for r in log_rows), (edit_scope, edit_id)}
+    with engine.connect() as conn:
+        emails = directory.emails_of(conn, {sid for scope, sid in named if scope == "user"})
+    key_names = {k.id: f"key {k.name} ({k.project})"
+                 for k in keys.by_ids(engine, {sid for scope, sid in named if scope == "key"})}
     names = {f"{n.kind}:{n.id}": n.path for n in tree.by_id.values()}
     names.update({f"user:{i}": e for i, e in emails.items()})
 
@@ -375,8 +390,9 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
         for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name.lower()):
             rows.append(("team", team.id, 1))
             for project in sorted(tree.children.get(team.id, []), key=lambda n: n.name.lower()):
-                rows.append(("project", project.id, 2))
-    rows += [(scope, sid, 0) for (scope, sid) in sorted(ruleset.limits) if scope not in ("cluster", "personal", "org", "team", "project")]
+                if project.id in shown_ids:
+                    rows.append(("project", project.id, 2))
+    rows += [(scope, sid, 0) for scope, sid in others]
     table = []
     for scope, sid, depth in rows:
         cells = rules.effective(ruleset, scope, sid, names)
@@ -394,7 +410,8 @@ def _quotas_view(runtime: Runtime, edit: str | None) -> dict:
     changes = [{"at": r.at, "who": r.who, "what": describe(r.scope, r.scope_id) if r.scope != "price" else
                 f"price of {r.scope_id}", "field": r.field, "old": _shown(r.field, r.old), "new": _shown(r.field, r.new)}
                for r in log_rows]
-    return {"rows": table, "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
+    return {"rows": table, "hidden_projects": sum(hidden_projects.values()), "hidden_others": hidden_others,
+            "fields": LIMIT_FIELDS, "editing": editing, "changes": changes, "prices": prices,
             "priced": prices.anything_priced(), "money": rules.show_money, "periods": rules.PERIODS,
             "bands": rules.BANDS, "nodes": tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")}
 
