@@ -19,7 +19,7 @@ PERSONAL = "personal"  # a key's project when it belongs to a person rather than
 KEY_VARIABLE = "LLMGW_API_KEY"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: a gateway worker holds one per key, a million at a time
 class KeyRecord:
     id: str
     name: str

@@ -40,7 +40,7 @@ class LimitError(Exception):
     """A limit or price that cannot be set as asked; the message says what is allowed."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # slots: a key may have its own, a million in every gateway worker
 class Limits:
     """What one scope sets; None is "not set here"."""
     rpm: int | None = None

@@ -15,18 +15,22 @@ prices), so the chat page's people are resolved from the same moment's rules.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 from llmgw import rules
 from llmgw.principals import KeyRecord, hash_secret, well_formed
 from llmgw.wire import keychanges
 
-_KEY_FIELDS = tuple(f.name for f in dataclasses.fields(KeyRecord))
-
 
 def _record(entry: dict) -> KeyRecord:
-    """A key as a `keys` or `key_changes` message carries it (its hash besides)."""
-    return KeyRecord(*(entry.get(name) for name in _KEY_FIELDS))
+    """A key as a `keys` or `key_changes` message carries it (its hash besides). The project and the owner are
+    the same for many keys: interned, each is one string in the worker rather than one a key (a fifth of a
+    table's memory)."""
+    project_id, user_id = entry["project_id"], entry["user_id"]
+    return KeyRecord(entry["id"], entry["name"], project_id and sys.intern(project_id), sys.intern(entry["project"]),
+                     entry["prefix"], entry["created_at"], entry["expires_at"], entry["revoked_at"],
+                     user_id and sys.intern(user_id))
 
 
 def _limits(values) -> rules.Limits:
