@@ -101,6 +101,7 @@ memberships = sa.Table(
     # The identity provider whose groups gave it (`[[auth.oidc.map]]`), which takes it away when they no longer
     # do; none for one an operator made, which no provider touches.
     sa.Column("source", sa.String(64)),
+    sa.Index("memberships_scope", "scope_id"),  # a place's members, for the people page
 )
 
 # Limits set on one scope: a key, a person, a project, team or organisation,
@@ -572,9 +573,9 @@ def _identities(conn: Connection) -> None:
     _add_missing(conn, "sessions", {"expires_at": "FLOAT", "provider": "VARCHAR(64)"})
 
 
-def _key_indexes(conn: Connection) -> None:
-    # A store made since these were declared has them from step 1 already.
-    for index in api_keys.indexes:
+def _listing_indexes(conn: Connection) -> None:
+    # A store made since these were declared has them from its first steps already.
+    for index in (*api_keys.indexes, *memberships.indexes):
         index.create(conn, checkfirst=True)
 
 
@@ -611,7 +612,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (18, "personal use turned off", _columns_added("limits", disabled="BOOLEAN")),
     (19, "routing profiles of keys and the tree", _columns_added("limits", profile="VARCHAR(64)")),
     (20, "sign-in through identity providers", _identities),
-    (21, "keys listed a page at a time", _key_indexes),
+    (21, "keys and members listed a page at a time", _listing_indexes),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 
@@ -742,6 +743,16 @@ def bounded(conn: Connection, seconds: float) -> None:
     else:
         conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
         conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+
+
+def one_moment(engine: Engine) -> Connection:
+    """A connection whose reads, until it commits or closes, all see the store at one moment: SQLite's
+    transaction does (WAL), and PostgreSQL's REPEATABLE READ; its default reads each statement at another
+    moment, so a revision read first could label rows changed after it."""
+    conn = engine.connect()
+    if engine.dialect.name == "postgresql":
+        conn = conn.execution_options(isolation_level="REPEATABLE READ")
+    return conn
 
 
 def bump_revision(conn: Connection, name: str) -> None:

@@ -179,10 +179,7 @@ def _copy(source: sa.engine.Engine, target: sa.engine.Engine, source_url: str, t
         raise MoveRefused(f"{store.describe(target_url)} already holds keys, people or usage, so "
                           f"{store.describe(source_url)} was not moved there. Give an empty database")
     copied: dict[str, int] = {}
-    reading = source.connect()
-    if source.dialect.name == "postgresql":
-        reading = reading.execution_options(isolation_level="REPEATABLE READ")
-    with reading as src, target.begin() as dst:
+    with store.one_moment(source) as src, target.begin() as dst:
         before = _state(src)  # the first read: the moment the whole copy is read at
         for table in reversed(_copied_tables()):
             dst.execute(table.delete())  # the target's seeded rows, which the source's replace

@@ -114,6 +114,11 @@ def test_the_people_page_shows_a_page_of_each_and_says_where_the_rest_are(admin)
     act(client, "/admin/people", do="join", user=accounts.find(engine, "u002@example.org").id, place="Acme",
         role="manager")
     assert "u002@example.org is a manager of Acme." in flashed(client)
+    act(client, "/admin/people", do="join", user=accounts.find(engine, "u004@example.org").id, place="p002")
+    assert "u004@example.org is a member of Acme/ml/p002." in flashed(client)  # a bare name, of any kind
+    waiting = accounts.create_user(engine, "late@example.org", PASSWORD)
+    act(client, "/admin/people", do="approve", user=waiting.id, project="Acme/ml/nosuch")
+    assert accounts.find(engine, waiting.id).state == accounts.PENDING  # a typo approves nobody
     made = client.post("/admin/people/key", data={"csrf_token": token(client.get("/admin/people").data),
                                                   "name": "theirs", "project": paths[1], "for": "u003@example.org"})
     assert made.status_code == 200 and b"theirs" in made.data

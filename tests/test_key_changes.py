@@ -204,3 +204,46 @@ def test_only_the_controllers_own_beginning_is_read_short():
     assert gateways.keys_revision(reordered) is None  # read whole, as any other writer's
     assert gateways.keys_revision(b'{"v":1,"type":"keys","epoch":"a\\"","revision":9,') is None
     assert gateways.keys_revision(message.replace(b'"v":1', b'"v":2')) is None
+
+
+def _whole(revision: int, **fields) -> dict:
+    return wire("keys", **{"revision": revision, "keys": [], "limits": [], "parents": {}, "team_org": {},
+                           "prices": [], "suspended": [], "active": [], **fields})
+
+
+def test_changes_apply_only_to_a_table_that_came_from_the_controller():
+    from llmgw.gateway.keytable import HeldKeys
+
+    own_read = KeyTable.from_message(_whole(5, active=["u0"]))  # a worker's read of the store at its start
+    held = HeldKeys(own_read)
+    assert held.held() == -1  # nothing is dropped unread yet
+    assert held.changes(wire("key_changes", base=5, revision=6, active=["u1"])) is None
+    taken = held.whole(_whole(5, active=["u0", "u9"]))  # the controller's set at the same revision is read
+    assert taken is not None and taken.active_people == {"u0", "u9"} and held.held() == 5
+    changed = held.changes(wire("key_changes", base=5, revision=6, active_gone=["u9"]))
+    assert changed.active_people == {"u0"} and held.held() == 6
+    assert held.changes(wire("key_changes", base=4, revision=6, active=["x"])) is None  # not from the one held
+
+
+def test_a_store_restored_from_a_backup_heals_at_the_revision_held(caplog):
+    from llmgw.gateway.keytable import HeldKeys
+
+    held = HeldKeys(KeyTable({}, -1))
+    held.whole(_whole(9, active=["later"]))  # held before the restore
+    assert held.whole(_whole(4, active=["before"])) is None  # the store went back: kept, and said
+    assert "restored from a backup" in caplog.text and held.held() == -1
+    assert held.changes(wire("key_changes", base=9, revision=10, active=["x"])) is None
+    back = held.whole(_whole(9, active=["since"]))  # the restored store's own 9 is not the 9 held
+    assert back.active_people == {"since"} and held.held() == 9
+
+
+def test_the_set_is_read_at_one_moment(engine):
+    """A revision read first must not label rows changed after it (PostgreSQL's default isolation would)."""
+    from llmgw import store
+
+    record, _ = keys.create_key(engine, "seen")
+    with store.one_moment(engine) as conn:
+        revision = store.read_revision(conn, "keys")
+        keys.revoke_key(engine, record.id)  # committed by another connection meanwhile
+        row = conn.execute(store.api_keys.select().where(store.api_keys.c.id == record.id)).one()
+        assert row.revoked_at is None and store.read_revision(conn, "keys") == revision

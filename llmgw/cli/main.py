@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -233,7 +234,7 @@ def keys_list(obj: Context, project, show_all, limit, after, as_json):
     print_table(rows)
     if limit is not None and more:
         total = keymod.count_keys(engine, **scope)
-        options = (f" --project {where.path}" if where else "") + (" --all" if show_all else "")
+        options = (f" --project {shlex.quote(where.path)}" if where else "") + (" --all" if show_all else "")
         click.echo(f"{len(rows) - 1:,} of {total:,} keys{place} shown; the next: llmgw keys list{options} "
                    f"--after {rows[-1][0]}" + ("; every key: --limit 0" if limit == KEYS_PAGE else ""), err=True)
 

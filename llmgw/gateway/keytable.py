@@ -15,12 +15,15 @@ prices), so the chat page's people are resolved from the same moment's rules.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 
 from llmgw import rules
 from llmgw.principals import KeyRecord, hash_secret, well_formed
 from llmgw.wire import keychanges
+
+log = logging.getLogger("llmgw.gateway")
 
 
 def _record(entry: dict) -> KeyRecord:
@@ -168,3 +171,50 @@ class KeyTable:
             return Refusal(f"This API key ({record.prefix}...) belongs to an account that is suspended or "
                            "waiting for approval. Ask an operator.", "account_inactive")
         return record
+
+
+class HeldKeys:
+    """The table a gateway process holds, and how it takes the controller's `keys` and `key_changes` (the worker's
+    and the master's, which keeps one for the workers it forks).
+
+    Changes are applied, and a whole set at the revision held dropped unread, only to a table that came from
+    a whole set of the controller's: two reads labelled with one revision hold the same keys (each is read at
+    one moment, and every change moves the revision in its own transaction), but a table read from the store
+    by this process, or kept across a store that went back (restored from a backup), is not trusted to be
+    the controller's. Until then every whole set is read, and one at or above the revision held replaces
+    the table, as before changes were sent."""
+
+    def __init__(self, table: KeyTable):
+        self.table = table
+        self.trusted = False
+        self.older: set[int] = set()  # revisions of sets below the one held, each said once
+
+    def held(self) -> int:
+        """The revision a whole set is dropped unread at: the one held, once trusted; else none."""
+        return self.table.revision if self.trusted else -1
+
+    def whole(self, message: dict) -> KeyTable | None:
+        """The table a `keys` message makes, or None where the one held stays."""
+        revision = message["revision"]
+        if revision > self.table.revision or (revision == self.table.revision and not self.trusted):
+            self.table, self.trusted = KeyTable.from_message(message), True
+            return self.table
+        if revision < self.table.revision:
+            # A leader woken from a pause pushes its old keys once or twice; a store restored from a backup has
+            # its revision go back for good. Either way, the next set at or above the one held is read whole.
+            self.trusted = False
+            if revision not in self.older:
+                self.older.add(revision)
+                log.warning("kept the keys at revision %d over a controller's keys at revision %d. If the store was "
+                            "restored from a backup, restart this gateway: until the store's revision is back at "
+                            "%d no key revoked since is refused here", self.table.revision, revision,
+                            self.table.revision)
+        return None
+
+    def changes(self, message: dict) -> KeyTable | None:
+        """The table a `key_changes` message makes of the one held, or None where it does not apply (the whole
+        set that follows it is then read)."""
+        if self.trusted and message["base"] == self.table.revision and message["revision"] > message["base"]:
+            self.table = self.table.changed(message)
+            return self.table
+        return None

@@ -71,23 +71,21 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     import zmq
 
     from llmgw.gateway.follower import follow
-    from llmgw.gateway.keytable import KeyTable
+    from llmgw.gateway.keytable import HeldKeys, KeyTable
 
     def keep_snapshot(message: dict, host: str) -> None:
         state.last_word["snapshot"] = (message, host)
         state.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
 
-    def held() -> int:
-        table = state.last_word.get("keys")
-        return table.revision if table is not None else -1
+    held = HeldKeys(KeyTable({}, -1))  # as a worker holds its keys, from none
 
     def keep_keys(message: dict) -> None:
-        if message["revision"] > held():  # as a worker would
-            state.last_word["keys"] = KeyTable.from_message(message)
+        if (table := held.whole(message)) is not None:
+            state.last_word["keys"] = table
 
     def keep_key_changes(message: dict) -> None:
-        if message["base"] == held():
-            state.last_word["keys"] = state.last_word["keys"].changed(message)
+        if (table := held.changes(message)) is not None:
+            state.last_word["keys"] = table
 
     def keep_leading(message: dict, host: str) -> None:
         state.last_word["leading"] = (message, host)
@@ -96,7 +94,7 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     threading.Thread(target=follow, name="last-word", daemon=True,
                      args=(cfg["gateway.controller"], state.controller_keys, keep_snapshot, keep_keys, keep_leading,
                            zmq.Context()),
-                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held}).start()
+                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held.held}).start()
 
 
 def _child_exit(server, worker) -> None:

@@ -27,7 +27,7 @@ from llmgw import addresses
 from llmgw.engines import metrics as enginemetrics
 from llmgw.gateway.admission import AdmissionQueue
 from llmgw.gateway.balancer import ReplicaState, Router
-from llmgw.gateway.keytable import KeyTable
+from llmgw.gateway.keytable import HeldKeys, KeyTable
 from llmgw.gateway.limiter import Limiter
 from llmgw.gateway.masterstate import MasterState
 from llmgw.gateway.metrics import FOLD_EVERY, UNKNOWN, GatewayMetrics
@@ -80,7 +80,6 @@ class Runtime:
         self.demand_socket = None
         self.demand_address: str | None = None
         self.told: dict[tuple[str, str], float] = {}
-        self.older_keys: set[int] = set()  # revisions of keys pushed below the one held, each said once
         self.keys_replaced = gevent.event.Event()  # set when `keys` is replaced; a new one waits for the next
 
     def demand(self, model: str) -> None:
@@ -151,25 +150,14 @@ class Runtime:
                 self.router.apply(with_leader(body, self.router.snapshot, host))
 
             def on_key_changes(message: dict) -> None:
-                if message["base"] == self.keys.revision:
-                    self.apply_keys(self.keys.changed(message))
-                elif message["revision"] > self.keys.revision:
-                    # A change this worker missed (it was away, or its queue was full): the whole set, which
-                    # the controller sends after every change, heals it.
-                    log.info("the keys' changes from revision %d do not follow the revision %d held here; "
-                             "waiting for the whole set", message["base"], self.keys.revision)
+                table = self.held_keys.changes(message)
+                if table is not None:
+                    self._replace_keys(table)
 
             def on_keys(message: dict) -> None:
-                # Repeats of what is held are not read (follower.follow); older tables cost a comparison.
-                if message["revision"] > self.keys.revision:
-                    self.apply_keys(KeyTable.from_message(message))
-                elif message["revision"] < self.keys.revision and message["revision"] not in self.older_keys:
-                    # A leader woken from a pause pushes its old keys once or twice; a store restored from a
-                    # backup has its revision go back for good, and nothing changed since is seen here.
-                    self.older_keys.add(message["revision"])
-                    log.warning("kept the keys at revision %d over a controller's keys at revision %d. If the "
-                                "store was restored from a backup, restart this gateway: until then no key "
-                                "revoked since is refused here", self.keys.revision, message["revision"])
+                table = self.held_keys.whole(message)
+                if table is not None:
+                    self._replace_keys(table)
 
             # A worker that replaces a crashed one starts from what the master heard last, at once.
             last = self.state.last_word
@@ -179,13 +167,14 @@ class Runtime:
                 on_leading(*last["leading"])
             if "keys" in last:
                 self.apply_keys(last["keys"])
+            self.held_keys = HeldKeys(self.keys)
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
                          last.get("snapshot", ({},))[0].get("version"), self.keys.revision)
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.state.controller_keys,
                                                on_snapshot, on_keys, on_leading, None,
                                                self.metrics.controller_dropped, on_key_changes=on_key_changes,
-                                               keys_held=lambda: self.keys.revision))
+                                               keys_held=self.held_keys.held))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))

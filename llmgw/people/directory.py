@@ -60,10 +60,12 @@ def _first_of_each(conn: Connection, table: sa.Table, column, order, ids: set[st
     return out
 
 
-def first_keys(conn: Connection, project_ids: set[str], n: int = FIRST) -> dict[str, Shown]:
-    """Each project's first N unrevoked keys (by when they were made) and how many it has."""
+def first_keys(conn: Connection, project_ids: set[str], now: float, n: int = FIRST) -> dict[str, Shown]:
+    """Each project's first N keys that work at NOW (by when they were made) and how many it has, as `llmgw keys
+    list --project` counts them."""
     k = store.api_keys
-    return _first_of_each(conn, k, k.c.project_id, (k.c.created_at, k.c.id), project_ids, n, k.c.revoked_at.is_(None))
+    working = sa.and_(k.c.revoked_at.is_(None), sa.or_(k.c.expires_at.is_(None), k.c.expires_at > now))
+    return _first_of_each(conn, k, k.c.project_id, (k.c.created_at, k.c.id), project_ids, n, working)
 
 
 def first_members(conn: Connection, node_ids: set[str], n: int = FIRST) -> dict[str, Shown]:

@@ -191,8 +191,8 @@ def named(engine: Engine, which: str) -> list[KeyRecord]:
 
     k = store.api_keys
     with engine.connect() as conn:
-        return [_record(row, Tree.read(conn)) for row in
-                conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which)))]
+        tree = Tree.read(conn)
+        return [_record(row, tree) for row in conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which)))]
 
 
 def by_ids(engine: Engine, key_ids: set[str]) -> list[KeyRecord]:
@@ -304,7 +304,9 @@ def key_set(engine: Engine) -> dict:
     from llmgw.people.orgtree import Tree
 
     k, u = store.api_keys, store.users
-    with engine.connect() as conn:
+    # At one moment: a set labelled with a revision must hold exactly the changes up to it, since gateways
+    # apply what changed between two sets (llmgw/wire/keychanges.py) and drop a set at a revision they hold.
+    with store.one_moment(engine) as conn:
         revision = store.read_revision(conn, "keys")
         tree = Tree.read(conn)
         rows = conn.execute(sa.select(*(k.c[c] for c in _COLUMNS), k.c.hash)).all()

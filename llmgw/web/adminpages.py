@@ -100,7 +100,7 @@ def people():
         shown, hidden = _shown_projects(tree, whole_team)
         places = {n.id for n in tree.of_kind("org") + tree.of_kind("team")} | {p.id for p in shown}
         members = directory.first_members(conn, places)
-        keys_of = directory.first_keys(conn, {p.id for p in shown})
+        keys_of = directory.first_keys(conn, {p.id for p in shown}, time.time())
         page, total, next_after = directory.accounts_page(conn, q, after)
         people_named = {row.user_id for s in (*members.values(), *keys_of.values()) for row in s.items}
         emails = directory.emails_of(conn, people_named)
@@ -132,8 +132,8 @@ def _shown_projects(tree: orgtree.Tree, whole_team: str) -> tuple[list, dict[str
     shown, hidden = [], {}
     left = SHOWN_PROJECTS
     for org in tree.of_kind("org"):
-        for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name):
-            projects = sorted(tree.children.get(team.id, []), key=lambda p: p.name)
+        for team in sorted(tree.children.get(org.id, []), key=lambda n: n.name.lower()):
+            projects = sorted(tree.children.get(team.id, []), key=lambda p: p.name.lower())
             cut = len(projects) if team.id == whole_team else 0 if whole_team else max(left, 0)
             shown += projects[:cut]
             left -= len(projects[:cut])
@@ -265,10 +265,12 @@ def _people_action(engine, do: str, f) -> str:
     if do in ("approve", "reject", "suspend", "reinstate", "promote", "demote", "remove"):
         who = f["user"]
         if do == "approve":
+            # The project first: a typo must leave the sign-up waiting, not approve it on its own.
+            project = orgtree.Tree.load(engine).find("project", f["project"]) if f.get("project") else None
             user = accounts.approve(engine, who, _me().email)
-            if f.get("project"):
-                memberships.join(engine, user.id, "project", f["project"])
-                return f"Approved {user.email} into {orgtree.Tree.load(engine).find('project', f['project']).path}."
+            if project is not None:
+                memberships.join(engine, user.id, "project", project.id)
+                return f"Approved {user.email} into {project.path}."
             return f"Approved {user.email}, on their own."
         run = {"reject": accounts.reject, "suspend": accounts.suspend, "reinstate": accounts.reinstate,
                "promote": accounts.promote, "demote": lambda e, w: accounts.promote(e, w, admin=False),
@@ -282,9 +284,8 @@ def _people_action(engine, do: str, f) -> str:
         user = identities.confirm_link(engine, f["user"], f["provider"], f.get("subject") or None)
         return f"Linked {user.email} to their sign-in through {f['provider']}; they can sign in with it now."
     if do == "join":
-        if f.get("place"):  # typed as a path: its depth says its kind
-            node_id = f["place"].strip().strip("/")
-            kind = orgtree.KINDS[min(node_id.count("/"), len(orgtree.KINDS) - 1)]
+        if f.get("place"):  # typed
+            kind, node_id = _place(engine, f["place"])
         else:
             kind, _, node_id = f["where"].partition(":")
         if kind not in orgtree.KINDS:
@@ -310,6 +311,20 @@ def _people_action(engine, do: str, f) -> str:
         node = orgtree.remove(engine, f["kind"], f["node"])
         return f"Removed {node.path}."
     raise orgtree.TreeError("that is not an action this page knows")
+
+
+def _place(engine, text: str) -> tuple[str, str]:
+    """(kind, id) of the place typed as TEXT: a path's depth says its kind; a bare name or id may be any kind,
+    organisations first."""
+    tree = orgtree.Tree.load(engine)
+    text = text.strip().strip("/")
+    kinds = (orgtree.KINDS[min(text.count("/"), 2)],) if "/" in text else orgtree.KINDS
+    for kind in kinds:
+        try:
+            return kind, tree.find(kind, text).id
+        except orgtree.TreeError as e:
+            refused = e
+    raise refused
 
 
 def _quota_form(scope: str, scope_id: str) -> str:
