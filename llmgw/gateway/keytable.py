@@ -184,8 +184,10 @@ class HeldKeys:
     the controller's. Until then every whole set is read, and one at or above the revision held replaces
     the table, as before changes were sent."""
 
-    def __init__(self, table: KeyTable):
+    def __init__(self, table: KeyTable, say: bool = True):
+        """SAY: log a set kept over an older one (the workers do; their master, which keeps the same, does not)."""
         self.table = table
+        self.say = say
         self.trusted = False
         self.older: set[int] = set()  # revisions of sets below the one held, each said once
 
@@ -203,7 +205,7 @@ class HeldKeys:
             # A leader woken from a pause pushes its old keys once or twice; a store restored from a backup has
             # its revision go back for good. Either way, the next set at or above the one held is read whole.
             self.trusted = False
-            if revision not in self.older:
+            if self.say and revision not in self.older:
                 self.older.add(revision)
                 log.warning("kept the keys at revision %d over a controller's keys at revision %d. If the store was "
                             "restored from a backup, restart this gateway: until the store's revision is back at "

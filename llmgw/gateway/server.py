@@ -77,7 +77,7 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
         state.last_word["snapshot"] = (message, host)
         state.last_word.pop("leading", None)  # a whole snapshot is the later word on the addresses
 
-    held = HeldKeys(KeyTable({}, -1))  # as a worker holds its keys, from none
+    held = HeldKeys(KeyTable({}, -1), say=False)  # as a worker holds its keys, from none; the workers say what they keep
 
     def keep_keys(message: dict) -> None:
         if (table := held.whole(message)) is not None:
