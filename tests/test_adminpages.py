@@ -55,7 +55,7 @@ def test_people_page_runs_the_tree_and_accounts(admin):
     user = accounts.find(engine, "new@example.org")
     act(client, "/admin/people", do="approve", user=user.id, project=project.id)
     assert "Approved new@example.org into Acme/ml/training." in flashed(client)
-    act(client, "/admin/people", do="join", user=user.id, where=f"org:{acme.id}", role="manager")
+    act(client, "/admin/people", do="join", user=user.id, place=acme.id, role="manager")
     with engine.connect() as conn:
         tree = orgtree.Tree.read(conn)
         assert [(m.path, m.role) for m in memberships.of_user(conn, tree, user.id)] == [
@@ -142,6 +142,19 @@ def test_the_quotas_page_shows_the_first_of_many_own_limits_and_counts_the_rest(
     last = sorted(r.id for r in made)[-1]
     editing = flashed(client, f"/admin/quotas?edit=key:{last}")  # one not shown is still edited by its address
     assert "key k" in editing and 'name="rpm"' in editing
+
+
+def test_the_people_pages_paging_takes_any_text_and_finds_only_what_it_says(admin):
+    client, engine, _ = admin
+    accounts.create_user(engine, "a_b@example.org", PASSWORD)
+    accounts.create_user(engine, "axb@example.org", PASSWORD)
+    for query in ("after=" + "z" * 5000, "team=%3Cscript%3Ealert(1)%3C/script%3E", "after=%00%FF", "q=%25", "team="):
+        page = client.get("/admin/people?" + query)
+        assert page.status_code == 200 and b"<script>alert(1)" not in page.data, query
+    found = flashed(client, "/admin/people?q=a_b").split("<tbody>")[1]
+    assert "a_b@example.org" in found and "axb@example.org" not in found  # "_" is a character, not a wildcard
+    act(client, "/admin/people", do="join", user=accounts.find(engine, "a_b@example.org").id, place="../../etc")
+    assert "a_b@example.org is a" not in flashed(client)
 
 
 def test_names_people_chose_are_shown_inert(admin):

@@ -476,7 +476,7 @@ PAGES = [("GET", "/"), ("GET", "/login"), ("POST", "/login"), ("GET", "/signup")
          ("POST", "/admin/mirror/serve"), ("GET", "/admin/mirror/registry"), ("GET", "/admin/mirror/repo")]
 FORM_VALUES = ["", "x", "x" * 50_000, "%00", "%ff%fe", "a%0d%0ab", "-1", "99999999999999999999", "1e308", "nan",
                "<script>alert(1)</script>", "../../etc/passwd", "//evil.example/", "http://evil.example/"]
-FORM_FIELDS = ["email", "password", "repeat", "name", "do", "user", "where", "role", "scope", "models", "band",
+FORM_FIELDS = ["email", "password", "repeat", "name", "do", "user", "place", "role", "scope", "models", "band",
                "rpm", "tpm", "budget", "period", "model", "version", "source", "size", "q", "next", "project",
                "content", "messages", "current", "new", "key_id"]
 

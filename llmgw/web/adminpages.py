@@ -108,7 +108,7 @@ def people():
     ids = {u.id for u in page}
     everywhere = tree.of_kind("org") + tree.of_kind("team") + tree.of_kind("project")
     return render_template("admin_people.html", tree=tree, members=members, keys=keys_of, emails=emails,
-                           shown_projects={p.id for p in shown}, hidden=hidden, whole_team=whole_team,
+                           shown_projects={p.id for p in shown}, hidden=hidden,
                            pending=accounts.list_users(site().engine, accounts.PENDING), accounts=page, q=q,
                            total=total, after=after, next_after=next_after,
                            signed_in_count=sessions.count(site().engine, ids),
@@ -284,12 +284,7 @@ def _people_action(engine, do: str, f) -> str:
         user = identities.confirm_link(engine, f["user"], f["provider"], f.get("subject") or None)
         return f"Linked {user.email} to their sign-in through {f['provider']}; they can sign in with it now."
     if do == "join":
-        if f.get("place"):  # typed
-            kind, node_id = _place(engine, f["place"])
-        else:
-            kind, _, node_id = f["where"].partition(":")
-        if kind not in orgtree.KINDS:
-            raise orgtree.TreeError("choose an organisation, team or project")
+        kind, node_id = _place(engine, f["place"])
         user, membership = memberships.join(engine, f["user"], kind, node_id, f.get("role") or memberships.MEMBER)
         return f"{user.email} is a {membership.role} of {membership.path}."
     if do == "leave":
