@@ -185,25 +185,23 @@ def _named(which: str):
     return sa.or_(k.c.id == which, k.c.prefix == which, k.c.name == which)
 
 
-def named(engine: Engine, which: str) -> list[KeyRecord]:
-    """The keys whose id, display prefix or name is WHICH."""
+def _records(engine: Engine, where) -> list[KeyRecord]:
     from llmgw.people.orgtree import Tree
 
     k = store.api_keys
     with engine.connect() as conn:
         tree = Tree.read(conn)
-        return [_record(row, tree) for row in conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(_named(which)))]
+        return [_record(row, tree) for row in conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(where))]
+
+
+def named(engine: Engine, which: str) -> list[KeyRecord]:
+    """The keys whose id, display prefix or name is WHICH."""
+    return _records(engine, _named(which))
 
 
 def by_ids(engine: Engine, key_ids: set[str]) -> list[KeyRecord]:
     """The keys whose ids are among KEY_IDS (a page's worth)."""
-    from llmgw.people.orgtree import Tree
-
-    k = store.api_keys
-    with engine.connect() as conn:
-        tree = Tree.read(conn)
-        return [_record(row, tree) for row in
-                conn.execute(sa.select(*(k.c[c] for c in _COLUMNS)).where(k.c.id.in_(sorted(key_ids))))]
+    return _records(engine, store.api_keys.c.id.in_(sorted(key_ids)))
 
 
 def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRecord:
