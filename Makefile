@@ -113,7 +113,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/gateway.py
 	$(BIN)/python bench/dialects.py
-	$(BIN)/python bench/controlplane.py
+	$(BIN)/python bench/controlplane.py --out bench/results/controlplane.json --chart docs/scaling-controlplane.svg
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
 	$(BIN)/python bench/failover.py

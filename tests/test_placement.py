@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.control import catalog, placement
 from llmgw.control.fleet import Fleet, NodeView, node_facts
@@ -210,3 +212,36 @@ def test_a_model_whose_planning_raises_leaves_the_others_placed_and_is_logged_on
     said = [r for r in caplog.records if "could not plan b" in r.getMessage()]
     assert len(said) == 1 and "TypeError" in said[0].getMessage() and "Traceback" in said[0].getMessage()
     assert replicas.plan_errors == {"b": "TypeError: '<' not supported between instances of 'str' and 'int'"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_placing_many_in_one_pass_decides_as_placing_each_alone(data):
+    """The pass's Placer (each node weighed once, again only where a replica lands, cards chosen on the winner
+    alone) decides every replica as `place` did, given the claims of those placed before it."""
+    classes = ("h100-80g", "l40s-45g")
+    nodes = [node(f"n{i}", state=data.draw(st.sampled_from(("ready", "ready", "ready", "cordoned"))),
+                  gpus=data.draw(st.lists(st.sampled_from(classes), max_size=8)),
+                  memory_gb=data.draw(st.integers(0, 256)), labels={"rack": data.draw(st.sampled_from("ab"))})
+             for i in range(data.draw(st.integers(0, 12)))]
+    models = [catalog.parse_model({
+        "name": f"m{j}", "source": "/m.gguf", "scaling": {"min": 1, "max": 20},
+        "profiles": [{"name": f"p{k}", "engine": "sim", "gpu_class": data.draw(st.sampled_from(classes)),
+                      "gpus": data.draw(st.integers(0, 3)), "min_memory_gb": data.draw(st.integers(0, 64)),
+                      **({"node_selector": {"rack": "a"}} if data.draw(st.booleans()) else {})}
+                     for k in range(data.draw(st.integers(1, 2)))]})
+        for j in range(data.draw(st.integers(1, 3)))]
+    models = [m for m in models if all(p.gpus or not p.gpu_class for p in m.profiles)] or [model()]
+    claims = [placement.Claim(n.node_id, "other", 8 * GiB, (0,)) for n in nodes[:3]]
+    placer, alone = placement.Placer(nodes, list(claims), None), list(claims)
+    for m in models:
+        for _ in range(data.draw(st.integers(0, 12))):
+            expected, why = placement.place(m, nodes, alone)
+            got, reasons = placer.place(m)
+            assert got == expected
+            if expected is None:
+                assert reasons == why
+                break
+            memory = placement.memory_claim(expected.profile)
+            alone.append(placement.Claim(expected.node_id, m.name, memory, expected.gpus))
+            placer.taken([placement.Claim(expected.node_id, m.name, memory, expected.gpus)])

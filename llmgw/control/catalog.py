@@ -319,6 +319,7 @@ class Catalog:
         self.runtime: dict[str, Model] = {}
         # Replaced whole, never changed in place: the loop's thread reads it while the admin API's writes.
         self.capacities: dict[tuple[str, str], capacity.Capacity] = {}
+        self.revision = 0  # counted up at every change: the loop makes the gateways' snapshot again when it moves
         self.reload()
 
     def reload(self) -> None:
@@ -328,6 +329,7 @@ class Catalog:
             rows = conn.execute(sa.select(store.catalog_models.c.name, store.catalog_models.c.spec)).all()
         self.runtime = {m.name: m for m in map(_stored_model, rows) if m is not None}
         self.capacities = capacity.read_all(self.engine)
+        self.revision += 1
 
     def profile_of(self, model: str, fingerprint: str | None) -> Profile | None:
         """MODEL's profile whose fingerprint is FINGERPRINT as it is defined now; None: none is (edited since)."""
@@ -346,6 +348,7 @@ class Catalog:
         measured = capacity.measured_now(model, profile.name, fingerprint, max_in_flight, figures)
         capacity.save(self.engine, measured)
         self.capacities = {**self.capacities, (model, profile.name): measured}
+        self.revision += 1
         return measured
 
     def forget_capacity(self, model: str, profile: str | None = None) -> int:
@@ -353,6 +356,7 @@ class Catalog:
         dropped = capacity.forget(self.engine, model, profile)
         self.capacities = {k: v for k, v in self.capacities.items()
                            if not (k[0] == model and profile in (None, k[1]))}
+        self.revision += 1
         return dropped
 
     def current_fingerprint(self, model: str, profile: str) -> str | None:
@@ -378,6 +382,7 @@ class Catalog:
             conn.execute(store.catalog_models.insert().values(name=model.name, spec=json.dumps(table),
                                                               updated_at=time.time()))
         self.runtime[model.name] = model
+        self.revision += 1
         return model
 
     def remove(self, name: str) -> None:
@@ -390,6 +395,7 @@ class Catalog:
         if not removed and name not in self.runtime:
             raise CatalogError(f"no model {name!r}; `llmgw ctl models` lists them")
         self.runtime.pop(name, None)
+        self.revision += 1
         self.forget_capacity(name)  # a model added again later is measured again
 
     def scale(self, name: str, low: int | None, high: int | None) -> Model:

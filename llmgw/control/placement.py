@@ -18,6 +18,7 @@ then the one with the most unclaimed memory.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from llmgw.control import gpusets, multinode
 from llmgw.control.catalog import Model, Profile
@@ -59,9 +60,10 @@ def _unclaimed(node: NodeView, held: list[Claim]) -> int | None:
 
 
 def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model,
-             adapters: tuple[str, ...] = ()) -> tuple[str | None, tuple[int, ...]]:
+             adapters: tuple[str, ...] = (), choose: bool = True) -> tuple[str | None, tuple[int, ...]]:
     """(None, gpus) when NODE, holding HELD, can take a replica with PROFILE (of a multi-node one: a shard,
-    its cards near ADAPTERS), else (reason, ())."""
+    its cards near ADAPTERS), else (reason, ()). CHOOSE false: whether it can, without choosing its cards
+    (gpus then empty), the costly part, which only the node chosen needs."""
     if node.state != READY:
         return f"node is {node.state}", ()
     facts = node.facts
@@ -96,7 +98,8 @@ def _refusal(node: NodeView, profile: Profile, held: list[Claim], model: Model,
             unwell = "".join(f"; GPU {g.index}'s health is not known" if g.health is None
                              else f"; GPU {g.index} is unhealthy ({g.health})" for g in fitting if not g.healthy)
             return f"needs {wanted}, {len(free)} free of {len(fitting)}{unwell}", ()
-        gpus = gpusets.choose([g for g in fitting if g.index in free], profile.gpus, adapters)
+        if choose:
+            gpus = gpusets.choose([g for g in fitting if g.index in free], profile.gpus, adapters)
     elif profile.gpu_class:
         return f"profile asks for GPU class {profile.gpu_class} but 0 GPUs", ()
     if model.size_bytes and not profile.source and model.source.startswith(("http://", "https://")):
@@ -163,29 +166,79 @@ def place(model: Model, nodes: list[NodeView], claims: list[Claim], leaves: dict
           ) -> tuple[Decision | multinode.GroupDecision | None, dict[str, str]]:
     """Where one more replica of MODEL runs (a node, or for a profile over several nodes, a GroupDecision:
     its nodes, rank 0 first), or None with every node's reason. LEAVES as `over_nodes` takes them."""
-    reasons: dict[str, str] = {}
-    held = _by_node(claims)
-    for profile in model.profiles:
-        if profile.nodes > 1:
-            group, why = over_nodes(model, profile, nodes, held, leaves)
-            if group is not None:
-                return group, reasons
-            reasons.update({_label(model, profile, k): v for k, v in why.items()})
-            continue
-        candidates = []
-        for node in nodes:
-            mine = held.get(node.node_id, [])
-            reason, gpus = _refusal(node, profile, mine, model)
-            if reason is None:
-                candidates.append((*_spread(model, node, mine), node.node_id, gpus))
-            else:
-                reasons[_label(model, profile, node.node_id)] = reason
-        if candidates:
-            _, _, node_id, gpus = min(candidates)
-            return Decision(node_id, profile, gpus), reasons
-    if not nodes:
-        reasons["(none)"] = "no node has registered"
-    return None, reasons
+    return Placer(nodes, claims, leaves).place(model, every_reason=True)
+
+
+class Placer:
+    """Placement of many replicas in one pass, each decision what `place` would give at that point.
+
+    A pass that placed R replicas over N nodes weighed every node for every replica (R x N), and chose cards
+    on each (gpusets scores every subset): 4,000 replicas over 1,000 nodes held the pass, and with it the
+    replicas' lock the control loop needs, for minutes. Here each node is weighed once for a model's
+    profile, and again only after a replica lands on it, since a placement changes only what its own nodes
+    hold; candidates wait in a heap by rank; and cards are chosen on the winner alone (a node's rank does not
+    depend on which of its cards are chosen). So a model's replicas cost N + R weighings, and one set of
+    cards each.
+    """
+
+    def __init__(self, nodes: list[NodeView], claims: list[Claim], leaves: dict[str, dict[str, str]] | None = None):
+        self.nodes, self.leaves = nodes, leaves
+        self.by_id = {node.node_id: node for node in nodes}
+        self.held = _by_node(claims)
+        self.model: Model | None = None
+        self.weighed: dict[int, dict[str, tuple[str | None, tuple]]] = {}  # profile -> node -> (reason, rank)
+        self.heaps: dict[int, list[tuple]] = {}
+
+    def place(self, model: Model, every_reason: bool = False
+              ) -> tuple[Decision | multinode.GroupDecision | None, dict[str, str]]:
+        """As `place`; where a place is found, the reasons of the nodes refused are given only with EVERY_REASON
+        (a pass reads them only where none is found, and gathering them for each replica is R x N again)."""
+        if model is not self.model:
+            self.model, self.weighed, self.heaps = model, {}, {}
+        reasons: dict[str, str] = {}
+        for i, profile in enumerate(model.profiles):
+            if profile.nodes > 1:
+                group, why = over_nodes(model, profile, self.nodes, self.held, self.leaves)
+                if group is not None:
+                    return group, reasons
+                reasons.update({_label(model, profile, k): v for k, v in why.items()})
+                continue
+            if i not in self.weighed:
+                self.weighed[i], self.heaps[i] = {}, []
+                for node in self.nodes:
+                    self._weigh(i, profile, node)
+            weighed, heap = self.weighed[i], self.heaps[i]
+            while heap and weighed[heap[0][-1]][1] != heap[0]:
+                heapq.heappop(heap)  # a node weighed again since: its fresh rank is further in
+            if heap:
+                node_id = heap[0][-1]
+                if every_reason:
+                    reasons.update({_label(model, profile, other): why for other, (why, _) in weighed.items()
+                                    if why is not None})
+                reason, gpus = _refusal(self.by_id[node_id], profile, self.held.get(node_id, []), model)
+                assert reason is None, reason  # weighed on the same facts a moment ago
+                return Decision(node_id, profile, gpus), reasons
+            reasons.update({_label(model, profile, node_id): why for node_id, (why, _) in weighed.items()
+                            if why is not None})
+        if not self.nodes:
+            reasons["(none)"] = "no node has registered"
+        return None, reasons
+
+    def taken(self, claims: list[Claim]) -> None:
+        """CLAIMS were just placed: held from now on, and their nodes weighed again for the model placed."""
+        for claim in claims:
+            self.held.setdefault(claim.node_id, []).append(claim)
+        for i, weighed in self.weighed.items():
+            for node_id in {claim.node_id for claim in claims} & weighed.keys():
+                self._weigh(i, self.model.profiles[i], self.by_id[node_id])
+
+    def _weigh(self, i: int, profile: Profile, node: NodeView) -> None:
+        mine = self.held.get(node.node_id, [])
+        reason, _ = _refusal(node, profile, mine, self.model, choose=False)
+        rank = () if reason is not None else (*_spread(self.model, node, mine), node.node_id)
+        self.weighed[i][node.node_id] = (reason, rank)
+        if rank:
+            heapq.heappush(self.heaps[i], rank)
 
 
 def _label(model: Model, profile: Profile, where: str) -> str:

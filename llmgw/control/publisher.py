@@ -138,19 +138,24 @@ class Publisher:
         # its version (the new controller's clock may be behind), and within an epoch only newer versions.
         self.epoch = os.urandom(8).hex()
         self.version = 0
+        self.encoded = b""  # the last snapshot as sent: a repeat sends these bytes again
         self.sent_at = 0.0
         self.leading_sent_at = 0.0
+
+    def due(self) -> bool:
+        """Whether the last snapshot is REPEAT seconds old (`publish` sends it again)."""
+        return time.monotonic() - self.sent_at >= REPEAT
 
     def publish(self, body: dict) -> None:
         """Send BODY if it changed, or if the last send is REPEAT seconds old."""
         now = time.monotonic()
         if body == self.last_body and now - self.sent_at < REPEAT:
             return
-        if body != self.last_body:
+        if body != self.last_body or not self.encoded:
             self.version = max(self.version + 1, int(time.time() * 1000))
             self.last_body = body
-        self.socket.send_multipart([gateways.SNAPSHOT, gateways.encode("snapshot", epoch=self.epoch,
-                                                                       version=self.version, **body)])
+            self.encoded = gateways.encode("snapshot", epoch=self.epoch, version=self.version, **body)
+        self.socket.send_multipart([gateways.SNAPSHOT, self.encoded])
         self.sent_at = now
 
     def publish_leading(self, demand_port: int | None, accountant_port: int | None) -> None:

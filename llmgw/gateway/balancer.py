@@ -253,6 +253,12 @@ class Router:
         states = self.states
         return [states[rid] for rid in self.snapshot.replicas_for(model) if not states[rid].breaker.is_open]
 
+    def serves(self, model: str) -> bool:
+        """Whether any replica of MODEL is in rotation: `available` asked only for yes or no, stopping at the
+        first (`/v1/models` asks it of every model, and listed every replica of each to answer)."""
+        states = self.states
+        return any(not states[rid].breaker.is_open for rid in self.snapshot.replicas_for(model))
+
     def pick(self, model: str, now: float, key: int | None, exclude: set[str], follows: bool = False,
              profile=None) -> ReplicaState | None:
         """A replica of MODEL outside EXCLUDE for a request (see `choose`), among those with room when any has

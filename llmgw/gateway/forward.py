@@ -80,7 +80,7 @@ class Forwarder:
         # Behind a controller a model without a replica in rotation gets one soon (it is starting,
         # moving, or being replaced), so the request waits for it; with only configured endpoints
         # nothing would come, and the 503 is immediate.
-        if (model.on_demand or self.placed) and not rt.router.available(model.name):
+        if (model.on_demand or self.placed) and not rt.router.serves(model.name):
             if model.on_demand:
                 rt.demand(model.name)
             if req.stream:
@@ -91,7 +91,7 @@ class Forwarder:
                 return Relay(self._held_stream(ex, environ), lambda: ex.finish(499))
             for _ in self._until_ready(model):
                 pass
-            if not rt.router.available(model.name):
+            if not rt.router.serves(model.name):
                 raise self._still_loading(model)
         ex.fly()
         # Until the answer is whole (a stream: until its head), a client that leaves cancels the request: the
@@ -153,7 +153,7 @@ class Forwarder:
                 yield f": {model.name} is loading\n\n".encode()
                 said = time.monotonic()
         try:
-            if not self.rt.router.available(model.name):
+            if not self.rt.router.serves(model.name):
                 raise self._still_loading(model)
             resp, replica, _, _ = self.attempts.connect_in_turn(ex)
         except ApiError as e:
@@ -253,7 +253,7 @@ class Forwarder:
         """
         deadline = time.monotonic() + self.load_wait
         reminded = time.monotonic()
-        while not self.rt.router.available(model.name) and time.monotonic() < deadline:
+        while not self.rt.router.serves(model.name) and time.monotonic() < deadline:
             if model.on_demand and time.monotonic() - reminded >= DEMAND_REMINDER:
                 self.rt.demand(model.name)
                 reminded = time.monotonic()

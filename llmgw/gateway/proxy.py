@@ -105,7 +105,7 @@ class Proxy:
                 req = ex.req = dialect.parse(kind, raw, self.prefix_bytes)
                 req.dialect = dialect
                 model = ex.model = self._resolve(req.model, caller)
-                if model.stopped and not self.rt.router.available(model.name):  # before any limit or judge
+                if model.stopped and not self.rt.router.serves(model.name):  # before any limit or judge
                     raise ApiError(503, f"{model.name} is stopped: an operator scaled it to no replica, and nothing "
                                         f"starts it until one runs it again (`llmgw ctl scale {model.name} --max 1`). "
                                         "Use another model meanwhile; /v1/models lists those served.", "model_stopped")
@@ -299,7 +299,7 @@ class Proxy:
 
     def _model_object(self, name: str, spec: ModelSpec) -> dict:
         entry = {"id": name, "object": "model", "created": spec.created, "owned_by": "llmgw", "root": spec.name,
-                 "max_context": spec.max_context, "ready": bool(self.rt.router.available(spec.name))}
+                 "max_context": spec.max_context, "ready": self.rt.router.serves(spec.name)}
         if spec.description:  # absent, not null or "", where nobody wrote one: a client shows what it finds
             entry["description"] = spec.description
         return entry

@@ -90,11 +90,16 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     def keep_leading(message: dict, host: str) -> None:
         state.last_word["leading"] = (message, host)
 
+    def snapshot_held() -> tuple[str, int] | None:
+        kept = state.last_word.get("snapshot")
+        return None if kept is None else (kept[0].get("epoch"), kept[0]["version"])
+
     # Its own context, never the green singleton the workers make after fork.
     threading.Thread(target=follow, name="last-word", daemon=True,
                      args=(cfg["gateway.controller"], state.controller_keys, keep_snapshot, keep_keys, keep_leading,
                            zmq.Context()),
-                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held.held}).start()
+                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held.held,
+                             "snapshot_held": snapshot_held}).start()
 
 
 def _child_exit(server, worker) -> None:

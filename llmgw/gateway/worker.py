@@ -119,6 +119,10 @@ class Runtime:
         if snapshot.epoch != current.epoch or snapshot.version > current.version:
             self.router.apply(snapshot)
 
+    def snapshot_held(self) -> tuple[str | None, int]:
+        """The epoch and version of the snapshot routed by: `follow` drops a repeat of it unread."""
+        return self.router.snapshot.epoch, self.router.snapshot.version
+
     def apply_keys(self, table: KeyTable) -> None:
         """Take a newer key table (a later revision of the store's keys, from whichever controller)."""
         if self.keys.newer(table):
@@ -174,7 +178,7 @@ class Runtime:
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.state.controller_keys,
                                                on_snapshot, on_keys, on_leading, None,
                                                self.metrics.controller_dropped, on_key_changes=on_key_changes,
-                                               keys_held=self.held_keys.held))
+                                               keys_held=self.held_keys.held, snapshot_held=self.snapshot_held))
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))

@@ -169,7 +169,7 @@ def _models(runtime: Runtime) -> list[dict]:
     ceiling = runtime.cfg["gateway.chat_max_tokens"] or None
     out = []
     for spec in router.snapshot.offered():
-        ready = bool(router.available(spec.name))
+        ready = router.serves(spec.name)
         out.append({"name": spec.name, "ready": ready, "on_demand": spec.on_demand, "status": status(spec, ready),
                     "max_tokens": min(filter(None, (ceiling, spec.max_output)), default=None),
                     "description": spec.description})
@@ -213,7 +213,7 @@ def chat_wake():
     access = table.person(me.id) if project is None else table.rules.access(None, project, me.id)
     if access.personal_off or (access.models is not None and not snapshot.allows(access.models, spec.name)):
         abort(403, f"You may not use {spec.name} spending as chosen; choose another model or project.")
-    ready = bool(s.runtime.router.available(spec.name))
+    ready = s.runtime.router.serves(spec.name)
     if spec.on_demand and not ready:
         s.runtime.demand(spec.name)
     return {"ready": ready, "status": "" if ready else status(spec, ready).replace("starts when asked",

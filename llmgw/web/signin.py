@@ -23,7 +23,7 @@ bp = Blueprint("signin", __name__)
 def landing():
     s = site()
     router = s.runtime.router
-    models = [(spec, bool(router.available(spec.name))) for spec in router.snapshot.offered()]
+    models = [(spec, router.serves(spec.name)) for spec in router.snapshot.offered()]
     base_url = request.host_url.rstrip("/") + "/v1"
     return render_template("landing.html", models=models, base_url=base_url, contact=s.cfg["gateway.contact"],
                            variable=editorconfig.KEY_VARIABLE)

@@ -26,7 +26,7 @@ from llmgw import modelnames, rules
 from llmgw.wire.schema import Int, ListOf, Nullable, Num, Obj, ProtocolError, Row, Schema, Str
 
 __all__ = ["MESSAGES", "VERSION", "ProtocolError", "decode", "encode", "SNAPSHOT", "KEYS", "KEY_CHANGES", "LEADING",
-           "KEYS_REPEAT", "keys_revision",
+           "KEYS_REPEAT", "keys_revision", "snapshot_version",
            "MAX_IN_FLIGHT"]
 
 VERSION = 1
@@ -119,6 +119,19 @@ decode = _SCHEMA.decode
 # How the controller begins a `keys` message (encode writes the kind, then the fields in the order given, and
 # people.keys.key_set puts the revision first).
 _KEYS_HEAD = re.compile(rb'\{"v":%d,"type":"keys","epoch":"[^"\\]{0,64}","revision":(\d{1,16})[,}]' % VERSION)
+
+
+# How the controller begins a `snapshot` message (publisher.Publisher.publish gives the epoch, then the version).
+_SNAPSHOT_HEAD = re.compile(rb'\{"v":%d,"type":"snapshot","epoch":"([^"\\]{0,64})","version":(\d{1,16})[,}]' % VERSION)
+
+
+def snapshot_version(data) -> tuple[str, int] | None:
+    """The epoch and version of an encoded `snapshot` message, read from its first bytes alone; None when it
+    does not begin as this llmgw's controller writes one. The controller repeats its snapshot every two
+    seconds, and reading 20,000 replicas' worth stops a worker for a tenth of a second, so a worker drops
+    unread a snapshot of the epoch it holds and a version it has."""
+    found = _SNAPSHOT_HEAD.match(bytes(data[:200]))
+    return (found.group(1).decode(), int(found.group(2))) if found else None
 
 
 def keys_revision(data) -> int | None:
