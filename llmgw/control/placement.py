@@ -206,7 +206,7 @@ class Placer:
             if i not in self.weighed:
                 self.weighed[i], self.heaps[i] = {}, []
                 for node in self.nodes:
-                    self._weigh(i, profile, node)
+                    self._weigh(model, i, profile, node)
             weighed, heap = self.weighed[i], self.heaps[i]
             while heap and weighed[heap[0][-1]][1] != heap[0]:
                 heapq.heappop(heap)  # a node weighed again since: its fresh rank is further in
@@ -228,14 +228,17 @@ class Placer:
         """CLAIMS were just placed: held from now on, and their nodes weighed again for the model placed."""
         for claim in claims:
             self.held.setdefault(claim.node_id, []).append(claim)
+        model = self.model
+        if model is None:
+            return  # nothing weighed yet
         for i, weighed in self.weighed.items():
             for node_id in {claim.node_id for claim in claims} & weighed.keys():
-                self._weigh(i, self.model.profiles[i], self.by_id[node_id])
+                self._weigh(model, i, model.profiles[i], self.by_id[node_id])
 
-    def _weigh(self, i: int, profile: Profile, node: NodeView) -> None:
+    def _weigh(self, model: Model, i: int, profile: Profile, node: NodeView) -> None:
         mine = self.held.get(node.node_id, [])
-        reason, _ = _refusal(node, profile, mine, self.model, choose=False)
-        rank = () if reason is not None else (*_spread(self.model, node, mine), node.node_id)
+        reason, _ = _refusal(node, profile, mine, model, choose=False)
+        rank = () if reason is not None else (*_spread(model, node, mine), node.node_id)
         self.weighed[i][node.node_id] = (reason, rank)
         if rank:
             heapq.heappush(self.heaps[i], rank)
