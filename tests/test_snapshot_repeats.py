@@ -81,6 +81,11 @@ def test_a_repeat_is_the_same_bytes_and_a_change_a_new_version(monkeypatch):
         assert sent[1] is sent[0]  # the bytes sent before, not encoded again
         publisher.publish(body(demand_port=5))
         assert gateways.snapshot_version(sent[2])[1] > gateways.snapshot_version(sent[0])[1]
+        # A new term: the same body again is sent newer, so a gateway that followed another leader meanwhile
+        # (holding this epoch's last version, with the other's addresses) reads it.
+        publisher.forget()
+        publisher.publish(body(demand_port=5))
+        assert gateways.snapshot_version(sent[3])[1] > gateways.snapshot_version(sent[2])[1]
     finally:
         publisher.close()
         context.term()

@@ -178,6 +178,10 @@ class ControlLoop:
                     log.warning("cannot start leading yet, the store did not answer: %s", str(e).splitlines()[0])
                     return False
                 self.term = self.lease.term
+                # The term's first snapshot is newer than any sent before, even with nothing changed:
+                # gateways that followed another leader meanwhile keep its addresses until one is.
+                self.publisher.forget()
+                self.snapshot_of = None
         return True
 
     def renew(self) -> None:

@@ -142,6 +142,10 @@ class Publisher:
         self.sent_at = 0.0
         self.leading_sent_at = 0.0
 
+    def forget(self) -> None:
+        """Take the next snapshot as new, whatever it holds: it is sent at a higher version (a new term)."""
+        self.last_body, self.encoded = None, b""
+
     def due(self) -> bool:
         """Whether the last snapshot is REPEAT seconds old (`publish` sends it again)."""
         return time.monotonic() - self.sent_at >= REPEAT

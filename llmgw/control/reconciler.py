@@ -401,6 +401,9 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
     # Planning and recording what was planned happen under one lock: a replica
     # decided here is a claim at once, so the next pass cannot place it twice.
     with replicas.lock:
+        # Counted at the start, under the lock: a pass writes replicas directly too (`_keep_groups_whole`), and
+        # whatever it raises, the loop reads the revision moved and makes the snapshot once the pass is done.
+        replicas.revision += 1
         actions: list[Start | Stop] = list(replicas.orders)
         replicas.orders.clear()
         actions += _keep_groups_whole(replicas, reachable, now, adopting)
@@ -465,7 +468,6 @@ def plan(models: dict[str, Model], nodes: list[NodeView], replicas: Replicas, no
                 # One model's bad facts or bad bug must never stop the pass for every other model.
                 errors[name] = replicas.plan_failed(name, e)
         replicas.plan_errors = errors  # a model planned without error this pass is logged afresh if it fails again
-        replicas.revision += 1  # a pass writes replicas directly too (a rank never sent, dropped)
     return actions, unplaced
 
 
