@@ -38,7 +38,6 @@ import http.client
 import json
 import math
 import os
-import platform
 import random
 import shutil
 import signal
@@ -54,6 +53,7 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import curves  # noqa: E402
 from bench.chart import log_lines  # noqa: E402
 from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
 from llmgw import addresses, keyfiles, settings, store  # noqa: E402
@@ -68,7 +68,6 @@ QUICK_SIZES = (20,)
 PER_NODE = 4  # replicas a node, on average
 PER_MODEL = 40  # replicas a model
 PER_PROCESS = 2_500  # agents a process: two descriptors each, within the machine's 20,000
-NOISY_LOAD = 1.0
 
 
 class Gave(Exception):
@@ -322,7 +321,7 @@ def serving(gateway, key: str, window: float) -> dict:
     conn.close()
     return {"gateway_cpu": round((sum(cpu_seconds(p) for p in pids) - cpu_before) / (time.monotonic() - began), 3),
             "models_p50_ms": round(statistics.median(latencies) * 1000, 2),
-            "models_p99_ms": round(pct(latencies, 0.99) * 1000, 2),
+            "models_p99_ms": round(curves.pct(latencies, 0.99) * 1000, 2),
             "models_max_ms": round(max(latencies) * 1000, 1)}
 
 
@@ -389,88 +388,63 @@ def _answers(call):
         return None
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(p * len(ordered)))]
-
-
 def measure(size: int, window: float, baseline: str | None, quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"llmgw-cp-{size}-") as tmp:
-        load_before = os.getloadavg()[0]
-        fleet = Fleet(Path(tmp), size)
-        out = {"size": size, "load_before": load_before, "this": run(fleet, ROOT, window, quick, read=True)}
-        print(f"{size:,} agents: this checkout {json.dumps(out['this'])}", file=sys.stderr)
-        if baseline:
-            out["baseline"] = run(fleet, baseline, window, quick, read=False)
-            print(f"{size:,} agents: baseline {json.dumps(out['baseline'])}", file=sys.stderr)
-        out["load_after"] = os.getloadavg()[0]
-        out["noisy"] = load_before > NOISY_LOAD
-        return out
+        def figures() -> dict:
+            fleet = Fleet(Path(tmp), size)
+            out = {"this": run(fleet, ROOT, window, quick, read=True)}
+            print(f"{size:,} agents: this checkout {json.dumps(out['this'])}", file=sys.stderr)
+            if baseline:
+                out["baseline"] = run(fleet, baseline, window, quick, read=False)
+                print(f"{size:,} agents: baseline {json.dumps(out['baseline'])}", file=sys.stderr)
+            return out
+
+        return curves.under_load(size, figures)
+
+
+# Each row of the report: its label, and the figures it shows (joined by " / "), each as (key, format, scale).
+ROWS = (("every agent registered (s)", [("all_registered_s", ".1f")]),
+        ("controller CPU, fleet idle (share of a core)", [("cpu_idle", ".3f")]),
+        ("a reconcile pass, fleet idle (ms)", [("pass_idle_s", ".1f", 1000)]),
+        ("models added to every replica ready (s)", [("all_ready_s", ".1f")]),
+        ("the pass that placed them (s)", [("pass_placing_s", ".2f")]),
+        ("a reconcile pass, every replica running (ms)", [("pass_steady_s", ".1f", 1000)]),
+        ("controller CPU, every replica running (share of a core)", [("cpu_replicas", ".3f")]),
+        ("controller memory, idle / running (MiB)", [("rss_idle_mib", ","), ("rss_replicas_mib", ",")]),
+        ("a snapshot (KB)", [("snapshot.bytes", ",.0f", 0.001)]),
+        ("a worker stops to read a snapshot, the first / a change (ms)",
+         [("snapshot.worker_first_ms", ".1f"), ("snapshot.worker_stop_ms", ".1f")]),
+        ("a model added: the controller answered / published it (s)",
+         [("change_answered_s", ".2f"), ("change_published_s", ".2f")]),
+        ("a model added to the gateway listing it (s)", [("change_to_gateway_s", ".2f")]),
+        ("`/v1/models` p50 / p99 / longest (ms)",
+         [("models_p50_ms", ".1f"), ("models_p99_ms", ".1f"), ("models_max_ms", ".1f")]),
+        ("gateway CPU meanwhile, three processes (share of a core)", [("gateway_cpu", ".2f")]),
+        ("gateway memory, three processes (MiB)", [("gateway_rss_mib", ",.0f")]),
+        ("an agent silent to its node unreachable (s)", [("silent_to_unreachable_s", ".1f")]))
+
+
+def _figure(run: dict, key: str, form: str, scale: float = 1) -> str:
+    """The figure at KEY (dotted: within a part) of RUN, formatted; "-" where that run did not get to it."""
+    value = run
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return "-" if value is None else format(value * scale, form)
 
 
 def report(results: list[dict]) -> str:
-    head = ("| | " + " | ".join(f"{r['size']:,} agents" for r in results) + " |\n|---|"
-            + "---:|" * len(results) + "\n")
-
-    def row(label: str, values) -> str:
-        return f"| {label} | " + " | ".join(values) + " |\n"
-
-    def figure(run: dict, key: str, form: str) -> str:
-        value = run
-        for part in key.split("."):
-            value = value.get(part) if isinstance(value, dict) else None
-        return "-" if value is None else format(value, form)
-
-    lines = [head, row("replicas, models", (f"{r['this']['replicas']:,}, {r['this']['models']:,}" for r in results))]
-    rows = (("every agent registered (s)", "all_registered_s", ".1f"),
-            ("controller CPU, fleet idle (share of a core)", "cpu_idle", ".3f"),
-            ("a reconcile pass, fleet idle (ms)", "pass_idle_s", ".1f", 1000),
-            ("models added to every replica ready (s)", "all_ready_s", ".1f"),
-            ("the pass that placed them (s)", "pass_placing_s", ".2f"),
-            ("a reconcile pass, every replica running (ms)", "pass_steady_s", ".1f", 1000),
-            ("controller CPU, every replica running (share of a core)", "cpu_replicas", ".3f"),
-            ("controller memory, idle / running (MiB)", None, None),
-            ("a snapshot (KB)", "snapshot.bytes", ",.0f", 0.001),
-            ("a worker stops to read a snapshot, the first / a change (ms)", None, None),
-            ("a model added: the controller answered / published it (s)", None, None),
-            ("a model added to the gateway listing it (s)", "change_to_gateway_s", ".2f"),
-            ("`/v1/models` p50 / p99 / longest (ms)", None, None),
-            ("gateway CPU meanwhile, three processes (share of a core)", "gateway_cpu", ".2f"),
-            ("gateway memory, three processes (MiB)", "gateway_rss_mib", ",.0f"),
-            ("an agent silent to its node unreachable (s)", "silent_to_unreachable_s", ".1f"))
+    row = curves.row
+    lines = [curves.header(results, "agents"),
+             row("replicas, models", (f"{r['this']['replicas']:,}, {r['this']['models']:,}" for r in results))]
     for label, which in (("this checkout", "this"), ("baseline", "baseline")):
         if which not in results[0]:
             continue
-        for label_row, key, form, *scale in rows:
-            if key is None and label_row.startswith("a worker stops"):
-                values = (f"{figure(r[which], 'snapshot.worker_first_ms', '.1f')} / "
-                          f"{figure(r[which], 'snapshot.worker_stop_ms', '.1f')}" for r in results)
-            elif key is None and label_row.startswith("a model added"):
-                values = (f"{figure(r[which], 'change_answered_s', '.2f')} / "
-                          f"{figure(r[which], 'change_published_s', '.2f')}" for r in results)
-            elif key is None and label_row.startswith("controller memory"):
-                values = (f"{figure(r[which], 'rss_idle_mib', ',')} / {figure(r[which], 'rss_replicas_mib', ',')}"
-                          for r in results)
-            elif key is None:
-                values = (" / ".join(figure(r[which], k, ".1f") for k in ("models_p50_ms", "models_p99_ms",
-                                                                            "models_max_ms")) for r in results)
-            else:
-                values = (figure(_scaled(r[which], key, scale[0] if scale else 1), key, form) for r in results)
-            lines.append(row(f"{label}: {label_row}", values))
+        for name, shown in ROWS:
+            lines.append(row(f"{label}: {name}", (" / ".join(_figure(r[which], *figure) for figure in shown)
+                                                  for r in results)))
         lines.append(row(f"{label}: gave up", (r[which].get("gave_up", "-") for r in results)))
-    lines.append(row("load average, start / end", (f"{r['load_before']:.1f} / {r['load_after']:.1f}"
-                                                   + (" (noisy)" if r["noisy"] else "") for r in results)))
+    lines.append(curves.load_row(results))
     return "".join(lines)
-
-
-def _scaled(run: dict, key: str, scale: float) -> dict:
-    """RUN with the figure at KEY multiplied by SCALE (seconds shown as milliseconds, bytes as kilobytes)."""
-    if scale == 1:
-        return run
-    head, _, rest = key.partition(".")
-    if rest:
-        return {**run, head: _scaled(run.get(head) or {}, rest, scale)}
-    return {**run, key: None if run.get(key) is None else run[key] * scale}
 
 
 def chart(results: list[dict]) -> str:
@@ -488,12 +462,8 @@ def chart(results: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_SIZES} agents and 3 s windows: a smoke run")
-    parser.add_argument("--sizes", help="comma-separated numbers of agents [100,1000,5000]")
-    parser.add_argument("--seconds", type=float, help="seconds each CPU share and latency is measured over [20]")
-    parser.add_argument("--baseline", metavar="CHECKOUT", help="another checkout, measured beside this one")
-    parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--chart", help="write the SVG chart here")
+    curves.arguments(parser, "agents", SIZES, f"{QUICK_SIZES} agents and 3 s windows: a smoke run",
+                     "seconds each CPU share and latency is measured over [20; --quick 3]")
     parser.add_argument("--run-agents", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_agents is not None:
@@ -503,23 +473,13 @@ def main() -> int:
     if args.baseline and not os.path.isfile(os.path.join(args.baseline, "controller.py")):
         parser.error(f"--baseline: {args.baseline} holds no controller.py")
     limit = raise_fd_limit()
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else SIZES
+    sizes = curves.sizes_of(args, SIZES, QUICK_SIZES)
     if max(sizes) * 2 + 1000 > limit:
         parser.error(f"{max(sizes):,} agents need about {max(sizes) * 2 + 1000:,} open files; this machine "
                      f"allows {limit:,} (raise the hard limit: ulimit -Hn)")
     window = args.seconds or (3.0 if args.quick else 20.0)
     results = [measure(size, window, args.baseline, args.quick) for size in sizes]
-    print(f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-          + (f"; baseline: {args.baseline}" if args.baseline else ""))
-    print(report(results))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"sizes": sizes, "seconds": window, "baseline": args.baseline, "results": results}, f,
-                      indent=1)
-    if args.chart:
-        with open(args.chart, "w") as f:
-            f.write(chart(results))
+    curves.finish(args, sizes, window, results, report(results), chart)
     return 0
 
 

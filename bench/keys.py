@@ -36,7 +36,6 @@ import http.client
 import http.cookiejar
 import json
 import os
-import platform
 import re
 import sqlite3
 import statistics
@@ -53,6 +52,7 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import curves  # noqa: E402
 from bench.chart import log_lines  # noqa: E402
 from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
 from llmgw import store  # noqa: E402
@@ -64,7 +64,6 @@ from tests.conftest import Gateway  # noqa: E402
 
 SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (1_000, 10_000)
-NOISY_LOAD = 1.0
 
 
 def fill(path: str, n: int, root: str = ROOT) -> str:
@@ -187,11 +186,6 @@ def page_times(port: int, browser, root: str, url: str) -> dict:
     return out
 
 
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * p))]
-
-
 def processes(tmp: Path, url: str, root: str, seconds: float, label: str) -> dict:
     """A controller and a gateway of two workers, from the checkout ROOT, on the store at URL."""
     engine = store.open_engine(url)
@@ -238,7 +232,7 @@ def processes(tmp: Path, url: str, root: str, seconds: float, label: str) -> dic
         rss = (rss_kib(gateway.proc.pid) + sum(rss_kib(w) for w in workers)) / 1024
         pages = page_times(gateway.port, signed_in(gateway.port, admin, "a long enough password"), root, url)
         return {"start_s": start_s, "new_key_s": new_s, "revoked_key_s": revoked_s,
-                "p50_ms": statistics.median(latencies) * 1000, "p99_ms": pct(latencies, 0.99) * 1000,
+                "p50_ms": statistics.median(latencies) * 1000, "p99_ms": curves.pct(latencies, 0.99) * 1000,
                 "max_ms": max(latencies) * 1000, "requests": len(latencies),
                 "controller_cpu_share": controller_cpu / seconds,
                 "controller_rss_mib": rss_kib(controller.proc.pid) / 1024,
@@ -251,20 +245,20 @@ def processes(tmp: Path, url: str, root: str, seconds: float, label: str) -> dic
 
 def measure(size: int, seconds: float, baseline: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"llmgw-keys-{size}-") as tmp:
-        load_before = os.getloadavg()[0]
-        url, fill_s = timed(fill, os.path.join(tmp, "keys.db"), size)
-        print(f"{size:,} keys: store filled in {fill_s:.1f} s", file=sys.stderr)
-        out = {"size": size, "fill_s": fill_s, "load_before": load_before, "in_process": in_process(url)}
-        print(f"{size:,} keys: in process {json.dumps(out['in_process'])}", file=sys.stderr)
-        out["this"] = processes(Path(tmp), url, ROOT, seconds, "this")
-        print(f"{size:,} keys: this checkout {json.dumps(out['this'])}", file=sys.stderr)
-        if baseline:
-            base_url = fill(os.path.join(tmp, "baseline.db"), size, baseline)
-            out["baseline"] = processes(Path(tmp), base_url, baseline, seconds, "baseline")
-            print(f"{size:,} keys: baseline {json.dumps(out['baseline'])}", file=sys.stderr)
-        out["load_after"] = os.getloadavg()[0]
-        out["noisy"] = load_before > NOISY_LOAD
-        return out
+        def figures() -> dict:
+            url, fill_s = timed(fill, os.path.join(tmp, "keys.db"), size)
+            print(f"{size:,} keys: store filled in {fill_s:.1f} s", file=sys.stderr)
+            out = {"fill_s": fill_s, "in_process": in_process(url)}
+            print(f"{size:,} keys: in process {json.dumps(out['in_process'])}", file=sys.stderr)
+            out["this"] = processes(Path(tmp), url, ROOT, seconds, "this")
+            print(f"{size:,} keys: this checkout {json.dumps(out['this'])}", file=sys.stderr)
+            if baseline:
+                base_url = fill(os.path.join(tmp, "baseline.db"), size, baseline)
+                out["baseline"] = processes(Path(tmp), base_url, baseline, seconds, "baseline")
+                print(f"{size:,} keys: baseline {json.dumps(out['baseline'])}", file=sys.stderr)
+            return out
+
+        return curves.under_load(size, figures)
 
 
 def ratio(a: float, b: float) -> str:
@@ -272,14 +266,9 @@ def ratio(a: float, b: float) -> str:
 
 
 def report(results: list[dict], baseline: str | None) -> str:
-    sizes = [r["size"] for r in results]
-    head = "| | " + " | ".join(f"{s:,} keys" for s in sizes) + " |\n|---|" + "---:|" * len(sizes) + "\n"
-
-    def row(label: str, values) -> str:
-        return f"| {label} | " + " | ".join(values) + " |\n"
-
+    row = curves.row
     ip = [r["in_process"] for r in results]
-    lines = [head,
+    lines = [curves.header(results, "keys"),
              row("a `keys` message (MB)", (f"{p['bytes'] / 1e6:,.1f}" for p in ip)),
              row("controller: read the set (s)", (f"{p['read_s']:.2f}" for p in ip)),
              row("controller: encode it (s)", (f"{p['encode_s']:.2f}" for p in ip)),
@@ -311,8 +300,7 @@ def report(results: list[dict], baseline: str | None) -> str:
             for r in results)))
         lines.append(row("this / baseline: a revoked key refused everywhere", (
             ratio(r["this"]["revoked_key_s"], r["baseline"]["revoked_key_s"]) for r in results)))
-    lines.append(row("load average, start / end", (f"{r['load_before']:.1f} / {r['load_after']:.1f}"
-                                                   + (" (noisy)" if r["noisy"] else "") for r in results)))
+    lines.append(curves.load_row(results))
     return "".join(lines)
 
 
@@ -334,28 +322,15 @@ def chart(results: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} and 4 s of requests: a smoke run")
-    parser.add_argument("--sizes", help="comma-separated numbers of keys [10000,100000,1000000]")
-    parser.add_argument("--seconds", type=float, help="seconds of requests while keys change [20; --quick 4]")
-    parser.add_argument("--baseline", metavar="CHECKOUT", help="another checkout, measured beside this one")
-    parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--chart", help="write the SVG chart here")
+    curves.arguments(parser, "keys", SIZES, f"sizes {QUICK_SIZES} and 4 s of requests: a smoke run",
+                     "seconds of requests while keys change [20; --quick 4]")
     args = parser.parse_args()
     if args.baseline and not os.path.isfile(os.path.join(args.baseline, "gateway.py")):
         parser.error(f"--baseline: {args.baseline} holds no gateway.py")
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else SIZES
+    sizes = curves.sizes_of(args, SIZES, QUICK_SIZES)
     seconds = args.seconds or (4.0 if args.quick else 20.0)
     results = [measure(size, seconds, args.baseline) for size in sizes]
-    print(f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-          + (f"; baseline: {args.baseline}" if args.baseline else ""))
-    print(report(results, args.baseline))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"sizes": sizes, "seconds": seconds, "baseline": args.baseline, "results": results}, f, indent=1)
-    if args.chart:
-        with open(args.chart, "w") as f:
-            f.write(chart(results))
+    curves.finish(args, sizes, seconds, results, report(results, args.baseline), chart)
     return 0
 
 

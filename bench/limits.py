@@ -34,14 +34,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.curves import pct  # noqa: E402
 from bench.rig import FOUR_LEVELS, Rig  # noqa: E402
 from llmgw import store  # noqa: E402
 from llmgw.people import keys, orgtree, rollup, usagereport  # noqa: E402
-
-
-def pct(values: list[float], p: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(len(values) * p))]
 
 
 def summary(values_s: list[float]) -> dict:

@@ -237,6 +237,7 @@ def test_placing_many_in_one_pass_decides_as_placing_each_alone(data):
     for m in models:
         for _ in range(data.draw(st.integers(0, 12))):
             expected, why = placement.place(m, nodes, alone)
+            assert expected == _best(m, nodes, alone)
             got, reasons = placer.place(m)
             assert got == expected
             if expected is None:
@@ -245,3 +246,21 @@ def test_placing_many_in_one_pass_decides_as_placing_each_alone(data):
             memory = placement.memory_claim(expected.profile)
             alone.append(placement.Claim(expected.node_id, m.name, memory, expected.gpus))
             placer.taken([placement.Claim(expected.node_id, m.name, memory, expected.gpus)])
+
+
+def _best(m, nodes, claims):
+    """The placement rule as the module's docstring states it, weighed afresh for every node: the first profile
+    (by priority) with any node that can take it, and of those the node with the fewest replicas of the model,
+    then the most unclaimed memory, then the first by id; its cards as gpusets chooses them there."""
+    for profile in m.profiles:
+        fits = []
+        for n in nodes:
+            mine = [c for c in claims if c.node_id == n.node_id]
+            reason, gpus = placement._refusal(n, profile, mine, m)
+            if reason is None:
+                unclaimed = n.facts.memory_total_bytes - sum(c.memory_bytes for c in mine)
+                fits.append((sum(c.model == m.name for c in mine), -unclaimed, n.node_id, gpus))
+        if fits:
+            _, _, node_id, gpus = min(fits)
+            return placement.Decision(node_id, profile, gpus)
+    return None

@@ -270,16 +270,16 @@ class ControlLoop:
                 # a 503 until they were back, or unreachable_after passed.
                 self.publisher.publish_leading(self.inbox.port, self.account_server.port)
             else:
-                # Made again only when the catalog or a replica changed, or to repeat it: made at every turn
-                # of this loop (each message from an agent), 20,000 replicas kept a core busy.
+                # Made again only when the catalog or a replica changed, else repeated: made at every turn of
+                # this loop (each message from an agent), 20,000 replicas kept a core busy.
                 seen = (self.catalog.revision, self.replicas.revision)
                 if seen != self.snapshot_of:
                     self.snapshot_of = seen
                     self.publisher.publish(snapshot_body(self.catalog.models(), whole(self.replicas.snapshot()),
                                                          self.inbox.port, self.account_server.port,
                                                          self.catalog.limits()))
-                elif self.publisher.due():
-                    self.publisher.publish(self.publisher.last_body)  # the same bytes again
+                else:
+                    self.publisher.repeat()
 
     def close(self) -> None:
         """Stop every part, whether run() returned or failed; the lease is given up first, so a standby takes

@@ -146,16 +146,17 @@ class Publisher:
         """Take the next snapshot as new, whatever it holds: it is sent at a higher version (a new term)."""
         self.last_body, self.encoded = None, b""
 
-    def due(self) -> bool:
-        """Whether the last snapshot is REPEAT seconds old (`publish` sends it again)."""
-        return time.monotonic() - self.sent_at >= REPEAT
+    def repeat(self) -> None:
+        """Send the last snapshot again, the same bytes, if it is REPEAT seconds old (the body unchanged)."""
+        if self.last_body is not None:
+            self.publish(self.last_body)
 
     def publish(self, body: dict) -> None:
         """Send BODY if it changed, or if the last send is REPEAT seconds old."""
         now = time.monotonic()
         if body == self.last_body and now - self.sent_at < REPEAT:
             return
-        if body != self.last_body or not self.encoded:
+        if body != self.last_body:
             self.version = max(self.version + 1, int(time.time() * 1000))
             self.last_body = body
             self.encoded = gateways.encode("snapshot", epoch=self.epoch, version=self.version, **body)
