@@ -256,6 +256,7 @@ def run(fleet: Fleet, root: str, window: float, quick: bool, read: bool) -> dict
             "the silent agent unreachable", 90,
             lambda: {n["node_id"]: n for n in admin.call("GET", "/api/v1/nodes", timeout=30)["nodes"]}
             [silent]["state"] == "unreachable", interval=0.2)
+        out.update(every_model_routed(admin, ports["gateway_listen"], gateway, fleet, window, out["models"]))
     except Gave as e:
         out["gave_up"] = out.get("gave_up") or str(e)
         tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-8:])
@@ -276,20 +277,40 @@ def run(fleet: Fleet, root: str, window: float, quick: bool, read: bool) -> dict
     return out
 
 
-def model_added(admin: ApiClient, address: str, port: int, fleet: Fleet) -> dict:
-    """From a model added through the admin API to the controller answering, its snapshot at ADDRESS carrying
-    it, and the gateway at PORT listing it on 20 new connections in a row (each worker, whichever takes
-    them)."""
+def every_model_routed(admin: ApiClient, address: str, gateway, fleet: Fleet, window: float, models: int) -> dict:
+    """A model added and `/v1/models` again, with every model routed to lately, as by a gateway in service:
+    each asked for twice on new connections, which the workers share out (no engine answers here; asking is
+    what makes a worker read a model's engines). A limit passed is recorded; the run goes on."""
+    chat = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for m in range(models):
+        for _ in range(2):
+            conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps({**chat, "model": f"wide-{m:04d}"}),
+                         headers={"Authorization": f"Bearer {fleet.api_key}", "Content-Type": "application/json"})
+            conn.getresponse().read()
+            conn.close()
+    try:
+        figures = {**model_added(admin, address, gateway.port, fleet, "probe-routed"),
+                   **serving(gateway, fleet.api_key, window)}
+    except Gave as e:
+        return {"routed_gave_up": str(e)}
+    return {f"{key}_routed": value for key, value in figures.items()}
+
+
+def model_added(admin: ApiClient, address: str, port: int, fleet: Fleet, name: str = "probe") -> dict:
+    """From model NAME added through the admin API to the controller answering, its snapshot at ADDRESS
+    carrying it, and the gateway at PORT listing it on 20 new connections in a row (each worker, whichever
+    takes them)."""
     out = {}
     context, sub = subscriber(address, fleet.gateway_key)
     try:
         time.sleep(1)  # joined before the change (a SUB hears only what is sent after it joined)
         added = time.monotonic()
         admin.call("POST", "/api/v1/models?source_check=0",
-                   {"name": "probe", "source": "/dev/null", "scaling": {"min": 0, "max": 1},
+                   {"name": name, "source": "/dev/null", "scaling": {"min": 0, "max": 1},
                     "profiles": [{"engine": "sim", "gpu_class": "h100-80g", "gpus": 1}]}, timeout=120)
         out["change_answered_s"] = round(time.monotonic() - added, 3)
-        while b'"name":"probe"' not in sub.recv_multipart()[1]:
+        while f'"name":"{name}"'.encode() not in sub.recv_multipart()[1]:
             pass
         out["change_published_s"] = round(time.monotonic() - added, 3)
     except zmq.Again:
@@ -301,7 +322,7 @@ def model_added(admin: ApiClient, address: str, port: int, fleet: Fleet) -> dict
     while streak < 20:
         if time.monotonic() - added > 120:
             raise Gave("the gateway did not list a model added 120 s ago")
-        streak = streak + 1 if "probe" in models_listed(port, fleet.api_key) else 0
+        streak = streak + 1 if f'"{name}"' in models_listed(port, fleet.api_key) else 0
     out["change_to_gateway_s"] = round(time.monotonic() - added, 3)
     return out
 
@@ -421,7 +442,11 @@ ROWS = (("every agent registered (s)", [("all_registered_s", ".1f")]),
          [("models_p50_ms", ".1f"), ("models_p99_ms", ".1f"), ("models_max_ms", ".1f")]),
         ("gateway CPU meanwhile, three processes (share of a core)", [("gateway_cpu", ".2f")]),
         ("gateway memory, three processes (MiB)", [("gateway_rss_mib", ",.0f")]),
-        ("an agent silent to its node unreachable (s)", [("silent_to_unreachable_s", ".1f")]))
+        ("an agent silent to its node unreachable (s)", [("silent_to_unreachable_s", ".1f")]),
+        ("every model routed to: a model added to the gateway listing it (s)", [("change_to_gateway_s_routed", ".2f")]),
+        ("every model routed to: `/v1/models` p50 / p99 / longest (ms)",
+         [("models_p50_ms_routed", ".1f"), ("models_p99_ms_routed", ".1f"), ("models_max_ms_routed", ".1f")]),
+        ("every model routed to: gateway CPU (share of a core)", [("gateway_cpu_routed", ".2f")]))
 
 
 def _figure(run: dict, key: str, form: str, scale: float = 1) -> str:
@@ -443,6 +468,8 @@ def report(results: list[dict]) -> str:
             lines.append(row(f"{label}: {name}", (" / ".join(_figure(r[which], *figure) for figure in shown)
                                                   for r in results)))
         lines.append(row(f"{label}: gave up", (r[which].get("gave_up", "-") for r in results)))
+        lines.append(row(f"{label}: gave up, every model routed to", (r[which].get("routed_gave_up", "-")
+                                                                       for r in results)))
     lines.append(curves.load_row(results))
     return "".join(lines)
 

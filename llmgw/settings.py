@@ -265,6 +265,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("routing.metrics_interval", "float", 1.0,
             "Seconds between reads of each engine's `/metrics` (waiting and running requests, KV cache use).",
             minimum=0.05),
+    Setting("routing.watch_for", "float", 600.0,
+            "Seconds a gateway worker goes on reading the engines of a model's replicas (and showing their gauges) "
+            "after it last routed a request to it. A model it has not routed to is routed first on its own counts.",
+            minimum=1.0),
     Setting("routing.metrics_stale_after", "float", 5.0,
             "Engine figures older than this are stale: routing then trusts only the requests it sent itself.",
             minimum=0.1),

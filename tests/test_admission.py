@@ -121,6 +121,8 @@ def test_the_queue_its_refusals_and_the_pools_saturation_are_in_the_gateways_met
     def series(text):
         return f'{text} ' in gw.metrics() or f'{text}\n' in gw.metrics()
 
+    # A worker shows the pools of the models it routes to: one short answer first.
+    assert post(gw.url + "/v1/chat/completions", {**body, "max_tokens": 1}, normal)[0] == 200
     wait_until("the gateway reading the engine", 30, lambda: series('llmgw_pool_saturation{model="sim"} 0.0'))
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         first = pool.submit(one, "first", normal)

@@ -243,3 +243,24 @@ def test_a_success_resets_the_count_of_failures():
     b.failure(0.0)
     b.failure(0.0)
     assert not b.is_open
+
+
+def test_a_worker_reads_the_engines_of_the_models_it_routed_to_lately():
+    snap = Snapshot(1, {"m": ModelSpec("m"), "n": ModelSpec("n")},
+                    {"a": ReplicaSpec("a", "http://a", ("m",)), "b": ReplicaSpec("b", "http://b", ("n",))})
+    router = Router(snap, 2, 10.0, STALE, 1.25, seed=1)
+    assert router.watched(0.0, 60.0) == ([], [])  # nothing routed: no engine is read
+    router.pick("m", 100.0, None, set())
+    assert router.watched(150.0, 60.0) == ([router.states["a"]], ["m"])
+    router.has_room("n", 150.0)  # weighing a request's admission counts as routing it
+    states, models = router.watched(161.0, 60.0)
+    assert states == [router.states["b"]] and models == ["n"]  # m's last request is past the window
+    assert "m" not in router.routed
+    # A replica whose breaker opened stays read (its probe is due there) after its model goes quiet.
+    router.states["b"].breaker.failure(0.0)
+    router.states["b"].breaker.failure(0.0)
+    assert router.watched(1000.0, 60.0) == ([router.states["b"]], [])
+    # A model gone from the snapshot is forgotten.
+    router.pick("n", 1000.0, None, set())
+    router.apply(Snapshot(2, {"m": ModelSpec("m")}, {"a": ReplicaSpec("a", "http://a", ("m",))}))
+    assert router.watched(1001.0, 60.0) == ([], []) and router.routed == {}

@@ -32,16 +32,20 @@ def breaker_open(gw, rid) -> bool:
 
 
 def idle_replica(make_sim):
-    """A replica of a model no request asks for: its breaker never opens, so every round of a worker's
-    replica watcher scrapes it, and counting its scrapes tells rounds apart (see `watch_rounds`)."""
-    sim = make_sim(replica="idle", ttft_ms=1, tokens_per_s=0)
+    """A replica of a model only `watch_rounds` asks for, whose breaker never opens: every round of the replica
+    watcher of a worker that routed to it scrapes it, and counting its scrapes tells rounds apart."""
+    sim = make_sim(model="idle", replica="idle", ttft_ms=1, tokens_per_s=0)
     return sim, {"id": "idle", "url": sim.url, "models": ["idle"]}
 
 
-def watch_rounds(idle, workers: int) -> None:
+def watch_rounds(gw, key: str, idle, workers: int) -> None:
     """Wait until the replica watchers of WORKERS workers have scraped IDLE twice each since the call: the
-    second scrape of a worker starts a round after one that began and set the gauges since. Each read of
-    IDLE's /metrics here is a scrape too, and is taken off."""
+    second scrape of a worker starts a round after one that began and set the gauges since. A worker reads the
+    engines of the models it routes to, so IDLE's model is asked for first, on new connections, which the
+    workers share out. Each read of IDLE's /metrics here is a scrape too, and is taken off."""
+    for _ in range(10 * workers):
+        status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "idle"}, key)
+        assert status == 200, raw
     reads = 0
 
     def scrapes() -> float:
@@ -97,7 +101,7 @@ def test_a_thousand_requests_an_engine_chokes_on_change_nothing_for_another_clie
         message = error["message"]
         assert "request id" in message and "json.exception" not in message and "type must be" not in message
         assert "127.0.0.1" not in message and "replica-" not in message
-    watch_rounds(idle, workers=2)  # the watchers set the breaker gauges
+    watch_rounds(gw, good_key, idle, workers=2)  # the watchers set the breaker gauges
     assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
     assert post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] == 200
 
@@ -122,7 +126,7 @@ def test_requests_that_outlast_the_first_byte_timeout_change_nothing_for_another
     assert sum(s.metrics()["llmgw_sim_requests_total"] for s in sims) == 12
     assert http_status(gw.url + "/ready") == 200
     assert [post(gw.url + "/v1/chat/completions", CHAT, good_key)[0] for _ in range(10)] == [200] * 10
-    watch_rounds(idle, workers=1)  # the watcher sets the breaker gauges
+    watch_rounds(gw, good_key, idle, workers=1)  # the watcher sets the breaker gauges
     assert not breaker_open(gw, "replica-a") and not breaker_open(gw, "replica-b")
     assert gw.settled_total("llmgw_upstream_retries_total") == 0
 

@@ -66,7 +66,9 @@ def test_model_list(real):
 
 
 def test_the_gateway_reads_llamacpps_own_load_figures(real):
-    _, gw = real
+    client, gw = real
+    # A worker reads the engines of the models it routes to: this one, once it has sent it a request.
+    client.chat.completions.create(model=starter.NAME, messages=QUESTION, max_tokens=1)
     wait_for("fresh engine figures", 30, lambda: 'llmgw_endpoint_metrics_stale{replica="cpu"} 0.0' in gw.metrics())
 
 

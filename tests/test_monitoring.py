@@ -311,7 +311,8 @@ def test_prometheus_reads_a_running_cluster_and_an_agent_stopped_fires_node_not_
         assert not prom.alerts("NodeNotReady")
 
         # A model removed: the gateway shows nothing of its replica or its pool any more, where it used to
-        # show their last figures until the worker restarted.
+        # show their last figures until the worker restarted. (A worker shows the models it routes to.)
+        assert post(gw.url + "/v1/chat/completions", {**chat, "model": "extra"}, key)[0] == 200
         wait_for("the gateway reading extra's engine", WAIT,
                  lambda: f'llmgw_endpoint_metrics_stale{{replica="{extra["shard_id"]}"}} 0.0' in gw.metrics())
         assert 'llmgw_pool_saturation{model="extra"}' in gw.metrics()

@@ -144,6 +144,7 @@ def test_completions_responses_and_messages(cluster, client):
 def test_the_gateway_and_the_node_read_vllms_own_load_figures(cluster, client):
     c, agent, gw, key, *_ = cluster
     (replica,) = c.ready(NAME)
+    client.chat.completions.create(model=NAME, max_tokens=1, messages=ASK)  # a worker reads what it routes to
     wait_for("the gateway reading vLLM's /metrics", 60,
              lambda: f'llmgw_endpoint_metrics_stale{{replica="{replica["shard_id"]}"}} 0.0' in gw.metrics())
     # The node reads them too, for the controller (load scaling, the cluster page).

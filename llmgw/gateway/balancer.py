@@ -226,6 +226,8 @@ class Router:
         self.rng = random.Random(seed)
         self.snapshot = snapshot
         self.states: dict[str, ReplicaState] = {}
+        # When this worker last routed (or weighed admitting) a request of each model: what it reads engines for.
+        self.routed: dict[str, float] = {}
         self.measured: frozenset[str] = frozenset()  # models with a replica whose capacity was measured
         self.apply(snapshot)
 
@@ -265,6 +267,7 @@ class Router:
         (a full one only when none has: the admission queue let the request through, and the engine's own queue
         takes it); None when there is none. PROFILE (a RoutingProfile) chooses the policy and affinity factor
         in place of the router's own."""
+        self.routed[model] = now
         candidates = [r for r in self.available(model) if r.spec.id not in exclude]
         if not candidates:
             return None
@@ -279,12 +282,30 @@ class Router:
 
     def has_room(self, model: str, now: float) -> bool:
         """Whether some replica of MODEL in rotation can take one more request now."""
+        self.routed[model] = now
         return any(not r.full(now, self.stale_after, self.max_outstanding) for r in self.available(model))
 
     def replica_for(self, model: str, replica_id: str) -> ReplicaState | None:
         """Replica REPLICA_ID, when it serves MODEL (in rotation or not); None otherwise."""
         state = self.states.get(replica_id)
         return state if state is not None and model in state.spec.models else None
+
+    def watched(self, now: float, window: float) -> tuple[list[ReplicaState], list[str]]:
+        """The replicas whose engines this worker reads, and their models: every replica of a model it routed to
+        within WINDOW seconds, and any whose breaker is open (its probe is due there). A worker routes on the
+        figures of the models it serves; reading every replica's, every worker did a replica count of reads a
+        second whatever it served (docs/scaling.md, the control plane's ceiling 4)."""
+        routed = self.routed
+        replicas_for = self.snapshot.replicas_for
+        models = [m for m, at in routed.items() if now - at <= window and replicas_for(m)]
+        if len(models) < len(routed):
+            self.routed = {m: routed[m] for m in models}  # forget models gone idle or gone
+        states = self.states
+        chosen = {rid: states[rid] for m in models for rid in replicas_for(m)}
+        for rid, state in states.items():
+            if state.breaker.is_open:
+                chosen[rid] = state
+        return list(chosen.values()), models
 
     def ready(self) -> bool:
         """Somewhere to send a request: at least one replica whose breaker is closed."""

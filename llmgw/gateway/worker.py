@@ -242,7 +242,10 @@ class Runtime:
         return self.key_source.key_set(self.engine)
 
     def watch_replicas(self) -> None:
-        states = list(self.router.states.values())
+        """Read the engines of the models this worker routes to (`Router.watched`) and show what it knows of
+        them; a replica it stops reading leaves its gauges (UNKNOWN: the master shows other workers' figures)."""
+        router = self.router
+        states, models = router.watched(time.monotonic(), self.cfg["routing.watch_for"])
         jobs = [gevent.spawn(self._watch_one, state) for state in states]
         gevent.joinall(jobs, timeout=PROBE_TIMEOUT + 0.5)
         now = time.monotonic()
@@ -259,13 +262,13 @@ class Runtime:
             for gauge in (m.breaker_open, m.metrics_stale, m.waiting, m.kv_cache):
                 gauge.labels(rid).set(UNKNOWN)
         self.shown_replicas = shown
-        self.show_pools(now, stale_after)
+        self.show_pools(models, now, stale_after)
 
-    def show_pools(self, now: float, stale_after: float) -> None:
-        """Set each model's admission queue depth and pool saturation (llmgw/gateway/saturation.py)."""
+    def show_pools(self, models: list[str], now: float, stale_after: float) -> None:
+        """Set the admission queue depth and pool saturation (llmgw/gateway/saturation.py) of each of MODELS,
+        those this worker routes to; a model it stopped routing to leaves the saturation gauge."""
         m = self.metrics
         router = self.router
-        models = set(router.snapshot.models)
         for name in models:
             depth = self.queue.depth(name)
             for band, waiting in depth.items():
@@ -274,11 +277,12 @@ class Runtime:
                          r.kv_cache if r.fresh(now, stale_after) else None) for r in router.available(name))
             figure = pool_saturation(replicas, sum(depth.values()))
             m.saturation.labels(name).set(UNKNOWN if figure is None else figure)
-        for name in self.shown_models - models:
+        shown = set(models)
+        for name in self.shown_models - shown:
             m.saturation.labels(name).set(UNKNOWN)
             for band in self.queue.depth(name):
-                m.queue_depth.labels(name, band).set(0)  # summed over workers: nobody waits for a model gone
-        self.shown_models = models
+                m.queue_depth.labels(name, band).set(0)  # summed over workers: nobody waits here for it now
+        self.shown_models = shown
 
     def _watch_one(self, state: ReplicaState) -> None:
         now = time.monotonic()
