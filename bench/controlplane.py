@@ -34,6 +34,7 @@ cores, nothing else should run), the figures are marked noisy and no aim is judg
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import http.client
 import json
 import math
@@ -282,13 +283,19 @@ def every_model_routed(admin: ApiClient, address: str, gateway, fleet: Fleet, wi
     each asked for twice on new connections, which the workers share out (no engine answers here; asking is
     what makes a worker read a model's engines). A limit passed is recorded; the run goes on."""
     chat = {"max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
-    for m in range(models):
-        for _ in range(2):
-            conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=60)
-            conn.request("POST", "/v1/chat/completions", json.dumps({**chat, "model": f"wide-{m:04d}"}),
+
+    def ask(m: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=120)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps({**chat, "model": f"wide-{m % models:04d}"}),
                          headers={"Authorization": f"Bearer {fleet.api_key}", "Content-Type": "application/json"})
             conn.getresponse().read()
+        finally:
             conn.close()
+
+    # Many at once: a gateway whose workers read every replica answers each slowly (seconds at 5,000 nodes).
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        list(pool.map(ask, range(2 * models)))
     try:
         figures = {**model_added(admin, address, gateway.port, fleet, "probe-routed"),
                    **serving(gateway, fleet.api_key, window)}

@@ -149,6 +149,22 @@ def test_budgets_start_again_with_their_period():
     assert isinstance(a.admit(chain, True, 1), Reservation)
 
 
+def test_a_remembered_period_start_follows_the_clock_both_ways():
+    # The start of each period is remembered until the next (it was worked out at every level of every
+    # admission); a clock set back, or moved a month on, must still find the pools of its own period.
+    clock = Clock(calendar.timegm((2026, 12, 31, 23, 59, 30)))
+    a = Accountant(clock)
+    month = [level("key:k", budget=100, period="month")]
+    a.settle(a.admit(month, True, 1).id, 1, 100)
+    assert a.admit(month, True, 1).limit == "budget" and a.spent("key:k", "month") == 100
+    clock.t += 60  # January
+    assert isinstance(a.admit(month, True, 1), Reservation) and a.spent("key:k", "month") == 0
+    clock.t -= 60  # set back into December
+    assert a.admit(month, True, 1).limit == "budget" and a.spent("key:k", "month") == 100
+    clock.t += 40 * 86400  # February, past the January remembered
+    assert a.spent("key:k", "month") == 0 and a.periods["month"][0] == calendar.timegm((2027, 2, 1, 0, 0, 0))
+
+
 # --- chains resolved from the store -------------------------------------------------------------
 
 def tree_with_people(engine):

@@ -150,13 +150,23 @@ class Accountant:
         self.spend: dict[tuple[str, str, float], int] = collections.defaultdict(int)
         self.reserved: dict[tuple[str, str, float], int] = collections.defaultdict(int)
         self.reservations: dict[int, Reservation] = {}
+        # Each period's current start and the next one's: worked out again only when the clock leaves it (a
+        # calendar sum per level was a sixth of what an admission cost).
+        self.periods: dict[str, tuple[float, float]] = {}
         # Random, not 1: a settle meant for another accountant (one of an earlier term of this controller, at
         # the same address) must not find a reservation of this one under the same id.
         self.next_id = int.from_bytes(os.urandom(5), "big") + 1
 
+    def _start(self, period: str, now: float) -> float:
+        """The start of NOW's PERIOD (rules.period_start), remembered until the next one's."""
+        held = self.periods.get(period)
+        if held is None or not held[0] <= now < held[1]:
+            held = self.periods[period] = _bounds(period, now)
+        return held[0]
+
     def spent(self, counter: str, period: str, now: float | None = None) -> int:
         now = self.clock() if now is None else now
-        return self.spend.get((counter, period, rules.period_start(period, now)), 0)
+        return self.spend.get((counter, period, self._start(period, now)), 0)
 
     def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0,
               owner: object = None, grant: int = 1) -> Reservation | Refused:
@@ -164,13 +174,11 @@ class Accountant:
         that may cost up to COST micro-units; only OWNER may settle what it reserves. With GRANT above
         one, the reservation may be an allowance for up to GRANT such requests (its `size`)."""
         now = self.clock()
-        budgets = [(counter, period, rules.period_start(period, now))
+        budgets = [(counter, period, self._start(period, now))
                    for counter, _r, _t, budget, period in levels if budget is not None]
         if priced:
-            for counter, _rpm, _tpm, budget, period in levels:
-                if budget is None:
-                    continue
-                pool = (counter, period, rules.period_start(period, now))
+            for pool, budget in zip(budgets, (level[3] for level in levels if level[3] is not None)):
+                counter, period, _start = pool
                 if self.spend.get(pool, 0) + self.reserved.get(pool, 0) >= budget:
                     return Refused("budget", counter, _until_next(period, now),
                                    f"the {ADJECTIVE.get(period, period)} budget of {_scope_words(counter)} is spent")
@@ -218,7 +226,7 @@ class Accountant:
             if tpm is not None:  # a window already past its limit (tokens beyond estimates) grants none
                 size = min(size, self.tokens[counter].left(tpm, now) // (SHARE * max(estimate, 1)))
             if budget is not None and priced and cost:
-                pool = (counter, period, rules.period_start(period, now))
+                pool = (counter, period, self._start(period, now))
                 size = min(size, (budget - self.spend.get(pool, 0) - self.reserved.get(pool, 0)) // (SHARE * cost))
         return size if size > 1 else 1
 
@@ -315,10 +323,14 @@ def _hand_back(taken: list[tuple[Window, list]], now: float) -> None:
         window.adjust(entry, 0, now)
 
 
-def _until_next(period: str, now: float) -> int:
+def _bounds(period: str, now: float) -> tuple[float, float]:
+    """The start of NOW's PERIOD and of the next."""
     start = rules.period_start(period, now)
-    following = rules.period_start(period, start + (86400 * 1.5 if period == "day" else 86400 * 32))
-    return max(1, math.ceil(following - now))
+    return start, rules.period_start(period, start + (86400 * 1.5 if period == "day" else 86400 * 32))
+
+
+def _until_next(period: str, now: float) -> int:
+    return max(1, math.ceil(_bounds(period, now)[1] - now))
 
 
 def _scope_words(counter: str) -> str:

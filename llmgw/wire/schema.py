@@ -18,8 +18,21 @@ _PY_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "number
                                                  "object": dict, "array": list}
 
 
+# Where a value is in a message: a string, or (the place above it, an index or ".field"), see `_path`.
+Where = str | tuple
+
+
 class ProtocolError(Exception):
     """A message that cannot be read; it is dropped and logged, never acted on."""
+
+
+def _path(where: Where) -> str:
+    """WHERE as a message names it: a string, or (the path above, an index or ".field") built only when a
+    message needs it, since checking a valid message must not pay for formatting every item's path."""
+    if isinstance(where, str):
+        return where
+    above, step = where
+    return f"{_path(above)}[{step}]" if isinstance(step, int) else f"{_path(above)}{step}"
 
 
 def _shown(value) -> str:
@@ -33,9 +46,9 @@ class Int:
     low: int
     high: int
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
-            raise ProtocolError(f"{where} must be an int from {self.low} to {self.high}, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be an int from {self.low} to {self.high}, not {_shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +57,11 @@ class Num:
     low: float
     high: float
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not self.low <= value <= self.high:
-            raise ProtocolError(f"{where} must be a number from {self.low:g} to {self.high:g}, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be a number from {self.low:g} to {self.high:g}, "
+                                f"not {_shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +70,12 @@ class Str:
     longest: int
     choices: tuple[str, ...] | None = None
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if not isinstance(value, str) or len(value) > self.longest:
-            raise ProtocolError(f"{where} must be a string of at most {self.longest} characters, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be a string of at most {self.longest} characters, "
+                                f"not {_shown(value)}")
         if self.choices is not None and value not in self.choices:
-            raise ProtocolError(f"{where} must be one of {', '.join(self.choices)}, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be one of {', '.join(self.choices)}, not {_shown(value)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +83,7 @@ class Nullable:
     """OF, or null."""
     of: object
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if value is not None:
             check(value, self.of, where)
 
@@ -78,8 +93,9 @@ class Either:
     """A value of one of these OPTIONS, the first that fits."""
     options: tuple
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         errors = []
+        where = _path(where)
         for of in self.options:
             try:
                 check(value, of, where)
@@ -94,11 +110,11 @@ class Row:
     """An array of exactly these items, each of its own type."""
     items: tuple
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if not isinstance(value, list) or len(value) != len(self.items):
-            raise ProtocolError(f"{where} must be an array of {len(self.items)} items, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be an array of {len(self.items)} items, not {_shown(value)}")
         for i, (item, of) in enumerate(zip(value, self.items)):
-            check(item, of, f"{where}[{i}]")
+            check(item, of, (where, i))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +123,12 @@ class ListOf:
     item: object
     longest: int
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if not isinstance(value, list) or len(value) > self.longest:
-            raise ProtocolError(f"{where} must be an array of at most {self.longest} items, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be an array of at most {self.longest} items, "
+                                f"not {_shown(value)}")
         for i, item in enumerate(value):
-            check(item, self.item, f"{where}[{i}]")
+            check(item, self.item, (where, i))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +138,13 @@ class MapOf:
     value: object
     longest: int
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if not isinstance(value, dict) or len(value) > self.longest:
-            raise ProtocolError(f"{where} must be an object of at most {self.longest} entries, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be an object of at most {self.longest} entries, "
+                                f"not {_shown(value)}")
         for name, item in value.items():
-            self.key.check(name, f"{where} key {_shown(name)}")
-            check(item, self.value, f"{where}[{_shown(name)}]")
+            self.key.check(name, (where, f" key {_shown(name)}"))
+            check(item, self.value, (where, f"[{_shown(name)}]"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,32 +153,37 @@ class Obj:
     since a newer peer may have added them."""
     fields: dict
 
-    def check(self, value, where: str) -> None:
+    def check(self, value, where: Where) -> None:
         if not isinstance(value, dict):
-            raise ProtocolError(f"{where} must be an object, not {_shown(value)}")
+            raise ProtocolError(f"{_path(where)} must be an object, not {_shown(value)}")
         for name, (of, required) in self.fields.items():
             if name not in value:
                 if required:
-                    raise ProtocolError(f"{where} without {name}")
+                    raise ProtocolError(f"{_path(where)} without {name}")
                 continue
-            check(value[name], of, f"{where}.{name}")
+            check(value[name], of, (where, f".{name}"))
 
 
-def check(value, of, where: str) -> None:
-    """Raise ProtocolError unless VALUE is an OF; WHERE names it in the message."""
+def check(value, of, where: Where) -> None:
+    """Raise ProtocolError unless VALUE is an OF; WHERE names it in the message (see `_path`)."""
     if not isinstance(of, str):
         of.check(value, where)
         return
     if isinstance(value, bool) and of in ("int", "number"):
-        raise ProtocolError(f"{where} must be {of}, not a boolean")
+        raise ProtocolError(f"{_path(where)} must be {of}, not a boolean")
     if not isinstance(value, _PY_TYPES[of]):
-        raise ProtocolError(f"{where} must be {of}, not {type(value).__name__}")
+        raise ProtocolError(f"{_path(where)} must be {of}, not {type(value).__name__}")
 
 
 def _no_constant(name: str):
     # Python's json reads NaN and Infinity, which no JSON peer should write: they pass every
     # comparison a bound makes, and break whatever formats them.
     raise ProtocolError(f"not JSON: {name} is not a number JSON has")
+
+
+# Made once: json.dumps and json.loads given any option build a new encoder or decoder at every call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _nested_within(value, deepest: int) -> bool:
@@ -198,14 +221,14 @@ class Schema:
             raise ValueError(f"unknown message type {kind!r}")
         body = {"v": self.version, self.kind_field: kind}
         body.update((k, v) for k, v in fields.items() if v is not None)
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _ENCODER.encode(body).encode()
 
     def decode(self, data: bytes) -> dict:
         """Parse and check a message; raises ProtocolError saying what is wrong."""
         if self.largest is not None and len(data) > self.largest:
             raise ProtocolError(f"{len(data)} bytes, more than the {self.largest} any message here takes")
         try:
-            message = json.loads(data, parse_constant=_no_constant)
+            message = _DECODER.decode(data.decode() if isinstance(data, (bytes, bytearray)) else data)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"not JSON: {e}") from None
         except RecursionError:
