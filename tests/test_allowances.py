@@ -240,3 +240,66 @@ def test_the_rate_limit_headers_of_requests_sharing_a_status_are_made_once_and_s
     assert ("X-Llmgw-Budget-Remaining", "2.5") not in caller(shared, Price()).limit_headers()  # a free model
     assert ("X-RateLimit-Remaining-Requests", "7") in caller({"rpm": (100, 7)}, Price()).limit_headers()
     assert caller({}, Price(1, 1)).limit_headers() == []
+
+
+def recording(monkeypatch, older: bool = False) -> list[str]:
+    """The ops the accountant's socket takes, in order; OLDER: it answers as one of the version before
+    `settles` (its answers do not say it reads them, and it would drop them unread)."""
+    from llmgw.control import accountserver
+    from llmgw.wire import accounting
+
+    taken = []
+    handle = accountserver.handle
+
+    def recorded(accountant, peer, msg):
+        taken.append(msg["op"])
+        if older and msg["op"] == "settles":
+            raise accountserver.Dropped("malformed", "unknown message type 'settles'")
+        answer = handle(accountant, peer, msg)
+        if older and answer is not None:
+            fields = accounting.decode(answer)
+            fields.pop("settles", None)
+            answer = accounting.encode(fields.pop("op"), **{k: v for k, v in fields.items() if k != "v"})
+        return answer
+
+    monkeypatch.setattr(accountserver, "handle", recorded)
+    return taken
+
+
+def settle_ten(limiter, address, server) -> None:
+    # Ten requests of ten keys near their limits (no allowance: each is asked for and settled alone), settled
+    # one after another, as a worker's requests for keys it seldom sees end.
+    chains = [[level(f"key:k{i}", rpm=20, tpm=10**6)] for i in range(10)]
+    tickets = [limiter.admit(address, (i, False), chain, False, 100, 0)["r"] for i, chain in enumerate(chains)]
+    for ticket in tickets:
+        limiter.settle(address, ticket, 7, 0)
+    wait_green("every request settled", lambda: not server.accountant.reservations)
+    now = server.accountant.clock()
+    assert all(server.accountant.tokens[f"key:k{i}"].used(now) == 7 for i in range(10))
+
+
+def test_settles_travel_together_once_the_accountant_says_it_reads_them(worker, monkeypatch):
+    limiter, server, address, asked = worker
+    taken = recording(monkeypatch)
+    settle_ten(limiter, address, server)
+    # Its first answer said it reads `settles`: the ten went as one message (or a few, on a slow machine).
+    assert taken.count("admit") == 10 and "settle" not in taken and 1 <= taken.count("settles") <= 3
+    assert server.dropped["settle"] == 0 and server.dropped["malformed"] == 0
+
+
+def test_settles_go_one_by_one_to_an_accountant_of_the_version_before(worker, monkeypatch):
+    limiter, server, address, asked = worker
+    taken = recording(monkeypatch, older=True)
+    settle_ten(limiter, address, server)
+    assert taken.count("settle") == 10 and "settles" not in taken and server.dropped["malformed"] == 0
+
+
+def test_a_worker_that_stops_sends_the_settles_still_waiting_first(worker, monkeypatch):
+    limiter, server, address, asked = worker
+    recording(monkeypatch)
+    chain = [level("key:k", rpm=20, tpm=10**6)]
+    first = limiter.admit(address, ("k", False), chain, False, 100, 0)["r"]
+    limiter.settle(address, first, 5, 0)  # waits to be sent with others
+    assert limiter.pending and server.accountant.reservations
+    limiter.stop()
+    assert not server.accountant.reservations  # sent before the question that confirms the stop

@@ -4,7 +4,6 @@ import collections
 import concurrent.futures
 import json
 import socket
-import time
 
 from tests.conftest import make_key, post, wait_until
 
@@ -55,8 +54,10 @@ def test_a_slow_replica_gets_less_than_round_robin_would_give_it(tmp_path, make_
 def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway, make_sim):
     busy = make_sim(replica="busy", ttft_ms=1, tokens_per_s=2)
     idle = make_sim(replica="idle", ttft_ms=1, tokens_per_s=0)
-    gw, key = start(tmp_path, make_gateway, [busy, idle], routing__affinity_prefix_bytes=0,
+    gw, key = start(tmp_path, make_gateway, [busy, idle], workers=1, routing__affinity_prefix_bytes=0,
                     routing__metrics_interval=0.2)
+    # A worker reads the engines of the models it routes to: one request first.
+    assert post(gw.url + "/v1/chat/completions", chat("first"), key)[0] == 200
     # Eight long requests straight to the busy engine: another gateway's traffic, unseen by this one.
     others = []
     for _ in range(8):
@@ -66,9 +67,17 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
                   str(len(payload)).encode() + b"\r\n\r\n" + payload)
         others.append(s)
     wait_until("the busy engine to be busy", 30, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
-    # Not a state this test can see from outside: every worker has read the busy engine's /metrics. They
-    # read them every 0.2 s (routing.metrics_interval above), so 0.6 s holds three reads by each.
-    time.sleep(0.6)
+    # The worker has read the busy engine since: two more reads of its /metrics than this test's own (the
+    # second began after the first had set what it read).
+    reads = 0
+
+    def scrapes() -> float:
+        nonlocal reads
+        reads += 1
+        return busy.metrics()["llmgw_sim_scrapes_total"] - reads
+
+    since = scrapes()
+    wait_until("the worker reading the busy engine", 30, lambda: scrapes() >= since + 2, interval=0.05)
     served = collections.Counter(fingerprint(post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key)[2])
                                  for i in range(30))
     for s in others:
