@@ -111,7 +111,7 @@ def test_an_unforeseen_failure_is_logged_and_counted_and_the_thread_serves_on(se
     server.accountant.status = real
     assert ask(sock, "status", id=2, levels=[LEVEL]) == {"v": 1, "op": "status_reply", "id": 2,
                                                          "status": {"rpm": [100, 100], "tpm": [1000, 1000],
-                                                                    "budget": [1000, 1000]}, "settles": True}
+                                                                    "budget": [1000, 1000]}}
 
 
 def test_a_budget_cannot_be_refunded_nor_another_gateways_request_settled(server, dealer):
@@ -136,25 +136,3 @@ def test_a_budget_cannot_be_refunded_nor_another_gateways_request_settled(server
     assert spent("key:k", "month") == 950 and not server.accountant.reserved
     refused = ask(second, "admit", id=4, levels=[["key:k", None, None, 950, "month"]], priced=True, tokens=1, cost=1)
     assert refused["op"] == "refused" and refused["limit"] == "budget" and refused["ok"] is False
-
-
-def test_settles_together_are_each_held_to_what_a_settle_alone_is(server, dealer):
-    first, second = dealer(), dealer()
-    spent = server.accountant.spent
-    rs = [ask(first, "admit", id=i, levels=[LEVEL], priced=True, tokens=10, cost=100)["r"] for i in range(3)]
-    # Another connection's batch settles none of them; the admitting one's settles each, and a settle of one
-    # twice in the same batch is refused the second time.
-    second.send(accounting.encode("settles", items=[[r, 10, 100, None] for r in rs]))
-    wait_for("the foreign settles refused", WAIT, lambda: server.dropped["settle"] == 3)
-    assert spent("key:k", "month") == 0
-    first.send(accounting.encode("settles", items=[[rs[0], 10, 100, None], [rs[1], 10, 50, None],
-                                                   [rs[1], 10, 50, None], [rs[2], 10, 0, None]]))
-    ask(first, "status", id=9, levels=[])  # one DEALER's messages are taken in order: the batch is done
-    assert spent("key:k", "month") == 150 and server.dropped["settle"] == 4 and not server.accountant.reserved
-    # A batch past its bounds, or with an item of the wrong shape, is not a message: nothing in it is applied.
-    r = ask(first, "admit", id=10, levels=[LEVEL], priced=True, tokens=10, cost=100)["r"]
-    first.send(accounting.encode("settles", items=[[r, 10, 100, None]] * (accounting.MOST_SETTLES + 1)))
-    first.send(message(v=1, op="settles", items=[[r, 10, -100, None]]))
-    first.send(message(v=1, op="settles", items=[[r, 10, 100]]))
-    wait_for("the three batches dropped", WAIT, lambda: server.dropped["malformed"] == 3)
-    assert server.accountant.reservations and spent("key:k", "month") == 150

@@ -40,13 +40,11 @@ DROPPED = ("malformed", "settle", "error", "standby")  # why a message was dropp
 
 
 class Dropped(Exception):
-    """A message the accountant does not act on (or COUNT settles of one that it refused); WHY is one of
-    DROPPED."""
+    """A message the accountant does not act on; WHY is one of DROPPED."""
 
-    def __init__(self, why: str, detail: str, count: int = 1):
+    def __init__(self, why: str, detail: str):
         super().__init__(detail)
         self.why = why
-        self.count = count
 
 
 def _status(accountant: Accountant, levels) -> dict:
@@ -61,13 +59,6 @@ def handle(accountant: Accountant, peer: object, msg: dict) -> bytes | None:
         if refusal is not None:
             raise Dropped("settle", refusal)
         return None
-    if op == "settles":  # a worker's settles of a few milliseconds, each applied as its own `settle`
-        refused = [refusal for r, tokens, cost, n in msg["items"]
-                   if (refusal := accountant.settle(r, tokens, cost, owner=peer, requests=n)) is not None]
-        if refused:
-            raise Dropped("settle", f"{len(refused)} of {len(msg['items'])} settles refused, the first: {refused[0]}",
-                          len(refused))
-        return None
     if op == "admit":
         levels = msg["levels"]
         result = accountant.admit(levels, msg["priced"], msg["tokens"], msg["cost"], owner=peer,
@@ -75,13 +66,11 @@ def handle(accountant: Accountant, peer: object, msg: dict) -> bytes | None:
         if isinstance(result, Refused):
             return accounting.encode("refused", id=msg["id"], ok=False, limit=result.limit, counter=result.counter,
                                      retry_after=result.retry_after, message=result.message,
-                                     status=_status(accountant, levels), settles=True)
+                                     status=_status(accountant, levels))
         return accounting.encode("admitted", id=msg["id"], ok=True, r=result.id if result.held else None,
-                                 status=_status(accountant, levels), n=result.size if result.size > 1 else None,
-                                 settles=True)
+                                 status=_status(accountant, levels), n=result.size if result.size > 1 else None)
     if op == "status":
-        return accounting.encode("status_reply", id=msg["id"], status=_status(accountant, msg["levels"]),
-                                 settles=True)
+        return accounting.encode("status_reply", id=msg["id"], status=_status(accountant, msg["levels"]))
     raise Dropped("malformed", f"{op!r} is an answer, not something the accountant is asked")
 
 
@@ -177,13 +166,13 @@ class AccountServer:
             if answer is not None:
                 self.socket.send_multipart([identity, answer])
         except Dropped as e:
-            self._drop(e.why, str(e), count=e.count)
+            self._drop(e.why, str(e))
         except Exception as e:  # a peer must never be able to stop the accountant, whatever it found
             self._drop("error", f"handling it failed, and the accountant carries on: {type(e).__name__}: {e}",
                        traceback=True)
 
-    def _drop(self, why: str, detail: str, traceback: bool = False, count: int = 1) -> None:
-        self.dropped[why] += count
+    def _drop(self, why: str, detail: str, traceback: bool = False) -> None:
+        self.dropped[why] += 1
         now = time.monotonic()
         if now - self.logged.get(why, -LOG_EVERY) >= LOG_EVERY:
             self.logged[why] = now

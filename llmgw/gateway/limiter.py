@@ -6,13 +6,6 @@ reads the answers and wakes the request waiting for each. The accountant lets
 only the connection that admitted a request settle it. A key that nothing limits never gets here, so it pays no
 round trip.
 
-A settle is not answered, so a worker sends those of `SETTLE_EVERY` together
-(`settles`), once the accountant has said in an answer that it reads them (one
-of the version before would drop them): a request of a key the worker seldom
-sees then costs the accountant one message rather than two. Meanwhile the
-accountant holds the request's estimates, which can only refuse sooner, never
-admit more.
-
 Most limited requests pay none either: each admit asks for an allowance of
 requests like it at the same levels (`Allowance`), which the accountant grants
 while the pools are far from their limits. The worker admits the next requests
@@ -43,13 +36,12 @@ from zmq import NOBLOCK, Again
 
 from llmgw import addresses
 from llmgw.wire import accounting
-from llmgw.wire.accounting import GRANT_SECONDS, LARGEST_GRANT, MOST_SETTLES, ProtocolError
+from llmgw.wire.accounting import GRANT_SECONDS, LARGEST_GRANT, ProtocolError
 from llmgw.wire.curve import ClientKeys, dial
 
 log = logging.getLogger("llmgw.limiter")
 
 FIRST_GRANT = 4  # requests: the first allowance asked for at a set of levels
-SETTLE_EVERY = 0.02  # seconds a settle may wait to be sent with others
 
 
 class Allowance:
@@ -121,9 +113,6 @@ class Limiter:
         self.closing: set[Allowance] = set()  # closed, with requests still in flight
         self.asking: set[tuple] = set()  # levels an allowance is being asked for, so that only one is
         self.sweeper: gevent.Greenlet | None = None
-        self.batching = False  # the accountant at `address` said it reads `settles`
-        self.pending: list[list] = []  # settles waiting to be sent together: [r, tokens, cost, n]
-        self.flusher: gevent.Greenlet | None = None
 
     def _connect(self, address: str) -> None:
         import zmq.green as zmq
@@ -148,8 +137,6 @@ class Limiter:
             except ProtocolError as e:
                 log.warning("ignored an answer from the accountant that cannot be read: %s", e)
                 continue
-            if answer.get("settles"):
-                self.batching = True
             waiter = self.waiting.pop(answer["id"], None)
             if waiter is not None:
                 waiter.set(answer)
@@ -230,33 +217,12 @@ class Limiter:
         self._settle(address, reservation, tokens, cost)
 
     def _settle(self, address: str, reservation: int, tokens: int, cost: int, used: int | None = None) -> None:
-        if self.batching and address == self.address:
-            self.pending.append([reservation, tokens, cost, used])
-            if len(self.pending) >= MOST_SETTLES:
-                self._flush()
-            elif self.flusher is None:
-                self.flusher = gevent.spawn_later(SETTLE_EVERY, self._flush)
-            return
         try:
             self._send(address, "settle", r=reservation, tokens=tokens, cost=cost, n=used)
         except Unavailable:
             log.warning("could not settle %s with the accountant (%d tokens, cost %d); "
                         "it is rebuilt from usage rows when it restarts",
                         "a request" if used is None else f"an allowance of {used} requests", tokens, cost)
-
-    def _flush(self) -> None:
-        """Send the settles waiting, together, to the accountant they were admitted by."""
-        if self.flusher is not None and self.flusher is not gevent.getcurrent():
-            self.flusher.kill(block=False)
-        self.flusher = None
-        items, self.pending = self.pending, []
-        if not items or self.address is None:
-            return
-        try:
-            self._send(self.address, "settles", items=items)
-        except Unavailable:
-            log.warning("could not send %d settles to the accountant (its queue is full); what they used is "
-                        "rebuilt from usage rows when it restarts", len(items))
 
     def _close(self, allowance: Allowance) -> None:
         """Admit nothing more from ALLOWANCE; it is handed back once its last request has settled."""
@@ -288,29 +254,24 @@ class Limiter:
                         del self.allowances[key]
 
     def stop(self) -> None:
-        """Hand back every allowance and send the settles waiting, then close: the accountant would hold what
-        they hold for an hour (it forgets a reservation then), and keep it from the other workers meanwhile.
-        One question answered says what was sent before it was taken (one DEALER's messages are taken in
-        order)."""
+        """Hand back every allowance, then close: the accountant would hold what they hold for an hour (it
+        forgets a reservation then), and keep it from the other workers meanwhile. One question answered
+        says the hand-backs before it were taken (one DEALER's messages are taken in order)."""
         held = [a for a in self.allowances.values() if not a.handed] + list(self.closing)
         for allowance in held:
             allowance.closed = True
             self._hand_back(allowance)
-        waiting = bool(self.pending)
-        self._flush()  # before the question below, which says what came before it was taken
-        if (held or waiting) and self.address is not None:
+        if held and self.address is not None:
             try:
                 self.ask(self.address, {"op": "status", "levels": []})
             except Unavailable:
-                log.warning("the accountant did not confirm the allowances handed back and requests settled as "
-                            "this worker stopped; what they hold is freed within the hour")
+                log.warning("the accountant did not confirm the allowances handed back as this worker stopped; "
+                            "what they hold is freed within the hour")
         self.close()
 
     def close(self) -> None:
         # What was granted belongs to the accountant this worker leaves: it forgets it after an hour, or
         # sooner when it is a standby that comes to lead again (llmgw/control/accountserver.py).
-        self._flush()  # what was settled for the accountant this worker leaves goes to it
-        self.batching = False
         for allowance in self.allowances.values():
             allowance.closed = True
         self.allowances.clear()

@@ -31,9 +31,6 @@ GRANT_SECONDS = 1.0
 GRANT = Int(0, LARGEST_GRANT)
 LIMIT = Nullable(Int(0, JSON_INT))
 LEVELS = ListOf(Row((COUNTER, LIMIT, LIMIT, LIMIT, Str(8, rules.PERIODS))), 64)
-# Settles sent together (`settles`): at most this many in one message, each [r, tokens, cost, n or null].
-MOST_SETTLES = 256
-SETTLES = ListOf(Row((ID, TOKENS, COST, Nullable(GRANT))), MOST_SETTLES)
 
 # op -> {field: (type, required)}. Add fields; never remove or retype one.
 MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
@@ -41,15 +38,14 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     "admit": {"id": (ID, True), "levels": (LEVELS, True), "priced": ("bool", True), "tokens": (TOKENS, True),
               "cost": (COST, True), "grant": (GRANT, False)},
     "settle": {"r": (ID, True), "tokens": (TOKENS, True), "cost": (COST, True), "n": (GRANT, False)},
-    "settles": {"items": (SETTLES, True)},
     "status": {"id": (ID, True), "levels": (LEVELS, True)},
     # accountant -> gateway
     "admitted": {"id": (ID, True), "ok": ("bool", True), "r": (ID, False), "status": ("object", True),
-                 "n": (GRANT, False), "settles": ("bool", False)},
+                 "n": (GRANT, False)},
     "refused": {"id": (ID, True), "ok": ("bool", True), "limit": (Str(8, ("budget", "rpm", "tpm")), True),
                 "counter": (COUNTER, True), "retry_after": (Int(0, JSON_INT), True), "message": ("str", True),
-                "status": ("object", True), "settles": ("bool", False)},
-    "status_reply": {"id": (ID, True), "status": ("object", True), "settles": ("bool", False)},
+                "status": ("object", True)},
+    "status_reply": {"id": (ID, True), "status": ("object", True)},
 }
 
 _SCHEMA = Schema(MESSAGES, VERSION, kind_field="op", reads=frozenset({VERSION}), largest=LARGEST)
