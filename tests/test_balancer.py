@@ -264,3 +264,22 @@ def test_a_worker_reads_the_engines_of_the_models_it_routed_to_lately():
     router.pick("n", 1000.0, None, set())
     router.apply(Snapshot(2, {"m": ModelSpec("m")}, {"a": ReplicaSpec("a", "http://a", ("m",))}))
     assert router.watched(1001.0, 60.0) == ([], []) and router.routed == {}
+
+
+def test_the_cluster_page_shows_an_engines_figures_only_while_they_are_fresh():
+    # A worker reads the engines of the models it routes to; a replica of a model it stopped routing to keeps
+    # the last figures it read, which the page must not show as current.
+    import time
+    from types import SimpleNamespace
+
+    from llmgw.web.adminpages import _cluster_view
+
+    router = Router(Snapshot(1, {"m": ModelSpec("m")}, {r: ReplicaSpec(r, f"http://{r}", ("m",)) for r in "ab"}),
+                    2, 10.0, STALE, 1.25, seed=1)
+    now = time.monotonic()
+    router.states["a"].record_metrics({"waiting": 3.0, "kv_cache": 0.5}, now)
+    router.states["b"].record_metrics({"waiting": 7.0, "kv_cache": 0.9}, now - 3600)
+    view = _cluster_view(SimpleNamespace(router=router), {"gateway.controller": None,
+                                                           "routing.metrics_stale_after": STALE})
+    shown = {r["id"]: (r["waiting"], r["kv"]) for r in view["gateway_replicas"]}
+    assert shown == {"a": (3.0, 0.5), "b": (None, None)}

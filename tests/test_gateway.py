@@ -312,8 +312,10 @@ def test_metrics_are_summed_over_workers_on_their_own_address(env):
     # A time to first token is a stream's: sent here, not left to whichever test ran before on this fixture.
     list(env.client.chat.completions.create(model="sim", max_tokens=1, stream=True,
                                             messages=[{"role": "user", "content": "m"}]))
-    text = env.gw.metrics_once("4 requests counted", lambda text: env.gw.metric_total(
-        'llmgw_requests_total{model="sim",status="200"}', text) >= 4)
+    # The replicas' gauges come from the watcher's round after a worker first routed to their model.
+    text = env.gw.metrics_once("4 requests counted and the replicas' gauges", lambda text: env.gw.metric_total(
+        'llmgw_requests_total{model="sim",status="200"}', text) >= 4 and 'llmgw_endpoint_breaker_open{replica="s0"}'
+        in text and 'llmgw_endpoint_metrics_stale{replica="s1"}' in text)
     for name in ("llmgw_requests_total{model=\"sim\",status=\"200\"}", "llmgw_request_duration_seconds_bucket",
                  "llmgw_ttft_seconds_bucket", "llmgw_tokens_total{direction=\"out\",model=\"sim\"}",
                  "llmgw_requests_in_flight", "llmgw_endpoint_breaker_open{replica=\"s0\"}",

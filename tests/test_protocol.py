@@ -37,6 +37,10 @@ def test_an_accounting_message_is_checked_to_the_last_number():
     admit = accounting.decode(accounting.encode("admit", id=1, levels=[level], priced=True, tokens=5, cost=9))
     assert admit["levels"] == [level] and admit["v"] == accounting.VERSION
     assert "r" not in accounting.decode(accounting.encode("admitted", id=1, ok=True, r=None, status={}))
+    # Bytes are read as json.loads reads them (the one decoder every message shares): a UTF-8 byte-order
+    # mark or UTF-16 is taken, as it always was.
+    raw = accounting.encode("admit", id=1, levels=[level], priced=True, tokens=5, cost=9)
+    assert accounting.decode(b"\xef\xbb\xbf" + raw) == accounting.decode(raw.decode().encode("utf-16")) == admit
 
 
 @pytest.mark.parametrize("fields, words", [

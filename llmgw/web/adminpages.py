@@ -498,9 +498,13 @@ def _cluster_view(runtime: Runtime, cfg) -> dict:
     """Nodes, models and replicas from the controller's admin API, with this gateway's own view of each
     replica (its breaker, its load). Without a controller, only what the gateway routes to."""
     router = runtime.router
+    # The engines' own figures only while fresh: a worker reads those of the models it routes to, so a
+    # replica of a model it has not routed to lately keeps the last it read, perhaps hours ago.
+    now, stale_after = time.monotonic(), cfg["routing.metrics_stale_after"]
     gateway_side = [{"id": s.spec.id, "url": s.spec.url, "models": ", ".join(s.spec.models),
                      "in_rotation": not s.breaker.is_open, "outstanding": s.outstanding,
-                     "waiting": s.waiting, "kv": s.kv_cache} for s in router.states.values()]
+                     "waiting": s.waiting if s.fresh(now, stale_after) else None,
+                     "kv": s.kv_cache if s.fresh(now, stale_after) else None} for s in router.states.values()]
     view = {"gateway_replicas": gateway_side, "controller": None, "problem": None, "nodes": [], "models": [],
             "replicas": [], "fabric_nodes": [], "nvlink_nodes": []}
     if cfg["gateway.controller"]:

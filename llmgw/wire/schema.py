@@ -228,7 +228,9 @@ class Schema:
         if self.largest is not None and len(data) > self.largest:
             raise ProtocolError(f"{len(data)} bytes, more than the {self.largest} any message here takes")
         try:
-            message = _DECODER.decode(data.decode() if isinstance(data, (bytes, bytearray)) else data)
+            # As json.loads reads bytes: the encoding found from their first bytes, lone surrogates let by.
+            message = _DECODER.decode(data.decode(json.detect_encoding(data), "surrogatepass")
+                                      if isinstance(data, (bytes, bytearray)) else data)
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtocolError(f"not JSON: {e}") from None
         except RecursionError:
