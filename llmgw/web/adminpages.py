@@ -40,7 +40,8 @@ LEGEND = {
     "waiting": "Requests the engine has accepted but not yet started, as its own metrics say: above 0, it is full.",
     "kv": "How full the engine's KV cache is (the memory holding the text of requests it serves); near 100%, "
           "new requests wait.",
-    "unknown": "Not known: the engine has not been asked yet, or does not publish this figure.",
+    "unknown": "Not known now: this gateway worker reads an engine's figures only while it routes requests to its "
+               "model, or the engine does not publish this figure.",
 }
 LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
                 ("band", "Band"))
