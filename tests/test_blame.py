@@ -46,15 +46,21 @@ def watch_rounds(gw, key: str, idle, workers: int) -> None:
     for _ in range(10 * workers):
         status, _, raw = post(gw.url + "/v1/chat/completions", {**CHAT, "model": "idle"}, key)
         assert status == 200, raw
+    read_again(idle, 2 * workers, "two rounds of the replica watchers")
+
+
+def read_again(sim, times: int, what: str) -> None:
+    """Wait until SIM's /metrics has been read TIMES more by gateways since the call; each read of it here is
+    one too, and is taken off."""
     reads = 0
 
     def scrapes() -> float:
         nonlocal reads
         reads += 1
-        return idle.metrics()["llmgw_sim_scrapes_total"] - reads
+        return sim.metrics()["llmgw_sim_scrapes_total"] - reads
 
     since = scrapes()
-    wait_until("two rounds of the replica watchers", 60, lambda: scrapes() >= since + 2 * workers, interval=0.1)
+    wait_until(what, 60, lambda: scrapes() >= since + times, interval=0.05)
 
 
 def rows(url):

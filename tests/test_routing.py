@@ -6,6 +6,7 @@ import json
 import socket
 
 from tests.conftest import make_key, post, wait_until
+from tests.test_blame import read_again
 
 
 def fingerprint(raw: bytes) -> str:
@@ -67,17 +68,8 @@ def test_load_reported_by_the_engine_steers_requests_away(tmp_path, make_gateway
                   str(len(payload)).encode() + b"\r\n\r\n" + payload)
         others.append(s)
     wait_until("the busy engine to be busy", 30, lambda: busy.metrics()["vllm:num_requests_running"] == 8)
-    # The worker has read the busy engine since: two more reads of its /metrics than this test's own (the
-    # second began after the first had set what it read).
-    reads = 0
-
-    def scrapes() -> float:
-        nonlocal reads
-        reads += 1
-        return busy.metrics()["llmgw_sim_scrapes_total"] - reads
-
-    since = scrapes()
-    wait_until("the worker reading the busy engine", 30, lambda: scrapes() >= since + 2, interval=0.05)
+    # The worker has read the busy engine since: twice (the second began after the first had set what it read).
+    read_again(busy, 2, "the worker reading the busy engine")
     served = collections.Counter(fingerprint(post(gw.url + "/v1/chat/completions", chat(f"q{i}"), key)[2])
                                  for i in range(30))
     for s in others:
