@@ -323,7 +323,7 @@ def test_the_cluster_page_names_nodes_and_explains_its_figures(cluster_client):
     assert "gpu-b: needs 80 GiB of GPU memory, has 24; gpu-c: cordoned" in more
     routes = cluster_client.get("/admin?partial=1").data.decode().split("<h2>What this gateway routes to</h2>")[1]
     assert "?" not in routes and "0.0" not in routes
-    assert routes.count('title="Not known: the engine has not been asked yet') == 2  # waiting and KV cache
+    assert routes.count('title="Not known now: this gateway worker reads an engine') == 2  # waiting and KV cache
     assert "<dt>Waiting in engine</dt><dd>Requests the engine has accepted but not yet started" in routes
     assert "<dt>KV cache in use</dt>" in routes
 
