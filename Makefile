@@ -121,6 +121,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/routing.py
 	$(BIN)/python bench/keys.py --out bench/results/keys.json --chart docs/scaling-keys.svg
 	$(BIN)/python bench/accountant.py --out bench/results/accountant.json --chart docs/scaling-accountant.svg
+	$(BIN)/python bench/usage.py --out bench/results/usage.json --chart docs/scaling-usage.svg
 
 clean:
 	rm -rf $(VENV) var $(CLIENTS)/node_modules

@@ -60,6 +60,25 @@ def test_a_roll_up_counts_each_row_once_and_reports_match_the_raw_rows(engine):
     assert [(line.label, line.requests) for line in only_b.lines] == [("n", 1)]
 
 
+def test_a_backlog_is_rolled_up_in_steps_that_add_into_the_same_buckets(engine, monkeypatch):
+    a, b = setup_tree(engine)
+    monkeypatch.setattr(rollup, "CHUNK", 2)  # a transaction a two rows: 5 rows take three
+    old = NOW - 7200
+    record(engine, [(old + i, "k1", a if i < 4 else b, "u1", "m", 500 if i == 1 else 200, 10, 5, 100)
+                    for i in range(5)])
+    marks = []
+    real_step = rollup._step
+    monkeypatch.setattr(rollup, "_step", lambda *args: (marks.append(1), real_step(*args))[1])
+    assert rollup.roll_up(engine, NOW) == 5 and len(marks) == 3
+    with engine.connect() as conn:
+        hourly = conn.execute(sa.select(store.usage_hourly.c.project_id, store.usage_hourly.c.requests,
+                                        store.usage_hourly.c.errors, store.usage_hourly.c.prompt_tokens)
+                              .order_by(store.usage_hourly.c.requests)).all()
+        assert rollup.watermark(conn) == conn.execute(sa.select(sa.func.max(store.usage.c.id))).scalar()
+    # Rows 0-1 and 2-3 of project a were summed in two steps into one hour's row; b's in a third.
+    assert [tuple(r) for r in hourly] == [(b, 1, 0, 10), (a, 4, 1, 40)]
+
+
 def test_reports_over_weeks_read_days(engine):
     a, _ = setup_tree(engine)
     record(engine, [(NOW - d * 86400, "k", a, "u", "m", 200, 1, 1, 1) for d in range(10)])

@@ -3,10 +3,12 @@
 The controller rolls up every minute. Each pass takes the raw rows past a
 watermark (the last usage id rolled), sums them per hour and per day by key,
 project, person and model, adds those sums into `usage_hourly` and
-`usage_daily`, and moves the watermark, all in one transaction: a pass that
-fails leaves nothing half-counted, and two controllers cannot count a row
-twice. Rows younger than a minute wait for the next pass, so a batch a
-gateway is still writing is not split across the watermark.
+`usage_daily`, and moves the watermark, all in one transaction (a million rows
+at most; a longer backlog takes several): a step that fails leaves nothing
+half-counted, and two controllers cannot count a row twice. The database makes
+and adds the sums itself (INSERT ... SELECT ... ON CONFLICT). Rows younger
+than a minute wait for the next pass, so a batch a gateway is still writing is
+not split across the watermark.
 
 Reports read the roll-ups plus the few raw rows past the watermark, so they
 are exact whether or not the roller has run lately, and cost the same over ten
@@ -62,45 +64,69 @@ def spend_since(conn: Connection, start: float) -> list[tuple[str | None, str | 
     return [(k or None, p or None, who or None, int(cost)) for k, p, who, cost in rolled + tail]
 
 
-def _upsert(conn: Connection, table: sa.Table, rows: list[dict]) -> None:
+SUMS = ("requests", "errors", "prompt_tokens", "completion_tokens", "cost_micros")
+# Raw rows a transaction at most: a long backlog (a store upgraded from before roll-ups, a roller stopped for
+# weeks) is caught up in steps that each commit, instead of one transaction over millions of rows.
+CHUNK = 1_000_000
+
+
+def _insert(conn: Connection):
     if conn.dialect.name == "postgresql":
         from sqlalchemy.dialects.postgresql import insert
     else:
         from sqlalchemy.dialects.sqlite import insert
-    stmt = insert(table)
-    sums = ("requests", "errors", "prompt_tokens", "completion_tokens", "cost_micros")
+    return insert
+
+
+def select_sums(u: sa.Table) -> list:
+    """The sums a roll-up keeps of raw rows, in SUMS' order."""
+    return [sa.func.count(), sa.func.sum(sa.case((u.c.status >= 400, 1), else_=0)),
+            sa.func.coalesce(sa.func.sum(u.c.prompt_tokens), 0), sa.func.coalesce(sa.func.sum(u.c.completion_tokens), 0),
+            sa.func.coalesce(sa.func.sum(u.c.cost_micros), 0)]
+
+
+def add_sums(conn: Connection, table: sa.Table, column: str, seconds: int, start: int, end: int) -> None:
+    """Add the sums of the raw rows START < id <= END into TABLE's buckets of SECONDS, in the database: the rows
+    never come to this process. (They did once: a pass over 100,000 rows held a dict a group and took 42 s, most
+    of it sending the groups back one by one; a year of rows would not have fitted in memory.)"""
+    u = store.usage
+    when = bucket(u.c.at, seconds)
+    keys = [sa.func.coalesce(u.c[c], "") for c in ("key_id", "project_id", "user_id", "model_served")]
+    sums = select_sums(u)
+    query = sa.select(when, *keys, *sums).where(u.c.id > start, u.c.id <= end).group_by(when, *keys)
+    stmt = _insert(conn)(table).from_select([column, "key_id", "project_id", "user_id", "model", *SUMS], query)
     stmt = stmt.on_conflict_do_update(index_elements=[c.name for c in table.primary_key.columns],
-                                      set_={c: table.c[c] + stmt.excluded[c] for c in sums})
-    conn.execute(stmt, rows)
+                                      set_={c: table.c[c] + stmt.excluded[c] for c in SUMS})
+    conn.execute(stmt)
 
 
 def roll_up(engine: Engine, now: float | None = None) -> int:
-    """One pass; returns how many raw rows it counted."""
+    """Roll up every raw row a minute old or more, a transaction per CHUNK rows; returns how many it counted."""
     now = time.time() if now is None else now
+    counted = 0
+    while True:
+        rows, more = _step(engine, now)
+        counted += rows
+        if not more:
+            return counted
+
+
+def _step(engine: Engine, now: float) -> tuple[int, bool]:
+    """One transaction: up to CHUNK rows past the watermark rolled up, and the watermark moved past them.
+    Returns the rows counted and whether more wait."""
     u = store.usage
     with store.writing(engine) as conn:
         start = watermark(conn, lock=True)
         end = conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
         if end is None:
-            return 0
-        counted = 0
+            return 0, False
+        more = end > start + CHUNK
+        end = min(end, start + CHUNK)
         for table, column, seconds in BUCKETS:
-            when = bucket(u.c.at, seconds)
-            keys = [sa.func.coalesce(u.c[c], "") for c in ("key_id", "project_id", "user_id", "model_served")]
-            query = (sa.select(when, *keys, sa.func.count(),
-                               sa.func.sum(sa.case((u.c.status >= 400, 1), else_=0)),
-                               sa.func.coalesce(sa.func.sum(u.c.prompt_tokens), 0),
-                               sa.func.coalesce(sa.func.sum(u.c.completion_tokens), 0),
-                               sa.func.coalesce(sa.func.sum(u.c.cost_micros), 0))
-                     .where(u.c.id > start, u.c.id <= end).group_by(when, *keys))
-            rows = [{column: float(r[0]), "key_id": r[1], "project_id": r[2], "user_id": r[3], "model": r[4],
-                     "requests": r[5], "errors": int(r[6]), "prompt_tokens": int(r[7]),
-                     "completion_tokens": int(r[8]), "cost_micros": int(r[9])} for r in conn.execute(query)]
-            if rows:
-                _upsert(conn, table, rows)
-            counted = sum(r["requests"] for r in rows)
+            add_sums(conn, table, column, seconds, start, end)
+        counted = conn.execute(sa.select(sa.func.count()).where(u.c.id > start, u.c.id <= end)).scalar()
         conn.execute(store.revisions.update().where(store.revisions.c.name == WATERMARK).values(value=end))
-    return counted
+    return counted, more
 
 
 def prune(engine: Engine, keep_days: int, now: float | None = None) -> int:
