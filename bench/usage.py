@@ -14,8 +14,9 @@ them; the last day waits, as after a controller stopped for a day.
 
 Then, with this checkout's code and with --baseline's (another checkout: the commit before a change), each on a
 copy of that database (`CREATE DATABASE ... TEMPLATE`), in a process of its own:
-- a report by each level (org, team, project, person, model, key) over 30 days, the administrator's usage page
-  (`/admin/usage`) over 30 and 90 days, and what a person's own page reads (its last-used times of the 20
+- a report by each level (org, team, project, person, model, key) over 30 days (as `llmgw usage` reads it),
+  the administrator's usage page (`/admin/usage`) by project over 30 and 90 days and by person over 90, and
+  what a person's own page reads (its last-used times of the 20
   busiest keys, its report by model);
 - the roll-up pass that catches up the day, then a pass with nothing new;
 - the gateways' flush: rows a second written by one and by four flushers (500 rows a transaction), each for
@@ -48,6 +49,7 @@ PG_ADMIN = "postgresql://postgres@127.0.0.1:5432/postgres"
 ORGS, TEAMS, PROJECTS, PEOPLE, KEYS, MODELS = 10, 50, 200, 2_000, 20_000, 10
 YEAR, DAY = 365 * 86400, 86400
 LEVELS = ("org", "team", "project", "person", "model", "key")
+PAGES = (("project", "30d"), ("project", "90d"), ("person", "90d"))  # /admin/usage's groupings and spans timed
 WHOLE_YEAR_MEMORY = 6 * 2**30
 
 
@@ -179,7 +181,7 @@ def measure(url: str, now: float, rows: int, seconds: float) -> dict:
 
 
 def usage_pages(url: str) -> dict:
-    """The administrator's /admin/usage page (report, chart, template) over 30 and 90 days: median seconds."""
+    """The administrator's /admin/usage page (report, chart, template) for each of PAGES: median seconds."""
     import re
 
     from llmgw import settings, store
@@ -195,11 +197,11 @@ def usage_pages(url: str) -> dict:
     csrf = re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()
     client.post("/login", data={"email": "bench@example.org", "password": "a long enough password", "csrf_token": csrf})
     out = {}
-    for span in ("30d", "90d"):
-        def get(span=span):
-            response = client.get(f"/admin/usage?by=project&since={span}&metric=tokens")
+    for by, span in PAGES:
+        def get(by=by, span=span):
+            response = client.get(f"/admin/usage?by={by}&since={span}&metric=tokens")
             assert response.status_code == 200 and b"<svg" in response.data
-        out[span], _ = timed(get, 3)
+        out[f"{by} {span}"], _ = timed(get, 3)
     app.runtime.engine.dispose()
     return out
 
@@ -311,8 +313,8 @@ def report(results: list[dict], labels: list[str]) -> str:
         e = [r[label] for r in results]
         lines += [row(f"{label}: report by {level}, 30 days (ms)", (ms(x["reports_s"][level]) for x in e))
                   for level in LEVELS]
-        lines += [row(f"{label}: `/admin/usage` over {span} (ms)", (ms(x["pages_s"][span]) for x in e))
-                  for span in ("30d", "90d")]
+        lines += [row(f"{label}: `/admin/usage` by {by} over {span} (ms)", (ms(x["pages_s"][f"{by} {span}"])
+                                                                             for x in e)) for by, span in PAGES]
         lines += [row(f"{label}: last used, the 20 busiest keys (ms)", (ms(x["last_used_s"]) for x in e)),
                   row(f"{label}: a person's own report, 29 days (ms)", (ms(x["own_report_s"]) for x in e)),
                   row(f"{label}: roll-up pass after a day down: rows, ms", (
@@ -339,7 +341,7 @@ def chart(results: list[dict]) -> str:
     sizes = [r["size"] for r in results]
     this = [r["this"] for r in results]
     series = {"report by key, 30 days": [x["reports_s"]["key"] * 1000 for x in this],
-              "/admin/usage, 90 days": [x["pages_s"]["90d"] * 1000 for x in this],
+              "/admin/usage by project, 90 days": [x["pages_s"]["project 90d"] * 1000 for x in this],
               "roll-up after a day down": [x["day_pass_s"] * 1000 for x in this]}
     if "baseline" in results[0]:
         series["roll-up after a day down, baseline"] = [r["baseline"]["day_pass_s"] * 1000 for r in results]

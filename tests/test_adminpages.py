@@ -228,6 +228,23 @@ def test_usage_page_draws_svg_from_the_roll_ups(admin):
     assert "<td class=\"num\">50 a month</td>" in flashed(client, "/admin/usage?by=project&since=7d&metric=tokens")
 
 
+def test_the_usage_page_shows_the_busiest_groups_and_sums_the_rest(admin, monkeypatch):
+    client, engine, _ = admin
+    import time
+
+    from llmgw.gateway.usage import UsageRecorder
+    from llmgw.web import adminpages
+    monkeypatch.setattr(adminpages, "PAGE_LINES", 1)
+    recorder = UsageRecorder(engine, 100)
+    for person, requests in (("busy", 3), ("quiet", 1), ("quieter", 1)):
+        for _ in range(requests):
+            recorder.record((time.time() - 60, "k", None, "m", "m", "r", "chat", False, 200, 10, 10, 1.0, None, person, 0))
+    recorder.flush()
+    page = flashed(client, "/admin/usage?by=person&since=7d")
+    rows = re.findall(r"<tr><td>([^<]*)</td><td class=\"num\">(\d+)</td>", page)
+    assert rows == [("busy", "3"), ("2 others", "2")]
+
+
 def test_a_manager_sees_only_their_organisation(site):  # noqa: F811
     pages, engine, _ = site
     for org in ("Acme", "Scania"):

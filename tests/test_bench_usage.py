@@ -17,7 +17,7 @@ def test_the_usage_benchmark_runs_quick_and_leaves_no_database(tmp_path):
                              text=True)
     stdout, stderr = bench.communicate(timeout=600)
     assert bench.returncode == 0, stdout + stderr
-    assert "this: report by key, 30 days (ms)" in stdout and "baseline: `/admin/usage` over 90d" in stdout
+    assert "this: report by key, 30 days (ms)" in stdout and "baseline: `/admin/usage` by person over 90d" in stdout
     (result,) = json.loads(out.read_text())["results"]
     assert result["size"] == 20_000
     for which in ("this", "baseline"):

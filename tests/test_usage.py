@@ -79,6 +79,37 @@ def test_a_backlog_is_rolled_up_in_steps_that_add_into_the_same_buckets(engine, 
     assert [tuple(r) for r in hourly] == [(b, 1, 0, 10), (a, 4, 1, 40)]
 
 
+def test_a_report_of_the_busiest_groups_sums_the_rest_as_one_line(engine, monkeypatch):
+    a, b = setup_tree(engine)
+    old = NOW - 3 * 86400
+    # k1 is busiest; the chat page's rows (one value a person) are one group; k2 and k3 are the rest.
+    rows = [(old, "k1", a, "u1", "m", 200, 10, 5, 100)] * 4 + [(old, "session:u1", None, "u1", "m", 200, 1, 1, 1),
+                                                              (old + 86400, "session:u2", None, "u2", "m", 500, 1, 1, 1),
+                                                              (old, "k2", b, "u2", "m", 200, 2, 2, 2),
+                                                              (old + 86400, "k3", b, "u2", "m", 200, 3, 3, 3)]
+    record(engine, rows)
+    rollup.roll_up(engine, NOW)
+    record(engine, [(NOW - 5, "k3", b, "u2", "m", 200, 4, 4, 4)])  # past the watermark: read raw
+    whole = usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW)
+    assert [(line.label, line.requests) for line in whole.lines] == [("k1", 4), ("(chat page)", 2), ("k3", 2),
+                                                                     ("k2", 1)]
+    for named in (1000, 1):  # the shown groups' values named in the query, or too many to name
+        monkeypatch.setattr(usagereport, "MOST_NAMED", named)
+        two = usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW, top=2)
+        assert [(line.label, line.requests, line.errors) for line in two.lines] == [
+            ("k1", 4, 0), ("(chat page)", 2, 1), ("2 others", 3, 0)]
+        assert [line.series for line in two.lines[:2]] == [line.series for line in whole.lines[:2]]
+        others = two.lines[2]
+        assert others.tokens == 4 + 6 + 8 and others.cost_micros == 2 + 3 + 4
+        # Each bucket of the rest, as a report of them alone would draw it: k2 and k3 on their days, k3 today.
+        rest = {}
+        for line in whole.lines[2:]:
+            for when, figures in line.series.items():
+                rest[when] = [x + y for x, y in zip(rest.get(when, [0, 0, 0]), figures)]
+        assert {w: f for w, f in others.series.items() if f != [0, 0, 0]} == rest
+    assert usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW, top=4).lines == whole.lines
+
+
 def test_reports_over_weeks_read_days(engine):
     a, _ = setup_tree(engine)
     record(engine, [(NOW - d * 86400, "k", a, "u", "m", 200, 1, 1, 1) for d in range(10)])

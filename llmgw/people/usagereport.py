@@ -65,10 +65,12 @@ class Report:
 
 
 def report(engine: Engine, by: str, since: float, now: float | None = None, project_ids: set[str] | None = None,
-           user_id: str | None = None) -> Report:
+           user_id: str | None = None, top: int | None = None) -> Report:
     """Use since SINCE grouped BY org, team, project, person, model or key, per day (per hour for
     two days or less). PROJECT_IDS or USER_ID narrow it (an organisation's page, a person's own).
-    Reads the roll-ups and the raw rows not yet rolled up, never the whole raw table."""
+    With TOP, only the TOP groups that made the most requests are lines of their own; the rest are one
+    line, "N others", last. Reads the roll-ups and the raw rows not yet rolled up, never the whole raw
+    table, all at one moment."""
     from llmgw.people import rollup
     from llmgw.people.orgtree import Tree
 
@@ -76,48 +78,120 @@ def report(engine: Engine, by: str, since: float, now: float | None = None, proj
         raise ValueError(f"--by is one of {', '.join(BY)}, not {by!r}")
     now = time.time() if now is None else now
     step = rollup.HOUR if now - since <= 2 * DAY else DAY
-    table = store.usage_hourly if step == rollup.HOUR else store.usage_daily
     first = since // step * step
-    column = {"org": "project_id", "team": "project_id", "project": "project_id", "person": "user_id",
-              "model": "model", "key": "key_id"}[by]
-    u = store.usage
-    with engine.connect() as conn:
-        mark = rollup.watermark(conn)
-        bucket_col = table.c["hour" if step == rollup.HOUR else "day"]
-        rolled = sa.select(bucket_col, table.c[column], sa.func.sum(table.c.requests), sa.func.sum(table.c.errors),
-                           sa.func.sum(table.c.prompt_tokens), sa.func.sum(table.c.completion_tokens),
-                           sa.func.sum(table.c.cost_micros)).where(bucket_col >= first)
-        raw_when = rollup.bucket(u.c.at, step)
-        raw_key = sa.func.coalesce(u.c["model_served" if column == "model" else column], "")
-        raw = sa.select(raw_when, raw_key, *rollup.select_sums(u)).where(u.c.id > mark, u.c.at >= first)
-        if project_ids is not None:
-            rolled = rolled.where(table.c.project_id.in_(project_ids))
-            raw = raw.where(u.c.project_id.in_(project_ids))
-        if user_id is not None:
-            rolled = rolled.where(table.c.user_id == user_id)
-            raw = raw.where(u.c.user_id == user_id)
-        rows = conn.execute(rolled.group_by(bucket_col, table.c[column])).all()
-        rows += conn.execute(raw.group_by(raw_when, raw_key)).all()
+    with store.one_moment(engine) as conn:
+        sums = _Sums(conn, by, step, first, project_ids, user_id)
         tree = Tree.read(conn)
         names = _names(conn, by)
         set_limits = limits.read_all(conn) if by in BUDGET_SCOPES else {}
-    lines: dict[str, Line] = {}
-    for when, value, requests, errors, prompt, completion, cost in rows:
-        label = _label(by, value, tree, names)
-        line = lines.get(label)
-        if line is None:
-            line = lines[label] = Line(label, budget=_budget(by, value, tree, set_limits))
-        line.requests += int(requests)
-        line.errors += int(errors or 0)
-        line.prompt_tokens += int(prompt or 0)
-        line.completion_tokens += int(completion or 0)
-        line.cost_micros += int(cost or 0)
-        figures = line.series.setdefault(float(when), [0, 0, 0])
-        figures[0] += int(requests)
-        figures[1] += int(prompt or 0) + int(completion or 0)
-        figures[2] += int(cost or 0)
+        lines: dict[str, Line] = {}
+        label_of: dict[str, str] = {}
+
+        def line_of(value: str) -> Line:
+            label = label_of.get(value)
+            if label is None:
+                label = label_of[value] = _label(by, value, tree, names)
+            line = lines.get(label)
+            if line is None:
+                line = lines[label] = Line(label, budget=_budget(by, value, tree, set_limits))
+            return line
+
+        others = None
+        if top is None:
+            for when, value, *figures in sums.read():
+                line = line_of(value)
+                _add(line, figures)
+                _add_series(line, when, figures)
+            ranked = sorted(lines.values(), key=lambda x: (-x.requests, x.label))
+        else:
+            # Each group's totals first, summed by the database: over a month by key, one row a key where its
+            # series are a row a key a day (580,000 rows at 50 million requests a year).
+            for value, *figures in sums.read(by_bucket=False):
+                _add(line_of(value), figures)
+            ranked = sorted(lines.values(), key=lambda x: (-x.requests, x.label))
+            if len(ranked) > top:
+                ranked, rest = ranked[:top], ranked[top:]
+                others = Line(f"{len(rest):,} others")
+                for line in rest:
+                    _add(others, (line.requests, line.errors, line.prompt_tokens, line.completion_tokens,
+                                  line.cost_micros))
+                # The rest's series: each bucket's whole, less the groups named.
+                for when, *figures in sums.read(by_value=False):
+                    _add_series(others, when, figures)
+            kept = {line.label for line in ranked}
+            values = [v for v, label in label_of.items() if label in kept]
+            series = sums.read(values=values if others and len(values) <= MOST_NAMED else None)
+            for when, value, *figures in series:
+                line = line_of(value)
+                if line.label in kept:
+                    _add_series(line, when, figures)
+                    if others is not None:
+                        _add_series(others, when, [-(f or 0) for f in figures])
     buckets = [first + i * step for i in range(int((now // step * step - first) // step) + 1)]
-    return Report(by, step, buckets, sorted(lines.values(), key=lambda x: (-x.requests, x.label)))
+    return Report(by, step, buckets, ranked + ([others] if others else []))
+
+
+# The most values a report names in one query's IN (...): past it (a key report whose first groups include the
+# chat page, whose rows carry one value a person), it reads every group's series and keeps those shown.
+MOST_NAMED = 1000
+
+
+class _Sums:
+    """A report's sums over its span, from the roll-ups and the raw rows past the watermark, grouped by bucket,
+    by the report's column, or both."""
+
+    def __init__(self, conn, by: str, step: int, first: float, project_ids: set[str] | None, user_id: str | None):
+        from llmgw.people import rollup
+
+        self.conn = conn
+        self.table = table = store.usage_hourly if step == rollup.HOUR else store.usage_daily
+        column = {"org": "project_id", "team": "project_id", "project": "project_id", "person": "user_id",
+                  "model": "model", "key": "key_id"}[by]
+        u = store.usage
+        self.rolled_when, self.rolled_value = table.c["hour" if step == rollup.HOUR else "day"], table.c[column]
+        self.raw_when = rollup.bucket(u.c.at, step)
+        self.raw_value = sa.func.coalesce(u.c["model_served" if column == "model" else column], "")
+        self.rolled_sums = [sa.func.sum(table.c[c]) for c in rollup.SUMS]
+        self.raw_sums = rollup.select_sums(u)
+        rolled_where = [self.rolled_when >= first]
+        raw_where = [u.c.id > rollup.watermark(conn), u.c.at >= first]
+        if project_ids is not None:
+            rolled_where.append(table.c.project_id.in_(project_ids))
+            raw_where.append(u.c.project_id.in_(project_ids))
+        if user_id is not None:
+            rolled_where.append(table.c.user_id == user_id)
+            raw_where.append(u.c.user_id == user_id)
+        self.rolled_where, self.raw_where = rolled_where, raw_where
+
+    def read(self, by_bucket: bool = True, by_value: bool = True, values: list[str] | None = None) -> list:
+        """Rows of (bucket?, value?, requests, errors, prompt tokens, completion tokens, cost); VALUES narrows
+        them to those groups."""
+        out = []
+        for when, value, sums, where in ((self.rolled_when, self.rolled_value, self.rolled_sums, self.rolled_where),
+                                         (self.raw_when, self.raw_value, self.raw_sums, self.raw_where)):
+            keys = [when] * by_bucket + [value] * by_value
+            query = sa.select(*keys, *sums).where(*where)
+            if values is not None:
+                query = query.where(value.in_(values))
+            out += self.conn.execute(query.group_by(*keys)).all()
+        return out
+
+
+def _add(line: Line, figures) -> None:
+    requests, errors, prompt, completion, cost = figures
+    line.requests += int(requests)
+    line.errors += int(errors or 0)
+    line.prompt_tokens += int(prompt or 0)
+    line.completion_tokens += int(completion or 0)
+    line.cost_micros += int(cost or 0)
+
+
+def _add_series(line: Line, when, figures) -> None:
+    requests, _errors, prompt, completion, cost = figures
+    bucket = line.series.setdefault(float(when), [0, 0, 0])
+    bucket[0] += int(requests)
+    bucket[1] += int(prompt or 0) + int(completion or 0)
+    bucket[2] += int(cost or 0)
 
 
 # The limits' scope of each grouping that is one, and so may set a budget of its own.

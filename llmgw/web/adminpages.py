@@ -43,6 +43,8 @@ LEGEND = {
     "unknown": "Not known now: this gateway worker reads an engine's figures only while it routes requests to its "
                "model, or the engine does not publish this figure.",
 }
+# The groups a usage page shows one by one, busiest first; the rest are one line (a month by key can be every key).
+PAGE_LINES = 50
 LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
                 ("band", "Band"))
 
@@ -462,7 +464,7 @@ def _usage_view(engine, args, project_ids: set[str] | None, choices: tuple[str, 
     by = args.get("by") if args.get("by") in choices else choices[0]
     span = args.get("since") if args.get("since") in SPANS else "7d"
     metric = args.get("metric") if args.get("metric") in METRICS else "requests"
-    found = usagereport.report(engine, by, time.time() - SPANS[span], project_ids=project_ids)
+    found = usagereport.report(engine, by, time.time() - SPANS[span], project_ids=project_ids, top=PAGE_LINES)
     index = METRICS[metric]
     groups = [(line.label, {b: figures[index] / (rules.MICROS if metric == "spend" else 1)
                             for b, figures in line.series.items()}) for line in found.lines]
