@@ -77,4 +77,7 @@ def test_last_use_of_each_key(store_url):
         recorder.record(row)
     recorder.flush()
     assert usagereport.last_used(engine, ["k1", "k3"]) == {"k1": now}
+    # More keys than one statement joins (SQLite refuses a compound SELECT of more than 500).
+    many = [f"unused-{i}" for i in range(1100)] + ["k2"]
+    assert usagereport.last_used(engine, many) == {"k2": now}
     engine.dispose()

@@ -27,9 +27,15 @@ def last_used(engine: Engine, key_ids: list[str]) -> dict[str, float]:
     u = store.usage
     latest = [sa.select(sa.literal(key_id, sa.String), sa.select(sa.func.max(u.c.at))
                         .where(u.c.key_id == key_id).scalar_subquery()) for key_id in key_ids]
+    rows = []
     with engine.connect() as conn:
-        rows = conn.execute(sa.union_all(*latest)).all()
+        # SQLite takes at most 500 SELECTs in one compound statement.
+        for start in range(0, len(latest), COMPOUND):
+            rows += conn.execute(sa.union_all(*latest[start:start + COMPOUND])).all()
     return {key_id: at for key_id, at in rows if at is not None}
+
+
+COMPOUND = 200  # the most SELECTs last_used joins in one statement
 
 
 # --- reports over roll-ups -------------------------------------------------------------------------
