@@ -21,11 +21,12 @@ copy of that database (`CREATE DATABASE ... TEMPLATE`), in a process of its own:
 - the roll-up pass that catches up the day, then a pass with nothing new;
 - the gateways' flush: rows a second written by one and by four flushers (500 rows a transaction), each for
   --seconds;
-- the retention sweep deleting the oldest month (`usage.keep_days` of 335);
+- the retention sweep deleting the oldest month (`usage.keep_raw_days` of 335);
 and, on a second copy, the roll-up of the whole year at once (a store upgraded from before roll-ups, or one
 whose roller was stopped long), in a process allowed 6 GiB of memory: its time and memory, or how it failed.
 
-The 1-minute load average is recorded at the start and end of each size; above 1.0 at the start (two cores,
+It needs PostgreSQL 13 or later, and free disk for the database twice over (its copy): about 35 GiB at 50
+million rows. The 1-minute load average is recorded at the start and end of each size; above 1.0 at the start (two cores,
 nothing else should run), the figures are marked noisy and no aim is judged on them.
 """
 
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import resource
+import secrets
 import statistics
 import subprocess
 import sys
@@ -279,7 +281,10 @@ def one_size(pg: str, rows: int, checkouts: dict[str, str], seconds: float) -> d
     """The figures for ROWS, in two databases of this process's own on PG (dropped after, whatever happens)."""
     sys.path.insert(0, ROOT)
     now = time.time()
-    base, run = f"llmgw_bench_usage_{os.getpid()}", f"llmgw_bench_usage_{os.getpid()}_run"
+    # Named for this process and a random part: another run on the same server (a container reusing the pid)
+    # must not drop these, nor these its.
+    base = f"llmgw_bench_usage_{os.getpid()}_{secrets.token_hex(4)}"
+    run = f"{base}_run"
     try:
         out: dict = {"setup": fill(make_database(pg, base), rows, now)}
         for label, checkout in checkouts.items():

@@ -15,7 +15,12 @@ def test_the_usage_benchmark_runs_quick_and_leaves_no_database(tmp_path):
     bench = subprocess.Popen([sys.executable, f"{ROOT}/bench/usage.py", "--quick", "--baseline", ROOT, "--pg", PG_ADMIN,
                               "--out", str(out), "--chart", str(svg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
-    stdout, stderr = bench.communicate(timeout=600)
+    try:
+        stdout, stderr = bench.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        bench.kill()
+        left(bench.pid, drop=True)
+        raise
     assert bench.returncode == 0, stdout + stderr
     assert "this: report by key, 30 days (ms)" in stdout and "baseline: `/admin/usage` by person over 90d" in stdout
     (result,) = json.loads(out.read_text())["results"]
@@ -29,8 +34,19 @@ def test_the_usage_benchmark_runs_quick_and_leaves_no_database(tmp_path):
         assert 20_000 / 12 * 0.8 < figures["swept"] < 20_000 / 12 * 1.2
         assert figures["flush_1_rows_s"] > 0 and figures["flush_4_rows_s"] > 0
     assert svg.read_text().startswith("<svg") and "roll-up after a day down" in svg.read_text()
+    assert left(bench.pid) == []
+
+
+def left(pid: int, drop: bool = False) -> list[str]:
+    """The databases the bench of process PID left (its two are named for it); DROP them."""
     admin = psycopg2.connect(PG_ADMIN.replace("postgresql://", "postgres://", 1))
-    with admin.cursor() as cur:  # its two databases are named for its process
-        cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (f"llmgw_bench_usage_{bench.pid}%",))
-        assert cur.fetchall() == []
-    admin.close()
+    admin.autocommit = True
+    try:
+        with admin.cursor() as cur:
+            cur.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (f"llmgw_bench_usage_{pid}_%",))
+            names = [name for (name,) in cur.fetchall()]
+            for name in names if drop else ():
+                cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        admin.close()
+    return names

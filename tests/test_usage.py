@@ -69,7 +69,8 @@ def test_a_backlog_is_rolled_up_in_steps_that_add_into_the_same_buckets(engine, 
     marks = []
     real_step = rollup._step
     monkeypatch.setattr(rollup, "_step", lambda *args: (marks.append(1), real_step(*args))[1])
-    assert rollup.roll_up(engine, NOW) == 5 and len(marks) == 3
+    assert rollup.roll_up(engine, NOW, going_on=lambda: False) == 2 and len(marks) == 1  # stopped after a step
+    assert rollup.roll_up(engine, NOW) == 3 and len(marks) == 3
     with engine.connect() as conn:
         hourly = conn.execute(sa.select(store.usage_hourly.c.project_id, store.usage_hourly.c.requests,
                                         store.usage_hourly.c.errors, store.usage_hourly.c.prompt_tokens)

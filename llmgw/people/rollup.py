@@ -100,14 +100,15 @@ def add_sums(conn: Connection, table: sa.Table, column: str, seconds: int, start
     conn.execute(stmt)
 
 
-def roll_up(engine: Engine, now: float | None = None) -> int:
-    """Roll up every raw row a minute old or more, a transaction per CHUNK rows; returns how many it counted."""
+def roll_up(engine: Engine, now: float | None = None, going_on=lambda: True) -> int:
+    """Roll up every raw row a minute old or more, a transaction per CHUNK rows, while GOING_ON() says so
+    between them (a long backlog takes minutes); returns how many it counted."""
     now = time.time() if now is None else now
     counted = 0
     while True:
         rows, more = _step(engine, now)
         counted += rows
-        if not more:
+        if not more or not going_on():
             return counted
 
 
@@ -175,7 +176,7 @@ class Roller:
             if not self.leading():
                 continue
             try:
-                roll_up(self.engine)
+                roll_up(self.engine, going_on=lambda: self.leading() and not self.stopping.is_set())
                 if time.monotonic() - self.pruned_at > HOUR:
                     self.pruned_at = time.monotonic()
                     deleted = prune(self.engine, self.keep_days)

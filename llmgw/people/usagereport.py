@@ -117,7 +117,7 @@ def report(engine: Engine, by: str, since: float, now: float | None = None, proj
             ranked = sorted(lines.values(), key=lambda x: (-x.requests, x.label))
             if len(ranked) > top:
                 ranked, rest = ranked[:top], ranked[top:]
-                others = Line(f"{len(rest):,} others")
+                others = Line(f"{len(rest):,} other{'s' if len(rest) > 1 else ''}")
                 for line in rest:
                     _add(others, (line.requests, line.errors, line.prompt_tokens, line.completion_tokens,
                                   line.cost_micros))

@@ -43,7 +43,7 @@ LEGEND = {
     "unknown": "Not known now: this gateway worker reads an engine's figures only while it routes requests to its "
                "model, or the engine does not publish this figure.",
 }
-# The groups a usage page shows one by one, busiest first; the rest are one line (a month by key can be every key).
+# The groups a usage page shows one by one, busiest first; the rest are one line (by person: everyone who used it).
 PAGE_LINES = 50
 LIMIT_FIELDS = (("rpm", "Requests/min"), ("tpm", "Tokens/min"), ("budget", "Budget"), ("models", "Models"),
                 ("band", "Band"))
