@@ -297,7 +297,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Seconds between sweeps that delete the conversations past their project's retention, and those of "
             "projects that stopped keeping them (run by the controller, or by a gateway without one).", minimum=1),
     Setting("usage.keep_raw_days", "int", 90,
-            "Days raw usage rows (one per request) are kept; roll-ups are kept for good. 0 keeps raw rows for good.",
+            "Days raw usage rows (one per request) and hourly roll-ups (at least 7) are kept; daily roll-ups are "
+            "kept for good. 0 keeps raw rows and hourly roll-ups for good.",
             minimum=0),
     Setting("usage.flush_interval", "float", 1.0,
             "Seconds between writes of buffered usage rows to the store.", minimum=0.01),

@@ -130,6 +130,24 @@ def test_raw_rows_are_pruned_only_once_rolled_up(engine):
     assert report.lines[0].requests == 2  # the pruned row still counts, from its roll-up
 
 
+def test_hourly_roll_ups_are_pruned_with_raw_rows_but_kept_a_week(engine):
+    a, _ = setup_tree(engine)
+    days = (100, 30, 5, 1)
+    record(engine, [(NOW - d * 86400, "k", a, "u", "m", 200, 1, 1, 1) for d in days])
+    rollup.roll_up(engine, NOW)
+
+    def hours():
+        with engine.connect() as conn:
+            return sorted(round((NOW - h) / 86400) for h in conn.execute(sa.select(store.usage_hourly.c.hour)).scalars())
+
+    rollup.prune(engine, 90, NOW)
+    assert hours() == [1, 5, 30]
+    assert rollup.prune(engine, 2, NOW) == 2  # the raw rows of 30 and 5 days ago; hourly ones stay a week
+    assert hours() == [1, 5]
+    assert usagereport.report(engine, "model", NOW - 2 * 86400, now=NOW).lines[0].requests == 1
+    assert usagereport.report(engine, "model", NOW - 120 * 86400, now=NOW).lines[0].requests == 4  # daily stay
+
+
 def test_llmgw_usage_prints_a_table_and_json(store_url):
     engine = store.open_engine(store_url)
     a, _ = setup_tree(engine)
