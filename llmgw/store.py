@@ -661,6 +661,12 @@ def _sqlite_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
+# PostgreSQL advisory locks, each a number only this code uses: migrating the schema; writing usage rows
+# (gateways share it; the usage roller takes it alone to see every row whose id is given out: rollup.py).
+MIGRATION_LOCK = 7306241
+USAGE_WRITES_LOCK = 7306242
+
+
 def open_engine(url: str) -> Engine:
     """An engine for URL. A SQLite file and its directory are created on first use, readable by this user
     only (0600, 0700): the store holds every key's hash and the people's password hashes."""
@@ -689,7 +695,7 @@ def migrate(engine: Engine) -> list[int]:
             if engine.dialect.name == "postgresql":
                 # Two gateways starting at once: the second waits here, then
                 # finds the work done.
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(7306241)"))
+                conn.execute(sa.select(sa.func.pg_advisory_xact_lock(MIGRATION_LOCK)))
             metadata.create_all(conn, tables=[schema_migrations])
             done = applied_versions(conn)
             applied_now = []

@@ -111,6 +111,39 @@ def test_a_report_of_the_busiest_groups_sums_the_rest_as_one_line(engine, monkey
     assert usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW, top=4).lines == whole.lines
 
 
+def test_a_roll_up_waits_for_a_flush_still_open_below_the_ids_it_sees(pg_url):
+    """PostgreSQL only: SQLite has one writer at a time, so no id is given out uncommitted beside another."""
+    import threading
+
+    from llmgw.gateway.usage import insert_rows
+    from llmgw.procs import wait_for
+    from tests.conftest import store_url_for, wipe
+
+    wipe(pg_url)
+    engine = store.open_store(store_url_for(pg_url))
+    a, _ = setup_tree(engine)
+    row = (NOW - 7200, "k1", a, "m", "m", "r", "chat", False, 200, 1, 1, 1.0, None, "u1", 1)
+    # A gateway's flush gets its id first and is slow to commit; another's, later and higher, commits at once.
+    slow = engine.connect()
+    slow_transaction = slow.begin()
+    insert_rows(slow, [row])
+    record(engine, [(NOW - 7200, "k1", a, "u1", "m", 200, 2, 2, 2)])
+    counted = []
+    roller = threading.Thread(target=lambda: counted.append(rollup.roll_up(engine, NOW)))
+    roller.start()
+    with engine.connect() as conn:  # the roller waits for the lock the open flush shares (or, wrongly, ends)
+        wait_for("the roller waiting", 60, lambda: not roller.is_alive() or conn.execute(sa.text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")).scalar() == 1)
+    slow_transaction.commit()
+    slow.close()
+    roller.join(timeout=60)
+    assert counted == [2]
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.sum(store.usage_daily.c.requests))).scalar() == 2
+        assert conn.execute(sa.select(sa.func.sum(store.usage_hourly.c.cost_micros))).scalar() == 1 + 2
+    engine.dispose()
+
+
 def test_reports_over_weeks_read_days(engine):
     a, _ = setup_tree(engine)
     record(engine, [(NOW - d * 86400, "k", a, "u", "m", 200, 1, 1, 1) for d in range(10)])

@@ -80,6 +80,10 @@ def refused_for_its_content(error: Exception) -> bool:
 def insert_rows(conn: Connection, rows: list[tuple]) -> list[tuple[tuple, Exception]]:
     """Insert ROWS in CONN's transaction, leaving out any the store refuses for its content; returns those, each
     with the reason. Any other failure is raised: the caller keeps every row for a later try."""
+    if conn.dialect.name == "postgresql":
+        # Shared with other writers until this transaction ends: the roller takes it alone before it reads how
+        # far to roll up, so no row whose id is given out below that is still uncommitted (and skipped for good).
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock_shared(store.USAGE_WRITES_LOCK)))
     try:
         # A savepoint, because on PostgreSQL a refused statement spoils the rest of its transaction.
         with conn.begin_nested():

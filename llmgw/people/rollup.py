@@ -112,13 +112,26 @@ def roll_up(engine: Engine, now: float | None = None, going_on=lambda: True) -> 
             return counted
 
 
+def _last_committed(engine: Engine, start: int, now: float) -> int | None:
+    """The last id past START of a row a minute old, read when every row with a lower id is committed. On
+    PostgreSQL ids are given out at insert and rows seen at commit, so a gateway's flush still open (a store
+    slow after an outage, every gateway writing its backlog at once) can hold ids below one already seen;
+    rolled up past, its rows would never be counted. Gateways write under a shared lock this takes alone, in
+    a transaction of its own: it waits for the flushes open, and a flush begun after it gets higher ids."""
+    u = store.usage
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(store.USAGE_WRITES_LOCK)))
+        return conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
+
+
 def _step(engine: Engine, now: float) -> tuple[int, bool]:
     """One transaction: up to CHUNK rows past the watermark rolled up, and the watermark moved past them.
     Returns the rows counted and whether more wait."""
     u = store.usage
     with store.writing(engine) as conn:
         start = watermark(conn, lock=True)
-        end = conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
+        end = _last_committed(engine, start, now)
         if end is None:
             return 0, False
         more = end > start + CHUNK
