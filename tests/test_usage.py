@@ -129,18 +129,46 @@ def test_a_roll_up_waits_for_a_flush_still_open_below_the_ids_it_sees(pg_url):
     insert_rows(slow, [row])
     record(engine, [(NOW - 7200, "k1", a, "u1", "m", 200, 2, 2, 2)])
     counted = []
-    roller = threading.Thread(target=lambda: counted.append(rollup.roll_up(engine, NOW)))
-    roller.start()
-    with engine.connect() as conn:  # the roller waits for the lock the open flush shares (or, wrongly, ends)
-        wait_for("the roller waiting", 60, lambda: not roller.is_alive() or conn.execute(sa.text(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted")).scalar() == 1)
-    slow_transaction.commit()
-    slow.close()
+    roller = threading.Thread(target=lambda: counted.append(rollup.roll_up(engine, NOW)), daemon=True)
+    waiting = sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = :lock AND NOT granted "
+                      "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())")
+    try:
+        roller.start()
+        with engine.connect() as conn:  # the roller waits for the lock the open flush shares (or, wrongly, ends)
+            wait_for("the roller waiting", 60, lambda: not roller.is_alive() or conn.execute(
+                waiting, {"lock": store.USAGE_WRITES_LOCK}).scalar() == 1)
+        slow_transaction.commit()
+    finally:
+        slow.close()
     roller.join(timeout=60)
     assert counted == [2]
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.sum(store.usage_daily.c.requests))).scalar() == 2
         assert conn.execute(sa.select(sa.func.sum(store.usage_hourly.c.cost_micros))).scalar() == 1 + 2
+    engine.dispose()
+
+
+def test_a_flush_open_too_long_holds_the_roller_for_seconds_not_every_gateway(pg_url, monkeypatch, caplog):
+    from llmgw.gateway.usage import insert_rows
+    from tests.conftest import store_url_for, wipe
+
+    wipe(pg_url)
+    engine = store.open_store(store_url_for(pg_url))
+    monkeypatch.setattr(rollup, "WRITERS_WAIT", 0.5)
+    a, _ = setup_tree(engine)
+    stuck = engine.connect()
+    try:
+        with stuck.begin():
+            insert_rows(stuck, [(NOW - 7200, "k1", a, "m", "m", "r", "chat", False, 200, 1, 1, 1.0, None, "u1", 1)])
+            try:
+                rollup.roll_up(engine, NOW)
+                raise AssertionError("rolled up past a flush still open")
+            except rollup.FlushesOpen as e:
+                assert "open for more than 0.5 s" in str(e)
+            record(engine, [(NOW - 7200, "k2", a, "u1", "m", 200, 2, 2, 2)])  # other gateways still write
+    finally:
+        stuck.close()
+    assert rollup.roll_up(engine, NOW) == 2
     engine.dispose()
 
 

@@ -112,26 +112,47 @@ def roll_up(engine: Engine, now: float | None = None, going_on=lambda: True) -> 
             return counted
 
 
-def _last_committed(engine: Engine, start: int, now: float) -> int | None:
+# Seconds the roller waits for gateways' usage flushes still open; gateways' new flushes wait behind it meanwhile,
+# so one gateway stuck in a transaction must not hold the rest for longer.
+WRITERS_WAIT = 5.0
+
+
+class FlushesOpen(Exception):
+    """A gateway's usage flush stayed open past WRITERS_WAIT: the next pass tries again."""
+
+
+def _last_committed(engine: Engine, conn: Connection, start: int, now: float) -> int | None:
     """The last id past START of a row a minute old, read when every row with a lower id is committed. On
     PostgreSQL ids are given out at insert and rows seen at commit, so a gateway's flush still open (a store
     slow after an outage, every gateway writing its backlog at once) can hold ids below one already seen;
     rolled up past, its rows would never be counted. Gateways write under a shared lock this takes alone, in
-    a transaction of its own: it waits for the flushes open, and a flush begun after it gets higher ids."""
+    a transaction of its own: it waits for the flushes open, and a flush begun after it gets higher ids. On
+    SQLite CONN's transaction holds the one write lock: no flush is open."""
     u = store.usage
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(store.USAGE_WRITES_LOCK)))
-        return conn.execute(sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)).scalar()
+    query = sa.select(sa.func.max(u.c.id)).where(u.c.id > start, u.c.at < now - SETTLE)
+    if conn.dialect.name != "postgresql":
+        return conn.execute(query).scalar()
+    with engine.begin() as apart:
+        store.bounded(apart, WRITERS_WAIT)
+        try:
+            apart.execute(sa.select(sa.func.pg_advisory_xact_lock(store.USAGE_WRITES_LOCK)))
+        except sa.exc.OperationalError as e:
+            raise FlushesOpen(f"a gateway's usage flush has been open for more than {WRITERS_WAIT:g} s; rolling "
+                              "up waits for it, as its rows may come before those already written") from e
+        return apart.execute(query).scalar()
 
 
 def _step(engine: Engine, now: float) -> tuple[int, bool]:
     """One transaction: up to CHUNK rows past the watermark rolled up, and the watermark moved past them.
     Returns the rows counted and whether more wait."""
     u = store.usage
+    if engine.dialect.name == "postgresql":
+        # Each statement sees what committed before it, as the rows read must be those committed while
+        # _last_committed waited (a server whose default is REPEATABLE READ would not show them).
+        engine = engine.execution_options(isolation_level="READ COMMITTED")
     with store.writing(engine) as conn:
         start = watermark(conn, lock=True)
-        end = _last_committed(engine, start, now)
+        end = _last_committed(engine, conn, start, now)
         if end is None:
             return 0, False
         more = end > start + CHUNK
@@ -215,5 +236,7 @@ class Roller:
                     if deleted:
                         log.info("deleted %d raw usage rows older than %d days (their roll-ups stay)",
                                  deleted, self.keep_days)
+            except FlushesOpen as e:
+                log.warning("%s", e)
             except Exception:
                 log.exception("rolling up usage failed; the next pass tries again")
