@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 from bench.curves import pct  # noqa: E402
 from bench.rig import FOUR_LEVELS, Rig  # noqa: E402
 from llmgw import store  # noqa: E402
-from llmgw.people import keys, orgtree, rollup, usagereport  # noqa: E402
+from llmgw.people import orgtree, rollup, usagereport  # noqa: E402
 
 
 def summary(values_s: list[float]) -> dict:
@@ -183,20 +183,9 @@ def bench_usage(tmp: str, rows: int) -> dict:
 
 def time_usage_page(url: str) -> list[float]:
     """The whole /admin/usage page (report, chart, template) for an administrator, ten times."""
-    import re
+    from bench.adminpages import signed_in
 
-    from llmgw import settings
-    from llmgw.people import accounts
-    from llmgw.web.app import GatewayApp
-
-    engine = store.open_engine(url)
-    accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
-    engine.dispose()
-    app = GatewayApp(settings.load(None, {"store.url": url}), key_source=keys)
-    client = app.pages.test_client()
-    page = client.get("/login").data
-    csrf = re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()
-    client.post("/login", data={"email": "bench@example.org", "password": "a long enough password", "csrf_token": csrf})
+    app, client = signed_in(url)
     times = []
     for _ in range(10):
         started = time.perf_counter()

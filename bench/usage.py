@@ -184,20 +184,9 @@ def measure(url: str, now: float, rows: int, seconds: float) -> dict:
 
 def usage_pages(url: str) -> dict:
     """The administrator's /admin/usage page (report, chart, template) for each of PAGES: median seconds."""
-    import re
+    from bench.adminpages import signed_in
 
-    from llmgw import settings, store
-    from llmgw.people import accounts, keys
-    from llmgw.web.app import GatewayApp
-
-    engine = store.open_engine(url)
-    accounts.create_user(engine, "bench@example.org", "a long enough password", state=accounts.ACTIVE, is_admin=True)
-    engine.dispose()
-    app = GatewayApp(settings.load(None, {"store.url": url}), key_source=keys)
-    client = app.pages.test_client()
-    page = client.get("/login").data
-    csrf = re.search(rb'name="csrf_token" type="hidden" value="([^"]+)"', page).group(1).decode()
-    client.post("/login", data={"email": "bench@example.org", "password": "a long enough password", "csrf_token": csrf})
+    app, client = signed_in(url)
     out = {}
     for by, span in PAGES:
         def get(by=by, span=span):
