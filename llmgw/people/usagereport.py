@@ -150,7 +150,7 @@ class _Sums:
         from llmgw.people import rollup
 
         self.conn = conn
-        self.table = table = store.usage_hourly if step == rollup.HOUR else store.usage_daily
+        table = store.usage_hourly if step == rollup.HOUR else store.usage_daily
         column = {"org": "project_id", "team": "project_id", "project": "project_id", "person": "user_id",
                   "model": "model", "key": "key_id"}[by]
         u = store.usage
