@@ -109,6 +109,10 @@ def test_a_report_of_the_busiest_groups_sums_the_rest_as_one_line(engine, monkey
                 rest[when] = [x + y for x, y in zip(rest.get(when, [0, 0, 0]), figures)]
         assert {w: f for w, f in others.series.items() if f != [0, 0, 0]} == rest
     assert usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW, top=4).lines == whole.lines
+    # An organisation's page: the rest is its own rest, never another organisation's use (k1 is project a's).
+    only_b = usagereport.report(engine, "key", NOW - 7 * 86400, now=NOW, project_ids={b}, top=1)
+    assert [(line.label, line.requests) for line in only_b.lines] == [("k3", 2), ("1 other", 1)]
+    assert sum(f[0] for f in only_b.lines[1].series.values()) == 1
 
 
 def test_a_roll_up_waits_for_a_flush_still_open_below_the_ids_it_sees(pg_url):
