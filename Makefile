@@ -15,6 +15,7 @@ CADDY := /usr/bin/caddy
 PROMTOOL := /usr/bin/promtool
 AMTOOL := /usr/bin/amtool
 NODE_EXPORTER := /usr/bin/prometheus-node-exporter
+WRK := /usr/bin/wrk
 POLICY_RC_D := /usr/sbin/policy-rc.d
 
 # KaTeX, which typesets the mathematics in the chat page's answers, served from static/katex (never a
@@ -55,12 +56,14 @@ $(SYSTEMD_ANALYZE):
 # (promtool comes with it), Alertmanager (amtool) and node_exporter (deploy/monitoring). Their
 # packages would start their services at once (a web server on port 80, Prometheus on 9090); a
 # policy-rc.d that refuses keeps them from it, and whatever policy-rc.d the machine had is put back.
+# wrk, a load generator in C, drives bench/onecore.py (nginx is its stand-in engine).
 $(NGINX): PACKAGE = nginx
 $(CADDY): PACKAGE = caddy
 $(PROMTOOL): PACKAGE = prometheus
 $(AMTOOL): PACKAGE = prometheus-alertmanager
 $(NODE_EXPORTER): PACKAGE = prometheus-node-exporter
-$(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER):
+$(WRK): PACKAGE = wrk
+$(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) $(WRK):
 	@if [ "$$(id -u)" = 0 ]; then \
 		kept=$(POLICY_RC_D).llmgw-kept; \
 		if [ -e $(POLICY_RC_D) ] || [ -L $(POLICY_RC_D) ]; then mv $(POLICY_RC_D) $$kept || exit 1; fi; \
@@ -96,7 +99,7 @@ $(KATEX):
 # TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
-test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) \
+test: $(STAMP) $(CHROMIUM) $(SSHD) $(SYSTEMD_ANALYZE) $(NGINX) $(CADDY) $(PROMTOOL) $(AMTOOL) $(NODE_EXPORTER) $(WRK) \
 	$(CLIENTS_STAMP) $(KATEX)
 	$(BIN)/ruff check --quiet .
 	$(BIN)/mypy
@@ -110,10 +113,12 @@ release: $(STAMP) $(KATEX)
 docs: $(STAMP)
 	$(BIN)/python -c 'from llmgw.settings import reference_markdown; open("docs/reference.md", "w").write(reference_markdown())'
 
-bench: $(STAMP)
+bench: $(STAMP) $(NGINX) $(WRK)
 	$(BIN)/python bench/gateway.py
+	$(BIN)/python bench/onecore.py
 	$(BIN)/python bench/dialects.py
 	$(BIN)/python bench/controlplane.py --out bench/results/controlplane.json --chart docs/scaling-controlplane.svg
+	$(BIN)/python bench/reconcile.py --out bench/results/reconcile.json
 	$(BIN)/python bench/limits.py
 	$(BIN)/python bench/mirror.py
 	$(BIN)/python bench/failover.py

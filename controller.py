@@ -25,6 +25,7 @@ from werkzeug.serving import make_server
 from llmgw import addresses, filemodes, keyfiles, settings, store
 from llmgw.control import adminapi, adminnodes, authenticator, curvekeys, fabricmaps, seals
 from llmgw.control.accountant import Accountant
+from llmgw.control.accountparts import AccountParts
 from llmgw.control.accountserver import AccountServer
 from llmgw.control.adminparts import Parts
 from llmgw.control.agentserver import AgentServer
@@ -118,15 +119,22 @@ def main(config_path, agent_listen, admin_listen, metrics_listen, gateway_listen
                          models=catalog.models)
     publisher = Publisher(context, cfg["controller.gateway_listen"], gateway_keys)
 
+    # The accountant is made when this controller comes to lead; a standby answers no gateway.
+    parts = cfg["controller.accountant_parts"]
+
     def restored_accountant() -> Accountant:
         # Spend is rebuilt from the store's usage rows; rate windows and open reservations start empty.
         accountant = Accountant()
-        accountant.restore(engine)
+        accountant.restore(engine, 0, parts)
         return accountant
 
-    # The accountant is made when this controller comes to lead; a standby answers no gateway.
-    account_server = AccountServer(Accountant(), cfg["controller.accountant_listen"], context, gateway_keys,
-                                   lease=lease, fresh=restored_accountant).start()
+    # The accountant is made when this controller comes to lead; a standby answers no gateway. Its other parts,
+    # if any, are processes of their own (llmgw/control/accountparts.py).
+    account_server = AccountParts(
+        AccountServer(Accountant(), cfg["controller.accountant_listen"], context, gateway_keys, lease=lease,
+                      fresh=restored_accountant), parts,
+        {"store_url": cfg["store.url"], "keys_dir": None if plaintext else cfg["controller.keys_dir"],
+         "listen": cfg["controller.accountant_listen"], "log_level": cfg["log.level"]}, lease).start()
     roller = Roller(engine, cfg["usage.rollup_interval"], cfg["usage.keep_raw_days"], leading=lease.held).start()
     sweeper = Sweeper(engine, cfg["threads.sweep_every"], leading=lease.held).start()
     demand = Demand()

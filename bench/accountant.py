@@ -1,7 +1,7 @@
 """The accountant as gateway workers multiply: what each asks of it, what a message costs it, its ceiling.
 
-    python bench/accountant.py [--quick] [--sizes 2,8,32] [--seconds S] [--baseline CHECKOUT] [--out FILE]
-                               [--chart FILE]
+    python bench/accountant.py [--quick] [--sizes 2,8,32] [--seconds S] [--parts N] [--baseline CHECKOUT]
+                               [--out FILE] [--chart FILE]
 
 Every limited request is admitted by the one accountant (in the controller, or a gateway's master without
 one), which keeps limits exact across every worker and gateway. Here the accountant runs as it does in
@@ -24,7 +24,15 @@ as fast as they can for a few seconds: exactly 2,000 must be admitted.
 
 The workers here do nothing but admit, so one core of them asks the accountant far more than one core of
 real gateway workers would (those also parse, route and relay each request). `--baseline CHECKOUT` runs
-the accountant of another checkout against this checkout's workers. `--quick` (2 workers, 3 s) runs in
+the accountant of another checkout against this checkout's workers.
+
+`--parts N` (default 2; 1: none) also runs spread traffic against the accountant split into N parts
+(`controller.accountant_parts`, llmgw/control/accountparts.py), each a process of its own: *spread*, each
+request held at its organisation's four levels (one part), and *spread+person*, a level of its person too,
+whose home is in another part for most requests (two admissions, in order). This machine has two cores,
+one of them the workers', so the parts share CPU 0 as the single accountant had it: what they show is
+each part's CPU a message, how the messages divide between parts, and what a request held in two parts
+costs; N parts on N cores of their own take N times one part's messages. `--quick` (2 workers, 3 s) runs in
 the test suite (tests/test_bench_accountant.py).
 """
 
@@ -54,6 +62,8 @@ AT_ONCE = 8  # requests in flight in each simulated worker
 TRAFFIC = {"hot": 20, "spread": 100_000}  # keys the requests are spread over
 EXACT_LIMIT = 2_000  # requests a minute of the key every worker asks for at once
 FAR = dict(rpm=10_000_000, tpm=2_000_000_000, budget=10 ** 15)  # limits no request here reaches
+PARTS = 2  # accountant parts of the split runs, by default
+SPLIT_TRAFFIC = ("spread", "spread+person")
 
 
 # The accountant of the checkout named by its first argument, as a controller runs it, until killed; its
@@ -68,7 +78,12 @@ from llmgw.control.accountserver import AccountServer
 from llmgw.control.authenticator import Authenticator, KeyRing
 
 out = sys.argv[2]
-server_keys, worker_keys = zmq.curve_keypair(), zmq.curve_keypair()
+if len(sys.argv) > 3:  # one part of several, which share the controller's key pair as the workers' keys
+    given = json.load(open(sys.argv[3]))
+    server_keys = (given["server"].encode(), given["server_secret"].encode())
+    worker_keys = (given["public"].encode(), given["secret"].encode())
+else:
+    server_keys, worker_keys = zmq.curve_keypair(), zmq.curve_keypair()
 context = zmq.Context()
 Authenticator(context, {"llmgw-bench": KeyRing({worker_keys[0]: "workers"}, "gateway worker")}).start()
 server = AccountServer(Accountant(), "127.0.0.1:0", context, (server_keys, "llmgw-bench")).start()
@@ -88,9 +103,22 @@ def levels(key: int, rpm: int = FAR["rpm"]) -> list[list]:
             for name in names]
 
 
+def split(key: int, person: bool, parts: int) -> list[tuple[int, list]]:
+    """The levels of KEY (and of its person, with PERSON) by accountant part, as a gateway's `Access.parts`
+    gives them: the organisation's four in its organisation's part, the person's in theirs."""
+    from llmgw.rules import part_of
+
+    by_part: dict[int, list] = {part_of(f"o{key % 10}", parts): levels(key)}
+    if person:
+        by_part.setdefault(part_of(f"u{key}", parts), []).append(
+            [f"user:u{key}", FAR["rpm"], FAR["tpm"], FAR["budget"], "month"])
+    return sorted(by_part.items())
+
+
 def drive(found: str, workers: int, traffic: str, seconds: float) -> None:
     """N simulated workers against the accountant in FOUND, for SECONDS; prints what they did as JSON.
-    TRAFFIC is one of TRAFFIC's kinds, or "exact": every request for the one key EXACT_LIMIT allows."""
+    TRAFFIC is one of TRAFFIC's kinds, or "exact": every request for the one key EXACT_LIMIT allows; against
+    parts, one of SPLIT_TRAFFIC."""
     import gevent
 
     from llmgw.gateway import limiter as limiting
@@ -99,17 +127,22 @@ def drive(found: str, workers: int, traffic: str, seconds: float) -> None:
     where = json.loads(Path(found).read_text())
     keys = ClientKeys(where["server"].encode(), where["public"].encode(), where["secret"].encode())
     address = where["address"]
+    parts = tuple(where.get("parts", ()))
     counts = {"admitted": 0, "refused": 0, "unavailable": 0, "messages": 0}
+    by_part = dict.fromkeys(parts, 0)
 
     class Counting(limiting.Limiter):
         def _send(self, address: str, op: str, **fields) -> None:
             counts["messages"] += 1
+            if parts:
+                by_part[address] += 1
             super()._send(address, op, **fields)
 
     limiters = [Counting(timeout=5.0, keys=keys) for _ in range(workers)]
     for each in limiters:
-        each.ask(address, {"op": "status", "levels": []})  # connected, and the CURVE handshake done
-    spread = TRAFFIC.get(traffic, 1)
+        for part in parts or (address,):
+            each.ask(part, {"op": "status", "levels": []})  # connected, and the CURVE handshake done
+    spread = TRAFFIC.get(traffic.split("+")[0], 1)
     level_sets = {k: levels(k) for k in range(min(spread, 20))} if traffic != "exact" else {
         0: levels(0, EXACT_LIMIT)}
     end = time.monotonic() + seconds
@@ -117,9 +150,12 @@ def drive(found: str, workers: int, traffic: str, seconds: float) -> None:
     def requests(lim: limiting.Limiter, rng: random.Random) -> None:
         while time.monotonic() < end:
             k = rng.randrange(spread)
-            wire = level_sets.get(k) or levels(k)
             try:
-                answer = lim.admit(address, (k, True), wire, True, 300, 300)
+                if parts:
+                    answer = lim.admit_split(parts, (k,), split(k, traffic.endswith("+person"), len(parts)), True,
+                                             300, 300)
+                else:
+                    answer = lim.admit(address, (k, True), level_sets.get(k) or levels(k), True, 300, 300)
             except limiting.Unavailable:
                 counts["unavailable"] += 1
                 continue
@@ -136,25 +172,31 @@ def drive(found: str, workers: int, traffic: str, seconds: float) -> None:
     elapsed = time.monotonic() - began
     for each in limiters:
         each.stop()  # hands back what allowances hold, confirmed by a question answered
+    if parts:  # each part's share of the messages, in the order of the parts
+        counts["part_shares"] = [round(by_part[p] / max(1, counts["messages"]), 3) for p in parts]
     print(json.dumps({**counts, "seconds": round(elapsed, 3)}))
 
 
 class Accountant:
-    """The accountant of ROOT in its own process on CPU 0."""
+    """The accountant of ROOT in its own process on CPU 0 (KEYS: a file of the key pairs parts share)."""
 
-    def __init__(self, tmp: str, root: str):
+    def __init__(self, tmp: str, root: str, keys: str | None = None):
         self.found = os.path.join(tmp, f"accountant-{os.getpid()}-{time.monotonic_ns()}.json")
-        self.proc = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", SERVE, root, self.found])
+        self.procs = [subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", SERVE, root, self.found,
+                                        *([keys] if keys else [])])]
         wait_for("the accountant listening", 60, lambda: os.path.exists(self.found),
-                 alive=lambda: self.proc.poll() is None)
+                 alive=lambda: self.procs[0].poll() is None)
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(proc.pid) for proc in self.procs)
 
     def run(self, workers: int, traffic: str, seconds: float) -> dict:
-        before, began = cpu_seconds(self.proc.pid), time.monotonic()
+        before, began = self.cpu(), time.monotonic()
         done = subprocess.run(["taskset", "-c", "1", sys.executable, __file__, "--drive", self.found, str(workers),
                                traffic, str(seconds)], capture_output=True, text=True, timeout=seconds + 120)
         if done.returncode != 0:
             raise RuntimeError(f"the simulated workers failed: {done.stderr[-2000:]}")
-        cpu = (cpu_seconds(self.proc.pid) - before) / (time.monotonic() - began)
+        cpu = (self.cpu() - before) / (time.monotonic() - began)
         out = json.loads(done.stdout.strip().splitlines()[-1])
         rate = out["messages"] / out["seconds"]
         out.update(requests_per_s=round(out["admitted"] / out["seconds"]), messages_per_s=round(rate),
@@ -166,11 +208,31 @@ class Accountant:
         return out
 
     def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
 
 
-def measure(size: int, seconds: float, baseline: str | None) -> dict:
+class Parts(Accountant):
+    """This checkout's accountant split into COUNT parts, a process each, all on CPU 0, sharing one key pair."""
+
+    def __init__(self, tmp: str, count: int):
+        import zmq
+
+        server, worker = zmq.curve_keypair(), zmq.curve_keypair()
+        keys = os.path.join(tmp, f"parts-keys-{time.monotonic_ns()}.json")
+        with os.fdopen(os.open(keys, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump({"server": server[0].decode(), "server_secret": server[1].decode(),
+                       "public": worker[0].decode(), "secret": worker[1].decode()}, f)
+        each = [Accountant(tmp, ROOT, keys) for _ in range(count)]
+        self.procs = [a.procs[0] for a in each]
+        found = [json.loads(Path(a.found).read_text()) for a in each]
+        self.found = os.path.join(tmp, f"parts-{time.monotonic_ns()}.json")
+        with os.fdopen(os.open(self.found, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            json.dump({**found[0], "parts": [where["address"] for where in found]}, f)
+
+
+def measure(size: int, seconds: float, baseline: str | None, parts: int = 1) -> dict:
     def figures() -> dict:
         out = {}
         with tempfile.TemporaryDirectory(prefix="llmgw-accountant-") as tmp:
@@ -185,6 +247,15 @@ def measure(size: int, seconds: float, baseline: str | None) -> dict:
                     finally:
                         accountant.stop()
                 print(f"{size} workers, {which}: {json.dumps(result)}", file=sys.stderr)
+            if parts > 1:
+                split_out = out["parts"] = {}
+                for traffic in SPLIT_TRAFFIC:
+                    accountant = Parts(tmp, parts)
+                    try:
+                        split_out[traffic] = accountant.run(size, traffic, seconds)
+                    finally:
+                        accountant.stop()
+                print(f"{size} workers, {parts} parts: {json.dumps(split_out)}", file=sys.stderr)
         return out
 
     return curves.under_load(size, figures)
@@ -211,6 +282,15 @@ def report(results: list[dict]) -> str:
                     for r in results)))
         lines.append(row(f"{label}: admitted of a key allowing {EXACT_LIMIT:,} a minute, asked by every worker",
                          (f"{r[which]['exact']['admitted']:,}" for r in results)))
+    if "parts" in results[0]:
+        for traffic in SPLIT_TRAFFIC:
+            for name, key, form in ROWS:
+                lines.append(row(f"parts on one core, {traffic}: {name}", (
+                    "-" if r["parts"][traffic].get(key) is None else format(r["parts"][traffic][key], form)
+                    for r in results)))
+            lines.append(row(f"parts on one core, {traffic}: each part's share of the messages", (
+                " / ".join(f"{share:.0%}" for share in r["parts"][traffic].get("part_shares", ()))
+                for r in results)))
     lines.append(curves.load_row(results))
     return "".join(lines)
 
@@ -235,12 +315,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     curves.arguments(parser, "simulated gateway workers", SIZES, f"{QUICK_SIZES} workers and 3 s: a smoke run",
                      "seconds each traffic runs [10; --quick 3]")
+    parser.add_argument("--parts", type=int, default=PARTS,
+                        help=f"accountant parts of the split runs (1: none) [{PARTS}]")
     args = parser.parse_args()
+    if args.parts < 1:
+        parser.error("--parts: at least 1")
     if args.baseline and not os.path.isfile(os.path.join(args.baseline, "llmgw", "control", "accountserver.py")):
         parser.error(f"--baseline: {args.baseline} holds no llmgw/control/accountserver.py")
     sizes = curves.sizes_of(args, SIZES, QUICK_SIZES)
     seconds = args.seconds or (3.0 if args.quick else 10.0)
-    results = [measure(size, seconds, args.baseline) for size in sizes]
+    results = [measure(size, seconds, args.baseline, args.parts) for size in sizes]
     curves.finish(args, sizes, seconds, results, report(results), chart)
     return 0
 

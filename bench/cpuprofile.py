@@ -1,7 +1,7 @@
 """Where the gateway's CPU goes, by part, for a plain request, a 16-token stream and a limited request.
 
     python bench/cpuprofile.py [--rounds 4] [--seconds 6] [--concurrency 1] [--only plain|stream|limited]
-                               [--out bench/results/profile.json]
+                               [--stand-in] [--out bench/results/profile.json]
 
 It runs bench/rig.py's rig (one worker on CPU 0, the engine and the load on CPU 1), with the gateway started
 through bench/probe.py, which samples the worker's main thread by the CPU it spends. The scenarios take
@@ -13,7 +13,8 @@ timeouts, across the parts). The CPU each thread of the worker and of the master
 the limited key) spent in the windows is read from /proc and divided by the requests the engine answered
 meanwhile, so each part is given in milliseconds of CPU a request, and the threads the sampler does not
 see (ZeroMQ's I/O threads, the accountant's) whole. The functions with the most CPU of their own, and where
-they are mostly called from, are listed too.
+they are mostly called from, are listed too. `--stand-in`: the engine is bench/onecore.py's nginx stand-in,
+which costs next to nothing, instead of `llmgw sim`, so that at 32 clients the gateway's core is the limit.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench import onecore  # noqa: E402
 from bench.procstat import thread_cpu  # noqa: E402
-from bench.rig import Rig  # noqa: E402
+from bench.rig import Procs, Rig  # noqa: E402
 from llmgw.procs import raise_fd_limit, wait_for  # noqa: E402
 
 SCENARIOS = {  # name: (what, loadgen options, which key)
@@ -156,7 +158,8 @@ def threads_spent(before: dict, after: dict, main: int) -> collections.Counter:
     return spent
 
 
-def engine_requests(rig: Rig) -> int:
+def sim_requests(rig: Rig) -> int:
+    """Requests the simulated engine has answered."""
     with urllib.request.urlopen(rig.engine_url + "/metrics", timeout=10) as resp:
         return int(re.search(r"^llmgw_sim_requests_total (\d+)", resp.read().decode(), re.M).group(1))
 
@@ -170,23 +173,24 @@ class Scenario:
         self.threads = {"worker": collections.Counter(), "master": collections.Counter()}
         self.requests = self.failed = 0
 
-    def window(self, rig: Rig, seconds: float, prefix: str) -> None:
+    def window(self, rig: Rig, seconds: float, prefix: str, engine_requests) -> None:
+        """ENGINE_REQUESTS(): how many requests the engine has answered."""
         _, options, key = SCENARIOS[self.name]
         key = getattr(rig, key)
-        started = engine_requests(rig)
+        started = engine_requests()
         running = rig.load(rig.url, key, background=True, duration=seconds + 4, concurrency=self.concurrency,
                            max_tokens=16, **options)
-        wait_for("the load to start", 30, lambda: engine_requests(rig) > started + 50, interval=0.1)
+        wait_for("the load to start", 30, lambda: engine_requests() > started + 50, interval=0.1)
         pids = {"worker": rig.worker, "master": rig.gateway.pid}
         out = f"{prefix}.{rig.worker}.json"
         if os.path.exists(out):
             os.remove(out)
         before = {role: thread_cpu(pid) for role, pid in pids.items()}
-        answered = engine_requests(rig)
+        answered = engine_requests()
         os.kill(rig.worker, signal.SIGUSR2)
         time.sleep(seconds)  # the window sampled
         os.kill(rig.worker, signal.SIGUSR2)
-        self.requests += engine_requests(rig) - answered
+        self.requests += engine_requests() - answered
         for role, pid in pids.items():
             self.threads[role] += threads_spent(before[role], thread_cpu(pid), pid)
         wait_for("the samples", 30, lambda: os.path.exists(out))
@@ -211,13 +215,26 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="windows of each scenario, in turn [4]")
     parser.add_argument("--concurrency", type=int, default=1, help="clients at once [1]")
     parser.add_argument("--only", choices=sorted(SCENARIOS), help="one scenario")
+    parser.add_argument("--stand-in", action="store_true", help="bench/onecore.py's nginx stand-in as the engine")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "profile.json"))
     args = parser.parse_args()
     raise_fd_limit()
     tmp = tempfile.mkdtemp(prefix="llmgw-profile-")
     prefix = os.path.join(tmp, "samples")
-    rig = Rig(tmp, name="profile",
-              gateway_command=(sys.executable, os.path.join(ROOT, "bench", "probe.py"), "cpu", prefix))
+    stand_in, engines = None, None
+    procs = Procs(tmp)
+    if args.stand_in:
+        stand_in = onecore.StandIn(procs, onecore.captured(tmp))
+        # Its stream answers are on a port of their own, so the stream scenario asks for that model.
+        engines = {onecore.MODELS[load]: stand_in.url(load) for load in onecore.LOADS}
+        SCENARIOS["stream"][1]["model"] = onecore.MODELS[onecore.STREAM]
+    try:
+        rig = Rig(tmp, name="profile", engines=engines,
+                  gateway_command=(sys.executable, os.path.join(ROOT, "bench", "probe.py"), "cpu", prefix))
+    except BaseException:
+        procs.stop()
+        raise
+    engine_requests = stand_in.requests if stand_in else lambda: sim_requests(rig)
     scenarios = [Scenario(name, args.concurrency) for name in ([args.only] if args.only else SCENARIOS)]
     loadavg = [os.getloadavg()[0]]
     try:
@@ -227,10 +244,11 @@ def main() -> int:
         # In turn, so that a machine getting busier weighs on every scenario alike.
         for _ in range(args.rounds):
             for s in scenarios:
-                s.window(rig, args.seconds, prefix)
+                s.window(rig, args.seconds, prefix, engine_requests)
             loadavg.append(os.getloadavg()[0])
     finally:
         rig.stop()
+        procs.stop()
     results = {"load_average": [min(loadavg), max(loadavg)], "rounds": args.rounds, "seconds": args.seconds,
                **{s.name: s.result() for s in scenarios}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

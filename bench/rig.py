@@ -71,6 +71,16 @@ class Procs:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
+    def sim(self, name: str, model: str, args: list) -> str:
+        """A simulated engine serving MODEL on the load's CPU, started with ARGS; its URL once it answers."""
+        port = free_port()
+        proc = self.start(["taskset", "-c", LOAD_CPU, sys.executable, "-m", "llmgw", "sim", "--listen",
+                           f"127.0.0.1:{port}", "--model", model, "--no-prefix-cache", *args], f"{name}-{model}.log")
+        url = f"http://127.0.0.1:{port}"
+        wait_for("the simulated engine", 30, lambda: http_status(url + "/health") == 200,
+                 alive=lambda: proc.poll() is None)
+        return url
+
 
 def tree_cpu(pid: int) -> float:
     """CPU seconds PID and its children have spent (their threads', including those that ended)."""
@@ -98,36 +108,29 @@ def load(url: str, key: str = "", background=False, **options) -> dict | subproc
 class Rig(Procs):
     def __init__(self, tmp: str, tokens_per_s: float = 0.0, ttft_ms: float = 0.0, name: str = "sim",
                  gateway_settings: dict | None = None, sim_args: tuple = (), warm_model: bool = False,
-                 gateway_command: tuple = ()):
+                 gateway_command: tuple = (), engines: dict[str, str] | None = None):
         """GATEWAY_SETTINGS: dotted settings for the gateway's configuration file, beside the rig's own;
-        SIM_ARGS: more flags for the engine. WARM_MODEL: a second engine, answering at once, as model
+        SIM_ARGS: more flags for the engine. ENGINES: model name to the URL of an engine already running, in
+        place of the simulated one (the first is `engine_url`). WARM_MODEL: a second engine, answering at once, as model
         `warm`, for warming the gateway when the first engine must not see those requests.
         GATEWAY_COMMAND: what runs the gateway, given its options (`python gateway.py`)."""
         super().__init__(tmp)
         try:
             self._start(name, tokens_per_s, ttft_ms, gateway_settings or {}, list(sim_args), warm_model,
-                        list(gateway_command) or [sys.executable, os.path.join(ROOT, "gateway.py")])
+                        list(gateway_command) or [sys.executable, os.path.join(ROOT, "gateway.py")], engines)
         except BaseException:
             self.stop()  # nothing it started may outlive a rig that failed to start
             raise
 
-    def _sim(self, name: str, model: str, args: list) -> str:
-        port = free_port()
-        proc = self.start(["taskset", "-c", LOAD_CPU, sys.executable, "-m", "llmgw", "sim", "--listen",
-                           f"127.0.0.1:{port}", "--model", model, "--no-prefix-cache", *args], f"{name}-{model}.log")
-        url = f"http://127.0.0.1:{port}"
-        wait_for("the simulated engine", 30, lambda: http_status(url + "/health") == 200,
-                 alive=lambda: proc.poll() is None)
-        return url
-
     def _start(self, name: str, tokens_per_s: float, ttft_ms: float, gateway_settings: dict, sim_args: list,
-               warm_model: bool, gateway_command: list) -> None:
+               warm_model: bool, gateway_command: list, engines: dict[str, str] | None) -> None:
         tmp = self.tmp
-        self.engine_url = self._sim(name, "sim", ["--ttft-ms", str(ttft_ms), "--tokens-per-s", str(tokens_per_s),
-                                                  *sim_args])
-        endpoints = ["--endpoint", f"sim={self.engine_url}=sim"]
+        engines = engines or {"sim": self.sim(name, "sim", ["--ttft-ms", str(ttft_ms), "--tokens-per-s",
+                                                            str(tokens_per_s), *sim_args])}
+        self.engine_url = next(iter(engines.values()))
+        endpoints = [arg for model, url in engines.items() for arg in ("--endpoint", f"{model}={url}={model}")]
         if warm_model:
-            endpoints += ["--endpoint", f"warm={self._sim(name, 'warm', ['--ttft-ms', '0', '--tokens-per-s', '0'])}=warm"]
+            endpoints += ["--endpoint", f"warm={self.sim(name, 'warm', ['--ttft-ms', '0', '--tokens-per-s', '0'])}=warm"]
         url = f"sqlite:///{tmp}/{name}.db"
         engine = store.open_store(url)
         self.key = keys.create_key(engine, "bench")[1]

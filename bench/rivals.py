@@ -130,11 +130,12 @@ class VllmRouter(Rival):
     health = "/health"
 
     def launch(self, engine_url: str) -> subprocess.Popen:
-        self.log = os.path.join(self.procs.tmp, "vllm-router.log")
+        name = f"vllm-router-{self.port}.log"  # a bench may run more than one
+        self.log = os.path.join(self.procs.tmp, name)
         return self.procs.start(["taskset", "-c", SUBJECT_CPU, VLLM_ROUTER.install(), "--host", "127.0.0.1",
                                  "--port", str(self.port), "--worker-urls", engine_url, "--policy", "round_robin",
                                  "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                                 "--log-level", "warning"], "vllm-router.log")
+                                 "--log-level", "warning"], name)
 
 
 class LiteLLM(Rival):

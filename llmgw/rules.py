@@ -23,6 +23,7 @@ import calendar
 import dataclasses
 import math
 import time
+import zlib
 from decimal import Decimal, InvalidOperation
 
 MICROS = 1_000_000
@@ -30,6 +31,7 @@ TREE_SCOPES = ("org", "team", "project")
 MEMBER_SCOPES = tuple(f"{s}_member" for s in TREE_SCOPES)
 # `personal` is personal use: a person's keys of no project and their chat on their own, one pool a person.
 SCOPES = ("cluster", "personal") + TREE_SCOPES + MEMBER_SCOPES + ("user", "key")
+PERSON_SCOPES = ("personal", "user")  # a person's own pools, whichever organisation their request is for
 PERIODS = ("day", "month")
 BANDS = ("high", "normal", "low")  # the order requests are let through when replicas are saturated
 DEFAULT_BAND = "normal"
@@ -64,9 +66,16 @@ class Level:
     tpm: int | None
     budget: int | None
     period: str
+    home: str = ""  # which accountant part counts it (`part_of`): its organisation's id, or its person's
 
     def wire(self) -> list:
         return [self.counter, self.rpm, self.tpm, self.budget, self.period]
+
+
+def part_of(home: str, parts: int) -> int:
+    """The accountant part (of PARTS) that counts the pools of HOME: the same in every process, so a gateway
+    asks the part that holds a pool and that part alone rebuilds its spend (`Accountant.restore`)."""
+    return zlib.crc32(home.encode()) % parts if parts > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +87,18 @@ class Access:
     wire: list = dataclasses.field(default_factory=list, compare=False)  # the levels as the accountant takes them
     personal_off: bool = False  # personal use, which is turned off: refused whatever else is set
     profile: str | None = None  # the nearest routing profile set (key, project, team, org, person); None: none
+    split: dict = dataclasses.field(default_factory=dict, compare=False)  # `parts`' answers, by how many parts
+
+    def parts(self, count: int) -> list[tuple[int, list]]:
+        """The levels (as the accountant takes them) of each accountant part that counts any, of COUNT parts, in
+        the order of the parts: every gateway admits a request held in two parts in the same order."""
+        found = self.split.get(count)
+        if found is None:
+            by_part: dict[int, list] = {}
+            for level, wire in zip(self.levels, self.wire):
+                by_part.setdefault(part_of(level.home, count), []).append(wire)
+            found = self.split[count] = sorted(by_part.items())
+        return found
 
 
 # The largest count a limit may be: rpm and tpm are INTEGER columns, 32 bits on PostgreSQL. A larger
@@ -186,6 +207,15 @@ class Rules:
             out.append(("user", user_id, counter("user", user_id)))
         return out
 
+    def homes(self, key_id: str | None, project_id: str | None, user_id: str | None) -> tuple[str, str]:
+        """The homes (`Level.home`) of a principal's pools: (its tree's and key's, its person's). A tree's pools
+        live with its organisation, so the levels of a project's key are mostly counted by one part; a person's
+        own pools (theirs, personal use, the cluster's default) span organisations and live with the person."""
+        person = user_id or key_id or ""
+        if project_id and project_id in self.parents:
+            return self.parents[project_id][1], person
+        return person, person
+
     @staticmethod
     def default_pool(scopes: list[tuple[str, str, str]]) -> str:
         """The counter the cluster's defaults are counted in for a principal of SCOPES (`scopes_of`): the
@@ -194,6 +224,12 @@ class Rules:
         own = next((c for scope, _sid, c in scopes if scope == "user"), scopes[0][2])
         return f"default:{own}"
 
+    def tree_home(self, scope: str, scope_id: str) -> str:
+        """The home (`Level.home`) of an organisation's, team's or project's own pool: its organisation."""
+        if scope == "project":
+            return self.parents.get(scope_id, ("", ""))[1]
+        return self.team_org.get(scope_id, "") if scope == "team" else scope_id
+
     def access(self, key_id: str | None, project_id: str | None, user_id: str | None) -> Access:
         """The levels, allowlist and band for a key (KEY_ID) or a signed-in person (KEY_ID None)."""
         levels: list[Level] = []
@@ -201,6 +237,7 @@ class Rules:
         band = None
         set_rpm = set_tpm = False
         scopes = self.scopes_of(key_id, project_id, user_id)
+        tree, person = self.homes(key_id, project_id, user_id)
         found = [(scope, sid, c, self.limits.get((scope, sid))) for scope, sid, c in scopes]
         found.append(("cluster", "", "", self.limits.get(("cluster", ""))))  # its counter is never one of its own
         pool = self.default_pool(scopes) if scopes else "default:"
@@ -223,13 +260,14 @@ class Rules:
                 tpm = None if set_tpm else lim.tpm
                 budget = lim.budget if not any(lv.budget is not None for lv in levels) else None
                 if rpm is not None or tpm is not None or budget is not None:
-                    levels.append(Level(pool, rpm, tpm, budget, lim.period or "month"))
+                    levels.append(Level(pool, rpm, tpm, budget, lim.period or "month", person))
                 continue
             if lim.rpm is None and lim.tpm is None and lim.budget is None:
                 continue
             set_rpm |= lim.rpm is not None
             set_tpm |= lim.tpm is not None
-            levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month"))
+            levels.append(Level(count, lim.rpm, lim.tpm, lim.budget, lim.period or "month",
+                                person if scope in PERSON_SCOPES else tree))
         return Access(tuple(levels), allowed, band or DEFAULT_BAND, [lv.wire() for lv in levels], personal_off,
                       profile)
 

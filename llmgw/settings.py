@@ -46,6 +46,12 @@ def _absolute_paths(value: list[str], name: str) -> None:
         raise ValueError(f"{name}: {', '.join(map(repr, relative))} must be absolute paths (/srv/models)")
 
 
+def _at_most_64(value: int, name: str) -> None:
+    # The snapshots carry at most 64 ports (llmgw/wire/gateways.py): more, and every gateway refused them.
+    if value > 64:
+        raise ValueError(f"{name} is at most 64, not {value}")
+
+
 # Guardrails (llmgw/gateway/guard.py): what a judge reads, and what passes when it cannot judge.
 GUARD_CHECKS = ("prompts", "answers", "both", "none")
 GUARD_FAILS = ("closed", "open")
@@ -331,6 +337,12 @@ SETTINGS: tuple[Setting, ...] = (
             "Where gateway workers ask the accountant to admit and settle requests against limits. Loopback by "
             "default; open it to the gateways' machines when they run elsewhere.",
             check=addresses.check_listen),
+    Setting("controller.accountant_parts", "int", 1,
+            "Processes the accountant's pools are split across, by organisation (a person's own pools by person), "
+            "each the only writer of its part: more than one where limited requests from many people pass what "
+            "one core admits (about 6,000 a second). Parts past the first listen on free ports of "
+            "controller.accountant_listen's host, which gateways learn from the snapshots. At most 64.",
+            minimum=1, check=_at_most_64),
     Setting("controller.demand_listen", "str", "127.0.0.1:7445",
             "Where gateways say which models are wanted (ZeroMQ PULL): on-demand models start and idle ones stop "
             "by it. Gateways learn this port from the snapshots.",

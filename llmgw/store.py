@@ -165,6 +165,21 @@ revisions = sa.Table(
     sa.Column("value", sa.BigInteger, nullable=False),
 )
 
+# What changed at each revision of the keys, as its writer named it (`bump_revision`): the controller reads the
+# rows past the revision it sent and only what they name (llmgw/people/keys.py, `changed_since`), where it read
+# every key, limit and person at each change. WHAT: key, user (a person's state and role), user_keys (every
+# key of a person), limit ("scope:id"), none (nothing gateways hold: a membership), or all (the writer named
+# nothing: read the set whole).
+key_log = sa.Table(
+    "key_log", metadata,
+    sa.Column("revision", sa.BigInteger, nullable=False),
+    sa.Column("what", sa.String(16), nullable=False),
+    sa.Column("ident", sa.String(300), nullable=False),
+    sa.Index("key_log_revision", "revision"),
+)
+# Revisions of the keys whose rows are kept: a reader further behind reads the set whole.
+KEY_LOG_KEPT = 100_000
+
 usage = sa.Table(
     "usage", metadata,
     sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True, autoincrement=True),
@@ -613,6 +628,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[Connection], None]]] = [
     (19, "routing profiles of keys and the tree", _columns_added("limits", profile="VARCHAR(64)")),
     (20, "sign-in through identity providers", _identities),
     (21, "keys and members listed a page at a time", _listing_indexes),
+    (22, "what changed at each revision of the keys", _create([key_log])),
 ]
 KNOWN = {version for version, _, _ in MIGRATIONS}
 
@@ -739,16 +755,25 @@ def writing(engine: Engine):
     return engine.execution_options(sqlite_immediate=True).begin()
 
 
-def bounded(conn: Connection, seconds: float) -> None:
+def bounded(conn: Connection, seconds: float, silent: float | None = None) -> None:
     """Make CONN's statements give up after SECONDS waiting for a lock, where the store's usual wait is longer
     (SQLite's busy timeout of 10 s; PostgreSQL's, none). Call inside the transaction: on PostgreSQL it holds
-    for that transaction only. SQLite's setting stays with the connection, which the store never pools."""
+    for that transaction only. SQLite's setting stays with the connection, which the store never pools.
+
+    SILENT, on PostgreSQL: the server ends the session, and frees its locks, once its client has been silent
+    that long inside the transaction. For transactions that hold a lock others wait on: a controller paused
+    between renewing its lease and committing (a frozen virtual machine, SIGSTOP) held the lease's row, and the
+    standby, waiting on that row, never took over until it woke. Give it a bound no live client on a busy
+    machine comes near between two statements: an ended session fails the transaction. SQLite's lock is its
+    holder's file lock, which nothing but the holder can give up."""
     ms = max(1, int(seconds * 1000))
     if conn.dialect.name == "sqlite":
         conn.exec_driver_sql(f"PRAGMA busy_timeout={ms}")
-    else:
-        conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
-        conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+        return
+    conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
+    conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+    if silent is not None:
+        conn.exec_driver_sql(f"SET LOCAL idle_in_transaction_session_timeout = {max(1, int(silent * 1000))}")
 
 
 def one_moment(engine: Engine) -> Connection:
@@ -761,8 +786,26 @@ def one_moment(engine: Engine) -> Connection:
     return conn
 
 
-def bump_revision(conn: Connection, name: str) -> None:
+def bump_revision(conn: Connection, name: str, changes: list[tuple[str, str]] | None = None) -> None:
+    """Move NAME's revision on, in CONN's transaction. For the keys, CHANGES names what changed (`key_log`'s
+    what and ident); none names the whole set. The revision's row stays locked until the transaction ends,
+    so changes are numbered in the order they commit, and a reader that sees a revision sees every row of
+    `key_log` up to it."""
     conn.execute(revisions.update().where(revisions.c.name == name).values(value=revisions.c.value + 1))
+    if name != "keys":
+        return
+    value = note_keys(conn, changes or [("all", "")])
+    if value % 1000 == 0:  # now and then, not at each change: the rows of revisions long past
+        conn.execute(key_log.delete().where(key_log.c.revision <= value - KEY_LOG_KEPT))
+
+
+def note_keys(conn: Connection, changes: list[tuple[str, str]]) -> int:
+    """Name more of what the keys' revision that CONN's transaction moved changed (known only once done);
+    returns that revision."""
+    value = read_revision(conn, "keys")
+    if changes:
+        conn.execute(key_log.insert(), [{"revision": value, "what": what, "ident": ident} for what, ident in changes])
+    return value
 
 
 def read_revision(conn: Connection, name: str) -> int:

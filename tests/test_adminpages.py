@@ -141,7 +141,17 @@ def test_the_quotas_page_shows_the_first_of_many_own_limits_and_counts_the_rest(
     assert page.count("edit=key:") == adminpages.SHOWN_LIMITS and "5 more people's and keys' own limits" in page
     last = sorted(r.id for r in made)[-1]
     editing = flashed(client, f"/admin/quotas?edit=key:{last}")  # one not shown is still edited by its address
-    assert "key k" in editing and 'name="rpm"' in editing
+    assert "key k" in editing and 'name="rpm"' in editing and 'value="60"' in editing
+    # The page reads people's and keys' own limits only for what it shows: the tree's all, and those named.
+    limits.set_limits(engine, "cluster", "", "test", rpm=1000)
+    with engine.connect() as conn:
+        read = limits.read_all(conn, own=[("key", last), ("project", "ignored")])
+    assert set(read) == {("cluster", ""), ("key", last)}
+    # What an administrator's browser may be sent to: any text as the scope and id to edit.
+    for edit in ("key:" + "x" * 5000, "user:%FF", "key:' OR 1=1 --", "nosuch:1", ":", "key"):
+        page = client.get("/admin/quotas?edit=" + edit)
+        assert page.status_code == 200, edit
+    assert client.get("/admin/quotas?edit=user:a%00b").status_code == 400  # PostgreSQL takes no NUL in a string
 
 
 def test_the_people_pages_paging_takes_any_text_and_finds_only_what_it_says(admin):

@@ -89,7 +89,7 @@ def test_an_allowance_is_settled_only_with_how_many_of_its_requests_were_made():
 
 
 def test_a_request_that_does_not_fit_an_allowance_takes_nothing_from_it():
-    allowance = Allowance("tcp://a", 1, 4, 40, 20, time.monotonic() + 60, {})
+    allowance = Allowance("tcp://a", None, 1, 4, 40, 20, time.monotonic() + 60, {})
     assert allowance.take(41, 1, time.monotonic()) is None  # more tokens than are left
     assert allowance.take(1, 21, time.monotonic()) is None  # more cost
     assert allowance.take(10, 5, time.monotonic())["ok"] and (allowance.requests, allowance.tokens) == (3, 30)

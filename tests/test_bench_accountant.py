@@ -25,4 +25,11 @@ def test_the_accountant_benchmark_runs_quick_and_limits_stay_exact(tmp_path):
         assert figures["hot"]["requests_per_message"] > 4 and figures["hot"]["unavailable"] == 0
         assert figures["spread"]["requests_per_message"] < 1 and figures["spread"]["admitted"] > 0
         assert figures["exact"]["admitted"] == 2000 and figures["exact"]["refused"] > 0
+    # Split in two parts: a request held by its organisation alone is one part's, and one held by its person
+    # too costs a second admission and settle in most cases; every part takes some of the messages.
+    split = result["parts"]
+    assert split["spread"]["admitted"] > 0 and split["spread"]["unavailable"] == 0
+    assert split["spread+person"]["requests_per_message"] < split["spread"]["requests_per_message"]
+    assert all(share > 0 for share in split["spread+person"]["part_shares"])
+    assert "parts on one core, spread+person: requests a message" in run.stdout
     assert svg.read_text().startswith("<svg") and "requests a message" in svg.read_text()

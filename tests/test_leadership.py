@@ -77,10 +77,12 @@ def test_a_restarted_controller_takes_back_the_lease_left_at_its_own_address(eng
 
 
 def test_a_live_controller_with_the_same_address_keeps_its_lease_and_the_other_says_what_to_set(engine, caplog):
-    live = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
-    twin = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=0.2)
+    # Renewals every 2 s, as both are told, so the twin takes a lease under its address once 3 s pass without
+    # one. They renew every 0.2 s here: a busy machine's pause between the two renewals stays well below that.
+    live = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=2.0)
+    twin = Lease(engine, "shared.internal:7443", ttl=60, renew_interval=2.0)
     assert live.renew()
-    for _ in range(15):  # both renewing, every 0.2 s: the twin never takes it
+    for _ in range(15):  # both renewing: the twin never takes it
         time.sleep(0.2)
         assert live.renew() and live.term == 1
         assert not twin.renew() and not twin.held()
@@ -148,12 +150,74 @@ def test_a_renewal_behind_a_lock_gives_up_well_within_the_trusted_part_of_the_le
     assert lease.renew()
 
 
+def test_a_leader_paused_inside_its_renewal_leaves_the_lease_to_the_standby(pg_url):
+    # A renewal that stopped between its UPDATE and its COMMIT (the process paused: SIGSTOP, a frozen virtual
+    # machine) holds the lease's row; the standby's renewal waits on it. The server ends the paused session,
+    # so the standby takes the lease once it expires. On SQLite the paused process's file lock would hold.
+    from llmgw.control.lease import NAME, RENEW_WAIT, SILENT
+
+    wipe(pg_url)
+    engine = store.open_store(store_url_for(pg_url))
+    paused = engine.connect()
+    try:
+        a, b = Lease(engine, "a:7443", ttl=2.0, renew_interval=0.1), Lease(engine, "b:7443", ttl=30, renew_interval=0.1)
+        assert a.renew()
+        paused.begin()
+        store.bounded(paused, a.ttl * RENEW_WAIT, silent=a.ttl * SILENT)  # as Lease.renew does
+        paused.execute(store.leases.update().where(store.leases.c.name == NAME).values(owner=a.owner))
+        # ...and a stops here, silent, its transaction open.
+        wait_for("b leads", WAIT, b.renew)
+        assert b.held() and b.leader_address() == "b:7443"
+    finally:
+        try:
+            paused.close()  # the server ended its session: closing it may say so
+        except sa.exc.SQLAlchemyError:
+            pass
+        engine.dispose()
+
+
 class FakeLease:
     def __init__(self):
         self.leading, self.term = False, 1
 
     def held(self):
         return self.leading
+
+
+def test_an_agent_is_taken_once_the_term_has_started_not_as_soon_as_the_lease_is_held():
+    """The lease is taken in the scheduler's thread, the term started in the loop's. A node registering between
+    the two was judged by the standby's fleet, whose adoption window was long over: it was told to stop the
+    replica it brought back (CI: a replica replaced on the same node during a failover, under traffic)."""
+    import zmq
+
+    from llmgw.control.agentserver import AgentServer
+    from llmgw.control.fleet import Fleet
+    from llmgw.control.reconciler import Replicas
+    from llmgw.procs import free_port
+    from llmgw.wire import agent as protocol
+
+    lease = FakeLease()
+    lease.leader = "127.0.0.1:7443"
+    fleet = Fleet(1.0, 10.0, started=time.monotonic() - 60)  # a standby up for a minute
+    context = zmq.Context()
+    server = AgentServer(context, f"127.0.0.1:{free_port()}", fleet, None, None, replicas=Replicas(), lease=lease)
+    said = []
+    server.send = lambda identity, kind, **fields: said.append(kind)
+    register = protocol.encode("register", node_id="n1", agent_version="t")
+    try:
+        lease.leading, lease.term = True, 2  # taken in another thread; the loop has not started term 2 yet
+        server.handle(b"n1", None, register, "127.0.0.1")
+        assert said == ["refused"] and "n1" not in fleet.nodes and server.refused == {"standby": 1}
+        fleet.begin(time.monotonic(), set(), {"n1"})  # what the loop does as the term starts
+        server.term = 2
+        server.handle(b"n1", None, register, "127.0.0.1")
+        assert said == ["refused", "registered"] and "n1" in fleet.nodes
+        lease.leading = False  # the lease lost: standing by at once, whatever the term
+        server.handle(b"n1", None, register, "127.0.0.1")
+        assert said[-1] == "refused"
+    finally:
+        server.close()
+        context.term()
 
 
 def test_a_standby_accountant_answers_nothing_and_a_new_leader_starts_from_the_store():

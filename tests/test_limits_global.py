@@ -24,12 +24,14 @@ def fire(urls, key, count, body=BODY, threads=32):
         return list(pool.map(one, range(count)))
 
 
-def start(tmp_path, make_sim, make_gateway, prepare, gateways=2, accountant_timeout=20.0):
-    """A controller, then PREPARE(engine) (keys, limits, prices), then the gateways: their workers read what
-    PREPARE made at start, so no test waits for a reload. PREPARE's answer comes back last."""
+def start(tmp_path, make_sim, make_gateway, prepare, gateways=2, accountant_timeout=20.0, controller_settings=None):
+    """A controller (with CONTROLLER_SETTINGS, as `controller.NAME`: value), then PREPARE(engine) (keys, limits,
+    prices), then the gateways: their workers read what PREPARE made at start, so no test waits for a reload.
+    PREPARE's answer comes back last."""
     sim = make_sim(tokens_per_s=0, ttft_ms=0, default_tokens=10)
     url = f"sqlite:///{tmp_path}/shared.db"
-    controller = Controller(tmp_path, store_url=url)
+    controller = Controller(tmp_path, store_url=url,
+                            **{f"controller__{k}": v for k, v in (controller_settings or {}).items()})
     engine = store.open_engine(url)
     made = prepare(engine)
     probe = limited_key("probe", rpm=1_000_000)(engine)

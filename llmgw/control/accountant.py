@@ -126,12 +126,14 @@ class Reservation:
     cost: int  # the estimated cost held in each budget's reserve until settled
     owner: object = None  # who admitted it, and so the only one who may settle it
     size: int = 1  # the requests it admits: more than one for a worker's allowance
-    requests: list[tuple[Window, list]] = dataclasses.field(default_factory=list)  # an allowance's, settled to use
+    # An allowance's request windows, settled to its use; or a request's that may be handed back (`admit`'s UNDO).
+    requests: list[tuple[Window, list]] = dataclasses.field(default_factory=list)
 
     @property
     def held(self) -> bool:
-        """Whether it waits for a settle: it took tokens, reserved a budget's cost, or is an allowance."""
-        return bool(self.tokens or self.budgets or self.size > 1)
+        """Whether it waits for a settle: it took tokens, reserved a budget's cost, is an allowance, or may be
+        handed back."""
+        return bool(self.tokens or self.budgets or self.size > 1 or self.requests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +171,12 @@ class Accountant:
         return self.spend.get((counter, period, self._start(period, now)), 0)
 
     def admit(self, levels: list[list], priced: bool, estimate: int, cost: int = 0,
-              owner: object = None, grant: int = 1) -> Reservation | Refused:
+              owner: object = None, grant: int = 1, undo: bool = False) -> Reservation | Refused:
         """Check LEVELS ([counter, rpm, tpm, budget, period] each) for one request of ESTIMATE tokens
         that may cost up to COST micro-units; only OWNER may settle what it reserves. With GRANT above
-        one, the reservation may be an allowance for up to GRANT such requests (its `size`)."""
+        one, the reservation may be an allowance for up to GRANT such requests (its `size`). With UNDO, a
+        settle with `requests` 0 hands back the request it counted: the request is held in another part
+        too (llmgw/gateway/limiter.py), which may refuse it."""
         now = self.clock()
         budgets = [(counter, period, self._start(period, now))
                    for counter, _r, _t, budget, period in levels if budget is not None]
@@ -207,7 +211,7 @@ class Accountant:
                                f"{_scope_words(counter)} may use {tpm} tokens a minute")
             tokens.append((window, entry))
         reservation = Reservation(self.next_id, now, tokens, budgets, cost * size if priced else 0, owner, size,
-                                  taken if size > 1 else [])
+                                  taken if size > 1 or undo else [])
         self.next_id += 1
         for pool in budgets:
             self.reserved[pool] += reservation.cost
@@ -242,12 +246,12 @@ class Accountant:
                     "before a restart, or forgotten after an hour)")
         if reservation.owner != owner:
             return f"reservation {reservation_id} was admitted by another gateway, which alone may settle it"
-        if reservation.size > 1 and (requests is None or not 0 <= requests <= reservation.size):
-            return (f"reservation {reservation_id} is an allowance of {reservation.size} requests, settled as "
+        if (reservation.size > 1 and requests is None) or (requests is not None and not 0 <= requests <= reservation.size):
+            return (f"reservation {reservation_id} holds {reservation.size} request(s), settled as "
                     f"{requests}: say how many of them were used")
         del self.reservations[reservation_id]
         now = self.clock()
-        if requests is not None:  # only an allowance holds request windows (its size was checked above)
+        if requests is not None:  # an allowance's request windows, or a request's admitted to be handed back
             for window, entry in reservation.requests:
                 window.adjust(entry, requests, now)
         for window, entry in reservation.tokens:
@@ -293,9 +297,10 @@ class Accountant:
             self._release(self.reservations.pop(rid))
         return len(stale)
 
-    def restore(self, engine: Engine) -> int:
+    def restore(self, engine: Engine, part: int = 0, parts: int = 1) -> int:
         """Rebuild the spend of every scope for today and this month from the usage roll-ups (and the
-        rows not yet rolled up), so a restart costs the same over a quiet month or a busy one."""
+        rows not yet rolled up), so a restart costs the same over a quiet month or a busy one. Of PARTS
+        accountants, this is PART: it rebuilds the pools whose home (`rules.part_of`) is its own."""
         from llmgw.people import rollup
 
         now = self.clock()
@@ -308,11 +313,13 @@ class Accountant:
                     # The chat page's rows carry "session:<person>" and spend as that person.
                     key = key_id if key_id and not key_id.startswith("session:") else None
                     scopes = ruleset.scopes_of(key, project_id, user_id)
-                    counters = [c for _scope, _sid, c in scopes]
+                    tree, person = ruleset.homes(key, project_id, user_id)
+                    counters = [(c, person if scope in rules.PERSON_SCOPES else tree) for scope, _sid, c in scopes]
                     if scopes:  # the cluster's default budget, if one binds, in the pool `Rules.access` counts it in
-                        counters.append(ruleset.default_pool(scopes))
-                    for counter in counters:
-                        self.spend[(counter, period, start)] += int(cost)
+                        counters.append((ruleset.default_pool(scopes), person))
+                    for counter, home in counters:
+                        if rules.part_of(home, parts) == part:
+                            self.spend[(counter, period, start)] += int(cost)
                     restored += 1
         log.info("rebuilt budgets from %d groups of usage rows for today and this month", restored)
         return restored

@@ -62,7 +62,7 @@ def handle(accountant: Accountant, peer: object, msg: dict) -> bytes | None:
     if op == "admit":
         levels = msg["levels"]
         result = accountant.admit(levels, msg["priced"], msg["tokens"], msg["cost"], owner=peer,
-                                  grant=msg.get("grant", 1))
+                                  grant=msg.get("grant", 1), undo=msg.get("undo", False))
         if isinstance(result, Refused):
             return accounting.encode("refused", id=msg["id"], ok=False, limit=result.limit, counter=result.counter,
                                      retry_after=result.retry_after, message=result.message,

@@ -52,6 +52,11 @@ class AgentServer:
         whether this controller leads; None: it always does. MODELS: the catalog's models now."""
         self.fleet = fleet
         self.lease = lease
+        # The lease term whose start the control loop has made (`ControlLoop.leading`): agents are taken only
+        # within it. The lease is taken in another thread; a registration taken between that and the term's
+        # start was judged against the fleet of the standby (its adoption window long over), and the node told
+        # to stop the replica it brought back, which was then placed anew under the gateways routing to it.
+        self.term: int | None = None
         self.replicas = replicas
         self.claims = ShardClaims(fleet, replicas, models) if replicas is not None else None
         self.waiting: dict[str, dict] = {}  # request_id -> {"event", "reply", "node"}, for replies someone waits on
@@ -116,7 +121,7 @@ class AgentServer:
                                                   "`llmgw ctl node-key issue NODE` makes a new one; install it "
                                                   "as agent.key_file and restart the agent.")
             return
-        if self.lease is not None and not self.lease.held():
+        if self.lease is not None and not (self.lease.held() and self.lease.term == self.term):
             # Commands travel on the connection an agent opened, so a standby holding one would leave the
             # leader unable to reach that node: it sends the agent on to the next address it has.
             self._count("standby")

@@ -60,6 +60,11 @@ RENEW_WAIT = TRUSTED / 4
 # a first try takes it: more than one, since a live holder's renewal comes up to an interval apart and may be
 # late on a busy machine.
 STILL = 1.5
+# The share of the TTL a renewal's client may fall silent inside its transaction before the server (PostgreSQL)
+# ends its session: a leader paused between its UPDATE and its COMMIT holds the row's lock, and the standby's
+# renewals wait on it. Ended before the lease it was renewing expires, it delays no failover; longer than the
+# lock wait, so a live controller on a busy machine is not cut off for a slow moment.
+SILENT = 0.5
 
 
 class Lease:
@@ -105,7 +110,7 @@ class Lease:
                     takeable.append(sa.and_(table.c.address == self.address, table.c.expires_at <
                                             self._now + self.ttl - STILL * self.renew_interval))
                 with self.engine.begin() as conn:
-                    store.bounded(conn, self.ttl * RENEW_WAIT)
+                    store.bounded(conn, self.ttl * RENEW_WAIT, silent=self.ttl * SILENT)
                     taken = conn.execute(
                         table.update()
                         .where(table.c.name == NAME)
@@ -159,7 +164,7 @@ class Lease:
             table = store.leases
             try:
                 with self.engine.begin() as conn:
-                    store.bounded(conn, self.ttl * RENEW_WAIT)
+                    store.bounded(conn, self.ttl * RENEW_WAIT, silent=self.ttl * SILENT)
                     conn.execute(table.update().where(table.c.name == NAME).where(table.c.owner == self.owner)
                                  .values(owner="", expires_at=0.0))
             except sa.exc.SQLAlchemyError as e:

@@ -143,7 +143,7 @@ class ControlLoop:
         self.fleet = fleet
         self.catalog = catalog
         self.replicas = replicas
-        self.snapshot_of: tuple[int, int] | None = None  # the catalog's and replicas' revisions last published
+        self.snapshot_of: tuple | None = None  # the catalog's and replicas' revisions and the accountant's ports last published
         self.demand = demand
         self.scaler = scaler
         self.server = server
@@ -177,7 +177,7 @@ class ControlLoop:
                     # The store answered the renewal a moment ago; act only once this term has started.
                     log.warning("cannot start leading yet, the store did not answer: %s", str(e).splitlines()[0])
                     return False
-                self.term = self.lease.term
+                self.term = self.server.term = self.lease.term
                 # The term's first snapshot is newer than any sent before, even with nothing changed:
                 # gateways that followed another leader meanwhile keep its addresses until one is.
                 self.publisher.forget()
@@ -268,28 +268,29 @@ class ControlLoop:
                 # back, rather than one that lacks them; but they ask this controller's accountant and tell
                 # it their demand from now on. Waiting for the nodes to say so cost every budgeted request
                 # a 503 until they were back, or unreachable_after passed.
-                self.publisher.publish_leading(self.inbox.port, self.account_server.port)
+                self.publisher.publish_leading(self.inbox.port, self.account_server.port, self.account_server.ports)
             else:
                 # Made again only when the catalog or a replica changed, else repeated: made at every turn of
                 # this loop (each message from an agent), 20,000 replicas kept a core busy.
-                seen = (self.catalog.revision, self.replicas.revision)
+                ports = self.account_server.ports  # an accountant part started again is on a new one
+                seen = (self.catalog.revision, self.replicas.revision, ports)
                 if seen != self.snapshot_of:
                     self.snapshot_of = seen
                     self.publisher.publish(snapshot_body(self.catalog.models(), whole(self.replicas.snapshot()),
                                                          self.inbox.port, self.account_server.port,
-                                                         self.catalog.limits()))
+                                                         self.catalog.limits(), ports))
                 else:
                     self.publisher.repeat()
 
     def close(self) -> None:
-        """Stop every part, whether run() returned or failed; the lease is given up first, so a standby takes
-        over at its next renewal."""
+        """Stop every part, whether run() returned or failed; the lease is given up early, so a standby takes
+        over at its next renewal, once the accountant (and each of its parts) answers no more."""
         if self.scheduler.running:  # run() may have failed before starting it
             self.scheduler.shutdown(wait=False)
+        self.account_server.stop()
         self.lease.release()
         self.admin.shutdown()
         self.publisher.close()
-        self.account_server.stop()
         for housekeeper in self.housekeepers:
             housekeeper.stop()
         self.inbox.close()

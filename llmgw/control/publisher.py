@@ -36,11 +36,20 @@ log = logging.getLogger("llmgw.publisher")
 
 REPEAT = 2.0
 KEYS_CHECK = 0.25  # seconds between looks at the store's key revision
+# Seconds between reads of the whole key set while changes arrive named (`people.keys.changed_since`): what
+# the changes read missed (a writer that named less than it changed) is sent then, and said.
+KEYS_WHOLE_EVERY = 300.0
+# The whole set is made again at most once in this many times what it last took to encode: made after each burst
+# of changes, at a million keys (7 s) it kept the key thread, and every change waiting behind it, busy most of
+# the time.
+KEYS_REPEAT_COST = 10
 
 
 def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port: int | None = None,
-                  accountant_port: int | None = None, limits: dict[tuple[str, str], int] | None = None) -> dict:
-    """LIMITS: (model, profile fingerprint) -> requests in flight, as measured (Catalog.limits)."""
+                  accountant_port: int | None = None, limits: dict[tuple[str, str], int] | None = None,
+                  accountant_ports: list[int] | None = None) -> dict:
+    """LIMITS: (model, profile fingerprint) -> requests in flight, as measured (Catalog.limits). ACCOUNTANT_PORTS:
+    each part's, where the accountant has several (the first is ACCOUNTANT_PORT)."""
     ready = sorted((r for r in replicas if r.state == "ready" and r.url and r.model in models),
                    key=lambda r: r.shard_id)
     weights = {}
@@ -63,7 +72,13 @@ def snapshot_body(models: dict[str, Model], replicas: list[Replica], demand_port
         # Out of rotation like any replica not listed, but named: a request a gateway sent one before its node
         # found it hung is moved to another replica (a replica merely stopping or drained finishes its own).
         "unhealthy": sorted(r.shard_id for r in replicas if r.state == "unhealthy"),
+        **_parts(accountant_ports),
     }
+
+
+def _parts(ports: list[int] | None) -> dict:
+    """The accountant's ports as a snapshot or `leading` carries them: only where there are several."""
+    return {"accountant_ports": ports} if ports and len(ports) > 1 else {}
 
 
 # How far a replica is from serving, least first: what a model with none ready says it waits for.
@@ -163,7 +178,8 @@ class Publisher:
         self.socket.send_multipart([gateways.SNAPSHOT, self.encoded])
         self.sent_at = now
 
-    def publish_leading(self, demand_port: int | None, accountant_port: int | None) -> None:
+    def publish_leading(self, demand_port: int | None, accountant_port: int | None,
+                        accountant_ports: list[int] | None = None) -> None:
         """Say that this controller leads, where its demand and accountant sockets are, and nothing of replicas:
         at once, then every REPEAT seconds while the caller asks (a new leader, until it knows its nodes)."""
         now = time.monotonic()
@@ -171,7 +187,8 @@ class Publisher:
             return
         self.socket.send_multipart([gateways.LEADING, gateways.encode("leading", epoch=self.epoch,
                                                                       demand_port=demand_port,
-                                                                      accountant_port=accountant_port)])
+                                                                      accountant_port=accountant_port,
+                                                                      **_parts(accountant_ports))])
         self.leading_sent_at = now
 
     def publish_encoded(self, topic: bytes, message: bytes) -> None:
@@ -218,12 +235,21 @@ class DemandInbox:
 
 class KeyPusher:
     """What gateways need of the keys, and when: at once when the store's key revision changes (revoking a key,
-    or any change to a person, such as suspending them, takes effect everywhere within `KEYS_CHECK` seconds and
-    a message), first what changed (`key_changes`, llmgw/wire/keychanges.py) and then the whole set; and the
-    whole set again every `KEYS_REPEAT` seconds, so a gateway that missed one heals. It looks in a thread of
-    its own, which also encodes (the store's answer may be slow, a million keys take seconds to read and
-    encode, and four looks a second through the scheduler cost more than the looks); the loop that owns the
-    socket `take`s what is ready, encoded under EPOCH, the publisher's."""
+    or any change to a person, such as suspending them, takes effect within `KEYS_CHECK` seconds and a message
+    in every gateway holding the set it changes), what changed (`key_changes`, llmgw/wire/keychanges.py), then
+    the whole set; and the whole set every `KEYS_REPEAT` seconds (longer where it is large: `KEYS_REPEAT_COST`),
+    so a gateway that missed a change heals. A gateway's own read at its start takes changes at once (llmgw/gateway/keytable.py's
+    HeldKeys). It looks in a thread of its own, which also encodes (the store's answer may be slow, a million
+    keys take seconds to read and encode, and four looks a second through the scheduler cost more than the
+    looks); the loop that owns the socket `take`s what is ready, encoded under EPOCH, the publisher's.
+
+    A change whose writer named what it changed (`store.key_log`) is read alone, and the set this controller
+    holds is brought up to date from it: what it costs grows with the change, not the keys (reading every key
+    to send one revocation took 9.7 s at 100,000). The whole set is read at the start, when a change names
+    nothing (a change to the tree or the prices, a writer of the version before), and every
+    `KEYS_WHOLE_EVERY` seconds; after changes read alone it is encoded from what is held, at the next look
+    without a change, or a repeat's time after the last while changes keep coming, never more often than
+    `KEYS_REPEAT_COST` allows."""
 
     def __init__(self, engine, epoch: str):
         self.engine = engine
@@ -234,6 +260,10 @@ class KeyPusher:
         self.revision: int | None = None
         self.seen: dict | None = None  # the view (keychanges.view) of the set last sent
         self.whole = b""  # the set last sent, encoded: a repeat sends it again as it was
+        self.stale = False  # `whole` is older than the changes sent since
+        self.follow = False  # changes were sent that the whole set has not followed yet
+        self.made_s = 0.0  # what the whole set last took to encode
+        self.read_whole_at = 0.0  # when the whole set was last read
         self.sent_at = 0.0
         # One connection kept for the look at the revision: checking one out of the pool for each look
         # cost five times the query (0.75 ms of CPU against 0.14, four times a second).
@@ -255,19 +285,78 @@ class KeyPusher:
 
     def check(self) -> None:
         now = time.monotonic()
-        if self._current_revision() != self.revision:
-            key_set = keys.key_set(self.engine)
-            seen = keychanges.view(key_set)
-            if self.seen is not None:
-                changes = keychanges.difference(self.seen, seen)
-                self.ready.put((gateways.KEY_CHANGES, gateways.encode(
-                    "key_changes", epoch=self.epoch, base=self.revision, revision=key_set["revision"], **changes)))
-            self.whole = gateways.encode("keys", epoch=self.epoch, **key_set)
-            self.ready.put((gateways.KEYS, self.whole))
-            self.revision, self.seen, self.sent_at = key_set["revision"], seen, now
-        elif now - self.sent_at >= gateways.KEYS_REPEAT:
-            self.ready.put((gateways.KEYS, self.whole))
-            self.sent_at = now
+        moved = self._current_revision() != self.revision
+        whole_due = self.seen is None or now - self.read_whole_at >= KEYS_WHOLE_EVERY
+        if moved and not whole_due and self._read_alone(now):
+            return
+        if moved or whole_due:
+            self._read_whole(now)
+        elif self._whole_due(now, self.follow):
+            self._send_whole(now)
+
+    def _read_alone(self, now: float) -> bool:
+        """Send what changed past the revision sent, read alone; False where it must be read whole."""
+        assert self.seen is not None and self.revision is not None
+        try:
+            changed = keys.changed_since(self.engine, self.revision)
+            if changed is None:
+                return False
+            changes = keychanges.advance(self.seen, changed)
+            self._changes(changes, changed["revision"])
+        except Exception:
+            self.seen = None  # what it holds may be half changed: the next look reads the set whole
+            raise
+        self.revision, self.stale = changed["revision"], True
+        # The whole set follows, made from what is held: at the next look without a change, once making it
+        # again keeps within a tenth of this thread's time (gateways of the version before take no changes, and
+        # wait for it; one of this version drops it unread), and at its repeat while changes keep coming.
+        self.follow = True
+        if self._whole_due(now, following=False):
+            self._send_whole(now)
+        return True
+
+    def _read_whole(self, now: float) -> None:
+        key_set = keys.key_set(self.engine)
+        seen = keychanges.view(key_set)
+        if self.seen is not None:
+            changes = keychanges.difference(self.seen, seen)
+            if changes and key_set["revision"] == self.revision:
+                # What the changes read alone missed (a writer named less than it changed). Gateways take no
+                # changes at the revision they hold, so the revision is moved, naming everything, and the
+                # next look sends the difference from what they hold.
+                log.warning("the key set read whole differs from what the changes read alone made of it, in %s: "
+                            "a writer named less than it changed; sending the difference", ", ".join(sorted(changes)))
+                with store.writing(self.engine) as conn:
+                    store.bump_revision(conn, "keys")
+                self.read_whole_at = 0.0
+                return
+            if changes:
+                self._changes(changes, key_set["revision"])
+        began = time.monotonic()
+        self.whole = gateways.encode("keys", epoch=self.epoch, **key_set)
+        self.made_s = time.monotonic() - began
+        self.ready.put((gateways.KEYS, self.whole))
+        self.revision, self.seen, self.stale, self.follow = key_set["revision"], seen, False, False
+        self.sent_at = self.read_whole_at = now
+
+    def _whole_due(self, now: float, following: bool) -> bool:
+        """Whether the whole set is to be sent now: at its repeat, every KEYS_REPEAT seconds, or FOLLOWING changes
+        sent since; either no sooner than KEYS_REPEAT_COST times its last encoding after the last."""
+        since, least = now - self.sent_at, KEYS_REPEAT_COST * self.made_s
+        return since >= max(gateways.KEYS_REPEAT, least) or (following and since >= least)
+
+    def _send_whole(self, now: float) -> None:
+        if self.stale:  # changes read alone since the set was encoded: made from what is held
+            assert self.seen is not None and self.revision is not None
+            began = time.monotonic()
+            self.whole = gateways.encode("keys", epoch=self.epoch, **keychanges.message_of(self.seen, self.revision))
+            self.made_s, self.stale = time.monotonic() - began, False
+        self.ready.put((gateways.KEYS, self.whole))
+        self.sent_at, self.follow = now, False
+
+    def _changes(self, changes: dict, revision: int) -> None:
+        self.ready.put((gateways.KEY_CHANGES, gateways.encode(
+            "key_changes", epoch=self.epoch, base=self.revision, revision=revision, **changes)))
 
     def start(self) -> "KeyPusher":
         self.thread.start()

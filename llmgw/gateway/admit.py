@@ -101,11 +101,20 @@ class Admission:
         prompt = self.billing.counted_prompt(req, model, replica) if replica is not None else None
         if prompt is None or prompt >= bound or prompt + output > room:
             return refusal
-        levels = [[counter, None, tpm, budget, period] for counter, _rpm, tpm, budget, period in caller.wire]
+        tokens, cost = prompt + output, caller.price.cost(prompt, output)
         try:
-            answer = self.rt.limiter.ask(self.accountant(), {"op": "admit", "levels": levels, "priced": priced,
-                                                              "tokens": prompt + output,
-                                                              "cost": caller.price.cost(prompt, output)})
+            address = self.accountant()
+            parts = self.rt.router.snapshot.parts
+            if parts:
+                # The parts up to the one that refused counted the request in their requests-a-minute pools;
+                # those after it were never asked, and count it now.
+                at = refusal.get("at", len(parts))
+                split = [(part, _rates_left_out(levels) if i <= at else levels)
+                         for i, (part, levels) in enumerate(caller.access.parts(len(parts)))]
+                answer = self.rt.limiter.admit_split(parts, (), split, priced, tokens, cost, allowances=False)
+            else:
+                answer = self.rt.limiter.ask(address, {"op": "admit", "levels": _rates_left_out(caller.wire),
+                                                       "priced": priced, "tokens": tokens, "cost": cost})
         except Unavailable:
             return refusal
         if "rpm" in said:
@@ -139,7 +148,13 @@ class Admission:
         """The accountant's answer to admitting ESTIMATE tokens and COST for CALLER; None where it did not
         answer and the limits are waived. Raises ApiError where it did not answer and a budget could refuse."""
         try:
-            return self.rt.limiter.admit(self.accountant(), (caller.access.levels, priced), caller.wire, priced,
+            address = self.accountant()
+            parts = self.rt.router.snapshot.parts
+            if parts:  # the accountant is split (llmgw/control/accountparts.py)
+                access = caller.access
+                return self.rt.limiter.admit_split(parts, (access.levels, priced), access.parts(len(parts)), priced,
+                                                   estimate, cost)
+            return self.rt.limiter.admit(address, (caller.access.levels, priced), caller.wire, priced,
                                          estimate, cost)
         except Unavailable:
             if priced and any(lv.budget is not None for lv in caller.access.levels):
@@ -176,3 +191,9 @@ class Admission:
                 gevent.sleep(0.02)
                 address = self.rt.router.snapshot.accountant
         return address
+
+
+def _rates_left_out(levels: list[list]) -> list[list]:
+    """LEVELS (as the accountant takes them) without their requests-a-minute limits: a request asked again,
+    which the first ask counted in them already."""
+    return [[counter, None, tpm, budget, period] for counter, _rpm, tpm, budget, period in levels]

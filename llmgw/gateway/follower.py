@@ -55,9 +55,17 @@ def from_controller(body: dict, base: Snapshot, host: str = "127.0.0.1") -> Snap
                                         weight=float(r.get("weight", 1.0)), api_key=r.get("api_key"),
                                         max_in_flight=r.get("max_in_flight"))
     demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else None
-    accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else base.accountant
+    accountant, parts = _accountant(body, host, base)
     return Snapshot(version=body["version"], models=models, replicas=replicas, demand=demand, accountant=accountant,
-                    epoch=body.get("epoch"), unhealthy=frozenset(body.get("unhealthy") or ()))
+                    parts=parts, epoch=body.get("epoch"), unhealthy=frozenset(body.get("unhealthy") or ()))
+
+
+def _accountant(body: dict, host: str, current: Snapshot) -> tuple[str | None, tuple[str, ...]]:
+    """The accountant's address and its parts' (several, or none), as BODY from HOST says, else CURRENT's."""
+    if not body.get("accountant_port"):
+        return current.accountant, current.parts
+    parts = tuple(addresses.join(host, port) for port in body.get("accountant_ports") or ())
+    return addresses.join(host, body["accountant_port"]), parts
 
 
 def _loading(row: dict | None) -> tuple[str, int | None, int | None] | None:
@@ -96,40 +104,58 @@ def with_leader(body: dict, current: Snapshot, host: str) -> Snapshot:
     """CURRENT with the demand and accountant addresses of a `leading` message in BODY from HOST; its models,
     replicas, epoch and version stay, so the new leader's first whole snapshot replaces it as any would."""
     demand = addresses.join(host, body["demand_port"]) if body.get("demand_port") else current.demand
-    accountant = addresses.join(host, body["accountant_port"]) if body.get("accountant_port") else current.accountant
-    return dataclasses.replace(current, demand=demand, accountant=accountant)
+    accountant, parts = _accountant(body, host, current)
+    return dataclasses.replace(current, demand=demand, accountant=accountant, parts=parts)
 
 
-def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, on_leading, context=None,
-           dropped=None, on_key_changes=None, keys_held=None, snapshot_held=None) -> None:
-    """Run forever: ON_SNAPSHOT(message, host), ON_KEYS(message), ON_KEY_CHANGES(message) and
-    ON_LEADING(message, host) for each message a controller of CONTROLLERS publishes, checked against its schema;
-    HOST is the address it came from. With KEYS, only a publisher holding the controller's secret key is
-    heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread. DROPPED, a
-    counter, counts what cannot be read. KEYS_HELD() is the revision of the keys held: a whole set at that
-    revision is dropped unread. SNAPSHOT_HELD() is the epoch and version of the snapshot held: a snapshot of
-    that epoch and no later version, which the holder would ignore once read, is dropped unread."""
+TOPICS = (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING, gateways.KEY_CHANGES)
+
+
+def subscribe(controllers: list[str], keys: ClientKeys | None, context=None) -> zmq.Socket:
+    """A SUB socket dialled to every controller of CONTROLLERS for every topic a gateway takes, with KEYS (see
+    `follow`). A worker makes it before it reads the keys from the store at its start, so what is published
+    meanwhile waits in it: subscribed after that read (8 s at a million keys), a worker missed the changes made
+    during it, and took changes again only after the next whole set, 70 s later."""
     context = context or zmq.Context.instance()
     sock = context.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     dial(sock, keys)
-    topics = (gateways.SNAPSHOT, gateways.KEYS, gateways.LEADING, gateways.KEY_CHANGES)
-    for topic in topics:
+    for topic in TOPICS:
         sock.setsockopt(zmq.SUBSCRIBE, topic)
     for address in controllers:
         sock.connect(addresses.zmq_connect(address, "gateway.controller"))
+    return sock
+
+
+def follow(controllers: list[str], keys: ClientKeys | None, on_snapshot, on_keys, on_leading, context=None,
+           dropped=None, on_key_changes=None, keys_held=None, snapshot_held=None, subscribed=None,
+           caught_up=None) -> None:
+    """Run forever: ON_SNAPSHOT(message, host), ON_KEYS(message), ON_KEY_CHANGES(message) and
+    ON_LEADING(message, host) for each message a controller of CONTROLLERS publishes, checked against its schema;
+    HOST is the address it came from. With KEYS, only a publisher holding the controller's secret key is
+    heard. CONTEXT: a worker's green one by default; the master passes a plain one for its thread. DROPPED, a
+    counter, counts what cannot be read. KEYS_HELD(revision) says whether a whole set at that revision (None
+    where its first bytes do not say) is dropped unread (llmgw/gateway/keytable.py's `HeldKeys.holds`).
+    SNAPSHOT_HELD() is the epoch and version of the snapshot held: a snapshot of that epoch and no later
+    version, which the holder would ignore once read, is dropped unread. SUBSCRIBED: a socket `subscribe`
+    made earlier, read from here (and closed at the end) instead of a new one; CAUGHT_UP() is called once what
+    it held when this began has been read."""
+    sock = subscribed if subscribed is not None else subscribe(controllers, keys, context)
     try:
         while True:
+            if caught_up is not None and not sock.poll(0):
+                caught_up()
+                caught_up = None
             frames = sock.recv_multipart(copy=False)
             topic = frames[0].bytes
-            if len(frames) != 2 or topic not in topics:
+            if len(frames) != 2 or topic not in TOPICS:
                 log.warning("ignored a message from the controller with %d frames and topic %r", len(frames),
                             topic[:20])
                 if dropped is not None:
                     dropped.inc()
                 continue
             if topic == gateways.KEYS and keys_held is not None \
-                    and gateways.keys_revision(frames[1].buffer) == keys_held():
+                    and keys_held(gateways.keys_revision(frames[1].buffer)):
                 continue
             if topic == gateways.SNAPSHOT and snapshot_held is not None \
                     and _holds(snapshot_held(), gateways.snapshot_version(frames[1].buffer)):

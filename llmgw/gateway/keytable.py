@@ -177,27 +177,57 @@ class HeldKeys:
     """The table a gateway process holds, and how it takes the controller's `keys` and `key_changes` (the worker's
     and the master's, which keeps one for the workers it forks).
 
-    Changes are applied, and a whole set at the revision held dropped unread, only to a table that came from
-    a whole set of the controller's: two reads labelled with one revision hold the same keys (each is read at
-    one moment, and every change moves the revision in its own transaction), but a table read from the store
-    by this process, or kept across a store that went back (restored from a backup), is not trusted to be
-    the controller's. Until then every whole set is read, and one at or above the revision held replaces
-    the table, as before changes were sent."""
+    Changes are applied, and a whole set at the revision held dropped unread, only to a trusted table: one
+    read at one moment of the store (a worker's own read at its start, `people.keys.key_set`), or a whole set
+    of the controller's, which is read so too. Two such reads labelled with one revision hold the same keys,
+    since every change moves the revision in its own transaction. A table kept over a set of a lower revision
+    (the store went back: restored from a backup) is no longer trusted: until then every whole set is read,
+    and one at or above the revision held replaces the table. A worker's own read used to wait for a whole
+    set as well: at a million keys that was a 23 s read in each worker, each behind a 7 s encode, and a key
+    made after the gateway started worked only after 98 s.
 
-    def __init__(self, table: KeyTable, say: bool = True):
-        """SAY: log a set kept over an older one (the workers do; their master, which keeps the same, does not)."""
+    A table read here is ahead of what the controller published during the read, which the worker's socket
+    holds for it (subscribed first): until that has been read (`caught_up`), or the controller is heard at or
+    past the revision read, a set below it is passed over, not taken for a store gone back. Past that, one is
+    a store gone back, as for any table."""
+
+    def __init__(self, table: KeyTable, say: bool = True, trusted: bool = False, read_here: bool = False):
+        """SAY: log a set kept over an older one (the workers do; their master, which keeps the same, does not).
+        TRUSTED: TABLE was taken from the controller and trusted since; READ_HERE: it is this process's own
+        read of the store, at one moment."""
         self.table = table
         self.say = say
-        self.trusted = False
+        self.trusted = trusted or read_here
+        self.behind = read_here  # what was published during the read here not yet all read
         self.older: set[int] = set()  # revisions of sets below the one held, each said once
 
-    def held(self) -> int:
-        """The revision a whole set is dropped unread at: the one held, once trusted; else none."""
-        return self.table.revision if self.trusted else -1
+    @classmethod
+    def at_start(cls, own: KeyTable, masters: tuple[KeyTable, bool] | None) -> "HeldKeys":
+        """A worker's keys as it starts: OWN, its read of the store, or its master's table (MASTERS: with whether
+        the master trusts it) where that is newer, trusted as the master trusts it."""
+        if masters is not None and own.newer(masters[0]):
+            return cls(masters[0], trusted=masters[1])
+        return cls(own, read_here=True)
+
+    def caught_up(self) -> None:
+        """What was published while this process read its table has been read."""
+        self.behind = False
+
+    def holds(self, revision: int | None) -> bool:
+        """Whether a whole set at REVISION (None: not known before it is read) is to be dropped unread: it is at
+        the revision held, once trusted, or below one read here that the controller has not caught up with."""
+        if revision is None or not self.trusted:
+            return False
+        if revision >= self.table.revision:
+            self.behind = False
+            return revision == self.table.revision
+        return self.behind
 
     def whole(self, message: dict) -> KeyTable | None:
         """The table a `keys` message makes, or None where the one held stays."""
         revision = message["revision"]
+        if self.holds(revision):
+            return None
         if revision > self.table.revision or (revision == self.table.revision and not self.trusted):
             self.table, self.trusted = KeyTable.from_message(message), True
             return self.table
@@ -216,6 +246,8 @@ class HeldKeys:
     def changes(self, message: dict) -> KeyTable | None:
         """The table a `key_changes` message makes of the one held, or None where it does not apply (the whole
         set that follows it is then read)."""
+        if message["revision"] >= self.table.revision:
+            self.behind = False
         if self.trusted and message["base"] == self.table.revision and message["revision"] > message["base"]:
             self.table = self.table.changed(message)
             return self.table

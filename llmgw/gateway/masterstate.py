@@ -22,9 +22,10 @@ class MasterState:
         # its address, and the keys made for it then, known only to this master and its workers.
         self.local_accountant: str | None = None
         self.local_accountant_keys = None
-        # The controller's latest snapshot (with the address it came from), key table and leading addresses as
-        # the master heard them (llmgw/gateway/server.py): what a worker forked later starts from. An entry
-        # is replaced whole, never changed in place: no lock is needed, and none may be held at a fork.
+        # The controller's latest snapshot (with the address it came from), key table (with whether the master
+        # trusts it: llmgw/gateway/keytable.py's HeldKeys) and leading addresses as the master heard them
+        # (llmgw/gateway/server.py): what a worker forked later starts from. An entry is replaced whole, never
+        # changed in place: no lock is needed, and none may be held at a fork.
         self.last_word: dict[str, Any] = {}
 
     def accountant_keys(self, following: bool):

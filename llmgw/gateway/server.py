@@ -80,12 +80,17 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     held = HeldKeys(KeyTable({}, -1), say=False)  # as a worker holds its keys, from none; the workers say what they keep
 
     def keep_keys(message: dict) -> None:
-        if (table := held.whole(message)) is not None:
-            state.last_word["keys"] = table
+        held.whole(message)
+        keep()
 
     def keep_key_changes(message: dict) -> None:
-        if (table := held.changes(message)) is not None:
-            state.last_word["keys"] = table
+        held.changes(message)
+        keep()
+
+    def keep() -> None:
+        # With whether it is trusted: a worker forked later takes changes on it at once only if so.
+        if held.table.revision >= 0:
+            state.last_word["keys"] = (held.table, held.trusted)
 
     def keep_leading(message: dict, host: str) -> None:
         state.last_word["leading"] = (message, host)
@@ -98,7 +103,7 @@ def _keep_the_last_word(cfg: Config, state: MasterState) -> None:
     threading.Thread(target=follow, name="last-word", daemon=True,
                      args=(cfg["gateway.controller"], state.controller_keys, keep_snapshot, keep_keys, keep_leading,
                            zmq.Context()),
-                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held.held,
+                     kwargs={"on_key_changes": keep_key_changes, "keys_held": held.holds,
                              "snapshot_held": snapshot_held}).start()
 
 

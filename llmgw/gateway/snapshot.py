@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from llmgw import settings
+from llmgw import rules, settings
 from llmgw.settings import Config
 
 
@@ -54,12 +54,17 @@ class Snapshot:
     replicas: dict[str, ReplicaSpec]
     demand: str | None = None  # where to say a model is wanted (the controller's demand address), if anywhere
     accountant: str | None = None  # where requests are admitted against limits
+    parts: tuple[str, ...] = ()  # the accountant's parts, where it has several (the first is `accountant`)
     epoch: str | None = None  # the controller start that published it (None: the gateway's own configuration)
     awaiting_catalog: bool = False  # True until the controller's first snapshot: a name missing may yet exist
     unhealthy: frozenset[str] = frozenset()  # replicas out of the snapshot because their engine is hung
     # Derived in __post_init__: every name and alias -> its model, and model -> replica ids.
     names: dict[str, str] = dataclasses.field(init=False, compare=False, repr=False)
     serving: dict[str, tuple[str, ...]] = dataclasses.field(init=False, compare=False, repr=False)
+
+    def accountant_of(self, home: str) -> str | None:
+        """The address of the accountant part that counts the pools of HOME (`rules.Level.home`)."""
+        return self.parts[rules.part_of(home, len(self.parts))] if self.parts else self.accountant
 
     def __post_init__(self):
         names = {}

@@ -70,8 +70,19 @@ class Runtime:
         self.queue = AdmissionQueue(cfg["gateway.queue_size"], cfg["gateway.queue_wait"])
         self.shown_replicas: set[str] = set()  # replicas and models whose gauges this worker has set
         self.shown_models: set[str] = set()
-        # Read once at start; then pushed by the controller, or (without one) read again when they change.
-        self.keys = KeyTable.from_message(key_source.key_set(engine))
+        # Read once at start; then pushed by the controller, or (without one) read again when they change. The
+        # controller's messages are subscribed to first: a change made during the read waits to be taken.
+        self.subscription = None
+        if cfg["gateway.controller"]:
+            from llmgw.gateway.follower import subscribe
+
+            self.subscription = subscribe(cfg["gateway.controller"], state.controller_keys)
+        try:
+            self.keys = KeyTable.from_message(key_source.key_set(engine))
+        except BaseException:
+            if self.subscription is not None:
+                self.subscription.close(0)
+            raise
         self.usage = UsageRecorder(engine, cfg["usage.batch_size"], self.metrics, cfg["usage.spool_dir"])
         self.store_jobs = StoreJobs(engine)
         self.limiter = Limiter(cfg["limits.accountant_timeout"], self.metrics,
@@ -169,16 +180,17 @@ class Runtime:
                 on_snapshot(*last["snapshot"])
             if "leading" in last:
                 on_leading(*last["leading"])
-            if "keys" in last:
-                self.apply_keys(last["keys"])
-            self.held_keys = HeldKeys(self.keys)
+            self.held_keys = HeldKeys.at_start(self.keys, last.get("keys"))
+            self.apply_keys(self.held_keys.table)
             if last:
                 log.info("started from the master's last snapshot (version %s) and keys (revision %s)",
                          last.get("snapshot", ({},))[0].get("version"), self.keys.revision)
             self.greenlets.append(gevent.spawn(follow, self.cfg["gateway.controller"], self.state.controller_keys,
                                                on_snapshot, on_keys, on_leading, None,
                                                self.metrics.controller_dropped, on_key_changes=on_key_changes,
-                                               keys_held=self.held_keys.held, snapshot_held=self.snapshot_held))
+                                               keys_held=self.held_keys.holds, snapshot_held=self.snapshot_held,
+                                               subscribed=self.subscription, caught_up=self.held_keys.caught_up))
+            self.subscription = None  # follow's now, which closes it
         else:
             # No controller pushes keys: notice a change in the store (one small query a second).
             self.greenlets.append(gevent.spawn(self._every, self.cfg["keys.refresh_interval"], self.refresh_keys))
@@ -191,6 +203,8 @@ class Runtime:
             self.greenlets = []
             if self.demand_socket is not None:
                 self.demand_socket.close(0)
+            if self.subscription is not None:  # never followed: the app was made but not started
+                self.subscription.close(0)
             self.limiter.stop()
             self.save_usage()
             self.store_jobs.close()

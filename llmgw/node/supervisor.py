@@ -66,6 +66,7 @@ log = logging.getLogger("llmgw.supervisor")
 # slowly, and vLLM compiling a large one takes longer still.
 START_LIMIT = 600.0
 HEALTH_INTERVAL = 0.5
+DRAINED_READINGS = 2  # idle readings in a row that let a draining engine stop (Supervisor._drain)
 STOP_TIMEOUT = 30.0
 LAST_LINES = 40
 ALIVE = ("fetching", "starting", "ready", "unhealthy")
@@ -524,21 +525,36 @@ class Supervisor:
         shard.stop_asked = True
         if shard.state not in ALIVE:
             return True
-        shard.state = "stopping"
-        target, args = (self._drain, (shard, drain)) if drain is not None else (self._stop, (shard, reason))
+        serving, shard.state = shard.state in SERVING, "stopping"
+        # An engine not yet serving has nothing to finish: it stops at once, freeing its GPUs for the next.
+        target, args = (self._drain, (shard, drain)) if drain is not None and serving else (self._stop, (shard, reason))
         threading.Thread(target=target, args=args, daemon=True).start()
         return True
 
     def _drain(self, shard: Shard, timeout: float) -> None:
+        """Stop SHARD once its engine has said twice in a row, HEALTH_INTERVAL apart, that it runs and queues
+        nothing, or at TIMEOUT. Twice: vLLM counts a request done once its engine has made the last token, which
+        can be before its API server has written the last events and [DONE] to the stream. An engine slow to
+        answer (a busy CPU) is asked again, where it was stopped at once; one with no metrics to wait on (an
+        HTTP error) or not listening is stopped at once."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self._running(shard) and not shard.headless:
+        idle = 0
+        while (left := deadline - time.monotonic()) > 0 and self._running(shard) and not shard.headless:
             try:
-                load = self._load(shard, timeout=2)
-            except OSError:
-                break  # no metrics to wait on: stop now
-            if not load or (load.get("running", 0) + load.get("waiting", 0)) == 0:
+                load = self._load(shard, timeout=min(2.0, max(0.1, left)))
+            except urllib.error.HTTPError:
                 break
-            time.sleep(HEALTH_INTERVAL)
+            except OSError as e:
+                if isinstance(getattr(e, "reason", e), ConnectionRefusedError):
+                    break  # nothing listens, so nothing is being answered
+                idle = 0
+            else:
+                if not load:
+                    break  # it reports no load figures: nothing to wait on
+                idle = idle + 1 if load.get("running", 0) + load.get("waiting", 0) == 0 else 0
+                if idle == DRAINED_READINGS:
+                    break
+            time.sleep(min(HEALTH_INTERVAL, max(0.0, deadline - time.monotonic())))
         self._stop(shard, None)
 
     def _stop(self, shard: Shard, reason: str | None) -> None:

@@ -118,7 +118,7 @@ def insert_user(conn, email: str, password_hash: str, state: str, is_admin: bool
     user = User(new_id(), email, state, is_admin, time.time())
     conn.execute(store.users.insert().values(id=user.id, email=email, password_hash=password_hash,
                                              state=state, is_admin=is_admin, created_at=user.created_at))
-    store.bump_revision(conn, "keys")
+    store.bump_revision(conn, "keys", [("user", user.id)])
     return user
 
 
@@ -178,7 +178,7 @@ def _update(engine: Engine, which: str, end_sessions: bool = False, **values) ->
     """Change WHICH's row; with END_SESSIONS, end every session of theirs in the same transaction."""
     user = find(engine, which)
     with store.writing(engine) as conn:
-        one_at_a_time(conn)
+        one_at_a_time(conn, [("user", user.id)])
         if user.is_admin and user.state == ACTIVE and (values.get("state", ACTIVE) != ACTIVE
                                                        or not values.get("is_admin", True)):
             keep_an_administrator(conn, user)
@@ -188,11 +188,12 @@ def _update(engine: Engine, which: str, end_sessions: bool = False, **values) ->
     return dataclasses.replace(user, **{k: v for k, v in values.items() if k in ("state", "is_admin")})
 
 
-def one_at_a_time(conn) -> None:
+def one_at_a_time(conn, changes: list[tuple[str, str]] | None = None) -> None:
     """Begin a change to a person by bumping the keys' revision (every such change must: workers reload
     people when it moves), first: the row's write lock makes changes to people run one after another.
-    Two administrators stepping down at once each saw the other still there, and both went."""
-    store.bump_revision(conn, "keys")
+    Two administrators stepping down at once each saw the other still there, and both went. CHANGES: what
+    the change touches of the key set (`store.bump_revision`), all of it by default."""
+    store.bump_revision(conn, "keys", changes)
 
 
 def keep_an_administrator(conn, user: User) -> None:
@@ -255,7 +256,7 @@ def remove(engine: Engine, which: str) -> User:
     user = find(engine, which)
     now = time.time()
     with store.writing(engine) as conn:
-        one_at_a_time(conn)
+        one_at_a_time(conn, [("user", user.id), ("user_keys", user.id), ("limit", f"user:{user.id}")])
         if user.is_admin and user.state == ACTIVE:
             keep_an_administrator(conn, user)
         sessions.end_all(conn, user.id)

@@ -72,7 +72,7 @@ def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 
     (`gateway.sign_ups_pending`), past which none is made to wait."""
     i = store.identities
     with store.writing(engine) as conn:
-        accounts.one_at_a_time(conn)
+        accounts.one_at_a_time(conn, [("none", "")])  # what it changes is named once done (`store.note_keys`)
         row = conn.execute(i.select().where(sa.and_(i.c.provider == claims.provider,
                                                     i.c.subject == claims.subject))).first()
         if row is None:
@@ -85,7 +85,9 @@ def sign_in(engine: Engine, provider: dict, claims: Claims, most_pending: int = 
             user = accounts.get_in(conn, row.user_id)
         if user.state == accounts.SUSPENDED:
             return Outcome(user, [], "Your account is suspended here. Ask an operator.", "refused")
-        changes = _apply_groups(conn, provider, claims, user) if user.state == accounts.ACTIVE else []
+        revoked: list[str] = []
+        changes = _apply_groups(conn, provider, claims, user, revoked) if user.state == accounts.ACTIVE else []
+        store.note_keys(conn, [("user", user.id)] + [("key", key_id) for key_id in revoked])
         user = accounts.get_in(conn, user.id)
         conn.execute(i.update().where(sa.and_(i.c.provider == claims.provider, i.c.subject == claims.subject))
                      .values(email=claims.email, signed_in_at=time.time(), changes=json.dumps(changes)))
@@ -164,9 +166,10 @@ def _record(conn: Connection, claims: Claims, user_id: str, confirmed: bool) -> 
                                                   confirmed_at=now if confirmed else None))
 
 
-def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accounts.User) -> list[str]:
+def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accounts.User,
+                  revoked: list[str]) -> list[str]:
     """Give USER what PROVIDER's map gives CLAIMS's groups, take back what it gave and they no longer give;
-    what changed, in words."""
+    what changed, in words. The keys revoked with a membership taken back are added to REVOKED."""
     name, entries = claims.provider, provider["map"]
     if claims.groups is None:
         # A groups claim missing (a mapper switched off, Entra's overage) is not "in no group": taking every
@@ -204,9 +207,10 @@ def _apply_groups(conn: Connection, provider: dict, claims: Claims, user: accoun
             changes.append(f"now {role} of {kind} {node.path}")
     for (kind, node_id), had in held.items():
         if had.source == name and (kind, node_id) not in wanted and node_id in tree.by_id:
-            revoked = memberships.remove(conn, tree, user.id, tree.by_id[node_id])
+            gone = memberships.remove(conn, tree, user.id, tree.by_id[node_id])
+            revoked += gone
             changes.append(f"left {kind} {tree.by_id[node_id].path}"
-                           + (f" ({revoked} key{'s' * (revoked != 1)} revoked)" if revoked else ""))
+                           + (f" ({len(gone)} key{'s' * (len(gone) != 1)} revoked)" if gone else ""))
     changes += _apply_admin(conn, name, user, admin)
     return changes
 

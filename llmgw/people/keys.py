@@ -107,7 +107,7 @@ def create_key(engine: Engine, name: str, project: str | None = store.DEFAULT_PA
             conn.execute(store.limits.insert().values(
                 scope="key", scope_id=key_id, band=own.get("band"), profile=own.get("profile"), updated_at=now,
                 models=json.dumps(list(own["models"])) if "models" in own else None))
-        store.bump_revision(conn, "keys")
+        store.bump_revision(conn, "keys", [("key", key_id)] + ([("limit", f"key:{key_id}")] if own else []))
     record = KeyRecord(id=key_id, name=values["name"], project_id=project_id, project=path, prefix=values["prefix"],
                        created_at=now, expires_at=values["expires_at"], revoked_at=None, user_id=user_id)
     return record, secret
@@ -224,7 +224,7 @@ def revoke_key(engine: Engine, which: str, user_id: str | None = None) -> KeyRec
         if record.revoked_at is None:
             now = time.time()
             conn.execute(k.update().where(k.c.id == record.id).values(revoked_at=now))
-            store.bump_revision(conn, "keys")
+            store.bump_revision(conn, "keys", [("key", record.id)])
             record = dataclasses.replace(record, revoked_at=now)
     return record
 
@@ -314,13 +314,8 @@ def key_set(engine: Engine) -> dict:
         threads = conversations.retention(conn)
         notes = memory.retention(conn)
     states = {r.id: r.state for r in people}
-    # Each key's fields written out rather than through its record and dataclasses.asdict, which deep-copies
-    # field by field: two thirds of the time at 100,000 keys (bench/keys.py).
     paths = {node.id: node.path for node in tree.of_kind("project")}
-    keys = [{"hash": row.hash, "id": row.id, "name": row.name, "project_id": row.project_id,
-             "project": paths.get(row.project_id, PERSONAL) if row.project_id else PERSONAL, "prefix": row.prefix,
-             "created_at": row.created_at, "expires_at": row.expires_at, "revoked_at": row.revoked_at,
-             "user_id": row.user_id} for row in rows]
+    keys = [_entry(row, paths) for row in rows]
 
     def row(lim: rules.Limits) -> list:
         return [lim.rpm, lim.tpm, lim.budget, lim.period, list(lim.models) if lim.models is not None else None,
@@ -341,6 +336,66 @@ def key_set(engine: Engine) -> dict:
             "admins": sorted(r.id for r in people if r.is_admin and r.state == "active"),
             "threads": [[project, hours] for project, hours in sorted(threads.items())],
             "memory": [[project, hours] for project, hours in sorted(notes.items())]}
+
+
+def _entry(row, paths: dict[str, str]) -> dict:
+    """A key as a `keys` message carries it, from its row (with its hash) and the projects' PATHS. Written out
+    rather than through its record and dataclasses.asdict, which deep-copies field by field: two thirds of the
+    time at 100,000 keys (bench/keys.py)."""
+    return {"hash": row.hash, "id": row.id, "name": row.name, "project_id": row.project_id,
+            "project": paths.get(row.project_id, PERSONAL) if row.project_id else PERSONAL, "prefix": row.prefix,
+            "created_at": row.created_at, "expires_at": row.expires_at, "revoked_at": row.revoked_at,
+            "user_id": row.user_id}
+
+
+# Identities read a statement: SQLite takes at most 999 variables in one.
+CHUNK = 500
+
+
+def changed_since(engine: Engine, since: int) -> dict | None:
+    """What changed in the key set after revision SINCE, as the store holds it now, read at one moment: the
+    revision, the keys that changed (as `key_set` gives them), each person who changed ((state, is_admin), or
+    None when removed) and each limit ((scope, id) -> rules.Limits, or None when cleared). None where what
+    changed is not named (a writer that named nothing, one of the version before, or rows pruned): the set
+    is to be read whole. A change costs what it names, not what the set holds (`store.key_log`)."""
+    from llmgw.people.limits import from_row
+    from llmgw.people.orgtree import Tree
+
+    k, u, lim, log = store.api_keys, store.users, store.limits, store.key_log
+    with store.one_moment(engine) as conn:
+        revision = store.read_revision(conn, "keys")
+        named = conn.execute(sa.select(log.c.revision, log.c.what, log.c.ident)
+                             .where(log.c.revision > since, log.c.revision <= revision)).all()
+        if len({row.revision for row in named}) != revision - since or any(row.what == "all" for row in named):
+            return None
+        wanted: dict[str, set[str]] = {"key": set(), "user_keys": set(), "user": set(), "limit": set(), "none": set()}
+        for row in named:
+            if row.what not in wanted or row.what == "limit" and ":" not in row.ident:
+                return None  # a writer of a later version, say: what it names is not known here
+            wanted[row.what].add(row.ident)
+        paths = {node.id: node.path for node in Tree.read(conn).of_kind("project")}
+        columns = (*(k.c[c] for c in _COLUMNS), k.c.hash)
+        keys = {}
+        for column, idents in ((k.c.id, wanted["key"]), (k.c.user_id, wanted["user_keys"])):
+            for chunk in _chunks(idents):
+                keys.update((row.id, _entry(row, paths)) for row in conn.execute(sa.select(*columns)
+                                                                                 .where(column.in_(chunk))))
+        people: dict[str, tuple | None] = dict.fromkeys(wanted["user"])
+        for chunk in _chunks(wanted["user"]):
+            people.update((row.id, (row.state, bool(row.is_admin)))
+                          for row in conn.execute(sa.select(u.c.id, u.c.state, u.c.is_admin).where(u.c.id.in_(chunk))))
+        pools: dict[tuple[str, str], rules.Limits | None] = {
+            tuple(ident.split(":", 1)): None for ident in wanted["limit"]}  # type: ignore[misc]
+        for chunk in _chunks(pools, CHUNK // 2):  # two variables each
+            for row in conn.execute(lim.select().where(sa.tuple_(lim.c.scope, lim.c.scope_id).in_(chunk))):
+                pools[row.scope, row.scope_id] = from_row(row)
+    return {"revision": revision, "keys": list(keys.values()), "people": people, "limits": pools}
+
+
+def _chunks(items, size: int = CHUNK) -> Iterator[list]:
+    items = list(items)
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 def usable(engine: Engine, secret: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -45,14 +46,37 @@ def set_price(engine: Engine, model: str, input_units: str, output_units: str, w
     return price
 
 
-def _from_row(row) -> Limits:
+def from_row(row) -> Limits:
     return Limits(row.rpm, row.tpm, row.budget_micros, row.period,
                   tuple(json.loads(row.models)) if row.models else None, row.band, row.disabled or None,
                   row.profile)
 
 
-def read_all(conn: Connection) -> dict[tuple[str, str], Limits]:
-    return {(r.scope, r.scope_id): _from_row(r) for r in conn.execute(store.limits.select())}
+# Scopes set one a person or a key: a million of them at most, which a page showing a few must not read.
+OWN_SCOPES = ("user", "key")
+# Scopes above people and keys: the cluster's and the tree's, as many as its places.
+ABOVE = ("cluster", "personal", *rules.TREE_SCOPES)
+
+
+def read_all(conn: Connection, own: Iterable[tuple[str, str]] | None = None) -> dict[tuple[str, str], Limits]:
+    """Every limit set; with OWN, of people's and keys' own limits only those named in it."""
+    query = store.limits.select()
+    if own is not None:
+        c = store.limits.c
+        named = sorted({pair for pair in own if pair[0] in OWN_SCOPES})
+        kept = c.scope.not_in(OWN_SCOPES)
+        query = query.where(sa.or_(kept, sa.tuple_(c.scope, c.scope_id).in_(named)) if named else kept)
+    return {(r.scope, r.scope_id): from_row(r) for r in conn.execute(query)}
+
+
+def first_below(conn: Connection, n: int) -> tuple[list[tuple[str, str]], int]:
+    """The first N limits set below the tree's places (each member's of a place, a person's, a key's) by scope and
+    id, on the table's key, and how many there are."""
+    c = store.limits.c
+    below = c.scope.not_in(ABOVE)
+    first = [(r.scope, r.scope_id) for r in conn.execute(
+        sa.select(c.scope, c.scope_id).where(below).order_by(c.scope, c.scope_id).limit(n))]
+    return first, conn.execute(sa.select(sa.func.count()).select_from(store.limits).where(below)).scalar_one()
 
 
 def validate(changes: dict) -> dict:
@@ -111,7 +135,7 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
     where = sa.and_(t.c.scope == scope, t.c.scope_id == scope_id)
     with store.writing(engine) as conn:
         row = conn.execute(t.select().where(where)).first()
-        before = _from_row(row) if row else Limits()
+        before = from_row(row) if row else Limits()
         after = dataclasses.replace(before, **changes)
         if after.budget is not None and after.period is None:
             after = dataclasses.replace(after, period="month")
@@ -131,7 +155,7 @@ def set_limits(engine: Engine, scope: str, scope_id: str, who: str, **changes) -
             conn.execute(t.update().where(where).values(**values))
         else:
             conn.execute(t.insert().values(scope=scope, scope_id=scope_id, **values))
-        store.bump_revision(conn, "keys")
+        store.bump_revision(conn, "keys", [("limit", f"{scope}:{scope_id}")])
     return after
 
 
@@ -148,9 +172,10 @@ def changes_log(conn: Connection, limit: int = 50) -> list:
 
 
 
-def read_rules(conn: Connection) -> Rules:
-    """The tree, the limits and the memberships as they are now, to resolve principals from."""
+def read_rules(conn: Connection, own: Iterable[tuple[str, str]] | None = None) -> Rules:
+    """The tree, the limits and the memberships as they are now, to resolve principals from; with OWN, of people's
+    and keys' own limits only those named in it (`read_all`)."""
     t, p = store.teams, store.projects
     parents = {r[0]: (r[1], r[2]) for r in conn.execute(
         sa.select(p.c.id, p.c.team_id, t.c.org_id).join(t, t.c.id == p.c.team_id))}
-    return Rules(read_all(conn), parents, {r[0]: r[1] for r in conn.execute(sa.select(t.c.id, t.c.org_id))})
+    return Rules(read_all(conn, own), parents, {r[0]: r[1] for r in conn.execute(sa.select(t.c.id, t.c.org_id))})

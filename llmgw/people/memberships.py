@@ -59,7 +59,7 @@ def join(engine: Engine, who: str, kind: str, which: str, role: str = MEMBER) ->
     with store.writing(engine) as conn:
         node = Tree.read(conn).find(kind, which)
         add(conn, user.id, node, role)
-        store.bump_revision(conn, "keys")
+        store.bump_revision(conn, "keys", [("none", "")])  # gateways hold no memberships
     return user, Membership(user.id, kind, node.id, role, node.path)
 
 
@@ -87,22 +87,22 @@ def leave(engine: Engine, who: str, kind: str, which: str) -> tuple[Membership, 
         if not conn.execute(sa.select(m.c.role).where(key)).first():
             raise TreeError(f"{user.email} is not a member of {node.path}")
         revoked = remove(conn, tree, user.id, node)
-        store.bump_revision(conn, "keys")
-    return Membership(user.id, kind, node.id, "", node.path), revoked
+        store.bump_revision(conn, "keys", [("key", key_id) for key_id in revoked] or [("none", "")])
+    return Membership(user.id, kind, node.id, "", node.path), len(revoked)
 
 
-def remove(conn: Connection, tree: Tree, user_id: str, node: Node) -> int:
+def remove(conn: Connection, tree: Tree, user_id: str, node: Node) -> list[str]:
     """End USER_ID's membership of NODE inside the caller's transaction (which bumps the keys' revision), and
-    revoke the keys they made in projects no other membership still reaches; how many were revoked."""
+    revoke the keys they made in projects no other membership still reaches; the ids of those revoked."""
     m, k = store.memberships, store.api_keys
     conn.execute(m.delete().where(sa.and_(m.c.user_id == user_id, m.c.scope == node.kind, m.c.scope_id == node.id)))
     still = reachable_projects(conn, tree, user_id)
     lost = [p.id for p in tree.projects_under(node.id) if p.id not in still]
     if not lost:
-        return 0
-    return conn.execute(k.update().where(sa.and_(
-        k.c.project_id.in_(lost), k.c.made_by == user_id, k.c.revoked_at.is_(None)))
-        .values(revoked_at=time.time())).rowcount
+        return []
+    mine = sa.and_(k.c.project_id.in_(lost), k.c.made_by == user_id, k.c.revoked_at.is_(None))
+    # One statement returning what it revoked, so the keys named to gateways (key_log) are exactly those.
+    return list(conn.execute(k.update().where(mine).values(revoked_at=time.time()).returning(k.c.id)).scalars())
 
 
 def managed_orgs(conn: Connection, user_id: str) -> list[str]:

@@ -115,6 +115,9 @@ def roll_up(engine: Engine, now: float | None = None, going_on=lambda: True) -> 
 # Seconds the roller waits for gateways' usage flushes still open; gateways' new flushes wait behind it meanwhile,
 # so one gateway stuck in a transaction must not hold the rest for longer.
 WRITERS_WAIT = 5.0
+# Seconds the roller's client may fall silent while it holds the writers' lock alone, before the server ends its
+# session: a controller paused there (SIGSTOP, a frozen virtual machine) would hold every gateway's flush.
+HELD_SILENT = 10.0
 
 
 class FlushesOpen(Exception):
@@ -133,7 +136,7 @@ def _last_committed(engine: Engine, conn: Connection, start: int, now: float) ->
     if conn.dialect.name != "postgresql":
         return conn.execute(query).scalar()
     with engine.begin() as apart:
-        store.bounded(apart, WRITERS_WAIT)
+        store.bounded(apart, WRITERS_WAIT, silent=HELD_SILENT)
         try:
             apart.execute(sa.select(sa.func.pg_advisory_xact_lock(store.USAGE_WRITES_LOCK)))
         except sa.exc.OperationalError as e:

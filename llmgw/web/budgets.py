@@ -64,7 +64,8 @@ def for_person(runtime, user_id: str, project_ids: list[str], tree) -> list[Budg
 def spent(runtime, level: rules.Level) -> int | None:
     """What the accountant says is spent of LEVEL's budget this period; None when it does not answer."""
     try:
-        answer = runtime.limiter.ask(runtime.router.snapshot.accountant, {"op": "status", "levels": [level.wire()]})
+        answer = runtime.limiter.ask(runtime.router.snapshot.accountant_of(level.home),
+                                     {"op": "status", "levels": [level.wire()]})
         limit, remaining = answer["status"]["budget"]
     except (Unavailable, KeyError, TypeError, ValueError):
         return None

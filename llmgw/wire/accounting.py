@@ -36,7 +36,7 @@ LEVELS = ListOf(Row((COUNTER, LIMIT, LIMIT, LIMIT, Str(8, rules.PERIODS))), 64)
 MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     # gateway -> accountant
     "admit": {"id": (ID, True), "levels": (LEVELS, True), "priced": ("bool", True), "tokens": (TOKENS, True),
-              "cost": (COST, True), "grant": (GRANT, False)},
+              "cost": (COST, True), "grant": (GRANT, False), "undo": ("bool", False)},
     "settle": {"r": (ID, True), "tokens": (TOKENS, True), "cost": (COST, True), "n": (GRANT, False)},
     "status": {"id": (ID, True), "levels": (LEVELS, True)},
     # accountant -> gateway

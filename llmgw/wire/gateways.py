@@ -1,6 +1,6 @@
 """The messages between the controller and gateways: routing snapshots and keys pushed out, demand sent back.
 
-The controller's PUB carries three topics. `snapshot` is the whole routing
+The controller's PUB carries four topics. `snapshot` is the whole routing
 view (models, aliases, ready replicas, where demand and the accountant are),
 sent on change and every couple of seconds. `leading` is where demand and
 the accountant are, alone: a controller that has just come to lead sends it
@@ -8,9 +8,10 @@ while it waits for its nodes, so gateways ask its accountant at once and keep
 routing with the replicas they have (a snapshot without replicas would empty
 their routing, and gateways of the first version, which do not subscribe to
 `leading`, never see it). `keys` is every API key with the
-limits, tree and prices it is resolved by, sent when the store's key revision
-changes and again every `KEYS_REPEAT` seconds, so revoking a key reaches every
-worker within a second and a missed message heals. Each carries the
+limits, tree and prices it is resolved by, sent after the store's key revision
+changes and again every `KEYS_REPEAT` seconds (less often for a large set), so
+a missed message heals; `key_changes` is what changed, sent at once, so revoking
+a key reaches every worker within a second. Each carries the
 publisher's `epoch` (one per controller start) so a gateway takes a restarted
 controller's first message whatever its counter; the channel is CURVE, so
 only the controller can start an epoch. Gateway workers PUSH `demand` and
@@ -68,6 +69,7 @@ LIMIT_VALUES = (LIMIT, LIMIT, LIMIT, Nullable(Str(8, rules.PERIODS)), Nullable(L
 # Every scope but `personal`, which a gateway of the version before does not know (it travels on its own).
 LIMITS = Row((Str(20, tuple(s for s in rules.SCOPES if s != "personal")), Str(500), *LIMIT_VALUES))
 MANY = 10_000_000
+PARTS = 64  # the accountant's parts at most
 SCOPE_ID = Row((Str(20, rules.SCOPES), Str(500)))
 HOURS = Num(0, 24 * 3653)
 
@@ -76,8 +78,12 @@ MESSAGES: dict[str, dict[str, tuple[object, bool]]] = {
     # controller -> gateways
     "snapshot": {"epoch": (Str(64), True), "version": (COUNT, True), "models": (ListOf(MODEL, MANY), True),
                  "replicas": (ListOf(REPLICA, MANY), True), "demand_port": (PORT, False),
-                 "accountant_port": (PORT, False), "unhealthy": (ListOf(NAME, MANY), False)},
-    "leading": {"epoch": (Str(64), True), "demand_port": (PORT, False), "accountant_port": (PORT, False)},
+                 "accountant_port": (PORT, False), "unhealthy": (ListOf(NAME, MANY), False),
+                 # The accountant's parts (llmgw/control/accountparts.py), when there are several: the first
+                 # is `accountant_port`, which a gateway of the version before asks alone.
+                 "accountant_ports": (ListOf(PORT, PARTS), False)},
+    "leading": {"epoch": (Str(64), True), "demand_port": (PORT, False), "accountant_port": (PORT, False),
+                "accountant_ports": (ListOf(PORT, PARTS), False)},
     "keys": {"epoch": (Str(64), True), "revision": (COUNT, True), "keys": (ListOf(KEY, MANY), True),
              "limits": (ListOf(LIMITS, MANY), True), "parents": ("object", True), "team_org": ("object", True),
              "prices": (ListOf(Row((NAME, COUNT, COUNT)), MANY), True), "suspended": (ListOf(NAME, MANY), True),

@@ -37,6 +37,15 @@ def limits_of(key_set: dict) -> dict[tuple[str, str], tuple]:
     return out
 
 
+def limit_value(scope: str, limits) -> tuple:
+    """A scope's limits (a rules.Limits) as a view holds them, as `limits_of` makes them from a `keys` message:
+    the personal scope alone carries `disabled`."""
+    models = list(limits.models) if limits.models is not None else None
+    disabled = (bool(limits.disabled) or None) if scope == "personal" else None
+    return (limits.rpm, limits.tpm, limits.budget, limits.period, models, limits.band, disabled,
+            limits.profile or None)
+
+
 def view(key_set: dict) -> dict:
     """A `keys` message (or people.keys.key_set's answer) as identities and values."""
     return {"keys": {entry["hash"]: entry for entry in key_set["keys"]},
@@ -79,3 +88,58 @@ def difference(old: dict, new: dict) -> dict:
         if gone := sorted(old[part] - new[part]):
             out[f"{part}_gone"] = gone
     return out
+
+
+def advance(seen: dict, changed: dict) -> dict:
+    """Take view SEEN to the store's state after CHANGED (people.keys.changed_since's answer), in place, and
+    return the `key_changes` fields that do the same for a gateway: what `difference` would give against the
+    whole set read again, found from what changed alone."""
+    out: dict = {}
+    keys = seen["keys"]
+    for entry in changed["keys"]:
+        if keys.get(entry["hash"]) != entry:
+            keys[entry["hash"]] = entry
+            out.setdefault("keys", []).append(entry)
+    held = seen["limits"]
+    for identity, limits in changed["limits"].items():
+        if limits is None:
+            if held.pop(identity, None) is not None:
+                out.setdefault("limits_gone", []).append(list(identity))
+            continue
+        value = limit_value(identity[0], limits)
+        if held.get(identity) != value:
+            held[identity] = value
+            out.setdefault("limits", []).append(_entry("limits", identity, value))
+    for person, found in changed["people"].items():
+        state, admin = found if found is not None else (None, False)
+        inside = {"suspended": found is not None and state != "active", "active": state == "active",
+                  "admins": admin and state == "active"}
+        for part, now in inside.items():
+            if now and person not in seen[part]:
+                seen[part] = seen[part] | {person}
+                out.setdefault(part, []).append(person)
+            elif not now and person in seen[part]:
+                seen[part] = seen[part] - {person}
+                out.setdefault(f"{part}_gone", []).append(person)
+    return out
+
+
+def message_of(seen: dict, revision: int) -> dict:
+    """A `keys` message's fields (people.keys.key_set's shape) from view SEEN at REVISION: the whole set, made
+    from what the controller holds rather than read again."""
+    limits, profiles, personal = [], [], None
+    for (scope, sid), (rpm, tpm, budget, period, models, band, disabled, profile) in seen["limits"].items():
+        if scope == "personal":
+            personal = [rpm, tpm, budget, period, models, band, bool(disabled)]
+        else:
+            limits.append([scope, sid, rpm, tpm, budget, period, models, band])
+        if profile:
+            profiles.append([scope, sid, profile])
+    return {"revision": revision, "keys": list(seen["keys"].values()),
+            **({"personal": personal} if personal is not None else {}), "profiles": profiles, "limits": limits,
+            "parents": {project: list(up) for project, up in seen["parents"].items()},
+            "team_org": dict(seen["team_org"]),
+            "prices": [[model, i, o] for model, (i, o) in seen["prices"].items()],
+            **{name: sorted(seen[name]) for name in SETS},
+            "threads": sorted([project, hours] for project, hours in seen["threads"].items()),
+            "memory": sorted([project, hours] for project, hours in seen["memory"].items())}
