@@ -352,14 +352,22 @@ def test_what_is_published_between_subscribing_and_following_is_taken():
     pub.bind(f"tcp://127.0.0.1:{port}")
     sock = subscribe([f"127.0.0.1:{port}"], None, context)
     heard: list = []
+    probes = [0]
     try:
         def joined() -> bool:  # a SUB hears only what is sent after it joined
-            pub.send_multipart([gateways.LEADING, b"{}"])
+            probes[0] += 1
+            pub.send_multipart([gateways.LEADING, b"%d" % probes[0]])
             return bool(sock.poll(50))
 
         wait_for("the subscription to reach the publisher", 30, joined)
-        # The worker is reading its keys: nothing takes messages from the socket yet.
+        # Messages arrive in order: once the last probe is read, none is still on its way.
+        while sock.recv_multipart()[1] != b"%d" % probes[0]:
+            pass
+        # The worker is reading its keys: nothing takes messages from the socket yet. The change is in the
+        # socket before following begins (sent is not yet arrived: once on CI, a loaded machine's follower
+        # found the socket empty, said it had caught up, and only then got the change).
         pub.send_multipart([gateways.KEY_CHANGES, gateways.encode("key_changes", epoch="e", base=4, revision=5)])
+        wait_for("the change to arrive", 30, lambda: sock.poll(50))
         threading.Thread(target=follow, daemon=True, args=([], None, None, None, lambda m, host: None),
                          kwargs={"on_key_changes": lambda m: heard.append(m["revision"]), "subscribed": sock,
                                  "caught_up": lambda: heard.append("caught up")}).start()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 
 from llmgw.apiclient import address_url
@@ -135,8 +136,9 @@ def charts(base: str, window: str, node: str | None = None) -> dict:
     base = address_url(base, "monitoring.prometheus")
     span = WINDOWS[window]
     step = span // POINTS
-    # Up to now, not to the last whole step: a cluster started a minute ago has a chart already.
-    end = int(time.time())
+    # Up to now, not to the last whole step: a cluster started a minute ago has a chart already. Rounded up:
+    # rounded down, the last point could fall before the scrape that Prometheus took in the same second.
+    end = math.ceil(time.time())
     start = end - span
     matcher = "{node=" + json.dumps(node) + "}" if node is not None else ""  # a JSON string is a PromQL one
     for chart in NODE if node is not None else CLUSTER:
