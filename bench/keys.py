@@ -22,6 +22,13 @@ In real processes, a controller and a gateway of two workers following it (CURVE
 - the gateway's resident memory (master and workers) and the controller's, and its CPU over that while;
 - the administration pages (`/admin/people`, `/admin/quotas`, `/account`) and `llmgw keys list` as an
   administrator sees them: seconds and size (a page given up after 300 s says so).
+
+And a plain request with a key limited at four levels against one with a key nothing limits, through a gateway
+of one worker holding the N keys (bench/rig.py: the gateway alone on CPU 0, a simulated engine and the load on
+CPU 1, no controller, so the master's accountant admits): the gateway's CPU a request, one at a time and at 32
+clients, and the p50 latency one at a time, the median of rounds that take the two keys in turn; the aim, a
+limited request at most 1.15 times an unlimited one, is judged where the machine was calm at the start of it
+(it first waits up to 3 minutes for that).
 With `--baseline CHECKOUT`, the same processes started from CHECKOUT's controller.py and gateway.py (the
 commit before a change, say), one after the other in this run, reported side by side with a ratio.
 
@@ -55,7 +62,9 @@ sys.path.insert(0, ROOT)
 
 from bench import curves  # noqa: E402
 from bench.chart import log_lines  # noqa: E402
+from bench.gateway import Subject, wait_calm  # noqa: E402
 from bench.procstat import children, cpu_seconds, rss_kib  # noqa: E402
+from bench.rig import Rig  # noqa: E402
 from llmgw import store  # noqa: E402
 from llmgw.gateway.keytable import KeyTable  # noqa: E402
 from llmgw.people import accounts, keys  # noqa: E402
@@ -65,6 +74,8 @@ from tests.conftest import Gateway  # noqa: E402
 
 SIZES = (10_000, 100_000, 1_000_000)
 QUICK_SIZES = (1_000, 10_000)
+LIMITED_LOADS = {"one": dict(concurrency=1), "32": dict(concurrency=32)}
+LIMITED_AIM = 1.15  # a limited request's CPU and latency, at most this times an unlimited one's
 
 
 def fill(path: str, n: int, root: str = ROOT) -> str:
@@ -254,13 +265,44 @@ def processes(tmp: Path, url: str, root: str, seconds: float, label: str) -> dic
         engine.dispose()
 
 
-def measure(size: int, seconds: float, baseline: str | None) -> dict:
+def limited_against_unlimited(tmp: str, url: str, seconds: float, rounds: int, calm_s: float) -> dict:
+    """A key limited at four levels against a key nothing limits, added to the store at URL, through a gateway
+    of one worker (bench/rig.py): the gateway's CPU a request and the p50 latency, each the median of ROUNDS
+    rounds taking the two keys in turn, SECONDS a load. Waits up to CALM_S for a calm machine first."""
+    wait_calm(curves.NOISY_LOAD, calm_s)
+    out: dict = {"load_before": os.getloadavg()[0]}
+    rig = Rig(tmp, name="limits", store_url=url, start_limit=900)
+    try:
+        subjects = {"unlimited": Subject("unlimited", rig.url, rig.key, rig.gateway_cpu),
+                    "limited": Subject("limited", rig.url, rig.limited_key, rig.gateway_cpu)}
+        for subject in subjects.values():  # connections opened, the limited key's levels worked out
+            subject.run(0, requests=200)
+        runs: dict = {(name, load): [] for name in subjects for load in LIMITED_LOADS}
+        for _ in range(rounds):
+            for load, options in LIMITED_LOADS.items():
+                for name, subject in subjects.items():
+                    runs[name, load].append(subject.run(seconds, **options))
+    finally:
+        rig.stop()
+    out["load_after"] = os.getloadavg()[0]
+    out["noisy"] = out["load_before"] > curves.NOISY_LOAD
+    out["failed"] = sum(r["failed"] for results in runs.values() for r in results)
+    for (name, load), results in runs.items():
+        out[f"{name}_{load}_cpu_ms"] = statistics.median(r["cpu_ms"] for r in results)
+        out[f"{name}_{load}_p50_ms"] = statistics.median(r["p50_ms"] for r in results)
+    return out
+
+
+def measure(size: int, seconds: float, baseline: str | None, quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"llmgw-keys-{size}-") as tmp:
         def figures() -> dict:
             url, fill_s = timed(fill, os.path.join(tmp, "keys.db"), size)
             print(f"{size:,} keys: store filled in {fill_s:.1f} s", file=sys.stderr)
             out = {"fill_s": fill_s, "in_process": in_process(url)}
             print(f"{size:,} keys: in process {json.dumps(out['in_process'])}", file=sys.stderr)
+            out["limited"] = limited_against_unlimited(tmp, url, min(seconds, 6.0), 1 if quick else 3,
+                                                       0 if quick else 180)
+            print(f"{size:,} keys: limited and unlimited {json.dumps(out['limited'])}", file=sys.stderr)
             out["this"] = processes(Path(tmp), url, ROOT, seconds, "this")
             print(f"{size:,} keys: this checkout {json.dumps(out['this'])}", file=sys.stderr)
             if baseline:
@@ -294,6 +336,17 @@ def report(results: list[dict], baseline: str | None) -> str:
              row("worker stops for a change (ms)", (f"{p['change_stop_s'] * 1000:,.1f}" for p in ip)),
              row("worker stops for a repeat it holds (ms)", (f"{p['repeat_stop_s'] * 1000:.3f}" for p in ip)),
              row("a worker's key table (MiB)", (f"{p['table_bytes'] / 2**20:,.0f}" for p in ip))]
+    lim = [r["limited"] for r in results]
+    lines += [row(f"a limited request / an unlimited one: gateway CPU, {what} (ms)",
+                  (f"{ratio(x[f'limited_{load}_cpu_ms'], x[f'unlimited_{load}_cpu_ms'])} "
+                   f"({x[f'limited_{load}_cpu_ms']:.3f} / {x[f'unlimited_{load}_cpu_ms']:.3f})" for x in lim))
+              for load, what in (("one", "one at a time"), ("32", "32 clients"))]
+    lines += [row("a limited request / an unlimited one: p50 latency, one at a time (ms)",
+                  (f"{ratio(x['limited_one_p50_ms'], x['unlimited_one_p50_ms'])} "
+                   f"({x['limited_one_p50_ms']:.2f} / {x['unlimited_one_p50_ms']:.2f})" for x in lim)),
+              row(f"aim: a limited request at most x{LIMITED_AIM:g} an unlimited one", (limited_verdict(x) for x in lim)),
+              row("load average, start / end of the limited measure",
+                  (f"{x['load_before']:.1f} / {x['load_after']:.1f}" for x in lim))]
     for label, key in (("this checkout", "this"), ("baseline", "baseline")):
         if key not in results[0]:
             continue
@@ -318,6 +371,16 @@ def report(results: list[dict], baseline: str | None) -> str:
             ratio(r["this"]["revoked_key_s"], r["baseline"]["revoked_key_s"]) for r in results)))
     lines.append(curves.load_row(results))
     return "".join(lines)
+
+
+def limited_verdict(figures: dict) -> str:
+    """Whether every ratio of the limited measure is within the aim, unless requests failed or it was noisy."""
+    if figures["failed"]:
+        return f"{figures['failed']} requests failed: not judged"
+    if figures["noisy"]:
+        return "noisy: not judged"
+    ratios = [figures[f"limited_{f}"] / figures[f"unlimited_{f}"] for f in ("one_cpu_ms", "32_cpu_ms", "one_p50_ms")]
+    return "met" if max(ratios) <= LIMITED_AIM else f"NOT met (x{max(ratios):.2f})"
 
 
 def _page(figure: dict) -> str:
@@ -345,7 +408,7 @@ def main() -> int:
         parser.error(f"--baseline: {args.baseline} holds no gateway.py")
     sizes = curves.sizes_of(args, SIZES, QUICK_SIZES)
     seconds = args.seconds or (4.0 if args.quick else 20.0)
-    results = [measure(size, seconds, args.baseline) for size in sizes]
+    results = [measure(size, seconds, args.baseline, args.quick) for size in sizes]
     curves.finish(args, sizes, seconds, results, report(results, args.baseline), chart)
     return 0
 

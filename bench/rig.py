@@ -108,22 +108,27 @@ def load(url: str, key: str = "", background=False, **options) -> dict | subproc
 class Rig(Procs):
     def __init__(self, tmp: str, tokens_per_s: float = 0.0, ttft_ms: float = 0.0, name: str = "sim",
                  gateway_settings: dict | None = None, sim_args: tuple = (), warm_model: bool = False,
-                 gateway_command: tuple = (), engines: dict[str, str] | None = None):
+                 gateway_command: tuple = (), engines: dict[str, str] | None = None, store_url: str = "",
+                 start_limit: float = 60):
         """GATEWAY_SETTINGS: dotted settings for the gateway's configuration file, beside the rig's own;
         SIM_ARGS: more flags for the engine. ENGINES: model name to the URL of an engine already running, in
         place of the simulated one (the first is `engine_url`). WARM_MODEL: a second engine, answering at once, as model
         `warm`, for warming the gateway when the first engine must not see those requests.
-        GATEWAY_COMMAND: what runs the gateway, given its options (`python gateway.py`)."""
+        GATEWAY_COMMAND: what runs the gateway, given its options (`python gateway.py`). STORE_URL: a store
+        already made (bench/keys.py's, full of keys) to add the two keys to, in place of a new one; START_LIMIT:
+        the seconds the gateway may take to answer."""
         super().__init__(tmp)
         try:
             self._start(name, tokens_per_s, ttft_ms, gateway_settings or {}, list(sim_args), warm_model,
-                        list(gateway_command) or [sys.executable, os.path.join(ROOT, "gateway.py")], engines)
+                        list(gateway_command) or [sys.executable, os.path.join(ROOT, "gateway.py")], engines,
+                        store_url or f"sqlite:///{tmp}/{name}.db", start_limit)
         except BaseException:
             self.stop()  # nothing it started may outlive a rig that failed to start
             raise
 
     def _start(self, name: str, tokens_per_s: float, ttft_ms: float, gateway_settings: dict, sim_args: list,
-               warm_model: bool, gateway_command: list, engines: dict[str, str] | None) -> None:
+               warm_model: bool, gateway_command: list, engines: dict[str, str] | None, url: str,
+               start_limit: float) -> None:
         tmp = self.tmp
         engines = engines or {"sim": self.sim(name, "sim", ["--ttft-ms", str(ttft_ms), "--tokens-per-s",
                                                             str(tokens_per_s), *sim_args])}
@@ -131,7 +136,6 @@ class Rig(Procs):
         endpoints = [arg for model, url in engines.items() for arg in ("--endpoint", f"{model}={url}={model}")]
         if warm_model:
             endpoints += ["--endpoint", f"warm={self.sim(name, 'warm', ['--ttft-ms', '0', '--tokens-per-s', '0'])}=warm"]
-        url = f"sqlite:///{tmp}/{name}.db"
         engine = store.open_store(url)
         self.key = keys.create_key(engine, "bench")[1]
         engine.dispose()
@@ -147,7 +151,7 @@ class Rig(Procs):
                                   f"{name}-gateway.log")
         self.url = f"http://127.0.0.1:{self.port}"
         try:
-            wait_for("the gateway", 60, lambda: http_status(self.url + "/ready") == 200,
+            wait_for("the gateway", start_limit, lambda: http_status(self.url + "/ready") == 200,
                      alive=lambda: self.gateway.poll() is None)
         except (RuntimeError, TimeoutError) as e:
             with open(os.path.join(tmp, f"{name}-gateway.log"), errors="replace") as f:

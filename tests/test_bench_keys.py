@@ -22,4 +22,7 @@ def test_the_keys_benchmark_runs_quick(tmp_path):
     assert result["in_process"]["change_bytes"] < 1000 and result["in_process"]["bytes"] > 2000 * 250
     assert result["this"]["requests"] > 0 and result["baseline"]["requests"] > 0
     assert result["this"]["pages"]["keys list"]["rc"] == 0 and result["this"]["pages"]["/admin/people"]["s"]
+    # A limited key's requests and an unlimited one's through a gateway holding the keys, all answered.
+    assert result["limited"]["failed"] == 0 and result["limited"]["limited_32_cpu_ms"] > 0
+    assert "a limited request / an unlimited one" in run.stdout
     assert svg.read_text().startswith("<svg") and "a change applied" in svg.read_text()
