@@ -54,6 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import rivals  # noqa: E402
+from bench.curves import NOISY_LOAD  # noqa: E402
 from bench.procstat import settled_rss_kib  # noqa: E402
 from bench.rig import Rig, load  # noqa: E402
 from llmgw import settings  # noqa: E402
@@ -285,10 +286,15 @@ def ratio(a, b) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
-def verdict(what: str, value: float | None, bound: float, extra: str = "") -> dict:
-    """A ratio aim: met when VALUE is at most BOUND; when not, by how much the measured figure must fall."""
+def verdict(what: str, value: float | None, bound: float, extra: str = "", busy: float | None = None) -> dict:
+    """A ratio aim: met when VALUE is at most BOUND; when not, by how much the measured figure must fall. BUSY:
+    the load average the run began at, where it was too high to judge (the ratio is shown, not judged)."""
     if value is None:
         return {"aim": what, "bound": bound, "ratio": None, "met": None, "says": f"{what}: not measured"}
+    if busy is not None:
+        return {"aim": what, "bound": bound, "ratio": value, "met": None, "says": (
+            f"{what}: x{value:.2f} (aim x{bound:g}): not judged, the run began at a load average of {busy:.1f} "
+            f"(above {NOISY_LOAD:g})" + extra)}
     met = value <= bound
     says = f"{what}: x{value:.2f} (aim x{bound:g}): " + (
         "met" if met else f"NOT met, {(1 - bound / value) * 100:.0f}% less needed")
@@ -298,23 +304,25 @@ def verdict(what: str, value: float | None, bound: float, extra: str = "") -> di
 def aims(r: dict) -> list[dict]:
     f = r["figures"]
     gw, lim, router = f[GATEWAY], f[LIMITED], f.get(ROUTER)
+    began = r["load_average"][0]
+    busy = began if began > NOISY_LOAD else None
     out = []
     for name in LOADS:
         theirs = router[name]["cpu_ms"] if router else None
         out.append(verdict(f"CPU per request, {LOADS[name][0]}, 4 levels / vllm-router",
                            ratio(lim[name]["cpu_ms"], theirs), 2,
-                           f" ({lim[name]['cpu_ms']} ms against {theirs} ms)" if theirs else ""))
+                           f" ({lim[name]['cpu_ms']} ms against {theirs} ms)" if theirs else "", busy))
     out.append(verdict("CPU per request, plain, one at a time, 4 levels / no limits",
-                       ratio(lim["plain"]["cpu_ms"], gw["plain"]["cpu_ms"]), 1.15))
+                       ratio(lim["plain"]["cpu_ms"], gw["plain"]["cpu_ms"]), 1.15, busy=busy))
     out.append(verdict("added p50 latency, plain, one at a time, 4 levels / no limits",
-                       ratio(lim["plain"]["added_p50_ms"], gw["plain"]["added_p50_ms"]), 1.15))
+                       ratio(lim["plain"]["added_p50_ms"], gw["plain"]["added_p50_ms"]), 1.15, busy=busy))
     out.append(verdict("CPU per request, plain, 32 clients, 4 levels / no limits",
-                       ratio(lim["plain32"]["cpu_ms"], gw["plain32"]["cpu_ms"]), 1.15))
+                       ratio(lim["plain32"]["cpu_ms"], gw["plain32"]["cpu_ms"]), 1.15, busy=busy))
     for key, name in ((LIMITED, "4 levels"), (GATEWAY, "no limits")):
         theirs = router["plain32"]["p99_ms"] if router else None
         mine = f[key]["plain32"]["p99_ms"]
         out.append(verdict(f"p99 latency, 32 clients, {name} / vllm-router", ratio(mine, theirs), 2,
-                           f" ({mine} ms against {theirs} ms)" if theirs else ""))
+                           f" ({mine} ms against {theirs} ms)" if theirs else "", busy))
     held = r.get("held")
     if held:
         met = held["streams"] >= HELD_AIM and held["failed"] == 0 and held["kib_per_stream"] <= HELD_KIB_AIM
