@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT
 
 
 def test_the_reconcile_bench_runs_quick(tmp_path):
