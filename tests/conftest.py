@@ -610,12 +610,13 @@ def post(url: str, body, key: str | None = None, headers=None, timeout=30):
             return e.code, dict(e.headers), e.read()
 
 
-def open_stream(port: int, key: str, body: dict, timeout: float = 30) -> socket.socket:
-    """A raw keep-alive connection to the gateway on PORT that has asked for BODY as a streamed chat
-    completion: for tests that hang up, pipeline or stop the gateway mid-stream."""
+def open_stream(port: int, key: str, body: dict, timeout: float = 30, path: str = "/v1/chat/completions") -> socket.socket:
+    """A raw keep-alive connection to the gateway on PORT that has asked for BODY as a stream (a chat
+    completion unless PATH names another API): for tests that hang up, pipeline or stop the gateway
+    mid-stream."""
     payload = json.dumps({**body, "stream": True}).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode() +
                  b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
     return sock
 

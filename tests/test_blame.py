@@ -264,6 +264,44 @@ def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway
         engine.close()
 
 
+class StuckAfterItsError(SocketStub):
+    """An engine that reports a failure mid-stream, then holds the connection until the gateway hangs up
+    (10 s at most) before its `[DONE]`, as an engine stuck after its error does."""
+
+    def answer(self, conn):
+        try:
+            if self.read_head(conn) is None:
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for event in (LingeringEngine.EVENT, b'data: {"error": {"message": "out of memory", "code": 500}}\n\n'):
+                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+            conn.settimeout(10)
+            conn.recv(1)  # b"" when the gateway hangs up
+            conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def test_a_client_that_hangs_up_on_an_engines_error_event_is_accounted_a_502(tmp_path, make_gateway):
+    # The gateway ends the client's stream with the engine's failure and reads no more of the engine: had it
+    # read on, the client leaving on the error would be counted as leaving (499), not as the engine failing.
+    engine = StuckAfterItsError()
+    url = f"sqlite:///{tmp_path}/failed.db"
+    key = make_key(url)
+    try:
+        gw = make_gateway(store_url=url, endpoints=[ep("s", engine.url)], workers=1)
+        sock = open_stream(gw.port, key, CHAT, path="/v1/messages")
+        received = read_until(sock, lambda received: b"event: error" in received)
+        sock.close()
+        assert b"engine failed while answering" in received
+        wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
+        assert rows(url)[0].status == 502
+    finally:
+        engine.close()
+
+
 def test_an_engine_killed_mid_stream_ends_it_with_an_error_and_done(tmp_path, make_gateway, make_sim):
     dying = make_sim(replica="dying", ttft_ms=1, tokens_per_s=50, die_after=1)
     url = f"sqlite:///{tmp_path}/dying.db"

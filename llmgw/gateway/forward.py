@@ -193,6 +193,10 @@ class Forwarder:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     yield out
+                if translator is not None and translator.failure is not None:
+                    # The engine reported a failure mid-stream and the client's answer has ended with it. Read no
+                    # more: a client that hangs up on the error would otherwise be counted as leaving (499).
+                    break
             tail = relay.rest()
             keeper.gather(tail)
             if held is not None:
@@ -228,20 +232,26 @@ class Forwarder:
         finally:
             if watcher is not None:
                 watcher.stop()
-            if resp.done and status == 200:
-                resp.release()
-            else:
-                resp.abort()
-            replica.outstanding -= 1
-            tokens = None
-            try:
-                # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
-                counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
-                                                                           {replica.spec.id})
-                tokens = (metering.trusted(req, relay.usage, relay.reports)
-                          or self.billing.billed(req, model, counter, relay.usage, relay.deltas))
-            finally:
-                ex.finish(status, tokens, ttft)
+            self._relayed(ex, resp, replica, relay, status, ttft)
+
+    def _relayed(self, ex: Exchange, resp: Response, replica, relay: EventRelay, status: int, ttft) -> None:
+        """The end of a relayed stream: the engine's connection kept or cut, REPLICA's count lowered, and the
+        request accounted for with STATUS and what RELAY read of its tokens."""
+        req, model = ex.req, ex.model
+        if resp.done and status == 200:
+            resp.release()
+        else:
+            resp.abort()
+        replica.outstanding -= 1
+        tokens = None
+        try:
+            # A replica that failed the stream may not answer its tokenizer either: another counts the prompt.
+            counter = replica if status < 500 else self.rt.router.pick(model.name, time.monotonic(), None,
+                                                                       {replica.spec.id})
+            tokens = (metering.trusted(req, relay.usage, relay.reports)
+                      or self.billing.billed(req, model, counter, relay.usage, relay.deltas))
+        finally:
+            ex.finish(status, tokens, ttft)
 
     def _until_ready(self, model: ModelSpec):
         """Yield, every LOAD_POLL seconds, while MODEL has no replica in rotation; at most `gateway.load_wait`.
