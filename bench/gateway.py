@@ -209,10 +209,29 @@ def wait_calm(most: float, limit: float) -> None:
         time.sleep(30)
 
 
+def shared_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options of both gateway benches (this one and bench/onecore.py), whose results go to NAME.json."""
+    parser.add_argument("--rounds", type=int, help="rounds of every load on every subject [3; --quick 1]")
+    parser.add_argument("--baseline", metavar="CHECKOUT",
+                        help="also measure the gateway of another checkout of llmgw (its gateway.py, run with this "
+                             "one's Python): a change's before and after from one run")
+    parser.add_argument("--calm", type=float, help="first wait (up to 30 min) for the load average to fall to this")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", f"{name}.json"))
+
+
+def baseline_gateway(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The gateway.py of the checkout `--baseline` names, if it names one; an error where it has none."""
+    if not args.baseline:
+        return None
+    path = os.path.join(os.path.abspath(args.baseline), "gateway.py")
+    if not os.path.isfile(path):
+        parser.error(f"--baseline: {path} does not exist")
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one short round and 300 held streams: a smoke run")
-    parser.add_argument("--rounds", type=int, help="rounds of every load on every subject [3; --quick 1]")
     parser.add_argument("--seconds", type=float, help="seconds of each load on each subject [6; --quick 1.5]")
     parser.add_argument("--held-streams", type=int, help=f"streams held at once [{HELD_AIM:,}, or as many as "
                         "the open-file limit allows; --quick 300]; 0 skips it")
@@ -220,11 +239,7 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], metavar="SETTING=VALUE",
                         help="also measure a second gateway with this setting (repeatable: all apply to it), "
                              "e.g. usage.flush_interval=3600; VALUE is read as JSON, else as a string")
-    parser.add_argument("--baseline", metavar="CHECKOUT",
-                        help="also measure the gateway of another checkout of llmgw (its gateway.py, run with this "
-                             "one's Python): a change's before and after from one run")
-    parser.add_argument("--calm", type=float, help="first wait (up to 30 min) for the load average to fall to this")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gateway.json"))
+    shared_arguments(parser, "gateway")
     args = parser.parse_args()
     names = [n.strip() for n in (args.rivals if args.rivals is not None else
                                  "vllm-router" if args.quick else "vllm-router,litellm").split(",") if n.strip()]
@@ -236,9 +251,7 @@ def main() -> int:
         settings.load(None, variant)  # what the variant's gateway would refuse, refused before anything starts
     except (ValueError, settings.ConfigError) as e:
         parser.error(f"--variant: {str(e)[:300]}")
-    baseline = os.path.join(os.path.abspath(args.baseline), "gateway.py") if args.baseline else None
-    if baseline and not os.path.isfile(baseline):
-        parser.error(f"--baseline: {baseline} does not exist")
+    baseline = baseline_gateway(parser, args)
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (1.5 if args.quick else 6.0)
     fd_limit = raise_fd_limit()

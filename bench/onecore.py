@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 
 from bench import rivals  # noqa: E402
 from bench.curves import NOISY_LOAD  # noqa: E402
-from bench.gateway import wait_calm  # noqa: E402
+from bench.gateway import baseline_gateway, shared_arguments, wait_calm  # noqa: E402
 from bench.rig import LOAD_CPU, SUBJECT_CPU, Procs, Rig  # noqa: E402
 from llmgw.procs import free_port, http_status, wait_for  # noqa: E402
 
@@ -301,20 +301,13 @@ def report(r: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round of 2 s: a smoke run")
-    parser.add_argument("--rounds", type=int, help="rounds of every load on every subject [3; --quick 1]")
     parser.add_argument("--seconds", type=float, help="seconds of each load on each subject [8; --quick 2]")
-    parser.add_argument("--baseline", metavar="CHECKOUT",
-                        help="also measure the gateway of another checkout (its gateway.py, run with this one's "
-                             "Python): a change's before and after from one run")
-    parser.add_argument("--calm", type=float, help="first wait (up to 30 min) for the load average to fall to this")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "onecore.json"))
+    shared_arguments(parser, "onecore")
     args = parser.parse_args()
     missing = [path for path in (NGINX, WRK) if not shutil.which(path)]
     if missing:
         parser.error(f"{' and '.join(missing)} missing: sudo apt-get install nginx wrk")
-    baseline = os.path.join(os.path.abspath(args.baseline), "gateway.py") if args.baseline else None
-    if baseline and not os.path.isfile(baseline):
-        parser.error(f"--baseline: {baseline} does not exist")
+    baseline = baseline_gateway(parser, args)
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     if args.calm is not None:
