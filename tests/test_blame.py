@@ -230,6 +230,11 @@ class LingeringEngine(SocketStub):
     before ending the body, as an engine busy tidying up does."""
 
     EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    EVENTS = (EVENT, b"data: [DONE]\n\n")
+    END = b"0\r\n\r\n"  # the body's end, after the hold
+
+    def hold(self, conn) -> None:
+        time.sleep(3)
 
     def answer(self, conn):
         try:
@@ -239,67 +244,53 @@ class LingeringEngine(SocketStub):
                 conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
                 return
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for event in (self.EVENT, b"data: [DONE]\n\n"):
+            for event in self.EVENTS:
                 conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-            time.sleep(3)
-            conn.sendall(b"0\r\n\r\n")
+            self.hold(conn)
+            conn.sendall(self.END)
         except OSError:
             pass
         finally:
             conn.close()
 
 
-def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway):
-    engine = LingeringEngine()
-    url = f"sqlite:///{tmp_path}/done.db"
+class StuckAfterItsError(LingeringEngine):
+    """An engine that reports a failure mid-stream, then holds the connection until the gateway hangs up
+    (10 s at most) before its `[DONE]`, as an engine stuck after its error does."""
+
+    EVENTS = (LingeringEngine.EVENT, b'data: {"error": {"message": "out of memory", "code": 500}}\n\n')
+    END = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+
+    def hold(self, conn) -> None:
+        conn.settimeout(10)
+        conn.recv(1)  # b"" when the gateway hangs up
+
+
+def hung_up(tmp_path, make_gateway, engine: SocketStub, until: bytes, path: str = "/v1/chat/completions"):
+    """(what the client read, its usage row's status) for a stream from ENGINE whose client hangs up as soon
+    as it has read UNTIL."""
+    url = f"sqlite:///{tmp_path}/hung-up.db"
     key = make_key(url)
     try:
         gw = make_gateway(store_url=url, endpoints=[ep("s", engine.url)], workers=1)
-        sock = open_stream(gw.port, key, CHAT)
-        read_until(sock, lambda received: b"[DONE]" in received)
+        sock = open_stream(gw.port, key, CHAT, path=path)
+        received = read_until(sock, lambda received: until in received)
         sock.close()
         wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
-        assert rows(url)[0].status == 200
+        return received, rows(url)[0].status
     finally:
         engine.close()
 
 
-class StuckAfterItsError(SocketStub):
-    """An engine that reports a failure mid-stream, then holds the connection until the gateway hangs up
-    (10 s at most) before its `[DONE]`, as an engine stuck after its error does."""
-
-    def answer(self, conn):
-        try:
-            if self.read_head(conn) is None:
-                return
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for event in (LingeringEngine.EVENT, b'data: {"error": {"message": "out of memory", "code": 500}}\n\n'):
-                conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-            conn.settimeout(10)
-            conn.recv(1)  # b"" when the gateway hangs up
-            conn.sendall(b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n")
-        except OSError:
-            pass
-        finally:
-            conn.close()
+def test_a_client_that_leaves_right_after_done_was_served(tmp_path, make_gateway):
+    assert hung_up(tmp_path, make_gateway, LingeringEngine(), b"[DONE]")[1] == 200
 
 
 def test_a_client_that_hangs_up_on_an_engines_error_event_is_accounted_a_502(tmp_path, make_gateway):
     # The gateway ends the client's stream with the engine's failure and reads no more of the engine: had it
     # read on, the client leaving on the error would be counted as leaving (499), not as the engine failing.
-    engine = StuckAfterItsError()
-    url = f"sqlite:///{tmp_path}/failed.db"
-    key = make_key(url)
-    try:
-        gw = make_gateway(store_url=url, endpoints=[ep("s", engine.url)], workers=1)
-        sock = open_stream(gw.port, key, CHAT, path="/v1/messages")
-        received = read_until(sock, lambda received: b"event: error" in received)
-        sock.close()
-        assert b"engine failed while answering" in received
-        wait_until("the usage row", 30, lambda: len(rows(url)) == 1)
-        assert rows(url)[0].status == 502
-    finally:
-        engine.close()
+    received, status = hung_up(tmp_path, make_gateway, StuckAfterItsError(), b"event: error", "/v1/messages")
+    assert b"engine failed while answering" in received and status == 502
 
 
 def test_an_engine_killed_mid_stream_ends_it_with_an_error_and_done(tmp_path, make_gateway, make_sim):
